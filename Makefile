@@ -1,0 +1,40 @@
+# millrace: `make demo` shows the outbox at work, `make test` runs every test.
+GO      ?= go
+PKGS    ?= ./...
+STACK   := internal/devstack/stack.sh
+CONFIG  ?= config.yaml
+
+.PHONY: help up down status test vet fmt-check lint demo migrate bench
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+up: ## make PostgreSQL, RabbitMQ and NATS reachable locally (reuse, start or install)
+	@$(STACK) up
+
+down: ## stop what `make up` started, nothing else
+	@$(STACK) down
+
+status: ## show which local services answer
+	@$(STACK) status
+
+vet:
+	$(GO) vet $(PKGS)
+
+fmt-check:
+	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
+	if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
+
+lint: vet fmt-check ## go vet and gofmt
+
+test: up lint ## every test, unit and integration, with -race, against the local services
+	$(GO) test -race -count=1 -timeout 60m $(PKGS)
+
+migrate: up ## create millrace's tables in the database config.yaml names
+	$(GO) run ./cmd/millrace --config $(CONFIG) migrate
+
+demo: up ## the outbox round trip: orders committed with their events, one rolled back
+	$(GO) run ./examples/orders --config $(CONFIG)
+
+bench: up ## benchmarks, millrace side by side with stock Watermill
+	$(GO) test -run '^$$' -bench . -benchmem $(PKGS)

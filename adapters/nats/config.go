@@ -1,0 +1,20 @@
+package nats
+
+import "github.com/millrace-io/millrace/internal/confload"
+
+// Config is the broker.nats section of config.yaml.
+type Config struct {
+	// URL is the NATS server URL, e.g. nats://127.0.0.1:4222. Required when
+	// broker.kind is nats. NATS_URL overrides it.
+	URL string `yaml:"url"`
+}
+
+// WithDefaults returns c with every unset field at its default.
+func (c Config) WithDefaults() Config { return c }
+
+// Validate returns every problem in c, each naming its YAML path under path.
+func (c Config) Validate(path string) []error {
+	var chk confload.Checker
+	chk.URL(confload.Join(path, "url"), c.URL, "nats", "tls")
+	return chk.Problems
+}

@@ -1,0 +1,2 @@
+// Package nats connects millrace to NATS JetStream through watermill-nats.
+package nats

@@ -1,0 +1,231 @@
+package bus
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/url"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
+	_ "github.com/jackc/pgx/v5/stdlib" // registers the "pgx" database/sql driver
+
+	"github.com/millrace-io/millrace/internal/envelope"
+	"github.com/millrace-io/millrace/internal/names"
+	"github.com/millrace-io/millrace/internal/pgschema"
+)
+
+// Bus is a service's handle on millrace: it writes events into the outbox in
+// the caller's transaction. It is safe for concurrent use.
+type Bus struct {
+	cfg    Config
+	db     *sql.DB
+	ownsDB bool
+	tables pgschema.Tables
+	schema watermillsql.DefaultPostgreSQLSchema
+	logger watermill.LoggerAdapter
+	now    func() time.Time
+	closed atomic.Bool
+}
+
+// Option changes how Open builds a Bus.
+type Option func(*Bus)
+
+// WithLogger sets the logger. Defaults to slog.Default().
+func WithLogger(l *slog.Logger) Option {
+	return func(b *Bus) { b.logger = watermill.NewSlogLogger(l) }
+}
+
+// Open validates cfg (after WithDefaults), checks that the database answers
+// and that the outbox table exists, and returns a Bus. db is the service's
+// own pool; when it is nil, Open connects to database.url and Close closes
+// that pool.
+func Open(ctx context.Context, cfg Config, db *sql.DB, opts ...Option) (*Bus, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	b := &Bus{
+		cfg:    cfg,
+		db:     db,
+		tables: tablesOf(cfg),
+		logger: watermill.NewSlogLogger(slog.Default()),
+		now:    time.Now,
+	}
+	b.schema = b.tables.SchemaAdapter()
+	for _, o := range opts {
+		o(b)
+	}
+	if db == nil {
+		var err error
+		if b.db, err = OpenDB(cfg.Database); err != nil {
+			return nil, err
+		}
+		b.ownsDB = true
+	}
+	if err := b.checkDatabase(ctx); err != nil {
+		b.Close() //nolint:errcheck // reporting the first error
+		return nil, err
+	}
+	return b, nil
+}
+
+func tablesOf(cfg Config) pgschema.Tables {
+	return pgschema.Tables{Schema: cfg.Database.Schema, OutboxTopic: cfg.Outbox.Topic}
+}
+
+func (b *Bus) checkDatabase(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, b.cfg.Database.ConnectTimeout)
+	defer cancel()
+	var exists bool
+	err := b.db.QueryRowContext(ctx, `SELECT to_regclass($1) IS NOT NULL`, b.tables.Outbox()).Scan(&exists)
+	if err != nil {
+		return fmt.Errorf("millrace: database %s not reachable within database.connect_timeout (%s): %w",
+			redactURL(b.cfg.Database.URL), b.cfg.Database.ConnectTimeout, err)
+	}
+	if !exists {
+		return fmt.Errorf("millrace: outbox table %s does not exist: run `millrace migrate` or bus.Migrate first", b.tables.Outbox())
+	}
+	return nil
+}
+
+// OpenDB opens a database/sql pool on cfg.URL through pgx/v5's stdlib driver.
+func OpenDB(cfg DatabaseConfig) (*sql.DB, error) {
+	db, err := sql.Open("pgx", cfg.URL)
+	if err != nil {
+		return nil, fmt.Errorf("millrace: open database %s: %w", redactURL(cfg.URL), err)
+	}
+	return db, nil
+}
+
+// Migrate creates the outbox, offsets and inbox tables and the outbox NOTIFY
+// trigger in cfg's schema. It is idempotent and safe to run from several
+// instances at once.
+func Migrate(ctx context.Context, db *sql.DB, cfg Config) error {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	return pgschema.Migrate(ctx, db, tablesOf(cfg))
+}
+
+// Config returns the configuration the Bus runs with, defaults applied.
+func (b *Bus) Config() Config { return b.cfg }
+
+// DB returns the database pool the Bus uses.
+func (b *Bus) DB() *sql.DB { return b.db }
+
+// Publish writes events for topic into the outbox within tx, the caller's
+// business transaction: they are relayed to the broker only if tx commits,
+// and never if it rolls back. Every event is checked before anything is
+// written; on any error nothing is written. Publishing no events is a no-op.
+func (b *Bus) Publish(ctx context.Context, tx *sql.Tx, topic string, events ...Event) error {
+	if tx == nil {
+		return ErrNilTx
+	}
+	rows, err := b.outboxRows(ctx, topic, events)
+	if err != nil || len(rows) == 0 {
+		return err
+	}
+	pub, err := watermillsql.NewPublisher(txWithContext{ctx: ctx, Tx: tx}, watermillsql.PublisherConfig{SchemaAdapter: b.schema}, b.logger)
+	if err != nil {
+		return fmt.Errorf("millrace: outbox publisher: %w", err)
+	}
+	// PostgreSQL allows 65535 bind parameters per statement, three per row.
+	const rowsPerInsert = 1000
+	for start := 0; start < len(rows); start += rowsPerInsert {
+		chunk := rows[start:min(start+rowsPerInsert, len(rows))]
+		if err := pub.Publish(b.cfg.Outbox.Topic, chunk...); err != nil {
+			return fmt.Errorf("millrace: write %d events to outbox %s: %w", len(chunk), b.tables.Outbox(), err)
+		}
+	}
+	return nil
+}
+
+// PublishInOwnTx writes events into the outbox in a transaction of their own,
+// for code that has no business transaction. They still go through the outbox
+// and the relay; only the atomicity with a business change is missing.
+func (b *Bus) PublishInOwnTx(ctx context.Context, topic string, events ...Event) error {
+	tx, err := b.db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("millrace: begin transaction: %w", err)
+	}
+	if err := b.Publish(ctx, tx, topic, events...); err != nil {
+		_ = tx.Rollback()
+		return err
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("millrace: commit outbox transaction: %w", err)
+	}
+	return nil
+}
+
+// outboxRows checks every event and wraps each in a forwarder envelope.
+func (b *Bus) outboxRows(ctx context.Context, topic string, events []Event) ([]*message.Message, error) {
+	if b.closed.Load() {
+		return nil, ErrClosed
+	}
+	if err := names.Topic(topic); err != nil {
+		return nil, fmt.Errorf("%w %q: %v", ErrInvalidTopic, topic, err)
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	now := b.now()
+	rows := make([]*message.Message, len(events))
+	for i, e := range events {
+		msg, err := e.toMessage(ctx, b.cfg.Outbox, now)
+		if err != nil {
+			var ee *EventError
+			if errors.As(err, &ee) {
+				ee.Index, ee.Type = i, e.Type
+			}
+			return nil, err
+		}
+		payload, err := envelope.Wrap(topic, msg)
+		if err != nil {
+			return nil, fmt.Errorf("millrace: wrap event %d: %w", i, err)
+		}
+		rowID := msg.UUID
+		if len(rowID) > 36 { // the outbox uuid column is VARCHAR(36)
+			rowID = watermill.NewUUID()
+		}
+		rows[i] = message.NewMessage(rowID, payload)
+	}
+	return rows, nil
+}
+
+// Close releases what the Bus owns. It is idempotent.
+func (b *Bus) Close() error {
+	if b.closed.Swap(true) {
+		return nil
+	}
+	if b.ownsDB {
+		return b.db.Close()
+	}
+	return nil
+}
+
+// txWithContext gives watermill-sql's publisher, which executes with
+// context.Background(), the caller's context so cancellation and deadlines apply.
+type txWithContext struct {
+	ctx context.Context
+	*sql.Tx
+}
+
+func (t txWithContext) ExecContext(_ context.Context, query string, args ...any) (sql.Result, error) {
+	return t.Tx.ExecContext(t.ctx, query, args...)
+}
+
+func redactURL(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "<unparseable URL>"
+	}
+	return u.Redacted()
+}

@@ -1,0 +1,255 @@
+package bus
+
+import (
+	"cmp"
+	"fmt"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/millrace-io/millrace/adapters/kafka"
+	"github.com/millrace-io/millrace/adapters/nats"
+	"github.com/millrace-io/millrace/adapters/rabbit"
+	"github.com/millrace-io/millrace/internal/confload"
+	"github.com/millrace-io/millrace/internal/names"
+)
+
+// Broker kinds accepted by broker.kind.
+const (
+	KindKafka    = "kafka"
+	KindRabbitMQ = "rabbitmq"
+	KindNATS     = "nats"
+)
+
+// Payload codecs accepted by outbox.codec.
+const (
+	// CodecJSON requires every payload to be one valid JSON value.
+	CodecJSON = "json"
+	// CodecBytes accepts any bytes (protobuf, Avro, ...).
+	CodecBytes = "bytes"
+)
+
+// Config is millrace's whole configuration. It maps one to one onto config.yaml;
+// each field's comment gives its YAML key's default.
+type Config struct {
+	// Database is where the outbox, offsets and inbox tables live.
+	Database DatabaseConfig `yaml:"database"`
+	// Outbox controls what Publish accepts and where it writes.
+	Outbox OutboxConfig `yaml:"outbox"`
+	// Broker selects and configures the message broker.
+	Broker BrokerConfig `yaml:"broker"`
+
+	// envSources maps a YAML path to the environment variable that overrode it.
+	envSources map[string]string
+}
+
+// DatabaseConfig is the database section.
+type DatabaseConfig struct {
+	// URL is the PostgreSQL URL used when Open is given no *sql.DB and by the
+	// command-line tool. Defaults to
+	// postgres://postgres:postgres@127.0.0.1:5432/postgres?sslmode=disable.
+	// DATABASE_URL overrides it.
+	URL string `yaml:"url"`
+	// Schema is the PostgreSQL schema holding millrace's tables. Defaults to "public".
+	Schema string `yaml:"schema"`
+	// ConnectTimeout bounds the first connection check in Open. Defaults to 5s.
+	ConnectTimeout time.Duration `yaml:"connect_timeout"`
+}
+
+// OutboxConfig is the outbox section.
+type OutboxConfig struct {
+	// Topic is the watermill-sql topic of the outbox; the table is
+	// "watermill_<topic>", the same name Watermill's forwarder.Publisher with
+	// ForwarderTopic=<topic> writes to. Defaults to "millrace_outbox".
+	Topic string `yaml:"topic"`
+	// Codec is how payloads are checked before they are written: "json" (each
+	// payload must be valid JSON) or "bytes" (anything). Defaults to "json".
+	Codec string `yaml:"codec"`
+	// MaxPayloadBytes is the largest payload Publish accepts. Defaults to
+	// 1000000, under the 1 MiB message limit of Kafka and NATS with room for headers.
+	MaxPayloadBytes int `yaml:"max_payload_bytes"`
+	// MaxMetadataBytes is the largest total size of an event's metadata keys
+	// and values. Defaults to 16384.
+	MaxMetadataBytes int `yaml:"max_metadata_bytes"`
+}
+
+// BrokerConfig is the broker section.
+type BrokerConfig struct {
+	// Kind selects the broker: kafka, rabbitmq or nats. Defaults to "nats".
+	// MILLRACE_BROKER_KIND overrides it.
+	Kind string `yaml:"kind"`
+	// ConnectTimeout bounds connecting to the broker at start. Defaults to 10s.
+	ConnectTimeout time.Duration `yaml:"connect_timeout"`
+	// Kafka configures broker.kind: kafka.
+	Kafka kafka.Config `yaml:"kafka"`
+	// RabbitMQ configures broker.kind: rabbitmq.
+	RabbitMQ rabbit.Config `yaml:"rabbitmq"`
+	// NATS configures broker.kind: nats.
+	NATS nats.Config `yaml:"nats"`
+}
+
+// DefaultDatabaseURL is database.url's default: the local PostgreSQL that
+// `make up` provides.
+const DefaultDatabaseURL = "postgres://postgres:postgres@127.0.0.1:5432/postgres?sslmode=disable"
+
+// WithDefaults returns c with every unset field at its default. It is the one
+// place defaults live; Open applies it, so a Config built in code needs only
+// the fields it changes.
+func (c Config) WithDefaults() Config {
+	c.Database.URL = cmp.Or(c.Database.URL, DefaultDatabaseURL)
+	c.Database.Schema = cmp.Or(c.Database.Schema, "public")
+	c.Database.ConnectTimeout = cmp.Or(c.Database.ConnectTimeout, 5*time.Second)
+
+	c.Outbox.Topic = cmp.Or(c.Outbox.Topic, "millrace_outbox")
+	c.Outbox.Codec = cmp.Or(c.Outbox.Codec, CodecJSON)
+	c.Outbox.MaxPayloadBytes = cmp.Or(c.Outbox.MaxPayloadBytes, 1_000_000)
+	c.Outbox.MaxMetadataBytes = cmp.Or(c.Outbox.MaxMetadataBytes, 16_384)
+
+	c.Broker.Kind = cmp.Or(c.Broker.Kind, KindNATS)
+	c.Broker.ConnectTimeout = cmp.Or(c.Broker.ConnectTimeout, 10*time.Second)
+	c.Broker.Kafka = c.Broker.Kafka.WithDefaults()
+	c.Broker.RabbitMQ = c.Broker.RabbitMQ.WithDefaults()
+	c.Broker.NATS = c.Broker.NATS.WithDefaults()
+	return c
+}
+
+// Validate reports every problem in c at once as a *ConfigError whose
+// problems each name their YAML path. Call it on a Config that has had
+// WithDefaults applied (LoadConfig and Open do).
+func (c Config) Validate() error {
+	var chk confload.Checker
+	chk.URL("database.url", c.Database.URL, "postgres", "postgresql")
+	chk.Check("database.schema", names.Identifier(c.Database.Schema, 63))
+	chk.PositiveDuration("database.connect_timeout", c.Database.ConnectTimeout)
+
+	// "watermill_offsets_" + topic must fit PostgreSQL's 63-byte identifiers.
+	chk.Check("outbox.topic", names.Identifier(c.Outbox.Topic, 63-len("watermill_offsets_")))
+	chk.OneOf("outbox.codec", c.Outbox.Codec, CodecJSON, CodecBytes)
+	chk.Positive("outbox.max_payload_bytes", c.Outbox.MaxPayloadBytes)
+	chk.Positive("outbox.max_metadata_bytes", c.Outbox.MaxMetadataBytes)
+
+	chk.OneOf("broker.kind", c.Broker.Kind, KindKafka, KindRabbitMQ, KindNATS)
+	chk.PositiveDuration("broker.connect_timeout", c.Broker.ConnectTimeout)
+	switch c.Broker.Kind {
+	case KindKafka:
+		chk.Merge(c.Broker.Kafka.Validate("broker.kafka"))
+	case KindRabbitMQ:
+		chk.Merge(c.Broker.RabbitMQ.Validate("broker.rabbitmq"))
+	case KindNATS:
+		chk.Merge(c.Broker.NATS.Validate("broker.nats"))
+	}
+	if len(chk.Problems) == 0 {
+		return nil
+	}
+	return &ConfigError{Problems: c.annotate(chk.Problems)}
+}
+
+// annotate names the environment variable behind a problem's value.
+func (c Config) annotate(problems []error) []error {
+	for _, p := range problems {
+		if fe, ok := p.(*FieldError); ok {
+			for path, env := range c.envSources {
+				if fe.Path == path || strings.HasPrefix(fe.Path, path+"[") {
+					fe.Problem += fmt.Sprintf(" (value from $%s)", env)
+				}
+			}
+		}
+	}
+	return problems
+}
+
+// FieldError is one configuration problem and the YAML path it belongs to.
+type FieldError = confload.FieldError
+
+// ConfigError lists every problem found in a configuration.
+type ConfigError struct {
+	// Source is the file the configuration came from, if any.
+	Source string
+	// Problems are *FieldError values, in the order found.
+	Problems []error
+}
+
+func (e *ConfigError) Error() string {
+	var b strings.Builder
+	b.WriteString("invalid millrace config")
+	if e.Source != "" {
+		b.WriteString(" " + e.Source)
+	}
+	fmt.Fprintf(&b, " (%d problem", len(e.Problems))
+	if len(e.Problems) != 1 {
+		b.WriteString("s")
+	}
+	b.WriteString("):")
+	for _, p := range e.Problems {
+		b.WriteString("\n  " + p.Error())
+	}
+	return b.String()
+}
+
+// Unwrap returns the individual problems, for errors.As.
+func (e *ConfigError) Unwrap() []error { return e.Problems }
+
+// envOverrides are the environment variables that replace a config value when set.
+var envOverrides = []struct {
+	env, path string
+	apply     func(c *Config, v string)
+}{
+	{"DATABASE_URL", "database.url", func(c *Config, v string) { c.Database.URL = v }},
+	{"MILLRACE_BROKER_KIND", "broker.kind", func(c *Config, v string) { c.Broker.Kind = v }},
+	{"KAFKA_BROKERS", "broker.kafka.brokers", func(c *Config, v string) { c.Broker.Kafka.Brokers = splitList(v) }},
+	{"AMQP_URL", "broker.rabbitmq.url", func(c *Config, v string) { c.Broker.RabbitMQ.URL = v }},
+	{"NATS_URL", "broker.nats.url", func(c *Config, v string) { c.Broker.NATS.URL = v }},
+}
+
+func splitList(v string) []string {
+	var out []string
+	for _, s := range strings.Split(v, ",") {
+		if s = strings.TrimSpace(s); s != "" {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+// LoadConfig reads the YAML file at path, expands ${VAR} and ${VAR:-default}
+// in its values, applies the environment overrides (DATABASE_URL,
+// MILLRACE_BROKER_KIND, KAFKA_BROKERS, AMQP_URL, NATS_URL), fills defaults and
+// validates. Every problem is returned at once in a *ConfigError.
+func LoadConfig(path string) (Config, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return Config{}, fmt.Errorf("read millrace config: %w", err)
+	}
+	cfg, err := parseConfig(data, os.LookupEnv)
+	if ce, ok := err.(*ConfigError); ok {
+		ce.Source = path
+	}
+	return cfg, err
+}
+
+// ParseConfig is LoadConfig for YAML already in memory.
+func ParseConfig(data []byte) (Config, error) {
+	return parseConfig(data, os.LookupEnv)
+}
+
+func parseConfig(data []byte, lookup confload.LookupEnv) (Config, error) {
+	var cfg Config
+	problems := confload.Decode(data, &cfg, lookup)
+	for _, o := range envOverrides {
+		if v, ok := lookup(o.env); ok && v != "" {
+			o.apply(&cfg, v)
+			if cfg.envSources == nil {
+				cfg.envSources = map[string]string{}
+			}
+			cfg.envSources[o.path] = o.env
+		}
+	}
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		problems = append(problems, err.(*ConfigError).Problems...)
+	}
+	if len(problems) > 0 {
+		return cfg, &ConfigError{Problems: problems}
+	}
+	return cfg, nil
+}

@@ -1,0 +1,148 @@
+package bus
+
+import (
+	"errors"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+func noEnv(string) (string, bool) { return "", false }
+
+func envOf(m map[string]string) func(string) (string, bool) {
+	return func(k string) (string, bool) { v, ok := m[k]; return v, ok }
+}
+
+func TestShippedConfigLoadsAndValidates(t *testing.T) {
+	t.Parallel()
+	data, err := os.ReadFile("../config.yaml")
+	require.NoError(t, err)
+	cfg, err := parseConfig(data, noEnv)
+	require.NoError(t, err)
+	require.Equal(t, KindNATS, cfg.Broker.Kind)
+	require.Equal(t, DefaultDatabaseURL, cfg.Database.URL)
+	require.Equal(t, "millrace_outbox", cfg.Outbox.Topic)
+	require.Equal(t, 10*time.Second, cfg.Broker.ConnectTimeout)
+	// The shipped file states the defaults: loading it equals defaulting nothing.
+	defaults := Config{}.WithDefaults()
+	require.Equal(t, defaults.Database, cfg.Database)
+	require.Equal(t, defaults.Outbox, cfg.Outbox)
+}
+
+func TestMinimalConfigIsAllDefaults(t *testing.T) {
+	t.Parallel()
+	cfg, err := parseConfig([]byte("broker:\n  nats:\n    url: nats://127.0.0.1:4222\n"), noEnv)
+	require.NoError(t, err)
+	want := Config{}.WithDefaults()
+	want.Broker.NATS.URL = "nats://127.0.0.1:4222"
+	require.Equal(t, want, cfg)
+
+	// Broker addresses have no default: a missing one is an error, not a silent localhost.
+	_, err = parseConfig(nil, noEnv)
+	require.ErrorContains(t, err, "broker.nats.url: required")
+}
+
+func TestConfigEnvironment(t *testing.T) {
+	t.Parallel()
+	env := envOf(map[string]string{
+		"DATABASE_URL":         "postgres://app:secret@db:5432/app",
+		"MILLRACE_BROKER_KIND": "kafka",
+		"KAFKA_BROKERS":        "k1:9092, k2:9092",
+		"SCHEMA_NAME":          "billing",
+	})
+	cfg, err := parseConfig([]byte(`
+database:
+  schema: ${SCHEMA_NAME}
+  connect_timeout: ${CONNECT_TIMEOUT:-3s}
+outbox:
+  max_payload_bytes: ${MAX_PAYLOAD:-2048}
+broker:
+  kind: nats
+`), env)
+	require.NoError(t, err)
+	require.Equal(t, "billing", cfg.Database.Schema)
+	require.Equal(t, 3*time.Second, cfg.Database.ConnectTimeout)
+	require.Equal(t, 2048, cfg.Outbox.MaxPayloadBytes)
+	require.Equal(t, "postgres://app:secret@db:5432/app", cfg.Database.URL)
+	require.Equal(t, KindKafka, cfg.Broker.Kind, "MILLRACE_BROKER_KIND overrides the YAML")
+	require.Equal(t, []string{"k1:9092", "k2:9092"}, cfg.Broker.Kafka.Brokers)
+}
+
+func TestBadConfigsNameTheirField(t *testing.T) {
+	t.Parallel()
+	cases := []struct {
+		name  string
+		yaml  string
+		env   map[string]string
+		paths []string // every path that must be reported
+		text  string   // a fragment the message must contain
+	}{
+		{name: "wrong kind", yaml: "broker:\n  kind: kafak\n",
+			paths: []string{"broker.kind"}, text: `must be one of kafka, rabbitmq, nats; got "kafak"`},
+		{name: "missing rabbitmq url", yaml: "broker:\n  kind: rabbitmq\n",
+			paths: []string{"broker.rabbitmq.url"}, text: "required"},
+		{name: "missing kafka brokers", yaml: "broker:\n  kind: kafka\n",
+			paths: []string{"broker.kafka.brokers"}, text: "required"},
+		{name: "wrong url scheme", yaml: "broker:\n  nats:\n    url: http://x:4222\n",
+			paths: []string{"broker.nats.url"}, text: `"http"`},
+		{name: "negative duration", yaml: "database:\n  connect_timeout: -5s\nbroker:\n  connect_timeout: -1s\n",
+			paths: []string{"database.connect_timeout", "broker.connect_timeout"}, text: "must be a positive duration"},
+		{name: "not a duration", yaml: "database:\n  connect_timeout: 5\n",
+			paths: []string{"database.connect_timeout"}, text: "a duration"},
+		{name: "unknown key", yaml: "broker:\n  kind: nats\n  kafak:\n    brokers: [x]\n",
+			paths: []string{"broker.kafak"}, text: "unknown key"},
+		{name: "unknown top-level key", yaml: "databse:\n  url: x\n",
+			paths: []string{"databse"}, text: "unknown key"},
+		{name: "duplicate key", yaml: "outbox:\n  codec: json\n  codec: bytes\n",
+			paths: []string{"outbox.codec"}, text: "duplicate"},
+		{name: "bad yaml", yaml: "broker: [kind: nats\n", text: "invalid YAML"},
+		{name: "wrong shape", yaml: "broker: nats\n", paths: []string{"broker"}, text: "expected a mapping"},
+		{name: "bad codec and sizes", yaml: "outbox:\n  codec: xml\n  max_payload_bytes: -1\n  max_metadata_bytes: lots\n",
+			paths: []string{"outbox.codec", "outbox.max_payload_bytes", "outbox.max_metadata_bytes"}},
+		{name: "hostile schema", yaml: "database:\n  schema: 'x\"; DROP TABLE users; --'\n",
+			paths: []string{"database.schema"}, text: "must match"},
+		{name: "unset variable", yaml: "database:\n  url: ${NO_SUCH_VARIABLE}\n",
+			paths: []string{"database.url"}, text: "NO_SUCH_VARIABLE is not set"},
+		{name: "bad url from environment", env: map[string]string{"AMQP_URL": "localhost"}, yaml: "broker:\n  kind: rabbitmq\n",
+			paths: []string{"broker.rabbitmq.url"}, text: "$AMQP_URL"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			_, err := parseConfig([]byte(tc.yaml), envOf(tc.env))
+			require.Error(t, err)
+			var ce *ConfigError
+			require.ErrorAs(t, err, &ce)
+			for _, p := range tc.paths {
+				found := false
+				for _, prob := range ce.Problems {
+					var fe *FieldError
+					if errors.As(prob, &fe) && fe.Path == p {
+						found = true
+					}
+				}
+				require.True(t, found, "no problem reported at %s in:\n%v", p, err)
+			}
+			require.Contains(t, err.Error(), tc.text)
+		})
+	}
+}
+
+func TestConfigReportsEveryProblemAtOnce(t *testing.T) {
+	t.Parallel()
+	_, err := parseConfig([]byte("broker:\n  kind: kafak\n  connect_timeout: -1s\noutbox:\n  codec: xml\n  nope: 1\n"), noEnv)
+	var ce *ConfigError
+	require.ErrorAs(t, err, &ce)
+	require.Len(t, ce.Problems, 4, err.Error())
+}
+
+func TestConfigErrorsDoNotPrintPasswords(t *testing.T) {
+	t.Parallel()
+	_, err := parseConfig([]byte("broker:\n  kind: rabbitmq\n  rabbitmq:\n    url: http://user:hunter2@host/\n"), noEnv)
+	require.Error(t, err)
+	require.NotContains(t, err.Error(), "hunter2")
+	require.True(t, strings.Contains(err.Error(), "broker.rabbitmq.url"))
+}

@@ -1,0 +1,47 @@
+// Package bus is millrace's public API: a service publishes integration events
+// in the same database transaction as its business change, and millrace
+// delivers them to the broker config.yaml names.
+//
+// # Configuration
+//
+// Config maps one to one onto config.yaml. LoadConfig reads the file, expands
+// ${VAR} and ${VAR:-default}, applies the environment overrides (DATABASE_URL,
+// MILLRACE_BROKER_KIND, KAFKA_BROKERS, AMQP_URL, NATS_URL), fills defaults and
+// validates. A *ConfigError lists every problem at once, each naming its YAML
+// path: `broker.kind: must be one of kafka, rabbitmq, nats; got "kafak"`.
+// Unknown keys are errors.
+//
+// # Publishing
+//
+// Migrate creates the tables once (or run `millrace migrate`). Open returns a
+// Bus; Publish writes events into the outbox table on the caller's *sql.Tx
+// through Watermill's SQL publisher, wrapped in Watermill's forwarder envelope:
+//
+//	tx, _ := db.BeginTx(ctx, nil)
+//	tx.ExecContext(ctx, `INSERT INTO orders ...`)
+//	b.Publish(ctx, tx, "orders.events", bus.Event{
+//		Type: "OrderCreated", AggregateType: "order", AggregateID: id, Payload: body,
+//	})
+//	tx.Commit() // the order and its event become real together
+//
+// A rolled-back transaction leaves no event. Every event is checked before
+// anything is written (required fields, codec, size limits) and a refused
+// call writes nothing. PublishInOwnTx is the explicit way to publish without
+// a business transaction.
+//
+// # The event envelope
+//
+// Each event carries its id (UUIDv7 unless the caller sets one; equal to the
+// Watermill message UUID and never changed by retries), type, aggregate type,
+// id and version, schema version, occurred-at, correlation and causation ids,
+// and the W3C traceparent of the publishing span, as metadata under the
+// exported *Key constants. The aggregate id is the partition and ordering key.
+//
+// # Compatibility with plain Watermill
+//
+// The outbox table is watermill-sql's default PostgreSQL layout,
+// "watermill_<outbox.topic>". Rows written by Watermill's own
+// forwarder.NewPublisher over an SQL publisher with ForwarderTopic set to
+// outbox.topic are relayed like millrace's own, and EventFromMessage reads
+// them.
+package bus

@@ -1,0 +1,54 @@
+package bus
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Errors Publish returns; test for them with errors.Is. When one is returned,
+// nothing was written. A transaction that was already committed or rolled
+// back yields an error wrapping database/sql's sql.ErrTxDone.
+var (
+	// ErrNilTx: Publish was given no transaction.
+	ErrNilTx = errors.New("millrace: Publish needs the caller's *sql.Tx; use PublishInOwnTx to publish without a business transaction")
+	// ErrInvalidTopic: the destination topic is empty or has characters brokers reject.
+	ErrInvalidTopic = errors.New("millrace: invalid topic")
+	// ErrMissingField: a required Event field is empty.
+	ErrMissingField = errors.New("millrace: missing required event field")
+	// ErrInvalidField: an Event field has a value that is not allowed.
+	ErrInvalidField = errors.New("millrace: invalid event field")
+	// ErrInvalidPayload: the payload does not fit outbox.codec.
+	ErrInvalidPayload = errors.New("millrace: invalid payload")
+	// ErrPayloadTooLarge: the payload exceeds outbox.max_payload_bytes.
+	ErrPayloadTooLarge = errors.New("millrace: payload too large")
+	// ErrMetadataTooLarge: the metadata exceeds outbox.max_metadata_bytes.
+	ErrMetadataTooLarge = errors.New("millrace: metadata too large")
+	// ErrClosed: the Bus was closed.
+	ErrClosed = errors.New("millrace: bus is closed")
+)
+
+// EventError says which event of a Publish call was refused and why.
+// errors.Is matches it against the sentinel in Kind.
+type EventError struct {
+	// Index is the event's position in the Publish call.
+	Index int
+	// Type is the event's Type, to help find it in logs.
+	Type string
+	// Field is the Event field at fault, e.g. "Payload".
+	Field string
+	// Kind is one of the Err* sentinels above.
+	Kind error
+	// Detail says what was wrong.
+	Detail string
+}
+
+func (e *EventError) Error() string {
+	return fmt.Sprintf("%v: event %d (type %q): %s: %s", e.Kind, e.Index, e.Type, e.Field, e.Detail)
+}
+
+// Unwrap returns Kind, so errors.Is(err, ErrPayloadTooLarge) works.
+func (e *EventError) Unwrap() error { return e.Kind }
+
+func fieldErr(field string, kind error, detail string) *EventError {
+	return &EventError{Field: field, Kind: kind, Detail: detail}
+}

@@ -1,0 +1,210 @@
+package bus
+
+import (
+	"cmp"
+	"context"
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/millrace-io/millrace/internal/envelope"
+)
+
+// Metadata keys of the event envelope. Every event carries them as message
+// metadata, which each broker adapter sends as headers.
+const (
+	// EventIDKey holds the event id, equal to the Watermill message UUID. It is
+	// set once when the event is written and never changes across retries.
+	EventIDKey = envelope.EventIDKey
+	// EventTypeKey holds the event type, e.g. "OrderCreated".
+	EventTypeKey = envelope.EventTypeKey
+	// AggregateTypeKey holds the aggregate type, e.g. "order".
+	AggregateTypeKey = envelope.AggregateTypeKey
+	// AggregateIDKey holds the aggregate id: the partition and ordering key.
+	AggregateIDKey = envelope.AggregateIDKey
+	// AggregateVersionKey holds the aggregate version as a decimal integer.
+	AggregateVersionKey = envelope.AggregateVersionKey
+	// SchemaVersionKey holds the payload's schema version as a decimal integer.
+	SchemaVersionKey = envelope.SchemaVersionKey
+	// OccurredAtKey holds when the event happened, RFC 3339 with nanoseconds, UTC.
+	OccurredAtKey = envelope.OccurredAtKey
+	// CorrelationIDKey holds the id shared by every event of one business flow.
+	CorrelationIDKey = envelope.CorrelationIDKey
+	// CausationIDKey holds the id of the event or command that caused this one.
+	CausationIDKey = envelope.CausationIDKey
+	// TraceparentKey holds the W3C traceparent of the publishing span.
+	TraceparentKey = envelope.TraceparentKey
+	// TracestateKey holds the W3C tracestate of the publishing span.
+	TracestateKey = envelope.TracestateKey
+	// ContentTypeKey holds the payload's media type, from outbox.codec.
+	ContentTypeKey = envelope.ContentTypeKey
+)
+
+// Event is one integration event as a service publishes it.
+type Event struct {
+	// ID is the event id. Leave it empty to get a new UUIDv7; set it to make a
+	// retried publish of the same business fact carry the same id.
+	ID string
+	// Type names the event, e.g. "OrderCreated". Required.
+	Type string
+	// AggregateType names the kind of entity that changed, e.g. "order". Required.
+	AggregateType string
+	// AggregateID identifies the entity; it is the partition and ordering key. Required.
+	AggregateID string
+	// AggregateVersion is the entity's version after this change; 0 means unversioned.
+	AggregateVersion int64
+	// SchemaVersion is the payload schema's version. Defaults to 1.
+	SchemaVersion int
+	// OccurredAt is when the change happened. Defaults to the time of Publish.
+	OccurredAt time.Time
+	// CorrelationID ties together the events of one business flow. Optional.
+	CorrelationID string
+	// CausationID is the id of the message that caused this event. Optional.
+	CausationID string
+	// Payload is the event body, checked against outbox.codec.
+	Payload []byte
+	// Metadata holds extra headers. Keys must not collide with the envelope keys.
+	Metadata map[string]string
+}
+
+// maxIDLength bounds caller-chosen event ids; the inbox stores them as keys.
+const maxIDLength = 128
+
+var reservedKeys = map[string]bool{
+	EventIDKey: true, EventTypeKey: true, AggregateTypeKey: true, AggregateIDKey: true,
+	AggregateVersionKey: true, SchemaVersionKey: true, OccurredAtKey: true,
+	CorrelationIDKey: true, CausationIDKey: true, TraceparentKey: true, TracestateKey: true,
+	ContentTypeKey: true,
+}
+
+// toMessage checks e and turns it into the Watermill message that goes inside
+// the outbox envelope. now is the time of Publish.
+func (e Event) toMessage(ctx context.Context, cfg OutboxConfig, now time.Time) (*message.Message, error) {
+	switch {
+	case e.Type == "":
+		return nil, fieldErr("Type", ErrMissingField, "event type is required")
+	case e.AggregateType == "":
+		return nil, fieldErr("AggregateType", ErrMissingField, "aggregate type is required")
+	case e.AggregateID == "":
+		return nil, fieldErr("AggregateID", ErrMissingField, "aggregate id is required")
+	case len(e.ID) > maxIDLength:
+		return nil, fieldErr("ID", ErrInvalidField, fmt.Sprintf("event id is %d bytes, the limit is %d", len(e.ID), maxIDLength))
+	case e.AggregateVersion < 0:
+		return nil, fieldErr("AggregateVersion", ErrInvalidField, fmt.Sprintf("must not be negative, got %d", e.AggregateVersion))
+	case e.SchemaVersion < 0:
+		return nil, fieldErr("SchemaVersion", ErrInvalidField, fmt.Sprintf("must not be negative, got %d", e.SchemaVersion))
+	case len(e.Payload) > cfg.MaxPayloadBytes:
+		return nil, fieldErr("Payload", ErrPayloadTooLarge,
+			fmt.Sprintf("%d bytes, the limit (outbox.max_payload_bytes) is %d", len(e.Payload), cfg.MaxPayloadBytes))
+	}
+	contentType, err := checkPayload(cfg.Codec, e.Payload)
+	if err != nil {
+		return nil, fieldErr("Payload", ErrInvalidPayload, err.Error())
+	}
+
+	id := e.ID
+	if id == "" {
+		id = uuid.Must(uuid.NewV7()).String()
+	}
+	occurred := e.OccurredAt
+	if occurred.IsZero() {
+		occurred = now
+	}
+	meta := make(message.Metadata, len(e.Metadata)+12)
+	size := 0
+	for k, v := range e.Metadata {
+		if reservedKeys[k] {
+			return nil, fieldErr("Metadata", ErrInvalidField, fmt.Sprintf("key %q is set by millrace; use the Event field instead", k))
+		}
+		if k == "" {
+			return nil, fieldErr("Metadata", ErrInvalidField, "empty metadata key")
+		}
+		meta[k] = v
+	}
+	meta[EventIDKey] = id
+	meta[EventTypeKey] = e.Type
+	meta[AggregateTypeKey] = e.AggregateType
+	meta[AggregateIDKey] = e.AggregateID
+	meta[AggregateVersionKey] = strconv.FormatInt(e.AggregateVersion, 10)
+	meta[SchemaVersionKey] = strconv.Itoa(max(e.SchemaVersion, 1))
+	meta[OccurredAtKey] = occurred.UTC().Format(time.RFC3339Nano)
+	meta[ContentTypeKey] = contentType
+	if e.CorrelationID != "" {
+		meta[CorrelationIDKey] = e.CorrelationID
+	}
+	if e.CausationID != "" {
+		meta[CausationIDKey] = e.CausationID
+	}
+	if sc := trace.SpanContextFromContext(ctx); sc.IsValid() {
+		propagation.TraceContext{}.Inject(ctx, propagation.MapCarrier(meta))
+	}
+	for k, v := range meta {
+		size += len(k) + len(v)
+	}
+	if size > cfg.MaxMetadataBytes {
+		return nil, fieldErr("Metadata", ErrMetadataTooLarge,
+			fmt.Sprintf("%d bytes with the envelope keys, the limit (outbox.max_metadata_bytes) is %d", size, cfg.MaxMetadataBytes))
+	}
+	msg := message.NewMessage(id, e.Payload)
+	msg.Metadata = meta
+	return msg, nil
+}
+
+func checkPayload(codec string, payload []byte) (contentType string, err error) {
+	switch codec {
+	case CodecBytes:
+		return "application/octet-stream", nil
+	default:
+		if !json.Valid(payload) {
+			return "", fmt.Errorf("not valid JSON (outbox.codec is %q)", CodecJSON)
+		}
+		return "application/json", nil
+	}
+}
+
+// EventFromMessage reads the envelope fields of a consumed (or unwrapped)
+// message. It accepts messages written by plain Watermill too: absent fields
+// stay zero and the id falls back to the message UUID. A present but
+// malformed field is an error naming the key.
+func EventFromMessage(msg *message.Message) (Event, error) {
+	e := Event{
+		ID:            cmp.Or(msg.Metadata.Get(EventIDKey), msg.UUID),
+		Type:          msg.Metadata.Get(EventTypeKey),
+		AggregateType: msg.Metadata.Get(AggregateTypeKey),
+		AggregateID:   msg.Metadata.Get(AggregateIDKey),
+		CorrelationID: msg.Metadata.Get(CorrelationIDKey),
+		CausationID:   msg.Metadata.Get(CausationIDKey),
+		Payload:       msg.Payload,
+	}
+	var err error
+	if v := msg.Metadata.Get(AggregateVersionKey); v != "" {
+		if e.AggregateVersion, err = strconv.ParseInt(v, 10, 64); err != nil {
+			return Event{}, fmt.Errorf("metadata %s: not an integer: %q", AggregateVersionKey, v)
+		}
+	}
+	if v := msg.Metadata.Get(SchemaVersionKey); v != "" {
+		if e.SchemaVersion, err = strconv.Atoi(v); err != nil {
+			return Event{}, fmt.Errorf("metadata %s: not an integer: %q", SchemaVersionKey, v)
+		}
+	}
+	if v := msg.Metadata.Get(OccurredAtKey); v != "" {
+		if e.OccurredAt, err = time.Parse(time.RFC3339Nano, v); err != nil {
+			return Event{}, fmt.Errorf("metadata %s: not an RFC 3339 time: %q", OccurredAtKey, v)
+		}
+	}
+	for k, v := range msg.Metadata {
+		if !reservedKeys[k] {
+			if e.Metadata == nil {
+				e.Metadata = map[string]string{}
+			}
+			e.Metadata[k] = v
+		}
+	}
+	return e, nil
+}

@@ -1,0 +1,74 @@
+package bus_test
+
+import (
+	"context"
+	"fmt"
+	"log"
+
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/internal/testdb"
+)
+
+// A business change and its event commit in one transaction.
+func ExampleBus_Publish() {
+	ctx := context.Background()
+	var cfg bus.Config
+	cfg.Database.URL = testdb.URL()
+	cfg.Database.Schema = testdb.UniqueName("example_publish")
+	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
+
+	db, err := bus.OpenDB(cfg.Database)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer db.Close()
+	defer db.Exec(`DROP SCHEMA "` + cfg.Database.Schema + `" CASCADE`)
+	if err := bus.Migrate(ctx, db, cfg); err != nil {
+		log.Fatal(err)
+	}
+	b, err := bus.Open(ctx, cfg, db)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer b.Close()
+
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	// ... the business write goes here, on tx ...
+	err = b.Publish(ctx, tx, "orders.events", bus.Event{
+		Type:          "OrderCreated",
+		AggregateType: "order",
+		AggregateID:   "ord-1",
+		Payload:       []byte(`{"order_id":"ord-1","total_cents":4200}`),
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		log.Fatal(err)
+	}
+
+	var rows int
+	if err := db.QueryRow(`SELECT count(*) FROM "` + cfg.Database.Schema + `"."watermill_millrace_outbox"`).Scan(&rows); err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("outbox rows:", rows)
+	// Output: outbox rows: 1
+}
+
+// Config errors name the YAML path of every problem at once.
+func ExampleParseConfig() {
+	_, err := bus.ParseConfig([]byte(`
+broker:
+  kind: kafak
+outbox:
+  max_payload_bytes: -1
+`))
+	fmt.Println(err)
+	// Output:
+	// invalid millrace config (2 problems):
+	//   outbox.max_payload_bytes: must be greater than 0; got -1
+	//   broker.kind: must be one of kafka, rabbitmq, nats; got "kafak"
+}

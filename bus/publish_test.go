@@ -1,0 +1,394 @@
+package bus_test
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/components/forwarder"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/stretchr/testify/require"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/internal/envelope"
+	"github.com/millrace-io/millrace/internal/testdb"
+)
+
+type testBundle struct {
+	bus    *bus.Bus
+	db     *sql.DB
+	schema string
+	cfg    bus.Config
+}
+
+func setup(t *testing.T, change ...func(*bus.Config)) testBundle {
+	t.Helper()
+	db := testdb.Open(t)
+	schema := testdb.Schema(t, db)
+	cfg := bus.Config{}
+	cfg.Database.Schema = schema
+	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
+	for _, c := range change {
+		c(&cfg)
+	}
+	ctx := context.Background()
+	require.NoError(t, bus.Migrate(ctx, db, cfg))
+	b, err := bus.Open(ctx, cfg, db)
+	require.NoError(t, err)
+	t.Cleanup(func() { b.Close() })
+	return testBundle{bus: b, db: db, schema: schema, cfg: b.Config()}
+}
+
+// outboxRow is one row of the outbox table, unwrapped.
+type outboxRow struct {
+	topic string
+	msg   *message.Message
+	event bus.Event
+}
+
+func (tb testBundle) outbox(t *testing.T) []outboxRow {
+	t.Helper()
+	rows, err := tb.db.Query(`SELECT payload FROM "` + tb.schema + `"."watermill_millrace_outbox" ORDER BY transaction_id, "offset"`)
+	require.NoError(t, err)
+	defer rows.Close()
+	var out []outboxRow
+	for rows.Next() {
+		var payload []byte
+		require.NoError(t, rows.Scan(&payload))
+		topic, msg, err := envelope.Unwrap(payload)
+		require.NoError(t, err)
+		ev, err := bus.EventFromMessage(msg)
+		require.NoError(t, err)
+		out = append(out, outboxRow{topic: topic, msg: msg, event: ev})
+	}
+	require.NoError(t, rows.Err())
+	return out
+}
+
+func orderCreated(id string) bus.Event {
+	return bus.Event{
+		Type:             "OrderCreated",
+		AggregateType:    "order",
+		AggregateID:      id,
+		AggregateVersion: 1,
+		Payload:          []byte(`{"order_id":"` + id + `","total":4200}`),
+	}
+}
+
+func TestPublishCommitWritesEnvelope(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx := context.Background()
+
+	tp := sdktrace.NewTracerProvider()
+	defer tp.Shutdown(ctx)
+	ctx, span := tp.Tracer("test").Start(ctx, "create order")
+	defer span.End()
+
+	tx, err := tb.db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	_, err = tx.ExecContext(ctx, `CREATE TABLE "`+tb.schema+`".orders (id text primary key)`)
+	require.NoError(t, err)
+	_, err = tx.ExecContext(ctx, `INSERT INTO "`+tb.schema+`".orders VALUES ('o-1')`)
+	require.NoError(t, err)
+	occurred := time.Date(2026, 1, 2, 3, 4, 5, 6, time.UTC)
+	ev := orderCreated("o-1")
+	ev.SchemaVersion = 2
+	ev.OccurredAt = occurred
+	ev.CorrelationID = "corr-1"
+	ev.CausationID = "cmd-1"
+	ev.Metadata = map[string]string{"tenant": "acme"}
+	require.NoError(t, tb.bus.Publish(ctx, tx, "orders.events", ev))
+	require.Empty(t, tb.outbox(t), "nothing is visible before commit")
+	require.NoError(t, tx.Commit())
+
+	rows := tb.outbox(t)
+	require.Len(t, rows, 1)
+	got := rows[0]
+	require.Equal(t, "orders.events", got.topic)
+	require.NotEmpty(t, got.event.ID)
+	require.Equal(t, got.msg.UUID, got.event.ID, "event id is the Watermill message UUID")
+	require.Equal(t, got.event.ID, got.msg.Metadata.Get(bus.EventIDKey))
+	require.Equal(t, "OrderCreated", got.event.Type)
+	require.Equal(t, "order", got.event.AggregateType)
+	require.Equal(t, "o-1", got.event.AggregateID)
+	require.EqualValues(t, 1, got.event.AggregateVersion)
+	require.Equal(t, 2, got.event.SchemaVersion)
+	require.True(t, occurred.Equal(got.event.OccurredAt))
+	require.Equal(t, "corr-1", got.event.CorrelationID)
+	require.Equal(t, "cmd-1", got.event.CausationID)
+	require.Equal(t, "application/json", got.msg.Metadata.Get(bus.ContentTypeKey))
+	require.Equal(t, map[string]string{"tenant": "acme"}, got.event.Metadata, "envelope keys are Event fields, not extra metadata")
+	require.Contains(t, got.msg.Metadata.Get(bus.TraceparentKey), span.SpanContext().TraceID().String())
+	require.JSONEq(t, `{"order_id":"o-1","total":4200}`, string(got.event.Payload))
+}
+
+func TestPublishRollbackLeavesNothing(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx := context.Background()
+	tx, err := tb.db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	require.NoError(t, tb.bus.Publish(ctx, tx, "orders.events", orderCreated("o-1"), orderCreated("o-2")))
+	require.NoError(t, tx.Rollback())
+	require.Empty(t, tb.outbox(t))
+}
+
+func TestConcurrentPublishingTransactionsLoseNothing(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx := context.Background()
+	const n = 100
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for i := range n {
+		wg.Go(func() {
+			tx, err := tb.db.BeginTx(ctx, nil)
+			if err != nil {
+				errs <- err
+				return
+			}
+			ev := orderCreated("o-" + string(rune('A'+i%26)) + "-" + time.Now().Format("150405.000000000"))
+			ev.Metadata = map[string]string{"n": string(rune('0' + i%10))}
+			if err := tb.bus.Publish(ctx, tx, "orders.events", ev); err != nil {
+				tx.Rollback()
+				errs <- err
+				return
+			}
+			errs <- tx.Commit()
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+	rows := tb.outbox(t)
+	require.Len(t, rows, n)
+	ids := map[string]bool{}
+	for _, r := range rows {
+		ids[r.event.ID] = true
+	}
+	require.Len(t, ids, n, "every event has its own id")
+}
+
+func TestPublishLargeBatchInOneTransaction(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx := context.Background()
+	events := make([]bus.Event, 2500) // more than one INSERT statement's worth
+	for i := range events {
+		events[i] = orderCreated("o-batch")
+		events[i].AggregateVersion = int64(i + 1)
+	}
+	require.NoError(t, tb.bus.PublishInOwnTx(ctx, "orders.events", events...))
+	rows := tb.outbox(t)
+	require.Len(t, rows, len(events))
+	for i, r := range rows {
+		require.EqualValues(t, i+1, r.event.AggregateVersion, "rows keep the order they were published in")
+	}
+}
+
+func TestRowWrittenByWatermillForwarderIsAMillraceEvent(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx := context.Background()
+	tx, err := tb.db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+
+	// Plain Watermill: an SQL publisher on the transaction, wrapped by the
+	// stock forwarder publisher pointed at millrace's outbox topic.
+	sqlPub, err := watermillsql.NewPublisher(tx, watermillsql.PublisherConfig{
+		SchemaAdapter: watermillsql.DefaultPostgreSQLSchema{
+			GenerateMessagesTableName: func(topic string) string { return `"` + tb.schema + `"."watermill_` + topic + `"` },
+		},
+	}, nil)
+	require.NoError(t, err)
+	fwdPub := forwarder.NewPublisher(sqlPub, forwarder.PublisherConfig{ForwarderTopic: tb.cfg.Outbox.Topic})
+	msg := message.NewMessage("6f1c1b2e-5a0e-4c55-9a59-8f0a3c1d2e4f", []byte(`{"legacy":true}`))
+	msg.Metadata.Set(bus.EventTypeKey, "LegacyHappened")
+	msg.Metadata.Set(bus.AggregateIDKey, "l-1")
+	msg.Metadata.Set(bus.AggregateVersionKey, "7")
+	msg.Metadata.Set("x-custom", "kept")
+	require.NoError(t, fwdPub.Publish("legacy.events", msg))
+	bare := message.NewMessage("0b7d7e8e-2f5d-4a3e-8c61-3c2d1e0f9a8b", []byte(`{}`))
+	require.NoError(t, fwdPub.Publish("legacy.events", bare))
+	require.NoError(t, tx.Commit())
+
+	rows := tb.outbox(t)
+	require.Len(t, rows, 2)
+	require.Equal(t, "legacy.events", rows[0].topic)
+	require.Equal(t, "6f1c1b2e-5a0e-4c55-9a59-8f0a3c1d2e4f", rows[0].event.ID)
+	require.Equal(t, "LegacyHappened", rows[0].event.Type)
+	require.Equal(t, "l-1", rows[0].event.AggregateID)
+	require.EqualValues(t, 7, rows[0].event.AggregateVersion)
+	require.Equal(t, map[string]string{"x-custom": "kept"}, rows[0].event.Metadata)
+	require.JSONEq(t, `{"legacy":true}`, string(rows[0].event.Payload))
+	require.Equal(t, "0b7d7e8e-2f5d-4a3e-8c61-3c2d1e0f9a8b", rows[1].event.ID, "a bare Watermill message keeps its UUID as event id")
+}
+
+func TestEnvelopeMatchesWatermillForwarderFormat(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx := context.Background()
+	require.NoError(t, tb.bus.PublishInOwnTx(ctx, "orders.events", orderCreated("o-1")))
+	var payload []byte
+	require.NoError(t, tb.db.QueryRow(`SELECT payload FROM "`+tb.schema+`"."watermill_millrace_outbox"`).Scan(&payload))
+	var fields map[string]json.RawMessage
+	require.NoError(t, json.Unmarshal(payload, &fields))
+	keys := make([]string, 0, len(fields))
+	for k := range fields {
+		keys = append(keys, k)
+	}
+	require.ElementsMatch(t, []string{"destination_topic", "uuid", "payload", "metadata"}, keys)
+}
+
+func TestBadInputIsRefusedAndWritesNothing(t *testing.T) {
+	t.Parallel()
+	tb := setup(t, func(c *bus.Config) {
+		c.Outbox.MaxPayloadBytes = 64
+		c.Outbox.MaxMetadataBytes = 512
+	})
+	ctx := context.Background()
+	big := orderCreated("o-1")
+	big.Payload = []byte(`{"blob":"` + strings.Repeat("x", 100) + `"}`)
+	bigMeta := orderCreated("o-1")
+	bigMeta.Metadata = map[string]string{"note": strings.Repeat("x", 600)}
+	notJSON := orderCreated("o-1")
+	notJSON.Payload = []byte(`{"order_id":`)
+	noType := orderCreated("o-1")
+	noType.Type = ""
+	noAggregate := orderCreated("o-1")
+	noAggregate.AggregateID = ""
+	reserved := orderCreated("o-1")
+	reserved.Metadata = map[string]string{bus.EventIDKey: "forged"}
+
+	cases := []struct {
+		name   string
+		topic  string
+		events []bus.Event
+		want   error
+		field  string
+	}{
+		{"empty topic", "", []bus.Event{orderCreated("o-1")}, bus.ErrInvalidTopic, ""},
+		{"hostile topic", "orders; DROP TABLE x", []bus.Event{orderCreated("o-1")}, bus.ErrInvalidTopic, ""},
+		{"payload not JSON", "orders", []bus.Event{orderCreated("o-0"), notJSON}, bus.ErrInvalidPayload, "Payload"},
+		{"payload too large", "orders", []bus.Event{big}, bus.ErrPayloadTooLarge, "Payload"},
+		{"metadata too large", "orders", []bus.Event{bigMeta}, bus.ErrMetadataTooLarge, "Metadata"},
+		{"missing type", "orders", []bus.Event{noType}, bus.ErrMissingField, "Type"},
+		{"missing aggregate id", "orders", []bus.Event{noAggregate}, bus.ErrMissingField, "AggregateID"},
+		{"reserved metadata key", "orders", []bus.Event{reserved}, bus.ErrInvalidField, "Metadata"},
+	}
+	for _, tc := range cases {
+		tx, err := tb.db.BeginTx(ctx, nil)
+		require.NoError(t, err)
+		err = tb.bus.Publish(ctx, tx, tc.topic, tc.events...)
+		require.ErrorIs(t, err, tc.want, tc.name)
+		if tc.field != "" {
+			var ee *bus.EventError
+			require.ErrorAs(t, err, &ee, tc.name)
+			require.Equal(t, tc.field, ee.Field, tc.name)
+			require.Equal(t, len(tc.events)-1, ee.Index, tc.name)
+		}
+		require.NoError(t, tx.Commit(), "the caller's transaction is still usable after %s", tc.name)
+	}
+
+	require.ErrorIs(t, tb.bus.Publish(ctx, nil, "orders", orderCreated("o-1")), bus.ErrNilTx)
+
+	committed, err := tb.db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	require.NoError(t, committed.Commit())
+	err = tb.bus.Publish(ctx, committed, "orders", orderCreated("o-1"))
+	require.True(t, errors.Is(err, sql.ErrTxDone), "closed tx: %v", err)
+
+	require.Empty(t, tb.outbox(t), "no bad input wrote anything")
+}
+
+func TestPublishHonoursCancelledContext(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	tx, err := tb.db.BeginTx(context.Background(), nil)
+	require.NoError(t, err)
+	cancel()
+	require.ErrorIs(t, tb.bus.Publish(ctx, tx, "orders", orderCreated("o-1")), context.Canceled)
+	require.NoError(t, tx.Commit())
+	require.Empty(t, tb.outbox(t))
+}
+
+func TestOpenRefusesMissingOutboxTable(t *testing.T) {
+	t.Parallel()
+	db := testdb.Open(t)
+	cfg := bus.Config{}
+	cfg.Database.Schema = testdb.Schema(t, db)
+	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
+	_, err := bus.Open(context.Background(), cfg, db)
+	require.ErrorContains(t, err, "does not exist: run `millrace migrate`")
+}
+
+func TestOpenNamesUnreachableDatabase(t *testing.T) {
+	t.Parallel()
+	cfg := bus.Config{}
+	cfg.Database.URL = "postgres://app:hunter2@127.0.0.1:1/app?connect_timeout=1"
+	cfg.Database.ConnectTimeout = 2 * time.Second
+	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
+	_, err := bus.Open(context.Background(), cfg, nil)
+	require.ErrorContains(t, err, "127.0.0.1:1")
+	require.NotContains(t, err.Error(), "hunter2")
+}
+
+func TestMigrateIsIdempotentAndConcurrent(t *testing.T) {
+	t.Parallel()
+	db := testdb.Open(t)
+	cfg := bus.Config{}
+	cfg.Database.Schema = testdb.UniqueName(t.Name())
+	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
+	t.Cleanup(func() { db.Exec(`DROP SCHEMA IF EXISTS "` + cfg.Database.Schema + `" CASCADE`) })
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for range 8 {
+		wg.Go(func() { errs <- bus.Migrate(context.Background(), db, cfg) })
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+	require.NoError(t, bus.Migrate(context.Background(), db, cfg), "a second run changes nothing")
+	var triggers int
+	require.NoError(t, db.QueryRow(`SELECT count(*) FROM pg_trigger WHERE tgname = 'millrace_notify_outbox'
+		AND tgrelid = ('"'||$1||'"."watermill_millrace_outbox"')::regclass`, cfg.Database.Schema).Scan(&triggers))
+	require.Equal(t, 1, triggers)
+}
+
+func TestCommitNotifiesTheRelayChannel(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx := context.Background()
+	conn, err := tb.db.Conn(ctx)
+	require.NoError(t, err)
+	defer conn.Close()
+	_, err = conn.ExecContext(ctx, `LISTEN millrace_outbox`)
+	require.NoError(t, err)
+
+	require.NoError(t, tb.bus.PublishInOwnTx(ctx, "orders", orderCreated("o-1"), orderCreated("o-2")))
+
+	var note *pgconn.Notification
+	require.NoError(t, conn.Raw(func(dc any) error {
+		waitCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		note, err = dc.(*stdlib.Conn).Conn().WaitForNotification(waitCtx)
+		return err
+	}))
+	require.Equal(t, "millrace_outbox", note.Channel)
+	require.Equal(t, tb.schema+".watermill_millrace_outbox", note.Payload, "the payload names the outbox table")
+}

@@ -1,0 +1,66 @@
+package confload
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestExpand(t *testing.T) {
+	t.Parallel()
+	env := func(k string) (string, bool) {
+		v, ok := map[string]string{"HOST": "db", "EMPTY": ""}[k]
+		return v, ok
+	}
+	cases := map[string]string{
+		"plain":                      "plain",
+		"${HOST}:5432":               "db:5432",
+		"${MISSING:-fallback}":       "fallback",
+		"${EMPTY:-fallback}":         "fallback",
+		"${EMPTY}":                   "",
+		"cost $$5 and $HOST":         "cost $5 and $HOST",
+		"${HOST}/${MISSING:-x}/tail": "db/x/tail",
+	}
+	for in, want := range cases {
+		got, err := Expand(in, env)
+		require.NoError(t, err, in)
+		require.Equal(t, want, got, in)
+	}
+	for _, bad := range []string{"${MISSING}", "${HOST", "${1BAD}", "${}"} {
+		_, err := Expand(bad, env)
+		require.Error(t, err, bad)
+	}
+}
+
+type sample struct {
+	Name  string            `yaml:"name"`
+	Count int               `yaml:"count"`
+	Tags  []string          `yaml:"tags"`
+	Inner struct{ On bool } `yaml:"inner"`
+	Per   map[string]struct {
+		Limit int `yaml:"limit"`
+	} `yaml:"per"`
+}
+
+func TestDecodePathsInNestedShapes(t *testing.T) {
+	t.Parallel()
+	var s sample
+	errs := Decode([]byte(`
+name: x
+count: ${N:-3}
+tags: [a, "${N:-b}"]
+inner: {on: true, off: false}
+per:
+  orders: {limit: 5}
+  billing: {limit: many, extra: 1}
+`), &s, func(string) (string, bool) { return "", false })
+	require.Equal(t, 3, s.Count)
+	require.Equal(t, []string{"a", "b"}, s.Tags)
+	require.True(t, s.Inner.On)
+	require.Equal(t, 5, s.Per["orders"].Limit)
+	var paths []string
+	for _, e := range errs {
+		paths = append(paths, e.(*FieldError).Path)
+	}
+	require.ElementsMatch(t, []string{"inner.off", "per.billing.limit", "per.billing.extra"}, paths)
+}

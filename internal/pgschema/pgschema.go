@@ -1,0 +1,124 @@
+// Package pgschema names millrace's PostgreSQL tables and creates them.
+//
+// The outbox and offsets tables keep exactly the layout of watermill-sql's
+// DefaultPostgreSQLSchema and DefaultPostgreSQLOffsetsAdapter, so rows written
+// by plain Watermill land in, and are relayed from, the same table.
+package pgschema
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+
+	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
+)
+
+// NotifyChannel is the LISTEN/NOTIFY channel the outbox trigger signals on
+// commit; the payload is the outbox table's qualified name.
+const NotifyChannel = "millrace_outbox"
+
+// Tables names every table of one millrace installation.
+type Tables struct {
+	// Schema is the PostgreSQL schema holding every table.
+	Schema string
+	// OutboxTopic is the watermill-sql topic of the outbox (the forwarder topic).
+	OutboxTopic string
+}
+
+func (t Tables) qualify(name string) string {
+	return fmt.Sprintf(`"%s"."%s"`, t.Schema, name)
+}
+
+// Outbox is the qualified outbox table, watermill-sql's "watermill_<topic>".
+func (t Tables) Outbox() string { return t.qualify("watermill_" + t.OutboxTopic) }
+
+// Offsets is the qualified offsets table, watermill-sql's "watermill_offsets_<topic>".
+func (t Tables) Offsets() string { return t.qualify("watermill_offsets_" + t.OutboxTopic) }
+
+// Inbox is the qualified inbox (processed messages) table.
+func (t Tables) Inbox() string { return t.qualify("millrace_inbox") }
+
+// OutboxNotifyPayload is the NOTIFY payload that names this outbox.
+func (t Tables) OutboxNotifyPayload() string { return t.Schema + ".watermill_" + t.OutboxTopic }
+
+// SchemaAdapter is watermill-sql's PostgreSQL schema adapter pointed at the outbox table.
+func (t Tables) SchemaAdapter() watermillsql.DefaultPostgreSQLSchema {
+	return watermillsql.DefaultPostgreSQLSchema{
+		GenerateMessagesTableName: func(string) string { return t.Outbox() },
+	}
+}
+
+// OffsetsAdapter is watermill-sql's PostgreSQL offsets adapter pointed at the offsets table.
+func (t Tables) OffsetsAdapter() watermillsql.DefaultPostgreSQLOffsetsAdapter {
+	return watermillsql.DefaultPostgreSQLOffsetsAdapter{
+		GenerateMessagesOffsetsTableName: func(string) string { return t.Offsets() },
+	}
+}
+
+// migrateLockKey serialises concurrent Migrate calls across processes
+// (CREATE ... IF NOT EXISTS alone still races on the catalog).
+const migrateLockKey = 0x6d696c6c72616365 // "millrace"
+
+// Migrate creates every table, index and trigger millrace needs, idempotently,
+// in one transaction under an advisory lock so that several instances may run
+// it at once.
+func Migrate(ctx context.Context, db *sql.DB, t Tables) error {
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("begin migration: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
+
+	if _, err := tx.ExecContext(ctx, `SELECT pg_advisory_xact_lock($1)`, int64(migrateLockKey)); err != nil {
+		return fmt.Errorf("take migration lock: %w", err)
+	}
+	for _, stmt := range statements(t) {
+		if _, err := tx.ExecContext(ctx, stmt); err != nil {
+			return fmt.Errorf("migrate: %w\n%s", err, stmt)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("commit migration: %w", err)
+	}
+	return nil
+}
+
+func statements(t Tables) []string {
+	schema := t.SchemaAdapter()
+	offsets := t.OffsetsAdapter()
+	var stmts []string
+	stmts = append(stmts, fmt.Sprintf(`CREATE SCHEMA IF NOT EXISTS "%s"`, t.Schema))
+	for _, q := range schema.SchemaInitializingQueries(t.OutboxTopic) {
+		stmts = append(stmts, q.Query)
+	}
+	for _, q := range offsets.SchemaInitializingQueries(t.OutboxTopic) {
+		stmts = append(stmts, q.Query)
+	}
+	notifyFunc := t.qualify("millrace_notify_outbox")
+	stmts = append(stmts,
+		// One notification per inserting statement (not per row); PostgreSQL
+		// delivers it at commit and folds duplicates within a transaction.
+		`CREATE OR REPLACE FUNCTION `+notifyFunc+`() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+	PERFORM pg_notify('`+NotifyChannel+`', TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME);
+	RETURN NULL;
+END $$`,
+		// Created only when missing: re-creating it would lock the outbox
+		// against writers every time an instance starts.
+		`DO $$ BEGIN
+	IF NOT EXISTS (SELECT 1 FROM pg_trigger
+		WHERE tgname = 'millrace_notify_outbox' AND tgrelid = '`+t.Outbox()+`'::regclass) THEN
+		CREATE TRIGGER millrace_notify_outbox AFTER INSERT ON `+t.Outbox()+`
+			FOR EACH STATEMENT EXECUTE FUNCTION `+notifyFunc+`();
+	END IF;
+END $$`,
+		`CREATE TABLE IF NOT EXISTS `+t.Inbox()+` (
+	consumer_group TEXT NOT NULL,
+	event_id TEXT NOT NULL,
+	processed_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+	PRIMARY KEY (consumer_group, event_id)
+)`,
+		`CREATE INDEX IF NOT EXISTS millrace_inbox_processed_at ON `+t.Inbox()+` (processed_at)`,
+	)
+	return stmts
+}

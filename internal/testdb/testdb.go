@@ -1,0 +1,80 @@
+// Package testdb gives each test its own PostgreSQL schema on the server named
+// by DATABASE_URL (default: the local server `make up` provides), so tests run
+// in parallel without seeing each other's tables.
+package testdb
+
+import (
+	"context"
+	"crypto/rand"
+	"database/sql"
+	"encoding/hex"
+	"os"
+	"strings"
+	"testing"
+
+	_ "github.com/jackc/pgx/v5/stdlib" // registers the "pgx" driver
+)
+
+// DefaultURL is the local PostgreSQL `make up` provides.
+const DefaultURL = "postgres://postgres:postgres@127.0.0.1:5432/postgres?sslmode=disable"
+
+// URL returns DATABASE_URL or DefaultURL.
+func URL() string {
+	if u := os.Getenv("DATABASE_URL"); u != "" {
+		return u
+	}
+	return DefaultURL
+}
+
+// Open returns a pool on URL() that is closed when the test ends. The test
+// fails (it is not skipped) when the server does not answer: `make test`
+// starts it with `make up`.
+func Open(t testing.TB) *sql.DB {
+	t.Helper()
+	db, err := sql.Open("pgx", URL())
+	if err != nil {
+		t.Fatalf("open %s: %v", URL(), err)
+	}
+	t.Cleanup(func() { db.Close() })
+	if err := db.PingContext(context.Background()); err != nil {
+		t.Fatalf("PostgreSQL at DATABASE_URL is not reachable (run `make up`): %v", err)
+	}
+	return db
+}
+
+// Schema creates a fresh, uniquely named schema dropped when the test ends,
+// and returns its name.
+func Schema(t testing.TB, db *sql.DB) string {
+	t.Helper()
+	name := UniqueName(t.Name())
+	if _, err := db.Exec(`CREATE SCHEMA "` + name + `"`); err != nil {
+		t.Fatalf("create schema %s: %v", name, err)
+	}
+	t.Cleanup(func() {
+		if _, err := db.Exec(`DROP SCHEMA "` + name + `" CASCADE`); err != nil {
+			t.Errorf("drop schema %s: %v", name, err)
+		}
+	})
+	return name
+}
+
+// UniqueName turns a test name into a short lowercase identifier with a
+// random suffix, usable as a schema, topic or consumer-group name.
+func UniqueName(testName string) string {
+	var b strings.Builder
+	for _, r := range strings.ToLower(testName) {
+		switch {
+		case r >= 'a' && r <= 'z', r >= '0' && r <= '9':
+			b.WriteRune(r)
+		default:
+			b.WriteRune('_')
+		}
+	}
+	base := b.String()
+	if len(base) > 40 {
+		base = base[len(base)-40:]
+	}
+	suffix := make([]byte, 4)
+	_, _ = rand.Read(suffix)
+	return "t_" + strings.Trim(base, "_") + "_" + hex.EncodeToString(suffix)
+}

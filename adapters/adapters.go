@@ -1,0 +1,170 @@
+// Package adapters is the contract every broker adapter (kafka, rabbit, nats)
+// fulfils, so bus, the forwarder and the middleware can work with any of them.
+//
+// Each adapter turns its config section into a Broker: Watermill publishers and
+// subscribers with reliable defaults, a pipelined batch publish path for the
+// relay, and idempotent topology provisioning. The adaptertest package is the
+// suite every adapter passes.
+package adapters
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// Broker is one broker connection as millrace uses it. Implementations are
+// safe for concurrent use.
+type Broker interface {
+	// Publisher publishes one call at a time, waiting for the broker's confirm.
+	Publisher() message.Publisher
+
+	// Subscriber returns a subscriber for consumerGroup. Every group receives
+	// every message of a topic (fan-out); subscribers of one group compete, so
+	// each message goes to one of them. Messages are acked only by Ack: a Nack,
+	// a crash or a closed subscriber means redelivery, never loss.
+	Subscriber(consumerGroup string) (message.Subscriber, error)
+
+	// PublishBatch publishes msgs pipelined (without waiting for each confirm)
+	// and returns nil only when the broker confirmed every one of them. Otherwise
+	// it returns a *BatchError saying which were not confirmed. Messages of one
+	// topic and partition key keep their order within a batch.
+	PublishBatch(ctx context.Context, msgs []Outgoing) error
+
+	// Provision makes the topology for topic and its consumer groups exist
+	// (streams, exchanges, queues, topics), idempotently. An existing topology
+	// that conflicts with the configured one is an error saying what differs.
+	Provision(ctx context.Context, topic string, consumerGroups ...string) error
+
+	// Close releases every connection. It is idempotent.
+	Close() error
+}
+
+// Outgoing is one message of a batch and the topic it goes to.
+type Outgoing struct {
+	Topic string
+	Msg   *message.Message
+}
+
+// Options are the settings shared by every adapter's constructor.
+type Options struct {
+	// Logger receives the adapter's and Watermill's logs. Defaults to no logging.
+	Logger watermill.LoggerAdapter
+	// ConnectTimeout bounds connecting at start (broker.connect_timeout).
+	// Defaults to 10s.
+	ConnectTimeout time.Duration
+}
+
+// WithDefaults returns o with every unset field at its default.
+func (o Options) WithDefaults() Options {
+	if o.Logger == nil {
+		o.Logger = watermill.NopLogger{}
+	}
+	if o.ConnectTimeout <= 0 {
+		o.ConnectTimeout = 10 * time.Second
+	}
+	return o
+}
+
+// ErrMessageTooLarge is wrapped by the error for a message over the broker's
+// size limit; the error text names the limit. It is permanent.
+var ErrMessageTooLarge = errors.New("message larger than the broker accepts")
+
+// permanentError marks an error that retrying cannot fix.
+type permanentError struct{ err error }
+
+func (e *permanentError) Error() string { return e.err.Error() }
+func (e *permanentError) Unwrap() error { return e.err }
+
+// Permanent marks err as one that retrying the same message cannot fix (too
+// large, refused by the broker's validation). Other errors are retryable.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &permanentError{err: err}
+}
+
+// IsPermanent reports whether err, or any error it wraps, was marked
+// Permanent or is ErrMessageTooLarge.
+func IsPermanent(err error) bool {
+	var p *permanentError
+	return errors.As(err, &p) || errors.Is(err, ErrMessageTooLarge)
+}
+
+// BatchError reports the messages of a PublishBatch call the broker did not
+// confirm.
+type BatchError struct {
+	// Errs has one entry per message of the batch: nil when the broker
+	// confirmed it, the reason otherwise.
+	Errs []error
+}
+
+// NewBatchError returns a *BatchError, or nil when every entry of errs is nil.
+func NewBatchError(errs []error) error {
+	for _, err := range errs {
+		if err != nil {
+			return &BatchError{Errs: errs}
+		}
+	}
+	return nil
+}
+
+// FailAll returns a *BatchError in which all n messages failed with err.
+func FailAll(n int, err error) error {
+	errs := make([]error, n)
+	for i := range errs {
+		errs[i] = err
+	}
+	return &BatchError{Errs: errs}
+}
+
+// FirstUnconfirmed is the index of the first message that was not confirmed:
+// everything before it was. It is len(Errs) when all were confirmed.
+func (e *BatchError) FirstUnconfirmed() int {
+	for i, err := range e.Errs {
+		if err != nil {
+			return i
+		}
+	}
+	return len(e.Errs)
+}
+
+// Failed counts the messages that were not confirmed.
+func (e *BatchError) Failed() int {
+	n := 0
+	for _, err := range e.Errs {
+		if err != nil {
+			n++
+		}
+	}
+	return n
+}
+
+func (e *BatchError) Error() string {
+	first := e.FirstUnconfirmed()
+	if first == len(e.Errs) {
+		return "batch publish: every message confirmed"
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "batch publish: %d of %d messages not confirmed, first at index %d: %v",
+		e.Failed(), len(e.Errs), first, e.Errs[first])
+	return b.String()
+}
+
+// Unwrap returns the errors of the unconfirmed messages, so errors.Is and
+// IsPermanent see them.
+func (e *BatchError) Unwrap() []error {
+	var out []error
+	for _, err := range e.Errs {
+		if err != nil {
+			out = append(out, err)
+		}
+	}
+	return out
+}

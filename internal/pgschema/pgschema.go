@@ -38,6 +38,10 @@ func (t Tables) Offsets() string { return t.qualify("watermill_offsets_" + t.Out
 // Inbox is the qualified inbox (processed messages) table.
 func (t Tables) Inbox() string { return t.qualify("millrace_inbox") }
 
+// RelayQuarantine is the qualified table where the relay moves outbox rows it
+// can never publish (corrupt envelope, message over the broker's limit).
+func (t Tables) RelayQuarantine() string { return t.qualify("millrace_relay_quarantine") }
+
 // OutboxNotifyPayload is the NOTIFY payload that names this outbox.
 func (t Tables) OutboxNotifyPayload() string { return t.Schema + ".watermill_" + t.OutboxTopic }
 
@@ -119,6 +123,17 @@ END $$`,
 	PRIMARY KEY (consumer_group, event_id)
 )`,
 		`CREATE INDEX IF NOT EXISTS millrace_inbox_processed_at ON `+t.Inbox()+` (processed_at)`,
+		`CREATE TABLE IF NOT EXISTS `+t.RelayQuarantine()+` (
+	id BIGSERIAL PRIMARY KEY,
+	outbox_offset BIGINT NOT NULL,
+	outbox_uuid TEXT NOT NULL,
+	destination_topic TEXT,
+	event_id TEXT,
+	payload BYTEA NOT NULL,
+	metadata TEXT,
+	reason TEXT NOT NULL,
+	quarantined_at TIMESTAMPTZ NOT NULL DEFAULT now()
+)`,
 	)
 	return stmts
 }

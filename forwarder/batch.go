@@ -1,0 +1,219 @@
+package forwarder
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
+
+	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/internal/envelope"
+)
+
+// outboxRow is one row of the outbox as the batch query returns it, and what
+// became of it.
+type outboxRow struct {
+	row      watermillsql.Row
+	out      adapters.Outgoing
+	occurred time.Time
+	// quarantine is why the row can never be published; empty for a good row.
+	quarantine string
+}
+
+// forwardBatch reads one batch in a transaction that locks the relay's
+// offsets row, publishes it, and acks the longest prefix of rows the broker
+// confirmed (or that were quarantined). It returns how many rows it acked and
+// an error when it stopped at a retryable failure.
+func (f *Forwarder) forwardBatch(ctx context.Context) (handled int, err error) {
+	// The batch may outlive ctx by shutdown_timeout so that a stopping relay
+	// acks what the broker already confirmed.
+	work, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelWork()
+	stop := context.AfterFunc(ctx, func() {
+		t := time.AfterFunc(f.cfg.ShutdownTimeout, cancelWork)
+		context.AfterFunc(work, func() { t.Stop() })
+	})
+	defer stop()
+
+	tx, err := f.db.BeginTx(work, &sql.TxOptions{Isolation: f.schema.SubscribeIsolationLevel()})
+	if err != nil {
+		return 0, fmt.Errorf("begin batch: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
+
+	rows, err := f.readBatch(work, tx)
+	if err != nil || len(rows) == 0 {
+		if err == nil {
+			f.recordIdle()
+			err = tx.Commit()
+		}
+		return 0, err
+	}
+
+	confirmed, publishErr := f.publish(work, rows)
+	if confirmed == 0 {
+		return 0, publishErr
+	}
+	if err := f.ack(work, tx, rows[:confirmed]); err != nil {
+		return 0, err
+	}
+	if err := tx.Commit(); err != nil {
+		return 0, fmt.Errorf("commit batch: %w", err)
+	}
+	f.recordBatch(ctx, rows[:confirmed], len(rows))
+	return confirmed, publishErr
+}
+
+// readBatch runs watermill-sql's batch query (which takes the FOR UPDATE
+// lock on the offsets row and applies the xid8 visibility rule) and unwraps
+// each row's forwarder envelope.
+func (f *Forwarder) readBatch(ctx context.Context, tx *sql.Tx) ([]outboxRow, error) {
+	q := f.schema.SelectQuery(f.tables.OutboxTopic, f.cfg.ConsumerGroup, f.offsets)
+	res, err := tx.QueryContext(ctx, q.Query, q.Args...)
+	if err != nil {
+		return nil, fmt.Errorf("read batch: %w", err)
+	}
+	defer res.Close()
+	rows := make([]outboxRow, 0, f.cfg.BatchSize)
+	for res.Next() {
+		// Scanned here rather than by the schema's UnmarshalMessage, which
+		// fails the whole batch on a row with corrupt metadata instead of
+		// letting the relay move that one row aside.
+		var r outboxRow
+		var txID int64
+		if err := res.Scan(&r.row.Offset, &txID, &r.row.UUID, &r.row.Payload, &r.row.Metadata); err != nil {
+			return nil, fmt.Errorf("scan outbox row: %w", err)
+		}
+		r.row.ExtraData = map[string]any{"transaction_id": txID}
+		topic, msg, err := envelope.Unwrap(r.row.Payload)
+		switch {
+		case err != nil:
+			r.quarantine = err.Error()
+		default:
+			r.out = adapters.Outgoing{Topic: topic, Msg: msg}
+			if at, err := time.Parse(time.RFC3339Nano, msg.Metadata.Get(envelope.OccurredAtKey)); err == nil {
+				r.occurred = at
+			}
+		}
+		rows = append(rows, r)
+	}
+	return rows, res.Err()
+}
+
+// publish sends the good rows in slices of max_in_flight and returns how
+// many leading rows are done (confirmed or to be quarantined), with the
+// retryable error that stopped it, if any.
+func (f *Forwarder) publish(ctx context.Context, rows []outboxRow) (int, error) {
+	done := 0
+	for done < len(rows) {
+		// Collect the next slice of publishable rows, passing over rows that
+		// are already marked for quarantine.
+		var slice []int
+		for i := done; i < len(rows) && len(slice) < f.slice; i++ {
+			if rows[i].quarantine == "" {
+				slice = append(slice, i)
+			}
+		}
+		if len(slice) == 0 {
+			return len(rows), nil
+		}
+		if err := f.provision(ctx, rows, slice); err != nil {
+			return done, err
+		}
+		if f.limiter != nil {
+			if err := f.limiter.WaitN(ctx, len(slice)); err != nil {
+				return done, err
+			}
+		}
+		out := make([]adapters.Outgoing, len(slice))
+		for j, i := range slice {
+			out[j] = rows[i].out
+		}
+		if f.beforePublish != nil {
+			f.beforePublish(len(out))
+		}
+		err := f.broker.PublishBatch(ctx, out)
+		if f.afterPublish != nil {
+			f.afterPublish(len(out))
+		}
+		if err == nil {
+			done = slice[len(slice)-1] + 1
+			continue
+		}
+		var be *adapters.BatchError
+		if !errors.As(err, &be) || len(be.Errs) != len(slice) {
+			return done, fmt.Errorf("publish %d messages: %w", len(slice), err)
+		}
+		for j, i := range slice {
+			switch e := be.Errs[j]; {
+			case e == nil:
+			case adapters.IsPermanent(e):
+				rows[i].quarantine = e.Error()
+				f.metrics.publishErrors.WithLabelValues(errorClassPermanent).Inc()
+			default:
+				return i, fmt.Errorf("publish message %s to %s: %w", rows[i].out.Msg.UUID, rows[i].out.Topic, e)
+			}
+		}
+		done = slice[len(slice)-1] + 1
+	}
+	return done, nil
+}
+
+// provision makes sure every destination topic of the slice exists, once per
+// topic per relay process.
+func (f *Forwarder) provision(ctx context.Context, rows []outboxRow, slice []int) error {
+	for _, i := range slice {
+		topic := rows[i].out.Topic
+		if f.provisioned[topic] {
+			continue
+		}
+		if err := f.broker.Provision(ctx, topic); err != nil {
+			return fmt.Errorf("provision topic %s: %w", topic, err)
+		}
+		f.provisioned[topic] = true
+	}
+	return nil
+}
+
+// ack moves quarantined rows aside and records the last handled row as the
+// relay's position, in the batch transaction.
+func (f *Forwarder) ack(ctx context.Context, tx *sql.Tx, handled []outboxRow) error {
+	for _, r := range handled {
+		if r.quarantine == "" {
+			continue
+		}
+		if err := f.quarantineRow(ctx, tx, r); err != nil {
+			return err
+		}
+	}
+	q := f.offsets.AckMessageQuery(f.tables.OutboxTopic, handled[len(handled)-1].row, f.cfg.ConsumerGroup)
+	if _, err := tx.ExecContext(ctx, q.Query, q.Args...); err != nil {
+		return fmt.Errorf("ack batch: %w", err)
+	}
+	return nil
+}
+
+func (f *Forwarder) quarantineRow(ctx context.Context, tx *sql.Tx, r outboxRow) error {
+	var topic, eventID sql.NullString
+	if r.out.Msg != nil {
+		topic = sql.NullString{String: r.out.Topic, Valid: true}
+		eventID = sql.NullString{String: r.out.Msg.UUID, Valid: true}
+	} else {
+		f.metrics.publishErrors.WithLabelValues(errorClassCorrupt).Inc()
+	}
+	_, err := tx.ExecContext(ctx, `INSERT INTO `+f.tables.RelayQuarantine()+
+		` (outbox_offset, outbox_uuid, destination_topic, event_id, payload, metadata, reason) VALUES ($1, $2, $3, $4, $5, $6, $7)`,
+		r.row.Offset, string(r.row.UUID), topic, eventID, r.row.Payload, string(r.row.Metadata), r.quarantine)
+	if err != nil {
+		return fmt.Errorf("quarantine outbox row %d: %w", r.row.Offset, err)
+	}
+	f.metrics.quarantined.Inc()
+	f.logger.Error("Outbox row moved to the relay quarantine", errors.New(r.quarantine), watermill.LogFields{
+		"outbox_offset": r.row.Offset, "event_id": eventID.String, "topic": topic.String,
+	})
+	return nil
+}

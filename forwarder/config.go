@@ -1,0 +1,96 @@
+package forwarder
+
+import (
+	"cmp"
+	"time"
+
+	"github.com/millrace-io/millrace/internal/confload"
+	"github.com/millrace-io/millrace/internal/names"
+)
+
+// Config is the relay section of config.yaml.
+type Config struct {
+	// Enabled runs the relay inside the service's bus.Run. Turn it off when the
+	// relay runs as its own process (`millrace relay`). Defaults to true.
+	Enabled *bool `yaml:"enabled"`
+	// ConsumerGroup names the relay's row in the offsets table. Relays with the
+	// same group share one position: one is active, the others are hot
+	// standbys. Defaults to "millrace_relay".
+	ConsumerGroup string `yaml:"consumer_group"`
+	// BatchSize is how many outbox rows are read, published and acked per
+	// database transaction. Defaults to 1000.
+	BatchSize int `yaml:"batch_size"`
+	// MaxInFlight bounds the messages published to the broker and not yet
+	// confirmed; a batch larger than it is published in slices. Defaults to 1000.
+	MaxInFlight int `yaml:"max_in_flight"`
+	// RateLimit caps the relay at this many messages per second so a backlog
+	// drains without flooding consumers; 0 means no limit. Defaults to 0.
+	RateLimit int `yaml:"rate_limit"`
+	// PollInterval is the fallback poll when no NOTIFY arrives (a missed
+	// notification, or rows hidden behind a long transaction). Defaults to 1s.
+	PollInterval time.Duration `yaml:"poll_interval"`
+	// RetryInitial is the first wait after a failed publish; waits double, with
+	// jitter, up to RetryMax. Defaults to 100ms.
+	RetryInitial time.Duration `yaml:"retry_initial"`
+	// RetryMax caps the wait between publish attempts while the broker is
+	// down. Defaults to 10s.
+	RetryMax time.Duration `yaml:"retry_max"`
+	// Retention is how long forwarded rows stay in the outbox before cleanup
+	// deletes them; 0 deletes them at the next cleanup. Defaults to 1h.
+	Retention *time.Duration `yaml:"retention"`
+	// CleanupInterval is how often forwarded rows older than Retention are
+	// deleted. Defaults to 1m.
+	CleanupInterval time.Duration `yaml:"cleanup_interval"`
+	// CleanupBatch bounds the rows one cleanup DELETE removes, so cleanup never
+	// holds a long transaction. Defaults to 5000.
+	CleanupBatch int `yaml:"cleanup_batch"`
+	// ShutdownTimeout bounds how long a stopping relay waits for the batch in
+	// flight to be confirmed; after it, the batch is abandoned unacked (and
+	// published again by the next relay). Defaults to 10s.
+	ShutdownTimeout time.Duration `yaml:"shutdown_timeout"`
+}
+
+// WithDefaults returns c with every unset field at its default.
+func (c Config) WithDefaults() Config {
+	if c.Enabled == nil {
+		c.Enabled = ptr(true)
+	}
+	c.ConsumerGroup = cmp.Or(c.ConsumerGroup, "millrace_relay")
+	c.BatchSize = cmp.Or(c.BatchSize, 1000)
+	c.MaxInFlight = cmp.Or(c.MaxInFlight, 1000)
+	c.PollInterval = cmp.Or(c.PollInterval, time.Second)
+	c.RetryInitial = cmp.Or(c.RetryInitial, 100*time.Millisecond)
+	c.RetryMax = cmp.Or(c.RetryMax, 10*time.Second)
+	if c.Retention == nil {
+		c.Retention = ptr(time.Hour)
+	}
+	c.CleanupInterval = cmp.Or(c.CleanupInterval, time.Minute)
+	c.CleanupBatch = cmp.Or(c.CleanupBatch, 5000)
+	c.ShutdownTimeout = cmp.Or(c.ShutdownTimeout, 10*time.Second)
+	return c
+}
+
+// Validate returns every problem in c, each naming its YAML path under path.
+func (c Config) Validate(path string) []error {
+	var chk confload.Checker
+	at := func(key string) string { return confload.Join(path, key) }
+	chk.Check(at("consumer_group"), names.Topic(c.ConsumerGroup))
+	chk.Positive(at("batch_size"), c.BatchSize)
+	chk.Positive(at("max_in_flight"), c.MaxInFlight)
+	chk.NonNegative(at("rate_limit"), c.RateLimit)
+	chk.PositiveDuration(at("poll_interval"), c.PollInterval)
+	chk.PositiveDuration(at("retry_initial"), c.RetryInitial)
+	chk.PositiveDuration(at("retry_max"), c.RetryMax)
+	if c.RetryMax < c.RetryInitial {
+		chk.Add(at("retry_max"), "must not be shorter than retry_initial (%s); got %s", c.RetryInitial, c.RetryMax)
+	}
+	if c.Retention != nil {
+		chk.NonNegativeDuration(at("retention"), *c.Retention)
+	}
+	chk.PositiveDuration(at("cleanup_interval"), c.CleanupInterval)
+	chk.Positive(at("cleanup_batch"), c.CleanupBatch)
+	chk.PositiveDuration(at("shutdown_timeout"), c.ShutdownTimeout)
+	return chk.Problems
+}
+
+func ptr[T any](v T) *T { return &v }

@@ -1,0 +1,64 @@
+// Package forwarder is millrace's relay: it moves committed events from the
+// outbox table to the broker, fast, in order and without loss.
+//
+// # Why not Watermill's forwarder
+//
+// Watermill's components/forwarder publishes one message at a time and waits
+// for each broker confirm, and its SQL subscriber polls once a second. This
+// relay keeps Watermill's formats and queries but publishes each batch
+// pipelined through the adapter's PublishBatch and acks the batch once.
+//
+// # One batch
+//
+// In one REPEATABLE READ transaction the relay runs watermill-sql's batch
+// query, which locks the relay's row in the offsets table (FOR UPDATE) and
+// reads only rows of transactions older than every open one (the xid8 rule:
+// a concurrent writer that commits later is never skipped). It unwraps each
+// row's Watermill forwarder envelope, publishes the batch, and then records
+// the last row the broker confirmed as its position and commits. A failed or
+// partial batch acks the confirmed prefix and is retried from the first
+// unconfirmed message, with jittered exponential backoff while the broker is
+// down. Nothing the broker did not confirm is ever acked, so a crash anywhere
+// means duplicates (which the consumer's inbox removes), never loss.
+//
+// A row that can never be published (an envelope that is not valid, a
+// message over the broker's size limit) is moved to the relay quarantine
+// table with the reason, counted and logged, and the rows behind it go on.
+//
+// # Wake-up
+//
+// A statement-level trigger on the outbox NOTIFYs at commit; the relay
+// LISTENs and reads at once. After a notification it re-polls at 5ms, 10ms,
+// 20ms, ... because a row committed while an older transaction is open stays
+// invisible until that one ends. A fallback poll (poll_interval, 1s) covers a
+// missed notification. An idle relay makes one query per poll interval.
+//
+// # One active relay
+//
+// Relays of one outbox and consumer group elect a leader with a
+// session-level advisory lock held on a dedicated connection. Standbys block
+// on that lock and take over as soon as PostgreSQL closes the leader's
+// session (at once when its process dies; after TCP keepalive when its host
+// vanishes). The offsets row lock inside every batch is a second guard: even
+// two relays that both believe they lead cannot interleave batches. Events
+// leave in commit order, so events of one aggregate keep their order, as long
+// as the broker keeps the order of a pipelined batch (each adapter does, per
+// topic and partition key). A message retried after a partial failure may
+// follow later messages of the same batch that were already confirmed.
+//
+// # Backlog, retention, stop
+//
+// batch_size, max_in_flight and rate_limit bound a drain. Forwarded rows older
+// than retention are deleted in batches of cleanup_batch. On cancellation the
+// batch in flight gets shutdown_timeout to be confirmed and acked; after that
+// it is abandoned unacked and the next relay sends it again.
+//
+// # Metrics
+//
+// millrace_relay_active, millrace_relay_pending_rows,
+// millrace_relay_oldest_pending_age_seconds, millrace_relay_batches_total,
+// millrace_relay_messages_forwarded_total, millrace_relay_publish_errors_total
+// (by class), millrace_relay_quarantined_total,
+// millrace_relay_cleanup_deleted_total and
+// millrace_relay_commit_to_publish_seconds.
+package forwarder

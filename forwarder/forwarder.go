@@ -1,0 +1,303 @@
+package forwarder
+
+import (
+	"context"
+	"database/sql"
+	"database/sql/driver"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
+	"github.com/cenkalti/backoff/v5"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/time/rate"
+
+	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/internal/pgschema"
+)
+
+// Broker is what the relay needs of a broker adapter.
+type Broker interface {
+	// PublishBatch publishes pipelined and returns nil only when every
+	// message was confirmed, else an *adapters.BatchError.
+	PublishBatch(ctx context.Context, msgs []adapters.Outgoing) error
+	// Provision makes a destination topic exist before the first publish to it.
+	Provision(ctx context.Context, topic string, consumerGroups ...string) error
+}
+
+// Outbox names the outbox the relay drains.
+type Outbox struct {
+	// Schema is the PostgreSQL schema of the outbox table (database.schema).
+	Schema string
+	// Topic is the watermill-sql topic of the outbox (outbox.topic).
+	Topic string
+}
+
+// Options are the relay's optional collaborators.
+type Options struct {
+	// Logger defaults to no logging.
+	Logger watermill.LoggerAdapter
+	// Registerer receives the relay's Prometheus metrics. Defaults to none.
+	Registerer prometheus.Registerer
+}
+
+// Forwarder is the relay from one outbox table to the broker.
+type Forwarder struct {
+	db      *sql.DB
+	broker  Broker
+	cfg     Config
+	tables  pgschema.Tables
+	schema  watermillsql.DefaultPostgreSQLSchema
+	offsets watermillsql.DefaultPostgreSQLOffsetsAdapter
+	logger  watermill.LoggerAdapter
+	metrics *metrics
+	limiter *rate.Limiter
+	slice   int // messages per PublishBatch call
+
+	provisioned map[string]bool
+	lastStats   time.Time
+
+	// Test hooks, set only by this package's tests (see export_test.go).
+	beforePublish func(batch int)
+	afterPublish  func(batch int)
+}
+
+// New returns a relay for outbox on db (a pool opened with pgx/v5's stdlib
+// driver, which LISTEN/NOTIFY needs) that publishes to broker.
+func New(db *sql.DB, broker Broker, outbox Outbox, cfg Config, opts Options) (*Forwarder, error) {
+	cfg = cfg.WithDefaults()
+	if errs := cfg.Validate("relay"); len(errs) > 0 {
+		return nil, errors.Join(errs...)
+	}
+	if db == nil || broker == nil {
+		return nil, errors.New("forwarder: db and broker are required")
+	}
+	if opts.Logger == nil {
+		opts.Logger = watermill.NopLogger{}
+	}
+	tables := pgschema.Tables{Schema: outbox.Schema, OutboxTopic: outbox.Topic}
+	m, err := newMetrics(opts.Registerer, tables.OutboxNotifyPayload())
+	if err != nil {
+		return nil, fmt.Errorf("forwarder: register metrics: %w", err)
+	}
+	f := &Forwarder{
+		db:          db,
+		broker:      broker,
+		cfg:         cfg,
+		tables:      tables,
+		schema:      tables.SchemaAdapter(),
+		offsets:     tables.OffsetsAdapter(),
+		logger:      opts.Logger.With(watermill.LogFields{"outbox": tables.OutboxNotifyPayload()}),
+		metrics:     m,
+		slice:       cfg.MaxInFlight,
+		provisioned: map[string]bool{},
+	}
+	f.schema.SubscribeBatchSize = cfg.BatchSize
+	if cfg.RateLimit > 0 {
+		// Slices of a tenth of a second's worth keep a limited drain smooth.
+		f.slice = max(1, min(cfg.MaxInFlight, cfg.RateLimit/10))
+		f.limiter = rate.NewLimiter(rate.Limit(cfg.RateLimit), f.slice)
+	}
+	return f, nil
+}
+
+// errLeadershipLost stops the forwarding loop when the leader connection breaks.
+var errLeadershipLost = errors.New("forwarder: lost the leader connection")
+
+// Run forwards until ctx is cancelled. It first waits to become the active
+// relay (a hot standby until then), then drains the outbox, waking on NOTIFY
+// and on the fallback poll. On cancellation the batch in flight gets up to
+// shutdown_timeout to be confirmed and acked; otherwise it is abandoned
+// unacked. Run returns nil after a clean stop.
+func (f *Forwarder) Run(ctx context.Context) error {
+	retry := f.newBackoff()
+	for ctx.Err() == nil {
+		err := f.lead(ctx)
+		if ctx.Err() != nil {
+			break
+		}
+		wait := retry.NextBackOff()
+		f.logger.Error("Relay lost leadership or could not connect; retrying", err, watermill.LogFields{"retry_in": wait.String()})
+		if !sleep(ctx, wait) {
+			break
+		}
+	}
+	return nil
+}
+
+// lead takes the leader lock, then forwards until ctx ends or the lock's
+// connection breaks.
+func (f *Forwarder) lead(ctx context.Context) error {
+	conn, err := f.acquireLeadership(ctx)
+	if err != nil {
+		return err
+	}
+	defer discard(conn)
+	f.metrics.leader.Set(1)
+	defer f.metrics.leader.Set(0)
+	f.logger.Info("Relay is active", nil)
+
+	if err := f.prepareOffsets(ctx); err != nil {
+		return err
+	}
+	listenCtx, stopListening := context.WithCancel(ctx)
+	defer stopListening()
+	wake := make(chan struct{}, 1)
+	listenerDone := make(chan error, 1)
+	ready := make(chan error, 1)
+	go func() { listenerDone <- f.listen(listenCtx, conn, wake, ready) }()
+	if err := <-ready; err != nil {
+		return err
+	}
+	return f.forwardLoop(ctx, wake, listenerDone)
+}
+
+// acquireLeadership blocks until this relay holds the outbox's session-level
+// advisory lock. The lock lives as long as the returned connection; a
+// crashed relay's connection closes and its standby takes over at once.
+func (f *Forwarder) acquireLeadership(ctx context.Context) (*sql.Conn, error) {
+	conn, err := f.db.Conn(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("forwarder: leader connection: %w", err)
+	}
+	if _, err := conn.ExecContext(ctx, `SELECT pg_advisory_lock(hashtextextended($1, 0))`, f.lockName()); err != nil {
+		discard(conn)
+		return nil, fmt.Errorf("forwarder: take leader lock: %w", err)
+	}
+	return conn, nil
+}
+
+func (f *Forwarder) lockName() string {
+	return "millrace relay " + f.tables.OutboxNotifyPayload() + " " + f.cfg.ConsumerGroup
+}
+
+// discard closes conn's underlying connection instead of returning it to the
+// pool, releasing any session lock and LISTEN it holds.
+func discard(conn *sql.Conn) {
+	_ = conn.Raw(func(any) error { return driver.ErrBadConn })
+	_ = conn.Close()
+}
+
+// prepareOffsets inserts the relay's zero offsets row, which the batch
+// query's FOR UPDATE locks.
+func (f *Forwarder) prepareOffsets(ctx context.Context) error {
+	for _, q := range f.offsets.BeforeSubscribingQueries(f.tables.OutboxTopic, f.cfg.ConsumerGroup) {
+		if _, err := f.db.ExecContext(ctx, q.Query, q.Args...); err != nil {
+			return fmt.Errorf("forwarder: prepare offsets row: %w", err)
+		}
+	}
+	return nil
+}
+
+// listen LISTENs on the leader connection and signals wake for every
+// notification naming this outbox. It reports LISTEN's outcome on ready.
+func (f *Forwarder) listen(ctx context.Context, conn *sql.Conn, wake chan<- struct{}, ready chan<- error) error {
+	err := conn.Raw(func(dc any) error {
+		sc, ok := dc.(*stdlib.Conn)
+		if !ok {
+			return fmt.Errorf("forwarder: LISTEN/NOTIFY needs a database/sql pool opened with pgx/v5's stdlib driver, got %T", dc)
+		}
+		pc := sc.Conn()
+		if _, err := pc.Exec(ctx, `LISTEN `+pgschema.NotifyChannel); err != nil {
+			return fmt.Errorf("forwarder: LISTEN: %w", err)
+		}
+		ready <- nil
+		ours := f.tables.OutboxNotifyPayload()
+		for {
+			n, err := pc.WaitForNotification(ctx)
+			if err != nil {
+				return err
+			}
+			if n.Payload == ours {
+				select {
+				case wake <- struct{}{}:
+				default:
+				}
+			}
+		}
+	})
+	select {
+	case ready <- err: // LISTEN itself failed
+	default:
+	}
+	return err
+}
+
+// chaseFirst is the first re-poll after a NOTIFY. A committed row stays
+// invisible to the batch query while any older transaction of the cluster is
+// still open (the xid8 rule that keeps concurrent writers from being skipped),
+// and its NOTIFY has already been spent; so after a notification the relay
+// polls again at 5ms, 10ms, 20ms, ... up to poll_interval.
+const chaseFirst = 5 * time.Millisecond
+
+// forwardLoop drains the outbox while this relay is the leader.
+func (f *Forwarder) forwardLoop(ctx context.Context, wake <-chan struct{}, listenerDone <-chan error) error {
+	retry := f.newBackoff()
+	poll := time.NewTimer(0)
+	defer poll.Stop()
+	cleanup := time.NewTicker(f.cfg.CleanupInterval)
+	defer cleanup.Stop()
+	chase := time.Duration(0) // the next quick re-poll; 0 when not chasing a notification
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case err := <-listenerDone:
+			return fmt.Errorf("%w: %v", errLeadershipLost, err)
+		case <-cleanup.C:
+			f.cleanup(ctx)
+			continue
+		case <-wake:
+			chase = chaseFirst
+		case <-poll.C:
+		}
+		for ctx.Err() == nil {
+			n, err := f.forwardBatch(ctx)
+			if err != nil {
+				f.metrics.publishErrors.WithLabelValues(errorClassRetryable).Inc()
+				wait := retry.NextBackOff()
+				f.logger.Error("Relay batch failed; backing off", err, watermill.LogFields{"retry_in": wait.String()})
+				if !sleep(ctx, wait) {
+					return nil
+				}
+				continue
+			}
+			retry.Reset()
+			if n < f.cfg.BatchSize {
+				break // drained what is visible; wait for the next commit
+			}
+		}
+		next := f.cfg.PollInterval
+		if chase > 0 {
+			next, chase = min(chase, next), chase*2
+			if chase >= f.cfg.PollInterval {
+				chase = 0
+			}
+		}
+		poll.Reset(next)
+	}
+}
+
+func (f *Forwarder) newBackoff() *backoff.ExponentialBackOff {
+	b := backoff.NewExponentialBackOff()
+	b.InitialInterval = f.cfg.RetryInitial
+	b.MaxInterval = f.cfg.RetryMax
+	b.RandomizationFactor = 0.5
+	b.Multiplier = 2
+	b.Reset()
+	return b
+}
+
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}

@@ -1,0 +1,78 @@
+package forwarder
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Error classes of the publish_errors metric.
+const (
+	errorClassRetryable = "retryable"
+	errorClassPermanent = "permanent"
+	errorClassCorrupt   = "corrupt"
+)
+
+// metrics are the relay's Prometheus collectors.
+type metrics struct {
+	leader          prometheus.Gauge
+	pending         prometheus.Gauge
+	oldestAge       prometheus.Gauge
+	batches         prometheus.Counter
+	forwarded       prometheus.Counter
+	publishErrors   *prometheus.CounterVec
+	quarantined     prometheus.Counter
+	deleted         prometheus.Counter
+	commitToPublish prometheus.Histogram
+}
+
+func newMetrics(reg prometheus.Registerer, outbox string) (*metrics, error) {
+	labels := prometheus.Labels{"outbox": outbox}
+	m := &metrics{
+		leader: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "millrace_relay_active", ConstLabels: labels,
+			Help: "1 while this relay holds the outbox's leader lock and forwards; 0 while it is a standby.",
+		}),
+		pending: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "millrace_relay_pending_rows", ConstLabels: labels,
+			Help: "Committed outbox rows not yet forwarded, as last measured by the active relay.",
+		}),
+		oldestAge: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "millrace_relay_oldest_pending_age_seconds", ConstLabels: labels,
+			Help: "Age of the oldest committed outbox row not yet forwarded.",
+		}),
+		batches: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "millrace_relay_batches_total", ConstLabels: labels,
+			Help: "Batches read, published and acked.",
+		}),
+		forwarded: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "millrace_relay_messages_forwarded_total", ConstLabels: labels,
+			Help: "Messages the broker confirmed and the relay acked.",
+		}),
+		publishErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "millrace_relay_publish_errors_total", ConstLabels: labels,
+			Help: "Messages not published, by class: retryable (retried), permanent (quarantined), corrupt (envelope unreadable, quarantined).",
+		}, []string{"class"}),
+		quarantined: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "millrace_relay_quarantined_total", ConstLabels: labels,
+			Help: "Outbox rows moved to the relay quarantine table.",
+		}),
+		deleted: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "millrace_relay_cleanup_deleted_total", ConstLabels: labels,
+			Help: "Forwarded outbox rows deleted by retention cleanup.",
+		}),
+		commitToPublish: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "millrace_relay_commit_to_publish_seconds", ConstLabels: labels,
+			Help:    "From the event's occurred-at to the broker's confirm.",
+			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60},
+		}),
+	}
+	if reg == nil {
+		return m, nil
+	}
+	for _, c := range []prometheus.Collector{m.leader, m.pending, m.oldestAge, m.batches, m.forwarded,
+		m.publishErrors, m.quarantined, m.deleted, m.commitToPublish} {
+		if err := reg.Register(c); err != nil {
+			return nil, err
+		}
+	}
+	return m, nil
+}

@@ -146,3 +146,24 @@ func TestConfigErrorsDoNotPrintPasswords(t *testing.T) {
 	require.NotContains(t, err.Error(), "hunter2")
 	require.True(t, strings.Contains(err.Error(), "broker.rabbitmq.url"))
 }
+
+func FuzzParseConfig(f *testing.F) {
+	shipped, err := os.ReadFile("../config.yaml")
+	if err != nil {
+		f.Fatal(err)
+	}
+	for _, seed := range []string{string(shipped), "", "broker: {kind: kafka, kafka: {brokers: [a]}}", "a: [1, {b: *x}]",
+		"database:\n  url: ${X:-${Y}}\n", "outbox: !!binary aGk=", "- 1\n- 2", "{{{", "broker:\n  kind: &k nats\n  nats: {url: *k}"} {
+		f.Add([]byte(seed))
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		_, err := parseConfig(data, noEnv)
+		if err == nil {
+			return
+		}
+		var ce *ConfigError
+		if !errors.As(err, &ce) || len(ce.Problems) == 0 {
+			t.Fatalf("not a *ConfigError with problems: %T %v", err, err)
+		}
+	})
+}

@@ -392,3 +392,21 @@ func TestCommitNotifiesTheRelayChannel(t *testing.T) {
 	require.Equal(t, "millrace_outbox", note.Channel)
 	require.Equal(t, tb.schema+".watermill_millrace_outbox", note.Payload, "the payload names the outbox table")
 }
+
+func FuzzEventFromMessage(f *testing.F) {
+	f.Add("id", "7", "2", "2026-01-02T03:04:05Z", []byte(`{}`))
+	f.Add("", "x", "", "yesterday", []byte(nil))
+	f.Fuzz(func(t *testing.T, id, version, schema, occurred string, payload []byte) {
+		msg := message.NewMessage(id, payload)
+		msg.Metadata.Set(bus.AggregateVersionKey, version)
+		msg.Metadata.Set(bus.SchemaVersionKey, schema)
+		msg.Metadata.Set(bus.OccurredAtKey, occurred)
+		ev, err := bus.EventFromMessage(msg)
+		if err != nil {
+			return // malformed fields are reported, never a panic
+		}
+		if ev.ID == "" && id != "" {
+			t.Fatalf("lost the message UUID %q", id)
+		}
+	})
+}

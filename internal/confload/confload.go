@@ -198,8 +198,10 @@ func (d *decoder) expandNode(n *yaml.Node, path string) bool {
 	return ok
 }
 
-// Expand replaces ${VAR} and ${VAR:-default} in s; "$$" stands for "$".
-// An unset variable without a default is an error naming it.
+// Expand replaces ${VAR} and ${VAR:-default} in s with environment
+// variables and ${file:PATH} with the contents of a file (a mounted secret,
+// without its trailing newline); "$$" stands for "$". An unset variable
+// without a default, or an unreadable file, is an error naming it.
 func Expand(s string, lookup LookupEnv) (string, error) {
 	var b strings.Builder
 	for i := 0; i < len(s); i++ {
@@ -221,6 +223,15 @@ func Expand(s string, lookup LookupEnv) (string, error) {
 			return "", fmt.Errorf("unterminated ${ in %q", s)
 		}
 		expr := s[i+2 : i+end]
+		if path, ok := strings.CutPrefix(expr, "file:"); ok {
+			secret, err := readSecretFile(path)
+			if err != nil {
+				return "", err
+			}
+			b.WriteString(secret)
+			i += end
+			continue
+		}
 		name, def, hasDefault := strings.Cut(expr, ":-")
 		if !validEnvName(name) {
 			return "", fmt.Errorf("invalid variable name %q in ${%s}", name, expr)
@@ -239,6 +250,18 @@ func Expand(s string, lookup LookupEnv) (string, error) {
 		i += end
 	}
 	return b.String(), nil
+}
+
+func readSecretFile(path string) (string, error) {
+	if path == "" {
+		return "", fmt.Errorf("${file:} needs a path")
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		// The error names the file, never its contents.
+		return "", fmt.Errorf("cannot read secret file %s: %v", path, errors.Unwrap(err))
+	}
+	return strings.TrimRight(string(data), "\r\n"), nil
 }
 
 func validEnvName(name string) bool {

@@ -1,6 +1,8 @@
 package confload
 
 import (
+	"os"
+	"path/filepath"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -30,6 +32,18 @@ func TestExpand(t *testing.T) {
 		_, err := Expand(bad, env)
 		require.Error(t, err, bad)
 	}
+}
+
+func TestExpandSecretFile(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "password")
+	require.NoError(t, os.WriteFile(path, []byte("s3cret\n"), 0o600))
+	got, err := Expand("amqp://app:${file:"+path+"}@rabbit:5672/", nil)
+	require.NoError(t, err)
+	require.Equal(t, "amqp://app:s3cret@rabbit:5672/", got)
+	_, err = Expand("${file:"+path+".missing}", nil)
+	require.ErrorContains(t, err, "cannot read secret file")
+	require.NotContains(t, err.Error(), "s3cret")
 }
 
 type sample struct {

@@ -10,6 +10,7 @@ import (
 	"github.com/millrace-io/millrace/adapters/kafka"
 	"github.com/millrace-io/millrace/adapters/nats"
 	"github.com/millrace-io/millrace/adapters/rabbit"
+	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/confload"
 	"github.com/millrace-io/millrace/internal/names"
 )
@@ -38,6 +39,8 @@ type Config struct {
 	Outbox OutboxConfig `yaml:"outbox"`
 	// Broker selects and configures the message broker.
 	Broker BrokerConfig `yaml:"broker"`
+	// Relay configures the relay from the outbox to the broker.
+	Relay forwarder.Config `yaml:"relay"`
 
 	// envSources maps a YAML path to the environment variable that overrode it.
 	envSources map[string]string
@@ -110,6 +113,7 @@ func (c Config) WithDefaults() Config {
 	c.Broker.Kafka = c.Broker.Kafka.WithDefaults()
 	c.Broker.RabbitMQ = c.Broker.RabbitMQ.WithDefaults()
 	c.Broker.NATS = c.Broker.NATS.WithDefaults()
+	c.Relay = c.Relay.WithDefaults()
 	return c
 }
 
@@ -138,6 +142,7 @@ func (c Config) Validate() error {
 	case KindNATS:
 		chk.Merge(c.Broker.NATS.Validate("broker.nats"))
 	}
+	chk.Merge(c.Relay.Validate("relay"))
 	if len(chk.Problems) == 0 {
 		return nil
 	}

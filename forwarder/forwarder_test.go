@@ -508,3 +508,25 @@ func TestConfigValidationNamesFields(t *testing.T) {
 	require.Len(t, errs, 4, text)
 	require.Contains(t, text[0], "relay.batch_size")
 }
+
+func TestInspectReportsTheOutboxState(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	publish(t, tb, "things", interleaved(2, 5), 5)
+	st, err := forwarder.Inspect(context.Background(), tb.db, tb.outbox, "")
+	require.NoError(t, err)
+	require.EqualValues(t, 10, st.Pending)
+	require.Positive(t, st.OldestPendingAge)
+	require.Zero(t, st.Forwarded)
+	require.True(t, st.LastForwardedAt.IsZero())
+
+	broker := newMemoryBroker()
+	f, _ := start(t, tb, broker, testConfig(), nil)
+	waitFor(t, "nothing pending", func() bool { return pending(t, f) == 0 })
+	st, err = forwarder.Inspect(context.Background(), tb.db, tb.outbox, "")
+	require.NoError(t, err)
+	require.Zero(t, st.Pending)
+	require.Zero(t, st.OldestPendingAge)
+	require.EqualValues(t, 10, st.Forwarded, "forwarded rows stay for the retention period")
+	require.WithinDuration(t, time.Now(), st.LastForwardedAt, time.Hour)
+}

@@ -2,18 +2,22 @@
 // the services use.
 //
 //	millrace [--config config.yaml] migrate
+//	millrace [--config config.yaml] outbox status [--json]
 //
-// Exit codes: 0 success, 1 the command failed, 2 bad usage or configuration.
+// Every command has --help. Exit codes: 0 success, 1 the command failed,
+// 2 bad usage or configuration.
 package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 
 	"github.com/millrace-io/millrace/bus"
@@ -21,26 +25,44 @@ import (
 
 // Exit codes a script can rely on.
 const (
-	exitOK      = 0
-	exitFailed  = 1
-	exitUsage   = 2
-	defaultPath = "config.yaml"
+	exitOK     = 0
+	exitFailed = 1
+	exitUsage  = 2
 )
 
-// usageError marks bad arguments or configuration (exit 2).
+// usageError marks bad arguments (exit 2).
 type usageError struct{ err error }
 
 func (e usageError) Error() string { return e.err.Error() }
 func (e usageError) Unwrap() error { return e.err }
 
-type command struct {
-	name, summary string
-	run           func(ctx context.Context, cfg bus.Config, args []string, out io.Writer) error
+// env is what a command runs with.
+type env struct {
+	cfg    bus.Config
+	out    io.Writer
+	asJSON bool
 }
 
-var commands = []command{
-	{"migrate", "create or update millrace's tables and triggers (idempotent)", runMigrate},
+// print writes v as indented JSON with --json, else calls text.
+func (e env) print(v any, text func(w io.Writer)) error {
+	if e.asJSON {
+		enc := json.NewEncoder(e.out)
+		enc.SetIndent("", "  ")
+		return enc.Encode(v)
+	}
+	text(e.out)
+	return nil
 }
+
+type command struct {
+	path    string // e.g. "outbox status"
+	args    string // positional arguments, for the usage line
+	summary string
+	flags   func(fs *flag.FlagSet) // command-specific flags
+	run     func(ctx context.Context, e env, args []string) error
+}
+
+var commands []command
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
@@ -50,49 +72,79 @@ func main() {
 }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("millrace", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	configPath := fs.String("config", envOr("MILLRACE_CONFIG", defaultPath), "path to config.yaml (env MILLRACE_CONFIG)")
-	fs.Usage = func() { usage(fs, stderr) }
-	if err := fs.Parse(args); err != nil {
+	global := flag.NewFlagSet("millrace", flag.ContinueOnError)
+	global.SetOutput(stderr)
+	configPath := global.String("config", envOr("MILLRACE_CONFIG", "config.yaml"), "path to config.yaml (env MILLRACE_CONFIG)")
+	global.Usage = func() { usage(global, stderr) }
+	if err := global.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return exitOK
 		}
 		return exitUsage
 	}
-	if fs.NArg() == 0 {
-		usage(fs, stderr)
+	cmd, rest := find(global.Args())
+	if cmd == nil {
+		if global.NArg() == 0 {
+			fmt.Fprintln(stderr, "millrace: missing command")
+		} else {
+			fmt.Fprintf(stderr, "millrace: unknown command %q\n", strings.Join(global.Args(), " "))
+		}
+		usage(global, stderr)
 		return exitUsage
 	}
-	name := fs.Arg(0)
-	for _, c := range commands {
-		if c.name != name {
-			continue
+
+	fs := flag.NewFlagSet("millrace "+cmd.path, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	asJSON := fs.Bool("json", false, "print JSON instead of text")
+	if cmd.flags != nil {
+		cmd.flags(fs)
+	}
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "usage: millrace [--config config.yaml] %s [flags] %s\n\n%s\n\nflags:\n", cmd.path, cmd.args, cmd.summary)
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(rest); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return exitOK
 		}
-		cfg, err := bus.LoadConfig(*configPath)
-		if err != nil {
-			fmt.Fprintln(stderr, "millrace:", err)
+		return exitUsage
+	}
+	cfg, err := bus.LoadConfig(*configPath)
+	if err != nil {
+		fmt.Fprintln(stderr, "millrace:", err)
+		return exitUsage
+	}
+	if err := cmd.run(ctx, env{cfg: cfg, out: stdout, asJSON: *asJSON}, fs.Args()); err != nil {
+		fmt.Fprintf(stderr, "millrace %s: %v\n", cmd.path, err)
+		if errors.As(err, new(usageError)) {
+			fs.Usage()
 			return exitUsage
 		}
-		if err := c.run(ctx, cfg, fs.Args()[1:], stdout); err != nil {
-			fmt.Fprintf(stderr, "millrace %s: %v\n", name, err)
-			if errors.As(err, new(usageError)) {
-				return exitUsage
-			}
-			return exitFailed
-		}
-		return exitOK
+		return exitFailed
 	}
-	fmt.Fprintf(stderr, "millrace: unknown command %q\n", name)
-	usage(fs, stderr)
-	return exitUsage
+	return exitOK
+}
+
+// find matches the longest command path at the start of args.
+func find(args []string) (*command, []string) {
+	var best *command
+	var rest []string
+	for i := range commands {
+		words := strings.Fields(commands[i].path)
+		if len(words) <= len(args) && strings.Join(args[:len(words)], " ") == commands[i].path {
+			if best == nil || len(words) > len(strings.Fields(best.path)) {
+				best, rest = &commands[i], args[len(words):]
+			}
+		}
+	}
+	return best, rest
 }
 
 func usage(fs *flag.FlagSet, w io.Writer) {
-	fmt.Fprintln(w, "usage: millrace [--config config.yaml] <command>")
-	fmt.Fprintln(w, "\ncommands:")
+	fmt.Fprintln(w, "usage: millrace [--config config.yaml] <command> [flags]")
+	fmt.Fprintln(w, "\ncommands (each has --help):")
 	for _, c := range commands {
-		fmt.Fprintf(w, "  %-10s %s\n", c.name, c.summary)
+		fmt.Fprintf(w, "  %-16s %s\n", c.path, c.summary)
 	}
 	fmt.Fprintln(w, "\nflags:")
 	fs.PrintDefaults()
@@ -105,18 +157,9 @@ func envOr(key, def string) string {
 	return def
 }
 
-func runMigrate(ctx context.Context, cfg bus.Config, args []string, out io.Writer) error {
+func noArgs(args []string) error {
 	if len(args) > 0 {
-		return usageError{fmt.Errorf("migrate takes no arguments, got %q", args)}
+		return usageError{fmt.Errorf("unexpected arguments %q", args)}
 	}
-	db, err := bus.OpenDB(cfg.Database)
-	if err != nil {
-		return err
-	}
-	defer db.Close()
-	if err := bus.Migrate(ctx, db, cfg); err != nil {
-		return err
-	}
-	fmt.Fprintf(out, "migrated schema %q (outbox topic %q)\n", cfg.Database.Schema, cfg.Outbox.Topic)
 	return nil
 }

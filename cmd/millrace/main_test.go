@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"testing"
@@ -30,9 +31,11 @@ func TestMigrateCommand(t *testing.T) {
 	code := run(context.Background(), []string{"--config", path, "migrate"}, &out, &errOut)
 	require.Equal(t, exitOK, code, errOut.String())
 	require.Contains(t, out.String(), schema)
-	var n int
-	require.NoError(t, db.QueryRow(`SELECT count(*) FROM information_schema.tables WHERE table_schema = $1`, schema).Scan(&n))
-	require.Equal(t, 3, n, "outbox, offsets and inbox tables")
+	for _, table := range []string{"watermill_millrace_outbox", "watermill_offsets_millrace_outbox", "millrace_inbox", "millrace_relay_quarantine"} {
+		var exists bool
+		require.NoError(t, db.QueryRow(`SELECT to_regclass($1) IS NOT NULL`, `"`+schema+`"."`+table+`"`).Scan(&exists))
+		require.True(t, exists, table)
+	}
 }
 
 func TestBadUsageExitsTwoWithUsageLine(t *testing.T) {
@@ -40,11 +43,13 @@ func TestBadUsageExitsTwoWithUsageLine(t *testing.T) {
 	good := writeConfig(t, "broker:\n  nats:\n    url: nats://127.0.0.1:4222\n")
 	bad := writeConfig(t, "broker:\n  kind: kafak\n")
 	cases := map[string][]string{
-		"no command":      {"--config", good},
-		"unknown command": {"--config", good, "migrat"},
-		"unknown flag":    {"--nope", "migrate"},
-		"extra argument":  {"--config", good, "migrate", "now"},
-		"bad config":      {"--config", bad, "migrate"},
+		"no command":                {"--config", good},
+		"unknown command":           {"--config", good, "migrat"},
+		"unknown flag":              {"--nope", "migrate"},
+		"extra argument":            {"--config", good, "migrate", "now"},
+		"unknown flag of a command": {"--config", good, "outbox", "status", "--nope"},
+		"group without subcommand":  {"--config", good, "outbox"},
+		"bad config":                {"--config", bad, "migrate"},
 	}
 	for name, args := range cases {
 		var out, errOut bytes.Buffer
@@ -58,4 +63,34 @@ func TestBadUsageExitsTwoWithUsageLine(t *testing.T) {
 	errOut.Reset()
 	run(context.Background(), []string{"--config", good, "migrat"}, &out, &errOut)
 	require.Contains(t, errOut.String(), "usage: millrace")
+}
+
+func TestOutboxStatusCommand(t *testing.T) {
+	t.Parallel()
+	db := testdb.Open(t)
+	schema := testdb.UniqueName(t.Name())
+	t.Cleanup(func() { db.Exec(`DROP SCHEMA IF EXISTS "` + schema + `" CASCADE`) })
+	path := writeConfig(t, "database:\n  url: "+testdb.URL()+"\n  schema: "+schema+"\nbroker:\n  nats:\n    url: nats://127.0.0.1:4222\n")
+	var out, errOut bytes.Buffer
+	require.Equal(t, exitOK, run(context.Background(), []string{"--config", path, "migrate"}, &out, &errOut), errOut.String())
+	_, err := db.Exec(`INSERT INTO "` + schema + `"."watermill_millrace_outbox" (uuid, payload, metadata, transaction_id)
+		VALUES ('u1', '{"destination_topic":"t","uuid":"e1","payload":"e30=","metadata":{}}', '{}', pg_current_xact_id())`)
+	require.NoError(t, err)
+
+	out.Reset()
+	require.Equal(t, exitOK, run(context.Background(), []string{"--config", path, "outbox", "status", "--json"}, &out, &errOut), errOut.String())
+	var st struct {
+		Pending     int64 `json:"pending"`
+		Quarantined int64 `json:"quarantined"`
+	}
+	require.NoError(t, json.Unmarshal(out.Bytes(), &st), out.String())
+	require.EqualValues(t, 1, st.Pending)
+
+	out.Reset()
+	require.Equal(t, exitOK, run(context.Background(), []string{"--config", path, "outbox", "status"}, &out, &errOut))
+	require.Contains(t, out.String(), "pending:             1")
+
+	out.Reset()
+	require.Equal(t, exitOK, run(context.Background(), []string{"outbox", "status", "--help"}, &out, &errOut))
+	require.Contains(t, errOut.String(), "usage: millrace [--config config.yaml] outbox status")
 }

@@ -1,0 +1,61 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/forwarder"
+)
+
+func init() {
+	commands = append(commands,
+		command{path: "migrate", summary: "create or update millrace's tables and triggers (idempotent)", run: runMigrate},
+		command{path: "outbox status", summary: "pending events, oldest pending age, last forwarded, quarantined rows", run: runOutboxStatus},
+	)
+}
+
+func runMigrate(ctx context.Context, e env, args []string) error {
+	if err := noArgs(args); err != nil {
+		return err
+	}
+	db, err := bus.OpenDB(e.cfg.Database)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	if err := bus.Migrate(ctx, db, e.cfg); err != nil {
+		return err
+	}
+	return e.print(map[string]string{"schema": e.cfg.Database.Schema, "outbox_topic": e.cfg.Outbox.Topic}, func(w io.Writer) {
+		fmt.Fprintf(w, "migrated schema %q (outbox topic %q)\n", e.cfg.Database.Schema, e.cfg.Outbox.Topic)
+	})
+}
+
+func runOutboxStatus(ctx context.Context, e env, args []string) error {
+	if err := noArgs(args); err != nil {
+		return err
+	}
+	db, err := bus.OpenDB(e.cfg.Database)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	st, err := forwarder.Inspect(ctx, db, forwarder.Outbox{Schema: e.cfg.Database.Schema, Topic: e.cfg.Outbox.Topic}, e.cfg.Relay.ConsumerGroup)
+	if err != nil {
+		return err
+	}
+	return e.print(st, func(w io.Writer) {
+		fmt.Fprintf(w, "pending:             %d\n", st.Pending)
+		fmt.Fprintf(w, "oldest pending age:  %s\n", st.OldestPendingAge.Round(time.Millisecond))
+		last := "never (or already cleaned up)"
+		if !st.LastForwardedAt.IsZero() {
+			last = st.LastForwardedAt.Format(time.RFC3339)
+		}
+		fmt.Fprintf(w, "last forwarded:      %s\n", last)
+		fmt.Fprintf(w, "forwarded, retained: %d\n", st.Forwarded)
+		fmt.Fprintf(w, "quarantined:         %d\n", st.Quarantined)
+	})
+}

@@ -50,7 +50,7 @@ type Forwarder struct {
 	broker  Broker
 	cfg     Config
 	tables  pgschema.Tables
-	schema  watermillsql.DefaultPostgreSQLSchema
+	schema  relaySchema
 	offsets watermillsql.DefaultPostgreSQLOffsetsAdapter
 	logger  watermill.LoggerAdapter
 	metrics *metrics
@@ -88,7 +88,7 @@ func New(db *sql.DB, broker Broker, outbox Outbox, cfg Config, opts Options) (*F
 		broker:      broker,
 		cfg:         cfg,
 		tables:      tables,
-		schema:      tables.SchemaAdapter(),
+		schema:      relaySchema{DefaultPostgreSQLSchema: tables.SchemaAdapter(), table: tables.Outbox()},
 		offsets:     tables.OffsetsAdapter(),
 		logger:      opts.Logger.With(watermill.LogFields{"outbox": tables.OutboxNotifyPayload()}),
 		metrics:     m,

@@ -11,7 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
 	"github.com/cenkalti/backoff/v5"
-	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/time/rate"
 
@@ -196,7 +196,8 @@ func (f *Forwarder) prepareOffsets(ctx context.Context) error {
 // notification naming this outbox. It reports LISTEN's outcome on ready.
 func (f *Forwarder) listen(ctx context.Context, conn *sql.Conn, wake chan<- struct{}, ready chan<- error) error {
 	err := conn.Raw(func(dc any) error {
-		sc, ok := dc.(*stdlib.Conn)
+		// *stdlib.Conn, or a driver that wraps it and exposes the same method.
+		sc, ok := dc.(interface{ Conn() *pgx.Conn })
 		if !ok {
 			return fmt.Errorf("forwarder: LISTEN/NOTIFY needs a database/sql pool opened with pgx/v5's stdlib driver, got %T", dc)
 		}

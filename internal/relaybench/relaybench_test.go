@@ -1,0 +1,480 @@
+package relaybench_test
+
+import (
+	"bufio"
+	"context"
+	"database/sql"
+	"database/sql/driver"
+	"fmt"
+	"net/url"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
+	wmforwarder "github.com/ThreeDotsLabs/watermill/components/forwarder"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/forwarder"
+	"github.com/millrace-io/millrace/internal/pgschema"
+	"github.com/millrace-io/millrace/internal/testdb"
+)
+
+// Workload sizes, as the relay's targets are stated.
+const (
+	backlogEvents = 50_000
+	trickleRate   = 200 // events per second
+	trickleFor    = 5 * time.Second
+	idleWindow    = 10 * time.Second
+)
+
+// brokerKit opens one broker for the parent (consumer, provisioning) and
+// tells the child how to reach the same broker.
+type brokerKit struct {
+	// open connects to the broker; env is what the child process needs to
+	// reach the same server (addresses of an in-process dev broker).
+	open func(ctx context.Context, env map[string]string) (adapters.Broker, error)
+	// start, when set, starts an in-process dev broker in the parent and
+	// returns the env a child needs to reach it.
+	start func(b *testing.B) map[string]string
+}
+
+// brokers is filled by brokers_test.go, one entry per adapter.
+var brokers = map[string]brokerKit{}
+
+type result struct {
+	kind, relay           string
+	drainRate             float64 // msgs/s
+	p50, p99              time.Duration
+	idleQueries           float64 // statements/s
+	peakRSSMB             float64
+	delivered, duplicates int
+}
+
+var (
+	resultsMu sync.Mutex
+	results   []result
+)
+
+func TestMain(m *testing.M) {
+	if os.Getenv("RELAYBENCH_CHILD") != "" {
+		os.Exit(runChild())
+	}
+	code := m.Run()
+	printTable()
+	os.Exit(code)
+}
+
+func BenchmarkRelay(b *testing.B) {
+	kinds := make([]string, 0, len(brokers))
+	for k := range brokers {
+		kinds = append(kinds, k)
+	}
+	slices.Sort(kinds)
+	for _, kind := range kinds {
+		for _, relay := range []string{"watermill", "millrace"} {
+			b.Run(kind+"/"+relay, func(b *testing.B) {
+				r := measure(b, kind, relay)
+				b.ReportMetric(r.drainRate, "msg/s")
+				b.ReportMetric(float64(r.p50.Microseconds())/1000, "p50-ms")
+				b.ReportMetric(float64(r.p99.Microseconds())/1000, "p99-ms")
+				b.ReportMetric(r.idleQueries, "idle-q/s")
+				b.ReportMetric(r.peakRSSMB, "peak-RSS-MB")
+				resultsMu.Lock()
+				results = append(results, r)
+				resultsMu.Unlock()
+			})
+		}
+	}
+}
+
+// benchDB returns a pool on the bench database, its own so that nothing
+// else runs in it, created on first use.
+func benchDB(b *testing.B) (*sql.DB, string) {
+	u, err := url.Parse(testdb.URL())
+	if err != nil {
+		b.Fatal(err)
+	}
+	admin, err := sql.Open("pgx", u.String())
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer admin.Close()
+	var exists bool
+	if err := admin.QueryRow(`SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = 'millrace_bench')`).Scan(&exists); err != nil {
+		b.Fatal(err)
+	}
+	if !exists {
+		if _, err := admin.Exec(`CREATE DATABASE millrace_bench`); err != nil && !strings.Contains(err.Error(), "already exists") {
+			b.Fatal(err)
+		}
+	}
+	u.Path = "/millrace_bench"
+	db, err := sql.Open("pgx", u.String())
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { db.Close() })
+	return db, u.String()
+}
+
+func measure(b *testing.B, kind, relay string) result {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	kit := brokers[kind]
+	childEnv := map[string]string{}
+	if kit.start != nil {
+		childEnv = kit.start(b)
+	}
+	db, dbURL := benchDB(b)
+	schema := testdb.UniqueName("bench_" + kind + "_" + relay)
+	b.Cleanup(func() { db.Exec(`DROP SCHEMA IF EXISTS "` + schema + `" CASCADE`) })
+	var cfg bus.Config
+	cfg.Database.URL = dbURL
+	cfg.Database.Schema = schema
+	cfg.Broker.NATS.URL = "nats://unused:4222"
+	if err := bus.Migrate(ctx, db, cfg); err != nil {
+		b.Fatal(err)
+	}
+	pub, err := bus.Open(ctx, cfg, db)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer pub.Close()
+	cfg = pub.Config()
+
+	broker, err := kit.open(ctx, childEnv)
+	if err != nil {
+		b.Fatalf("open %s: %v", kind, err)
+	}
+	defer broker.Close()
+	topic := strings.ReplaceAll(schema, "_", "-")
+	group := topic + "-consumer"
+	if err := broker.Provision(ctx, topic, group); err != nil {
+		b.Fatal(err)
+	}
+	c := startConsumer(b, ctx, broker, topic, group)
+
+	// The backlog, committed before the relay starts, 100 events a transaction.
+	events := make([]bus.Event, backlogEvents)
+	for i := range events {
+		events[i] = bus.Event{Type: "BenchHappened", AggregateType: "bench", AggregateID: "agg-" + strconv.Itoa(i%1000),
+			AggregateVersion: int64(i/1000 + 1), Payload: []byte(`{"n":` + strconv.Itoa(i) + `,"pad":"0123456789abcdef0123456789abcdef"}`)}
+	}
+	for start := 0; start < len(events); start += 100 {
+		if err := pub.PublishInOwnTx(ctx, topic, events[start:start+100]...); err != nil {
+			b.Fatal(err)
+		}
+	}
+
+	outbox := forwarder.Outbox{Schema: schema, Topic: cfg.Outbox.Topic}
+	child := startChild(b, relay, kind, dbURL, outbox, childEnv)
+	began := time.Now()
+	waitUntil(b, 10*time.Minute, "the backlog to drain", func() bool {
+		st, err := forwarder.Inspect(ctx, db, outbox, relayGroup(relay))
+		return err == nil && st.Pending == 0
+	})
+	drain := time.Since(began)
+	waitUntil(b, 10*time.Minute, "the consumer to get the backlog", func() bool { return c.distinct() >= backlogEvents })
+
+	time.Sleep(2 * time.Second) // let the relay settle into idle
+	q0 := child.statements()
+	time.Sleep(idleWindow)
+	idle := float64(child.statements()-q0) / idleWindow.Seconds()
+
+	// The trickle: one event per transaction, 200 a second.
+	committed := map[string]time.Time{}
+	tick := time.NewTicker(time.Second / trickleRate)
+	for i := 0; i < int(trickleFor.Seconds())*trickleRate; i++ {
+		<-tick.C
+		id := watermill.NewUUID()
+		if err := pub.PublishInOwnTx(ctx, topic, bus.Event{ID: id, Type: "BenchTrickle", AggregateType: "bench",
+			AggregateID: "trickle", AggregateVersion: int64(i + 1), Payload: []byte(`{}`)}); err != nil {
+			b.Fatal(err)
+		}
+		committed[id] = time.Now()
+	}
+	tick.Stop()
+	waitUntil(b, 5*time.Minute, "the trickle to arrive", func() bool { return c.distinct() >= backlogEvents+len(committed) })
+	var lat []time.Duration
+	for id, at := range committed {
+		lat = append(lat, c.firstSeen(id).Sub(at))
+	}
+	slices.Sort(lat)
+
+	rss := child.peakRSS()
+	child.stop()
+	return result{
+		kind: kind, relay: relay,
+		drainRate:   backlogEvents / drain.Seconds(),
+		p50:         lat[len(lat)/2],
+		p99:         lat[len(lat)*99/100],
+		idleQueries: idle,
+		peakRSSMB:   rss,
+		delivered:   c.total(),
+		duplicates:  c.total() - c.distinct(),
+	}
+}
+
+func relayGroup(relay string) string {
+	if relay == "watermill" {
+		return "watermill_forwarder"
+	}
+	return "millrace_relay"
+}
+
+func waitUntil(b *testing.B, limit time.Duration, what string, cond func() bool) {
+	deadline := time.Now().Add(limit)
+	for !cond() {
+		if time.Now().After(deadline) {
+			b.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// consumer records when each event id first arrived.
+type consumer struct {
+	mu    sync.Mutex
+	seen  map[string]time.Time
+	count int
+}
+
+func startConsumer(b *testing.B, ctx context.Context, broker adapters.Broker, topic, group string) *consumer {
+	sub, err := broker.Subscriber(group)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { sub.Close() })
+	ch, err := sub.Subscribe(ctx, topic)
+	if err != nil {
+		b.Fatal(err)
+	}
+	c := &consumer{seen: map[string]time.Time{}}
+	go func() {
+		for m := range ch {
+			now := time.Now()
+			c.mu.Lock()
+			if _, ok := c.seen[m.UUID]; !ok {
+				c.seen[m.UUID] = now
+			}
+			c.count++
+			c.mu.Unlock()
+			m.Ack()
+		}
+	}()
+	return c
+}
+
+func (c *consumer) distinct() int { c.mu.Lock(); defer c.mu.Unlock(); return len(c.seen) }
+func (c *consumer) total() int    { c.mu.Lock(); defer c.mu.Unlock(); return c.count }
+func (c *consumer) firstSeen(id string) time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.seen[id]
+}
+
+// childProcess is a relay running in a re-executed test binary.
+type childProcess struct {
+	cmd       *exec.Cmd
+	countFile string
+}
+
+func startChild(b *testing.B, relay, kind, dbURL string, outbox forwarder.Outbox, extra map[string]string) *childProcess {
+	dir := b.TempDir()
+	c := &childProcess{countFile: filepath.Join(dir, "statements")}
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(),
+		"RELAYBENCH_CHILD="+relay, "RELAYBENCH_KIND="+kind, "RELAYBENCH_DB="+dbURL,
+		"RELAYBENCH_SCHEMA="+outbox.Schema, "RELAYBENCH_OUTBOX="+outbox.Topic, "RELAYBENCH_COUNT_FILE="+c.countFile)
+	for k, v := range extra {
+		cmd.Env = append(cmd.Env, k+"="+v)
+	}
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	c.cmd = cmd
+	b.Cleanup(c.stop)
+	return c
+}
+
+func (c *childProcess) statements() int64 {
+	data, _ := os.ReadFile(c.countFile)
+	n, _ := strconv.ParseInt(strings.TrimSpace(string(data)), 10, 64)
+	return n
+}
+
+// peakRSS reads the child's high-water mark of resident memory, in MB.
+func (c *childProcess) peakRSS() float64 {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/status", c.cmd.Process.Pid))
+	if err != nil {
+		return 0
+	}
+	defer f.Close()
+	s := bufio.NewScanner(f)
+	for s.Scan() {
+		if rest, ok := strings.CutPrefix(s.Text(), "VmHWM:"); ok {
+			kb, _ := strconv.ParseFloat(strings.TrimSuffix(strings.TrimSpace(rest), " kB"), 64)
+			return kb / 1024
+		}
+	}
+	return 0
+}
+
+func (c *childProcess) stop() {
+	if c.cmd.ProcessState != nil {
+		return
+	}
+	_ = c.cmd.Process.Signal(syscall.SIGTERM)
+	done := make(chan struct{})
+	go func() { _ = c.cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		_ = c.cmd.Process.Kill()
+		<-done
+	}
+}
+
+// runChild runs one relay until SIGTERM, counting its SQL statements.
+func runChild() int {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	var statements atomic.Int64
+	go func() {
+		for ctx.Err() == nil {
+			_ = os.WriteFile(os.Getenv("RELAYBENCH_COUNT_FILE"), []byte(strconv.FormatInt(statements.Load(), 10)), 0o600)
+			time.Sleep(100 * time.Millisecond)
+		}
+	}()
+	cc, err := pgx.ParseConfig(os.Getenv("RELAYBENCH_DB"))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	db := sql.OpenDB(countingConnector{Connector: stdlib.GetConnector(*cc), n: &statements})
+	defer db.Close()
+	kind := os.Getenv("RELAYBENCH_KIND")
+	env := map[string]string{}
+	for _, kv := range os.Environ() {
+		k, v, _ := strings.Cut(kv, "=")
+		env[k] = v
+	}
+	broker, err := brokers[kind].open(ctx, env)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "child: open broker:", err)
+		return 1
+	}
+	defer broker.Close()
+	outbox := forwarder.Outbox{Schema: os.Getenv("RELAYBENCH_SCHEMA"), Topic: os.Getenv("RELAYBENCH_OUTBOX")}
+	logger := watermill.NopLogger{}
+	switch os.Getenv("RELAYBENCH_CHILD") {
+	case "millrace":
+		f, err := forwarder.New(db, broker, outbox, forwarder.Config{}, forwarder.Options{Logger: logger})
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		_ = f.Run(ctx)
+	case "watermill":
+		tables := pgschema.Tables{Schema: outbox.Schema, OutboxTopic: outbox.Topic}
+		sub, err := watermillsql.NewSubscriber(db, watermillsql.SubscriberConfig{
+			ConsumerGroup:  relayGroup("watermill"),
+			SchemaAdapter:  tables.SchemaAdapter(),
+			OffsetsAdapter: tables.OffsetsAdapter(),
+		}, logger)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		fwd, err := wmforwarder.NewForwarder(sub, broker.Publisher(), logger, wmforwarder.Config{ForwarderTopic: outbox.Topic})
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		go func() { <-ctx.Done(); _ = fwd.Close() }()
+		_ = fwd.Run(ctx)
+	}
+	return 0
+}
+
+// countingConnector counts the statements a relay sends (queries and execs,
+// not BEGIN/COMMIT), so idle load compares like with like.
+type countingConnector struct {
+	driver.Connector
+	n *atomic.Int64
+}
+
+func (c countingConnector) Connect(ctx context.Context) (driver.Conn, error) {
+	conn, err := c.Connector.Connect(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &countingConn{Conn: conn.(*stdlib.Conn), n: c.n}, nil
+}
+
+type countingConn struct {
+	*stdlib.Conn
+	n *atomic.Int64
+}
+
+func (c *countingConn) QueryContext(ctx context.Context, query string, args []driver.NamedValue) (driver.Rows, error) {
+	c.n.Add(1)
+	return c.Conn.QueryContext(ctx, query, args)
+}
+
+func (c *countingConn) ExecContext(ctx context.Context, query string, args []driver.NamedValue) (driver.Result, error) {
+	c.n.Add(1)
+	return c.Conn.ExecContext(ctx, query, args)
+}
+
+func printTable() {
+	resultsMu.Lock()
+	defer resultsMu.Unlock()
+	if len(results) == 0 {
+		return
+	}
+	byKey := map[string]result{}
+	for _, r := range results {
+		byKey[r.kind+"/"+r.relay] = r
+	}
+	fmt.Println()
+	fmt.Printf("Relay: stock Watermill forwarder vs millrace, %d-event backlog, %d events/s trickle\n", backlogEvents, trickleRate)
+	fmt.Printf("%-9s %-10s %12s %10s %10s %10s %10s %10s\n", "broker", "relay", "drain msg/s", "p50", "p99", "idle q/s", "peak RSS", "dups")
+	var kinds []string
+	for _, r := range results {
+		if !slices.Contains(kinds, r.kind) {
+			kinds = append(kinds, r.kind)
+		}
+	}
+	for _, k := range kinds {
+		for _, relay := range []string{"watermill", "millrace"} {
+			r, ok := byKey[k+"/"+relay]
+			if !ok {
+				continue
+			}
+			fmt.Printf("%-9s %-10s %12.0f %10s %10s %10.2f %8.1fMB %10d\n", r.kind, r.relay, r.drainRate,
+				r.p50.Round(10*time.Microsecond), r.p99.Round(10*time.Microsecond), r.idleQueries, r.peakRSSMB, r.duplicates)
+		}
+		s, okS := byKey[k+"/watermill"]
+		m, okM := byKey[k+"/millrace"]
+		if okS && okM {
+			fmt.Printf("%-9s %-10s %11.1fx %9.1fx %9.1fx\n", k, "ratio", m.drainRate/s.drainRate,
+				float64(s.p50)/float64(m.p50), float64(s.p99)/float64(m.p99))
+		}
+	}
+}

@@ -57,7 +57,7 @@ type subscriber struct {
 }
 
 var (
-	_ message.Subscriber          = (*subscriber)(nil)
+	_ message.Subscriber           = (*subscriber)(nil)
 	_ message.SubscribeInitializer = (*subscriber)(nil)
 )
 

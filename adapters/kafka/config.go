@@ -86,9 +86,15 @@ type Config struct {
 	// SessionTimeout. Defaults to 3s.
 	HeartbeatInterval time.Duration `yaml:"heartbeat_interval"`
 	// RebalanceTimeout is how long members get to finish their in-flight
-	// messages and rejoin during a rebalance. It also bounds how long
-	// Subscribe waits for its first partition assignment. Defaults to 60s.
+	// messages and rejoin during a rebalance; a member that takes longer is
+	// dropped from the group. Defaults to 60s.
 	RebalanceTimeout time.Duration `yaml:"rebalance_timeout"`
+	// JoinWait is how long Subscribe waits for the consumer's first
+	// partition assignment, so consumers started together settle before
+	// messages flow (a rebalance under traffic redelivers in-flight
+	// messages). If the group has not settled by then, Subscribe returns
+	// anyway and consumption starts once it does. Defaults to 5s.
+	JoinWait time.Duration `yaml:"join_wait"`
 	// CommitInterval is how often the offsets of acked messages are
 	// committed; only acked messages are ever committed. 0 commits
 	// synchronously after every ack (one broker round trip per message).
@@ -131,6 +137,7 @@ func (c Config) WithDefaults() Config {
 	c.SessionTimeout = cmp.Or(c.SessionTimeout, 10*time.Second)
 	c.HeartbeatInterval = cmp.Or(c.HeartbeatInterval, 3*time.Second)
 	c.RebalanceTimeout = cmp.Or(c.RebalanceTimeout, 60*time.Second)
+	c.JoinWait = cmp.Or(c.JoinWait, 5*time.Second)
 	if c.CommitInterval == nil {
 		c.CommitInterval = ptr(time.Second)
 	}
@@ -194,6 +201,7 @@ func (c Config) Validate(path string) []error {
 			c.SessionTimeout, c.HeartbeatInterval)
 	}
 	chk.PositiveDuration(at("rebalance_timeout"), c.RebalanceTimeout)
+	chk.PositiveDuration(at("join_wait"), c.JoinWait)
 	if c.CommitInterval != nil {
 		chk.NonNegativeDuration(at("commit_interval"), *c.CommitInterval)
 	}

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
 	wkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -29,8 +30,13 @@ import (
 // the messages that were in flight (at-least-once).
 //
 // Subscribe returns once the consumer has joined its group and received its
-// partitions (at most broker.kafka.rebalance_timeout), so consumers started
-// together do not rebalance each other under live traffic.
+// partitions, or after broker.kafka.join_wait, so consumers started together
+// settle before messages flow.
+//
+// As in watermill-kafka, a rebalance waits until every message already handed
+// to a subscription's channel has been taken and acked or nacked (at most
+// broker.kafka.rebalance_timeout, after which the member is dropped and the
+// message redelivered elsewhere): keep reading the channel.
 func (b *Broker) Subscriber(consumerGroup string) (message.Subscriber, error) {
 	if err := names.Topic(consumerGroup); err != nil {
 		return nil, fmt.Errorf("kafka: consumer group %q: %w", consumerGroup, err)
@@ -99,20 +105,20 @@ func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		_ = inner.Close()
 		return nil, fmt.Errorf("kafka: cannot subscribe group %s to topic %s: %w", s.group, topic, err)
 	}
-	timeout := time.NewTimer(s.b.cfg.RebalanceTimeout)
-	defer timeout.Stop()
+	wait := time.NewTimer(s.b.cfg.JoinWait)
+	defer wait.Stop()
 	select {
 	case <-joined:
-		return out, nil
-	case <-ctx.Done():
-		return out, nil // the channel closes as the context has ended
-	case <-s.closing:
-		return out, nil // the channel closes as the subscriber closes
-	case <-timeout.C:
-		_ = inner.Close()
-		return nil, fmt.Errorf("kafka: group %s got no partitions of topic %s within %s (broker.kafka.rebalance_timeout)",
-			s.group, topic, s.b.cfg.RebalanceTimeout)
+	case <-ctx.Done(): // the channel closes as the context has ended
+	case <-s.closing: // the channel closes as the subscriber closes
+	case <-wait.C:
+		// Typically another member of the group holds a delivered message
+		// nobody has taken yet, which holds up the rebalance until it is.
+		s.b.logger.Info("Kafka consumer group has not settled yet; consuming once it has", watermill.LogFields{
+			"consumer_group": s.group, "topic": topic, "join_wait": s.b.cfg.JoinWait.String(),
+		})
 	}
+	return out, nil
 }
 
 // SubscribeInitialize provisions topic for the subscriber's group (Watermill

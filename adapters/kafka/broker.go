@@ -66,13 +66,15 @@ func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, erro
 		closing:     make(chan struct{}),
 	}
 	if cfg.DevCluster {
-		release, err := acquireDevCluster(cfg.Brokers, cfg.ReplicationFactor)
+		listening, release, err := acquireDevCluster(cfg.Brokers, cfg.ReplicationFactor)
 		if err != nil {
 			return nil, err
 		}
 		b.releaseDev = release
-		b.logger.Info("Started the in-process Kafka dev cluster (kfake); not for production", watermill.LogFields{
-			"brokers": strings.Join(cfg.Brokers, ","),
+		cfg.Brokers = listening
+		b.cfg.Brokers = listening
+		b.logger.Info("Using the in-process Kafka dev cluster (kfake); not for production", watermill.LogFields{
+			"brokers": strings.Join(listening, ","),
 		})
 	}
 

@@ -109,8 +109,9 @@ type sharedDevCluster struct {
 }
 
 // acquireDevCluster starts or joins the process's dev cluster on addrs and
-// returns the function that releases it; the last release stops it.
-func acquireDevCluster(addrs []string, brokers int) (release func(), err error) {
+// returns its broker addresses (port 0 replaced by the port picked) and the
+// function that releases it; the last release stops it.
+func acquireDevCluster(addrs []string, brokers int) (listening []string, release func(), err error) {
 	key := strings.Join(addrs, ",")
 	devClusters.Lock()
 	defer devClusters.Unlock()
@@ -118,14 +119,14 @@ func acquireDevCluster(addrs []string, brokers int) (release func(), err error) 
 	if s == nil {
 		dc, err := StartDevCluster(DevClusterOptions{Addrs: addrs, Brokers: max(brokers, len(addrs))})
 		if err != nil {
-			return nil, errors.Join(err, errors.New("set broker.kafka.dev_cluster: false to use the broker already there"))
+			return nil, nil, errors.Join(err, errors.New("set broker.kafka.dev_cluster: false to use the broker already there"))
 		}
 		s = &sharedDevCluster{dc: dc}
 		devClusters.m[key] = s
 	}
 	s.refs++
 	var once sync.Once
-	return func() {
+	return s.dc.Addrs(), func() {
 		once.Do(func() {
 			devClusters.Lock()
 			defer devClusters.Unlock()

@@ -337,3 +337,42 @@ func createTopic(t *testing.T, env *testEnv, topic string, partitions int32, con
 		require.NoError(t, err)
 	}
 }
+
+// TestDevClusterShared: Brokers opened in one process on the same
+// dev_cluster config share one cluster, which stops with the last Close; an
+// address already in use is a clear error.
+func TestDevClusterShared(t *testing.T) {
+	t.Parallel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := ln.Addr().String()
+
+	_, err = kafka.Open(context.Background(), kafka.Config{Brokers: []string{addr}, DevCluster: true},
+		adapters.Options{ConnectTimeout: 5 * time.Second})
+	require.Error(t, err, "the address is taken")
+	assert.Contains(t, err.Error(), addr)
+	assert.Contains(t, err.Error(), "dev_cluster: false")
+	require.NoError(t, ln.Close())
+
+	cfg := kafka.Config{Brokers: []string{addr}, DevCluster: true, HeartbeatInterval: 500 * time.Millisecond}
+	opts := adapters.Options{ConnectTimeout: 30 * time.Second}
+	a, err := kafka.Open(context.Background(), cfg, opts)
+	require.NoError(t, err)
+	b, err := kafka.Open(context.Background(), cfg, opts)
+	require.NoError(t, err)
+
+	topic := adaptertest.Name("shared")
+	m := event("a", 1)
+	require.NoError(t, a.PublishBatch(context.Background(), outgoing(topic, m)))
+	require.NoError(t, a.Close())
+	receiveIDs(t, subscribe(t, b, topic, adaptertest.Name("g")), map[string]bool{m.UUID: true}, 60*time.Second)
+	require.NoError(t, b.Close())
+
+	require.Eventually(t, func() bool {
+		l, err := net.Listen("tcp", addr)
+		if err == nil {
+			_ = l.Close()
+		}
+		return err == nil
+	}, 30*time.Second, 100*time.Millisecond, "the dev cluster stops with the last Broker")
+}

@@ -6,8 +6,10 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters/kafka"
+	"github.com/millrace-io/millrace/bus"
 )
 
 func TestConfigDefaults(t *testing.T) {
@@ -59,4 +61,16 @@ func TestConfigValidate(t *testing.T) {
 		assert.Contains(t, all, want)
 	}
 	assert.Contains(t, kafka.Config{}.WithDefaults().Validate("broker.kafka")[0].Error(), "broker.kafka.brokers: required")
+}
+
+// TestShippedConfigStatesTheDefaults: the broker.kafka block of config.yaml
+// documents every key with its default value.
+func TestShippedConfigStatesTheDefaults(t *testing.T) {
+	t.Parallel()
+	cfg, err := bus.LoadConfig("../../config.yaml")
+	require.NoError(t, err)
+	got := cfg.Broker.Kafka
+	want := kafka.Config{}.WithDefaults()
+	want.Brokers, want.DevCluster = got.Brokers, got.DevCluster // KAFKA_BROKERS and KAFKA_DEV_CLUSTER may override these
+	assert.Equal(t, want, got)
 }

@@ -1,31 +1,221 @@
 package kafka
 
 import (
+	"cmp"
 	"fmt"
+	"net"
+	"strconv"
+	"time"
+
+	"github.com/IBM/sarama"
 
 	"github.com/millrace-io/millrace/internal/confload"
 )
 
-// Config is the broker.kafka section of config.yaml.
+// Compression codecs accepted by broker.kafka.compression.
+const (
+	CompressionNone   = "none"
+	CompressionGzip   = "gzip"
+	CompressionSnappy = "snappy"
+	CompressionLZ4    = "lz4"
+	CompressionZstd   = "zstd"
+)
+
+// Config is the broker.kafka section of config.yaml. Each field's comment
+// gives its YAML key's default; WithDefaults applies them.
 type Config struct {
 	// Brokers are the bootstrap broker addresses (host:port). Required when
 	// broker.kind is kafka. KAFKA_BROKERS (comma separated) overrides it.
 	Brokers []string `yaml:"brokers"`
+
+	// DevCluster, when true, makes Open start an in-process Kafka-protocol
+	// cluster (kfake) listening on Brokers, for demos and tests only: it has
+	// no replication, keeps its data in memory and dies with the process.
+	// Defaults to false.
+	DevCluster bool `yaml:"dev_cluster"`
+
+	// Version is the Kafka protocol version Sarama speaks; at least 0.11.0
+	// (the idempotent producer needs it). Defaults to "2.8.0", the newest
+	// version Sarama fully covers, which Kafka 2.8 to 4.x brokers accept.
+	Version string `yaml:"version"`
+	// ClientID names this client in broker logs and quotas. Defaults to "millrace".
+	ClientID string `yaml:"client_id"`
+
+	// Partitions is the partition count of topics millrace creates. It caps
+	// how many consumers of one group work in parallel; changing it later
+	// moves keys to other partitions. Defaults to 6.
+	Partitions int `yaml:"partitions"`
+	// ReplicationFactor is the replica count of topics millrace creates.
+	// Defaults to 3.
+	ReplicationFactor int `yaml:"replication_factor"`
+	// MinInsyncReplicas is the topic's min.insync.replicas for topics millrace
+	// creates: with acks=all, a write succeeds only once this many replicas
+	// have it. At most ReplicationFactor. Defaults to 2, or 1 when
+	// ReplicationFactor is 1.
+	MinInsyncReplicas int `yaml:"min_insync_replicas"`
+	// AutoProvision makes the first publish to or subscribe on a missing topic
+	// create it with Partitions, ReplicationFactor and MinInsyncReplicas.
+	// Brokers never auto-create topics for millrace (they would use the
+	// broker's num.partitions and default.replication.factor, often 1).
+	// Defaults to true.
+	AutoProvision *bool `yaml:"auto_provision"`
+
+	// MaxMessageBytes is the largest message (payload, key and headers) the
+	// producer sends; a larger one fails at once with a permanent error. Keep
+	// it at or under the broker's message.max.bytes. Defaults to 1048576.
+	MaxMessageBytes int `yaml:"max_message_bytes"`
+	// Compression is the producer's batch codec: none, gzip, snappy, lz4 or
+	// zstd. Defaults to "lz4".
+	Compression string `yaml:"compression"`
+	// ProducerRetries is how often the producer resends a batch the broker
+	// did not acknowledge before the publish fails (retryably). The
+	// idempotent producer keeps this free of duplicates and reordering.
+	// Defaults to 10.
+	ProducerRetries int `yaml:"producer_retries"`
+	// ProducerRetryBackoff is the wait between those resends. Defaults to 250ms.
+	ProducerRetryBackoff time.Duration `yaml:"producer_retry_backoff"`
+	// ProducerTimeout is how long the broker may take to gather the acks of
+	// all in-sync replicas. Defaults to 10s.
+	ProducerTimeout time.Duration `yaml:"producer_timeout"`
+
+	// SessionTimeout is how long a consumer may go without heartbeats before
+	// the group drops it and gives its partitions to others. Defaults to 10s.
+	SessionTimeout time.Duration `yaml:"session_timeout"`
+	// HeartbeatInterval is how often consumers heartbeat; a rebalance reaches
+	// the other members of a group within about this time. Less than
+	// SessionTimeout. Defaults to 3s.
+	HeartbeatInterval time.Duration `yaml:"heartbeat_interval"`
+	// RebalanceTimeout is how long members get to finish their in-flight
+	// messages and rejoin during a rebalance; a member that takes longer is
+	// dropped from the group. Defaults to 60s.
+	RebalanceTimeout time.Duration `yaml:"rebalance_timeout"`
+	// JoinWait is how long Subscribe waits for the consumer's first
+	// partition assignment, so consumers started together settle before
+	// messages flow (a rebalance under traffic redelivers in-flight
+	// messages). If the group has not settled by then, Subscribe returns
+	// anyway and consumption starts once it does. Defaults to 5s.
+	JoinWait time.Duration `yaml:"join_wait"`
+	// CommitInterval is how often the offsets of acked messages are
+	// committed; only acked messages are ever committed. 0 commits
+	// synchronously after every ack (one broker round trip per message).
+	// A crash redelivers at most this much acked work. Defaults to 1s.
+	CommitInterval *time.Duration `yaml:"commit_interval"`
+	// NackRedeliveryDelay is how long a nacked message waits before it is
+	// delivered again to the same subscriber. Defaults to 100ms.
+	NackRedeliveryDelay time.Duration `yaml:"nack_redelivery_delay"`
+	// ReconnectDelay is the wait between attempts to reconnect a subscription
+	// whose broker connection failed. Defaults to 1s.
+	ReconnectDelay time.Duration `yaml:"reconnect_delay"`
 }
+
+// Defaults of the settings that are not zero values.
+const (
+	DefaultVersion           = "2.8.0"
+	DefaultClientID          = "millrace"
+	DefaultPartitions        = 6
+	DefaultReplicationFactor = 3
+	DefaultMaxMessageBytes   = 1024 * 1024
+)
 
 // WithDefaults returns c with every unset field at its default.
-func (c Config) WithDefaults() Config { return c }
+func (c Config) WithDefaults() Config {
+	c.Version = cmp.Or(c.Version, DefaultVersion)
+	c.ClientID = cmp.Or(c.ClientID, DefaultClientID)
+	c.Partitions = cmp.Or(c.Partitions, DefaultPartitions)
+	c.ReplicationFactor = cmp.Or(c.ReplicationFactor, DefaultReplicationFactor)
+	if c.MinInsyncReplicas == 0 {
+		c.MinInsyncReplicas = min(2, c.ReplicationFactor)
+	}
+	if c.AutoProvision == nil {
+		c.AutoProvision = ptr(true)
+	}
+	c.MaxMessageBytes = cmp.Or(c.MaxMessageBytes, DefaultMaxMessageBytes)
+	c.Compression = cmp.Or(c.Compression, CompressionLZ4)
+	c.ProducerRetries = cmp.Or(c.ProducerRetries, 10)
+	c.ProducerRetryBackoff = cmp.Or(c.ProducerRetryBackoff, 250*time.Millisecond)
+	c.ProducerTimeout = cmp.Or(c.ProducerTimeout, 10*time.Second)
+	c.SessionTimeout = cmp.Or(c.SessionTimeout, 10*time.Second)
+	c.HeartbeatInterval = cmp.Or(c.HeartbeatInterval, 3*time.Second)
+	c.RebalanceTimeout = cmp.Or(c.RebalanceTimeout, 60*time.Second)
+	c.JoinWait = cmp.Or(c.JoinWait, 5*time.Second)
+	if c.CommitInterval == nil {
+		c.CommitInterval = ptr(time.Second)
+	}
+	c.NackRedeliveryDelay = cmp.Or(c.NackRedeliveryDelay, 100*time.Millisecond)
+	c.ReconnectDelay = cmp.Or(c.ReconnectDelay, time.Second)
+	return c
+}
 
 // Validate returns every problem in c, each naming its YAML path under path.
+// Call it on a Config that has had WithDefaults applied.
 func (c Config) Validate(path string) []error {
 	var chk confload.Checker
+	at := func(key string) string { return confload.Join(path, key) }
 	if len(c.Brokers) == 0 {
-		chk.Add(confload.Join(path, "brokers"), "required: at least one host:port")
+		chk.Add(at("brokers"), "required: at least one host:port")
 	}
 	for i, b := range c.Brokers {
+		p := fmt.Sprintf("%s[%d]", at("brokers"), i)
 		if b == "" {
-			chk.Add(fmt.Sprintf("%s[%d]", confload.Join(path, "brokers"), i), "must not be empty")
+			chk.Add(p, "must not be empty")
+			continue
+		}
+		if _, port, err := net.SplitHostPort(b); err != nil {
+			chk.Add(p, "must be host:port; got %q", b)
+		} else if n, err := strconv.Atoi(port); err != nil || n < 0 || n > 65535 {
+			chk.Add(p, "port must be a number from 0 to 65535; got %q", b)
 		}
 	}
+	if c.DevCluster {
+		for i, b := range c.Brokers {
+			if host, _, err := net.SplitHostPort(b); err == nil && !isLoopback(host) {
+				chk.Add(fmt.Sprintf("%s[%d]", at("brokers"), i),
+					"with dev_cluster: true the in-process cluster listens on 127.0.0.1 only; got %q", b)
+			}
+		}
+	}
+	if v, err := sarama.ParseKafkaVersion(c.Version); err != nil {
+		chk.Add(at("version"), "not a Kafka version such as \"2.8.0\"; got %q", c.Version)
+	} else if !v.IsAtLeast(sarama.V0_11_0_0) {
+		chk.Add(at("version"), "must be at least 0.11.0 (the idempotent producer needs it); got %q", c.Version)
+	}
+	chk.Positive(at("partitions"), c.Partitions)
+	chk.Positive(at("replication_factor"), c.ReplicationFactor)
+	chk.Positive(at("min_insync_replicas"), c.MinInsyncReplicas)
+	if c.MinInsyncReplicas > c.ReplicationFactor {
+		chk.Add(at("min_insync_replicas"), "must be at most replication_factor (%d); got %d",
+			c.ReplicationFactor, c.MinInsyncReplicas)
+	}
+	if c.MaxMessageBytes < 1024 || c.MaxMessageBytes >= int(sarama.MaxRequestSize) {
+		chk.Add(at("max_message_bytes"), "must be from 1024 to %d; got %d", sarama.MaxRequestSize-1, c.MaxMessageBytes)
+	}
+	chk.OneOf(at("compression"), c.Compression,
+		CompressionNone, CompressionGzip, CompressionSnappy, CompressionLZ4, CompressionZstd)
+	chk.Positive(at("producer_retries"), c.ProducerRetries)
+	chk.PositiveDuration(at("producer_retry_backoff"), c.ProducerRetryBackoff)
+	chk.PositiveDuration(at("producer_timeout"), c.ProducerTimeout)
+	chk.PositiveDuration(at("session_timeout"), c.SessionTimeout)
+	chk.PositiveDuration(at("heartbeat_interval"), c.HeartbeatInterval)
+	if c.HeartbeatInterval >= c.SessionTimeout {
+		chk.Add(at("heartbeat_interval"), "must be less than session_timeout (%s); got %s",
+			c.SessionTimeout, c.HeartbeatInterval)
+	}
+	chk.PositiveDuration(at("rebalance_timeout"), c.RebalanceTimeout)
+	chk.PositiveDuration(at("join_wait"), c.JoinWait)
+	if c.CommitInterval != nil {
+		chk.NonNegativeDuration(at("commit_interval"), *c.CommitInterval)
+	}
+	chk.PositiveDuration(at("nack_redelivery_delay"), c.NackRedeliveryDelay)
+	chk.PositiveDuration(at("reconnect_delay"), c.ReconnectDelay)
 	return chk.Problems
 }
+
+func isLoopback(host string) bool {
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.Equal(net.IPv4(127, 0, 0, 1))
+}
+
+func ptr[T any](v T) *T { return &v }

@@ -1,0 +1,70 @@
+package kafka_test
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/adapters/kafka"
+	"github.com/millrace-io/millrace/internal/envelope"
+)
+
+// Open a Broker on an in-process dev cluster, provision a topic and its
+// consumer group, publish a batch and consume it. With a real cluster, leave
+// DevCluster false and list its brokers.
+func Example() {
+	ctx := context.Background()
+	b, err := kafka.Open(ctx, kafka.Config{
+		Brokers:    []string{"127.0.0.1:0"}, // port 0: any free port
+		DevCluster: true,
+	}, adapters.Options{ConnectTimeout: 10 * time.Second})
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer b.Close()
+
+	if err := b.Provision(ctx, "orders", "billing"); err != nil {
+		fmt.Println(err)
+		return
+	}
+
+	var batch []adapters.Outgoing
+	for i, order := range []string{"order-1", "order-2", "order-1"} {
+		msg := message.NewMessage(fmt.Sprintf("event-%d", i+1), fmt.Appendf(nil, `{"n":%d}`, i+1))
+		msg.Metadata.Set(envelope.AggregateIDKey, order) // the partition key
+		batch = append(batch, adapters.Outgoing{Topic: "orders", Msg: msg})
+	}
+	if err := b.PublishBatch(ctx, batch); err != nil {
+		fmt.Println(err) // a *adapters.BatchError says which messages failed
+		return
+	}
+
+	sub, err := b.Subscriber("billing")
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer sub.Close()
+	msgs, err := sub.Subscribe(ctx, "orders")
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	got := map[string]string{}
+	for len(got) < len(batch) {
+		m := <-msgs
+		got[m.UUID] = m.Metadata.Get(envelope.AggregateIDKey) + " " + string(m.Payload)
+		m.Ack() // only acked messages are committed
+	}
+	fmt.Println(got["event-1"])
+	fmt.Println(got["event-2"])
+	fmt.Println(got["event-3"])
+	// Output:
+	// order-1 {"n":1}
+	// order-2 {"n":2}
+	// order-1 {"n":3}
+}

@@ -150,4 +150,12 @@ func TestClosedBroker(t *testing.T) {
 	require.ErrorIs(t, pub.Publish("t", message.NewMessage("x", nil)), errPublisherClosed)
 	_, err = b.Subscriber("g")
 	require.ErrorIs(t, err, errBrokerClosed)
+
+	b2 := openBroker(t, startEmbedded(t).URL(), nil)
+	sub, err := b2.Subscriber("g")
+	require.NoError(t, err)
+	require.NoError(t, sub.Close())
+	require.NoError(t, sub.Close())
+	_, err = sub.Subscribe(context.Background(), "t")
+	require.ErrorIs(t, err, errSubscriberClosed)
 }

@@ -67,7 +67,7 @@ func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, erro
 		window:    make(chan struct{}, cfg.Publish.MaxPending),
 	}
 	if cfg.Embedded.Enabled {
-		srv, err := StartEmbedded(cfg.URL, cfg.Embedded, nil)
+		srv, err := StartEmbedded(cfg.URL, cfg.Embedded, opts.Logger)
 		if err != nil {
 			return nil, err
 		}
@@ -114,6 +114,9 @@ func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, erro
 	if err != nil {
 		return nil, fmt.Errorf("nats: %w", err)
 	}
+	b.logger.Info("Connected to NATS JetStream", watermill.LogFields{
+		"url": redact(b.url), "server_version": nc.ConnectedServerVersion(), "embedded": b.embedded != nil,
+	})
 	ok = true
 	return b, nil
 }

@@ -254,3 +254,50 @@ func TestSubscribersSetsConcurrency(t *testing.T) {
 		})
 	}
 }
+
+// Ending a Subscribe context while messages stream in is what makes a bare
+// watermill-nats v2.1.3 subscriber send on its closed output channel (a data
+// race in every one of several runs of this scenario, and a "send on closed
+// channel" panic when the send wins); see subscription. Many rounds of it here: no race,
+// no panic, and nothing is lost.
+func TestCancelWhileMessagesArrive(t *testing.T) {
+	t.Parallel()
+	b := openBroker(t, startEmbedded(t).URL(), func(c *Config) {
+		c.Consumer.Subscribers = 4
+		c.Consumer.NakDelay = 10 * time.Millisecond
+		c.Consumer.AckWait = 2 * time.Second
+	})
+	topic, group := adaptertest.Name("cancel"), adaptertest.Name("g")
+	require.NoError(t, b.Provision(context.Background(), topic, group))
+	sub, err := b.Subscriber(group)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, sub.Close()) })
+
+	const rounds, perRound = 40, 50
+	acked := map[string]bool{}
+	for r := range rounds {
+		var batch []*message.Message
+		for i := range perRound {
+			batch = append(batch, newMsg(fmt.Sprintf("r%d-%d", r, i)))
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		ch, err := sub.Subscribe(ctx, topic)
+		require.NoError(t, err)
+		published := make(chan error, 1)
+		go func() { published <- b.PublishBatch(context.Background(), batchOf(topic, batch...)) }()
+		m := next(t, ch)
+		m.Ack()
+		acked[m.UUID] = true
+		cancel()
+		for range ch { // closes soon; what is still handed out is left unacked
+		}
+		require.NoError(t, <-published)
+	}
+	ch := subscribeGroup(t, b, topic, group)
+	total := rounds * perRound
+	for len(acked) < total {
+		m := next(t, ch)
+		acked[m.UUID] = true
+		m.Ack()
+	}
+}

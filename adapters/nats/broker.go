@@ -22,7 +22,7 @@ var _ adapters.Broker = (*Broker)(nil)
 
 // Broker is a connection to NATS JetStream as millrace uses it: a
 // publishing connection shared by Publisher and PublishBatch, one connection
-// per Subscriber, and, with broker.nats.embedded, the in-process server they
+// per Subscribe call, and, with broker.nats.embedded, the in-process server they
 // connect to. It is safe for concurrent use.
 type Broker struct {
 	cfg    Config

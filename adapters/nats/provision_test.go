@@ -28,6 +28,7 @@ func TestProvisionCreatesConfiguredTopology(t *testing.T) {
 		})
 		topic := adaptertest.Name("orders.events")
 		groups := []string{adaptertest.Name("billing.v2"), adaptertest.Name("shipping")}
+		trackStream(url, StreamName(topic))
 		for range 2 {
 			require.NoError(t, b.Provision(context.Background(), topic, groups...))
 			b.forgetStream(topic) // check the server again, not the cache

@@ -62,9 +62,9 @@ func (b *Broker) Subscriber(consumerGroup string) (message.Subscriber, error) {
 
 // Subscribe provisions topic's stream and the group's consumer if needed and
 // returns the group's messages of topic. The channel closes when ctx is done
-// or the subscriber is closed; messages handed out by then and not acked are
-// delivered again after ack_wait, the ones not handed out yet after
-// nak_delay.
+// or the subscriber is closed; nothing is acked by that: messages handed out
+// and not acked come back after ack_wait, the ones watermill-nats had taken
+// but not handed out are nacked (back after nak_delay).
 func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	if err := s.SubscribeInitialize(topic); err != nil {
 		return nil, err

@@ -26,9 +26,10 @@ var errBrokerClosed = errors.New("nats: broker closed")
 // PublishBatch publishes msgs with JetStream's asynchronous publish, in slice
 // order on one connection, each with Nats-Msg-Id set to msg.UUID, keeping at
 // most broker.nats.publish.max_pending unconfirmed at once (across concurrent
-// calls), and then waits for every confirm. It returns nil when all were confirmed (a message the
-// server already had within the duplicate window counts as confirmed), else
-// a *adapters.BatchError with one entry per message.
+// calls), and then waits for every confirm. It returns nil when all were
+// confirmed (a message the server already had within the duplicate window
+// counts as confirmed), else a *adapters.BatchError with one entry per
+// message.
 //
 // A message over the size limit fails alone, permanently
 // (adapters.ErrMessageTooLarge, the limit in the text). Any other failure
@@ -59,24 +60,30 @@ func (b *Broker) PublishBatch(ctx context.Context, msgs []adapters.Outgoing) err
 
 	state := &batchState{}
 	futures := make([]jetstream.PubAckFuture, len(msgs))
-	var stop error
+	// notSent is the error of every message after the first retryable failure.
+	var notSent error
+	stop := func(cause error) {
+		if notSent == nil {
+			notSent = fmt.Errorf("nats: not sent because an earlier message of the batch failed: %w", cause)
+		}
+	}
 	for i, o := range msgs {
 		if err := streamErr[o.Topic]; err != nil {
 			errs[i] = err
-			if !adapters.IsPermanent(err) && stop == nil {
-				stop = err
+			if !adapters.IsPermanent(err) {
+				stop(err)
 			}
 			continue
 		}
-		if stop == nil {
+		if notSent == nil {
 			if err := ctx.Err(); err != nil {
-				stop = err
+				notSent = fmt.Errorf("nats: not sent: %w", err)
 			} else if err := state.failure(); err != nil {
-				stop = err
+				stop(err)
 			}
 		}
-		if stop != nil {
-			errs[i] = fmt.Errorf("nats: not sent because an earlier message of the batch failed: %w", stop)
+		if notSent != nil {
+			errs[i] = notSent
 			continue
 		}
 		nm, err := (marshaler{}).Marshal(o.Topic, o.Msg)
@@ -85,14 +92,14 @@ func (b *Broker) PublishBatch(ctx context.Context, msgs []adapters.Outgoing) err
 			continue
 		}
 		if err := b.acquire(ctx); err != nil {
-			errs[i], stop = err, err
+			errs[i], notSent = err, err
 			continue
 		}
 		// The slot may have been freed by a failed message: look again.
 		if err := state.failure(); err != nil {
 			b.release()
-			stop = err
-			errs[i] = fmt.Errorf("nats: not sent because an earlier message of the batch failed: %w", stop)
+			stop(err)
+			errs[i] = notSent
 			continue
 		}
 		b.pending.Store(nm, state)
@@ -108,7 +115,7 @@ func (b *Broker) PublishBatch(ctx context.Context, msgs []adapters.Outgoing) err
 			}
 			errs[i] = b.classify(o.Topic, o.Msg, nm, err)
 			if !adapters.IsPermanent(errs[i]) {
-				stop = errs[i]
+				stop(errs[i])
 			}
 			continue
 		}
@@ -190,10 +197,12 @@ func (b *Broker) onAsyncError(_ jetstream.JetStream, nm *nats.Msg, err error) {
 	if !ok {
 		return
 	}
-	b.release()
+	// Record the failure before freeing the slot: the batch checks for
+	// failures right after it gets a slot.
 	if !adapters.IsPermanent(b.classify(nm.Subject, nil, nm, err)) {
 		v.(*batchState).fail(err)
 	}
+	b.release()
 }
 
 // classify wraps a publish error: permanent when the message can never be

@@ -1,20 +1,242 @@
 package nats
 
-import "github.com/millrace-io/millrace/internal/confload"
+import (
+	"cmp"
+	"fmt"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strconv"
+	"time"
+
+	"github.com/millrace-io/millrace/internal/confload"
+)
 
 // Config is the broker.nats section of config.yaml.
 type Config struct {
 	// URL is the NATS server URL, e.g. nats://127.0.0.1:4222. Required when
-	// broker.kind is nats. NATS_URL overrides it.
+	// broker.kind is nats. NATS_URL overrides it. With Embedded.Enabled it is
+	// the address the in-process server listens on (port 0 picks a free one).
 	URL string `yaml:"url"`
+	// Stream configures the JetStream stream millrace creates for each topic.
+	Stream StreamConfig `yaml:"stream"`
+	// Consumer configures the durable consumer millrace creates for each
+	// consumer group of a topic, and how subscribers read from it.
+	Consumer ConsumerConfig `yaml:"consumer"`
+	// Publish configures publishing, PublishBatch in particular.
+	Publish PublishConfig `yaml:"publish"`
+	// Embedded runs a nats-server with JetStream inside the process, for
+	// tests and the demo on a machine without a NATS server.
+	Embedded EmbeddedConfig `yaml:"embedded"`
 }
 
+// StreamConfig is broker.nats.stream: the settings of every stream millrace
+// provisions. Streams always use file storage, limits retention (every
+// consumer group reads every message; a message leaves only by max_age or
+// max_bytes) and discard-new (a full stream refuses new messages, which stay
+// in the outbox and are retried, instead of silently dropping old ones).
+type StreamConfig struct {
+	// Replicas is the number of copies JetStream keeps of each message (1 to
+	// 5; a cluster needs at least 3 for a copy to survive a node). Defaults to 1,
+	// which suits a single server; use 3 on a production cluster.
+	Replicas int `yaml:"replicas"`
+	// MaxAge is how long a message is kept, consumed or not. Defaults to
+	// 168h (7 days).
+	MaxAge time.Duration `yaml:"max_age"`
+	// MaxBytes caps a stream's size on disk; a full stream refuses new messages
+	// (retryable for the relay). Defaults to 0: no cap beyond the server's.
+	MaxBytes int64 `yaml:"max_bytes"`
+	// DuplicateWindow is how long the server remembers event ids
+	// (Nats-Msg-Id) to drop a message published again, as the relay does after
+	// an unconfirmed batch. Defaults to 2m; it must not exceed max_age.
+	DuplicateWindow time.Duration `yaml:"duplicate_window"`
+	// MaxMsgSize is the largest message (payload plus headers) the stream
+	// accepts, in bytes. Defaults to 0: the server's max_payload (1 MiB unless
+	// the server raises it).
+	MaxMsgSize int32 `yaml:"max_msg_size"`
+}
+
+// ConsumerConfig is broker.nats.consumer: the settings of the durable
+// consumer of each consumer group and of the subscribers reading from it.
+type ConsumerConfig struct {
+	// AckWait is how long the server waits for a message's ack before it
+	// delivers the message again. It must exceed the longest time a handler
+	// (with its in-process retries) takes. Defaults to 60s.
+	AckWait time.Duration `yaml:"ack_wait"`
+	// MaxDeliver is how many times the server delivers a message to a group
+	// before giving up on it; -1 means no limit. A message that reaches the
+	// limit is skipped for the group (it stays in the stream), so millrace
+	// relies on its poison queue instead. Defaults to -1.
+	MaxDeliver int `yaml:"max_deliver"`
+	// MaxAckPending is how many messages a group may hold delivered but not
+	// acked, across all its subscriptions in all processes (its prefetch); the
+	// server sends no more until some are acked. Messages wait in a busy
+	// subscription's buffer with their ack_wait running, so keep it below
+	// ack_wait divided by the slowest handler's time, and at least the number
+	// of the group's subscriptions. 1 keeps strict order even across
+	// redeliveries, but then the group handles one message at a time.
+	// Defaults to 32.
+	MaxAckPending int `yaml:"max_ack_pending"`
+	// NakDelay is how long the server waits before delivering a nacked
+	// message again, so a failing message does not spin. Defaults to 5s.
+	NakDelay time.Duration `yaml:"nak_delay"`
+	// Subscribers is how many subscriptions (watermill-nats SubscribersCount)
+	// each Subscribe call opens on the group's consumer; each holds one
+	// message until it is acked or nacked, so it is how many messages of the
+	// group one Subscribe call works on at once. The server gives each message
+	// to a random subscription of the group. Order holds only with 1.
+	// Defaults to 1.
+	Subscribers int `yaml:"subscribers"`
+}
+
+// PublishConfig is broker.nats.publish.
+type PublishConfig struct {
+	// Timeout bounds the wait for the server's confirm of each message (and
+	// the wait for room when max_pending messages are unconfirmed). Defaults
+	// to 30s.
+	Timeout time.Duration `yaml:"timeout"`
+	// MaxPending is how many messages PublishBatch keeps sent but unconfirmed
+	// at once. Defaults to 512.
+	MaxPending int `yaml:"max_pending"`
+}
+
+// EmbeddedConfig is broker.nats.embedded.
+type EmbeddedConfig struct {
+	// Enabled starts an in-process nats-server with JetStream, listening on
+	// the host and port of broker.nats.url, for as long as the Broker is open.
+	// Defaults to false.
+	Enabled bool `yaml:"enabled"`
+	// StoreDir is where the embedded server keeps its streams. Defaults to
+	// millrace-nats in the system's temporary directory.
+	StoreDir string `yaml:"store_dir"`
+	// Sync is when the embedded server flushes stream files to disk: "always"
+	// (fsync before confirming each message: a confirmed message survives a
+	// power loss) or a duration such as "2m" (flush every interval: faster, but
+	// a power loss or kernel crash may lose what was confirmed since the last
+	// flush; a crash of the process alone loses nothing). Defaults to "always".
+	Sync string `yaml:"sync"`
+}
+
+// SyncAlways is the EmbeddedConfig.Sync value that fsyncs every write.
+const SyncAlways = "always"
+
+// Defaults, one place.
+const (
+	defaultReplicas        = 1
+	defaultMaxAge          = 7 * 24 * time.Hour
+	defaultDuplicateWindow = 2 * time.Minute
+	defaultAckWait         = 60 * time.Second
+	defaultMaxDeliver      = -1
+	defaultMaxAckPending   = 32
+	defaultNakDelay        = 5 * time.Second
+	defaultSubscribers     = 1
+	defaultPublishTimeout  = 30 * time.Second
+	defaultMaxPending      = 512
+)
+
+// DefaultStoreDir is broker.nats.embedded.store_dir's default.
+func DefaultStoreDir() string { return filepath.Join(os.TempDir(), "millrace-nats") }
+
 // WithDefaults returns c with every unset field at its default.
-func (c Config) WithDefaults() Config { return c }
+func (c Config) WithDefaults() Config {
+	c.Stream.Replicas = cmp.Or(c.Stream.Replicas, defaultReplicas)
+	c.Stream.MaxAge = cmp.Or(c.Stream.MaxAge, defaultMaxAge)
+	c.Stream.DuplicateWindow = cmp.Or(c.Stream.DuplicateWindow, defaultDuplicateWindow)
+	c.Consumer.AckWait = cmp.Or(c.Consumer.AckWait, defaultAckWait)
+	c.Consumer.MaxDeliver = cmp.Or(c.Consumer.MaxDeliver, defaultMaxDeliver)
+	c.Consumer.MaxAckPending = cmp.Or(c.Consumer.MaxAckPending, defaultMaxAckPending)
+	c.Consumer.NakDelay = cmp.Or(c.Consumer.NakDelay, defaultNakDelay)
+	c.Consumer.Subscribers = cmp.Or(c.Consumer.Subscribers, defaultSubscribers)
+	c.Publish.Timeout = cmp.Or(c.Publish.Timeout, defaultPublishTimeout)
+	c.Publish.MaxPending = cmp.Or(c.Publish.MaxPending, defaultMaxPending)
+	c.Embedded.StoreDir = cmp.Or(c.Embedded.StoreDir, DefaultStoreDir())
+	c.Embedded.Sync = cmp.Or(c.Embedded.Sync, SyncAlways)
+	return c
+}
 
 // Validate returns every problem in c, each naming its YAML path under path.
+// Call it on a Config that has had WithDefaults applied.
 func (c Config) Validate(path string) []error {
 	var chk confload.Checker
-	chk.URL(confload.Join(path, "url"), c.URL, "nats", "tls")
+	at := func(parts ...string) string {
+		p := path
+		for _, part := range parts {
+			p = confload.Join(p, part)
+		}
+		return p
+	}
+	chk.URL(at("url"), c.URL, "nats", "tls")
+
+	if c.Stream.Replicas < 1 || c.Stream.Replicas > 5 {
+		chk.Add(at("stream", "replicas"), "must be between 1 and 5; got %d", c.Stream.Replicas)
+	}
+	chk.PositiveDuration(at("stream", "max_age"), c.Stream.MaxAge)
+	if c.Stream.MaxBytes < 0 {
+		chk.Add(at("stream", "max_bytes"), "must not be negative (0 means no cap); got %d", c.Stream.MaxBytes)
+	}
+	chk.PositiveDuration(at("stream", "duplicate_window"), c.Stream.DuplicateWindow)
+	if c.Stream.DuplicateWindow > c.Stream.MaxAge && c.Stream.MaxAge > 0 {
+		chk.Add(at("stream", "duplicate_window"), "must not exceed stream.max_age (%s); got %s", c.Stream.MaxAge, c.Stream.DuplicateWindow)
+	}
+	if c.Stream.MaxMsgSize < 0 {
+		chk.Add(at("stream", "max_msg_size"), "must not be negative (0 means the server's max_payload); got %d", c.Stream.MaxMsgSize)
+	}
+
+	chk.PositiveDuration(at("consumer", "ack_wait"), c.Consumer.AckWait)
+	if c.Consumer.MaxDeliver < 1 && c.Consumer.MaxDeliver != -1 {
+		chk.Add(at("consumer", "max_deliver"), "must be -1 (no limit) or at least 1; got %d", c.Consumer.MaxDeliver)
+	}
+	chk.Positive(at("consumer", "max_ack_pending"), c.Consumer.MaxAckPending)
+	chk.PositiveDuration(at("consumer", "nak_delay"), c.Consumer.NakDelay)
+	chk.Positive(at("consumer", "subscribers"), c.Consumer.Subscribers)
+
+	chk.PositiveDuration(at("publish", "timeout"), c.Publish.Timeout)
+	chk.Positive(at("publish", "max_pending"), c.Publish.MaxPending)
+
+	if c.Embedded.Enabled {
+		if c.Embedded.StoreDir == "" {
+			chk.Add(at("embedded", "store_dir"), "required when embedded.enabled is true")
+		}
+		if _, _, err := listenAddr(c.URL); err != nil && c.URL != "" {
+			chk.Add(at("url"), "the embedded server listens on this URL: %v", err)
+		}
+	}
+	if _, err := parseSync(c.Embedded.Sync); err != nil {
+		chk.Add(at("embedded", "sync"), "%v", err)
+	}
 	return chk.Problems
+}
+
+// parseSync turns embedded.sync into the server's sync-always flag or
+// interval.
+func parseSync(s string) (interval time.Duration, err error) {
+	if s == SyncAlways {
+		return 0, nil
+	}
+	d, err := time.ParseDuration(s)
+	if err != nil || d <= 0 {
+		return 0, fmt.Errorf(`must be "always" or a positive duration such as "2m"; got %q`, s)
+	}
+	return d, nil
+}
+
+// listenAddr returns the host and port the embedded server listens on for
+// rawURL. No port means NATS's 4222; port 0 asks for a free port.
+func listenAddr(rawURL string) (host string, port int, err error) {
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		return "", 0, fmt.Errorf("not a valid URL")
+	}
+	host = u.Hostname()
+	if host == "" {
+		return "", 0, fmt.Errorf("no host in %s", u.Redacted())
+	}
+	port = 4222
+	if p := u.Port(); p != "" {
+		port, err = strconv.Atoi(p)
+		if err != nil || port < 0 || port > 65535 {
+			return "", 0, fmt.Errorf("invalid port %q", p)
+		}
+	}
+	return host, port, nil
 }

@@ -1,0 +1,302 @@
+package nats
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/url"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wmnats "github.com/ThreeDotsLabs/watermill-nats/v2/pkg/nats"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/millrace-io/millrace/adapters"
+)
+
+var _ adapters.Broker = (*Broker)(nil)
+
+// Broker is a connection to NATS JetStream as millrace uses it: a
+// publishing connection shared by Publisher and PublishBatch, one connection
+// per Subscribe call, and, with broker.nats.embedded, the in-process server they
+// connect to. It is safe for concurrent use.
+type Broker struct {
+	cfg    Config
+	opts   adapters.Options
+	url    string // the URL clients connect to (the embedded server's actual one)
+	logger watermill.LoggerAdapter
+
+	embedded *EmbeddedServer
+	nc       *nats.Conn          // publishing and management connection
+	js       jetstream.JetStream // management and PublishBatch
+	wmPub    *wmnats.Publisher   // Publisher's path: watermill-nats over nc
+
+	pending sync.Map      // *nats.Msg in flight in PublishBatch -> *batchState
+	window  chan struct{} // one token per in-flight message of PublishBatch
+
+	mu          sync.Mutex
+	streams     map[string]bool // topics whose stream is known to match the config
+	consumers   map[string]bool // topic + "\x00" + group whose consumer is known to match
+	subscribers []*subscriber
+	closed      bool
+}
+
+// Open connects with the reliable defaults of this adapter and returns a
+// *Broker that implements adapters.Broker. cfg gets its defaults applied and
+// is validated first. With cfg.Embedded.Enabled it first starts an in-process
+// nats-server listening on cfg.URL. An unreachable server is an error within
+// opts.ConnectTimeout naming the URL (never its password); so is a server
+// without JetStream.
+func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, error) {
+	cfg = cfg.WithDefaults()
+	opts = opts.WithDefaults()
+	if problems := cfg.Validate("broker.nats"); len(problems) > 0 {
+		return nil, fmt.Errorf("nats: invalid config: %w", errors.Join(problems...))
+	}
+	b := &Broker{
+		cfg:       cfg,
+		opts:      opts,
+		url:       cfg.URL,
+		logger:    opts.Logger,
+		streams:   map[string]bool{},
+		consumers: map[string]bool{},
+		window:    make(chan struct{}, cfg.Publish.MaxPending),
+	}
+	if cfg.Embedded.Enabled {
+		srv, err := StartEmbedded(cfg.URL, cfg.Embedded, opts.Logger)
+		if err != nil {
+			return nil, err
+		}
+		b.embedded, b.url = srv, srv.URL()
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			_ = b.Close()
+		}
+	}()
+
+	nc, err := b.connect(ctx, "millrace-publisher")
+	if err != nil {
+		return nil, err
+	}
+	b.nc = nc
+	b.js, err = jetstream.New(nc,
+		jetstream.WithPublishAsyncTimeout(cfg.Publish.Timeout),
+		jetstream.WithPublishAsyncAckHandler(b.onAsyncAck),
+		jetstream.WithPublishAsyncErrHandler(b.onAsyncError),
+		jetstream.WithDefaultTimeout(opts.ConnectTimeout),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("nats: %w", err)
+	}
+	actx, cancel := context.WithTimeout(ctx, opts.ConnectTimeout)
+	defer cancel()
+	if _, err := b.js.AccountInfo(actx); err != nil {
+		if errors.Is(err, jetstream.ErrJetStreamNotEnabled) || errors.Is(err, jetstream.ErrJetStreamNotEnabledForAccount) {
+			return nil, fmt.Errorf("nats: JetStream is not enabled on %s (start nats-server with -js): %w", redact(b.url), err)
+		}
+		return nil, fmt.Errorf("nats: JetStream on %s did not answer within %s: %w", redact(b.url), opts.ConnectTimeout, err)
+	}
+	b.wmPub, err = wmnats.NewPublisherWithNatsConn(nc, wmnats.PublisherPublishConfig{
+		Marshaler:         marshaler{},
+		SubjectCalculator: wmnats.DefaultSubjectCalculator,
+		JetStream: wmnats.JetStreamConfig{
+			// Nats-Msg-Id = msg.UUID, so the server's duplicate window drops a re-publish.
+			TrackMsgId:     true,
+			ConnectOptions: []nats.JSOpt{nats.MaxWait(cfg.Publish.Timeout)},
+		},
+	}, opts.Logger)
+	if err != nil {
+		return nil, fmt.Errorf("nats: %w", err)
+	}
+	b.logger.Info("Connected to NATS JetStream", watermill.LogFields{
+		"url": redact(b.url), "server_version": nc.ConnectedServerVersion(), "embedded": b.embedded != nil,
+	})
+	ok = true
+	return b, nil
+}
+
+// URL is the URL the broker's connections use: broker.nats.url, or the
+// embedded server's URL with its actual port.
+func (b *Broker) URL() string { return b.url }
+
+// Config is the configuration in effect, defaults applied.
+func (b *Broker) Config() Config { return b.cfg }
+
+// connect opens one connection with millrace's settings: bounded connect,
+// endless reconnects, and no reconnect buffer, so a publish while the server
+// is away fails at once (retryable) instead of waiting in a client buffer.
+func (b *Broker) connect(ctx context.Context, name string, extra ...nats.Option) (*nats.Conn, error) {
+	logFields := watermill.LogFields{"connection": name, "url": redact(b.url)}
+	options := append([]nats.Option{
+		nats.Name(name),
+		nats.Timeout(b.opts.ConnectTimeout),
+		nats.MaxReconnects(-1),
+		nats.ReconnectWait(250 * time.Millisecond),
+		nats.ReconnectJitter(250*time.Millisecond, time.Second),
+		nats.ReconnectBufSize(-1),
+		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			b.logger.Info("NATS disconnected", logFields.Add(watermill.LogFields{"err": fmt.Sprint(err)}))
+		}),
+		nats.ReconnectHandler(func(*nats.Conn) { b.logger.Info("NATS reconnected", logFields) }),
+		nats.ErrorHandler(func(_ *nats.Conn, sub *nats.Subscription, err error) {
+			subject := ""
+			if sub != nil {
+				subject = sub.Subject
+			}
+			b.logger.Error("NATS async error", err, logFields.Add(watermill.LogFields{"subject": subject}))
+		}),
+	}, extra...)
+
+	done := make(chan connResult, 1)
+	go func() {
+		nc, err := nats.Connect(b.url, options...)
+		done <- connResult{nc, err}
+	}()
+	timer := time.NewTimer(b.opts.ConnectTimeout)
+	defer timer.Stop()
+	fail := func(err error) error {
+		return fmt.Errorf("nats: cannot connect to %s within %s: %s", redact(b.url), b.opts.ConnectTimeout, scrub(err, b.url))
+	}
+	select {
+	case r := <-done:
+		if r.err != nil {
+			return nil, fail(r.err)
+		}
+		return r.nc, nil
+	case <-timer.C:
+		go closeLate(done)
+		return nil, fail(errors.New("timed out"))
+	case <-ctx.Done():
+		go closeLate(done)
+		return nil, fail(ctx.Err())
+	}
+}
+
+type connResult struct {
+	nc  *nats.Conn
+	err error
+}
+
+// closeLate closes a connection that was established after its caller gave up.
+func closeLate(done <-chan connResult) {
+	if r := <-done; r.nc != nil {
+		r.nc.Close()
+	}
+}
+
+// Publisher returns a Watermill publisher (watermill-nats) that sends each
+// message with Nats-Msg-Id set to msg.UUID and waits for JetStream's
+// confirm. It creates a topic's stream on first use. Closing it does not
+// close the broker's connection; Broker.Close does.
+func (b *Broker) Publisher() message.Publisher { return &publisher{b: b} }
+
+// Close closes every subscriber this broker made, its connection and, if it
+// started one, the embedded server. It is idempotent.
+func (b *Broker) Close() error {
+	b.mu.Lock()
+	if b.closed {
+		b.mu.Unlock()
+		return nil
+	}
+	b.closed = true
+	subs := b.subscribers
+	b.subscribers = nil
+	b.mu.Unlock()
+
+	var errs []error
+	for _, s := range subs {
+		errs = append(errs, s.Close())
+	}
+	if b.nc != nil {
+		// Drain fails only when the connection is down or closed already;
+		// then there is nothing to flush and Close suffices.
+		if err := b.nc.Drain(); err == nil {
+			waitClosed(b.nc, b.cfg.Publish.Timeout)
+		}
+		b.nc.Close()
+	}
+	if b.embedded != nil {
+		b.embedded.Shutdown()
+	}
+	return errors.Join(errs...)
+}
+
+// waitClosed waits until a draining connection has closed, at most d.
+func waitClosed(nc *nats.Conn, d time.Duration) {
+	deadline := time.Now().Add(d)
+	for !nc.IsClosed() && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	nc.Close()
+}
+
+func (b *Broker) isClosed() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.closed
+}
+
+// publisher is Broker.Publisher's message.Publisher.
+type publisher struct {
+	b      *Broker
+	mu     sync.RWMutex
+	closed bool
+}
+
+// errPublisherClosed is returned by Publish after Close.
+var errPublisherClosed = errors.New("nats: publisher closed")
+
+func (p *publisher) Publish(topic string, msgs ...*message.Message) error {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	if p.closed || p.b.isClosed() {
+		return errPublisherClosed
+	}
+	if err := checkTopic(topic); err != nil {
+		return adapters.Permanent(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), p.b.cfg.Publish.Timeout)
+	defer cancel()
+	if err := p.b.ensureStream(ctx, topic); err != nil {
+		return err
+	}
+	for _, m := range msgs {
+		if err := p.b.wmPub.Publish(topic, m); err != nil {
+			return p.b.classify(topic, m, nil, err)
+		}
+	}
+	return nil
+}
+
+func (p *publisher) Close() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.closed = true
+	return nil
+}
+
+// redact returns rawURL without its password.
+func redact(rawURL string) string {
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		return "<unparsable URL>"
+	}
+	return u.Redacted()
+}
+
+// scrub returns err's text with any password of rawURL removed.
+func scrub(err error, rawURL string) string {
+	text := err.Error()
+	if u, perr := url.Parse(rawURL); perr == nil && u.User != nil {
+		if pw, ok := u.User.Password(); ok && pw != "" {
+			text = strings.ReplaceAll(text, pw, "xxxxx")
+		}
+	}
+	return text
+}

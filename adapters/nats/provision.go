@@ -1,0 +1,255 @@
+package nats
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// codeSubjectOverlap is the JetStream API error "subjects overlap with an
+// existing stream".
+const codeSubjectOverlap = 10065
+
+// ErrTopologyConflict is wrapped by Provision's error when a stream or
+// consumer exists with settings other than the configured ones.
+var ErrTopologyConflict = errors.New("existing JetStream topology differs from broker.nats")
+
+// Provision makes topic's stream and a durable consumer for each of
+// consumerGroups exist with the configured settings. It is idempotent. An
+// existing stream or consumer with other settings is left alone and reported
+// (wrapping ErrTopologyConflict) with each difference; so is a server that
+// silently ignored a setting.
+func (b *Broker) Provision(ctx context.Context, topic string, consumerGroups ...string) error {
+	if err := checkTopic(topic); err != nil {
+		return err
+	}
+	for _, g := range consumerGroups {
+		if err := checkGroup(g); err != nil {
+			return err
+		}
+	}
+	if err := b.ensureStream(ctx, topic); err != nil {
+		return err
+	}
+	for _, g := range consumerGroups {
+		if err := b.ensureConsumer(ctx, topic, g); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// streamConfig is the stream millrace wants for topic. It sets only fields
+// nats-server 2.9 knows, because older servers ignore unknown fields without
+// an error; verifyStream then checks the server kept each one.
+func (b *Broker) streamConfig(topic string) jetstream.StreamConfig {
+	sc := b.cfg.Stream
+	maxBytes := sc.MaxBytes
+	if maxBytes == 0 {
+		maxBytes = -1
+	}
+	maxMsgSize := sc.MaxMsgSize
+	if maxMsgSize == 0 {
+		maxMsgSize = -1
+	}
+	return jetstream.StreamConfig{
+		Name:        StreamName(topic),
+		Description: "millrace topic " + topic,
+		Subjects:    []string{topic},
+		Retention:   jetstream.LimitsPolicy,
+		Storage:     jetstream.FileStorage,
+		Replicas:    sc.Replicas,
+		MaxAge:      sc.MaxAge,
+		MaxBytes:    maxBytes,
+		MaxMsgs:     -1,
+		Discard:     jetstream.DiscardNew,
+		Duplicates:  sc.DuplicateWindow,
+		MaxMsgSize:  maxMsgSize,
+	}
+}
+
+// consumerConfig is the durable push consumer millrace wants for group on
+// topic: explicit acks, every message from the start of the stream, and a
+// deliver group so the group's subscribers compete.
+func (b *Broker) consumerConfig(topic, group string) jetstream.ConsumerConfig {
+	cc := b.cfg.Consumer
+	name := ConsumerName(group)
+	return jetstream.ConsumerConfig{
+		Durable:        name,
+		Description:    "millrace consumer group " + group + " of topic " + topic,
+		DeliverSubject: deliverSubject(StreamName(topic), name),
+		DeliverGroup:   name,
+		DeliverPolicy:  jetstream.DeliverAllPolicy,
+		AckPolicy:      jetstream.AckExplicitPolicy,
+		AckWait:        cc.AckWait,
+		MaxDeliver:     cc.MaxDeliver,
+		MaxAckPending:  cc.MaxAckPending,
+		ReplayPolicy:   jetstream.ReplayInstantPolicy,
+	}
+}
+
+// ensureStream creates topic's stream if it is missing and checks it
+// against the config. A stream found good is remembered until a publish says
+// it is gone.
+func (b *Broker) ensureStream(ctx context.Context, topic string) error {
+	b.mu.Lock()
+	known := b.streams[topic]
+	b.mu.Unlock()
+	if known {
+		return nil
+	}
+	if err := checkTopic(topic); err != nil {
+		return err
+	}
+	want := b.streamConfig(topic)
+	s, err := b.js.Stream(ctx, want.Name)
+	created := false
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		s, err = b.js.CreateStream(ctx, want)
+		created = err == nil
+		if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+			s, err = b.js.Stream(ctx, want.Name) // created meanwhile, maybe by another process
+		}
+	}
+	if err != nil {
+		if apiErrorCode(err) == codeSubjectOverlap {
+			return fmt.Errorf("nats: stream %q for topic %q: another stream already captures subject %q: %w",
+				want.Name, topic, topic, ErrTopologyConflict)
+		}
+		return fmt.Errorf("nats: provisioning stream %q for topic %q: %w", want.Name, topic, err)
+	}
+	if diffs := diffStream(want, s.CachedInfo().Config); len(diffs) > 0 {
+		return b.conflict(created, "stream", fmt.Sprintf("stream %q", want.Name), topic, diffs)
+	}
+	b.mu.Lock()
+	b.streams[topic] = true
+	b.mu.Unlock()
+	return nil
+}
+
+// forgetStream makes the next publish to topic check its stream again.
+func (b *Broker) forgetStream(topic string) {
+	b.mu.Lock()
+	delete(b.streams, topic)
+	for k := range b.consumers {
+		if strings.HasPrefix(k, topic+"\x00") {
+			delete(b.consumers, k)
+		}
+	}
+	b.mu.Unlock()
+}
+
+// ensureConsumer creates group's durable consumer on topic's stream if it is
+// missing and checks it against the config. The consumer must exist before
+// a subscription binds to it: a consumer that nats.go creates itself is
+// deleted when the subscription ends, taking the group's position with it.
+func (b *Broker) ensureConsumer(ctx context.Context, topic, group string) error {
+	key := topic + "\x00" + group
+	b.mu.Lock()
+	known := b.consumers[key]
+	b.mu.Unlock()
+	if known {
+		return nil
+	}
+	want := b.consumerConfig(topic, group)
+	stream := StreamName(topic)
+	c, err := b.js.PushConsumer(ctx, stream, want.Durable)
+	created := false
+	if errors.Is(err, jetstream.ErrConsumerNotFound) {
+		// Look first, create only when missing: nats-server 2.9 ignores the
+		// create-only flag and would update an existing consumer instead.
+		c, err = b.js.CreatePushConsumer(ctx, stream, want)
+		created = err == nil
+		if errors.Is(err, jetstream.ErrConsumerExists) {
+			c, err = b.js.PushConsumer(ctx, stream, want.Durable)
+		}
+	}
+	if err != nil {
+		if errors.Is(err, jetstream.ErrNotPushConsumer) {
+			return fmt.Errorf("nats: consumer %q on stream %q (group %q, topic %q) is a pull consumer; millrace needs a push consumer: %w",
+				want.Durable, stream, group, topic, ErrTopologyConflict)
+		}
+		return fmt.Errorf("nats: provisioning consumer %q on stream %q (group %q, topic %q): %w", want.Durable, stream, group, topic, err)
+	}
+	if diffs := diffConsumer(want, c.CachedInfo().Config, topic); len(diffs) > 0 {
+		return b.conflict(created, "consumer", fmt.Sprintf("consumer %q on stream %q", want.Durable, stream), topic, diffs)
+	}
+	b.mu.Lock()
+	b.consumers[key] = true
+	b.mu.Unlock()
+	return nil
+}
+
+// conflict builds the error for a stream or consumer that differs from the
+// config: existing before (someone else's settings) or just created (the
+// server dropped or changed a setting).
+func (b *Broker) conflict(created bool, kind, what, topic string, diffs []string) error {
+	if created {
+		return fmt.Errorf("nats: the server (version %s) did not apply every setting of the new %s for topic %q: %s; it may be too old for them: %w",
+			b.nc.ConnectedServerVersion(), what, topic, strings.Join(diffs, "; "), ErrTopologyConflict)
+	}
+	return fmt.Errorf("nats: %s for topic %q exists with settings other than broker.nats: %s; change the config or the %s (nats %s edit, or delete it) so they agree: %w",
+		what, topic, strings.Join(diffs, "; "), kind, kind, ErrTopologyConflict)
+}
+
+// diffStream lists each field millrace sets whose value on the server (got)
+// differs from want.
+func diffStream(want, got jetstream.StreamConfig) []string {
+	var d diffs
+	if !slices.Equal(want.Subjects, got.Subjects) {
+		d.add("subjects", got.Subjects, want.Subjects, "")
+	}
+	d.check("retention", got.Retention, want.Retention, "")
+	d.check("storage", got.Storage, want.Storage, "")
+	d.check("replicas", got.Replicas, want.Replicas, "stream.replicas")
+	d.check("max_age", got.MaxAge, want.MaxAge, "stream.max_age")
+	d.check("max_bytes", got.MaxBytes, want.MaxBytes, "stream.max_bytes (0 in config is -1 on the server)")
+	d.check("max_msgs", got.MaxMsgs, want.MaxMsgs, "")
+	d.check("discard", got.Discard, want.Discard, "")
+	d.check("duplicate_window", got.Duplicates, want.Duplicates, "stream.duplicate_window")
+	d.check("max_msg_size", got.MaxMsgSize, want.MaxMsgSize, "stream.max_msg_size (0 in config is -1 on the server)")
+	return d
+}
+
+// diffConsumer is diffStream for consumers.
+// A filter equal to the topic is the same as none: the stream holds only it.
+func diffConsumer(want, got jetstream.ConsumerConfig, topic string) []string {
+	var d diffs
+	if got.DeliverSubject == "" {
+		d = append(d, "it has no deliver subject (a pull consumer); millrace subscribes to push consumers")
+	}
+	d.check("deliver_group", got.DeliverGroup, want.DeliverGroup, "")
+	d.check("deliver_policy", got.DeliverPolicy, want.DeliverPolicy, "")
+	d.check("ack_policy", got.AckPolicy, want.AckPolicy, "")
+	d.check("ack_wait", got.AckWait, want.AckWait, "consumer.ack_wait")
+	d.check("max_deliver", got.MaxDeliver, want.MaxDeliver, "consumer.max_deliver")
+	d.check("max_ack_pending", got.MaxAckPending, want.MaxAckPending, "consumer.max_ack_pending")
+	d.check("replay_policy", got.ReplayPolicy, want.ReplayPolicy, "")
+	if got.FilterSubject != "" && got.FilterSubject != topic {
+		d.add("filter_subject", got.FilterSubject, "none", "")
+	}
+	if len(got.FilterSubjects) > 0 {
+		d.add("filter_subjects", got.FilterSubjects, "none", "")
+	}
+	return d
+}
+
+type diffs []string
+
+func (d *diffs) add(field string, got, want any, key string) {
+	s := fmt.Sprintf("%s is %v on the server, %v wanted", field, got, want)
+	if key != "" {
+		s += " (broker.nats." + key + ")"
+	}
+	*d = append(*d, s)
+}
+
+func (d *diffs) check(field string, got, want any, key string) {
+	if got != want {
+		d.add(field, got, want, key)
+	}
+}

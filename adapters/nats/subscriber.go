@@ -1,0 +1,352 @@
+package nats
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wmnats "github.com/ThreeDotsLabs/watermill-nats/v2/pkg/nats"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/nats-io/nats.go"
+)
+
+// subscriberCloseTimeout bounds how long closing waits for in-flight messages
+// to be handed back; they are never acked by closing.
+const subscriberCloseTimeout = 30 * time.Second
+
+// subscriber is the message.Subscriber of one consumer group. Each Subscribe
+// call is a watermill-nats JetStream subscriber of its own (own connection),
+// bound to the group's durable consumer on the topic's stream.
+type subscriber struct {
+	b     *Broker
+	group string
+
+	mu     sync.Mutex
+	subs   []*subscription
+	closed bool
+}
+
+var (
+	_ message.Subscriber           = (*subscriber)(nil)
+	_ message.SubscribeInitializer = (*subscriber)(nil)
+)
+
+// errSubscriberClosed is returned by Subscribe after Close.
+var errSubscriberClosed = errors.New("nats: subscriber closed")
+
+// Subscriber returns a subscriber for consumerGroup. Every group gets every
+// message of a topic; the subscriptions of one group (consumer.subscribers
+// per Subscribe call, in this or any other process) compete. A message is
+// acked only by msg.Ack (the server confirms the ack); Nack makes the server
+// deliver it again after consumer.nak_delay; a message neither acked nor
+// nacked (handler too slow, subscriber closed, process gone) is delivered
+// again after consumer.ack_wait. Subscribe creates the topic's stream and the
+// group's consumer when they are missing.
+func (b *Broker) Subscriber(consumerGroup string) (message.Subscriber, error) {
+	if err := checkGroup(consumerGroup); err != nil {
+		return nil, fmt.Errorf("nats: %w", err)
+	}
+	s := &subscriber{b: b, group: consumerGroup}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return nil, errBrokerClosed
+	}
+	b.subscribers = append(b.subscribers, s)
+	return s, nil
+}
+
+// Subscribe provisions topic's stream and the group's consumer if needed and
+// returns the group's messages of topic. The channel closes when ctx is done
+// or the subscriber is closed; nothing is acked by that: messages handed out
+// and not acked come back after ack_wait, the ones watermill-nats had taken
+// but not handed out are nacked (back after nak_delay).
+func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	if err := s.SubscribeInitialize(topic); err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	closed := s.closed
+	s.mu.Unlock()
+	if closed {
+		return nil, errSubscriberClosed
+	}
+	if s.b.isClosed() {
+		return nil, errBrokerClosed
+	}
+	sub, err := s.b.subscribe(ctx, s.group, topic)
+	if err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		sub.stop()
+		return nil, errSubscriberClosed
+	}
+	s.subs = append(s.subs, sub)
+	s.mu.Unlock()
+	go func() {
+		<-sub.done
+		s.mu.Lock()
+		s.subs = slices.DeleteFunc(s.subs, func(o *subscription) bool { return o == sub })
+		s.mu.Unlock()
+	}()
+	return sub.out, nil
+}
+
+// SubscribeInitialize provisions topic's stream and the group's consumer.
+func (s *subscriber) SubscribeInitialize(topic string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), s.b.opts.ConnectTimeout)
+	defer cancel()
+	return s.b.Provision(ctx, topic, s.group)
+}
+
+// Close stops every subscription without acking anything still unacked. It
+// is idempotent.
+func (s *subscriber) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	subs := slices.Clone(s.subs)
+	s.mu.Unlock()
+
+	errs := make([]error, len(subs))
+	var wg sync.WaitGroup
+	for i, sub := range subs {
+		wg.Go(func() { errs[i] = sub.stop() })
+	}
+	wg.Wait()
+	s.b.mu.Lock()
+	s.b.subscribers = slices.DeleteFunc(s.b.subscribers, func(o *subscriber) bool { return o == s })
+	s.b.mu.Unlock()
+	return errors.Join(errs...)
+}
+
+// subscription is one Subscribe call: a watermill-nats subscriber on its own
+// connection, and the goroutine that passes its messages on.
+//
+// It exists because of a race in watermill-nats v2.1.3: when the Subscribe
+// context ends, its Subscriber closes the output channel right after
+// unsubscribing, while nats.go may still be running a callback that is about
+// to send a message on that channel ("send on closed channel", seen in
+// Watermill's TestSubscribeCtx under -race). So the context given to
+// watermill-nats never ends; a gate in the unmarshaler counts the messages
+// that get past it, and on stop the gate closes, every message already past
+// it is taken off the channel (and nacked), and only then is the
+// watermill-nats subscriber closed.
+type subscription struct {
+	wm     *wmnats.Subscriber
+	nc     *nats.Conn
+	ncDone chan struct{} // closed when nc has closed
+	gate   *gate
+	out    chan *message.Message
+
+	stopReq  chan struct{} // closed to ask the goroutine to stop
+	stopOnce sync.Once
+	done     chan struct{} // closed when stopped
+	err      error
+}
+
+func (b *Broker) subscribe(ctx context.Context, group, topic string) (*subscription, error) {
+	ncDone := make(chan struct{})
+	nc, err := b.connect(context.Background(), "millrace-subscriber-"+group,
+		nats.ClosedHandler(func(*nats.Conn) { close(ncDone) }))
+	if err != nil {
+		return nil, err
+	}
+	g := &gate{idle: make(chan struct{})}
+	cc := b.cfg.Consumer
+	durable := ConsumerName(group)
+	wm, err := wmnats.NewSubscriberWithNatsConn(nc, wmnats.SubscriberSubscriptionConfig{
+		Unmarshaler:      gatedUnmarshaler{g},
+		SubscribersCount: cc.Subscribers,
+		AckWaitTimeout:   cc.AckWait,
+		CloseTimeout:     subscriberCloseTimeout,
+		SubscribeTimeout: b.opts.ConnectTimeout,
+		// The subject is the topic; the queue group is the consumer's deliver group.
+		SubjectCalculator: func(queueGroup, topic string) *wmnats.SubjectDetail {
+			return &wmnats.SubjectDetail{Primary: topic, QueueGroup: queueGroup}
+		},
+		QueueGroupPrefix: durable,
+		// A nacked message comes back after a pause instead of at once.
+		NakDelay: wmnats.NewStaticDelay(cc.NakDelay),
+		JetStream: wmnats.JetStreamConfig{
+			SubscribeOptions: []nats.SubOpt{
+				// Without ManualAck nats.go acks every message when
+				// watermill-nats's callback returns, which it also does on its
+				// own ack timeout, on close and on an unmarshal error: a lost message.
+				nats.ManualAck(),
+				nats.AckExplicit(),
+				nats.DeliverAll(),
+			},
+			// DurablePrefix alone names every topic's consumer the same;
+			// here the name is the group's consumer on the subject's own
+			// stream (one stream per topic, see StreamName), so each topic
+			// and group pair is a consumer of its own, the one Provision made.
+			DurablePrefix: durable,
+			DurableCalculator: func(durable, _ string) string {
+				return durable
+			},
+			AckAsync:   false, // AckSync: an ack counts once the server confirmed it
+			TrackMsgId: true,
+		},
+	}, quietStopLogger{b.logger})
+	if err != nil {
+		nc.Close()
+		return nil, fmt.Errorf("nats: %w", err)
+	}
+	wmOut, err := wm.Subscribe(context.Background(), topic)
+	if err != nil {
+		_ = wm.Close()
+		nc.Close()
+		return nil, fmt.Errorf("nats: subscribing group %q to topic %q: %w", group, topic, err)
+	}
+	sub := &subscription{
+		wm: wm, nc: nc, ncDone: ncDone, gate: g,
+		out:     make(chan *message.Message),
+		stopReq: make(chan struct{}),
+		done:    make(chan struct{}),
+	}
+	go sub.run(ctx, wmOut)
+	return sub, nil
+}
+
+// run passes messages on until ctx ends or stop is asked for, then shuts
+// the watermill-nats subscriber down safely.
+func (s *subscription) run(ctx context.Context, wmOut <-chan *message.Message) {
+	defer close(s.done)
+	func() {
+		defer close(s.out)
+		for {
+			select {
+			case m := <-wmOut:
+				s.gate.leave()
+				select {
+				case s.out <- m:
+				case <-ctx.Done():
+					m.Nack()
+					return
+				case <-s.stopReq:
+					m.Nack()
+					return
+				}
+			case <-ctx.Done():
+				return
+			case <-s.stopReq:
+				return
+			}
+		}
+	}()
+	// No message gets past the gate any more; take off the channel the ones
+	// already past it, so none is about to be sent when watermill-nats closes it.
+	s.gate.close()
+	for drained := false; !drained; {
+		select {
+		case m := <-wmOut:
+			s.gate.leave()
+			m.Nack()
+		case <-s.gate.idle:
+			drained = true
+		}
+	}
+	err := s.wm.Close()
+	if err != nil {
+		s.nc.Close()
+	}
+	select {
+	case <-s.ncDone:
+	case <-time.After(subscriberCloseTimeout):
+		s.nc.Close()
+	}
+	// A connection that is down or closed has nothing to drain.
+	if err != nil && !errors.Is(err, nats.ErrConnectionClosed) && !errors.Is(err, nats.ErrConnectionReconnecting) {
+		s.err = fmt.Errorf("nats: closing subscription: %w", err)
+	}
+}
+
+// stop ends the subscription and waits until it has ended.
+func (s *subscription) stop() error {
+	s.stopOnce.Do(func() { close(s.stopReq) })
+	<-s.done
+	return s.err
+}
+
+// gate counts the messages between the unmarshaler and the output channel
+// of a watermill-nats subscriber, and once closed lets no more through.
+type gate struct {
+	mu       sync.Mutex
+	closed   bool
+	inFlight int
+	idle     chan struct{} // closed when the gate is closed and nothing is in flight
+}
+
+func (g *gate) enter() bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.closed {
+		return false
+	}
+	g.inFlight++
+	return true
+}
+
+func (g *gate) leave() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.inFlight--
+	if g.closed && g.inFlight == 0 {
+		close(g.idle)
+	}
+}
+
+func (g *gate) close() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.closed = true
+	if g.inFlight == 0 {
+		close(g.idle)
+	}
+}
+
+// errStopping is the unmarshal error of a message that arrives while its
+// subscription stops: watermill-nats drops it unacked, and the server
+// delivers it again after ack_wait.
+var errStopping = errors.New("nats: subscription stopping, message left unacked")
+
+// gatedUnmarshaler is the marshaler behind a gate.
+type gatedUnmarshaler struct{ g *gate }
+
+func (u gatedUnmarshaler) Unmarshal(nm *nats.Msg) (*message.Message, error) {
+	if !u.g.enter() {
+		return nil, errStopping
+	}
+	m, err := marshaler{}.Unmarshal(nm)
+	if err != nil {
+		u.g.leave() // watermill-nats drops it: it never reaches the channel
+	}
+	return m, err
+}
+
+// quietStopLogger logs errStopping, which is expected while stopping, at
+// debug level instead of as an error.
+type quietStopLogger struct{ watermill.LoggerAdapter }
+
+func (l quietStopLogger) Error(msg string, err error, fields watermill.LogFields) {
+	if errors.Is(err, errStopping) {
+		l.Debug(msg+": "+err.Error(), fields)
+		return
+	}
+	l.LoggerAdapter.Error(msg, err, fields)
+}
+
+func (l quietStopLogger) With(fields watermill.LogFields) watermill.LoggerAdapter {
+	return quietStopLogger{l.LoggerAdapter.With(fields)}
+}

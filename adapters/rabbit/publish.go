@@ -19,7 +19,7 @@ const publishWindow = 1024
 
 // maxIdleChannels is how many confirm-mode channels the Broker keeps open
 // between PublishBatch calls (one per concurrent caller is used at a time).
-const maxIdleChannels = 8
+const maxIdleChannels = 16
 
 // Errors wrapped by PublishBatch's per-message errors. All are retryable.
 var (

@@ -33,8 +33,10 @@ type Broker struct {
 	blocked  string           // why the broker blocks conn's publishers, "" when it does not
 	idle     []*confirmChannel
 	declared map[string]bool // topics whose publishing topology exists
-	subs     map[*subscriber]struct{}
-	watchers sync.WaitGroup // goroutines watching conn
+	// serverMax is the server's max_message_size once a refusal told it, 0 before.
+	serverMax int
+	subs      map[*subscriber]struct{}
+	watchers  sync.WaitGroup // goroutines watching conn
 }
 
 var _ adapters.Broker = (*Broker)(nil)

@@ -20,8 +20,10 @@ func TestOutages(t *testing.T) {
 	t.Parallel()
 	// The dead-letter worker retries a dead letter it could not route after
 	// this long (3 minutes by default).
-	node := startPrivateNode(t, "", "[{rabbit, [{dead_letter_worker_publisher_confirm_timeout, 1000}]}].\n")
+	node := startPrivateNode(t, "max_message_size = 1048576",
+		"[{rabbit, [{dead_letter_worker_publisher_confirm_timeout, 1000}]}].\n")
 	t.Run("AtLeastOnceDeadLettering", func(t *testing.T) { testAtLeastOnceDeadLettering(t, node) })
+	t.Run("ServerMessageSizeLimit", func(t *testing.T) { testServerMessageSizeLimit(t, node) })
 	t.Run("MemoryAlarmBlocksPublishers", func(t *testing.T) { testMemoryAlarm(t, node) })
 	t.Run("BrokerDown", func(t *testing.T) { testBrokerDown(t, node) })
 }
@@ -115,6 +117,43 @@ func testAtLeastOnceDeadLettering(t *testing.T, node *privateNode) {
 	_, ok, err = raw.Get(plain, true)
 	require.NoError(t, err)
 	require.False(t, ok)
+}
+
+// A body the adapter allows but the server refuses (max_message_size below
+// max_message_bytes) closes the channel: that message fails permanently,
+// naming the server's limit, the others are retryable, and the retry
+// refuses it before sending so the rest goes through.
+func testServerMessageSizeLimit(t *testing.T, node *privateNode) {
+	cfg := testConfig(node.URL)
+	cfg.MaxMessageBytes = DefaultMaxMessageBytes
+	b := openBroker(t, cfg)
+	topic, group := adaptertest.Name("size"), adaptertest.Name("g")
+	require.NoError(t, b.Provision(context.Background(), topic, group))
+	big := message.NewMessage(adaptertest.Name("ev"), make([]byte, 2<<20))
+	batch := outgoing(topic, newMsg(`"a"`), big, newMsg(`"b"`))
+
+	err := b.PublishBatch(context.Background(), batch)
+	var be *adapters.BatchError
+	require.ErrorAs(t, err, &be)
+	require.ErrorIs(t, be.Errs[1], adapters.ErrMessageTooLarge)
+	require.True(t, adapters.IsPermanent(be.Errs[1]))
+	require.Contains(t, be.Errs[1].Error(), "1048576")
+	for _, i := range []int{0, 2} {
+		if be.Errs[i] != nil {
+			require.False(t, adapters.IsPermanent(be.Errs[i]), "%v", be.Errs[i])
+		}
+	}
+	t.Log(be.Errs[1])
+
+	err = b.PublishBatch(context.Background(), batch)
+	require.ErrorAs(t, err, &be)
+	require.Equal(t, 1, be.Failed(), "%v", err)
+	require.ErrorIs(t, be.Errs[1], adapters.ErrMessageTooLarge)
+	raw := rawChannel(t, node.URL)
+	seen := map[string]bool{}
+	for !seen[`"a"`] || !seen[`"b"`] { // "a" may be there twice: confirmed, then published again
+		seen[string(getOne(t, raw, QueueName(topic, group), 10*time.Second).Body)] = true
+	}
 }
 
 // While a memory alarm blocks publishers, PublishBatch returns a retryable

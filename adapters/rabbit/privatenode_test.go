@@ -27,7 +27,8 @@ type privateNode struct {
 	bin     string // directory holding rabbitmq-server and rabbitmqctl
 	dir     string
 	name    string
-	env     []string
+	env     []string // os.Environ() and own
+	own     []string // the node's own variables
 	pidFile string
 	URL     string
 }
@@ -91,18 +92,19 @@ func startPrivateNode(t testing.TB, rabbitmqConf, advancedConfig string) *privat
 	for name, content := range files {
 		require.NoError(t, os.WriteFile(filepath.Join(dir, name), []byte(content), 0o600))
 	}
-	n.env = append(os.Environ(),
-		"HOME="+dir, // the Erlang cookie of the node and of rabbitmqctl
-		"RABBITMQ_NODENAME="+n.name,
-		"RABBITMQ_DIST_PORT="+strconv.Itoa(distPort),
-		"RABBITMQ_CONF_ENV_FILE="+filepath.Join(dir, "env.conf"),
-		"RABBITMQ_CONFIG_FILE="+filepath.Join(dir, "rabbitmq.conf"),
-		"RABBITMQ_ADVANCED_CONFIG_FILE="+filepath.Join(dir, "advanced.config"),
-		"RABBITMQ_ENABLED_PLUGINS_FILE="+filepath.Join(dir, "enabled_plugins"),
-		"RABBITMQ_MNESIA_BASE="+filepath.Join(dir, "mnesia"),
-		"RABBITMQ_LOG_BASE="+filepath.Join(dir, "log"),
-		"RABBITMQ_PID_FILE="+n.pidFile,
-	)
+	n.own = []string{
+		"HOME=" + dir, // the Erlang cookie of the node and of rabbitmqctl
+		"RABBITMQ_NODENAME=" + n.name,
+		"RABBITMQ_DIST_PORT=" + strconv.Itoa(distPort),
+		"RABBITMQ_CONF_ENV_FILE=" + filepath.Join(dir, "env.conf"),
+		"RABBITMQ_CONFIG_FILE=" + filepath.Join(dir, "rabbitmq.conf"),
+		"RABBITMQ_ADVANCED_CONFIG_FILE=" + filepath.Join(dir, "advanced.config"),
+		"RABBITMQ_ENABLED_PLUGINS_FILE=" + filepath.Join(dir, "enabled_plugins"),
+		"RABBITMQ_MNESIA_BASE=" + filepath.Join(dir, "mnesia"),
+		"RABBITMQ_LOG_BASE=" + filepath.Join(dir, "log"),
+		"RABBITMQ_PID_FILE=" + n.pidFile,
+	}
+	n.env = append(os.Environ(), n.own...)
 	t.Cleanup(func() {
 		n.Stop()
 		if !t.Failed() {
@@ -173,6 +175,34 @@ func (n *privateNode) Restart() {
 	n.t.Helper()
 	n.Stop()
 	n.Start()
+}
+
+// RestartScript writes a shell script that restarts the node the way
+// Restart does, for tools that take a command (Watermill's TestReconnect).
+func (n *privateNode) RestartScript() string {
+	n.t.Helper()
+	var env strings.Builder
+	for _, kv := range n.own {
+		k, v, _ := strings.Cut(kv, "=")
+		fmt.Fprintf(&env, "export %s='%s'\n", k, v)
+	}
+	port := n.URL[strings.LastIndex(n.URL, ":")+1 : len(n.URL)-1]
+	script := fmt.Sprintf(`#!/bin/bash
+%s
+pid=$(cat "$RABBITMQ_PID_FILE")
+kill -TERM "$pid"
+while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+rm -f "$RABBITMQ_PID_FILE"
+'%s/rabbitmq-server' -detached
+i=0
+until (exec 3<>/dev/tcp/127.0.0.1/%s) 2>/dev/null; do
+	i=$((i+1)); [ $i -gt 1200 ] && exit 1
+	sleep 0.1
+done
+`, env.String(), n.bin, port)
+	path := filepath.Join(n.dir, "restart.sh")
+	require.NoError(n.t, os.WriteFile(path, []byte(script), 0o700))
+	return path
 }
 
 // Ctl runs rabbitmqctl against the node.

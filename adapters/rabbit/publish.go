@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"regexp"
+	"strconv"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -186,6 +188,7 @@ func (b *Broker) PublishBatch(ctx context.Context, msgs []adapters.Outgoing) err
 		return adapters.NewBatchError(errs)
 	}
 	defer b.dropOnCancel(ctx, conn)()
+	checkHeaderFrames(conn, msgs, pubs, errs)
 	cc, err := b.takeChannel(conn)
 	if err != nil {
 		failUnsent(errs, err)
@@ -219,9 +222,57 @@ func (b *Broker) prepare(o adapters.Outgoing, p *amqp.Publishing) error {
 		return fmt.Errorf("rabbitmq: message %s to %q has a %d-byte body, over the limit of %d bytes (broker.rabbitmq.max_message_bytes): %w",
 			o.Msg.UUID, o.Topic, n, b.cfg.MaxMessageBytes, adapters.ErrMessageTooLarge)
 	}
+	b.mu.Lock()
+	serverMax := b.serverMax
+	b.mu.Unlock()
+	if n := len(o.Msg.Payload); serverMax > 0 && n > serverMax {
+		return tooLargeForServer(o, n, serverMax)
+	}
 	var err error
 	*p, err = Marshaler{}.Marshal(o.Msg)
 	return err
+}
+
+func tooLargeForServer(o adapters.Outgoing, size, serverMax int) error {
+	return fmt.Errorf("rabbitmq: message %s to %q has a %d-byte body, over the server's max_message_size of %d bytes "+
+		"(set broker.rabbitmq.max_message_bytes to at most that): %w", o.Msg.UUID, o.Topic, size, serverMax, adapters.ErrMessageTooLarge)
+}
+
+// serverMaxPattern finds the limit in the broker's refusal of a too large
+// message: "PRECONDITION_FAILED - message size 2000000 is larger than
+// configured max size 1048576".
+var serverMaxPattern = regexp.MustCompile(`larger than configured max size (\d+)`)
+
+// headerFrameBytes is the size of p's AMQP content header frame payload:
+// class, weight, body size, property flags, delivery mode, message id and
+// the headers table (every value a string). It must fit one frame.
+func headerFrameBytes(p amqp.Publishing) int {
+	n := 2 + 2 + 8 + 2 + 1 + 1 + len(p.MessageId) + 4
+	for k, v := range p.Headers {
+		s, _ := v.(string)
+		n += 1 + len(k) + 1 + 4 + len(s)
+	}
+	return n
+}
+
+// checkHeaderFrames refuses, permanently, every message whose headers do
+// not fit one frame of conn: sent anyway, the broker would close the whole
+// connection (FRAME_ERROR) and fail every message in flight with it, on
+// every retry.
+func checkHeaderFrames(conn *amqp.Connection, msgs []adapters.Outgoing, pubs []amqp.Publishing, errs []error) {
+	limit := conn.Config.FrameSize - 8 // frame type, channel, size, end octet
+	if limit <= 0 {
+		return
+	}
+	for i := range msgs {
+		if errs[i] != nil {
+			continue
+		}
+		if n := headerFrameBytes(pubs[i]); n > limit {
+			errs[i] = fmt.Errorf("rabbitmq: message %s to %q has %d bytes of metadata headers; they must fit one AMQP frame (%d bytes, the negotiated frame_max): %w",
+				msgs[i].Msg.UUID, msgs[i].Topic, n, conn.Config.FrameSize, adapters.ErrMessageTooLarge)
+		}
+	}
 }
 
 // failUnsent sets err for every message without an error yet.
@@ -322,6 +373,23 @@ func (b *Broker) publishOn(ctx context.Context, cc *confirmChannel, msgs []adapt
 			errs[s.idx] = notConfirmed
 		}
 		failUnsent(errs[stoppedAt:], fmt.Errorf("rabbitmq: not published: %w", ctx.Err()))
+	}
+	// A body over the server's max_message_size made the broker close the
+	// channel: the messages too large for it are permanent failures (and
+	// later ones are refused before sending), the others retryable.
+	var ae *amqp.Error
+	if errors.As(cc.closeReason(), &ae) && ae.Code == amqp.PreconditionFailed {
+		if m := serverMaxPattern.FindStringSubmatch(ae.Reason); m != nil {
+			serverMax, _ := strconv.Atoi(m[1])
+			b.mu.Lock()
+			b.serverMax = serverMax
+			b.mu.Unlock()
+			for i, o := range msgs {
+				if errs[i] != nil && !adapters.IsPermanent(errs[i]) && len(o.Msg.Payload) > serverMax {
+					errs[i] = tooLargeForServer(o, len(o.Msg.Payload), serverMax)
+				}
+			}
+		}
 	}
 	if len(returned) > 0 {
 		b.forgetTopics(cc.conn)

@@ -243,3 +243,27 @@ func TestBadNames(t *testing.T) {
 	require.True(t, adapters.IsPermanent(be.Errs[0]))
 	require.True(t, errors.Is(err, be.Errs[0]))
 }
+
+// Metadata too large for one AMQP frame would make the broker close the
+// connection and fail everything in flight, on every retry: the message is
+// refused, permanently, before it is sent, and the rest of the batch goes.
+func TestPublishBatchHeadersTooLarge(t *testing.T) {
+	t.Parallel()
+	cfg := testConfig(serverURL())
+	b := openBroker(t, cfg)
+	topic, group := adaptertest.Name("headers"), adaptertest.Name("g")
+	require.NoError(t, b.Provision(context.Background(), topic, group))
+	big := newMsg(`"big"`)
+	big.Metadata.Set("blob", strings.Repeat("v", 200_000))
+	err := b.PublishBatch(context.Background(), outgoing(topic, newMsg(`"a"`), big, newMsg(`"b"`)))
+	var be *adapters.BatchError
+	require.ErrorAs(t, err, &be)
+	require.Equal(t, 1, be.Failed())
+	require.ErrorIs(t, be.Errs[1], adapters.ErrMessageTooLarge)
+	require.True(t, adapters.IsPermanent(be.Errs[1]))
+	require.Contains(t, be.Errs[1].Error(), "frame_max")
+	t.Log(be.Errs[1])
+	raw := rawChannel(t, cfg.URL)
+	require.Equal(t, `"a"`, string(getOne(t, raw, QueueName(topic, group), 10*time.Second).Body))
+	require.Equal(t, `"b"`, string(getOne(t, raw, QueueName(topic, group), 10*time.Second).Body))
+}

@@ -2,10 +2,12 @@ package rabbit
 
 import (
 	"errors"
+	"os"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"go.yaml.in/yaml/v3"
 
 	"github.com/millrace-io/millrace/internal/confload"
 )
@@ -53,4 +55,19 @@ func TestConfigValidate(t *testing.T) {
 	require.Contains(t, paths["broker.rabbitmq.reconnect_max_interval"], "positive")
 
 	require.Contains(t, Config{}.WithDefaults().Validate("broker.rabbitmq")[0].Error(), "broker.rabbitmq.url: required")
+}
+
+// The shipped config.yaml states this section's defaults.
+func TestShippedConfigStatesDefaults(t *testing.T) {
+	t.Parallel()
+	data, err := os.ReadFile("../../config.yaml")
+	require.NoError(t, err)
+	var file struct {
+		Broker struct {
+			RabbitMQ Config `yaml:"rabbitmq"`
+		} `yaml:"broker"`
+	}
+	require.NoError(t, yaml.Unmarshal(data, &file))
+	shipped := file.Broker.RabbitMQ
+	require.Equal(t, Config{URL: shipped.URL}.WithDefaults(), shipped)
 }

@@ -53,6 +53,12 @@ func (b *Broker) Subscriber(consumerGroup string) (message.Subscriber, error) {
 	if err := checkGroup(consumerGroup); err != nil {
 		return nil, err
 	}
+	b.mu.Lock()
+	closed := b.closed
+	b.mu.Unlock()
+	if closed {
+		return nil, ErrClosed
+	}
 	s := &subscriber{b: b, group: consumerGroup, closing: make(chan struct{})}
 	if _, err := s.connection(context.Background()); err != nil {
 		return nil, err

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -73,6 +74,30 @@ func Example() {
 	// Output:
 	// OrderCreated {"order_id":"ord-1","step":1}
 	// OrderPaid {"order_id":"ord-1","step":2}
+}
+
+// The queues behind a topic and a consumer group, e.g. to read dead
+// letters or parked messages.
+func ExampleQueueName() {
+	fmt.Println(rabbit.QueueName("orders.events", "billing"))
+	fmt.Println(rabbit.DeadLetterQueueName("orders.events", "billing"))
+	fmt.Println(rabbit.UnroutedQueueName("orders.events"))
+	// Output:
+	// orders.events:billing
+	// orders.events:billing:dlq
+	// orders.events::unrouted
+}
+
+// Marshaler also fixes watermill-amqp's own subscriber, whose
+// DefaultMarshaler fails on the non-string headers of quorum queues.
+func ExampleMarshaler() {
+	cfg := wamqp.NewDurablePubSubConfig("amqp://guest:guest@127.0.0.1:5672/", wamqp.GenerateQueueNameTopicNameWithSuffix("billing"))
+	cfg.Marshaler = rabbit.Marshaler{}
+	sub, err := wamqp.NewSubscriber(cfg, watermill.NopLogger{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer sub.Close()
 }
 
 // deleteTopology removes the example's queues and exchanges from the server.

@@ -1,20 +1,88 @@
 package rabbit
 
-import "github.com/millrace-io/millrace/internal/confload"
+import (
+	"cmp"
+	"time"
+
+	"github.com/millrace-io/millrace/internal/confload"
+)
+
+// DefaultMaxMessageBytes is max_message_bytes' default: RabbitMQ's own
+// max_message_size default (128 MiB) since 3.8.
+const DefaultMaxMessageBytes = 128 << 20
+
+// maxMessageBytesCeiling is the largest max_message_size RabbitMQ accepts (512 MiB).
+const maxMessageBytesCeiling = 512 << 20
 
 // Config is the broker.rabbitmq section of config.yaml.
 type Config struct {
 	// URL is the AMQP URL, e.g. amqp://guest:guest@127.0.0.1:5672/. Required
 	// when broker.kind is rabbitmq. AMQP_URL overrides it.
 	URL string `yaml:"url"`
+
+	// Prefetch is how many unacknowledged deliveries RabbitMQ hands one
+	// subscription at a time (basic.qos prefetch-count, per consumer).
+	// Defaults to 1: a subscription processes one message at a time anyway,
+	// and with 1 a nacked message is redelivered before any later one, so a
+	// queue with a single consumer keeps its order even across redeliveries.
+	// Raise it for throughput when handlers tolerate reordering after a Nack.
+	Prefetch int `yaml:"prefetch"`
+
+	// DeliveryLimit is the quorum queues' x-delivery-limit: after this many
+	// redeliveries (Nack, a consumer crash or a closed channel) RabbitMQ
+	// dead-letters the message into its group's dead-letter queue instead of
+	// delivering it again, so a message that crashes its consumer cannot stall
+	// the queue forever. Defaults to 20.
+	DeliveryLimit int `yaml:"delivery_limit"`
+
+	// MaxMessageBytes is the largest message body published. A larger one is
+	// refused before it is sent with a permanent error naming this limit; the
+	// rest of its batch still goes out. Keep it at or below the server's
+	// max_message_size: a body over that makes RabbitMQ close the channel and
+	// fail everything in flight on it. Defaults to 134217728 (128 MiB, the
+	// server's default max_message_size).
+	MaxMessageBytes int `yaml:"max_message_bytes"`
+
+	// Heartbeat is the AMQP heartbeat interval: how soon a silently dead
+	// connection is noticed (after about two missed beats). A heartbeat in
+	// the URL (?heartbeat=N) takes precedence. At least 1s. Defaults to 10s.
+	Heartbeat time.Duration `yaml:"heartbeat"`
+
+	// ReconnectMaxInterval caps the backoff between a subscriber's attempts
+	// to reconnect after it lost its connection (a broker restart): it starts
+	// at 100ms and grows to this. Publishing reconnects on its next call.
+	// Defaults to 5s.
+	ReconnectMaxInterval time.Duration `yaml:"reconnect_max_interval"`
 }
 
 // WithDefaults returns c with every unset field at its default.
-func (c Config) WithDefaults() Config { return c }
+func (c Config) WithDefaults() Config {
+	c.Prefetch = cmp.Or(c.Prefetch, 1)
+	c.DeliveryLimit = cmp.Or(c.DeliveryLimit, 20)
+	c.MaxMessageBytes = cmp.Or(c.MaxMessageBytes, DefaultMaxMessageBytes)
+	c.Heartbeat = cmp.Or(c.Heartbeat, 10*time.Second)
+	c.ReconnectMaxInterval = cmp.Or(c.ReconnectMaxInterval, 5*time.Second)
+	return c
+}
 
 // Validate returns every problem in c, each naming its YAML path under path.
+// Call it on a Config that has had WithDefaults applied.
 func (c Config) Validate(path string) []error {
 	var chk confload.Checker
 	chk.URL(confload.Join(path, "url"), c.URL, "amqp", "amqps")
+	chk.Positive(confload.Join(path, "prefetch"), c.Prefetch)
+	if c.Prefetch > 65535 {
+		chk.Add(confload.Join(path, "prefetch"), "must be at most 65535 (an AMQP short); got %d", c.Prefetch)
+	}
+	chk.Positive(confload.Join(path, "delivery_limit"), c.DeliveryLimit)
+	chk.Positive(confload.Join(path, "max_message_bytes"), c.MaxMessageBytes)
+	if c.MaxMessageBytes > maxMessageBytesCeiling {
+		chk.Add(confload.Join(path, "max_message_bytes"),
+			"must be at most %d (RabbitMQ's largest max_message_size); got %d", maxMessageBytesCeiling, c.MaxMessageBytes)
+	}
+	if c.Heartbeat < time.Second {
+		chk.Add(confload.Join(path, "heartbeat"), "must be at least 1s (AMQP counts heartbeats in whole seconds); got %s", c.Heartbeat)
+	}
+	chk.PositiveDuration(confload.Join(path, "reconnect_max_interval"), c.ReconnectMaxInterval)
 	return chk.Problems
 }

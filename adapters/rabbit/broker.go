@@ -1,0 +1,280 @@
+package rabbit
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/millrace-io/millrace/adapters"
+)
+
+// ErrClosed is returned by every call on a closed Broker.
+var ErrClosed = errors.New("rabbitmq: broker is closed")
+
+// Broker is a RabbitMQ connection as millrace uses it: quorum queues, one
+// per topic and consumer group, with publisher confirms on every publish.
+// It is safe for concurrent use.
+type Broker struct {
+	cfg      Config
+	opts     adapters.Options
+	redacted string // cfg.URL without its password, for errors and logs
+	declarer declarer
+
+	mu       sync.Mutex
+	closed   bool
+	conn     *amqp.Connection // the publishing connection; redialled when lost
+	blocked  string           // why the broker blocks conn's publishers, "" when it does not
+	idle     []*confirmChannel
+	declared map[string]bool // topics whose publishing topology exists
+	// serverMax is the server's max_message_size once a refusal told it, 0 before.
+	serverMax int
+	subs      map[*subscriber]struct{}
+	watchers  sync.WaitGroup // goroutines watching conn
+}
+
+var _ adapters.Broker = (*Broker)(nil)
+
+// Open connects with the reliable defaults of this adapter and returns a
+// *Broker that implements adapters.Broker. cfg gets WithDefaults applied and
+// is validated. An unreachable broker is an error naming the URL (without
+// its password) within opts.ConnectTimeout, or sooner when ctx ends.
+func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, error) {
+	cfg = cfg.WithDefaults()
+	if errs := cfg.Validate("broker.rabbitmq"); len(errs) > 0 {
+		return nil, fmt.Errorf("rabbitmq: invalid configuration: %w", errors.Join(errs...))
+	}
+	b := &Broker{
+		cfg:      cfg,
+		opts:     opts.WithDefaults(),
+		redacted: redactURL(cfg.URL),
+		declarer: declarer{deliveryLimit: cfg.DeliveryLimit},
+		declared: map[string]bool{},
+		subs:     map[*subscriber]struct{}{},
+	}
+	if _, err := b.connection(ctx); err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+// redactURL returns raw with its password masked.
+func redactURL(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "<unparsable URL>"
+	}
+	return u.Redacted()
+}
+
+// amqpConfig is the client configuration of every connection: dialling and
+// the AMQP handshake bounded by ConnectTimeout (and ctx), heartbeats from
+// config, and a connection name that shows up in the management UI.
+func (b *Broker) amqpConfig(ctx context.Context, role string) amqp.Config {
+	timeout := b.opts.ConnectTimeout
+	props := amqp.NewConnectionProperties()
+	props.SetClientConnectionName("millrace " + role)
+	return amqp.Config{
+		Heartbeat:  b.cfg.Heartbeat,
+		Locale:     "en_US",
+		Properties: props,
+		Dial: func(network, addr string) (net.Conn, error) {
+			dctx, cancel := context.WithTimeout(ctx, timeout)
+			defer cancel()
+			var d net.Dialer
+			conn, err := d.DialContext(dctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			// The deadline bounds the TLS and AMQP handshakes; amqp091
+			// clears it once the connection is open.
+			deadline, _ := dctx.Deadline()
+			if err := conn.SetDeadline(deadline); err != nil {
+				conn.Close()
+				return nil, err
+			}
+			return conn, nil
+		},
+	}
+}
+
+// connection returns the publishing connection, dialling it when there is
+// none or it was lost (a broker restart): publishing reconnects on demand,
+// and a failed dial is a retryable error.
+func (b *Broker) connection(ctx context.Context) (*amqp.Connection, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return nil, ErrClosed
+	}
+	if b.conn != nil && !b.conn.IsClosed() {
+		return b.conn, nil
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, fmt.Errorf("rabbitmq: connect to %s: %w", b.redacted, err)
+	}
+	conn, err := amqp.DialConfig(b.cfg.URL, b.amqpConfig(ctx, "publisher"))
+	if err != nil {
+		return nil, fmt.Errorf("rabbitmq: connect to %s: %w", b.redacted, err)
+	}
+	b.conn, b.blocked, b.idle = conn, "", nil
+	clear(b.declared)
+	blocks := conn.NotifyBlocked(make(chan amqp.Blocking, 1))
+	b.watchers.Add(1)
+	go b.watchBlocked(conn, blocks)
+	return conn, nil
+}
+
+// watchBlocked records connection.blocked / unblocked notifications (a
+// memory or disk alarm on the broker) until conn closes; a closed
+// connection blocks nothing.
+func (b *Broker) watchBlocked(conn *amqp.Connection, blocks <-chan amqp.Blocking) {
+	defer b.watchers.Done()
+	for bl := range blocks {
+		b.mu.Lock()
+		if b.conn == conn {
+			b.blocked = ""
+			if bl.Active {
+				b.blocked = bl.Reason
+			}
+		}
+		b.mu.Unlock()
+		b.opts.Logger.Info("RabbitMQ publishing blocked state changed", map[string]any{"blocked": bl.Active, "reason": bl.Reason})
+	}
+	b.mu.Lock()
+	if b.conn == conn {
+		b.blocked = ""
+	}
+	b.mu.Unlock()
+}
+
+// dropOnCancel makes conn drop if ctx ends before the returned func is
+// called. AMQP calls (declarations, channel open and close, a publish
+// write) do not take a context and wait as long as the broker does not
+// answer: a broker under a resource alarm stops reading from a connection
+// that published. Dropping the connection ends them; the next call
+// reconnects, and a message left unconfirmed is reported as such.
+func (b *Broker) dropOnCancel(ctx context.Context, conn *amqp.Connection) (stop func() bool) {
+	return context.AfterFunc(ctx, func() {
+		b.opts.Logger.Info("Dropping the RabbitMQ publishing connection: a call outlived its context", nil)
+		_ = conn.CloseDeadline(time.Now())
+	})
+}
+
+// Provision declares the topology of topic and of each consumer group:
+// exchanges, the group's quorum queue, its dead-letter queue and the parking
+// queue for unroutable messages. It is idempotent. An existing object with
+// other settings is an error wrapping ErrTopologyConflict.
+func (b *Broker) Provision(ctx context.Context, topic string, consumerGroups ...string) error {
+	if err := checkNames(topic, consumerGroups...); err != nil {
+		return err
+	}
+	conn, err := b.connection(ctx)
+	if err != nil {
+		return err
+	}
+	defer b.dropOnCancel(ctx, conn)()
+	tc := &topoChannel{conn: conn}
+	defer tc.close()
+	if err := b.declarer.declareTopic(tc, topic); err != nil {
+		return err
+	}
+	for _, g := range consumerGroups {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		if err := b.declarer.declareGroup(tc, topic, g); err != nil {
+			return err
+		}
+	}
+	b.mu.Lock()
+	if b.conn == conn {
+		b.declared[topic] = true
+	}
+	b.mu.Unlock()
+	return nil
+}
+
+// Publisher returns a message.Publisher over PublishBatch: each Publish call
+// is one pipelined batch that returns once the broker confirmed every
+// message. Its Close does not close the Broker.
+func (b *Broker) Publisher() message.Publisher { return &publisher{b: b} }
+
+type publisher struct {
+	b      *Broker
+	mu     sync.Mutex
+	closed bool
+}
+
+// Publish publishes msgs to topic and waits for the broker's confirms. The
+// context of the first message bounds the call.
+func (p *publisher) Publish(topic string, msgs ...*message.Message) error {
+	p.mu.Lock()
+	closed := p.closed
+	p.mu.Unlock()
+	if closed {
+		return errors.New("rabbitmq: publisher is closed")
+	}
+	if len(msgs) == 0 {
+		return nil
+	}
+	out := make([]adapters.Outgoing, len(msgs))
+	for i, m := range msgs {
+		out[i] = adapters.Outgoing{Topic: topic, Msg: m}
+	}
+	err := p.b.PublishBatch(msgs[0].Context(), out)
+	var be *adapters.BatchError
+	if errors.As(err, &be) {
+		i := be.FirstUnconfirmed()
+		return fmt.Errorf("rabbitmq: publish to %q: %d of %d messages not confirmed, first %s: %w",
+			topic, be.Failed(), len(msgs), msgs[i].UUID, be.Errs[i])
+	}
+	return err
+}
+
+// Close stops this publisher; the Broker and its connection stay open.
+func (p *publisher) Close() error {
+	p.mu.Lock()
+	p.closed = true
+	p.mu.Unlock()
+	return nil
+}
+
+// Close closes every subscriber this Broker made and its connection. It is
+// idempotent.
+func (b *Broker) Close() error {
+	b.mu.Lock()
+	if b.closed {
+		b.mu.Unlock()
+		return nil
+	}
+	b.closed = true
+	conn := b.conn
+	b.idle = nil // closing conn closes them
+	subs := make([]*subscriber, 0, len(b.subs))
+	for s := range b.subs {
+		subs = append(subs, s)
+	}
+	b.mu.Unlock()
+
+	var errs []error
+	for _, s := range subs {
+		if err := s.Close(); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if conn != nil && !conn.IsClosed() {
+		// Bounded: a blocked or unresponsive broker may never answer.
+		if err := conn.CloseDeadline(time.Now().Add(b.opts.ConnectTimeout)); err != nil && !errors.Is(err, amqp.ErrClosed) {
+			errs = append(errs, fmt.Errorf("rabbitmq: close connection to %s: %w", b.redacted, err))
+		}
+	}
+	b.watchers.Wait()
+	return errors.Join(errs...)
+}

@@ -1,0 +1,73 @@
+package rabbit
+
+import (
+	"errors"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.yaml.in/yaml/v3"
+
+	"github.com/millrace-io/millrace/internal/confload"
+)
+
+func TestConfigDefaults(t *testing.T) {
+	t.Parallel()
+	c := Config{URL: defaultURL}.WithDefaults()
+	require.Equal(t, Config{
+		URL:                  defaultURL,
+		Prefetch:             1,
+		DeliveryLimit:        20,
+		MaxMessageBytes:      128 << 20,
+		Heartbeat:            10 * time.Second,
+		ReconnectMaxInterval: 5 * time.Second,
+	}, c)
+	require.Empty(t, c.Validate("broker.rabbitmq"))
+	set := Config{URL: defaultURL, Prefetch: 50, DeliveryLimit: 3, MaxMessageBytes: 1 << 20, Heartbeat: time.Minute, ReconnectMaxInterval: time.Second}
+	require.Equal(t, set, set.WithDefaults(), "set values are kept")
+}
+
+func TestConfigValidate(t *testing.T) {
+	t.Parallel()
+	c := Config{
+		URL:                  "http://user:hunter2@host/",
+		Prefetch:             70000,
+		DeliveryLimit:        -1,
+		MaxMessageBytes:      1 << 30,
+		Heartbeat:            500 * time.Millisecond,
+		ReconnectMaxInterval: -time.Second,
+	}
+	errs := c.Validate("broker.rabbitmq")
+	paths := map[string]string{}
+	for _, err := range errs {
+		var fe *confload.FieldError
+		require.True(t, errors.As(err, &fe), "%T", err)
+		paths[fe.Path] = fe.Problem
+		require.NotContains(t, fe.Problem, "hunter2")
+	}
+	require.Len(t, errs, 6, "%v", errs)
+	require.Contains(t, paths["broker.rabbitmq.url"], "scheme")
+	require.Contains(t, paths["broker.rabbitmq.prefetch"], "65535")
+	require.Contains(t, paths["broker.rabbitmq.delivery_limit"], "greater than 0")
+	require.Contains(t, paths["broker.rabbitmq.max_message_bytes"], "536870912")
+	require.Contains(t, paths["broker.rabbitmq.heartbeat"], "at least 1s")
+	require.Contains(t, paths["broker.rabbitmq.reconnect_max_interval"], "positive")
+
+	require.Contains(t, Config{}.WithDefaults().Validate("broker.rabbitmq")[0].Error(), "broker.rabbitmq.url: required")
+}
+
+// The shipped config.yaml states this section's defaults.
+func TestShippedConfigStatesDefaults(t *testing.T) {
+	t.Parallel()
+	data, err := os.ReadFile("../../config.yaml")
+	require.NoError(t, err)
+	var file struct {
+		Broker struct {
+			RabbitMQ Config `yaml:"rabbitmq"`
+		} `yaml:"broker"`
+	}
+	require.NoError(t, yaml.Unmarshal(data, &file))
+	shipped := file.Broker.RabbitMQ
+	require.Equal(t, Config{URL: shipped.URL}.WithDefaults(), shipped)
+}

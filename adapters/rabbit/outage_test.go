@@ -1,0 +1,281 @@
+package rabbit
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/adapters/adaptertest"
+)
+
+// TestOutages stops, alarms and reconfigures a private RabbitMQ node, one
+// case after the other.
+func TestOutages(t *testing.T) {
+	t.Parallel()
+	// The dead-letter worker retries a dead letter it could not route after
+	// this long (3 minutes by default).
+	node := startPrivateNode(t, "max_message_size = 1048576",
+		"[{rabbit, [{dead_letter_worker_publisher_confirm_timeout, 1000}]}].\n")
+	t.Run("AtLeastOnceDeadLettering", func(t *testing.T) { testAtLeastOnceDeadLettering(t, node) })
+	t.Run("ServerMessageSizeLimit", func(t *testing.T) { testServerMessageSizeLimit(t, node) })
+	t.Run("MemoryAlarmBlocksPublishers", func(t *testing.T) { testMemoryAlarm(t, node) })
+	t.Run("BrokerDown", func(t *testing.T) { testBrokerDown(t, node) })
+}
+
+// receiveN acks n messages from ch.
+func receiveN(t *testing.T, ch <-chan *message.Message, n int) []*message.Message {
+	t.Helper()
+	var got []*message.Message
+	timeout := time.After(60 * time.Second)
+	for len(got) < n {
+		select {
+		case m, ok := <-ch:
+			require.True(t, ok, "subscription closed")
+			m.Ack()
+			got = append(got, m)
+		case <-timeout:
+			require.FailNow(t, "timeout", "received %d of %d", len(got), n)
+		}
+	}
+	return got
+}
+
+// nackUntilGone nacks every delivery of ch until none comes for a second,
+// returning how many there were.
+func nackUntilGone(t *testing.T, ch <-chan *message.Message) int {
+	t.Helper()
+	n := 0
+	for {
+		select {
+		case m := <-ch:
+			n++
+			m.Nack()
+		case <-time.After(time.Second):
+			return n
+		}
+	}
+}
+
+// A dead letter whose dead-letter queue is missing stays with RabbitMQ
+// (at-least-once dead-lettering) and reaches the queue once it is back. The
+// same queue declared without x-overflow reject-publish loses it: RabbitMQ
+// quietly falls back to at-most-once.
+func testAtLeastOnceDeadLettering(t *testing.T, node *privateNode) {
+	cfg := testConfig(node.URL)
+	cfg.DeliveryLimit = 1
+	b := openBroker(t, cfg)
+	topic, group := adaptertest.Name("alo"), adaptertest.Name("g")
+	require.NoError(t, b.Provision(context.Background(), topic, group))
+	raw := rawChannel(t, node.URL)
+	_, err := raw.QueueDelete(DeadLetterQueueName(topic, group), false, false, false)
+	require.NoError(t, err)
+
+	sub, err := b.Subscriber(group)
+	require.NoError(t, err)
+	defer sub.Close()
+	ch, err := sub.Subscribe(context.Background(), topic)
+	require.NoError(t, err)
+	kept := newMsg(`"kept"`)
+	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, kept)))
+	require.Equal(t, cfg.DeliveryLimit+1, nackUntilGone(t, ch), "deliveries before dead-lettering")
+
+	// Provision brings the dead-letter queue and its binding back.
+	require.NoError(t, b.Provision(context.Background(), topic, group))
+	d := getOne(t, raw, DeadLetterQueueName(topic, group), 60*time.Second)
+	require.Equal(t, kept.UUID, d.MessageId)
+
+	// The same arguments without x-overflow: the dead letter is dropped.
+	plain := adaptertest.Name("amo")
+	args := b.declarer.groupQueueArgs(topic, group)
+	delete(args, amqp.QueueOverflowArg)
+	_, err = raw.QueueDeclare(plain, true, false, false, false, args)
+	require.NoError(t, err)
+	_, err = raw.QueueDelete(DeadLetterQueueName(topic, group), false, false, false)
+	require.NoError(t, err)
+	require.NoError(t, raw.PublishWithContext(context.Background(), "", plain, false, false, amqp.Publishing{MessageId: "lost", Body: []byte("x")}))
+	for i := 0; i <= cfg.DeliveryLimit; {
+		d, ok, err := raw.Get(plain, false)
+		require.NoError(t, err)
+		if !ok {
+			time.Sleep(50 * time.Millisecond)
+			continue
+		}
+		require.NoError(t, raw.Nack(d.DeliveryTag, false, true))
+		i++
+	}
+	require.NoError(t, b.Provision(context.Background(), topic, group))
+	time.Sleep(3 * time.Second) // three retry periods of the dead-letter worker
+	_, ok, err := raw.Get(DeadLetterQueueName(topic, group), true)
+	require.NoError(t, err)
+	require.False(t, ok, "at-most-once: the dead letter is gone")
+	_, ok, err = raw.Get(plain, true)
+	require.NoError(t, err)
+	require.False(t, ok)
+}
+
+// A body the adapter allows but the server refuses (max_message_size below
+// max_message_bytes) closes the channel: that message fails permanently,
+// naming the server's limit, the others are retryable, and the retry
+// refuses it before sending so the rest goes through.
+func testServerMessageSizeLimit(t *testing.T, node *privateNode) {
+	cfg := testConfig(node.URL)
+	cfg.MaxMessageBytes = DefaultMaxMessageBytes
+	b := openBroker(t, cfg)
+	topic, group := adaptertest.Name("size"), adaptertest.Name("g")
+	require.NoError(t, b.Provision(context.Background(), topic, group))
+	big := message.NewMessage(adaptertest.Name("ev"), make([]byte, 2<<20))
+	batch := outgoing(topic, newMsg(`"a"`), big, newMsg(`"b"`))
+
+	err := b.PublishBatch(context.Background(), batch)
+	var be *adapters.BatchError
+	require.ErrorAs(t, err, &be)
+	require.ErrorIs(t, be.Errs[1], adapters.ErrMessageTooLarge)
+	require.True(t, adapters.IsPermanent(be.Errs[1]))
+	require.Contains(t, be.Errs[1].Error(), "1048576")
+	for _, i := range []int{0, 2} {
+		if be.Errs[i] != nil {
+			require.False(t, adapters.IsPermanent(be.Errs[i]), "%v", be.Errs[i])
+		}
+	}
+	t.Log(be.Errs[1])
+
+	err = b.PublishBatch(context.Background(), batch)
+	require.ErrorAs(t, err, &be)
+	require.Equal(t, 1, be.Failed(), "%v", err)
+	require.ErrorIs(t, be.Errs[1], adapters.ErrMessageTooLarge)
+	raw := rawChannel(t, node.URL)
+	seen := map[string]bool{}
+	for !seen[`"a"`] || !seen[`"b"`] { // "a" may be there twice: confirmed, then published again
+		seen[string(getOne(t, raw, QueueName(topic, group), 10*time.Second).Body)] = true
+	}
+}
+
+// While a memory alarm blocks publishers, PublishBatch returns a retryable
+// error within its context instead of hanging (dropping the connection the
+// broker stopped reading), a caller that comes while the broker says the
+// connection is blocked is refused at once, subscribers (on their own
+// connections) keep consuming, and a batch waiting out the alarm is
+// confirmed once it clears.
+func testMemoryAlarm(t *testing.T, node *privateNode) {
+	b := openBroker(t, testConfig(node.URL))
+	topic, group := adaptertest.Name("alarm"), adaptertest.Name("g")
+	require.NoError(t, b.Provision(context.Background(), topic, group))
+	before := newMsg(`"before"`)
+	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, before)))
+
+	node.Ctl("set_vm_memory_high_watermark", "0")
+	t.Cleanup(func() { node.Ctl("set_vm_memory_high_watermark", "0.4") })
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	err := b.PublishBatch(ctx, outgoing(topic, newMsg(`"timed out"`)))
+	cancel()
+	require.Error(t, err, "nothing is confirmed during the alarm")
+	require.False(t, adapters.IsPermanent(err), "an alarm is not permanent: %v", err)
+	t.Log(err)
+	require.Eventually(t, func() bool {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		return b.conn.IsClosed() && b.blocked == ""
+	}, 30*time.Second, 10*time.Millisecond, "the connection the broker stopped reading is dropped")
+
+	// This batch waits the alarm out (or, when the broker's
+	// connection.blocked came first, retries as the relay would).
+	waiting := newMsg(`"waiting"`)
+	waited := make(chan error, 1)
+	go func() {
+		deadline := time.Now().Add(2 * time.Minute)
+		for {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			err := b.PublishBatch(ctx, outgoing(topic, waiting))
+			cancel()
+			if err == nil || !errors.Is(err, ErrBlocked) || time.Now().After(deadline) {
+				waited <- err
+				return
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}()
+	require.Eventually(t, func() bool {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		return b.blocked != ""
+	}, 30*time.Second, 10*time.Millisecond, "connection.blocked never arrived")
+	ctx, cancel = context.WithTimeout(context.Background(), time.Minute)
+	err = b.PublishBatch(ctx, outgoing(topic, newMsg(`"refused"`)))
+	cancel()
+	require.ErrorIs(t, err, ErrBlocked)
+	require.False(t, adapters.IsPermanent(err))
+	t.Log(err)
+
+	sub, err := b.Subscriber(group)
+	require.NoError(t, err)
+	defer sub.Close()
+	ch, err := sub.Subscribe(context.Background(), topic)
+	require.NoError(t, err)
+	require.Equal(t, before.UUID, receiveN(t, ch, 1)[0].UUID, "consuming goes on during the alarm")
+
+	node.Ctl("set_vm_memory_high_watermark", "0.4")
+	require.NoError(t, <-waited, "the waiting batch is confirmed once the alarm clears")
+	after := newMsg(`"after"`)
+	publishEventually(t, b, topic, after)
+	seen := map[string]bool{}
+	for !seen[waiting.UUID] || !seen[after.UUID] {
+		seen[receiveN(t, ch, 1)[0].UUID] = true // messages published during the alarm may arrive too
+	}
+}
+
+// publishEventually retries PublishBatch as the relay does until it succeeds.
+func publishEventually(t *testing.T, b *Broker, topic string, msgs ...*message.Message) {
+	t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		err := b.PublishBatch(ctx, outgoing(topic, msgs...))
+		cancel()
+		if err == nil {
+			return
+		}
+		require.False(t, adapters.IsPermanent(err), "%v", err)
+		require.True(t, time.Now().Before(deadline), "never published: %v", err)
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// With the broker down, PublishBatch fails fast with a retryable error; once
+// it is back, publishing reconnects and the subscription resumes by itself.
+func testBrokerDown(t *testing.T, node *privateNode) {
+	b := openBroker(t, testConfig(node.URL))
+	topic, group := adaptertest.Name("down"), adaptertest.Name("g")
+	require.NoError(t, b.Provision(context.Background(), topic, group))
+	sub, err := b.Subscriber(group)
+	require.NoError(t, err)
+	defer sub.Close()
+	ch, err := sub.Subscribe(context.Background(), topic)
+	require.NoError(t, err)
+	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, newMsg("1"))))
+	receiveN(t, ch, 1)
+
+	node.Stop()
+	for range 2 {
+		began := time.Now()
+		err := b.PublishBatch(context.Background(), outgoing(topic, newMsg("lost?")))
+		var be *adapters.BatchError
+		require.ErrorAs(t, err, &be)
+		require.False(t, adapters.IsPermanent(err), "%v", err)
+		require.Less(t, time.Since(began), 30*time.Second)
+		t.Log(err)
+	}
+
+	node.Start()
+	back := newMsg(`"back"`)
+	publishEventually(t, b, topic, back)
+	seen := map[string]bool{}
+	for !seen[back.UUID] {
+		seen[receiveN(t, ch, 1)[0].UUID] = true
+	}
+}

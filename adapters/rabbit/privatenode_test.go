@@ -1,0 +1,237 @@
+package rabbit
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/require"
+)
+
+// privateNode is a RabbitMQ node of its own (own node name, ports, data and
+// log directories) that a test may stop, restart and reconfigure without
+// touching the shared server other tests use.
+type privateNode struct {
+	t       testing.TB
+	bin     string // directory holding rabbitmq-server and rabbitmqctl
+	dir     string
+	name    string
+	env     []string // os.Environ() and own
+	own     []string // the node's own variables
+	pidFile string
+	URL     string
+}
+
+// rabbitBinDir finds the RabbitMQ scripts: the Debian/Ubuntu package keeps
+// the real ones in /usr/lib/rabbitmq/bin (its /usr/sbin wrappers switch to
+// the rabbitmq user and its data directory); other installs put them on PATH.
+func rabbitBinDir() (string, bool) {
+	if _, err := os.Stat("/usr/lib/rabbitmq/bin/rabbitmq-server"); err == nil {
+		return "/usr/lib/rabbitmq/bin", true
+	}
+	if p, err := exec.LookPath("rabbitmq-server"); err == nil {
+		return filepath.Dir(p), true
+	}
+	return "", false
+}
+
+// freePort returns a TCP port nothing listens on right now.
+func freePort(t testing.TB) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// startPrivateNode starts a private node, stopped when t ends. rabbitmqConf
+// and advancedConfig are appended to its rabbitmq.conf and written as its
+// advanced.config (may be empty). The test is skipped, saying why, when no
+// RabbitMQ installation is there to start one from.
+func startPrivateNode(t testing.TB, rabbitmqConf, advancedConfig string) *privateNode {
+	t.Helper()
+	bin, ok := rabbitBinDir()
+	if !ok {
+		t.Skip("no rabbitmq-server installed here to start a private node from (the test restarts its broker, so it never uses a shared one)")
+	}
+	suffix := make([]byte, 4)
+	_, _ = rand.Read(suffix)
+	// The data directory goes to /tmp: RabbitMQ's paths must stay short.
+	dir, err := os.MkdirTemp("", "millrace-rmq-")
+	require.NoError(t, err)
+	n := &privateNode{
+		t:       t,
+		bin:     bin,
+		dir:     dir,
+		name:    "millrace" + hex.EncodeToString(suffix) + "@localhost",
+		pidFile: filepath.Join(dir, "pid"),
+	}
+	port, distPort := freePort(t), freePort(t)
+	n.URL = fmt.Sprintf("amqp://guest:guest@127.0.0.1:%d/", port)
+	conf := fmt.Sprintf("listeners.tcp.1 = 127.0.0.1:%d\nlog.file.level = warning\n%s\n", port, rabbitmqConf)
+	files := map[string]string{
+		"env.conf":        "",
+		"enabled_plugins": "[].\n",
+		"rabbitmq.conf":   conf,
+		"advanced.config": advancedConfig,
+	}
+	if advancedConfig == "" {
+		files["advanced.config"] = "[].\n"
+	}
+	for name, content := range files {
+		require.NoError(t, os.WriteFile(filepath.Join(dir, name), []byte(content), 0o600))
+	}
+	n.own = []string{
+		"HOME=" + dir, // the Erlang cookie of the node and of rabbitmqctl
+		"RABBITMQ_NODENAME=" + n.name,
+		"RABBITMQ_DIST_PORT=" + strconv.Itoa(distPort),
+		"RABBITMQ_CONF_ENV_FILE=" + filepath.Join(dir, "env.conf"),
+		"RABBITMQ_CONFIG_FILE=" + filepath.Join(dir, "rabbitmq.conf"),
+		"RABBITMQ_ADVANCED_CONFIG_FILE=" + filepath.Join(dir, "advanced.config"),
+		"RABBITMQ_ENABLED_PLUGINS_FILE=" + filepath.Join(dir, "enabled_plugins"),
+		"RABBITMQ_MNESIA_BASE=" + filepath.Join(dir, "mnesia"),
+		"RABBITMQ_LOG_BASE=" + filepath.Join(dir, "log"),
+		"RABBITMQ_PID_FILE=" + n.pidFile,
+	}
+	n.env = append(os.Environ(), n.own...)
+	// Cleanups do not run when the test binary dies (a -timeout panic): a
+	// watchdog stops the node and removes its files then.
+	watchdog := exec.Command("/bin/sh", "-c", fmt.Sprintf(`
+while kill -0 %d 2>/dev/null; do sleep 1; done
+if [ -f %[2]q ]; then
+	pid=$(cat %[2]q)
+	kill -TERM "$pid"
+	while kill -0 "$pid" 2>/dev/null; do sleep 0.2; done
+fi
+rm -rf %[3]q`, os.Getpid(), n.pidFile, dir))
+	watchdog.SysProcAttr = &syscall.SysProcAttr{Setpgid: true} // outlives a killed process group
+	require.NoError(t, watchdog.Start())
+	t.Cleanup(func() {
+		n.Stop()
+		_ = watchdog.Process.Kill()
+		_ = watchdog.Wait()
+		if !t.Failed() {
+			_ = os.RemoveAll(dir)
+		} else {
+			t.Logf("private RabbitMQ node's files kept in %s", dir)
+		}
+	})
+	n.Start()
+	return n
+}
+
+// Start starts the node and returns once it accepts AMQP connections.
+func (n *privateNode) Start() {
+	n.t.Helper()
+	began := time.Now()
+	cmd := exec.Command(filepath.Join(n.bin, "rabbitmq-server"), "-detached")
+	cmd.Env = n.env
+	out, err := cmd.CombinedOutput()
+	require.NoError(n.t, err, "rabbitmq-server -detached: %s", out)
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		conn, err := amqp.Dial(n.URL)
+		if err == nil {
+			_ = conn.Close()
+			n.t.Logf("private RabbitMQ node %s up after %s", n.name, time.Since(began).Round(time.Millisecond))
+			return
+		}
+		if time.Now().After(deadline) {
+			logs, _ := os.ReadFile(filepath.Join(n.dir, "log", n.name+".log"))
+			require.FailNow(n.t, "private RabbitMQ node did not start", "%v\n%s", err, tail(string(logs), 3000))
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// Stop stops the node (SIGTERM, a clean shutdown) and waits for its process
+// to end. It does nothing when the node is not running.
+func (n *privateNode) Stop() {
+	n.t.Helper()
+	raw, err := os.ReadFile(n.pidFile)
+	if err != nil {
+		return
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(raw)))
+	if err != nil || pid <= 0 {
+		return
+	}
+	began := time.Now()
+	if err := syscall.Kill(pid, syscall.SIGTERM); err != nil {
+		_ = os.Remove(n.pidFile)
+		return
+	}
+	for time.Since(began) < time.Minute {
+		if err := syscall.Kill(pid, 0); errors.Is(err, syscall.ESRCH) {
+			_ = os.Remove(n.pidFile)
+			n.t.Logf("private RabbitMQ node %s stopped after %s", n.name, time.Since(began).Round(time.Millisecond))
+			return
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	_ = syscall.Kill(pid, syscall.SIGKILL)
+	_ = os.Remove(n.pidFile)
+}
+
+// Restart stops the node and starts it again on the same data directory.
+func (n *privateNode) Restart() {
+	n.t.Helper()
+	n.Stop()
+	n.Start()
+}
+
+// RestartScript writes a shell script that restarts the node the way
+// Restart does, for tools that take a command (Watermill's TestReconnect).
+func (n *privateNode) RestartScript() string {
+	n.t.Helper()
+	var env strings.Builder
+	for _, kv := range n.own {
+		k, v, _ := strings.Cut(kv, "=")
+		fmt.Fprintf(&env, "export %s='%s'\n", k, v)
+	}
+	port := n.URL[strings.LastIndex(n.URL, ":")+1 : len(n.URL)-1]
+	script := fmt.Sprintf(`#!/bin/bash
+%s
+pid=$(cat "$RABBITMQ_PID_FILE")
+kill -TERM "$pid"
+while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+rm -f "$RABBITMQ_PID_FILE"
+'%s/rabbitmq-server' -detached
+i=0
+until (exec 3<>/dev/tcp/127.0.0.1/%s) 2>/dev/null; do
+	i=$((i+1)); [ $i -gt 1200 ] && exit 1
+	sleep 0.1
+done
+`, env.String(), n.bin, port)
+	path := filepath.Join(n.dir, "restart.sh")
+	require.NoError(n.t, os.WriteFile(path, []byte(script), 0o700))
+	return path
+}
+
+// Ctl runs rabbitmqctl against the node.
+func (n *privateNode) Ctl(args ...string) string {
+	n.t.Helper()
+	cmd := exec.Command(filepath.Join(n.bin, "rabbitmqctl"), append([]string{"-n", n.name}, args...)...)
+	cmd.Env = n.env
+	out, err := cmd.CombinedOutput()
+	require.NoError(n.t, err, "rabbitmqctl %s: %s", strings.Join(args, " "), out)
+	return string(out)
+}
+
+func tail(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[len(s)-n:]
+}

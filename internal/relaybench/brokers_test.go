@@ -1,0 +1,48 @@
+package relaybench_test
+
+import (
+	"context"
+	"os"
+	"strings"
+	"testing"
+
+	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/adapters/kafka"
+	"github.com/millrace-io/millrace/adapters/nats"
+)
+
+func envOr(env map[string]string, key, def string) string {
+	if v := env[key]; v != "" {
+		return v
+	}
+	if v := os.Getenv(key); v != "" {
+		return v
+	}
+	return def
+}
+
+func init() {
+	brokers["nats"] = brokerKit{
+		open: func(ctx context.Context, env map[string]string) (adapters.Broker, error) {
+			return nats.Open(ctx, nats.Config{URL: envOr(env, "NATS_URL", "nats://127.0.0.1:4222")}, adapters.Options{})
+		},
+	}
+	brokers["kafka"] = brokerKit{
+		// A real cluster when KAFKA_BROKERS is set, else an in-process dev
+		// cluster (kfake) shared by the parent and the relay's process.
+		start: func(b *testing.B) map[string]string {
+			if os.Getenv("KAFKA_BROKERS") != "" {
+				return nil
+			}
+			dev, err := kafka.StartDevCluster(kafka.DevClusterOptions{})
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.Cleanup(dev.Close)
+			return map[string]string{"KAFKA_BROKERS": strings.Join(dev.Addrs(), ",")}
+		},
+		open: func(ctx context.Context, env map[string]string) (adapters.Broker, error) {
+			return kafka.Open(ctx, kafka.Config{Brokers: strings.Split(envOr(env, "KAFKA_BROKERS", ""), ",")}, adapters.Options{})
+		},
+	}
+}

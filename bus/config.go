@@ -12,6 +12,7 @@ import (
 	"github.com/millrace-io/millrace/adapters/rabbit"
 	"github.com/millrace-io/millrace/internal/confload"
 	"github.com/millrace-io/millrace/internal/names"
+	"github.com/millrace-io/millrace/middleware"
 )
 
 // Broker kinds accepted by broker.kind.
@@ -38,6 +39,10 @@ type Config struct {
 	Outbox OutboxConfig `yaml:"outbox"`
 	// Broker selects and configures the message broker.
 	Broker BrokerConfig `yaml:"broker"`
+	// Consumer configures the consumer middleware chain (retry, poison
+	// queue, circuit breaker, inbox, concurrency), with per-handler overrides
+	// under consumer.handlers.<name>.
+	Consumer middleware.Config `yaml:"consumer"`
 
 	// envSources maps a YAML path to the environment variable that overrode it.
 	envSources map[string]string
@@ -110,6 +115,7 @@ func (c Config) WithDefaults() Config {
 	c.Broker.Kafka = c.Broker.Kafka.WithDefaults()
 	c.Broker.RabbitMQ = c.Broker.RabbitMQ.WithDefaults()
 	c.Broker.NATS = c.Broker.NATS.WithDefaults()
+	c.Consumer = c.Consumer.WithDefaults()
 	return c
 }
 
@@ -138,6 +144,7 @@ func (c Config) Validate() error {
 	case KindNATS:
 		chk.Merge(c.Broker.NATS.Validate("broker.nats"))
 	}
+	chk.Merge(c.Consumer.Validate("consumer"))
 	if len(chk.Problems) == 0 {
 		return nil
 	}

@@ -1,0 +1,2 @@
+// Package middleware is millrace's consumer side.
+package middleware

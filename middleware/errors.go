@@ -157,7 +157,9 @@ func (e *shutdownError) Unwrap() error { return e.cause }
 // than to the message: it does not use up the message's retries.
 type outageError struct{ err error }
 
-func (e *outageError) Error() string { return "dependency outage (circuit breaker open): " + e.err.Error() }
+func (e *outageError) Error() string {
+	return "dependency outage (circuit breaker open): " + e.err.Error()
+}
 func (e *outageError) Unwrap() error { return e.err }
 
 // shouldPoison is the poison queue's filter: permanent failures and messages

@@ -170,6 +170,7 @@ func rabbitKit(t testing.TB) *kit {
 		c := wmamqp.NewDurablePubSubConfig(amqpURL(), wmamqp.GenerateQueueNameTopicNameWithSuffix(group))
 		c.Queue.Arguments = amqp091.Table{"x-queue-type": "quorum"}
 		c.Consume.Qos.PrefetchCount = 4
+		c.Marshaler = stringHeaders{}
 		return c
 	}
 	pubConfig := config("")
@@ -199,20 +200,39 @@ func rabbitKit(t testing.TB) *kit {
 			t.Cleanup(func() {
 				conn, err := amqp091.Dial(amqpURL())
 				if err != nil {
+					t.Errorf("remove the test's queues: %v", err)
 					return
 				}
 				defer conn.Close()
 				ch, err := conn.Channel()
-				if err != nil {
-					return
-				}
+				require.NoError(t, err)
 				for _, g := range groups {
-					_, _ = ch.QueueDelete(topic+"_"+g, false, false, false)
+					_, err := ch.QueueDelete(topic+"_"+g, false, false, false)
+					require.NoError(t, err, "delete queue")
 				}
-				_ = ch.ExchangeDelete(topic, false, false)
+				require.NoError(t, ch.ExchangeDelete(topic, false, false), "delete exchange")
 			})
 		},
 	}
+}
+
+// stringHeaders is watermill-amqp's DefaultMarshaler made to accept the
+// non-string headers RabbitMQ adds (a quorum queue's x-delivery-count on
+// every redelivery): the default refuses them, and its subscriber then nacks
+// and gets the message back for ever.
+type stringHeaders struct{ wmamqp.DefaultMarshaler }
+
+func (m stringHeaders) Unmarshal(d amqp091.Delivery) (*message.Message, error) {
+	headers := make(amqp091.Table, len(d.Headers))
+	for k, v := range d.Headers {
+		if s, ok := v.(string); ok {
+			headers[k] = s
+		} else {
+			headers[k] = fmt.Sprint(v)
+		}
+	}
+	d.Headers = headers
+	return m.DefaultMarshaler.Unmarshal(d)
 }
 
 // env is one test's database schema with millrace's tables and a business table.

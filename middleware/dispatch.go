@@ -3,6 +3,7 @@ package middleware
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"time"
 
@@ -68,7 +69,6 @@ type Dispatcher struct {
 	mu         sync.Mutex
 	subscribed bool
 	closed     bool
-	opened     []message.Subscriber
 	wg         sync.WaitGroup
 }
 
@@ -121,8 +121,28 @@ func NewDispatcher(src Source, cfg DispatchConfig) *Dispatcher {
 	return &Dispatcher{src: src, cfg: cfg, subs: subs, stopCtx: stopCtx, stop: stop, finished: make(chan struct{})}
 }
 
+// ackGrace is how long a stopping Dispatcher waits, after the last message in
+// flight was acked, before it closes the subscriptions that carry the acks.
+const ackGrace = 250 * time.Millisecond
+
 // Subscriptions is how many subscriptions Subscribe opens.
 func (d *Dispatcher) Subscriptions() int { return d.subs }
+
+// subscription is one open subscription and what ends it.
+type subscription struct {
+	sub    message.Subscriber
+	ch     <-chan *message.Message
+	cancel context.CancelFunc
+}
+
+// close closes the subscriber, then ends its context: in that order, since
+// watermill-amqp v2.1.3 races (and may reconnect) when the Subscribe context
+// ends before Close.
+func (s subscription) close() error {
+	err := s.sub.Close()
+	s.cancel()
+	return err
+}
 
 // Subscribe opens the subscriptions on topic and returns the channel the
 // router reads. It may be called once. When ctx ends the Dispatcher stops as
@@ -138,32 +158,32 @@ func (d *Dispatcher) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	case d.src.NewSubscriber == nil:
 		return nil, errors.New("millrace dispatcher: Source.NewSubscriber is nil")
 	}
-	// The subscriptions get a context of their own, ended only after they
-	// are closed: they must outlive ctx to carry the acks of the messages in
-	// flight, and watermill-amqp v2.1.3 races (and may reconnect) when its
-	// Subscribe context ends before its Close.
-	subCtx, subCancel := context.WithCancel(context.WithoutCancel(ctx))
-	inputs := make([]<-chan *message.Message, 0, d.subs)
+	subs := make([]subscription, 0, d.subs)
 	for range d.subs {
+		// Each subscription gets a context of its own, ended only after it is
+		// closed: it must outlive ctx to carry the acks of the messages in flight.
+		subCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 		sub, err := d.src.NewSubscriber()
 		if err == nil {
-			d.opened = append(d.opened, sub)
 			var ch <-chan *message.Message
 			if ch, err = sub.Subscribe(subCtx, topic); err == nil {
-				inputs = append(inputs, ch)
+				subs = append(subs, subscription{sub: sub, ch: ch, cancel: cancel})
 				continue
 			}
+			err = errors.Join(err, sub.Close())
 		}
-		err = errors.Join(err, d.closeSubscribers())
-		subCancel()
-		return nil, err
+		cancel()
+		for _, s := range subs {
+			err = errors.Join(err, s.close())
+		}
+		return nil, fmt.Errorf("millrace dispatcher: subscribe to %s: %w", topic, err)
 	}
 	d.subscribed = true
 	context.AfterFunc(ctx, d.stop)
 	out := make(chan *message.Message)
 	go func() {
 		defer close(d.finished)
-		d.run(inputs, out, subCancel)
+		d.run(subs, out)
 	}()
 	return out, nil
 }
@@ -186,43 +206,70 @@ func (d *Dispatcher) Close() error {
 	return nil
 }
 
-func (d *Dispatcher) closeSubscribers() error {
-	var errs []error
-	for _, s := range d.opened {
-		errs = append(errs, s.Close())
-	}
-	d.opened = nil
-	return errors.Join(errs...)
-}
-
 // run is the scheduler: it owns every queue, so it needs no lock.
-func (d *Dispatcher) run(inputs []<-chan *message.Message, out chan<- *message.Message, subCancel context.CancelFunc) {
+func (d *Dispatcher) run(subs []subscription, out chan<- *message.Message) {
 	defer close(out)
 	stopping := d.stopCtx.Done()
-	subsClosed := make(chan struct{})
+	drained := make(chan struct{})
 
-	// Fan-in keeps each subscription's order. Once stopping it takes no new
-	// message: the one in hand is nacked when the subscriptions are closed,
-	// so that a subscription never spins on redeliveries while we drain.
+	// One fan-in goroutine per subscription keeps its order and, when the
+	// Dispatcher stops, closes it. Once stopping it releases nothing more
+	// but keeps taking what the subscription delivers until the messages in
+	// flight are drained, then closes the subscription and nacks what it
+	// took: a subscription left blocked on its output channel races with its
+	// own Close (watermill-nats v2.1.3), and one nacked while we drain gets
+	// the message straight back, in a loop. Closing from this goroutine also
+	// orders every receive before the Close.
 	in := make(chan *message.Message)
 	inputsDone := make(chan struct{})
 	var fanIn sync.WaitGroup
-	for _, ch := range inputs {
+	for _, sub := range subs {
 		fanIn.Add(1)
 		go func() {
 			defer fanIn.Done()
-			for msg := range ch {
+			var held []*message.Message
+			defer func() {
+				for _, m := range held {
+					m.Nack()
+				}
+			}()
+		deliver:
+			for {
 				select {
-				case in <- msg:
-					continue
+				case msg, ok := <-sub.ch:
+					if !ok {
+						_ = sub.close()
+						return
+					}
+					select {
+					case in <- msg:
+						continue
+					case <-stopping:
+						held = append(held, msg)
+						break deliver
+					}
 				case <-stopping:
+					break deliver
 				}
-				<-subsClosed
-				msg.Nack()
-				for msg := range ch {
-					msg.Nack()
+			}
+		hold:
+			for {
+				select {
+				case msg, ok := <-sub.ch:
+					if !ok {
+						_ = sub.close()
+						return
+					}
+					held = append(held, msg)
+				case <-drained:
+					break hold
 				}
-				return
+			}
+			if err := sub.close(); err != nil {
+				d.cfg.Logger.Error("Closing a subscription failed", err, nil)
+			}
+			for msg := range sub.ch {
+				held = append(held, msg)
 			}
 		}()
 	}
@@ -268,9 +315,11 @@ loop:
 		}
 	}
 
+	d.stop() // when the subscriptions ended by themselves
 	s.nackHeld()
 	drain := time.NewTimer(d.cfg.DrainTimeout)
 	defer drain.Stop()
+	hadInFlight := s.inFlight > 0
 	for s.inFlight > 0 {
 		select {
 		case f := <-finished:
@@ -281,13 +330,13 @@ loop:
 			s.inFlight = 0
 		}
 	}
-	d.mu.Lock()
-	if err := d.closeSubscribers(); err != nil {
-		d.cfg.Logger.Error("Closing subscriptions failed", err, nil)
+	if hadInFlight {
+		// Watermill's subscribers pick at random between an ack and a close
+		// that are both ready: let the acks just given leave first, or their
+		// messages come back (as duplicates the inbox absorbs).
+		time.Sleep(ackGrace)
 	}
-	d.mu.Unlock()
-	subCancel()
-	close(subsClosed)
+	close(drained)
 	<-inputsDone
 }
 

@@ -122,6 +122,7 @@ func natsKit(t testing.TB, opts kitOptions) *kit {
 	}, testLogger())
 	require.NoError(t, err)
 	t.Cleanup(func() { pub.Close() })
+	const maxAckPending = 256
 	subConfig := func(group string) wmnats.SubscriberConfig {
 		return wmnats.SubscriberConfig{
 			URL:              natsURL(),
@@ -132,7 +133,7 @@ func natsKit(t testing.TB, opts kitOptions) *kit {
 				DurablePrefix: group,
 				SubscribeOptions: []nats.SubOpt{
 					nats.ManualAck(), nats.AckExplicit(), nats.DeliverAll(),
-					nats.AckWait(ackWait), nats.MaxAckPending(256),
+					nats.AckWait(ackWait), nats.MaxAckPending(maxAckPending),
 				},
 			},
 		}
@@ -155,6 +156,17 @@ func natsKit(t testing.TB, opts kitOptions) *kit {
 			require.NoError(t, err)
 			_, err = js.AddStream(&nats.StreamConfig{Name: topic, Subjects: []string{topic}})
 			require.NoError(t, err)
+			// The durable consumers exist before any subscription: a consumer
+			// that nats.go creates for a subscription is deleted, with its
+			// acks, when that subscription is closed.
+			for _, g := range groups {
+				_, err = js.AddConsumer(topic, &nats.ConsumerConfig{
+					Durable: g, DeliverGroup: g, DeliverSubject: nats.NewInbox(), FilterSubject: topic,
+					AckPolicy: nats.AckExplicitPolicy, AckWait: ackWait, MaxAckPending: maxAckPending,
+					DeliverPolicy: nats.DeliverAllPolicy,
+				})
+				require.NoError(t, err)
+			}
 			t.Cleanup(func() {
 				_ = js.DeleteStream(topic)
 				nc.Close()

@@ -68,6 +68,9 @@ type kitOptions struct {
 	// ackWait is how long the broker waits for an ack before redelivering
 	// (NATS consumer AckWait). Defaults to 30s.
 	ackWait time.Duration
+	// maxAckPending bounds the messages a NATS consumer hands out unacked.
+	// Defaults to 256.
+	maxAckPending int
 }
 
 var kitNames = []string{"gochannel", "nats", "rabbitmq"}
@@ -122,7 +125,10 @@ func natsKit(t testing.TB, opts kitOptions) *kit {
 	}, testLogger())
 	require.NoError(t, err)
 	t.Cleanup(func() { pub.Close() })
-	const maxAckPending = 256
+	maxAckPending := opts.maxAckPending
+	if maxAckPending == 0 {
+		maxAckPending = 256
+	}
 	subConfig := func(group string) wmnats.SubscriberConfig {
 		return wmnats.SubscriberConfig{
 			URL:              natsURL(),

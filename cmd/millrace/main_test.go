@@ -32,7 +32,7 @@ func TestMigrateCommand(t *testing.T) {
 	require.Contains(t, out.String(), schema)
 	var n int
 	require.NoError(t, db.QueryRow(`SELECT count(*) FROM information_schema.tables WHERE table_schema = $1`, schema).Scan(&n))
-	require.Equal(t, 3, n, "outbox, offsets and inbox tables")
+	require.Equal(t, 5, n, "outbox, offsets, inbox, poison and aggregate-versions tables")
 }
 
 func TestBadUsageExitsTwoWithUsageLine(t *testing.T) {

@@ -24,7 +24,6 @@ const (
 // delivery is what the chain knows about one message while it processes it.
 // One goroutine owns it, so it has no lock.
 type delivery struct {
-	chain   *Chain
 	eventID string
 	// attempts counts the times the handler stage was entered.
 	attempts     int

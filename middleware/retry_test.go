@@ -51,7 +51,7 @@ func retryChain(t *testing.T, retry RetryConfig) (*Chain, *fakeClock) {
 
 func runRetry(ctx context.Context, c *Chain, h message.HandlerFunc) (*delivery, error) {
 	msg := message.NewMessage("evt-1", nil)
-	d := &delivery{chain: c, eventID: "evt-1"}
+	d := &delivery{eventID: "evt-1"}
 	msg.SetContext(context.WithValue(ctx, deliveryKey, d))
 	_, err := c.retry(c.attempt(h))(msg)
 	return d, err
@@ -149,7 +149,7 @@ func TestAttemptRestoresTheMessageContext(t *testing.T) {
 	c, _ := retryChain(t, RetryConfig{MaxAttempts: 3, Jitter: ptr(false)})
 	var seen []context.Context
 	msg := message.NewMessage("evt-1", nil)
-	orig := context.WithValue(context.Background(), deliveryKey, &delivery{chain: c, eventID: "evt-1"})
+	orig := context.WithValue(context.Background(), deliveryKey, &delivery{eventID: "evt-1"})
 	msg.SetContext(orig)
 	_, err := c.retry(c.attempt(func(m *message.Message) ([]*message.Message, error) {
 		seen = append(seen, m.Context())

@@ -237,7 +237,7 @@ func (c *Chain) Wrap(h message.NoPublishHandlerFunc) message.NoPublishHandlerFun
 // and counts the outcome.
 func (c *Chain) observe(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
-		d := &delivery{chain: c, eventID: eventIDOf(msg)}
+		d := &delivery{eventID: eventIDOf(msg)}
 		orig := msg.Context()
 		msg.SetContext(context.WithValue(orig, deliveryKey, d))
 		out, err := h(msg)

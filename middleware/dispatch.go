@@ -48,9 +48,10 @@ type Source struct {
 // Watermill's stock subscribers deliver the next message of a subscription
 // only after the current one is acked, so concurrency comes from the number
 // of subscriptions: consumer.workers competing subscriptions when unordered;
-// one subscription when ordered (a second would receive the same aggregate's
-// next event before the first is acked) unless KeyPartitioned. See README.md
-// for what that means on each broker.
+// one when ordered (a second would receive the same aggregate's next event
+// before the first is acked) and one when KeyPartitioned (a Kafka
+// subscription already spans its partitions). See README.md for what that
+// means on each broker.
 //
 // Stopping (Close, or the end of Subscribe's context) is graceful: no new
 // message is released, held ones are nacked, the contexts of the messages in

@@ -103,8 +103,8 @@ func OpenDB(cfg DatabaseConfig) (*sql.DB, error) {
 	return db, nil
 }
 
-// Migrate creates the outbox, offsets and inbox tables and the outbox NOTIFY
-// trigger in cfg's schema. It is idempotent and safe to run from several
+// Migrate creates the outbox, offsets, inbox, poison and aggregate-versions
+// tables and the outbox NOTIFY trigger in cfg's schema. It is idempotent and safe to run from several
 // instances at once.
 func Migrate(ctx context.Context, db *sql.DB, cfg Config) error {
 	cfg = cfg.WithDefaults()

@@ -13,6 +13,7 @@ import (
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/confload"
 	"github.com/millrace-io/millrace/internal/names"
+	"github.com/millrace-io/millrace/middleware"
 )
 
 // Broker kinds accepted by broker.kind.
@@ -41,6 +42,10 @@ type Config struct {
 	Broker BrokerConfig `yaml:"broker"`
 	// Relay configures the relay from the outbox to the broker.
 	Relay forwarder.Config `yaml:"relay"`
+	// Consumer configures the consumer middleware chain (retry, poison
+	// queue, circuit breaker, inbox, concurrency), with per-handler overrides
+	// under consumer.handlers.<name>.
+	Consumer middleware.Config `yaml:"consumer"`
 
 	// envSources maps a YAML path to the environment variable that overrode it.
 	envSources map[string]string
@@ -114,6 +119,7 @@ func (c Config) WithDefaults() Config {
 	c.Broker.RabbitMQ = c.Broker.RabbitMQ.WithDefaults()
 	c.Broker.NATS = c.Broker.NATS.WithDefaults()
 	c.Relay = c.Relay.WithDefaults()
+	c.Consumer = c.Consumer.WithDefaults()
 	return c
 }
 
@@ -143,6 +149,7 @@ func (c Config) Validate() error {
 		chk.Merge(c.Broker.NATS.Validate("broker.nats"))
 	}
 	chk.Merge(c.Relay.Validate("relay"))
+	chk.Merge(c.Consumer.Validate("consumer"))
 	if len(chk.Problems) == 0 {
 		return nil
 	}

@@ -30,6 +30,7 @@ func TestShippedConfigLoadsAndValidates(t *testing.T) {
 	defaults := Config{}.WithDefaults()
 	require.Equal(t, defaults.Database, cfg.Database)
 	require.Equal(t, defaults.Outbox, cfg.Outbox)
+	require.Equal(t, defaults.Consumer, cfg.Consumer)
 }
 
 func TestMinimalConfigIsAllDefaults(t *testing.T) {
@@ -106,6 +107,10 @@ func TestBadConfigsNameTheirField(t *testing.T) {
 			paths: []string{"database.schema"}, text: "must match"},
 		{name: "unset variable", yaml: "database:\n  url: ${NO_SUCH_VARIABLE}\n",
 			paths: []string{"database.url"}, text: "NO_SUCH_VARIABLE is not set"},
+		{name: "consumer section", yaml: "consumer:\n  workers: -2\n  retry:\n    max_attempts: -1\n  handlers:\n    billing:\n      prefetch: 1\n      poison: {destination: topic}\n",
+			paths: []string{"consumer.workers", "consumer.retry.max_attempts"}, text: "must be greater than 0"},
+		{name: "consumer handler override", yaml: "consumer:\n  handlers:\n    billing:\n      prefetch: 1\n      poison: {destination: topic}\n      inbox: {retention: 1h}\n",
+			paths: []string{"consumer.handlers.billing.prefetch", "consumer.handlers.billing.poison.topic", "consumer.handlers.billing.inbox.retention"}, text: "must be at least workers"},
 		{name: "bad url from environment", env: map[string]string{"AMQP_URL": "localhost"}, yaml: "broker:\n  kind: rabbitmq\n",
 			paths: []string{"broker.rabbitmq.url"}, text: "$AMQP_URL"},
 	}

@@ -42,6 +42,14 @@ func (t Tables) Inbox() string { return t.qualify("millrace_inbox") }
 // can never publish (corrupt envelope, message over the broker's limit).
 func (t Tables) RelayQuarantine() string { return t.qualify("millrace_relay_quarantine") }
 
+// Poison is the qualified poison (quarantine) table: messages the consumer
+// middleware gave up on, with their failure envelope, for listing and replay.
+func (t Tables) Poison() string { return t.qualify("millrace_poison") }
+
+// AggregateVersions is the qualified table of the ordering guard: the latest
+// aggregate version each consumer group applied, per aggregate.
+func (t Tables) AggregateVersions() string { return t.qualify("millrace_aggregate_versions") }
+
 // OutboxNotifyPayload is the NOTIFY payload that names this outbox.
 func (t Tables) OutboxNotifyPayload() string { return t.Schema + ".watermill_" + t.OutboxTopic }
 
@@ -63,7 +71,8 @@ func (t Tables) OffsetsAdapter() watermillsql.DefaultPostgreSQLOffsetsAdapter {
 // (CREATE ... IF NOT EXISTS alone still races on the catalog).
 const migrateLockKey = 0x6d696c6c72616365 // "millrace"
 
-// Migrate creates every table, index and trigger millrace needs, idempotently,
+// Migrate creates every table, index and trigger millrace needs (outbox,
+// offsets, inbox, poison and aggregate-versions tables), idempotently,
 // in one transaction under an advisory lock so that several instances may run
 // it at once.
 func Migrate(ctx context.Context, db *sql.DB, t Tables) error {
@@ -133,6 +142,41 @@ END $$`,
 	metadata TEXT,
 	reason TEXT NOT NULL,
 	quarantined_at TIMESTAMPTZ NOT NULL DEFAULT now()
+)`,
+		// One row per poisoned message and (consumer group, handler); poisoning
+		// the same message again updates it. The envelope fields are columns
+		// so that an operator can list, filter, show, replay and purge.
+		`CREATE TABLE IF NOT EXISTS `+t.Poison()+` (
+	id BIGSERIAL PRIMARY KEY,
+	consumer_group TEXT NOT NULL,
+	handler TEXT NOT NULL,
+	source_topic TEXT NOT NULL,
+	message_id TEXT NOT NULL,
+	event_id TEXT NOT NULL,
+	event_type TEXT NOT NULL,
+	payload BYTEA NOT NULL,
+	metadata JSONB NOT NULL,
+	reason TEXT NOT NULL,
+	error_class TEXT NOT NULL,
+	attempts INTEGER NOT NULL,
+	first_failure_at TIMESTAMPTZ NOT NULL,
+	last_failure_at TIMESTAMPTZ NOT NULL,
+	traceparent TEXT NOT NULL,
+	poisoned_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+	times_poisoned INTEGER NOT NULL DEFAULT 1,
+	replayed_at TIMESTAMPTZ,
+	UNIQUE (consumer_group, handler, message_id)
+)`,
+		`CREATE INDEX IF NOT EXISTS millrace_poison_poisoned_at ON `+t.Poison()+` (poisoned_at)`,
+		`CREATE INDEX IF NOT EXISTS millrace_poison_event_id ON `+t.Poison()+` (event_id)`,
+		`CREATE TABLE IF NOT EXISTS `+t.AggregateVersions()+` (
+	consumer_group TEXT NOT NULL,
+	aggregate_type TEXT NOT NULL,
+	aggregate_id TEXT NOT NULL,
+	version BIGINT NOT NULL,
+	event_id TEXT NOT NULL,
+	updated_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+	PRIMARY KEY (consumer_group, aggregate_type, aggregate_id)
 )`,
 	)
 	return stmts

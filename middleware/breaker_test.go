@@ -1,0 +1,147 @@
+package middleware_test
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/middleware"
+)
+
+// A dependency is down for 10s: the breaker opens, nothing is poisoned, the
+// handler is not called in a hot loop while it is open, and every event is
+// processed once the dependency is back. On gochannel and on RabbitMQ with
+// four competing consumers.
+func TestBreakerHoldsMessagesDuringAnOutage(t *testing.T) {
+	t.Parallel()
+	for _, name := range []string{"gochannel", "rabbitmq"} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			testOutage(t, name)
+		})
+	}
+}
+
+func testOutage(t *testing.T, broker string) {
+	const (
+		events  = 40
+		outage  = 10 * time.Second
+		workers = 4
+	)
+	e := newEnv(t)
+	k := newKit(t, broker, kitOptions{})
+	topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
+	k.provision(t, topic, group)
+
+	var upAt atomic.Int64 // unix nanos when the dependency comes back
+	var callsWhileDown, calls atomic.Int64
+	// The outage is seen by several messages in flight: the first failing
+	// call waits (a bounded while) for a second message to arrive, as in a
+	// consumer with a backlog. One message failing alone is a different case
+	// (TestBreakerDoesNotShieldABadMessage).
+	second := make(chan struct{})
+	var firstID atomic.Value
+	var secondOnce sync.Once
+	handle := func(msg *message.Message) error {
+		calls.Add(1)
+		if time.Now().UnixNano() < upAt.Load() {
+			callsWhileDown.Add(1)
+			id := msg.Metadata.Get(bus.EventIDKey)
+			if firstID.CompareAndSwap(nil, id) {
+				select {
+				case <-second:
+				case <-time.After(10 * time.Second):
+				}
+			} else if firstID.Load() != id {
+				secondOnce.Do(func() { close(second) })
+			}
+			return errors.New("inventory service unavailable")
+		}
+		return e.write(msg.Context(), group, msg)
+	}
+	cfg := middleware.Config{
+		Workers: workers,
+		Breaker: middleware.BreakerConfig{ConsecutiveFailures: 3, OpenTimeout: time.Second},
+		Retry: middleware.RetryConfig{
+			MaxAttempts: 3, InitialInterval: 50 * time.Millisecond, MaxInterval: 200 * time.Millisecond, MaxElapsed: time.Minute,
+		},
+	}
+	msgs := make([]*message.Message, events)
+	for i := range msgs {
+		msgs[i] = event(fmt.Sprintf("evt-%02d", i), fmt.Sprintf("o-%d", i), 1, `{"amount":1}`)
+	}
+	publish(t, k.pub, topic, msgs...)
+
+	upAt.Store(time.Now().Add(outage).UnixNano())
+	c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group, handle: handle})
+
+	// Watch the breaker state while the dependency is down.
+	sawOpen := false
+	for time.Now().UnixNano() < upAt.Load() {
+		if c.metric(t, middleware.MetricBreakerState, map[string]string{"handler": "billing"}) == middleware.BreakerOpen {
+			sawOpen = true
+		}
+		require.Zero(t, c.messages(t, "billing", middleware.OutcomePoisoned), "nothing is poisoned during the outage")
+		time.Sleep(20 * time.Millisecond)
+	}
+	require.True(t, sawOpen, "the breaker opened during the outage")
+
+	eventually(t, time.Minute, "every event processed after recovery", func() bool {
+		return e.count(t, `SELECT count(*) FROM `+e.table("business")) == events
+	})
+	require.Zero(t, c.messages(t, "billing", middleware.OutcomePoisoned))
+	require.Zero(t, e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")))
+	require.EqualValues(t, events, c.messages(t, "billing", middleware.OutcomeOK))
+	eventually(t, 10*time.Second, "the breaker closed", func() bool {
+		return c.metric(t, middleware.MetricBreakerState, map[string]string{"handler": "billing"}) == middleware.BreakerClosed
+	})
+
+	// Without the breaker, four workers retrying every 200ms at most would
+	// call the handler hundreds of times in 10s. With it: the failures that
+	// open it (each in-flight message's attempts at most), then one trial
+	// per open period.
+	bound := int64(workers*cfg.Retry.MaxAttempts + int(outage/cfg.Breaker.OpenTimeout) + workers)
+	require.LessOrEqual(t, callsWhileDown.Load(), bound, "handler calls while the dependency was down")
+	t.Logf("handler calls while down: %d (bound %d), in all: %d", callsWhileDown.Load(), bound, calls.Load())
+}
+
+// One message failing alone with a retryable error is a bad message, not an
+// outage, even when its failures open the breaker: it is poisoned after
+// retry.max_attempts, and the messages behind it flow again.
+func TestBreakerDoesNotShieldABadMessage(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	k := gochannelKit(t)
+	topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
+	cfg := middleware.Config{
+		Workers: 1, Ordered: ptr(true),
+		Breaker: middleware.BreakerConfig{ConsecutiveFailures: 2, OpenTimeout: 200 * time.Millisecond},
+	}
+	fastRetry(&cfg, 4)
+	c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group, handle: func(msg *message.Message) error {
+		if msg.Metadata.Get(bus.EventIDKey) == "bad" {
+			return errors.New("index out of range in tax rules")
+		}
+		return e.write(msg.Context(), group, msg)
+	}})
+	publish(t, k.pub, topic, event("bad", "o-1", 1, `{}`))
+	eventually(t, 30*time.Second, "the bad message poisoned", func() bool {
+		return c.messages(t, "billing", middleware.OutcomePoisoned) == 1
+	})
+	for i := range 5 {
+		publish(t, k.pub, topic, event(fmt.Sprintf("good-%d", i), "o-1", int64(2+i), `{}`))
+	}
+	eventually(t, 30*time.Second, "the messages behind it processed", func() bool {
+		return e.count(t, `SELECT count(*) FROM `+e.table("business")) == 5
+	})
+	var attempts int
+	require.NoError(t, e.db.QueryRow(`SELECT attempts FROM `+e.table("millrace_poison")+` WHERE event_id = 'bad'`).Scan(&attempts))
+	require.Equal(t, 4, attempts)
+}

@@ -1,0 +1,154 @@
+package middleware_test
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/middleware"
+)
+
+// The crash tests run a consumer in a child process (this test binary run
+// again with MILLRACE_CRASH_* set), kill it with SIGKILL at a chosen point,
+// then run a clean consumer on the same consumer group: no event may be
+// lost and none may have two effects.
+const (
+	crashReady = "MILLRACE_CRASH_READY"
+	// Points where the child is killed.
+	beforeCommit = "before-commit" // the victim's business row written, not committed
+	afterCommit  = "after-commit"  // the victim committed, not acked
+)
+
+func TestCrashRecovery(t *testing.T) {
+	if os.Getenv("MILLRACE_CRASH_MODE") != "" {
+		crashChild(t)
+		return
+	}
+	t.Parallel()
+	for _, broker := range []string{"nats", "rabbitmq"} {
+		for _, mode := range []string{beforeCommit, afterCommit} {
+			t.Run(broker+"/"+mode, func(t *testing.T) {
+				t.Parallel()
+				testCrash(t, broker, mode)
+			})
+		}
+	}
+}
+
+func testCrash(t *testing.T, broker, mode string) {
+	const events = 30
+	const victim = "evt-10"
+	e := newEnv(t)
+	opts := kitOptions{ackWait: 2 * time.Second} // NATS redelivers what the dead child held after this
+	k := newKit(t, broker, opts)
+	topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
+	k.provision(t, topic, group)
+	msgs := make([]*message.Message, events)
+	for i := range msgs {
+		msgs[i] = event(fmt.Sprintf("evt-%02d", i), fmt.Sprintf("o-%d", i%5), int64(i/5+1), `{"amount":1}`)
+	}
+	publish(t, k.pub, topic, msgs...)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestCrashRecovery$", "-test.count=1")
+	cmd.Env = append(os.Environ(),
+		"MILLRACE_CRASH_MODE="+mode, "MILLRACE_CRASH_BROKER="+broker, "MILLRACE_CRASH_SCHEMA="+e.schema,
+		"MILLRACE_CRASH_TOPIC="+topic, "MILLRACE_CRASH_GROUP="+group, "MILLRACE_CRASH_VICTIM="+victim)
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	cmd.Stderr = os.Stderr
+	require.NoError(t, cmd.Start())
+	ready := make(chan struct{})
+	go func() {
+		scanner := bufio.NewScanner(stdout)
+		for scanner.Scan() {
+			if strings.TrimSpace(scanner.Text()) == crashReady {
+				close(ready)
+				break
+			}
+		}
+		for scanner.Scan() { // keep the pipe drained
+		}
+	}()
+	select {
+	case <-ready:
+	case <-ctx.Done():
+		t.Fatal("the child consumer never reached the crash point")
+	}
+
+	victimRows := func() int {
+		return e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = $1`, victim)
+	}
+	switch mode {
+	case beforeCommit:
+		require.Zero(t, victimRows(), "the victim's write is not committed yet")
+	case afterCommit:
+		require.Equal(t, 1, victimRows(), "the victim's write is committed")
+		require.Equal(t, 1, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")+` WHERE event_id = $1`, victim))
+	}
+	require.NoError(t, cmd.Process.Signal(syscall.SIGKILL))
+	_ = cmd.Wait()
+
+	committedByChild := e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox"))
+	c := startConsumer(t, k, e, middleware.Config{}, handlerSpec{name: "billing", topic: topic, group: group,
+		handle: func(msg *message.Message) error { return e.write(msg.Context(), group, msg) }})
+	eventually(t, time.Minute, "every event the child did not commit processed by the clean consumer", func() bool {
+		return int(c.messages(t, "billing", middleware.OutcomeOK)) == events-committedByChild
+	})
+	require.Equal(t, events, e.count(t, `SELECT count(*) FROM `+e.table("business")), "no event has two effects")
+	require.Equal(t, events, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")))
+	require.Equal(t, 1, victimRows())
+	require.Zero(t, e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")))
+	if mode == afterCommit {
+		require.GreaterOrEqual(t, c.messages(t, "billing", middleware.OutcomeDuplicate), 1.0,
+			"the committed but unacked victim came back and was recognised as a duplicate")
+	}
+}
+
+// crashChild is the consumer the parent kills.
+func crashChild(t *testing.T) {
+	mode, victim := os.Getenv("MILLRACE_CRASH_MODE"), os.Getenv("MILLRACE_CRASH_VICTIM")
+	group, topic := os.Getenv("MILLRACE_CRASH_GROUP"), os.Getenv("MILLRACE_CRASH_TOPIC")
+	e := &env{db: testdb.Open(t), schema: os.Getenv("MILLRACE_CRASH_SCHEMA")}
+	k := newKit(t, os.Getenv("MILLRACE_CRASH_BROKER"), kitOptions{ackWait: 2 * time.Second})
+	crash := func() {
+		fmt.Println(crashReady)
+		select {} // wait for SIGKILL
+	}
+	spec := handlerSpec{name: "billing", topic: topic, group: group, handle: func(msg *message.Message) error {
+		if err := e.write(msg.Context(), group, msg); err != nil {
+			return err
+		}
+		if mode == beforeCommit && msg.Metadata.Get(bus.EventIDKey) == victim {
+			crash()
+		}
+		return nil
+	}}
+	if mode == afterCommit {
+		// Outside the chain: the chain has committed and returned; the
+		// router has not acked yet.
+		spec.outer = func(h message.HandlerFunc) message.HandlerFunc {
+			return func(msg *message.Message) ([]*message.Message, error) {
+				out, err := h(msg)
+				if err == nil && msg.Metadata.Get(bus.EventIDKey) == victim {
+					crash()
+				}
+				return out, err
+			}
+		}
+	}
+	startConsumer(t, k, e, middleware.Config{}, spec)
+	select {}
+}

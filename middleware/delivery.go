@@ -1,0 +1,74 @@
+package middleware
+
+import (
+	"cmp"
+	"context"
+	"database/sql"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/millrace-io/millrace/internal/envelope"
+)
+
+// Outcomes counted by millrace_consumer_messages_total.
+const (
+	OutcomeOK        = "ok"        // the handler committed; the message was acked
+	OutcomeDuplicate = "duplicate" // the inbox had the event id; acked without calling the handler
+	OutcomeStale     = "stale"     // the ordering guard dropped an old aggregate version; acked
+	OutcomePoisoned  = "poisoned"  // stored in the poison destination; acked
+	OutcomeRetried   = "retried"   // one failed attempt that is retried (counted per attempt)
+	OutcomeNacked    = "nacked"    // returned to the broker for redelivery (shutdown, poison store down)
+)
+
+// delivery is what the chain knows about one message while it processes it.
+// One goroutine owns it, so it has no lock.
+type delivery struct {
+	eventID string
+	// attempts counts the times the handler stage was entered.
+	attempts     int
+	firstFailure time.Time
+	lastFailure  time.Time
+	// held is the time spent waiting for the breaker; max_elapsed excludes it.
+	held time.Duration
+	// finalErr is the error the chain gave up with, for the failure envelope.
+	finalErr error
+	outcome  string
+}
+
+func (d *delivery) failed(err error, now time.Time) {
+	if d.firstFailure.IsZero() {
+		d.firstFailure = now
+	}
+	d.lastFailure = now
+	d.finalErr = err
+}
+
+type ctxKey int
+
+const (
+	deliveryKey ctxKey = iota
+	txKey
+)
+
+func deliveryFrom(ctx context.Context) *delivery {
+	d, _ := ctx.Value(deliveryKey).(*delivery)
+	return d
+}
+
+// Tx returns the database transaction of the message being handled: the one
+// the inbox row was inserted in, committed by the chain after the handler
+// returns nil and before the message is acked. Do the handler's business
+// writes (and any bus.Publish of follow-up events) in it. It returns nil when
+// ctx is not a handler's context or the inbox and the ordering guard are both
+// off. Never commit or roll it back yourself.
+func Tx(ctx context.Context) *sql.Tx {
+	tx, _ := ctx.Value(txKey).(*sql.Tx)
+	return tx
+}
+
+// eventIDOf is the event id the inbox deduplicates on: the event-id header
+// millrace sets, or, for messages written by plain Watermill, the message UUID.
+func eventIDOf(msg *message.Message) string {
+	return cmp.Or(msg.Metadata.Get(envelope.EventIDKey), msg.UUID)
+}

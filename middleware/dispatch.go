@@ -1,0 +1,476 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/millrace-io/millrace/internal/envelope"
+)
+
+// Source says how to open a handler's subscriptions and what the broker
+// guarantees about them; the Dispatcher decides from it how many to open.
+type Source struct {
+	// NewSubscriber returns a new subscriber of the handler's consumer
+	// group. The Dispatcher calls it once per subscription and closes what it
+	// returns. Required.
+	NewSubscriber func() (message.Subscriber, error)
+	// Competing is true when subscriptions of one consumer group share its
+	// messages, each message going to one of them: a RabbitMQ queue, a NATS
+	// JetStream durable consumer, a Kafka consumer group. False for
+	// Watermill's gochannel, where every subscription gets every message.
+	Competing bool
+	// KeyPartitioned is true when one subscription already delivers messages
+	// of different keys concurrently and those of one key in order: Kafka,
+	// where a subscription has one message in flight per assigned partition
+	// and the key picks the partition. One subscription is then enough.
+	KeyPartitioned bool
+}
+
+// Dispatcher is a message.Subscriber that feeds one handler from one or more
+// subscriptions with at most consumer.workers messages in flight, and, when
+// consumer.ordered is on, never more than one message per aggregate (the
+// aggregate-id header; messages without one share a key).
+//
+// It sits between the broker subscriptions and Watermill's router, which
+// starts a goroutine per message it receives: the Dispatcher releases a
+// message to the router only when a worker slot is free and, in ordered
+// mode, when the previous message of its aggregate was acked. A message of a
+// busy aggregate waits in the Dispatcher (at most consumer.prefetch messages
+// are held in all) without blocking other aggregates. Messages of one
+// aggregate are released in the order the subscription delivered them.
+//
+// Watermill's stock subscribers deliver the next message of a subscription
+// only after the current one is acked, so concurrency comes from the number
+// of subscriptions: consumer.workers competing subscriptions when unordered;
+// one when ordered (a second would receive the same aggregate's next event
+// before the first is acked) and one when KeyPartitioned (a Kafka
+// subscription already spans its partitions). See README.md for what that
+// means on each broker.
+//
+// Stopping (Close, or the end of Subscribe's context) is graceful: no new
+// message is released, held ones are nacked, the contexts of the messages in
+// flight are cancelled (retry and breaker waits end and nack; attempts
+// already running finish and commit), their acks are awaited for up to
+// DrainTimeout while the subscriptions are still open to carry them, and
+// only then are the subscriptions closed.
+type Dispatcher struct {
+	src      Source
+	cfg      DispatchConfig
+	subs     int
+	stopCtx  context.Context
+	stop     context.CancelFunc
+	finished chan struct{} // closed when run has returned
+
+	mu         sync.Mutex
+	subscribed bool
+	closed     bool
+	wg         sync.WaitGroup
+}
+
+// DispatchConfig sizes a Dispatcher.
+type DispatchConfig struct {
+	// Workers is the most messages in flight. Defaults to 1.
+	Workers int
+	// Prefetch is the most messages held (in flight plus waiting for their
+	// key); raised to Workers if lower.
+	Prefetch int
+	// Ordered releases one message per aggregate at a time.
+	Ordered bool
+	// DrainTimeout bounds how long stopping waits for the acks of messages
+	// in flight. Defaults to 30s.
+	DrainTimeout time.Duration
+	// Logger defaults to no logging.
+	Logger watermill.LoggerAdapter
+}
+
+// Subscriber returns the handler's Dispatcher over src, sized by the
+// handler's workers, prefetch and ordered settings, draining for up to
+// handler_timeout plus 5s when it stops. Pass it to the router as the
+// handler's subscriber; the router's CloseTimeout should exceed that drain.
+func (c *Chain) Subscriber(src Source) *Dispatcher {
+	return NewDispatcher(src, DispatchConfig{
+		Workers:      c.cfg.Workers,
+		Prefetch:     c.cfg.EffectivePrefetch(),
+		Ordered:      *c.cfg.Ordered,
+		DrainTimeout: c.cfg.HandlerTimeout + 5*time.Second,
+		Logger:       c.stack.logger,
+	})
+}
+
+// NewDispatcher returns a Dispatcher over src. Chain.Subscriber is the usual
+// way to get one.
+func NewDispatcher(src Source, cfg DispatchConfig) *Dispatcher {
+	cfg.Workers = max(cfg.Workers, 1)
+	cfg.Prefetch = max(cfg.Prefetch, cfg.Workers)
+	if cfg.DrainTimeout <= 0 {
+		cfg.DrainTimeout = 30 * time.Second
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = watermill.NopLogger{}
+	}
+	subs := cfg.Workers
+	if !src.Competing || src.KeyPartitioned || cfg.Ordered {
+		subs = 1
+	}
+	stopCtx, stop := context.WithCancel(context.Background())
+	return &Dispatcher{src: src, cfg: cfg, subs: subs, stopCtx: stopCtx, stop: stop, finished: make(chan struct{})}
+}
+
+// ackGrace is how long a stopping Dispatcher waits, after the last message in
+// flight was acked, before it closes the subscriptions that carry the acks.
+const ackGrace = 250 * time.Millisecond
+
+// Subscriptions is how many subscriptions Subscribe opens.
+func (d *Dispatcher) Subscriptions() int { return d.subs }
+
+// subscription is one open subscription and what ends it.
+type subscription struct {
+	sub    message.Subscriber
+	ch     <-chan *message.Message
+	cancel context.CancelFunc
+}
+
+// close closes the subscriber, then ends its context: in that order, since
+// watermill-amqp v2.1.3 races (and may reconnect) when the Subscribe context
+// ends before Close.
+func (s subscription) close() error {
+	err := s.sub.Close()
+	s.cancel()
+	return err
+}
+
+// Subscribe opens the subscriptions on topic and returns the channel the
+// router reads. It may be called once. When ctx ends the Dispatcher stops as
+// Close does, and the channel is closed once it has.
+func (d *Dispatcher) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	switch {
+	case d.closed:
+		return nil, errors.New("millrace dispatcher: closed")
+	case d.subscribed:
+		return nil, errors.New("millrace dispatcher: Subscribe may be called once; build a Dispatcher per handler")
+	case d.src.NewSubscriber == nil:
+		return nil, errors.New("millrace dispatcher: Source.NewSubscriber is nil")
+	}
+	subs := make([]subscription, 0, d.subs)
+	for range d.subs {
+		// Each subscription gets a context of its own, ended only after it is
+		// closed: it must outlive ctx to carry the acks of the messages in flight.
+		subCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+		sub, err := d.src.NewSubscriber()
+		if err == nil {
+			var ch <-chan *message.Message
+			if ch, err = sub.Subscribe(subCtx, topic); err == nil {
+				subs = append(subs, subscription{sub: sub, ch: ch, cancel: cancel})
+				continue
+			}
+			err = errors.Join(err, sub.Close())
+		}
+		cancel()
+		for _, s := range subs {
+			err = errors.Join(err, s.close())
+		}
+		return nil, fmt.Errorf("millrace dispatcher: subscribe to %s: %w", topic, err)
+	}
+	d.subscribed = true
+	context.AfterFunc(ctx, d.stop)
+	out := make(chan *message.Message)
+	go func() {
+		defer close(d.finished)
+		d.run(subs, out)
+	}()
+	return out, nil
+}
+
+// Close stops the Dispatcher (see the type's comment) and returns when its
+// subscriptions are closed and its goroutines have ended. It is idempotent.
+func (d *Dispatcher) Close() error {
+	d.mu.Lock()
+	alreadyClosed, started := d.closed, d.subscribed
+	d.closed = true
+	d.mu.Unlock()
+	d.stop()
+	if alreadyClosed {
+		return nil
+	}
+	if started {
+		<-d.finished
+	}
+	d.wg.Wait()
+	return nil
+}
+
+// run is the scheduler: it owns every queue, so it needs no lock.
+func (d *Dispatcher) run(subs []subscription, out chan<- *message.Message) {
+	defer close(out)
+	stopping := d.stopCtx.Done()
+	drained := make(chan struct{})
+
+	// One fan-in goroutine per subscription keeps its order and, when the
+	// Dispatcher stops, closes it. Once stopping it releases nothing more
+	// but keeps taking what the subscription delivers until the messages in
+	// flight are drained, then closes the subscription and nacks what it
+	// took: a subscription left blocked on its output channel races with its
+	// own Close (watermill-nats v2.1.3), and one nacked while we drain gets
+	// the message straight back, in a loop. Closing from this goroutine also
+	// orders every receive before the Close.
+	in := make(chan *message.Message)
+	inputsDone := make(chan struct{})
+	var fanIn sync.WaitGroup
+	for _, sub := range subs {
+		fanIn.Add(1)
+		go func() {
+			defer fanIn.Done()
+			var held []*message.Message
+			defer func() {
+				for _, m := range held {
+					m.Nack()
+				}
+			}()
+		deliver:
+			for {
+				select {
+				case msg, ok := <-sub.ch:
+					if !ok {
+						_ = sub.close()
+						return
+					}
+					select {
+					case in <- msg:
+						continue
+					case <-stopping:
+						held = append(held, msg)
+						break deliver
+					}
+				case <-stopping:
+					break deliver
+				}
+			}
+		hold:
+			for {
+				select {
+				case msg, ok := <-sub.ch:
+					if !ok {
+						_ = sub.close()
+						return
+					}
+					held = append(held, msg)
+				case <-drained:
+					break hold
+				}
+			}
+			if err := sub.close(); err != nil {
+				d.cfg.Logger.Error("Closing a subscription failed", err, nil)
+			}
+			for msg := range sub.ch {
+				held = append(held, msg)
+			}
+		}()
+	}
+	go func() {
+		fanIn.Wait()
+		close(inputsDone)
+	}()
+
+	// A watcher per released message reports its ack or nack here; the
+	// buffer (one per worker slot) means a watcher never blocks.
+	finished := make(chan finishedMsg, d.cfg.Workers)
+	s := newSchedule(d.cfg.Ordered)
+loop:
+	for {
+		var recv <-chan *message.Message
+		if s.held < d.cfg.Prefetch {
+			recv = in
+		}
+		var send chan<- *message.Message
+		var next *message.Message
+		if len(s.ready) > 0 && s.inFlight < d.cfg.Workers {
+			send, next = out, s.ready[0]
+		}
+		select {
+		case msg := <-recv:
+			// The message's context ends when it is finished or the
+			// Dispatcher stops, whichever is first (see watch).
+			ctx, cancel := context.WithCancel(msg.Context())
+			msg.SetContext(ctx)
+			s.add(msg, cancel)
+		case send <- next:
+			cancel := s.release()
+			d.wg.Add(1)
+			go d.watch(next, cancel, finished)
+		case f := <-finished:
+			for _, m := range s.finish(f.msg, f.acked) {
+				m.Nack()
+			}
+		case <-inputsDone:
+			break loop
+		case <-stopping:
+			break loop
+		}
+	}
+
+	d.stop() // when the subscriptions ended by themselves
+	s.nackHeld()
+	drain := time.NewTimer(d.cfg.DrainTimeout)
+	defer drain.Stop()
+	hadInFlight := s.inFlight > 0
+	for s.inFlight > 0 {
+		select {
+		case f := <-finished:
+			s.finish(f.msg, f.acked)
+		case <-drain.C:
+			d.cfg.Logger.Error("Dispatcher stopped before every message in flight was acked; they will be redelivered",
+				nil, watermill.LogFields{"in_flight": s.inFlight, "drain_timeout": d.cfg.DrainTimeout.String()})
+			s.inFlight = 0
+		}
+	}
+	if hadInFlight {
+		// Watermill's subscribers pick at random between an ack and a close
+		// that are both ready: let the acks just given leave first, or their
+		// messages come back (as duplicates the inbox absorbs).
+		time.Sleep(ackGrace)
+	}
+	close(drained)
+	<-inputsDone
+}
+
+type finishedMsg struct {
+	msg   *message.Message
+	acked bool
+}
+
+// watch reports when the router acks or nacks msg, and ends msg's context
+// when the Dispatcher stops, so that the chain's waits end.
+func (d *Dispatcher) watch(msg *message.Message, cancel context.CancelFunc, finished chan<- finishedMsg) {
+	defer d.wg.Done()
+	defer cancel()
+	stopping := d.stopCtx.Done()
+	for {
+		select {
+		case <-msg.Acked():
+			finished <- finishedMsg{msg, true}
+			return
+		case <-msg.Nacked():
+			finished <- finishedMsg{msg, false}
+			return
+		case <-stopping:
+			cancel()
+			stopping = nil
+		case <-d.finished:
+			return
+		}
+	}
+}
+
+// schedule holds the messages the Dispatcher received but the router has not
+// finished: ready to release, in flight, or waiting for their key.
+type schedule struct {
+	ordered bool
+	ready   []*message.Message
+	// waiting maps each key with a message ready or in flight to the
+	// messages queued behind it, in delivery order.
+	waiting map[string][]*message.Message
+	// cancels ends the context the Dispatcher gave each held message.
+	cancels  map[*message.Message]context.CancelFunc
+	held     int // received and not finished
+	inFlight int // released and not finished
+}
+
+func newSchedule(ordered bool) *schedule {
+	return &schedule{
+		ordered: ordered,
+		waiting: map[string][]*message.Message{},
+		cancels: map[*message.Message]context.CancelFunc{},
+	}
+}
+
+func keyOf(msg *message.Message) string { return msg.Metadata.Get(envelope.AggregateIDKey) }
+
+func (s *schedule) add(msg *message.Message, cancel context.CancelFunc) {
+	s.held++
+	s.cancels[msg] = cancel
+	if !s.ordered {
+		s.ready = append(s.ready, msg)
+		return
+	}
+	k := keyOf(msg)
+	if queue, busy := s.waiting[k]; busy {
+		s.waiting[k] = append(queue, msg)
+		return
+	}
+	s.waiting[k] = nil
+	s.ready = append(s.ready, msg)
+}
+
+// release takes the first ready message as in flight and returns the
+// cancel function of its context.
+func (s *schedule) release() context.CancelFunc {
+	msg := s.ready[0]
+	s.ready[0] = nil
+	s.ready = s.ready[1:]
+	s.inFlight++
+	cancel := s.cancels[msg]
+	delete(s.cancels, msg)
+	return cancel
+}
+
+// finish frees msg's slot and, in ordered mode, readies the next message of
+// its key. When msg was nacked, the messages queued behind it are returned
+// to be nacked too: its redelivery must come before them.
+func (s *schedule) finish(msg *message.Message, acked bool) (nack []*message.Message) {
+	s.held--
+	s.inFlight--
+	if !s.ordered {
+		return nil
+	}
+	k := keyOf(msg)
+	queue := s.waiting[k]
+	switch {
+	case len(queue) == 0:
+		delete(s.waiting, k)
+	case !acked:
+		delete(s.waiting, k)
+		s.held -= len(queue)
+		for _, m := range queue {
+			s.drop(m)
+		}
+		return queue
+	default:
+		s.ready = append(s.ready, queue[0])
+		s.waiting[k] = queue[1:]
+	}
+	return nil
+}
+
+func (s *schedule) drop(msg *message.Message) {
+	if cancel, ok := s.cancels[msg]; ok {
+		cancel()
+		delete(s.cancels, msg)
+	}
+}
+
+// nackHeld nacks every message received but not released, for redelivery.
+func (s *schedule) nackHeld() {
+	for _, m := range s.ready {
+		s.drop(m)
+		m.Nack()
+	}
+	for _, queue := range s.waiting {
+		for _, m := range queue {
+			s.drop(m)
+			m.Nack()
+		}
+	}
+	s.held -= len(s.ready)
+	for _, queue := range s.waiting {
+		s.held -= len(queue)
+	}
+	s.ready, s.waiting = nil, map[string][]*message.Message{}
+}

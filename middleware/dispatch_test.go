@@ -1,0 +1,269 @@
+package middleware
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+)
+
+// aheadSubscriber delivers its messages in order without waiting for acks, as
+// a prefetching broker adapter does (and unlike Watermill's stock ones). It is
+// a fake for these unit tests of the Dispatcher's scheduling; the integration
+// tests run the Dispatcher over real brokers.
+type aheadSubscriber struct {
+	msgs      []*message.Message
+	sent      atomic.Int32 // messages taken by the Dispatcher
+	closeOnce sync.Once
+	closed    chan struct{}
+}
+
+func newAhead(msgs ...*message.Message) *aheadSubscriber {
+	return &aheadSubscriber{msgs: msgs, closed: make(chan struct{})}
+}
+
+func (a *aheadSubscriber) Subscribe(ctx context.Context, _ string) (<-chan *message.Message, error) {
+	ch := make(chan *message.Message)
+	go func() {
+		defer close(ch)
+		for _, m := range a.msgs {
+			select {
+			case ch <- m:
+				a.sent.Add(1)
+			case <-a.closed:
+				return
+			}
+		}
+		<-a.closed
+	}()
+	return ch, nil
+}
+
+func (a *aheadSubscriber) Close() error {
+	a.closeOnce.Do(func() { close(a.closed) })
+	return nil
+}
+
+func keyed(key string, n int) *message.Message {
+	msg := message.NewMessage(fmt.Sprintf("%s-%03d", key, n), nil)
+	msg.Metadata.Set("aggregate-id", key)
+	return msg
+}
+
+// routerLike reads the Dispatcher's output as Watermill's router does: one
+// goroutine per message.
+func routerLike(t *testing.T, out <-chan *message.Message, handle func(*message.Message)) *sync.WaitGroup {
+	t.Helper()
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for msg := range out {
+			wg.Go(func() { handle(msg) })
+		}
+	})
+	return &wg
+}
+
+func TestDispatcherKeepsAggregateOrderAndRunsKeysConcurrently(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	const keys, perKey, workers = 4, 25, 4
+	var msgs []*message.Message
+	for i := range perKey {
+		for k := range keys {
+			msgs = append(msgs, keyed(fmt.Sprintf("k%d", k), i))
+		}
+	}
+	sub := newAhead(msgs...)
+	d := NewDispatcher(Source{NewSubscriber: func() (message.Subscriber, error) { return sub, nil }},
+		DispatchConfig{Workers: workers, Prefetch: 64, Ordered: true})
+	require.Equal(t, 1, d.Subscriptions())
+	out, err := d.Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+
+	var mu sync.Mutex
+	seen := map[string][]string{}
+	perKeyBusy := map[string]int{}
+	var inFlight, maxInFlight atomic.Int32
+	allFour := make(chan struct{})
+	var firstWave sync.WaitGroup
+	firstWave.Add(workers)
+	go func() { firstWave.Wait(); close(allFour) }()
+	var done sync.WaitGroup
+	done.Add(len(msgs))
+	wg := routerLike(t, out, func(msg *message.Message) {
+		defer done.Done()
+		key := msg.Metadata.Get("aggregate-id")
+		n := inFlight.Add(1)
+		for {
+			m := maxInFlight.Load()
+			if n <= m || maxInFlight.CompareAndSwap(m, n) {
+				break
+			}
+		}
+		mu.Lock()
+		perKeyBusy[key]++
+		require.Equal(t, 1, perKeyBusy[key], "two messages of %s at once", key)
+		first := len(seen[key]) == 0
+		seen[key] = append(seen[key], msg.UUID)
+		mu.Unlock()
+		if first {
+			// The first message of every key waits until all four run at
+			// once: the Dispatcher must release other keys meanwhile.
+			firstWave.Done()
+			select {
+			case <-allFour:
+			case <-time.After(10 * time.Second):
+				t.Error("the first messages of the four keys never ran at the same time")
+			}
+		}
+		mu.Lock()
+		perKeyBusy[key]--
+		mu.Unlock()
+		inFlight.Add(-1)
+		msg.Ack()
+	})
+	done.Wait()
+	require.NoError(t, d.Close())
+	wg.Wait()
+
+	require.Equal(t, int32(workers), maxInFlight.Load())
+	for k := range keys {
+		key := fmt.Sprintf("k%d", k)
+		require.Len(t, seen[key], perKey)
+		for i, id := range seen[key] {
+			require.Equal(t, fmt.Sprintf("%s-%03d", key, i), id, "order of %s", key)
+		}
+	}
+}
+
+func TestDispatcherUnorderedUsesEveryWorker(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	const workers = 3
+	var msgs []*message.Message
+	for i := range 30 {
+		msgs = append(msgs, keyed("same", i))
+	}
+	sub := newAhead(msgs...)
+	d := NewDispatcher(Source{NewSubscriber: func() (message.Subscriber, error) { return sub, nil }},
+		DispatchConfig{Workers: workers})
+	out, err := d.Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+	var inFlight, maxInFlight atomic.Int32
+	barrier := make(chan struct{})
+	var once sync.Once
+	var done sync.WaitGroup
+	done.Add(len(msgs))
+	wg := routerLike(t, out, func(msg *message.Message) {
+		defer done.Done()
+		n := inFlight.Add(1)
+		require.LessOrEqual(t, n, int32(workers))
+		for m := maxInFlight.Load(); n > m && !maxInFlight.CompareAndSwap(m, n); m = maxInFlight.Load() {
+		}
+		if n == workers {
+			once.Do(func() { close(barrier) })
+		}
+		select {
+		case <-barrier:
+		case <-time.After(10 * time.Second):
+			t.Error("three messages of one key never ran at once without ordering")
+		}
+		inFlight.Add(-1)
+		msg.Ack()
+	})
+	done.Wait()
+	require.NoError(t, d.Close())
+	wg.Wait()
+	require.Equal(t, int32(workers), maxInFlight.Load())
+}
+
+func TestDispatcherNacksTheTailOfANackedKey(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	a1, a2, a3, b1 := keyed("a", 1), keyed("a", 2), keyed("a", 3), keyed("b", 1)
+	sub := newAhead(a1, a2, a3, b1)
+	d := NewDispatcher(Source{NewSubscriber: func() (message.Subscriber, error) { return sub, nil }},
+		DispatchConfig{Workers: 1, Prefetch: 8, Ordered: true})
+	out, err := d.Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+
+	first := <-out
+	require.Equal(t, a1.UUID, first.UUID)
+	// Once b1 is taken, a2 and a3 (taken before it) wait behind a1.
+	require.Eventually(t, func() bool { return sub.sent.Load() == 4 }, 5*time.Second, time.Millisecond)
+	first.Nack()
+	next := <-out
+	require.Equal(t, b1.UUID, next.UUID, "a2 and a3 must wait for a1's redelivery, b1 need not")
+	next.Ack()
+	for _, m := range []*message.Message{a2, a3} {
+		select {
+		case <-m.Nacked():
+		case <-time.After(5 * time.Second):
+			t.Fatalf("%s was not nacked", m.UUID)
+		}
+	}
+	require.NoError(t, d.Close())
+	_, open := <-out
+	require.False(t, open, "the output is closed after Close")
+}
+
+func TestDispatcherCloseNacksHeldMessages(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	var msgs []*message.Message
+	for i := range 6 {
+		msgs = append(msgs, keyed("a", i))
+	}
+	sub := newAhead(msgs...)
+	d := NewDispatcher(Source{NewSubscriber: func() (message.Subscriber, error) { return sub, nil }},
+		DispatchConfig{Workers: 2, Prefetch: 6, Ordered: true})
+	ctx, cancel := context.WithCancel(context.Background())
+	out, err := d.Subscribe(ctx, "t")
+	require.NoError(t, err)
+	inHand := <-out
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		cancel() // the router's context ends: the Dispatcher stops
+		require.NoError(t, d.Close())
+	}()
+	select {
+	case <-inHand.Context().Done():
+	case <-time.After(5 * time.Second):
+		t.Fatal("the message in flight did not see the stop")
+	}
+	inHand.Ack() // the drain waits for this
+	<-stopped
+	for _, m := range msgs[1:] {
+		select {
+		case <-m.Nacked():
+		case <-m.Acked():
+			t.Fatalf("%s acked", m.UUID)
+		default:
+			// Not taken from the subscription at all: also fine, nothing acked it.
+		}
+	}
+	_, open := <-out
+	require.False(t, open)
+	require.NoError(t, d.Close(), "Close is idempotent")
+}
+
+func TestDispatcherSubscriptionCount(t *testing.T) {
+	t.Parallel()
+	newSub := func() (message.Subscriber, error) { return nil, nil }
+	cases := []struct {
+		src     Source
+		ordered bool
+		want    int
+	}{
+		{Source{NewSubscriber: newSub, Competing: true}, false, 8},
+		{Source{NewSubscriber: newSub, Competing: true}, true, 1},
+		{Source{NewSubscriber: newSub, Competing: true, KeyPartitioned: true}, false, 1},
+		{Source{NewSubscriber: newSub}, false, 1},
+	}
+	for _, tc := range cases {
+		require.Equal(t, tc.want, NewDispatcher(tc.src, DispatchConfig{Workers: 8, Ordered: tc.ordered}).Subscriptions(), "%+v", tc)
+	}
+}

@@ -1,0 +1,88 @@
+// Package middleware is millrace's consumer side: the chain every handler
+// runs in (poison queue, jittered retry, circuit breaker, inbox in the
+// handler's transaction, ordering guard), the Dispatcher that feeds a handler
+// with bounded concurrency and per-aggregate order, and their configuration
+// (the consumer section of config.yaml).
+//
+// # Use
+//
+// New builds a Stack from the consumer Config and the service's database,
+// metrics registry and logger. Stack.Chain builds the chain of one handler
+// (name, topic, consumer group) with that handler's settings, defaults merged
+// with its override under consumer.handlers. Give it to Watermill's router:
+//
+//	chain, _ := stack.Chain(middleware.Handler{Name: "billing", Topic: "orders", ConsumerGroup: "billing"})
+//	router.AddConsumerHandler("billing", "orders", chain.Subscriber(source), chain.Wrap(handle))
+//
+// The handler finds the transaction of its message with Tx(msg.Context()) and
+// does its business writes in it. It returns nil to commit and ack, a
+// Permanent (or Invalid, or DecodeJSON's) error to poison the message at once,
+// and any other error to have it retried.
+//
+// # The chain, outermost first
+//
+//  1. observe: gives the message its delivery state and counts the outcome
+//     (ok, duplicate, stale, poisoned, nacked). Outermost, so it sees the
+//     final verdict of everything below.
+//  2. Watermill's Recoverer: a panic in the chain's own code becomes an error,
+//     so the message is nacked, never acked by accident nor lost in a crash.
+//  3. Watermill's PoisonQueueWithFilter, with millrace's publisher: outside the
+//     retry, so that it sees a message only once its retries are spent
+//     (Watermill issues #645 and #580: a poison queue inside, or added after,
+//     the retry takes the first failure and the retry never runs). Its filter
+//     takes permanent errors and spent retries only, never a stop, an open
+//     breaker or an outage. The publisher adds the failure envelope and
+//     stores the message in the poison table or publishes it to the poison
+//     topic; if that fails it keeps the message and tries again (a stop nacks
+//     it), so a message is never acked unstored.
+//  4. validate: a message that can never be processed (no event id, metadata
+//     over consumer.max_metadata_bytes, a JSON content type with a payload
+//     that is not JSON, a malformed aggregate-version) is a permanent
+//     *InvalidError naming the field. Inside the poison queue so that it is
+//     quarantined; outside the retry since retrying cannot fix it.
+//  5. retry: exponential backoff with jitter (cenkalti/backoff intervals).
+//     Permanent errors skip it; a stop ends its waits with a nack. Outside the
+//     breaker, so that waiting for the breaker is not mistaken for a failed
+//     attempt, and a failure the breaker attributes to an outage does not use
+//     up the message's attempts. Each attempt gets a fresh context (Watermill
+//     issue #467: a timed-out context must not leak into the next attempt).
+//  6. breaker: one sony/gobreaker breaker per handler. While it is open the
+//     message waits and the handler is not called; since a subscription
+//     delivers its next message only after the current one is acked, the
+//     handler's intake pauses. After breaker.open_timeout, trial attempts
+//     run. Inside the retry, so that every attempt counts; outside the
+//     inbox, so that a database outage opens it too.
+//  7. attempt: bounds one attempt by handler_timeout, on a context a stop
+//     does not cancel (context.WithoutCancel): an attempt that started
+//     finishes and commits rather than being torn down halfway.
+//  8. transaction: the inbox. One database transaction inserts
+//     (consumer_group, event_id) into millrace_inbox first (ON CONFLICT DO
+//     NOTHING; a concurrent duplicate waits on the row lock), applies the
+//     ordering guard when on, runs the handler with the transaction in its
+//     context, and commits; the router acks only after the commit. A
+//     duplicate is acked without calling the handler; an error rolls back
+//     the inbox row with everything else.
+//  9. Watermill's Recoverer again, around the handler: a panic in the
+//     handler becomes a retryable error and the transaction rolls back.
+//
+// Do not add Watermill's Retry, PoisonQueue, CircuitBreaker or Timeout
+// around the chain: it has its own, in the order above.
+//
+// # Outages and bad messages
+//
+// A retryable failure counts against the message unless the breaker is open
+// and the failures since the last success came from more than one message:
+// then it is an outage, the message waits for the breaker and its attempts
+// are not used up, however long the outage lasts. When one message alone
+// keeps failing (every other message in flight succeeds, or it is the only
+// one), it is a bad message: it is poisoned after retry.max_attempts even if
+// its own failures opened the breaker, and the messages behind it flow again.
+// With a single message in flight the two cannot be told apart; see README.md.
+//
+// # Concurrency
+//
+// Chain.Subscriber returns a Dispatcher: it opens the handler's
+// subscriptions, releases at most consumer.workers messages at a time to the
+// router and, with consumer.ordered, one message per aggregate at a time, in
+// delivery order. README.md says what each broker allows.
+package middleware

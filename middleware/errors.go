@@ -1,0 +1,181 @@
+package middleware
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/millrace-io/millrace/internal/envelope"
+)
+
+// Error classes recorded in a poisoned message's failure envelope
+// (PoisonErrorClassKey and the error_class column).
+const (
+	// ClassPermanent: the message can never be processed as it is (bad
+	// payload, unknown schema version, broken invariant). Poisoned at once.
+	ClassPermanent = "permanent"
+	// ClassTransient: the handler kept failing with a retryable error until
+	// retry.max_attempts or retry.max_elapsed ran out.
+	ClassTransient = "transient"
+)
+
+// permanentError marks an error that retrying the same message cannot fix.
+type permanentError struct{ err error }
+
+func (e *permanentError) Error() string { return e.err.Error() }
+func (e *permanentError) Unwrap() error { return e.err }
+
+// Permanent marks err as one that retrying the same message cannot fix: the
+// chain skips the retries and poisons the message at once. Use it for a
+// payload that does not decode, an unknown schema version or a broken
+// business invariant. Permanent(nil) is nil.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &permanentError{err: err}
+}
+
+// IsPermanent reports whether err, or any error it wraps, was marked
+// Permanent or is an *InvalidError.
+func IsPermanent(err error) bool {
+	var p *permanentError
+	var inv *InvalidError
+	return errors.As(err, &p) || errors.As(err, &inv)
+}
+
+// IsRetryable is the one error classification every stage of the chain uses:
+// nil and permanent errors are not retryable, every other error is (a
+// timeout, a refused connection, a deadlock, a panic in the handler).
+func IsRetryable(err error) bool {
+	return err != nil && !IsPermanent(err)
+}
+
+// InvalidError says which part of a consumed message is invalid. It is
+// permanent. Field is a path such as "payload.amount", "metadata" or
+// "metadata.event-id".
+type InvalidError struct {
+	// Field names the part of the message at fault.
+	Field string
+	// Problem says what is wrong with it.
+	Problem string
+	// Err is the underlying error, if any (e.g. a *json.UnmarshalTypeError).
+	Err error
+}
+
+func (e *InvalidError) Error() string { return "invalid " + e.Field + ": " + e.Problem }
+
+// Unwrap returns the underlying error.
+func (e *InvalidError) Unwrap() error { return e.Err }
+
+// Invalid returns a permanent *InvalidError for field, e.g.
+// Invalid("payload.amount", "must be positive, got %d", n).
+func Invalid(field, format string, args ...any) error {
+	return &InvalidError{Field: field, Problem: fmt.Sprintf(format, args...)}
+}
+
+// DecodeJSON decodes msg's JSON payload into v. A payload that is not JSON,
+// or whose fields have the wrong type, is a permanent *InvalidError naming
+// the field ("payload.amount: expected number, got string").
+func DecodeJSON(msg *message.Message, v any) error {
+	err := json.Unmarshal(msg.Payload, v)
+	if err == nil {
+		return nil
+	}
+	var bug *json.InvalidUnmarshalError
+	var syntax *json.SyntaxError
+	var typeErr *json.UnmarshalTypeError
+	switch {
+	case errors.As(err, &bug):
+		// A nil or non-pointer v is a bug in the handler, not in the message:
+		// it stays retryable, so the message is poisoned only after retries.
+		return fmt.Errorf("decode payload: %w", err)
+	case errors.As(err, &syntax):
+		return &InvalidError{Field: "payload", Problem: fmt.Sprintf("not valid JSON at byte %d: %v", syntax.Offset, syntax), Err: err}
+	case errors.As(err, &typeErr):
+		field := "payload"
+		if typeErr.Field != "" {
+			field += "." + typeErr.Field
+		}
+		return &InvalidError{Field: field, Problem: fmt.Sprintf("expected %s, got JSON %s", typeErr.Type, typeErr.Value), Err: err}
+	default: // an UnmarshalJSON method of v refused the value
+		return &InvalidError{Field: "payload", Problem: err.Error(), Err: err}
+	}
+}
+
+// CheckSchemaVersion returns a permanent *InvalidError naming
+// metadata.schema-version when msg's schema version is not one of supported.
+// A message without a schema version is version 1.
+func CheckSchemaVersion(msg *message.Message, supported ...int) error {
+	raw := msg.Metadata.Get(envelope.SchemaVersionKey)
+	version := 1
+	if raw != "" {
+		v, err := strconv.Atoi(raw)
+		if err != nil {
+			return &InvalidError{Field: "metadata." + envelope.SchemaVersionKey, Problem: fmt.Sprintf("not an integer: %q", raw), Err: err}
+		}
+		version = v
+	}
+	if !slices.Contains(supported, version) {
+		return Invalid("metadata."+envelope.SchemaVersionKey, "unknown schema version %d (this handler supports %v)", version, supported)
+	}
+	return nil
+}
+
+// errExhausted wraps the last error of a message whose retries ran out.
+var errExhausted = errors.New("retries exhausted")
+
+// exhaustedError is returned by the retry stage when a message is to be
+// poisoned for a transient error.
+type exhaustedError struct {
+	attempts int
+	err      error
+}
+
+func (e *exhaustedError) Error() string {
+	return fmt.Sprintf("%d attempts failed, last: %v", e.attempts, e.err)
+}
+
+func (e *exhaustedError) Unwrap() []error { return []error{errExhausted, e.err} }
+
+// shutdownError is returned when the consumer stops (the message's context
+// is cancelled) while a message waits for a retry or for the breaker. The
+// message is nacked and redelivered; it is never poisoned.
+type shutdownError struct{ cause error }
+
+func (e *shutdownError) Error() string {
+	return "consumer stopping, message returned for redelivery: " + e.cause.Error()
+}
+
+func (e *shutdownError) Unwrap() error { return e.cause }
+
+// outageError marks a failure the breaker attributes to a dependency rather
+// than to the message: it does not use up the message's retries.
+type outageError struct{ err error }
+
+func (e *outageError) Error() string {
+	return "dependency outage (circuit breaker open): " + e.err.Error()
+}
+func (e *outageError) Unwrap() error { return e.err }
+
+// shouldPoison is the poison queue's filter: permanent failures and messages
+// whose retries ran out. Never a shutdown, an open breaker or an outage.
+func shouldPoison(err error) bool {
+	var sd *shutdownError
+	if errors.As(err, &sd) {
+		return false
+	}
+	return IsPermanent(err) || errors.Is(err, errExhausted)
+}
+
+// classOf returns the failure envelope's error class for a poisoned error.
+func classOf(err error) string {
+	if IsPermanent(err) {
+		return ClassPermanent
+	}
+	return ClassTransient
+}

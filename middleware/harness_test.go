@@ -1,0 +1,444 @@
+package middleware_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"os"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wmamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
+	wmnats "github.com/ThreeDotsLabs/watermill-nats/v2/pkg/nats"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/internal/pgschema"
+	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/middleware"
+)
+
+// The integration tests take the broker as a parameter: a kit is one
+// broker's publisher and per-consumer-group subscribers, built from the stock
+// Watermill modules with manual acks. Every test gets its own topic, groups
+// and streams/queues, removed when it ends.
+
+func natsURL() string {
+	if u := os.Getenv("NATS_URL"); u != "" {
+		return u
+	}
+	return "nats://127.0.0.1:4222"
+}
+
+func amqpURL() string {
+	if u := os.Getenv("AMQP_URL"); u != "" {
+		return u
+	}
+	return "amqp://guest:guest@127.0.0.1:5672/"
+}
+
+func testLogger() watermill.LoggerAdapter {
+	if os.Getenv("MILLRACE_TEST_LOG") != "" {
+		return watermill.NewStdLogger(true, false)
+	}
+	return watermill.NopLogger{}
+}
+
+// kit is one broker as the tests use it.
+type kit struct {
+	name string
+	pub  message.Publisher
+	// source returns the middleware.Source of a consumer group.
+	source func(group string) middleware.Source
+	// provision makes topic and the groups' subscriptions exist before
+	// anything is published, so that nothing published is dropped.
+	provision func(t testing.TB, topic string, groups ...string)
+}
+
+// kitOptions tune a kit for one test.
+type kitOptions struct {
+	// ackWait is how long the broker waits for an ack before redelivering
+	// (NATS consumer AckWait). Defaults to 30s.
+	ackWait time.Duration
+	// maxAckPending bounds the messages a NATS consumer hands out unacked.
+	// Defaults to 256.
+	maxAckPending int
+}
+
+var kitNames = []string{"gochannel", "nats", "rabbitmq"}
+
+func newKit(t testing.TB, name string, opts kitOptions) *kit {
+	switch name {
+	case "gochannel":
+		return gochannelKit(t)
+	case "nats":
+		return natsKit(t, opts)
+	case "rabbitmq":
+		return rabbitKit(t)
+	}
+	t.Fatalf("unknown broker %q", name)
+	return nil
+}
+
+// gochannelKit is Watermill's in-memory pub/sub, persistent so that a
+// subscription gets what was published before it. It has no consumer groups
+// (every subscription gets every message) and delivers messages concurrently
+// and unordered, several before the first is acked.
+func gochannelKit(t testing.TB) *kit {
+	gc := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, testLogger())
+	t.Cleanup(func() { gc.Close() })
+	return &kit{
+		name: "gochannel",
+		pub:  gc,
+		source: func(string) middleware.Source {
+			return middleware.Source{NewSubscriber: func() (message.Subscriber, error) { return noClose{gc}, nil }}
+		},
+		provision: func(testing.TB, string, ...string) {},
+	}
+}
+
+// noClose keeps the dispatcher from closing the shared GoChannel.
+type noClose struct{ message.Subscriber }
+
+func (noClose) Close() error { return nil }
+
+// natsKit is NATS JetStream through watermill-nats: a stream per topic, a
+// durable consumer per group (explicit acks) shared by the group's queue
+// subscriptions. Watermill's own ack wait is made long so that it never
+// abandons a message the chain still holds.
+func natsKit(t testing.TB, opts kitOptions) *kit {
+	ackWait := opts.ackWait
+	if ackWait == 0 {
+		ackWait = 30 * time.Second
+	}
+	pub, err := wmnats.NewPublisher(wmnats.PublisherConfig{
+		URL:       natsURL(),
+		JetStream: wmnats.JetStreamConfig{},
+	}, testLogger())
+	require.NoError(t, err)
+	t.Cleanup(func() { pub.Close() })
+	maxAckPending := opts.maxAckPending
+	if maxAckPending == 0 {
+		maxAckPending = 256
+	}
+	subConfig := func(group string) wmnats.SubscriberConfig {
+		return wmnats.SubscriberConfig{
+			URL:              natsURL(),
+			QueueGroupPrefix: group,
+			AckWaitTimeout:   time.Hour,
+			CloseTimeout:     5 * time.Second,
+			JetStream: wmnats.JetStreamConfig{
+				DurablePrefix: group,
+				SubscribeOptions: []nats.SubOpt{
+					nats.ManualAck(), nats.AckExplicit(), nats.DeliverAll(),
+					nats.AckWait(ackWait), nats.MaxAckPending(maxAckPending),
+				},
+			},
+		}
+	}
+	return &kit{
+		name: "nats",
+		pub:  pub,
+		source: func(group string) middleware.Source {
+			return middleware.Source{
+				Competing: true,
+				NewSubscriber: func() (message.Subscriber, error) {
+					return wmnats.NewSubscriber(subConfig(group), testLogger())
+				},
+			}
+		},
+		provision: func(t testing.TB, topic string, groups ...string) {
+			nc, err := nats.Connect(natsURL())
+			require.NoError(t, err)
+			js, err := nc.JetStream()
+			require.NoError(t, err)
+			_, err = js.AddStream(&nats.StreamConfig{Name: topic, Subjects: []string{topic}})
+			require.NoError(t, err)
+			// The durable consumers exist before any subscription: a consumer
+			// that nats.go creates for a subscription is deleted, with its
+			// acks, when that subscription is closed.
+			for _, g := range groups {
+				_, err = js.AddConsumer(topic, &nats.ConsumerConfig{
+					Durable: g, DeliverGroup: g, DeliverSubject: nats.NewInbox(), FilterSubject: topic,
+					AckPolicy: nats.AckExplicitPolicy, AckWait: ackWait, MaxAckPending: maxAckPending,
+					DeliverPolicy: nats.DeliverAllPolicy,
+				})
+				require.NoError(t, err)
+			}
+			t.Cleanup(func() {
+				_ = js.DeleteStream(topic)
+				nc.Close()
+			})
+		},
+	}
+}
+
+// rabbitKit is RabbitMQ through watermill-amqp: a durable fanout exchange per
+// topic and a durable quorum queue per (topic, group), prefetch 4, manual acks.
+func rabbitKit(t testing.TB) *kit {
+	config := func(group string) wmamqp.Config {
+		c := wmamqp.NewDurablePubSubConfig(amqpURL(), wmamqp.GenerateQueueNameTopicNameWithSuffix(group))
+		c.Queue.Arguments = amqp091.Table{"x-queue-type": "quorum"}
+		c.Consume.Qos.PrefetchCount = 4
+		c.Marshaler = stringHeaders{}
+		return c
+	}
+	pubConfig := config("")
+	pubConfig.Publish.ConfirmDelivery = true
+	pubConfig.Publish.ChannelPoolSize = 8
+	pub, err := wmamqp.NewPublisher(pubConfig, testLogger())
+	require.NoError(t, err)
+	t.Cleanup(func() { pub.Close() })
+	return &kit{
+		name: "rabbitmq",
+		pub:  pub,
+		source: func(group string) middleware.Source {
+			return middleware.Source{
+				Competing: true,
+				NewSubscriber: func() (message.Subscriber, error) {
+					return wmamqp.NewSubscriber(config(group), testLogger())
+				},
+			}
+		},
+		provision: func(t testing.TB, topic string, groups ...string) {
+			for _, g := range groups {
+				sub, err := wmamqp.NewSubscriber(config(g), testLogger())
+				require.NoError(t, err)
+				require.NoError(t, sub.SubscribeInitialize(topic))
+				require.NoError(t, sub.Close())
+			}
+			t.Cleanup(func() {
+				conn, err := amqp091.Dial(amqpURL())
+				if err != nil {
+					t.Errorf("remove the test's queues: %v", err)
+					return
+				}
+				defer conn.Close()
+				ch, err := conn.Channel()
+				require.NoError(t, err)
+				for _, g := range groups {
+					_, err := ch.QueueDelete(topic+"_"+g, false, false, false)
+					require.NoError(t, err, "delete queue")
+				}
+				require.NoError(t, ch.ExchangeDelete(topic, false, false), "delete exchange")
+			})
+		},
+	}
+}
+
+// stringHeaders is watermill-amqp's DefaultMarshaler made to accept the
+// non-string headers RabbitMQ adds (a quorum queue's x-delivery-count on
+// every redelivery): the default refuses them, and its subscriber then nacks
+// and gets the message back for ever.
+type stringHeaders struct{ wmamqp.DefaultMarshaler }
+
+func (m stringHeaders) Unmarshal(d amqp091.Delivery) (*message.Message, error) {
+	headers := make(amqp091.Table, len(d.Headers))
+	for k, v := range d.Headers {
+		if s, ok := v.(string); ok {
+			headers[k] = s
+		} else {
+			headers[k] = fmt.Sprint(v)
+		}
+	}
+	d.Headers = headers
+	return m.DefaultMarshaler.Unmarshal(d)
+}
+
+// env is one test's database schema with millrace's tables and a business table.
+type env struct {
+	db     *sql.DB
+	schema string
+}
+
+func newEnv(t testing.TB) *env {
+	db := testdb.Open(t)
+	schema := testdb.Schema(t, db)
+	require.NoError(t, pgschema.Migrate(context.Background(), db, pgschema.Tables{Schema: schema, OutboxTopic: "millrace_outbox"}))
+	_, err := db.Exec(`CREATE TABLE "` + schema + `".business (
+		seq BIGSERIAL PRIMARY KEY,
+		consumer_group TEXT NOT NULL,
+		event_id TEXT NOT NULL,
+		aggregate_id TEXT NOT NULL,
+		version BIGINT NOT NULL
+	)`)
+	require.NoError(t, err)
+	return &env{db: db, schema: schema}
+}
+
+func (e *env) table(name string) string { return `"` + e.schema + `".` + name }
+
+// write is a handler's business write: one row per processed event, no
+// unique key, so a double effect shows as a second row.
+func (e *env) write(ctx context.Context, group string, msg *message.Message) error {
+	tx := middleware.Tx(ctx)
+	if tx == nil {
+		return fmt.Errorf("no transaction in the handler's context")
+	}
+	v, _ := strconv.ParseInt(msg.Metadata.Get(bus.AggregateVersionKey), 10, 64)
+	_, err := tx.ExecContext(ctx, `INSERT INTO `+e.table("business")+` (consumer_group, event_id, aggregate_id, version) VALUES ($1, $2, $3, $4)`,
+		group, msg.Metadata.Get(bus.EventIDKey), msg.Metadata.Get(bus.AggregateIDKey), v)
+	return err
+}
+
+func (e *env) count(t testing.TB, query string, args ...any) int {
+	t.Helper()
+	var n int
+	require.NoError(t, e.db.QueryRow(query, args...).Scan(&n))
+	return n
+}
+
+// event returns a message shaped like one millrace's relay delivers.
+func event(id, aggregateID string, version int64, payload string) *message.Message {
+	msg := message.NewMessage(id, []byte(payload))
+	msg.Metadata.Set(bus.EventIDKey, id)
+	msg.Metadata.Set(bus.EventTypeKey, "OrderPlaced")
+	msg.Metadata.Set(bus.AggregateTypeKey, "order")
+	msg.Metadata.Set(bus.AggregateIDKey, aggregateID)
+	msg.Metadata.Set(bus.AggregateVersionKey, strconv.FormatInt(version, 10))
+	msg.Metadata.Set(bus.SchemaVersionKey, "1")
+	msg.Metadata.Set(bus.ContentTypeKey, "application/json")
+	msg.Metadata.Set(bus.TraceparentKey, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+	return msg
+}
+
+func publish(t testing.TB, pub message.Publisher, topic string, msgs ...*message.Message) {
+	t.Helper()
+	const chunk = 100
+	for start := 0; start < len(msgs); start += chunk {
+		batch := make([]*message.Message, 0, chunk)
+		for _, m := range msgs[start:min(start+chunk, len(msgs))] {
+			batch = append(batch, m.Copy())
+		}
+		require.NoError(t, pub.Publish(topic, batch...))
+	}
+}
+
+// consumer is a running Watermill router with one chain per handler.
+type consumer struct {
+	stack  *middleware.Stack
+	router *message.Router
+	reg    *prometheus.Registry
+	chains map[string]*middleware.Chain
+}
+
+type handlerSpec struct {
+	name, topic, group string
+	handle             func(msg *message.Message) error
+	// outer wraps the chain (a test hook outside millrace's middleware).
+	outer message.HandlerMiddleware
+}
+
+func startConsumer(t testing.TB, k *kit, e *env, cfg middleware.Config, specs ...handlerSpec) *consumer {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	stack, err := middleware.New(cfg, middleware.Deps{
+		DB: e.db, Schema: e.schema, Registerer: reg, Logger: testLogger(), PoisonPublisher: k.pub,
+	})
+	require.NoError(t, err)
+	require.NoError(t, stack.Check(context.Background()))
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 30 * time.Second}, testLogger())
+	require.NoError(t, err)
+	c := &consumer{stack: stack, router: router, reg: reg, chains: map[string]*middleware.Chain{}}
+	for _, s := range specs {
+		chain, err := stack.Chain(middleware.Handler{Name: s.name, Topic: s.topic, ConsumerGroup: s.group})
+		require.NoError(t, err)
+		c.chains[s.name] = chain
+		h := router.AddConsumerHandler(s.name, s.topic, chain.Subscriber(k.source(s.group)), chain.Wrap(s.handle))
+		if s.outer != nil {
+			h.AddMiddleware(s.outer)
+		}
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := router.Run(context.Background()); err != nil {
+			t.Errorf("router: %v", err)
+		}
+	}()
+	select {
+	case <-router.Running():
+	case <-time.After(30 * time.Second):
+		t.Fatal("router did not start")
+	}
+	var once sync.Once
+	t.Cleanup(func() {
+		once.Do(func() {
+			_ = router.Close()
+			<-done
+		})
+	})
+	return c
+}
+
+// metric returns the value of the counter or gauge name with labels, 0 when absent.
+func (c *consumer) metric(t testing.TB, name string, labels map[string]string) float64 {
+	t.Helper()
+	families, err := c.reg.Gather()
+	require.NoError(t, err)
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+	metrics:
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if want, ok := labels[l.GetName()]; ok && want != l.GetValue() {
+					continue metrics
+				}
+			}
+			switch {
+			case m.Counter != nil:
+				return m.GetCounter().GetValue()
+			case m.Gauge != nil:
+				return m.GetGauge().GetValue()
+			case m.Histogram != nil:
+				return float64(m.GetHistogram().GetSampleCount())
+			}
+		}
+	}
+	return 0
+}
+
+// messages is millrace_consumer_messages_total of handler and outcome.
+func (c *consumer) messages(t testing.TB, handler, outcome string) float64 {
+	return c.metric(t, middleware.MetricMessages, map[string]string{"handler": handler, "outcome": outcome})
+}
+
+func (c *consumer) close(t testing.TB) {
+	t.Helper()
+	require.NoError(t, c.router.Close())
+}
+
+// eventually polls cond until it holds or a generous timeout passes.
+func eventually(t testing.TB, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for: %s", timeout, what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// fastRetry is a retry ladder short enough for tests.
+func fastRetry(cfg *middleware.Config, attempts int) {
+	cfg.Retry = middleware.RetryConfig{
+		MaxAttempts: attempts, InitialInterval: 20 * time.Millisecond, MaxInterval: 100 * time.Millisecond, MaxElapsed: time.Minute,
+	}
+}
+
+func ptr[T any](v T) *T { return &v }
+
+func uniqueName(t testing.TB, suffix string) string {
+	return testdb.UniqueName(t.Name() + "_" + suffix)
+}

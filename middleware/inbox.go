@@ -1,0 +1,183 @@
+package middleware
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/millrace-io/millrace/internal/envelope"
+	"github.com/millrace-io/millrace/internal/pgschema"
+)
+
+// errTxEnded explains a handler that ended the chain's transaction itself.
+var errTxEnded = errors.New("the handler committed or rolled back the transaction of middleware.Tx itself; " +
+	"leave that to millrace, which commits after the handler returns nil")
+
+// transaction is the inbox stage. In one database transaction it inserts
+// (consumer_group, event_id) into the inbox first, so that a concurrent
+// duplicate waits on the row lock and then sees the row; checks the ordering
+// guard; runs the handler with the transaction in its context (Tx); and
+// commits. The message is acked only after that commit. A duplicate is acked
+// without calling the handler; any error rolls everything back, the inbox
+// row included, so the message can be tried again.
+func (c *Chain) transaction(h message.HandlerFunc) message.HandlerFunc {
+	inbox := *c.cfg.Inbox.Enabled
+	guard := *c.cfg.OrderingGuard
+	group := c.spec.ConsumerGroup
+	insertInbox := `INSERT INTO ` + c.stack.tables.Inbox() + ` (consumer_group, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING`
+	versions := c.stack.tables.AggregateVersions()
+	applyVersion := `INSERT INTO ` + versions + ` AS v (consumer_group, aggregate_type, aggregate_id, version, event_id)
+VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (consumer_group, aggregate_type, aggregate_id) DO UPDATE
+SET version = EXCLUDED.version, event_id = EXCLUDED.event_id, updated_at = now()
+WHERE v.version < EXCLUDED.version`
+
+	return func(msg *message.Message) (_ []*message.Message, err error) {
+		ctx := msg.Context()
+		d := deliveryFrom(ctx)
+		tx, err := c.stack.db.BeginTx(ctx, nil)
+		if err != nil {
+			return nil, fmt.Errorf("inbox: begin transaction: %w", err)
+		}
+		done := false
+		defer func() {
+			if !done {
+				_ = tx.Rollback()
+			}
+		}()
+
+		if inbox {
+			res, err := tx.ExecContext(ctx, insertInbox, group, d.eventID)
+			if err != nil {
+				return nil, fmt.Errorf("inbox: insert event id: %w", err)
+			}
+			if n, _ := res.RowsAffected(); n == 0 {
+				d.outcome = OutcomeDuplicate
+				return nil, nil
+			}
+		}
+		if guard {
+			version, _ := aggregateVersion(msg) // checked by the validate stage
+			aggregateID := msg.Metadata.Get(envelope.AggregateIDKey)
+			if version > 0 && aggregateID != "" {
+				res, err := tx.ExecContext(ctx, applyVersion, group,
+					msg.Metadata.Get(envelope.AggregateTypeKey), aggregateID, version, d.eventID)
+				if err != nil {
+					return nil, fmt.Errorf("ordering guard: record aggregate version: %w", err)
+				}
+				if n, _ := res.RowsAffected(); n == 0 {
+					// An equal or newer version was applied: keep the inbox
+					// row, so a redelivery is a plain duplicate, and skip.
+					done = true
+					if err := tx.Commit(); err != nil {
+						return nil, fmt.Errorf("ordering guard: commit: %w", err)
+					}
+					d.outcome = OutcomeStale
+					return nil, nil
+				}
+			}
+		}
+
+		msg.SetContext(context.WithValue(ctx, txKey, tx))
+		out, err := h(msg)
+		msg.SetContext(ctx)
+		if err != nil {
+			return nil, err
+		}
+		done = true
+		if err := tx.Commit(); err != nil {
+			if errors.Is(err, sql.ErrTxDone) {
+				return nil, Permanent(errTxEnded)
+			}
+			return nil, fmt.Errorf("inbox: commit: %w", err)
+		}
+		d.outcome = OutcomeOK
+		return out, nil
+	}
+}
+
+// PruneInbox deletes inbox rows processed more than olderThan ago, batch rows
+// per statement, until none is left or ctx ends. It returns how many it
+// deleted. Short statements keep locks short and leave the index healthy;
+// rows of a concurrent prune are skipped, not waited for. schema is the
+// PostgreSQL schema of the tables ("public" when empty).
+func PruneInbox(ctx context.Context, db *sql.DB, schema string, olderThan time.Duration, batch int) (int64, error) {
+	if schema == "" {
+		schema = "public"
+	}
+	if olderThan <= 0 || batch <= 0 {
+		return 0, fmt.Errorf("prune inbox: olderThan and batch must be positive; got %s and %d", olderThan, batch)
+	}
+	inbox := pgschema.Tables{Schema: schema}.Inbox()
+	query := `DELETE FROM ` + inbox + ` WHERE (consumer_group, event_id) IN (
+	SELECT consumer_group, event_id FROM ` + inbox + `
+	WHERE processed_at < now() - make_interval(secs => $1)
+	ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED)`
+	var total int64
+	for {
+		res, err := db.ExecContext(ctx, query, olderThan.Seconds(), batch)
+		if err != nil {
+			return total, fmt.Errorf("prune inbox %s: %w", inbox, err)
+		}
+		n, _ := res.RowsAffected()
+		total += n
+		if n < int64(batch) {
+			return total, nil
+		}
+	}
+}
+
+// PruneInbox deletes the inbox rows older than inbox.retention, in batches
+// of inbox.cleanup_batch, and refreshes the millrace_inbox_rows gauge.
+func (s *Stack) PruneInbox(ctx context.Context) (int64, error) {
+	if s.db == nil {
+		return 0, errors.New("millrace consumer: prune inbox: Deps.DB is nil")
+	}
+	n, err := PruneInbox(ctx, s.db, s.tables.Schema, s.cfg.Inbox.Retention, s.cfg.Inbox.CleanupBatch)
+	s.metrics.pruned.Add(float64(n))
+	if err != nil {
+		return n, err
+	}
+	rows, err := s.db.QueryContext(ctx, `SELECT consumer_group, count(*) FROM `+s.tables.Inbox()+` GROUP BY consumer_group`)
+	if err != nil {
+		return n, fmt.Errorf("count inbox rows: %w", err)
+	}
+	defer rows.Close()
+	s.metrics.inboxRows.Reset()
+	for rows.Next() {
+		var group string
+		var count int64
+		if err := rows.Scan(&group, &count); err != nil {
+			return n, fmt.Errorf("count inbox rows: %w", err)
+		}
+		s.metrics.inboxRows.WithLabelValues(group).Set(float64(count))
+	}
+	return n, rows.Err()
+}
+
+// RunRetention prunes the inbox now and then every inbox.cleanup_interval
+// until ctx ends; it returns ctx's error. A failed run is logged and tried
+// again at the next interval. Run it in one goroutine per service (several
+// instances running it at once is safe, only wasteful).
+func (s *Stack) RunRetention(ctx context.Context) error {
+	t := time.NewTicker(s.cfg.Inbox.CleanupInterval)
+	defer t.Stop()
+	for {
+		n, err := s.PruneInbox(ctx)
+		if err != nil && ctx.Err() == nil {
+			s.logger.Error("Inbox retention run failed", err, nil)
+		} else if n > 0 {
+			s.logger.Info("Inbox rows pruned", watermill.LogFields{"rows": n, "retention": s.cfg.Inbox.Retention.String()})
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+}

@@ -1,0 +1,103 @@
+package middleware_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/middleware"
+)
+
+// Every event is delivered twice; two consumer groups each get every event.
+// Each group must end with exactly one business row and one inbox row per
+// event, on every broker.
+func TestDuplicateDeliveriesHaveOneEffectPerGroup(t *testing.T) {
+	t.Parallel()
+	for _, name := range kitNames {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			const events = 1000
+			e := newEnv(t)
+			k := newKit(t, name, kitOptions{})
+			topic := uniqueName(t, "orders")
+			groups := []string{uniqueName(t, "billing"), uniqueName(t, "shipping")}
+			k.provision(t, topic, groups...)
+
+			msgs := make([]*message.Message, 0, 2*events)
+			for i := range events {
+				msg := event(fmt.Sprintf("evt-%04d", i), fmt.Sprintf("order-%d", i%37), int64(i/37+1), `{"n":1}`)
+				msgs = append(msgs, msg, msg) // the duplicate: same event id, same message
+			}
+			publish(t, k.pub, topic, msgs...)
+
+			var specs []handlerSpec
+			for _, g := range groups {
+				specs = append(specs, handlerSpec{name: g, topic: topic, group: g, handle: func(msg *message.Message) error {
+					return e.write(msg.Context(), g, msg)
+				}})
+			}
+			c := startConsumer(t, k, e, middleware.Config{}, specs...)
+
+			for _, g := range groups {
+				eventually(t, 2*time.Minute, "every delivery of "+g+" acked", func() bool {
+					ok := c.messages(t, g, middleware.OutcomeOK)
+					dup := c.messages(t, g, middleware.OutcomeDuplicate)
+					return ok+dup >= 2*events
+				})
+			}
+			for _, g := range groups {
+				require.Equal(t, events, e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE consumer_group = $1`, g), "business rows of %s", g)
+				require.Equal(t, events, e.count(t, `SELECT count(DISTINCT event_id) FROM `+e.table("business")+` WHERE consumer_group = $1`, g))
+				require.Equal(t, events, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")+` WHERE consumer_group = $1`, g), "inbox rows of %s", g)
+				require.EqualValues(t, events, c.messages(t, g, middleware.OutcomeOK))
+				require.EqualValues(t, events, c.messages(t, g, middleware.OutcomeDuplicate))
+			}
+			require.Zero(t, e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")))
+		})
+	}
+}
+
+// The ordering guard drops versions older than the applied one, in the inbox
+// transaction, and counts them as stale.
+func TestOrderingGuardDropsStaleVersions(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	k := gochannelKit(t)
+	topic, group := uniqueName(t, "orders"), uniqueName(t, "projection")
+	cfg := middleware.Config{Workers: 1, Ordered: ptr(true), OrderingGuard: ptr(true)}
+	// Delivered in this order: version 3 arrives before 2 (a reordering
+	// upstream); 2 must be dropped, 4 applied, the unversioned one applied.
+	var order []*message.Message
+	for _, v := range []int64{1, 3, 2, 4} {
+		order = append(order, event(fmt.Sprintf("o1-v%d", v), "o-1", v, `{}`))
+	}
+	order = append(order, event("o1-unversioned", "o-1", 0, `{}`))
+	c := startConsumer(t, k, e, cfg, handlerSpec{name: group, topic: topic, group: group, handle: func(msg *message.Message) error {
+		return e.write(msg.Context(), group, msg)
+	}})
+	for _, m := range order {
+		publish(t, k.pub, topic, m) // one at a time: gochannel keeps no order within a call
+		eventually(t, 30*time.Second, "event "+m.UUID+" handled", func() bool {
+			return e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")+` WHERE event_id = $1`, m.UUID) == 1
+		})
+	}
+	var applied []int64
+	rows, err := e.db.QueryContext(context.Background(), `SELECT version FROM `+e.table("business")+` ORDER BY seq`)
+	require.NoError(t, err)
+	for rows.Next() {
+		var v int64
+		require.NoError(t, rows.Scan(&v))
+		applied = append(applied, v)
+	}
+	require.NoError(t, rows.Err())
+	require.Equal(t, []int64{1, 3, 4, 0}, applied)
+	require.EqualValues(t, 1, c.messages(t, group, middleware.OutcomeStale))
+	require.Equal(t, 5, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")), "a stale event is still recorded in the inbox")
+	var version int64
+	require.NoError(t, e.db.QueryRow(`SELECT version FROM `+e.table("millrace_aggregate_versions")+` WHERE consumer_group = $1 AND aggregate_id = 'o-1'`, group).Scan(&version))
+	require.EqualValues(t, 4, version)
+}

@@ -1,0 +1,199 @@
+package middleware
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
+
+	"github.com/millrace-io/millrace/internal/envelope"
+)
+
+// Metadata keys of the failure envelope a poisoned message carries on the
+// poison topic. In the poison table the same fields are columns.
+const (
+	PoisonReasonKey        = "poison-reason"         // the error, truncated to MaxPoisonReasonBytes
+	PoisonErrorClassKey    = "poison-error-class"    // ClassPermanent or ClassTransient
+	PoisonAttemptsKey      = "poison-attempts"       // attempts made in the last delivery, decimal
+	PoisonFirstFailureKey  = "poison-first-failure"  // RFC 3339 with nanoseconds, UTC
+	PoisonLastFailureKey   = "poison-last-failure"   // RFC 3339 with nanoseconds, UTC
+	PoisonSourceTopicKey   = "poison-source-topic"   // the topic the handler consumes
+	PoisonHandlerKey       = "poison-handler"        // the handler's name
+	PoisonConsumerGroupKey = "poison-consumer-group" // the handler's consumer group
+	PoisonTraceparentKey   = "poison-traceparent"    // the message's W3C traceparent, if any
+	PoisonedAtKey          = "poisoned-at"           // when it was poisoned, RFC 3339, UTC
+)
+
+// MaxPoisonReasonBytes bounds the reason in the poison topic's metadata
+// (brokers limit header sizes); the poison table keeps the whole text.
+const MaxPoisonReasonBytes = 2048
+
+// failure is the failure envelope of one poisoned message.
+type failure struct {
+	reason        string
+	class         string
+	attempts      int
+	firstFailure  time.Time
+	lastFailure   time.Time
+	sourceTopic   string
+	handler       string
+	consumerGroup string
+	traceparent   string
+	poisonedAt    time.Time
+}
+
+func (c *Chain) failureOf(msg *message.Message, d *delivery) failure {
+	now := c.stack.now()
+	f := failure{
+		reason:        "unknown failure",
+		class:         ClassTransient,
+		attempts:      max(d.attempts, 1),
+		firstFailure:  d.firstFailure,
+		lastFailure:   d.lastFailure,
+		sourceTopic:   c.spec.Topic,
+		handler:       c.spec.Name,
+		consumerGroup: c.spec.ConsumerGroup,
+		traceparent:   msg.Metadata.Get(envelope.TraceparentKey),
+		poisonedAt:    now,
+	}
+	if d.finalErr != nil {
+		f.reason = d.finalErr.Error()
+		f.class = classOf(d.finalErr)
+	}
+	if f.firstFailure.IsZero() {
+		f.firstFailure = now
+	}
+	if f.lastFailure.IsZero() {
+		f.lastFailure = f.firstFailure
+	}
+	return f
+}
+
+// metadata returns the failure envelope as metadata keys.
+func (f failure) metadata() map[string]string {
+	reason := f.reason
+	if len(reason) > MaxPoisonReasonBytes {
+		reason = strings.ToValidUTF8(reason[:MaxPoisonReasonBytes], "") + "…"
+	}
+	return map[string]string{
+		PoisonReasonKey:        reason,
+		PoisonErrorClassKey:    f.class,
+		PoisonAttemptsKey:      strconv.Itoa(f.attempts),
+		PoisonFirstFailureKey:  f.firstFailure.UTC().Format(time.RFC3339Nano),
+		PoisonLastFailureKey:   f.lastFailure.UTC().Format(time.RFC3339Nano),
+		PoisonSourceTopicKey:   f.sourceTopic,
+		PoisonHandlerKey:       f.handler,
+		PoisonConsumerGroupKey: f.consumerGroup,
+		PoisonTraceparentKey:   f.traceparent,
+		PoisonedAtKey:          f.poisonedAt.UTC().Format(time.RFC3339Nano),
+	}
+}
+
+// poisonPublisher is the publisher Watermill's PoisonQueueWithFilter hands
+// poisoned messages to. It adds the failure envelope from the message's
+// delivery state and stores the message in the poison table or publishes it
+// to the poison topic. A store that fails is retried with the retry ladder
+// until it works or the consumer stops: the message is held meanwhile (its
+// subscription paused), never acked unstored; a stop nacks it.
+type poisonPublisher struct {
+	chain *Chain
+}
+
+func (p *poisonPublisher) Publish(_ string, msgs ...*message.Message) error {
+	c := p.chain
+	for _, msg := range msgs {
+		ctx := msg.Context()
+		d := deliveryFrom(ctx)
+		f := c.failureOf(msg, d)
+		bo := newBackOff(c.cfg.Retry)
+		for {
+			err := p.store(ctx, msg, f)
+			if err == nil {
+				break
+			}
+			wait := bo.NextBackOff()
+			c.stack.logger.Error("Cannot store poisoned message; holding it and trying again", err,
+				c.logFields(d, watermill.LogFields{"wait": wait.String()}))
+			if err := c.stack.sleep(ctx, wait); err != nil {
+				return &shutdownError{cause: err}
+			}
+		}
+		d.outcome = OutcomePoisoned
+		c.stack.logger.Error("Message poisoned", d.finalErr, c.logFields(d, watermill.LogFields{
+			"error_class": f.class, "destination": c.cfg.Poison.Destination,
+		}))
+	}
+	return nil
+}
+
+func (p *poisonPublisher) Close() error { return nil }
+
+func (p *poisonPublisher) store(ctx context.Context, msg *message.Message, f failure) error {
+	c := p.chain
+	if c.cfg.Poison.Destination == PoisonToTopic {
+		out := msg.Copy()
+		for k, v := range f.metadata() {
+			out.Metadata.Set(k, v)
+		}
+		out.SetContext(ctx)
+		if err := c.stack.poison.Publish(c.cfg.Poison.Topic, out); err != nil {
+			return fmt.Errorf("publish to poison topic %s: %w", c.cfg.Poison.Topic, err)
+		}
+		return nil
+	}
+	return c.storePoisoned(ctx, msg, f)
+}
+
+// watermillPoisonKeys are set on the message by Watermill's poison queue;
+// the table has columns for them.
+var watermillPoisonKeys = []string{wmw.ReasonForPoisonedKey, wmw.PoisonedTopicKey, wmw.PoisonedHandlerKey, wmw.PoisonedSubscriberKey}
+
+// storePoisoned upserts the message into the poison table: poisoning the same
+// message for the same handler again refreshes its row and counts it.
+func (c *Chain) storePoisoned(ctx context.Context, msg *message.Message, f failure) error {
+	meta := make(map[string]string, len(msg.Metadata))
+	for k, v := range msg.Metadata {
+		// jsonb cannot hold U+0000.
+		meta[strings.ReplaceAll(k, "\x00", "\uFFFD")] = strings.ReplaceAll(v, "\x00", "\uFFFD")
+	}
+	for _, k := range watermillPoisonKeys {
+		delete(meta, k)
+	}
+	metaJSON, err := json.Marshal(meta)
+	if err != nil {
+		return fmt.Errorf("encode metadata: %w", err)
+	}
+	messageID := msg.UUID
+	if messageID == "" {
+		messageID = watermill.NewUUID()
+	}
+	clean := func(s string) string { return strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "\uFFFD") }
+	payload := msg.Payload
+	if payload == nil {
+		payload = []byte{}
+	}
+	_, err = c.stack.db.ExecContext(ctx, `INSERT INTO `+c.stack.tables.Poison()+` AS p
+	(consumer_group, handler, source_topic, message_id, event_id, event_type, payload, metadata,
+	 reason, error_class, attempts, first_failure_at, last_failure_at, traceparent, poisoned_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
+ON CONFLICT (consumer_group, handler, message_id) DO UPDATE SET
+	source_topic = EXCLUDED.source_topic, event_id = EXCLUDED.event_id, event_type = EXCLUDED.event_type,
+	payload = EXCLUDED.payload, metadata = EXCLUDED.metadata, reason = EXCLUDED.reason,
+	error_class = EXCLUDED.error_class, attempts = EXCLUDED.attempts,
+	first_failure_at = EXCLUDED.first_failure_at, last_failure_at = EXCLUDED.last_failure_at,
+	traceparent = EXCLUDED.traceparent, poisoned_at = EXCLUDED.poisoned_at,
+	times_poisoned = p.times_poisoned + 1, replayed_at = NULL`,
+		f.consumerGroup, f.handler, f.sourceTopic, clean(messageID), clean(eventIDOf(msg)),
+		clean(msg.Metadata.Get(envelope.EventTypeKey)), payload, metaJSON,
+		clean(f.reason), f.class, f.attempts, f.firstFailure, f.lastFailure, clean(f.traceparent), f.poisonedAt)
+	if err != nil {
+		return fmt.Errorf("insert into %s: %w", c.stack.tables.Poison(), err)
+	}
+	return nil
+}

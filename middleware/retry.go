@@ -1,0 +1,89 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/cenkalti/backoff/v5"
+)
+
+// jitterFactor spreads each wait over [wait*(1-f), wait*(1+f)] when
+// retry.jitter is on (cenkalti/backoff's default randomization factor).
+const jitterFactor = 0.5
+
+// newBackOff returns the configured exponential backoff, reset.
+func newBackOff(cfg RetryConfig) *backoff.ExponentialBackOff {
+	bo := backoff.NewExponentialBackOff()
+	bo.InitialInterval = cfg.InitialInterval
+	bo.Multiplier = cfg.Multiplier
+	bo.MaxInterval = cfg.MaxInterval
+	bo.RandomizationFactor = 0
+	if *cfg.Jitter {
+		bo.RandomizationFactor = jitterFactor
+	}
+	bo.Reset()
+	return bo
+}
+
+// retry runs the rest of the chain until it succeeds, fails permanently, or
+// the message has used retry.max_attempts or retry.max_elapsed; then it
+// returns an error the poison queue takes (shouldPoison). Waits use the
+// message's context, so a shutdown ends them with a *shutdownError (nack,
+// never poison). A failure the breaker attributes to a dependency outage
+// (*outageError) does not use up the message's retries: the next attempt
+// waits in the breaker stage instead.
+//
+// Written here instead of using Watermill's Retry middleware, which advances
+// the backoff once more for every ShouldRetry and OnRetryHook call (the ladder
+// you get is not the one configured), cannot keep an outage from using up
+// attempts, and runs attempts on the message's own context (issue #467).
+// The intervals still come from cenkalti/backoff.
+func (c *Chain) retry(h message.HandlerFunc) message.HandlerFunc {
+	cfg := c.cfg.Retry
+	return func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		d := deliveryFrom(ctx)
+		bo := newBackOff(cfg)
+		start := c.stack.now()
+		counted := 0
+		for {
+			if err := ctx.Err(); err != nil {
+				return nil, &shutdownError{cause: context.Cause(ctx)}
+			}
+			out, err := h(msg)
+			if !IsRetryable(err) {
+				if err != nil {
+					d.failed(err, c.stack.now())
+				}
+				return out, err
+			}
+			var sd *shutdownError
+			if errors.As(err, &sd) {
+				return nil, err
+			}
+			now := c.stack.now()
+			d.failed(err, now)
+			var outage *outageError
+			if errors.As(err, &outage) {
+				c.stack.logger.Info("Attempt failed while the circuit breaker is open; waiting for it, retries not used up",
+					c.logFields(d, watermill.LogFields{"err": err.Error()}))
+				continue
+			}
+			counted++
+			wait := bo.NextBackOff()
+			elapsed := now.Sub(start) - d.held
+			if counted >= cfg.MaxAttempts || elapsed+wait > cfg.MaxElapsed {
+				return out, &exhaustedError{attempts: d.attempts, err: err}
+			}
+			c.counter(OutcomeRetried).Inc()
+			c.stack.logger.Info("Attempt failed, retrying", c.logFields(d, watermill.LogFields{
+				"err": err.Error(), "wait": wait.String(), "max_attempts": cfg.MaxAttempts,
+			}))
+			if err := c.stack.sleep(ctx, wait); err != nil {
+				return nil, &shutdownError{cause: err}
+			}
+		}
+	}
+}

@@ -1,0 +1,134 @@
+package middleware_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/middleware"
+)
+
+func TestChainRefusesWhatCannotWork(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	stack, err := middleware.New(middleware.Config{}, middleware.Deps{DB: e.db, Schema: e.schema})
+	require.NoError(t, err)
+
+	_, err = stack.Chain(middleware.Handler{Name: "", Topic: "orders; drop", ConsumerGroup: ""})
+	require.ErrorContains(t, err, "handler.name: required")
+	require.ErrorContains(t, err, "handler.topic: must match")
+	require.ErrorContains(t, err, "handler.consumer_group: must not be empty")
+
+	_, err = stack.Chain(middleware.Handler{Name: "billing", Topic: "orders", ConsumerGroup: "billing"})
+	require.NoError(t, err)
+	_, err = stack.Chain(middleware.Handler{Name: "billing", Topic: "orders", ConsumerGroup: "other"})
+	require.ErrorContains(t, err, `handler "billing" already has a chain`)
+	_, err = stack.Chain(middleware.Handler{Name: "audit", Topic: "orders", ConsumerGroup: "billing"})
+	require.ErrorContains(t, err, `share consumer group "billing" with the inbox on`)
+
+	noDB, err := middleware.New(middleware.Config{}, middleware.Deps{})
+	require.NoError(t, err)
+	_, err = noDB.Chain(middleware.Handler{Name: "billing", Topic: "orders", ConsumerGroup: "billing"})
+	require.ErrorContains(t, err, "Deps.DB is required")
+
+	topicPoison, err := middleware.New(middleware.Config{
+		Inbox:  middleware.InboxConfig{Enabled: ptr(false)},
+		Poison: middleware.PoisonConfig{Destination: middleware.PoisonToTopic, Topic: "orders.poison"},
+	}, middleware.Deps{})
+	require.NoError(t, err)
+	_, err = topicPoison.Chain(middleware.Handler{Name: "billing", Topic: "orders", ConsumerGroup: "billing"})
+	require.ErrorContains(t, err, "Deps.PoisonPublisher is nil")
+
+	_, err = middleware.New(middleware.Config{Workers: -1}, middleware.Deps{})
+	require.ErrorContains(t, err, "consumer.workers: must be greater than 0; got -1")
+}
+
+func TestCheckReportsAMissingMigration(t *testing.T) {
+	t.Parallel()
+	db := testdb.Open(t)
+	schema := testdb.Schema(t, db) // empty: not migrated
+	stack, err := middleware.New(middleware.Config{}, middleware.Deps{DB: db, Schema: schema})
+	require.NoError(t, err)
+	require.ErrorContains(t, stack.Check(context.Background()), "millrace_inbox\" does not exist: run `millrace migrate`")
+}
+
+func TestPruneInboxDeletesExpiredRowsInBatches(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ctx := context.Background()
+	_, err := e.db.Exec(`INSERT INTO ` + e.table("millrace_inbox") + ` (consumer_group, event_id, processed_at)
+		SELECT 'g' || (n % 2), 'old-' || n, now() - interval '40 days' FROM generate_series(1, 2500) n`)
+	require.NoError(t, err)
+	_, err = e.db.Exec(`INSERT INTO ` + e.table("millrace_inbox") + ` (consumer_group, event_id)
+		SELECT 'g0', 'new-' || n FROM generate_series(1, 30) n`)
+	require.NoError(t, err)
+
+	n, err := middleware.PruneInbox(ctx, e.db, e.schema, 30*24*time.Hour, 1000)
+	require.NoError(t, err)
+	require.EqualValues(t, 2500, n)
+	require.Equal(t, 30, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")))
+	require.Zero(t, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")+` WHERE event_id LIKE 'old-%'`))
+
+	_, err = middleware.PruneInbox(ctx, e.db, e.schema, 0, 10)
+	require.ErrorContains(t, err, "must be positive")
+
+	// The Stack's runner prunes with the configured window and reports the
+	// table's size per consumer group.
+	reg := prometheus.NewRegistry()
+	stack, err := middleware.New(middleware.Config{Inbox: middleware.InboxConfig{Retention: time.Hour, CleanupBatch: 7}},
+		middleware.Deps{DB: e.db, Schema: e.schema, Registerer: reg})
+	require.NoError(t, err)
+	_, err = e.db.Exec(`UPDATE ` + e.table("millrace_inbox") + ` SET processed_at = now() - interval '2 hours' WHERE event_id IN ('new-1', 'new-2')`)
+	require.NoError(t, err)
+	n, err = stack.PruneInbox(ctx)
+	require.NoError(t, err)
+	require.EqualValues(t, 2, n)
+	c := &consumer{reg: reg}
+	require.EqualValues(t, 28, c.metric(t, middleware.MetricInboxRows, map[string]string{"consumer_group": "g0"}))
+	require.EqualValues(t, 2, c.metric(t, middleware.MetricInboxPruned, nil))
+
+	runCtx, cancel := context.WithCancel(ctx)
+	done := make(chan error)
+	go func() { done <- stack.RunRetention(runCtx) }()
+	cancel()
+	require.ErrorIs(t, <-done, context.Canceled)
+}
+
+func TestMetricsAreRegisteredOnTheCallersRegistry(t *testing.T) {
+	t.Parallel()
+	reg := prometheus.NewRegistry()
+	gc := gochannel.NewGoChannel(gochannel.Config{}, nil)
+	defer gc.Close()
+	deps := middleware.Deps{Registerer: reg, PoisonPublisher: gc}
+	cfg := middleware.Config{
+		Inbox:  middleware.InboxConfig{Enabled: ptr(false)},
+		Poison: middleware.PoisonConfig{Destination: middleware.PoisonToTopic, Topic: "poison"},
+	}
+	s1, err := middleware.New(cfg, deps)
+	require.NoError(t, err)
+	_, err = s1.Chain(middleware.Handler{Name: "billing", Topic: "orders", ConsumerGroup: "billing"})
+	require.NoError(t, err)
+	_, err = middleware.New(cfg, deps)
+	require.NoError(t, err, "a second Stack on the same registry shares the collectors")
+
+	families, err := reg.Gather()
+	require.NoError(t, err)
+	var names []string
+	for _, f := range families {
+		names = append(names, f.GetName())
+	}
+	require.Contains(t, names, middleware.MetricBreakerState, fmt.Sprint(names))
+	c := &consumer{reg: reg}
+	require.EqualValues(t, middleware.BreakerClosed, c.metric(t, middleware.MetricBreakerState, map[string]string{"handler": "billing"}))
+	global, err := prometheus.DefaultGatherer.Gather()
+	require.NoError(t, err)
+	for _, f := range global {
+		require.NotContains(t, f.GetName(), "millrace_", "nothing is registered globally")
+	}
+}

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/url"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -14,6 +15,9 @@ import (
 	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	_ "github.com/jackc/pgx/v5/stdlib" // registers the "pgx" database/sql driver
+	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/names"
@@ -31,6 +35,14 @@ type Bus struct {
 	logger watermill.LoggerAdapter
 	now    func() time.Time
 	closed atomic.Bool
+
+	registerer prometheus.Registerer
+	gatherer   prometheus.Gatherer
+	tracer     trace.Tracer
+
+	mu       sync.Mutex
+	handlers []handlerSpec
+	running  bool
 }
 
 // Option changes how Open builds a Bus.
@@ -40,6 +52,20 @@ type Option func(*Bus)
 func WithLogger(l *slog.Logger) Option {
 	return func(b *Bus) { b.logger = watermill.NewSlogLogger(l) }
 }
+
+// WithRegistry makes the Bus register its relay and consumer metrics on reg
+// (and MetricsHandler serve reg). Defaults to a registry of the Bus's own.
+func WithRegistry(reg *prometheus.Registry) Option {
+	return func(b *Bus) { b.registerer, b.gatherer = reg, reg }
+}
+
+// WithTracerProvider sets where handler spans go. Defaults to OpenTelemetry's
+// global provider.
+func WithTracerProvider(tp trace.TracerProvider) Option {
+	return func(b *Bus) { b.tracer = tp.Tracer(tracerName) }
+}
+
+const tracerName = "github.com/millrace-io/millrace"
 
 // Open validates cfg (after WithDefaults), checks that the database answers
 // and that the outbox table exists, and returns a Bus. db is the service's
@@ -58,6 +84,9 @@ func Open(ctx context.Context, cfg Config, db *sql.DB, opts ...Option) (*Bus, er
 		now:    time.Now,
 	}
 	b.schema = b.tables.SchemaAdapter()
+	reg := prometheus.NewRegistry()
+	b.registerer, b.gatherer = reg, reg
+	b.tracer = otel.GetTracerProvider().Tracer(tracerName)
 	for _, o := range opts {
 		o(b)
 	}

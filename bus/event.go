@@ -135,6 +135,11 @@ func (e Event) toMessage(ctx context.Context, cfg OutboxConfig, now time.Time) (
 	meta[SchemaVersionKey] = strconv.Itoa(max(e.SchemaVersion, 1))
 	meta[OccurredAtKey] = occurred.UTC().Format(time.RFC3339Nano)
 	meta[ContentTypeKey] = contentType
+	if in, ok := incomingEvent(ctx); ok {
+		// Published while handling in: in caused it, and it continues in's flow.
+		e.CausationID = cmp.Or(e.CausationID, in.ID)
+		e.CorrelationID = cmp.Or(e.CorrelationID, in.CorrelationID, in.ID)
+	}
 	if e.CorrelationID != "" {
 		meta[CorrelationIDKey] = e.CorrelationID
 	}

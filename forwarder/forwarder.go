@@ -107,17 +107,25 @@ func New(db *sql.DB, broker Broker, outbox Outbox, cfg Config, opts Options) (*F
 // errLeadershipLost stops the forwarding loop when the leader connection breaks.
 var errLeadershipLost = errors.New("forwarder: lost the leader connection")
 
+// ErrNotPgx is returned by Run when the pool's driver is not pgx/v5's stdlib
+// driver, which LISTEN/NOTIFY needs; retrying cannot fix it.
+var ErrNotPgx = errors.New("forwarder: LISTEN/NOTIFY needs a database/sql pool opened with pgx/v5's stdlib driver")
+
 // Run forwards until ctx is cancelled. It first waits to become the active
 // relay (a hot standby until then), then drains the outbox, waking on NOTIFY
 // and on the fallback poll. On cancellation the batch in flight gets up to
 // shutdown_timeout to be confirmed and acked; otherwise it is abandoned
-// unacked. Run returns nil after a clean stop.
+// unacked. Run returns nil after a clean stop, and ErrNotPgx at once when the
+// pool cannot LISTEN.
 func (f *Forwarder) Run(ctx context.Context) error {
 	retry := f.newBackoff()
 	for ctx.Err() == nil {
 		err := f.lead(ctx)
 		if ctx.Err() != nil {
 			break
+		}
+		if errors.Is(err, ErrNotPgx) {
+			return err
 		}
 		wait := retry.NextBackOff()
 		f.logger.Error("Relay lost leadership or could not connect; retrying", err, watermill.LogFields{"retry_in": wait.String()})
@@ -199,7 +207,7 @@ func (f *Forwarder) listen(ctx context.Context, conn *sql.Conn, wake chan<- stru
 		// *stdlib.Conn, or a driver that wraps it and exposes the same method.
 		sc, ok := dc.(interface{ Conn() *pgx.Conn })
 		if !ok {
-			return fmt.Errorf("forwarder: LISTEN/NOTIFY needs a database/sql pool opened with pgx/v5's stdlib driver, got %T", dc)
+			return fmt.Errorf("%w, got %T", ErrNotPgx, dc)
 		}
 		pc := sc.Conn()
 		if _, err := pc.Exec(ctx, `LISTEN `+pgschema.NotifyChannel); err != nil {

@@ -9,6 +9,7 @@ import (
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/kafka"
 	"github.com/millrace-io/millrace/adapters/nats"
+	"github.com/millrace-io/millrace/adapters/rabbit"
 )
 
 func envOr(env map[string]string, key, def string) string {
@@ -25,6 +26,11 @@ func init() {
 	brokers["nats"] = brokerKit{
 		open: func(ctx context.Context, env map[string]string) (adapters.Broker, error) {
 			return nats.Open(ctx, nats.Config{URL: envOr(env, "NATS_URL", "nats://127.0.0.1:4222")}, adapters.Options{})
+		},
+	}
+	brokers["rabbitmq"] = brokerKit{
+		open: func(ctx context.Context, env map[string]string) (adapters.Broker, error) {
+			return rabbit.Open(ctx, rabbit.Config{URL: envOr(env, "AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")}, adapters.Options{})
 		},
 	}
 	brokers["kafka"] = brokerKit{

@@ -381,7 +381,10 @@ func runChild() int {
 	}
 	defer broker.Close()
 	outbox := forwarder.Outbox{Schema: os.Getenv("RELAYBENCH_SCHEMA"), Topic: os.Getenv("RELAYBENCH_OUTBOX")}
-	logger := watermill.NopLogger{}
+	var logger watermill.LoggerAdapter = watermill.NopLogger{}
+	if os.Getenv("RELAYBENCH_VERBOSE") != "" {
+		logger = watermill.NewStdLogger(false, false)
+	}
 	switch os.Getenv("RELAYBENCH_CHILD") {
 	case "millrace":
 		f, err := forwarder.New(db, broker, outbox, forwarder.Config{}, forwarder.Options{Logger: logger})
@@ -424,22 +427,26 @@ func (c countingConnector) Connect(ctx context.Context) (driver.Conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &countingConn{Conn: conn.(*stdlib.Conn), n: c.n}, nil
+	return &countingConn{stdConn: conn.(*stdlib.Conn), n: c.n}, nil
 }
 
+// stdConn names the embedded field so that it does not hide the promoted
+// Conn() method the relay's LISTEN needs.
+type stdConn = stdlib.Conn
+
 type countingConn struct {
-	*stdlib.Conn
+	*stdConn
 	n *atomic.Int64
 }
 
 func (c *countingConn) QueryContext(ctx context.Context, query string, args []driver.NamedValue) (driver.Rows, error) {
 	c.n.Add(1)
-	return c.Conn.QueryContext(ctx, query, args)
+	return c.stdConn.QueryContext(ctx, query, args)
 }
 
 func (c *countingConn) ExecContext(ctx context.Context, query string, args []driver.NamedValue) (driver.Result, error) {
 	c.n.Add(1)
-	return c.Conn.ExecContext(ctx, query, args)
+	return c.stdConn.ExecContext(ctx, query, args)
 }
 
 func printTable() {

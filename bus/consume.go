@@ -1,0 +1,216 @@
+package bus
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/forwarder"
+	"github.com/millrace-io/millrace/internal/names"
+	"github.com/millrace-io/millrace/middleware"
+)
+
+// HandlerFunc processes one event. Returning nil acks it (after the inbox
+// transaction commits); an error is retried with backoff, and poisoned when
+// it is Permanent or retries run out. Do business writes in Tx(ctx) so they
+// commit with the inbox row; events published with Publish(ctx, Tx(ctx), ...)
+// commit with them too and get this event as their causation.
+type HandlerFunc func(ctx context.Context, ev Event) error
+
+// HandleOption changes how Handle registers a handler.
+type HandleOption func(*handlerSpec)
+
+// WithConsumerGroup sets the handler's consumer group. Every group receives
+// every event of the topic; instances of a service sharing a group share its
+// events. The inbox deduplicates per group. Defaults to the handler name.
+func WithConsumerGroup(group string) HandleOption {
+	return func(s *handlerSpec) { s.group = group }
+}
+
+type handlerSpec struct {
+	topic, name, group string
+	fn                 HandlerFunc
+}
+
+// Handle registers fn to consume topic under the handler name name (the key
+// of its overrides under consumer.handlers, a metric label, and by default
+// its consumer group). Register every handler before Run.
+func (b *Bus) Handle(topic, name string, fn HandlerFunc, opts ...HandleOption) error {
+	spec := handlerSpec{topic: topic, name: name, fn: fn}
+	for _, o := range opts {
+		o(&spec)
+	}
+	spec.group = cmp.Or(spec.group, name)
+	var errs []error
+	if err := names.Topic(topic); err != nil {
+		errs = append(errs, fmt.Errorf("topic: %w", err))
+	}
+	if err := names.Topic(name); err != nil {
+		errs = append(errs, fmt.Errorf("handler name: %w", err))
+	}
+	if err := names.Topic(spec.group); err != nil {
+		errs = append(errs, fmt.Errorf("consumer group: %w", err))
+	}
+	if fn == nil {
+		errs = append(errs, errors.New("handler func is nil"))
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.running {
+		errs = append(errs, errors.New("Run has started; register handlers before it"))
+	}
+	for _, h := range b.handlers {
+		if h.name == name {
+			errs = append(errs, fmt.Errorf("handler %q is already registered", name))
+		}
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("millrace: Handle(%q, %q): %w", topic, name, errors.Join(errs...))
+	}
+	b.handlers = append(b.handlers, spec)
+	return nil
+}
+
+// Run connects to the broker and runs, until ctx is cancelled, the relay
+// (unless relay.enabled is false) and every registered handler. It returns
+// nil after a graceful stop: the relay acks only what the broker confirmed,
+// handlers finish or give back what they hold, nothing is poisoned by the
+// stop. Run may be called once.
+func (b *Bus) Run(ctx context.Context) error {
+	b.mu.Lock()
+	if b.running {
+		b.mu.Unlock()
+		return errors.New("millrace: Run was already called")
+	}
+	b.running = true
+	handlers := append([]handlerSpec(nil), b.handlers...)
+	b.mu.Unlock()
+	relayOn := *b.cfg.Relay.Enabled
+	if !relayOn && len(handlers) == 0 {
+		return errors.New("millrace: nothing to run: relay.enabled is false and no handler is registered")
+	}
+
+	broker, err := OpenBroker(ctx, b.cfg, b.logger)
+	if err != nil {
+		return err
+	}
+	defer broker.Close()
+
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make(chan error, 3)
+	if relayOn {
+		relay, err := forwarder.New(b.db, broker, forwarder.Outbox{Schema: b.cfg.Database.Schema, Topic: b.cfg.Outbox.Topic},
+			b.cfg.Relay, forwarder.Options{Logger: b.logger, Registerer: b.registerer})
+		if err != nil {
+			return err
+		}
+		wg.Go(func() { errs <- relay.Run(runCtx) })
+	}
+	if len(handlers) > 0 {
+		router, stack, err := b.router(runCtx, broker, handlers)
+		if err != nil {
+			cancel()
+			wg.Wait()
+			return err
+		}
+		wg.Go(func() { errs <- stack.RunRetention(runCtx) })
+		wg.Go(func() { errs <- router.Run(runCtx) })
+	}
+	var first error
+	go func() { wg.Wait(); close(errs) }()
+	for err := range errs {
+		if err != nil && !errors.Is(err, context.Canceled) && first == nil {
+			first = err
+			cancel() // one part failed: stop the others
+		}
+	}
+	return first
+}
+
+// router builds the Watermill router with one chained handler per spec.
+func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []handlerSpec) (*message.Router, *middleware.Stack, error) {
+	stack, err := middleware.New(b.cfg.Consumer, middleware.Deps{
+		DB: b.db, Schema: b.cfg.Database.Schema, PoisonPublisher: broker.Publisher(),
+		Registerer: b.registerer, Logger: b.logger,
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := stack.Check(ctx); err != nil {
+		return nil, nil, err
+	}
+	longest := b.cfg.Consumer.HandlerTimeout
+	for _, h := range handlers {
+		longest = max(longest, b.cfg.Consumer.For(h.name).HandlerTimeout)
+	}
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: longest + 10*time.Second}, b.logger)
+	if err != nil {
+		return nil, nil, err
+	}
+	for _, h := range handlers {
+		if err := broker.Provision(ctx, h.topic, h.group); err != nil {
+			return nil, nil, fmt.Errorf("millrace: provision %s for handler %s: %w", h.topic, h.name, err)
+		}
+		chain, err := stack.Chain(middleware.Handler{Name: h.name, Topic: h.topic, ConsumerGroup: h.group})
+		if err != nil {
+			return nil, nil, err
+		}
+		group := h.group
+		sub := chain.Subscriber(middleware.Source{
+			NewSubscriber:  func() (message.Subscriber, error) { return broker.Subscriber(group) },
+			Competing:      true,
+			KeyPartitioned: b.cfg.Broker.Kind == KindKafka,
+		})
+		router.AddConsumerHandler(h.name, h.topic, sub, chain.Wrap(b.adapt(h)))
+	}
+	return router, stack, nil
+}
+
+// adapt turns a HandlerFunc into the innermost Watermill handler: it decodes
+// the envelope, continues the publisher's trace in a consumer span, and
+// makes the event the causation of anything published while handling it.
+func (b *Bus) adapt(h handlerSpec) message.NoPublishHandlerFunc {
+	return func(msg *message.Message) error {
+		ev, err := EventFromMessage(msg)
+		if err != nil {
+			return middleware.Permanent(fmt.Errorf("invalid event envelope: %w", err))
+		}
+		ctx := propagation.TraceContext{}.Extract(msg.Context(), propagation.MapCarrier(msg.Metadata))
+		ctx, span := b.tracer.Start(ctx, h.topic+" process", trace.WithSpanKind(trace.SpanKindConsumer),
+			trace.WithAttributes(
+				attribute.String("messaging.operation.type", "process"),
+				attribute.String("messaging.destination.name", h.topic),
+				attribute.String("messaging.consumer.group.name", h.group),
+				attribute.String("messaging.message.id", ev.ID),
+				attribute.String("millrace.handler", h.name),
+				attribute.String("millrace.event_type", ev.Type),
+			))
+		defer span.End()
+		if err := h.fn(context.WithValue(ctx, incomingKey{}, ev), ev); err != nil {
+			span.RecordError(err)
+			span.SetStatus(codes.Error, err.Error())
+			return err
+		}
+		return nil
+	}
+}
+
+// incomingKey carries the event being handled, for causation of follow-ups.
+type incomingKey struct{}
+
+func incomingEvent(ctx context.Context) (Event, bool) {
+	ev, ok := ctx.Value(incomingKey{}).(Event)
+	return ev, ok
+}

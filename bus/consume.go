@@ -108,6 +108,16 @@ func (b *Bus) Run(ctx context.Context) error {
 
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	// Handlers' topology is provisioned before the relay starts, so that no
+	// event reaches a topic before this service's consumer groups exist on it
+	// (RabbitMQ would park it rather than route it to their queues).
+	var router *message.Router
+	var stack *middleware.Stack
+	if len(handlers) > 0 {
+		if router, stack, err = b.router(runCtx, broker, handlers); err != nil {
+			return err
+		}
+	}
 	var wg sync.WaitGroup
 	errs := make(chan error, 3)
 	if relayOn {
@@ -118,13 +128,7 @@ func (b *Bus) Run(ctx context.Context) error {
 		}
 		wg.Go(func() { errs <- relay.Run(runCtx) })
 	}
-	if len(handlers) > 0 {
-		router, stack, err := b.router(runCtx, broker, handlers)
-		if err != nil {
-			cancel()
-			wg.Wait()
-			return err
-		}
+	if router != nil {
 		wg.Go(func() { errs <- stack.RunRetention(runCtx) })
 		wg.Go(func() { errs <- router.Run(runCtx) })
 	}

@@ -1,0 +1,124 @@
+// Package brokertest points a test's millrace config at a real broker of
+// each kind (the local servers `make up` provides, a real cluster named in
+// the environment, or for Kafka an in-process kfake cluster) and removes the
+// topology a test created on shared servers.
+package brokertest
+
+import (
+	"context"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	natsgo "github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/millrace-io/millrace/adapters/kafka"
+	"github.com/millrace-io/millrace/adapters/nats"
+	"github.com/millrace-io/millrace/adapters/rabbit"
+	"github.com/millrace-io/millrace/bus"
+)
+
+// Kinds are the broker kinds every end-to-end test runs on.
+var Kinds = []string{bus.KindKafka, bus.KindNATS, bus.KindRabbitMQ}
+
+// URLs of the local servers; the environment overrides them.
+func natsURL() string { return envOr("NATS_URL", "nats://127.0.0.1:4222") }
+func amqpURL() string { return envOr("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/") }
+
+func envOr(key, def string) string {
+	if v := os.Getenv(key); v != "" {
+		return v
+	}
+	return def
+}
+
+var (
+	devOnce  sync.Once
+	devAddrs []string
+	devErr   error
+)
+
+// kafkaBrokers returns KAFKA_BROKERS or the addresses of a kfake cluster
+// shared by the whole test process.
+func kafkaBrokers(t testing.TB) []string {
+	if v := os.Getenv("KAFKA_BROKERS"); v != "" {
+		return strings.Split(v, ",")
+	}
+	devOnce.Do(func() {
+		var dev *kafka.DevCluster
+		dev, devErr = kafka.StartDevCluster(kafka.DevClusterOptions{})
+		if devErr == nil {
+			devAddrs = dev.Addrs()
+		}
+	})
+	if devErr != nil {
+		t.Fatalf("start the Kafka dev cluster: %v", devErr)
+	}
+	return devAddrs
+}
+
+// Apply sets cfg's broker section for kind.
+func Apply(t testing.TB, kind string, cfg *bus.Config) {
+	t.Helper()
+	cfg.Broker.Kind = kind
+	switch kind {
+	case bus.KindKafka:
+		cfg.Broker.Kafka.Brokers = kafkaBrokers(t)
+		if os.Getenv("KAFKA_BROKERS") == "" {
+			cfg.Broker.Kafka.ReplicationFactor = 3
+		}
+	case bus.KindNATS:
+		cfg.Broker.NATS.URL = natsURL()
+	case bus.KindRabbitMQ:
+		cfg.Broker.RabbitMQ.URL = amqpURL()
+	default:
+		t.Fatalf("unknown broker kind %q", kind)
+	}
+}
+
+// Cleanup removes, when the test ends, what millrace created on a shared
+// server for topic and its consumer groups: the NATS stream, or the RabbitMQ
+// exchanges and queues. Kafka topics live in the per-process dev cluster.
+func Cleanup(t testing.TB, kind, topic string, groups ...string) {
+	t.Helper()
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		switch kind {
+		case bus.KindNATS:
+			nc, err := natsgo.Connect(natsURL())
+			if err != nil {
+				t.Logf("cleanup: %v", err)
+				return
+			}
+			defer nc.Close()
+			js, err := jetstream.New(nc)
+			if err == nil {
+				_ = js.DeleteStream(ctx, nats.StreamName(topic))
+			}
+		case bus.KindRabbitMQ:
+			conn, err := amqp.Dial(amqpURL())
+			if err != nil {
+				t.Logf("cleanup: %v", err)
+				return
+			}
+			defer conn.Close()
+			ch, err := conn.Channel()
+			if err != nil {
+				return
+			}
+			for _, g := range groups {
+				_, _ = ch.QueueDelete(rabbit.QueueName(topic, g), false, false, false)
+				_, _ = ch.QueueDelete(rabbit.DeadLetterQueueName(topic, g), false, false, false)
+			}
+			_, _ = ch.QueueDelete(rabbit.UnroutedQueueName(topic), false, false, false)
+			for _, x := range []string{topic, topic + ":unrouted", topic + ":dlx"} {
+				_ = ch.ExchangeDelete(x, false, false)
+			}
+		}
+	})
+}

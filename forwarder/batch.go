@@ -124,6 +124,9 @@ func (f *Forwarder) publish(ctx context.Context, rows []outboxRow) (int, error) 
 		if err := f.provision(ctx, rows, slice); err != nil {
 			return done, err
 		}
+		if slice = publishable(rows, slice); len(slice) == 0 {
+			continue // every row of the slice was quarantined by provisioning
+		}
 		if f.limiter != nil {
 			if err := f.limiter.WaitN(ctx, len(slice)); err != nil {
 				return done, err
@@ -164,19 +167,43 @@ func (f *Forwarder) publish(ctx context.Context, rows []outboxRow) (int, error) 
 }
 
 // provision makes sure every destination topic of the slice exists, once per
-// topic per relay process.
+// topic per relay process. A topic the broker refuses for good (its existing
+// topology conflicts with the configured one) sends that topic's rows to the
+// quarantine instead of stalling the relay; other failures are retried.
 func (f *Forwarder) provision(ctx context.Context, rows []outboxRow, slice []int) error {
+	refused := map[string]error{}
 	for _, i := range slice {
 		topic := rows[i].out.Topic
 		if f.provisioned[topic] {
 			continue
 		}
-		if err := f.broker.Provision(ctx, topic); err != nil {
-			return fmt.Errorf("provision topic %s: %w", topic, err)
+		err, seen := refused[topic]
+		if !seen {
+			err = f.broker.Provision(ctx, topic)
+			switch {
+			case err == nil:
+				f.provisioned[topic] = true
+				continue
+			case !adapters.IsPermanent(err):
+				return fmt.Errorf("provision topic %s: %w", topic, err)
+			}
+			refused[topic] = err
 		}
-		f.provisioned[topic] = true
+		rows[i].quarantine = fmt.Sprintf("provision topic %s: %v", topic, err)
+		f.metrics.publishErrors.WithLabelValues(errorClassPermanent).Inc()
 	}
 	return nil
+}
+
+// publishable keeps the rows of slice that are not marked for quarantine.
+func publishable(rows []outboxRow, slice []int) []int {
+	kept := slice[:0]
+	for _, i := range slice {
+		if rows[i].quarantine == "" {
+			kept = append(kept, i)
+		}
+	}
+	return kept
 }
 
 // ack moves quarantined rows aside and records the last handled row as the

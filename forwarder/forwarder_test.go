@@ -30,6 +30,7 @@ type memoryBroker struct {
 	published []adapters.Outgoing
 	calls     int
 	fail      func(call int, m adapters.Outgoing) error
+	refuse    func(topic string) error // Provision's answer
 	arrived   chan struct{}
 }
 
@@ -55,7 +56,12 @@ func (b *memoryBroker) PublishBatch(ctx context.Context, msgs []adapters.Outgoin
 	return adapters.NewBatchError(errs)
 }
 
-func (b *memoryBroker) Provision(context.Context, string, ...string) error { return nil }
+func (b *memoryBroker) Provision(_ context.Context, topic string, _ ...string) error {
+	if b.refuse != nil {
+		return b.refuse(topic)
+	}
+	return nil
+}
 
 func (b *memoryBroker) snapshot() []adapters.Outgoing {
 	b.mu.Lock()
@@ -529,4 +535,38 @@ func TestInspectReportsTheOutboxState(t *testing.T) {
 	require.Zero(t, st.OldestPendingAge)
 	require.EqualValues(t, 10, st.Forwarded, "forwarded rows stay for the retention period")
 	require.WithinDuration(t, time.Now(), st.LastForwardedAt, time.Hour)
+}
+
+func TestTopicTheBrokerRefusesIsQuarantinedNotRetriedForever(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	broker := newMemoryBroker()
+	attempts := 0
+	broker.refuse = func(topic string) error {
+		switch topic {
+		case "conflicted":
+			return adapters.Permanent(errors.New("queue conflicted:g is a classic queue, quorum wanted"))
+		case "flaky":
+			if attempts++; attempts < 3 {
+				return errors.New("connection reset")
+			}
+		}
+		return nil
+	}
+	publish(t, tb, "things", []bus.Event{event("a", 1)}, 1)
+	publish(t, tb, "conflicted", []bus.Event{event("c", 1), event("c", 2)}, 2)
+	publish(t, tb, "flaky", []bus.Event{event("f", 1)}, 1)
+	publish(t, tb, "things", []bus.Event{event("a", 2)}, 1)
+	f, _ := start(t, tb, broker, testConfig(), nil)
+	waitFor(t, "nothing pending", func() bool { return pending(t, f) == 0 })
+
+	var got []string
+	for _, o := range broker.snapshot() {
+		got = append(got, o.Topic+"/"+o.Msg.Metadata.Get(bus.AggregateVersionKey))
+	}
+	require.Equal(t, []string{"things/1", "flaky/1", "things/2"}, got)
+	var quarantined int
+	require.NoError(t, tb.db.QueryRow(`SELECT count(*) FROM "`+tb.outbox.Schema+`".millrace_relay_quarantine WHERE reason LIKE '%classic queue%'`).Scan(&quarantined))
+	require.Equal(t, 2, quarantined)
+	require.GreaterOrEqual(t, attempts, 3, "a transient provisioning failure is retried")
 }

@@ -1,0 +1,377 @@
+package forwarder_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"os/signal"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/forwarder"
+	"github.com/millrace-io/millrace/internal/brokertest"
+	"github.com/millrace-io/millrace/internal/testdb"
+)
+
+// Environment of a relay child process.
+const (
+	childEnv       = "MILLRACE_RELAY_CHILD"
+	childKindEnv   = "MILLRACE_RELAY_KIND"
+	childSchemaEnv = "MILLRACE_RELAY_SCHEMA"
+	childKillEnv   = "MILLRACE_RELAY_KILL" // before-publish:N or after-publish:N
+	childAppEnv    = "MILLRACE_RELAY_APP"  // application_name of its sessions
+)
+
+// runRelayChild runs a relay until SIGTERM, or kills itself with SIGKILL at
+// the point MILLRACE_RELAY_KILL names.
+func runRelayChild() int {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	defer stop()
+	var cfg bus.Config
+	cfg.Database.URL = testdb.URL()
+	if app := os.Getenv(childAppEnv); app != "" {
+		sep := "?"
+		if strings.Contains(cfg.Database.URL, "?") {
+			sep = "&"
+		}
+		cfg.Database.URL += sep + "application_name=" + app
+	}
+	cfg.Database.Schema = os.Getenv(childSchemaEnv)
+	cfg.Broker.Kind = os.Getenv(childKindEnv)
+	cfg.Broker.NATS.URL = os.Getenv("NATS_URL")
+	cfg.Broker.RabbitMQ.URL = os.Getenv("AMQP_URL")
+	cfg.Broker.Kafka.Brokers = strings.Split(os.Getenv("KAFKA_BROKERS"), ",")
+	cfg = cfg.WithDefaults()
+	db, err := bus.OpenDB(cfg.Database)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	broker, err := bus.OpenBroker(ctx, cfg, watermill.NopLogger{})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "relay child:", err)
+		return 1
+	}
+	defer broker.Close()
+	f, err := forwarder.New(db, broker, forwarder.Outbox{Schema: cfg.Database.Schema, Topic: cfg.Outbox.Topic}, crashConfig(), forwarder.Options{})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	if point, n, ok := strings.Cut(os.Getenv(childKillEnv), ":"); ok {
+		calls, _ := strconv.Atoi(n)
+		hook := func(int) {
+			if calls--; calls <= 0 {
+				_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+				select {}
+			}
+		}
+		switch point {
+		case "before-publish":
+			forwarder.SetBeforePublish(f, hook)
+		case "after-publish":
+			forwarder.SetAfterPublish(f, hook) // confirmed by the broker, not yet acked
+		}
+	}
+	if err := f.Run(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	return 0
+}
+
+func crashConfig() forwarder.Config {
+	return forwarder.Config{BatchSize: 200, MaxInFlight: 100, PollInterval: 100 * time.Millisecond,
+		RetryInitial: 20 * time.Millisecond, RetryMax: 500 * time.Millisecond, ShutdownTimeout: 5 * time.Second}
+}
+
+func startRelayProcess(t *testing.T, cfg bus.Config, kill string) *exec.Cmd {
+	return startNamedRelayProcess(t, cfg, kill, "")
+}
+
+// startNamedRelayProcess starts a relay child whose database sessions carry
+// application_name name, so a test can see which relay holds the lock.
+func startNamedRelayProcess(t *testing.T, cfg bus.Config, kill, name string) *exec.Cmd {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), childEnv+"=1", childAppEnv+"="+name, childKindEnv+"="+cfg.Broker.Kind, childSchemaEnv+"="+cfg.Database.Schema,
+		childKillEnv+"="+kill, "NATS_URL="+cfg.Broker.NATS.URL, "AMQP_URL="+cfg.Broker.RabbitMQ.URL,
+		"KAFKA_BROKERS="+strings.Join(cfg.Broker.Kafka.Brokers, ","))
+	cmd.Stderr = os.Stderr
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() {
+		if cmd.ProcessState == nil {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+		}
+	})
+	return cmd
+}
+
+// collector records every delivery of a consumer group.
+type collector struct {
+	mu     sync.Mutex
+	count  map[string]int
+	order  map[string][]int // aggregate -> versions in first-arrival order
+	total  int
+	ghosts int
+}
+
+func collect(t *testing.T, broker adapters.Broker, topic, group string) *collector {
+	sub, err := broker.Subscriber(group)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(func() { cancel(); _ = sub.Close() })
+	ch, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	c := &collector{count: map[string]int{}, order: map[string][]int{}}
+	go func() {
+		for m := range ch {
+			c.mu.Lock()
+			agg := m.Metadata.Get(bus.AggregateIDKey)
+			if strings.HasPrefix(agg, "ghost") {
+				c.ghosts++
+			}
+			if c.count[m.UUID] == 0 {
+				v, _ := strconv.Atoi(m.Metadata.Get(bus.AggregateVersionKey))
+				c.order[agg] = append(c.order[agg], v)
+			}
+			c.count[m.UUID]++
+			c.total++
+			c.mu.Unlock()
+			m.Ack()
+		}
+	}()
+	return c
+}
+
+func (c *collector) distinct() int { c.mu.Lock(); defer c.mu.Unlock(); return len(c.count) }
+
+// writer commits events of aggregates agg-0..agg-19 with increasing
+// versions, ten per transaction, and every 25th transaction rolls back.
+type writer struct {
+	committed map[string]bool
+	version   map[string]int
+}
+
+func newWriter() *writer { return &writer{committed: map[string]bool{}, version: map[string]int{}} }
+
+// write commits n more events.
+func (w *writer) write(t *testing.T, b *bus.Bus, db *sql.DB, topic string, n int) {
+	ctx := context.Background()
+	version := w.version
+	target := len(w.committed) + n
+	for txn := 0; len(w.committed) < target; txn++ {
+		tx, err := db.BeginTx(ctx, nil)
+		require.NoError(t, err)
+		rollback := txn%25 == 24
+		var ids []string
+		var events []bus.Event
+		for i := range 10 {
+			agg := fmt.Sprintf("agg-%d", (txn*10+i)%20)
+			if rollback {
+				agg = "ghost-" + agg
+			} else {
+				version[agg]++
+			}
+			id := watermill.NewUUID()
+			ids = append(ids, id)
+			events = append(events, bus.Event{ID: id, Type: "Counted", AggregateType: "counter", AggregateID: agg,
+				AggregateVersion: int64(version[agg]), Payload: []byte(`{}`)})
+		}
+		require.NoError(t, b.Publish(ctx, tx, topic, events...))
+		if rollback {
+			require.NoError(t, tx.Rollback())
+			continue
+		}
+		require.NoError(t, tx.Commit())
+		for _, id := range ids {
+			w.committed[id] = true
+		}
+	}
+}
+
+// Relays killed with SIGKILL at random points (before a publish, after the
+// broker confirmed a batch but before the ack, at a random moment mid-flow)
+// while events are being committed: after a clean relay finishes, every
+// committed event is on the broker at least once, none is pending, and no
+// rolled-back event ever appears.
+func TestRelayKilledAtRandomPointsLosesNothing(t *testing.T) {
+	t.Parallel()
+	for _, kind := range brokertest.Kinds {
+		t.Run(kind, func(t *testing.T) {
+			t.Parallel()
+			testRelayCrashes(t, kind)
+		})
+	}
+}
+
+func testRelayCrashes(t *testing.T, kind string) {
+	const events, kills = 10_000, 10
+	ctx := context.Background()
+	db := testdb.Open(t)
+	var cfg bus.Config
+	cfg.Database.Schema = testdb.Schema(t, db)
+	brokertest.Apply(t, kind, &cfg)
+	require.NoError(t, bus.Migrate(ctx, db, cfg))
+	b, err := bus.Open(ctx, cfg, db)
+	require.NoError(t, err)
+	defer b.Close()
+	cfg = b.Config()
+	topic := "crash-" + testdb.UniqueName("")[3:]
+	group := topic + "-check"
+	brokertest.Cleanup(t, kind, topic, group)
+	broker, err := bus.OpenBroker(ctx, cfg, nil)
+	require.NoError(t, err)
+	defer broker.Close()
+	require.NoError(t, broker.Provision(ctx, topic, group))
+	got := collect(t, broker, topic, group)
+
+	written := make(chan *writer, 1)
+	go func() { w := newWriter(); w.write(t, b, db, topic, events); written <- w }()
+
+	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 7))
+	points := []string{"before-publish", "after-publish", "random"}
+	killed := map[string]int{}
+	for i := range kills {
+		point := points[i%len(points)]
+		kill := ""
+		if point != "random" {
+			kill = fmt.Sprintf("%s:%d", point, 1+rng.IntN(5))
+		}
+		cmd := startRelayProcess(t, cfg, kill)
+		exited := make(chan error, 1)
+		go func() { exited <- cmd.Wait() }()
+		if point == "random" {
+			time.Sleep(time.Duration(50+rng.IntN(400)) * time.Millisecond)
+			_ = cmd.Process.Signal(syscall.SIGKILL)
+		}
+		select {
+		case err := <-exited:
+			var ee *exec.ExitError
+			require.True(t, errors.As(err, &ee), "relay %d exited with %v", i, err)
+			ws, _ := ee.Sys().(syscall.WaitStatus)
+			require.Equal(t, syscall.SIGKILL, ws.Signal(), "relay %d was killed by SIGKILL at %s", i, point)
+		case <-time.After(2 * time.Minute):
+			t.Fatalf("relay %d (%s) never reached its kill point", i, kill)
+		}
+		killed[point]++
+	}
+	w := <-written
+
+	clean := startRelayProcess(t, cfg, "")
+	f, err := forwarder.New(db, broker, forwarder.Outbox{Schema: cfg.Database.Schema, Topic: cfg.Outbox.Topic}, crashConfig(), forwarder.Options{})
+	require.NoError(t, err)
+	waitFor(t, "the clean relay to finish", func() bool { return pending(t, f) == 0 })
+	require.NoError(t, clean.Process.Signal(syscall.SIGTERM))
+	require.NoError(t, clean.Wait(), "the clean relay stops gracefully")
+	waitFor(t, "every committed event on the broker", func() bool { return got.distinct() >= len(w.committed) })
+
+	got.mu.Lock()
+	defer got.mu.Unlock()
+	for id := range w.committed {
+		require.Positive(t, got.count[id], "committed event %s never reached the broker", id)
+	}
+	require.Len(t, got.count, len(w.committed), "only committed events reach the broker")
+	require.Zero(t, got.ghosts, "an event of a rolled-back transaction reached the broker")
+	for agg, versions := range got.order {
+		for i := 1; i < len(versions); i++ {
+			require.Greater(t, versions[i], versions[i-1], "%s: versions first arrived out of order: %v", agg, versions)
+		}
+	}
+	t.Logf("%s: %d committed events, %d deliveries (%d duplicates) after %d kills %v",
+		kind, len(w.committed), got.total, got.total-len(got.count), kills, killed)
+}
+
+// activeRelay returns the application_name of the session holding an
+// advisory lock among sessions whose name starts with prefix.
+func activeRelay(t *testing.T, db *sql.DB, prefix string) string {
+	var name sql.NullString
+	err := db.QueryRow(`SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+		WHERE l.locktype = 'advisory' AND l.granted AND a.application_name LIKE $1 || '%' LIMIT 1`, prefix).Scan(&name)
+	if errors.Is(err, sql.ErrNoRows) {
+		return ""
+	}
+	require.NoError(t, err)
+	return name.String
+}
+
+// Two relays run at once: one is active, the other a hot standby; the
+// active one is killed with SIGKILL mid-flow and the standby takes over.
+// Nothing is lost and each aggregate's events first arrive in order.
+func TestStandbyRelayTakesOverFromAKilledOne(t *testing.T) {
+	t.Parallel()
+	for _, kind := range brokertest.Kinds {
+		t.Run(kind, func(t *testing.T) {
+			t.Parallel()
+			testTakeover(t, kind)
+		})
+	}
+}
+
+func testTakeover(t *testing.T, kind string) {
+	ctx := context.Background()
+	db := testdb.Open(t)
+	var cfg bus.Config
+	cfg.Database.Schema = testdb.Schema(t, db)
+	brokertest.Apply(t, kind, &cfg)
+	require.NoError(t, bus.Migrate(ctx, db, cfg))
+	b, err := bus.Open(ctx, cfg, db)
+	require.NoError(t, err)
+	defer b.Close()
+	cfg = b.Config()
+	topic := "takeover-" + testdb.UniqueName("")[3:]
+	group := topic + "-check"
+	brokertest.Cleanup(t, kind, topic, group)
+	broker, err := bus.OpenBroker(ctx, cfg, nil)
+	require.NoError(t, err)
+	defer broker.Close()
+	require.NoError(t, broker.Provision(ctx, topic, group))
+	got := collect(t, broker, topic, group)
+
+	prefix := strings.ReplaceAll(cfg.Database.Schema, "_", "")[:20]
+	relays := map[string]*exec.Cmd{}
+	for _, name := range []string{prefix + "a", prefix + "b"} {
+		relays[name] = startNamedRelayProcess(t, cfg, "", name)
+	}
+	var first string
+	waitFor(t, "a relay to become active", func() bool { first = activeRelay(t, db, prefix); return first != "" })
+
+	w := newWriter()
+	w.write(t, b, db, topic, 2000)
+	waitFor(t, "some events forwarded", func() bool { return got.distinct() > 500 })
+	require.Equal(t, first, activeRelay(t, db, prefix), "only one relay is active; the other waits")
+	require.NoError(t, relays[first].Process.Signal(syscall.SIGKILL))
+	_ = relays[first].Wait()
+
+	var second string
+	waitFor(t, "the standby to take over", func() bool { second = activeRelay(t, db, prefix); return second != "" })
+	require.NotEqual(t, first, second)
+	w.write(t, b, db, topic, 2000)
+	waitFor(t, "every committed event", func() bool { return got.distinct() >= len(w.committed) })
+
+	got.mu.Lock()
+	defer got.mu.Unlock()
+	for id := range w.committed {
+		require.Positive(t, got.count[id], "lost %s", id)
+	}
+	require.Zero(t, got.ghosts)
+	for agg, versions := range got.order {
+		for i := 1; i < len(versions); i++ {
+			require.Greater(t, versions[i], versions[i-1], "%s: out of order: %v", agg, versions)
+		}
+	}
+}

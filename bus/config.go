@@ -3,6 +3,7 @@ package bus
 import (
 	"cmp"
 	"fmt"
+	"net"
 	"os"
 	"strings"
 	"time"
@@ -42,6 +43,8 @@ type Config struct {
 	Broker BrokerConfig `yaml:"broker"`
 	// Relay configures the relay from the outbox to the broker.
 	Relay forwarder.Config `yaml:"relay"`
+	// Metrics configures the Prometheus endpoint.
+	Metrics MetricsConfig `yaml:"metrics"`
 	// Consumer configures the consumer middleware chain (retry, poison
 	// queue, circuit breaker, inbox, concurrency), with per-handler overrides
 	// under consumer.handlers.<name>.
@@ -94,6 +97,14 @@ type BrokerConfig struct {
 	RabbitMQ rabbit.Config `yaml:"rabbitmq"`
 	// NATS configures broker.kind: nats.
 	NATS nats.Config `yaml:"nats"`
+}
+
+// MetricsConfig is the metrics section.
+type MetricsConfig struct {
+	// Listen is the address (host:port) where Run serves the relay and
+	// consumer metrics at /metrics; empty serves nothing (mount
+	// Bus.MetricsHandler yourself). Defaults to "".
+	Listen string `yaml:"listen"`
 }
 
 // DefaultDatabaseURL is database.url's default: the local PostgreSQL that
@@ -149,6 +160,11 @@ func (c Config) Validate() error {
 		chk.Merge(c.Broker.NATS.Validate("broker.nats"))
 	}
 	chk.Merge(c.Relay.Validate("relay"))
+	if c.Metrics.Listen != "" {
+		if _, _, err := net.SplitHostPort(c.Metrics.Listen); err != nil {
+			chk.Add("metrics.listen", "must be host:port such as \":9464\" or \"127.0.0.1:9464\"; got %q", c.Metrics.Listen)
+		}
+	}
 	chk.Merge(c.Consumer.Validate("consumer"))
 	if len(chk.Problems) == 0 {
 		return nil

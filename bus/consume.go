@@ -105,6 +105,13 @@ func (b *Bus) Run(ctx context.Context) error {
 		return err
 	}
 	defer broker.Close()
+	if b.cfg.Metrics.Listen != "" {
+		stopMetrics, err := b.serveMetrics(ctx)
+		if err != nil {
+			return err
+		}
+		defer stopMetrics()
+	}
 
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()

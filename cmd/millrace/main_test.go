@@ -7,9 +7,13 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/forwarder"
+	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/testdb"
 )
 
@@ -93,4 +97,38 @@ func TestOutboxStatusCommand(t *testing.T) {
 	out.Reset()
 	require.Equal(t, exitOK, run(context.Background(), []string{"outbox", "status", "--help"}, &out, &errOut))
 	require.Contains(t, errOut.String(), "usage: millrace [--config config.yaml] outbox status")
+}
+
+func TestRelayCommandForwardsAndStopsOnSignal(t *testing.T) {
+	t.Parallel()
+	db := testdb.Open(t)
+	schema := testdb.Schema(t, db)
+	topic := "cli-relay-" + schema[len(schema)-8:]
+	path := writeConfig(t, "database:\n  url: "+testdb.URL()+"\n  schema: "+schema+"\nbroker:\n  nats:\n    url: nats://127.0.0.1:4222\n")
+	var out, errOut bytes.Buffer
+	require.Equal(t, exitOK, run(context.Background(), []string{"--config", path, "migrate"}, &out, &errOut), errOut.String())
+	cfg, err := bus.LoadConfig(path)
+	require.NoError(t, err)
+	brokertest.Cleanup(t, bus.KindNATS, topic)
+	b, err := bus.Open(context.Background(), cfg, db)
+	require.NoError(t, err)
+	defer b.Close()
+	require.NoError(t, b.PublishInOwnTx(context.Background(), topic, bus.Event{Type: "T", AggregateType: "a", AggregateID: "1", Payload: []byte(`{}`)}))
+
+	ctx, cancel := context.WithCancel(context.Background())
+	code := make(chan int, 1)
+	var relayOut, relayErr bytes.Buffer
+	go func() { code <- run(ctx, []string{"--config", path, "relay"}, &relayOut, &relayErr) }()
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		st, err := forwarder.Inspect(context.Background(), db, forwarder.Outbox{Schema: schema, Topic: "millrace_outbox"}, "")
+		require.NoError(t, err)
+		if st.Pending == 0 {
+			break
+		}
+		require.True(t, time.Now().Before(deadline), "the relay did not forward the event")
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	require.Equal(t, exitOK, <-code, relayErr.String())
 }

@@ -1,0 +1,43 @@
+package bus
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+// MetricsHandler serves the Bus's metrics (relay, consumers, circuit
+// breakers, inbox) in the Prometheus text format, for a service to mount on
+// its own HTTP server.
+func (b *Bus) MetricsHandler() http.Handler {
+	return promhttp.HandlerFor(b.gatherer, promhttp.HandlerOpts{})
+}
+
+// serveMetrics serves /metrics on metrics.listen until ctx ends.
+func (b *Bus) serveMetrics(ctx context.Context) (func(), error) {
+	ln, err := net.Listen("tcp", b.cfg.Metrics.Listen)
+	if err != nil {
+		return nil, fmt.Errorf("millrace: metrics.listen %s: %w", b.cfg.Metrics.Listen, err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", b.MetricsHandler())
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			b.logger.Error("Metrics server stopped", err, nil)
+		}
+	}()
+	return func() {
+		shutdown, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(shutdown)
+		<-done
+	}, nil
+}

@@ -33,8 +33,10 @@ test: up lint ## every test, unit and integration, with -race, against the local
 migrate: up ## create millrace's tables in the database config.yaml names
 	$(GO) run ./cmd/millrace --config $(CONFIG) migrate
 
-demo: up ## the outbox round trip: orders committed with their events, one rolled back
-	$(GO) run ./examples/orders --config $(CONFIG)
+BROKER  ?=
+
+demo: up ## the seed scenario end to end (BROKER=nats|rabbitmq|kafka; default: config.yaml, in-process NATS)
+	$(if $(BROKER),MILLRACE_BROKER_KIND=$(BROKER)) $(GO) run ./examples/demo --config $(CONFIG)
 
 bench: up ## benchmarks, millrace side by side with stock Watermill
 	$(GO) test -run '^$$' -bench . -benchmem $(PKGS)

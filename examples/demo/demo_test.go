@@ -1,0 +1,64 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/internal/brokertest"
+	"github.com/millrace-io/millrace/internal/testdb"
+)
+
+func TestMain(m *testing.M) {
+	if os.Getenv(childEnvKey) != "" { // relay #1, re-executed from this test binary
+		os.Exit(runCrashingRelay())
+	}
+	os.Exit(m.Run())
+}
+
+// The seed scenario on every broker prints counts that add up.
+func TestDemoScenarioOnEveryBroker(t *testing.T) {
+	t.Parallel()
+	for _, kind := range brokertest.Kinds {
+		t.Run(kind, func(t *testing.T) {
+			t.Parallel()
+			db := testdb.Open(t)
+			schema := testdb.UniqueName("demo_" + kind)
+			t.Cleanup(func() { db.Exec(`DROP SCHEMA IF EXISTS "` + schema + `" CASCADE`) })
+			config := "database:\n  url: " + testdb.URL() + "\nbroker:\n  kind: " + kind +
+				"\n  rabbitmq:\n    url: amqp://guest:guest@127.0.0.1:5672/\n  nats:\n    url: nats://127.0.0.1:4222\n  kafka:\n    brokers: [127.0.0.1:9092]\n"
+			path := filepath.Join(t.TempDir(), "config.yaml")
+			require.NoError(t, os.WriteFile(path, []byte(config), 0o600))
+
+			var out bytes.Buffer
+			c, err := run(context.Background(), path, schema, 100, &out)
+			require.NoError(t, err, out.String())
+			require.Equal(t, 100, c.Orders)
+			require.Zero(t, c.OutboxPending)
+			require.Equal(t, 100+firstBatch, c.PublishedByRelays, "relay #1's batch was confirmed and sent again")
+			require.Equal(t, 100, c.InboxRows)
+			require.Equal(t, 100, c.BillingRows)
+			require.Equal(t, c.DeliveredBilling-100, c.DuplicatesSkipped, "every delivery beyond one per order was skipped by the inbox")
+			if kind == bus.KindNATS {
+				require.Equal(t, 100, c.OnBroker, "NATS drops the re-sent events by event id")
+			} else {
+				require.GreaterOrEqual(t, c.OnBroker, 100+firstBatch, "the crash's duplicates are on the broker")
+				require.GreaterOrEqual(t, c.DuplicatesSkipped, firstBatch)
+			}
+			require.Contains(t, out.String(), "Every committed order reached the broker and was billed exactly once.")
+		})
+	}
+}
+
+func TestDemoRefusesAHostileSchema(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "config.yaml")
+	require.NoError(t, os.WriteFile(path, []byte("broker:\n  nats:\n    url: nats://127.0.0.1:4222\n"), 0o600))
+	_, err := run(context.Background(), path, `x"; DROP SCHEMA public CASCADE; --`, 1, &bytes.Buffer{})
+	require.ErrorContains(t, err, "database.schema")
+}

@@ -51,8 +51,8 @@ import (
 const (
 	// defaultSchema holds the demo's tables; it is dropped and recreated.
 	defaultSchema = "millrace_demo"
-	firstBatch = 20         // rows relay #1 publishes before it is killed
-	tapGroup   = "demo-tap" // a consumer group that only counts what the broker holds
+	firstBatch    = 20         // rows relay #1 publishes before it is killed
+	tapGroup      = "demo-tap" // a consumer group that only counts what the broker holds
 	// childEnvKey set in the environment makes the demo binary run relay #1.
 	childEnvKey = "MILLRACE_DEMO_CRASHING_RELAY"
 	// configEnvKey and schemaEnvKey pass the config file's path and the

@@ -65,6 +65,11 @@ func newMetrics(reg prometheus.Registerer, outbox string) (*metrics, error) {
 			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60},
 		}),
 	}
+	// Known label values start at zero, so rate() and alerts see the series
+	// before the first error.
+	for _, class := range []string{errorClassRetryable, errorClassPermanent, errorClassCorrupt} {
+		m.publishErrors.WithLabelValues(class)
+	}
 	if reg == nil {
 		return m, nil
 	}

@@ -26,9 +26,10 @@ type outboxRow struct {
 
 // forwardBatch reads one batch in a transaction that locks the relay's
 // offsets row, publishes it, and acks the longest prefix of rows the broker
-// confirmed (or that were quarantined). It returns how many rows it acked and
-// an error when it stopped at a retryable failure.
-func (f *Forwarder) forwardBatch(ctx context.Context) (handled int, err error) {
+// confirmed (or that were quarantined). It returns how many rows it acked,
+// whether rows past them are hidden for now by an older open transaction,
+// and an error when it stopped at a retryable failure.
+func (f *Forwarder) forwardBatch(ctx context.Context) (handled int, hidden bool, err error) {
 	// The batch may outlive ctx by shutdown_timeout so that a stopping relay
 	// acks what the broker already confirmed.
 	work, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
@@ -41,54 +42,58 @@ func (f *Forwarder) forwardBatch(ctx context.Context) (handled int, err error) {
 
 	tx, err := f.db.BeginTx(work, &sql.TxOptions{Isolation: f.schema.SubscribeIsolationLevel()})
 	if err != nil {
-		return 0, fmt.Errorf("begin batch: %w", err)
+		return 0, false, fmt.Errorf("begin batch: %w", err)
 	}
 	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
 
-	rows, err := f.readBatch(work, tx)
+	rows, hidden, err := f.readBatch(work, tx)
 	if err != nil || len(rows) == 0 {
 		if err == nil {
 			f.recordIdle()
 			err = tx.Commit()
 		}
-		return 0, err
+		return 0, hidden, err
 	}
 
 	confirmed, publishErr := f.publish(work, rows)
 	if confirmed == 0 {
-		return 0, publishErr
+		return 0, hidden, publishErr
 	}
 	if err := f.ack(work, tx, rows[:confirmed]); err != nil {
-		return 0, err
+		return 0, hidden, err
 	}
 	if err := tx.Commit(); err != nil {
-		return 0, fmt.Errorf("commit batch: %w", err)
+		return 0, hidden, fmt.Errorf("commit batch: %w", err)
 	}
 	f.recordBatch(ctx, rows[:confirmed], len(rows))
-	return confirmed, publishErr
+	return confirmed, hidden, publishErr
 }
 
-// readBatch runs watermill-sql's batch query (which takes the FOR UPDATE
-// lock on the offsets row and applies the xid8 visibility rule) and unwraps
-// each row's forwarder envelope.
-func (f *Forwarder) readBatch(ctx context.Context, tx *sql.Tx) ([]outboxRow, error) {
-	q := f.schema.SelectQuery(f.tables.OutboxTopic, f.cfg.ConsumerGroup, f.offsets)
+// readBatch runs the batch query (which takes the FOR UPDATE lock on the
+// offsets row and applies the xid8 visibility rule) and unwraps each row's
+// forwarder envelope.
+func (f *Forwarder) readBatch(ctx context.Context, tx *sql.Tx) (rows []outboxRow, hidden bool, err error) {
+	q := batchQuery(f.tables.Outbox(), f.offsets, f.tables.OutboxTopic, f.cfg.ConsumerGroup, f.cfg.BatchSize)
 	res, err := tx.QueryContext(ctx, q.Query, q.Args...)
 	if err != nil {
-		return nil, fmt.Errorf("read batch: %w", err)
+		return nil, false, fmt.Errorf("read batch: %w", err)
 	}
 	defer res.Close()
-	rows := make([]outboxRow, 0, f.cfg.BatchSize)
+	rows = make([]outboxRow, 0, f.cfg.BatchSize)
 	for res.Next() {
 		// Scanned here rather than by the schema's UnmarshalMessage, which
 		// fails the whole batch on a row with corrupt metadata instead of
 		// letting the relay move that one row aside.
 		var r outboxRow
-		var txID int64
-		if err := res.Scan(&r.row.Offset, &txID, &r.row.UUID, &r.row.Payload, &r.row.Metadata); err != nil {
-			return nil, fmt.Errorf("scan outbox row: %w", err)
+		var offset, txID sql.NullInt64
+		if err := res.Scan(&offset, &txID, &r.row.UUID, &r.row.Payload, &r.row.Metadata, &hidden); err != nil {
+			return nil, false, fmt.Errorf("scan outbox row: %w", err)
 		}
-		r.row.ExtraData = map[string]any{"transaction_id": txID}
+		if !offset.Valid {
+			continue // the row of an empty batch, carrying only the hidden flag
+		}
+		r.row.Offset = offset.Int64
+		r.row.ExtraData = map[string]any{"transaction_id": txID.Int64}
 		topic, msg, err := envelope.Unwrap(r.row.Payload)
 		switch {
 		case err != nil:
@@ -101,7 +106,7 @@ func (f *Forwarder) readBatch(ctx context.Context, tx *sql.Tx) ([]outboxRow, err
 		}
 		rows = append(rows, r)
 	}
-	return rows, res.Err()
+	return rows, hidden, res.Err()
 }
 
 // publish sends the good rows in slices of max_in_flight and returns how

@@ -342,7 +342,7 @@ func testTakeover(t *testing.T, kind string) {
 	require.NoError(t, broker.Provision(ctx, topic, group))
 	got := collect(t, broker, topic, group)
 
-	prefix := strings.ReplaceAll(cfg.Database.Schema, "_", "")[:20]
+	prefix := "relay" + cfg.Database.Schema[len(cfg.Database.Schema)-8:] // unique per test
 	relays := map[string]*exec.Cmd{}
 	for _, name := range []string{prefix + "a", prefix + "b"} {
 		relays[name] = startNamedRelayProcess(t, cfg, "", name)

@@ -50,7 +50,7 @@ type Forwarder struct {
 	broker  Broker
 	cfg     Config
 	tables  pgschema.Tables
-	schema  relaySchema
+	schema  watermillsql.DefaultPostgreSQLSchema
 	offsets watermillsql.DefaultPostgreSQLOffsetsAdapter
 	logger  watermill.LoggerAdapter
 	metrics *metrics
@@ -88,14 +88,13 @@ func New(db *sql.DB, broker Broker, outbox Outbox, cfg Config, opts Options) (*F
 		broker:      broker,
 		cfg:         cfg,
 		tables:      tables,
-		schema:      relaySchema{DefaultPostgreSQLSchema: tables.SchemaAdapter(), table: tables.Outbox()},
+		schema:      tables.SchemaAdapter(),
 		offsets:     tables.OffsetsAdapter(),
 		logger:      opts.Logger.With(watermill.LogFields{"outbox": tables.OutboxNotifyPayload()}),
 		metrics:     m,
 		slice:       cfg.MaxInFlight,
 		provisioned: map[string]bool{},
 	}
-	f.schema.SubscribeBatchSize = cfg.BatchSize
 	if cfg.RateLimit > 0 {
 		// Slices of a tenth of a second's worth keep a limited drain smooth.
 		f.slice = max(1, min(cfg.MaxInFlight, cfg.RateLimit/10))
@@ -235,11 +234,12 @@ func (f *Forwarder) listen(ctx context.Context, conn *sql.Conn, wake chan<- stru
 	return err
 }
 
-// chaseFirst is the first re-poll after a NOTIFY. A committed row stays
-// invisible to the batch query while any older transaction of the cluster is
-// still open (the xid8 rule that keeps concurrent writers from being skipped),
-// and its NOTIFY has already been spent; so after a notification the relay
-// polls again at 5ms, 10ms, 20ms, ... up to poll_interval.
+// chaseFirst is the first quick re-poll. A committed row stays invisible to
+// the batch query while any older transaction of the cluster is still open
+// (the xid8 rule that keeps concurrent writers from being skipped), and its
+// NOTIFY has already been spent; so after a notification, or when the batch
+// query reports rows hidden that way, the relay polls again at 5ms, 10ms,
+// 20ms, ... up to poll_interval.
 const chaseFirst = 5 * time.Millisecond
 
 // forwardLoop drains the outbox while this relay is the leader.
@@ -249,7 +249,7 @@ func (f *Forwarder) forwardLoop(ctx context.Context, wake <-chan struct{}, liste
 	defer poll.Stop()
 	cleanup := time.NewTicker(f.cfg.CleanupInterval)
 	defer cleanup.Stop()
-	chase := time.Duration(0) // the next quick re-poll; 0 when not chasing a notification
+	chase := time.Duration(0) // the next quick re-poll; 0 when not chasing
 	for {
 		select {
 		case <-ctx.Done():
@@ -263,8 +263,9 @@ func (f *Forwarder) forwardLoop(ctx context.Context, wake <-chan struct{}, liste
 			chase = chaseFirst
 		case <-poll.C:
 		}
+		hidden := false
 		for ctx.Err() == nil {
-			n, err := f.forwardBatch(ctx)
+			n, h, err := f.forwardBatch(ctx)
 			if err != nil {
 				f.metrics.publishErrors.WithLabelValues(errorClassRetryable).Inc()
 				wait := retry.NextBackOff()
@@ -276,8 +277,12 @@ func (f *Forwarder) forwardLoop(ctx context.Context, wake <-chan struct{}, liste
 			}
 			retry.Reset()
 			if n < f.cfg.BatchSize {
+				hidden = h
 				break // drained what is visible; wait for the next commit
 			}
+		}
+		if hidden && chase == 0 {
+			chase = chaseFirst
 		}
 		next := f.cfg.PollInterval
 		if chase > 0 {

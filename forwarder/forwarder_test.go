@@ -570,3 +570,27 @@ func TestTopicTheBrokerRefusesIsQuarantinedNotRetriedForever(t *testing.T) {
 	require.Equal(t, 2, quarantined)
 	require.GreaterOrEqual(t, attempts, 3, "a transient provisioning failure is retried")
 }
+
+// A row committed while an older transaction is still open is invisible to
+// the relay until that transaction ends; the relay sees that such rows exist
+// and polls again soon, instead of waiting for poll_interval.
+func TestRowsHiddenByAnOlderTransactionAreChased(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx := context.Background()
+	older, err := tb.db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer older.Rollback()
+	_, err = older.ExecContext(ctx, `SELECT pg_current_xact_id()`) // takes a transaction id, as any writer does
+	require.NoError(t, err)
+	publish(t, tb, "things", []bus.Event{event("a", 1)}, 1) // its NOTIFY fires before any relay listens
+
+	broker := newMemoryBroker()
+	cfg := testConfig()
+	cfg.PollInterval = time.Hour // only the chase can find the row in time
+	start(t, tb, broker, cfg, nil)
+	time.Sleep(300 * time.Millisecond)
+	require.Empty(t, broker.snapshot(), "the row is hidden while the older transaction is open")
+	require.NoError(t, older.Rollback())
+	waitFor(t, "the hidden row, once the older transaction ended", func() bool { return len(broker.snapshot()) == 1 })
+}

@@ -51,8 +51,9 @@
 //	}
 //
 // Each method publishes the events it is given, so an event without an ID
-// gets a new one each time; the methods return the events with their ids,
-// and passing one back (or setting Event.ID) delivers the same event again.
+// gets a new one each time and each call above tests a new event. The
+// methods return the events with their ids; passing one back (or setting
+// Event.ID) delivers the same event again, which the inbox then finds.
 //
 // # Patterns
 //

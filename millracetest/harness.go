@@ -310,8 +310,9 @@ func (h *Harness) handlerOf(p *process) bus.HandlerFunc {
 
 // deliverOpts are what one delivery should do besides delivering.
 type deliverOpts struct {
-	crash      bool
-	failCommit bool
+	crash      bool // the process dies when the handler's first run returns
+	failCommit bool // the commit after the handler's first successful run fails
+	loseAck    bool // the process dies after the chain returns: no ack or nack reaches the broker
 }
 
 // deliver hands msg to process p once, as a broker delivery, and records
@@ -355,7 +356,7 @@ func (h *Harness) deliver(p *process, msg *message.Message, pattern, step string
 		h.t.Errorf("millracetest: the handler ended its goroutine while handling event %s (runtime.Goexit: t.FailNow or t.Fatal called in a handler?)", d.EventID)
 		d.Outcome = "goroutine ended"
 	default:
-		d.Acked = err == nil
+		d.Acked = err == nil && !o.loseAck
 		if err != nil {
 			d.Err = err.Error()
 		}

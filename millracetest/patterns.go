@@ -116,21 +116,10 @@ func (h *Harness) CrashAfterEffectBeforeAck(ev bus.Event) bus.Event {
 	if msg == nil {
 		return bus.Event{}
 	}
-	d := h.deliver(h.current, msg, "CrashAfterEffectBeforeAck", "the chain returns, then the process dies before the ack", deliverOpts{})
-	h.dropAck(d)
+	h.deliver(h.current, msg, "CrashAfterEffectBeforeAck", "the chain returns, then the process dies before the ack", deliverOpts{loseAck: true})
 	h.restart()
 	h.untilAcked(msg, "CrashAfterEffectBeforeAck", "redelivered to the restarted process")
 	return delivered
-}
-
-// dropAck marks the last recorded delivery, d, as not acked: its ack was lost.
-func (h *Harness) dropAck(d Delivery) {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	last := &h.history[len(h.history)-1]
-	if last.EventID == d.EventID && last.N == d.N {
-		last.Acked = false
-	}
 }
 
 // CrashBeforeCommit delivers ev; the handler runs to its end (whatever it

@@ -153,6 +153,12 @@ func New(t TB, opts Options) *Harness {
 		cfg.Database.Schema = opts.Schema
 	}
 	cfg = cfg.WithDefaults()
+	// Checked as given, before the timings change, so that the service's
+	// own mistakes are reported.
+	if err := cfg.Validate(); err != nil {
+		t.Fatalf("millracetest.New: Options.Config: %v", err)
+		return nil
+	}
 	if !opts.RealTimings {
 		cfg.Consumer = shortTimings(cfg.Consumer, h.name)
 	}

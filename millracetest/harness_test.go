@@ -475,7 +475,7 @@ func TestMisuseIsReported(t *testing.T) {
 			var cfg bus.Config
 			cfg.Consumer.Retry.MaxAttempts = -1
 			s.harness(fake, s.inTx, cfg)
-		}, []string{"consumer.retry.max_attempts: must be greater than 0; got -1"}},
+		}, []string{"millracetest.New: Options.Config: invalid millrace config", "consumer.retry.max_attempts: must be greater than 0; got -1"}},
 		{"bad group", func(fake *fakeTB) {
 			millracetest.New(fake, millracetest.Options{DB: s.db, Schema: s.schema, Topic: "orders.events", Group: "bill ing", Handler: s.inTx})
 		}, []string{"consumer group", `"bill ing"`}},

@@ -46,6 +46,26 @@ type handlerSpec struct {
 // of its overrides under consumer.handlers, a metric label, and by default
 // its consumer group). Register every handler before Run.
 func (b *Bus) Handle(topic, name string, fn HandlerFunc, opts ...HandleOption) error {
+	spec, errs := newHandlerSpec(topic, name, fn, opts)
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.running {
+		errs = append(errs, errors.New("Run has started; register handlers before it"))
+	}
+	for _, h := range b.handlers {
+		if h.name == name {
+			errs = append(errs, fmt.Errorf("handler %q is already registered", name))
+		}
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("millrace: Handle(%q, %q): %w", topic, name, errors.Join(errs...))
+	}
+	b.handlers = append(b.handlers, spec)
+	return nil
+}
+
+// newHandlerSpec applies opts and checks the names and fn.
+func newHandlerSpec(topic, name string, fn HandlerFunc, opts []HandleOption) (handlerSpec, []error) {
 	spec := handlerSpec{topic: topic, name: name, fn: fn}
 	for _, o := range opts {
 		o(&spec)
@@ -64,21 +84,34 @@ func (b *Bus) Handle(topic, name string, fn HandlerFunc, opts ...HandleOption) e
 	if fn == nil {
 		errs = append(errs, errors.New("handler func is nil"))
 	}
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.running {
-		errs = append(errs, errors.New("Run has started; register handlers before it"))
-	}
-	for _, h := range b.handlers {
-		if h.name == name {
-			errs = append(errs, fmt.Errorf("handler %q is already registered", name))
-		}
-	}
+	return spec, errs
+}
+
+// ConsumerChain returns fn wrapped exactly as Run wraps a handler registered
+// with Handle(topic, name, fn, opts...): the consumer middleware chain of
+// the consumer config (poison queue, retry, circuit breaker, inbox
+// transaction, ordering guard) around millrace's envelope decoding, consumer
+// span and causation of follow-up events. It needs no broker: the returned
+// func processes one delivered message (an event as the relay publishes it)
+// and returns nil when the broker should ack it, an error when the broker
+// should deliver it again. poison receives poisoned messages when
+// consumer.poison.destination is "topic"; it may be nil otherwise.
+//
+// Each call builds a chain on a middleware stack of its own, as a freshly
+// started process would (its metrics go to the Bus's registry). It is for
+// code that drives deliveries itself, such as package millracetest; a
+// service uses Handle and Run.
+func (b *Bus) ConsumerChain(ctx context.Context, topic, name string, fn HandlerFunc, poison message.Publisher, opts ...HandleOption) (message.NoPublishHandlerFunc, error) {
+	spec, errs := newHandlerSpec(topic, name, fn, opts)
 	if len(errs) > 0 {
-		return fmt.Errorf("millrace: Handle(%q, %q): %w", topic, name, errors.Join(errs...))
+		return nil, fmt.Errorf("millrace: ConsumerChain(%q, %q): %w", topic, name, errors.Join(errs...))
 	}
-	b.handlers = append(b.handlers, spec)
-	return nil
+	stack, err := b.consumerStack(ctx, poison)
+	if err != nil {
+		return nil, err
+	}
+	_, handle, err := b.chain(stack, spec)
+	return handle, err
 }
 
 // Run connects to the broker and runs, until ctx is cancelled, the relay
@@ -152,14 +185,8 @@ func (b *Bus) Run(ctx context.Context) error {
 
 // router builds the Watermill router with one chained handler per spec.
 func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []handlerSpec) (*message.Router, *middleware.Stack, error) {
-	stack, err := middleware.New(b.cfg.Consumer, middleware.Deps{
-		DB: b.db, Schema: b.cfg.Database.Schema, PoisonPublisher: broker.Publisher(),
-		Registerer: b.registerer, Logger: b.logger,
-	})
+	stack, err := b.consumerStack(ctx, broker.Publisher())
 	if err != nil {
-		return nil, nil, err
-	}
-	if err := stack.Check(ctx); err != nil {
 		return nil, nil, err
 	}
 	longest := b.cfg.Consumer.HandlerTimeout
@@ -174,7 +201,7 @@ func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []han
 		if err := broker.Provision(ctx, h.topic, h.group); err != nil {
 			return nil, nil, fmt.Errorf("millrace: provision %s for handler %s: %w", h.topic, h.name, err)
 		}
-		chain, err := stack.Chain(middleware.Handler{Name: h.name, Topic: h.topic, ConsumerGroup: h.group})
+		chain, handle, err := b.chain(stack, h)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -184,9 +211,35 @@ func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []han
 			Competing:      true,
 			KeyPartitioned: b.cfg.Broker.Kind == KindKafka,
 		})
-		router.AddConsumerHandler(h.name, h.topic, sub, chain.Wrap(b.adapt(h)))
+		router.AddConsumerHandler(h.name, h.topic, sub, handle)
 	}
 	return router, stack, nil
+}
+
+// consumerStack builds the middleware stack of the consumer config and
+// checks that its tables exist.
+func (b *Bus) consumerStack(ctx context.Context, poison message.Publisher) (*middleware.Stack, error) {
+	stack, err := middleware.New(b.cfg.Consumer, middleware.Deps{
+		DB: b.db, Schema: b.cfg.Database.Schema, PoisonPublisher: poison,
+		Registerer: b.registerer, Logger: b.logger,
+	})
+	if err != nil {
+		return nil, err
+	}
+	if err := stack.Check(ctx); err != nil {
+		return nil, err
+	}
+	return stack, nil
+}
+
+// chain builds h's chain on stack and h's func wrapped in it: the one
+// place Run and ConsumerChain build a handler.
+func (b *Bus) chain(stack *middleware.Stack, h handlerSpec) (*middleware.Chain, message.NoPublishHandlerFunc, error) {
+	chain, err := stack.Chain(middleware.Handler{Name: h.name, Topic: h.topic, ConsumerGroup: h.group})
+	if err != nil {
+		return nil, nil, err
+	}
+	return chain, chain.Wrap(b.adapt(h)), nil
 }
 
 // adapt turns a HandlerFunc into the innermost Watermill handler: it decodes

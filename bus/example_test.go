@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"log"
 
+	"github.com/ThreeDotsLabs/watermill/message"
+
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testdb"
 )
@@ -71,4 +73,56 @@ outbox:
 	// invalid millrace config (2 problems):
 	//   outbox.max_payload_bytes: must be greater than 0; got -1
 	//   broker.kind: must be one of kafka, rabbitmq, nats; got "kafak"
+}
+
+// A handler's chain without a broker: the same message delivered twice is
+// handled once; the inbox acks the duplicate.
+func ExampleBus_ConsumerChain() {
+	ctx := context.Background()
+	var cfg bus.Config
+	cfg.Database.URL = testdb.URL()
+	cfg.Database.Schema = testdb.UniqueName("example_chain")
+	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
+
+	db, err := bus.OpenDB(cfg.Database)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer db.Close()
+	defer db.Exec(`DROP SCHEMA "` + cfg.Database.Schema + `" CASCADE`)
+	if err := bus.Migrate(ctx, db, cfg); err != nil {
+		log.Fatal(err)
+	}
+	b, err := bus.Open(ctx, cfg, db)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer b.Close()
+
+	calls := 0
+	handle, err := b.ConsumerChain(ctx, "orders.events", "billing", func(ctx context.Context, ev bus.Event) error {
+		calls++
+		fmt.Println("handling", ev.Type, ev.AggregateID, "in a transaction:", bus.Tx(ctx) != nil)
+		return nil
+	}, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	// The message as a broker delivers it: the event's envelope in metadata.
+	msg := message.NewMessage("evt-1", []byte(`{}`))
+	msg.Metadata = message.Metadata{
+		bus.EventIDKey: "evt-1", bus.EventTypeKey: "OrderPlaced",
+		bus.AggregateTypeKey: "order", bus.AggregateIDKey: "ord-1",
+	}
+	for range 2 {
+		delivery := msg.Copy()
+		delivery.SetContext(ctx)
+		fmt.Println("ack:", handle(delivery) == nil)
+	}
+	fmt.Println("handler calls:", calls)
+	// Output:
+	// handling OrderPlaced ord-1 in a transaction: true
+	// ack: true
+	// ack: true
+	// handler calls: 1
 }

@@ -18,10 +18,13 @@ import (
 // rows of transactions newer than the oldest one still open, so that a
 // writer committing later is never skipped.
 //
-// Its last column says whether rows exist past the position that the xid8
-// rule hides right now; then the relay polls again soon instead of waiting
-// for the next NOTIFY, which those rows' commits have already spent. The
-// query returns one row of NULLs and that flag when the batch is empty.
+// Its last column says whether committed rows exist that the xid8 rule hides
+// right now; then the relay polls again soon instead of waiting for the next
+// NOTIFY, which those rows' commits have already spent. Such rows are always
+// past the relay's position (the oldest open transaction id never moves
+// back, and every acked row was older than it), so the newest row's
+// transaction id, one backward index step, says it. The query returns one
+// row of NULLs and that flag when the batch is empty.
 func batchQuery(table string, offsets watermillsql.OffsetsAdapter, topic, group string, limit int) watermillsql.Query {
 	next := offsets.NextOffsetQuery(topic, group)
 	position := `(transaction_id, "offset") > (
@@ -35,8 +38,8 @@ func batchQuery(table string, offsets watermillsql.OffsetsAdapter, topic, group 
 				ORDER BY transaction_id, "offset"
 				LIMIT ` + fmt.Sprint(limit) + `),
 			hidden AS (
-				SELECT EXISTS (SELECT 1 FROM ` + table + `
-					WHERE ` + position + ` AND transaction_id >= pg_snapshot_xmin(pg_current_snapshot())) AS rows)
+				SELECT coalesce((SELECT max(transaction_id) FROM ` + table + `)
+					>= pg_snapshot_xmin(pg_current_snapshot()), false) AS rows)
 			SELECT batch."offset", batch.transaction_id, batch.uuid, batch.payload, batch.metadata, hidden.rows
 			FROM hidden LEFT JOIN batch ON true
 			ORDER BY batch.transaction_id, batch."offset"`,

@@ -8,6 +8,7 @@ import (
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -225,6 +226,9 @@ func writeShow(w io.Writer, r showResult) {
 	fmt.Fprintln(w, "reason:")
 	writeIndented(w, r.Reason)
 	fmt.Fprintln(w, "metadata:")
+	if len(r.Metadata) == 0 {
+		fmt.Fprintln(w, "  (none)")
+	}
 	for _, k := range slices.Sorted(maps.Keys(r.Metadata)) {
 		fmt.Fprintf(w, "  %s: %s\n", k, r.Metadata[k])
 	}
@@ -310,7 +314,7 @@ func bindReplay(fs *flag.FlagSet) runFunc {
 			return err
 		}
 		t := tablesOf(e.cfg)
-		db, err := openDB(ctx, e.cfg, t.Poison(), t.PoisonReplays(), t.Inbox(), t.Outbox())
+		db, err := openDB(ctx, e.cfg, t.Poison(), t.PoisonReplays(), t.Inbox(), t.Outbox(), t.AggregateVersions())
 		if err != nil {
 			return err
 		}
@@ -406,6 +410,16 @@ func replay(ctx context.Context, db *sql.DB, cfg bus.Config, sel *selection, dry
 			if !*cfg.Consumer.For(r.Handler).Inbox.Enabled {
 				warn("handler %s has consumer.inbox.enabled false: nothing deduplicates its replays, so replaying a message twice processes it twice", r.Handler)
 			}
+			if *cfg.Consumer.For(r.Handler).OrderingGuard {
+				applied, version, err := staleFor(ctx, tx, t, r)
+				if err != nil {
+					return res, err
+				}
+				if version > 0 && applied >= version {
+					warn("message %d: handler %s has the ordering guard on and has applied version %d of %s %s; the event is version %d, so the group drops its replay as stale",
+						r.ID, r.Handler, applied, r.metadata[envelope.AggregateTypeKey], r.metadata[envelope.AggregateIDKey], version)
+				}
+			}
 		}
 		if age := time.Since(occurredAt(first)); age > cfg.Consumer.Inbox.Retention {
 			warn("event %s on topic %s is older than consumer.inbox.retention (%s): consumer groups that processed it may have pruned it from their inbox and would process it again",
@@ -441,6 +455,25 @@ FROM unnest($1::bigint[], $2::text[]) AS m(poison_id, message_id) JOIN `+t.Poiso
 		return res, fmt.Errorf("commit replay: %w", err)
 	}
 	return res, nil
+}
+
+// staleFor returns the aggregate version r's consumer group has applied to
+// r's aggregate (0 if none) and r's own version (0 if it has none).
+func staleFor(ctx context.Context, tx *sql.Tx, t pgschema.Tables, r poisonRow) (applied, version int64, err error) {
+	version, _ = strconv.ParseInt(r.metadata[envelope.AggregateVersionKey], 10, 64)
+	if version <= 0 || r.metadata[envelope.AggregateIDKey] == "" {
+		return 0, 0, nil
+	}
+	err = tx.QueryRowContext(ctx, `SELECT version FROM `+t.AggregateVersions()+`
+WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3`,
+		r.ConsumerGroup, r.metadata[envelope.AggregateTypeKey], r.metadata[envelope.AggregateIDKey]).Scan(&applied)
+	if errors.Is(err, sql.ErrNoRows) {
+		return 0, version, nil
+	}
+	if err != nil {
+		return 0, 0, fmt.Errorf("read %s: %w", t.AggregateVersions(), err)
+	}
+	return applied, version, nil
 }
 
 // replayMessage is the outbox row that re-sends r to its topic: a new message

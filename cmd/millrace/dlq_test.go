@@ -12,9 +12,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
+	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/middleware"
 )
 
 // cli runs the tool with the config at path and returns its exit code, stdout and stderr.
@@ -48,10 +51,10 @@ func migrated(t *testing.T) (*sql.DB, string, string) {
 
 type fixture struct {
 	group, handler, topic, eventID, eventType, reason, class string
-	payload                                                    []byte
-	metadata                                                   map[string]string
-	poisonedAgo                                                time.Duration
-	replayed, processed                                        bool
+	payload                                                  []byte
+	metadata                                                 map[string]string
+	poisonedAgo                                              time.Duration
+	replayed, processed                                      bool
 }
 
 // insertPoison stores f in the poison table as the consumer middleware does
@@ -424,4 +427,103 @@ func TestSecretsAreNeverPrinted(t *testing.T) {
 	require.Equal(t, exitUsage, code)
 	require.Contains(t, errOut, "database.url")
 	require.NotContains(t, out+errOut, secret)
+}
+
+func TestDLQReplayWritesTheOutbox(t *testing.T) {
+	t.Parallel()
+	db := testdb.Open(t)
+	schema := testdb.Schema(t, db)
+	path := writeConfig(t, "database:\n  url: "+testdb.URL()+"\n  schema: "+schema+"\nbroker:\n  nats:\n    url: nats://127.0.0.1:4222\n"+
+		"consumer:\n  handlers:\n    guarded: {ordering_guard: true}\n    unguarded: {inbox: {enabled: false}}\n")
+	code, _, errOut := cli(t, path, "migrate")
+	require.Equal(t, exitOK, code, errOut)
+	type outboxRow struct {
+		uuid string
+		msg  *message.Message
+		dest string
+	}
+	outbox := func() []outboxRow {
+		rows, err := db.Query(`SELECT uuid, payload FROM "` + schema + `".watermill_millrace_outbox ORDER BY "offset"`)
+		require.NoError(t, err)
+		defer rows.Close()
+		var out []outboxRow
+		for rows.Next() {
+			var r outboxRow
+			var payload []byte
+			require.NoError(t, rows.Scan(&r.uuid, &payload))
+			var err error
+			r.dest, r.msg, err = envelope.Unwrap(payload)
+			require.NoError(t, err)
+			out = append(out, r)
+		}
+		require.NoError(t, rows.Err())
+		return out
+	}
+
+	// One event poisoned by two groups, and a message from plain Watermill
+	// (no event-id metadata: its UUID is its event id).
+	meta := map[string]string{"event-id": "e-1", "event-type": "OrderPlaced", "aggregate-type": "order",
+		"aggregate-id": "o-1", "aggregate-version": "3", "occurred-at": "2020-01-02T03:04:05Z", "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+	guarded := insertPoison(t, db, schema, fixture{group: "guarded", handler: "guarded", topic: "orders", eventID: "e-1",
+		eventType: "OrderPlaced", reason: "boom", class: "permanent", payload: []byte(`{"order":"o-1"}`), metadata: meta})
+	unguarded := insertPoison(t, db, schema, fixture{group: "unguarded", handler: "unguarded", topic: "orders", eventID: "e-1",
+		eventType: "OrderPlaced", reason: "boom", class: "permanent", payload: []byte(`{"order":"o-1"}`), metadata: meta})
+	plain := insertPoison(t, db, schema, fixture{group: "guarded", handler: "guarded", topic: "invoices", eventID: "wm-uuid-1",
+		eventType: "", reason: "boom", class: "permanent", payload: []byte{1, 2, 3}})
+	_, err := db.Exec(`INSERT INTO "`+schema+`".millrace_aggregate_versions (consumer_group, aggregate_type, aggregate_id, version, event_id)
+		VALUES ('guarded', 'order', 'o-1', 5, 'e-9')`)
+	require.NoError(t, err)
+
+	var res replayResult
+	cliJSON(t, path, &res, "dlq", "replay", "--all", "--dry-run")
+	require.True(t, res.DryRun)
+	require.Equal(t, []int64{guarded, unguarded, plain}, []int64{res.Replayed[0].ID, res.Replayed[1].ID, res.Replayed[2].ID})
+	require.Equal(t, 2, res.Messages, "one message per event")
+	require.Empty(t, outbox(), "a dry run writes nothing")
+	require.ElementsMatch(t, []string{
+		"handler unguarded has consumer.inbox.enabled false: nothing deduplicates its replays, so replaying a message twice processes it twice",
+		"message " + strconv.FormatInt(guarded, 10) + ": handler guarded has the ordering guard on and has applied version 5 of order o-1; the event is version 3, so the group drops its replay as stale",
+		"event e-1 on topic orders is older than consumer.inbox.retention (720h0m0s): consumer groups that processed it may have pruned it from their inbox and would process it again",
+	}, res.Warnings)
+
+	code, _, errOut = cli(t, path, "dlq", "replay", strconv.FormatInt(plain, 10), "424242")
+	require.Equal(t, exitFailed, code)
+	require.Equal(t, "millrace dlq replay: no poisoned message with id 424242\n", errOut)
+	require.Empty(t, outbox(), "an unknown ID replays nothing")
+
+	res = replayResult{}
+	cliJSON(t, path, &res, "dlq", "replay", "--topic", "orders")
+	require.Len(t, res.Replayed, 2)
+	require.Equal(t, 1, res.Messages)
+	require.Equal(t, res.Replayed[0].MessageID, res.Replayed[1].MessageID, "both groups' rows are replayed by one message")
+	rows := outbox()
+	require.Len(t, rows, 1)
+	r := rows[0]
+	require.Equal(t, "orders", r.dest)
+	require.Equal(t, res.Replayed[0].MessageID, r.uuid)
+	require.Equal(t, r.uuid, r.msg.UUID)
+	require.Equal(t, `{"order":"o-1"}`, string(r.msg.Payload))
+	want := message.Metadata{middleware.ReplayOfKey: "e-1"}
+	for k, v := range meta {
+		want[k] = v
+	}
+	require.Equal(t, want, r.msg.Metadata, "the original metadata, event id included, and replay-of")
+
+	code, out, errOut := cli(t, path, "dlq", "replay", strconv.FormatInt(plain, 10))
+	require.Equal(t, exitOK, code, errOut)
+	require.Regexp(t, `^replayed `+strconv.FormatInt(plain, 10)+` \(group guarded, handler guarded, topic invoices, event wm-uuid-1\) as message \S+\n`+
+		`1 message\(s\) written to the outbox; `, out)
+	rows = outbox()
+	require.Len(t, rows, 2)
+	require.Equal(t, "invoices", rows[1].dest)
+	require.Equal(t, []byte{1, 2, 3}, []byte(rows[1].msg.Payload))
+	require.Equal(t, message.Metadata{"event-id": "wm-uuid-1", middleware.ReplayOfKey: "wm-uuid-1"}, rows[1].msg.Metadata)
+
+	var list listResult
+	cliJSON(t, path, &list, "dlq", "list", "--replayed")
+	require.Len(t, list.Messages, 3)
+	for _, m := range list.Messages {
+		require.Equal(t, stateReplayed, m.State)
+		require.Equal(t, 1, m.ReplayCount)
+	}
 }

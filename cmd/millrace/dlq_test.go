@@ -470,7 +470,7 @@ func TestDLQReplayWritesTheOutbox(t *testing.T) {
 		eventType: "OrderPlaced", reason: "boom", class: "permanent", payload: []byte(`{"order":"o-1"}`), metadata: meta})
 	plain := insertPoison(t, db, schema, fixture{group: "guarded", handler: "guarded", topic: "invoices", eventID: "wm-uuid-1",
 		eventType: "", reason: "boom", class: "permanent", payload: []byte{1, 2, 3}})
-	_, err := db.Exec(`INSERT INTO "`+schema+`".millrace_aggregate_versions (consumer_group, aggregate_type, aggregate_id, version, event_id)
+	_, err := db.Exec(`INSERT INTO "` + schema + `".millrace_aggregate_versions (consumer_group, aggregate_type, aggregate_id, version, event_id)
 		VALUES ('guarded', 'order', 'o-1', 5, 'e-9')`)
 	require.NoError(t, err)
 

@@ -217,6 +217,10 @@ func TestDLQShow(t *testing.T) {
 	require.Contains(t, out, "shown as a hex dump")
 	require.Contains(t, out, "00 ff 10 68 69")
 
+	code, out, errOut = cli(t, path, "dlq", "show", "--json", "--", strconv.FormatInt(binID, 10))
+	require.Equal(t, exitOK, code, errOut)
+	require.Contains(t, out, `"encoding": "base64"`, "after -- every argument is positional")
+
 	code, _, errOut = cli(t, path, "dlq", "show", "999999")
 	require.Equal(t, exitFailed, code)
 	require.Equal(t, "millrace dlq show: no poisoned message with id 999999\n", errOut)

@@ -1,6 +1,7 @@
 package middleware
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -29,6 +30,14 @@ const (
 	PoisonTraceparentKey   = "poison-traceparent"    // the message's W3C traceparent, if any
 	PoisonedAtKey          = "poisoned-at"           // when it was poisoned, RFC 3339, UTC
 )
+
+// ReplayOfKey marks a message replayed from the poison table (`millrace dlq
+// replay`); its value is the message id of the poisoned original. A replay has
+// a message id of its own, because brokers that deduplicate by message id
+// (JetStream's Nats-Msg-Id) would drop a second message with the original's,
+// and keeps the event id, so that the inbox still deduplicates it. A replay
+// that is poisoned again updates the original's row instead of adding one.
+const ReplayOfKey = "replay-of"
 
 // MaxPoisonReasonBytes bounds the reason in the poison topic's metadata
 // (brokers limit header sizes); the poison table keeps the whole text.
@@ -155,7 +164,8 @@ func (p *poisonPublisher) store(ctx context.Context, msg *message.Message, f fai
 var watermillPoisonKeys = []string{wmw.ReasonForPoisonedKey, wmw.PoisonedTopicKey, wmw.PoisonedHandlerKey, wmw.PoisonedSubscriberKey}
 
 // storePoisoned upserts the message into the poison table: poisoning the same
-// message for the same handler again refreshes its row and counts it.
+// message (or a replay of it, see ReplayOfKey) for the same handler again
+// refreshes its row and counts it.
 func (c *Chain) storePoisoned(ctx context.Context, msg *message.Message, f failure) error {
 	meta := make(map[string]string, len(msg.Metadata))
 	for k, v := range msg.Metadata {
@@ -169,7 +179,7 @@ func (c *Chain) storePoisoned(ctx context.Context, msg *message.Message, f failu
 	if err != nil {
 		return fmt.Errorf("encode metadata: %w", err)
 	}
-	messageID := msg.UUID
+	messageID := cmp.Or(msg.Metadata.Get(ReplayOfKey), msg.UUID)
 	if messageID == "" {
 		messageID = watermill.NewUUID()
 	}

@@ -2,10 +2,20 @@
 // the services use.
 //
 //	millrace [--config config.yaml] migrate
-//	millrace [--config config.yaml] outbox status [--json]
+//	millrace [--config config.yaml] outbox status
+//	millrace [--config config.yaml] relay [--metrics ADDR]
+//	millrace [--config config.yaml] dlq list [filters] [--limit N]
+//	millrace [--config config.yaml] dlq show [--hex] ID
+//	millrace [--config config.yaml] dlq replay [--dry-run] [--force] (ID... | filters | --all)
+//	millrace [--config config.yaml] dlq purge [--dry-run] (ID... | filters | --all)
+//	millrace [--config config.yaml] inbox purge --older-than DURATION [--group G] [--batch N] [--dry-run]
 //
-// Every command has --help. Exit codes: 0 success, 1 the command failed,
-// 2 bad usage or configuration.
+// Every command has --help and --json (its output as one JSON document with
+// stable field names, described in this directory's README.md). Flags may come
+// before or after the positional arguments. Exit codes: 0 success, 1 the
+// command failed, 2 bad usage or configuration; errors go to stderr as
+// "millrace <command>: <message>", usage errors followed by the usage. No
+// password of a configured URL is ever printed.
 package main
 
 import (
@@ -15,8 +25,10 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net/url"
 	"os"
 	"os/signal"
+	"slices"
 	"strings"
 	"syscall"
 
@@ -36,10 +48,13 @@ type usageError struct{ err error }
 func (e usageError) Error() string { return e.err.Error() }
 func (e usageError) Unwrap() error { return e.err }
 
+func usagef(format string, args ...any) error { return usageError{fmt.Errorf(format, args...)} }
+
 // env is what a command runs with.
 type env struct {
 	cfg    bus.Config
 	out    io.Writer
+	errOut io.Writer // warnings; already redacted
 	asJSON bool
 }
 
@@ -54,12 +69,22 @@ func (e env) print(v any, text func(w io.Writer)) error {
 	return nil
 }
 
+// runFunc runs a command with its positional arguments.
+type runFunc func(ctx context.Context, e env, args []string) error
+
 type command struct {
 	path    string // e.g. "outbox status"
 	args    string // positional arguments, for the usage line
 	summary string
-	flags   func(fs *flag.FlagSet) // command-specific flags
-	run     func(ctx context.Context, e env, args []string) error
+	// bind registers the command's flags on a fresh FlagSet and returns the
+	// function that runs the command with their values, so that concurrent
+	// runs (tests) share no flag variables.
+	bind func(fs *flag.FlagSet) runFunc
+}
+
+// noFlags binds a command without flags of its own.
+func noFlags(run runFunc) func(*flag.FlagSet) runFunc {
+	return func(*flag.FlagSet) runFunc { return run }
 }
 
 var commands []command
@@ -75,7 +100,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	global := flag.NewFlagSet("millrace", flag.ContinueOnError)
 	global.SetOutput(stderr)
 	configPath := global.String("config", envOr("MILLRACE_CONFIG", "config.yaml"), "path to config.yaml (env MILLRACE_CONFIG)")
-	global.Usage = func() { usage(global, stderr) }
+	global.Usage = func() { usage(global, stderr, "") }
 	if err := global.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return exitOK
@@ -84,38 +109,33 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	cmd, rest := find(global.Args())
 	if cmd == nil {
-		if global.NArg() == 0 {
-			fmt.Fprintln(stderr, "millrace: missing command")
-		} else {
-			fmt.Fprintf(stderr, "millrace: unknown command %q\n", strings.Join(global.Args(), " "))
-		}
-		usage(global, stderr)
-		return exitUsage
+		return noCommand(global, stderr)
 	}
 
 	fs := flag.NewFlagSet("millrace "+cmd.path, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	asJSON := fs.Bool("json", false, "print JSON instead of text")
-	if cmd.flags != nil {
-		cmd.flags(fs)
-	}
+	runCmd := cmd.bind(fs)
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "usage: millrace [--config config.yaml] %s [flags] %s\n\n%s\n\nflags:\n", cmd.path, cmd.args, cmd.summary)
 		fs.PrintDefaults()
 	}
-	if err := fs.Parse(rest); err != nil {
+	positional, err := parseInterleaved(fs, rest)
+	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return exitOK
 		}
 		return exitUsage
 	}
 	cfg, err := bus.LoadConfig(*configPath)
+	redacted := &redactingWriter{w: stderr, secrets: secretsOf(cfg)}
 	if err != nil {
-		fmt.Fprintln(stderr, "millrace:", err)
+		fmt.Fprintln(redacted, "millrace:", err)
 		return exitUsage
 	}
-	if err := cmd.run(ctx, env{cfg: cfg, out: stdout, asJSON: *asJSON}, fs.Args()); err != nil {
-		fmt.Fprintf(stderr, "millrace %s: %v\n", cmd.path, err)
+	e := env{cfg: cfg, out: stdout, errOut: redacted, asJSON: *asJSON}
+	if err := runCmd(ctx, e, positional); err != nil {
+		fmt.Fprintf(redacted, "millrace %s: %v\n", cmd.path, err)
 		if errors.As(err, new(usageError)) {
 			fs.Usage()
 			return exitUsage
@@ -123,6 +143,27 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return exitFailed
 	}
 	return exitOK
+}
+
+// parseInterleaved parses flags that may come before, between or after the
+// positional arguments (the flag package stops at the first positional one);
+// everything after "--" is positional.
+func parseInterleaved(fs *flag.FlagSet, args []string) ([]string, error) {
+	var positional []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			return nil, err
+		}
+		rest := fs.Args()
+		if len(rest) == 0 {
+			return positional, nil
+		}
+		if consumed := len(args) - len(rest); consumed > 0 && args[consumed-1] == "--" {
+			return append(positional, rest...), nil
+		}
+		positional = append(positional, rest[0])
+		args = rest[1:]
+	}
 }
 
 // find matches the longest command path at the start of args.
@@ -140,14 +181,67 @@ func find(args []string) (*command, []string) {
 	return best, rest
 }
 
-func usage(fs *flag.FlagSet, w io.Writer) {
-	fmt.Fprintln(w, "usage: millrace [--config config.yaml] <command> [flags]")
-	fmt.Fprintln(w, "\ncommands (each has --help):")
+// noCommand explains a missing or unknown command; "millrace dlq --help"
+// lists the dlq commands.
+func noCommand(global *flag.FlagSet, stderr io.Writer) int {
+	args := global.Args()
+	if len(args) == 0 {
+		fmt.Fprintln(stderr, "millrace: missing command")
+		usage(global, stderr, "")
+		return exitUsage
+	}
+	group := args[0]
+	var subs []string
 	for _, c := range commands {
-		fmt.Fprintf(w, "  %-16s %s\n", c.path, c.summary)
+		if first, sub, ok := strings.Cut(c.path, " "); ok && first == group {
+			subs = append(subs, sub)
+		}
+	}
+	switch {
+	case len(subs) > 0 && len(args) > 1 && slices.Contains([]string{"-h", "-help", "--help"}, args[1]):
+		usage(global, stderr, group)
+		return exitOK
+	case len(subs) > 0 && len(args) == 1:
+		fmt.Fprintf(stderr, "millrace: %s needs a subcommand: %s\n", group, strings.Join(subs, ", "))
+		usage(global, stderr, group)
+	default:
+		fmt.Fprintf(stderr, "millrace: unknown command %q\n", strings.Join(args, " "))
+		usage(global, stderr, "")
+	}
+	return exitUsage
+}
+
+// usage prints the usage line and the commands (those of group when it is set).
+func usage(fs *flag.FlagSet, w io.Writer, group string) {
+	if group == "" {
+		fmt.Fprintln(w, "usage: millrace [--config config.yaml] <command> [flags]")
+	} else {
+		fmt.Fprintf(w, "usage: millrace [--config config.yaml] %s <command> [flags]\n", group)
+	}
+	fmt.Fprintln(w, "\ncommands (each has --help and --json):")
+	for _, c := range sortedCommands() {
+		if group == "" || strings.HasPrefix(c.path, group+" ") {
+			fmt.Fprintf(w, "  %-16s %s\n", c.path, c.summary)
+		}
 	}
 	fmt.Fprintln(w, "\nflags:")
 	fs.PrintDefaults()
+	fmt.Fprintln(w, "\nexit codes: 0 ok, 1 the command failed, 2 bad usage or configuration")
+}
+
+// sortedCommands returns the commands in the order an operator meets them.
+func sortedCommands() []command {
+	order := []string{"migrate", "outbox", "relay", "dlq", "inbox"}
+	rank := func(c command) int {
+		first, _, _ := strings.Cut(c.path, " ")
+		if i := slices.Index(order, first); i >= 0 {
+			return i
+		}
+		return len(order)
+	}
+	sorted := slices.Clone(commands)
+	slices.SortStableFunc(sorted, func(a, b command) int { return rank(a) - rank(b) })
+	return sorted
 }
 
 func envOr(key, def string) string {
@@ -159,7 +253,48 @@ func envOr(key, def string) string {
 
 func noArgs(args []string) error {
 	if len(args) > 0 {
-		return usageError{fmt.Errorf("unexpected arguments %q", args)}
+		return usagef("unexpected arguments %q", args)
 	}
 	return nil
+}
+
+// secretsOf returns, for every URL in cfg that holds a password, the
+// replacements that hide it: the whole URL by its redacted form, then
+// "user:password@" and "password=..." wherever they appear alone.
+func secretsOf(cfg bus.Config) []string {
+	var pairs []string
+	for _, raw := range []string{cfg.Database.URL, cfg.Broker.RabbitMQ.URL, cfg.Broker.NATS.URL} {
+		u, err := url.Parse(raw)
+		if err != nil || raw == "" {
+			continue
+		}
+		if pw, ok := u.User.Password(); ok && pw != "" {
+			pairs = append(pairs, raw, u.Redacted(),
+				u.User.Username()+":"+pw+"@", u.User.Username()+":xxxxx@",
+				u.User.Username()+":"+url.QueryEscape(pw)+"@", u.User.Username()+":xxxxx@")
+		}
+		if pw := u.Query().Get("password"); pw != "" {
+			pairs = append(pairs, "password="+pw, "password=xxxxx",
+				"password="+url.QueryEscape(pw), "password=xxxxx")
+		}
+	}
+	return pairs
+}
+
+// redactingWriter hides the secrets of the configured URLs in what the tool
+// writes to stderr (errors of the database driver or a broker client may
+// quote a URL).
+type redactingWriter struct {
+	w       io.Writer
+	secrets []string // old, new pairs for strings.Replacer
+}
+
+func (r *redactingWriter) Write(p []byte) (int, error) {
+	if len(r.secrets) == 0 {
+		return r.w.Write(p)
+	}
+	if _, err := io.WriteString(r.w, strings.NewReplacer(r.secrets...).Replace(string(p))); err != nil {
+		return 0, err
+	}
+	return len(p), nil
 }

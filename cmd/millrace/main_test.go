@@ -35,7 +35,7 @@ func TestMigrateCommand(t *testing.T) {
 	code := run(context.Background(), []string{"--config", path, "migrate"}, &out, &errOut)
 	require.Equal(t, exitOK, code, errOut.String())
 	require.Contains(t, out.String(), schema)
-	for _, table := range []string{"watermill_millrace_outbox", "watermill_offsets_millrace_outbox", "millrace_inbox", "millrace_relay_quarantine", "millrace_poison", "millrace_aggregate_versions"} {
+	for _, table := range []string{"watermill_millrace_outbox", "watermill_offsets_millrace_outbox", "millrace_inbox", "millrace_relay_quarantine", "millrace_poison", "millrace_poison_replays", "millrace_aggregate_versions"} {
 		var exists bool
 		require.NoError(t, db.QueryRow(`SELECT to_regclass($1) IS NOT NULL`, `"`+schema+`"."`+table+`"`).Scan(&exists))
 		require.True(t, exists, table)

@@ -12,8 +12,8 @@ import (
 
 func init() {
 	commands = append(commands,
-		command{path: "migrate", summary: "create or update millrace's tables and triggers (idempotent)", run: runMigrate},
-		command{path: "outbox status", summary: "pending events, oldest pending age, last forwarded, quarantined rows", run: runOutboxStatus},
+		command{path: "migrate", summary: "create or update millrace's tables and triggers (idempotent)", bind: noFlags(runMigrate)},
+		command{path: "outbox status", summary: "pending events, oldest pending age, last forwarded, quarantined rows", bind: noFlags(runOutboxStatus)},
 	)
 }
 

@@ -4,37 +4,41 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"io"
 
 	"github.com/millrace-io/millrace/bus"
 )
-
-var relayMetrics string
 
 func init() {
 	commands = append(commands, command{
 		path:    "relay",
 		summary: "run the relay (outbox -> broker) until SIGTERM/SIGINT; relays of one outbox elect one active, the rest are hot standbys",
-		flags: func(fs *flag.FlagSet) {
-			fs.StringVar(&relayMetrics, "metrics", "", "serve Prometheus metrics at http://ADDR/metrics (overrides metrics.listen)")
+		bind: func(fs *flag.FlagSet) runFunc {
+			metrics := fs.String("metrics", "", "serve Prometheus metrics at http://ADDR/metrics (overrides metrics.listen)")
+			return func(ctx context.Context, e env, args []string) error { return runRelay(ctx, e, args, *metrics) }
 		},
-		run: runRelay,
 	})
 }
 
-func runRelay(ctx context.Context, e env, args []string) error {
+func runRelay(ctx context.Context, e env, args []string, metrics string) error {
 	if err := noArgs(args); err != nil {
 		return err
 	}
 	cfg := e.cfg
 	cfg.Relay.Enabled = new(true)
-	if relayMetrics != "" {
-		cfg.Metrics.Listen = relayMetrics
+	if metrics != "" {
+		cfg.Metrics.Listen = metrics
 	}
 	b, err := bus.Open(ctx, cfg, nil)
 	if err != nil {
 		return err
 	}
 	defer b.Close()
-	fmt.Fprintf(e.out, "relay: outbox %s.watermill_%s -> %s (stop with SIGTERM)\n", cfg.Database.Schema, cfg.Outbox.Topic, cfg.Broker.Kind)
+	outbox := cfg.Database.Schema + ".watermill_" + cfg.Outbox.Topic
+	if err := e.print(map[string]string{"status": "running", "outbox": outbox, "broker": cfg.Broker.Kind}, func(w io.Writer) {
+		fmt.Fprintf(w, "relay: outbox %s -> %s (stop with SIGTERM)\n", outbox, cfg.Broker.Kind)
+	}); err != nil {
+		return err
+	}
 	return b.Run(ctx)
 }

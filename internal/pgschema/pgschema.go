@@ -46,6 +46,10 @@ func (t Tables) RelayQuarantine() string { return t.qualify("millrace_relay_quar
 // middleware gave up on, with their failure envelope, for listing and replay.
 func (t Tables) Poison() string { return t.qualify("millrace_poison") }
 
+// PoisonReplays is the qualified table of replay history: one row each time
+// `millrace dlq replay` sent a poisoned message back through the outbox.
+func (t Tables) PoisonReplays() string { return t.qualify("millrace_poison_replays") }
+
 // AggregateVersions is the qualified table of the ordering guard: the latest
 // aggregate version each consumer group applied, per aggregate.
 func (t Tables) AggregateVersions() string { return t.qualify("millrace_aggregate_versions") }
@@ -72,7 +76,7 @@ func (t Tables) OffsetsAdapter() watermillsql.DefaultPostgreSQLOffsetsAdapter {
 const migrateLockKey = 0x6d696c6c72616365 // "millrace"
 
 // Migrate creates every table, index and trigger millrace needs (outbox,
-// offsets, inbox, poison and aggregate-versions tables), idempotently,
+// offsets, inbox, poison, poison-replay and aggregate-versions tables), idempotently,
 // in one transaction under an advisory lock so that several instances may run
 // it at once.
 func Migrate(ctx context.Context, db *sql.DB, t Tables) error {
@@ -169,6 +173,18 @@ END $$`,
 )`,
 		`CREATE INDEX IF NOT EXISTS millrace_poison_poisoned_at ON `+t.Poison()+` (poisoned_at)`,
 		`CREATE INDEX IF NOT EXISTS millrace_poison_event_id ON `+t.Poison()+` (event_id)`,
+		// Replay history of the poison table; a replay re-sends the message with
+		// a new message id (message_id here) and the same event id. Purging a
+		// poison row drops its history.
+		`CREATE TABLE IF NOT EXISTS `+t.PoisonReplays()+` (
+	id BIGSERIAL PRIMARY KEY,
+	poison_id BIGINT NOT NULL REFERENCES `+t.Poison()+` (id) ON DELETE CASCADE,
+	message_id TEXT NOT NULL,
+	replayed_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+	replayed_by TEXT NOT NULL,
+	times_poisoned INTEGER NOT NULL
+)`,
+		`CREATE INDEX IF NOT EXISTS millrace_poison_replays_poison_id ON `+t.PoisonReplays()+` (poison_id)`,
 		`CREATE TABLE IF NOT EXISTS `+t.AggregateVersions()+` (
 	consumer_group TEXT NOT NULL,
 	aggregate_type TEXT NOT NULL,

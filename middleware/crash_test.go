@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/testdb"
 	"github.com/millrace-io/millrace/middleware"
 )
@@ -36,7 +37,7 @@ func TestCrashRecovery(t *testing.T) {
 		return
 	}
 	t.Parallel()
-	for _, broker := range []string{"nats", "rabbitmq"} {
+	for _, broker := range []string{bus.KindKafka, bus.KindNATS, bus.KindRabbitMQ} {
 		for _, mode := range []string{beforeCommit, afterCommit} {
 			t.Run(broker+"/"+mode, func(t *testing.T) {
 				t.Parallel()
@@ -66,6 +67,9 @@ func testCrash(t *testing.T, broker, mode string) {
 	cmd.Env = append(os.Environ(),
 		"MILLRACE_CRASH_MODE="+mode, "MILLRACE_CRASH_BROKER="+broker, "MILLRACE_CRASH_SCHEMA="+e.schema,
 		"MILLRACE_CRASH_TOPIC="+topic, "MILLRACE_CRASH_GROUP="+group, "MILLRACE_CRASH_VICTIM="+victim)
+	if broker == bus.KindKafka { // the child reaches the parent's in-process cluster
+		cmd.Env = append(cmd.Env, "KAFKA_BROKERS="+strings.Join(brokertest.KafkaBrokers(t), ","))
+	}
 	stdout, err := cmd.StdoutPipe()
 	require.NoError(t, err)
 	cmd.Stderr = os.Stderr

@@ -1,6 +1,7 @@
 package middleware_test
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"fmt"
@@ -11,39 +12,25 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wmamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
-	wmnats "github.com/ThreeDotsLabs/watermill-nats/v2/pkg/nats"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
-	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
-	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/pgschema"
 	"github.com/millrace-io/millrace/internal/testdb"
 	"github.com/millrace-io/millrace/middleware"
 )
 
 // The integration tests take the broker as a parameter: a kit is one
-// broker's publisher and per-consumer-group subscribers, built from the stock
-// Watermill modules with manual acks. Every test gets its own topic, groups
-// and streams/queues, removed when it ends.
-
-func natsURL() string {
-	if u := os.Getenv("NATS_URL"); u != "" {
-		return u
-	}
-	return "nats://127.0.0.1:4222"
-}
-
-func amqpURL() string {
-	if u := os.Getenv("AMQP_URL"); u != "" {
-		return u
-	}
-	return "amqp://guest:guest@127.0.0.1:5672/"
-}
+// broker's publisher and per-consumer-group subscribers. gochannel is
+// Watermill's in-memory pub/sub; the others are millrace's own adapters on
+// the servers internal/brokertest points at (the local ones, or the URLs in
+// the environment; Kafka is an in-process kfake cluster unless KAFKA_BROKERS
+// names one). Every test gets its own topic, groups and streams/queues,
+// removed when it ends.
 
 func testLogger() watermill.LoggerAdapter {
 	if os.Getenv("MILLRACE_TEST_LOG") != "" {
@@ -65,27 +52,21 @@ type kit struct {
 
 // kitOptions tune a kit for one test.
 type kitOptions struct {
-	// ackWait is how long the broker waits for an ack before redelivering
-	// (NATS consumer AckWait). Defaults to 30s.
+	// ackWait is how long NATS waits for an ack before redelivering.
+	// Defaults to 30s.
 	ackWait time.Duration
 	// maxAckPending bounds the messages a NATS consumer hands out unacked.
 	// Defaults to 256.
 	maxAckPending int
 }
 
-var kitNames = []string{"gochannel", "nats", "rabbitmq"}
+var kitNames = []string{"gochannel", bus.KindKafka, bus.KindNATS, bus.KindRabbitMQ}
 
 func newKit(t testing.TB, name string, opts kitOptions) *kit {
-	switch name {
-	case "gochannel":
+	if name == "gochannel" {
 		return gochannelKit(t)
-	case "nats":
-		return natsKit(t, opts)
-	case "rabbitmq":
-		return rabbitKit(t)
 	}
-	t.Fatalf("unknown broker %q", name)
-	return nil
+	return adapterKit(t, name, opts)
 }
 
 // gochannelKit is Watermill's in-memory pub/sub, persistent so that a
@@ -110,147 +91,32 @@ type noClose struct{ message.Subscriber }
 
 func (noClose) Close() error { return nil }
 
-// natsKit is NATS JetStream through watermill-nats: a stream per topic, a
-// durable consumer per group (explicit acks) shared by the group's queue
-// subscriptions. Watermill's own ack wait is made long so that it never
-// abandons a message the chain still holds.
-func natsKit(t testing.TB, opts kitOptions) *kit {
-	ackWait := opts.ackWait
-	if ackWait == 0 {
-		ackWait = 30 * time.Second
-	}
-	pub, err := wmnats.NewPublisher(wmnats.PublisherConfig{
-		URL:       natsURL(),
-		JetStream: wmnats.JetStreamConfig{},
-	}, testLogger())
+// adapterKit is a millrace broker adapter, as bus.Run uses it.
+func adapterKit(t testing.TB, kind string, opts kitOptions) *kit {
+	var cfg bus.Config
+	brokertest.Apply(t, kind, &cfg)
+	cfg.Broker.NATS.Consumer.AckWait = cmp.Or(opts.ackWait, 30*time.Second)
+	cfg.Broker.NATS.Consumer.MaxAckPending = cmp.Or(opts.maxAckPending, 256)
+	cfg.Broker.NATS.Consumer.NakDelay = 100 * time.Millisecond
+	cfg.Broker.RabbitMQ.Prefetch = 4
+	broker, err := bus.OpenBroker(context.Background(), cfg, testLogger())
 	require.NoError(t, err)
-	t.Cleanup(func() { pub.Close() })
-	maxAckPending := opts.maxAckPending
-	if maxAckPending == 0 {
-		maxAckPending = 256
-	}
-	subConfig := func(group string) wmnats.SubscriberConfig {
-		return wmnats.SubscriberConfig{
-			URL:              natsURL(),
-			QueueGroupPrefix: group,
-			AckWaitTimeout:   time.Hour,
-			CloseTimeout:     5 * time.Second,
-			JetStream: wmnats.JetStreamConfig{
-				DurablePrefix: group,
-				SubscribeOptions: []nats.SubOpt{
-					nats.ManualAck(), nats.AckExplicit(), nats.DeliverAll(),
-					nats.AckWait(ackWait), nats.MaxAckPending(maxAckPending),
-				},
-			},
-		}
-	}
+	t.Cleanup(func() { broker.Close() })
 	return &kit{
-		name: "nats",
-		pub:  pub,
+		name: kind,
+		pub:  broker.Publisher(),
 		source: func(group string) middleware.Source {
 			return middleware.Source{
-				Competing: true,
-				NewSubscriber: func() (message.Subscriber, error) {
-					return wmnats.NewSubscriber(subConfig(group), testLogger())
-				},
+				Competing:      true,
+				KeyPartitioned: kind == bus.KindKafka,
+				NewSubscriber:  func() (message.Subscriber, error) { return broker.Subscriber(group) },
 			}
 		},
 		provision: func(t testing.TB, topic string, groups ...string) {
-			nc, err := nats.Connect(natsURL())
-			require.NoError(t, err)
-			js, err := nc.JetStream()
-			require.NoError(t, err)
-			_, err = js.AddStream(&nats.StreamConfig{Name: topic, Subjects: []string{topic}})
-			require.NoError(t, err)
-			// The durable consumers exist before any subscription: a consumer
-			// that nats.go creates for a subscription is deleted, with its
-			// acks, when that subscription is closed.
-			for _, g := range groups {
-				_, err = js.AddConsumer(topic, &nats.ConsumerConfig{
-					Durable: g, DeliverGroup: g, DeliverSubject: nats.NewInbox(), FilterSubject: topic,
-					AckPolicy: nats.AckExplicitPolicy, AckWait: ackWait, MaxAckPending: maxAckPending,
-					DeliverPolicy: nats.DeliverAllPolicy,
-				})
-				require.NoError(t, err)
-			}
-			t.Cleanup(func() {
-				_ = js.DeleteStream(topic)
-				nc.Close()
-			})
+			require.NoError(t, broker.Provision(context.Background(), topic, groups...))
+			brokertest.Cleanup(t, kind, topic, groups...)
 		},
 	}
-}
-
-// rabbitKit is RabbitMQ through watermill-amqp: a durable fanout exchange per
-// topic and a durable quorum queue per (topic, group), prefetch 4, manual acks.
-func rabbitKit(t testing.TB) *kit {
-	config := func(group string) wmamqp.Config {
-		c := wmamqp.NewDurablePubSubConfig(amqpURL(), wmamqp.GenerateQueueNameTopicNameWithSuffix(group))
-		c.Queue.Arguments = amqp091.Table{"x-queue-type": "quorum"}
-		c.Consume.Qos.PrefetchCount = 4
-		c.Marshaler = stringHeaders{}
-		return c
-	}
-	pubConfig := config("")
-	pubConfig.Publish.ConfirmDelivery = true
-	pubConfig.Publish.ChannelPoolSize = 8
-	pub, err := wmamqp.NewPublisher(pubConfig, testLogger())
-	require.NoError(t, err)
-	t.Cleanup(func() { pub.Close() })
-	return &kit{
-		name: "rabbitmq",
-		pub:  pub,
-		source: func(group string) middleware.Source {
-			return middleware.Source{
-				Competing: true,
-				NewSubscriber: func() (message.Subscriber, error) {
-					return wmamqp.NewSubscriber(config(group), testLogger())
-				},
-			}
-		},
-		provision: func(t testing.TB, topic string, groups ...string) {
-			for _, g := range groups {
-				sub, err := wmamqp.NewSubscriber(config(g), testLogger())
-				require.NoError(t, err)
-				require.NoError(t, sub.SubscribeInitialize(topic))
-				require.NoError(t, sub.Close())
-			}
-			t.Cleanup(func() {
-				conn, err := amqp091.Dial(amqpURL())
-				if err != nil {
-					t.Errorf("remove the test's queues: %v", err)
-					return
-				}
-				defer conn.Close()
-				ch, err := conn.Channel()
-				require.NoError(t, err)
-				for _, g := range groups {
-					_, err := ch.QueueDelete(topic+"_"+g, false, false, false)
-					require.NoError(t, err, "delete queue")
-				}
-				require.NoError(t, ch.ExchangeDelete(topic, false, false), "delete exchange")
-			})
-		},
-	}
-}
-
-// stringHeaders is watermill-amqp's DefaultMarshaler made to accept the
-// non-string headers RabbitMQ adds (a quorum queue's x-delivery-count on
-// every redelivery): the default refuses them, and its subscriber then nacks
-// and gets the message back for ever.
-type stringHeaders struct{ wmamqp.DefaultMarshaler }
-
-func (m stringHeaders) Unmarshal(d amqp091.Delivery) (*message.Message, error) {
-	headers := make(amqp091.Table, len(d.Headers))
-	for k, v := range d.Headers {
-		if s, ok := v.(string); ok {
-			headers[k] = s
-		} else {
-			headers[k] = fmt.Sprint(v)
-		}
-	}
-	d.Headers = headers
-	return m.DefaultMarshaler.Unmarshal(d)
 }
 
 // env is one test's database schema with millrace's tables and a business table.

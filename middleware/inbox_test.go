@@ -30,7 +30,11 @@ func TestDuplicateDeliveriesHaveOneEffectPerGroup(t *testing.T) {
 			msgs := make([]*message.Message, 0, 2*events)
 			for i := range events {
 				msg := event(fmt.Sprintf("evt-%04d", i), fmt.Sprintf("order-%d", i%37), int64(i/37+1), `{"n":1}`)
-				msgs = append(msgs, msg, msg) // the duplicate: same event id, same message
+				// The duplicate has the same event id in a new broker message, so
+				// that NATS's own deduplication by message id lets it through.
+				dup := msg.Copy()
+				dup.UUID = msg.UUID + "-again"
+				msgs = append(msgs, msg, dup)
 			}
 			publish(t, k.pub, topic, msgs...)
 
@@ -43,10 +47,12 @@ func TestDuplicateDeliveriesHaveOneEffectPerGroup(t *testing.T) {
 			c := startConsumer(t, k, e, middleware.Config{}, specs...)
 
 			for _, g := range groups {
+				// A broker may redeliver more (an ack wait that expired under
+				// load); those are duplicates too, never a second effect.
 				eventually(t, 2*time.Minute, "every delivery of "+g+" acked", func() bool {
 					ok := c.messages(t, g, middleware.OutcomeOK)
 					dup := c.messages(t, g, middleware.OutcomeDuplicate)
-					return ok+dup >= 2*events
+					return ok >= events && dup >= events
 				})
 			}
 			for _, g := range groups {
@@ -54,7 +60,7 @@ func TestDuplicateDeliveriesHaveOneEffectPerGroup(t *testing.T) {
 				require.Equal(t, events, e.count(t, `SELECT count(DISTINCT event_id) FROM `+e.table("business")+` WHERE consumer_group = $1`, g))
 				require.Equal(t, events, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")+` WHERE consumer_group = $1`, g), "inbox rows of %s", g)
 				require.EqualValues(t, events, c.messages(t, g, middleware.OutcomeOK))
-				require.EqualValues(t, events, c.messages(t, g, middleware.OutcomeDuplicate))
+				require.GreaterOrEqual(t, c.messages(t, g, middleware.OutcomeDuplicate), float64(events))
 			}
 			require.Zero(t, e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")))
 		})

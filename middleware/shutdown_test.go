@@ -19,7 +19,7 @@ import (
 // acked before the subscriptions close.
 func TestShutdownNacksWaitingMessagesAndDrainsRunningOnes(t *testing.T) {
 	t.Parallel()
-	for _, name := range []string{"nats", "rabbitmq"} {
+	for _, name := range []string{bus.KindKafka, bus.KindNATS, bus.KindRabbitMQ} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			e := newEnv(t)

@@ -42,9 +42,9 @@ var (
 	devErr   error
 )
 
-// kafkaBrokers returns KAFKA_BROKERS or the addresses of a kfake cluster
+// KafkaBrokers returns KAFKA_BROKERS or the addresses of a kfake cluster
 // shared by the whole test process.
-func kafkaBrokers(t testing.TB) []string {
+func KafkaBrokers(t testing.TB) []string {
 	if v := os.Getenv("KAFKA_BROKERS"); v != "" {
 		return strings.Split(v, ",")
 	}
@@ -67,7 +67,7 @@ func Apply(t testing.TB, kind string, cfg *bus.Config) {
 	cfg.Broker.Kind = kind
 	switch kind {
 	case bus.KindKafka:
-		cfg.Broker.Kafka.Brokers = kafkaBrokers(t)
+		cfg.Broker.Kafka.Brokers = KafkaBrokers(t)
 		if os.Getenv("KAFKA_BROKERS") == "" {
 			cfg.Broker.Kafka.ReplicationFactor = 3
 		}

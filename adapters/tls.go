@@ -57,8 +57,8 @@ func (c TLSConfig) WithDefaults() TLSConfig {
 	return c
 }
 
-// customized reports whether any key other than enabled and min_version is set.
-func (c TLSConfig) customized() bool {
+// Customized reports whether any key other than enabled and min_version is set.
+func (c TLSConfig) Customized() bool {
 	return c.CAFile != "" || c.CertFile != "" || c.KeyFile != "" || c.ServerName != "" || c.InsecureSkipVerify
 }
 
@@ -81,7 +81,7 @@ func (c TLSConfig) Validate(path string, on bool) []error {
 		chk.Add(at("cert_file"), "required with key_file (mutual TLS needs the certificate and its key)")
 	}
 	if !on {
-		if c.customized() {
+		if c.Customized() {
 			chk.Add(at("enabled"), "TLS settings are given but TLS is off: set enabled: true")
 		}
 		return chk.Problems
@@ -142,7 +142,7 @@ func (c TLSConfig) ClientConfig(path string) (*tls.Config, error) {
 
 func tlsVersion(v string) (uint16, error) {
 	switch v {
-	case TLS12:
+	case TLS12, "": // "" before WithDefaults
 		return tls.VersionTLS12, nil
 	case TLS13:
 		return tls.VersionTLS13, nil

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net/url"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -19,6 +18,7 @@ import (
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/millrace-io/millrace/internal/confload"
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/names"
 	"github.com/millrace-io/millrace/internal/pgschema"
@@ -251,10 +251,5 @@ func (t txWithContext) ExecContext(_ context.Context, query string, args ...any)
 	return t.Tx.ExecContext(t.ctx, query, args...)
 }
 
-func redactURL(raw string) string {
-	u, err := url.Parse(raw)
-	if err != nil {
-		return "<unparseable URL>"
-	}
-	return u.Redacted()
-}
+// redactURL is raw without its password (in the user info or the query).
+func redactURL(raw string) string { return confload.RedactURL(raw) }

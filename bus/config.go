@@ -2,8 +2,10 @@ package bus
 
 import (
 	"cmp"
+	"errors"
 	"fmt"
 	"net"
+	"net/url"
 	"os"
 	"strings"
 	"time"
@@ -140,6 +142,7 @@ func (c Config) WithDefaults() Config {
 func (c Config) Validate() error {
 	var chk confload.Checker
 	chk.URL("database.url", c.Database.URL, "postgres", "postgresql")
+	checkDatabaseTLS(&chk, c.Database.URL)
 	chk.Check("database.schema", names.Identifier(c.Database.Schema, 63))
 	chk.PositiveDuration("database.connect_timeout", c.Database.ConnectTimeout)
 
@@ -170,6 +173,55 @@ func (c Config) Validate() error {
 		return nil
 	}
 	return &ConfigError{Problems: c.annotate(chk.Problems)}
+}
+
+// SSL modes accepted in database.url's sslmode parameter (libpq's, which
+// pgx implements). verify-full is the one that proves the server is the
+// one named in the URL; require encrypts without checking who answers.
+var sslModes = []string{"disable", "allow", "prefer", "require", "verify-ca", "verify-full"}
+
+// checkDatabaseTLS checks the TLS parameters of database.url: pgx does the
+// TLS, but a mistyped sslmode or a missing certificate file should be a
+// config error naming the key, not a failure at the first connection.
+func checkDatabaseTLS(chk *confload.Checker, raw string) {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return // reported by chk.URL
+	}
+	q := u.Query()
+	if q.Has("sslmode") {
+		chk.OneOf("database.url", "sslmode="+q.Get("sslmode"), prefixed("sslmode=", sslModes)...)
+	}
+	if root := q.Get("sslrootcert"); root != "" && root != "system" {
+		checkReadable(chk, "sslrootcert", root)
+	}
+	cert, key := q.Get("sslcert"), q.Get("sslkey")
+	if (cert == "") != (key == "") {
+		chk.Add("database.url", "sslcert and sslkey go together (a client certificate needs its key)")
+	}
+	if cert != "" {
+		checkReadable(chk, "sslcert", cert)
+	}
+	if key != "" {
+		checkReadable(chk, "sslkey", key)
+	}
+}
+
+func checkReadable(chk *confload.Checker, param, path string) {
+	f, err := os.Open(path)
+	if err != nil {
+		chk.Add("database.url", "%s %s cannot be read: %v", param, path, errors.Unwrap(err))
+		return
+	}
+	_ = f.Close()
+}
+
+func prefixed(prefix string, values []string) []string {
+	out := make([]string, len(values))
+	for i, v := range values {
+		out[i] = prefix + v
+	}
+	return out
 }
 
 // annotate names the environment variable behind a problem's value.

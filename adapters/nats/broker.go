@@ -16,6 +16,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/internal/confload"
 )
 
 var _ adapters.Broker = (*Broker)(nil)
@@ -321,18 +322,7 @@ func (b *Broker) securityOptions() ([]nats.Option, error) {
 
 // redact returns rawURL without its password, or its token (a NATS URL
 // with a user and no password, nats://token@host, carries a token).
-func redact(rawURL string) string {
-	u, err := url.Parse(rawURL)
-	if err != nil {
-		return "<unparsable URL>"
-	}
-	if u.User != nil {
-		if _, ok := u.User.Password(); !ok {
-			u.User = url.User("xxxxx")
-		}
-	}
-	return u.Redacted()
-}
+func redact(rawURL string) string { return confload.RedactURL(rawURL) }
 
 // scrub returns err's text without any secret of the configuration: the
 // URL's password or token, broker.nats.password and broker.nats.token.

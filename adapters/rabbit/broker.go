@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"net/url"
 	"sync"
 	"time"
 
@@ -14,6 +13,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/internal/confload"
 )
 
 // ErrClosed is returned by every call on a closed Broker.
@@ -55,7 +55,7 @@ func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, erro
 	b := &Broker{
 		cfg:      cfg,
 		opts:     opts.WithDefaults(),
-		redacted: redactURL(cfg.URL),
+		redacted: confload.RedactURL(cfg.URL),
 		declarer: declarer{deliveryLimit: cfg.DeliveryLimit},
 		declared: map[string]bool{},
 		subs:     map[*subscriber]struct{}{},
@@ -74,14 +74,6 @@ func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, erro
 	return b, nil
 }
 
-// redactURL returns raw with its password masked.
-func redactURL(raw string) string {
-	u, err := url.Parse(raw)
-	if err != nil {
-		return "<unparsable URL>"
-	}
-	return u.Redacted()
-}
 
 // amqpConfig is the client configuration of every connection: dialling and
 // the AMQP handshake bounded by ConnectTimeout (and ctx), heartbeats from

@@ -74,7 +74,6 @@ func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, erro
 	return b, nil
 }
 
-
 // amqpConfig is the client configuration of every connection: dialling and
 // the AMQP handshake bounded by ConnectTimeout (and ctx), heartbeats from
 // config, and a connection name that shows up in the management UI.

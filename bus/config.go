@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -189,8 +190,8 @@ func checkDatabaseTLS(chk *confload.Checker, raw string) {
 		return // reported by chk.URL
 	}
 	q := u.Query()
-	if q.Has("sslmode") {
-		chk.OneOf("database.url", "sslmode="+q.Get("sslmode"), prefixed("sslmode=", sslModes)...)
+	if mode := q.Get("sslmode"); q.Has("sslmode") && !slices.Contains(sslModes, mode) {
+		chk.Add("database.url", "sslmode must be one of %s; got %q", strings.Join(sslModes, ", "), mode)
 	}
 	if root := q.Get("sslrootcert"); root != "" && root != "system" {
 		checkReadable(chk, "sslrootcert", root)
@@ -214,14 +215,6 @@ func checkReadable(chk *confload.Checker, param, path string) {
 		return
 	}
 	_ = f.Close()
-}
-
-func prefixed(prefix string, values []string) []string {
-	out := make([]string, len(values))
-	for i, v := range values {
-		out[i] = prefix + v
-	}
-	return out
 }
 
 // annotate names the environment variable behind a problem's value.

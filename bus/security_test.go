@@ -118,7 +118,7 @@ func TestDatabaseURLTLSParametersAreChecked(t *testing.T) {
 	const secret = "db-S3cret-0a0a"
 	missing := filepath.Join(t.TempDir(), "missing.pem")
 	cases := map[string]string{
-		"sslmode=verify-fulll":                       `database.url: must be one of sslmode=disable, sslmode=allow, sslmode=prefer, sslmode=require, sslmode=verify-ca, sslmode=verify-full; got "sslmode=verify-fulll"`,
+		"sslmode=verify-fulll":                       `database.url: sslmode must be one of disable, allow, prefer, require, verify-ca, verify-full; got "verify-fulll"`,
 		"sslmode=verify-full&sslrootcert=" + missing: "database.url: sslrootcert " + missing + " cannot be read: no such file or directory",
 		"sslcert=" + missing:                         "database.url: sslcert and sslkey go together",
 		"sslmode=require&password=" + secret:         "",

@@ -17,6 +17,7 @@ import (
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/confload"
 	"github.com/millrace-io/millrace/internal/names"
+	"github.com/millrace-io/millrace/internal/pgschema"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -144,11 +145,11 @@ func (c Config) Validate() error {
 	var chk confload.Checker
 	chk.URL("database.url", c.Database.URL, "postgres", "postgresql")
 	checkDatabaseTLS(&chk, c.Database.URL)
-	chk.Check("database.schema", names.Identifier(c.Database.Schema, 63))
+	chk.Check("database.schema", names.Identifier(c.Database.Schema, pgschema.MaxIdentifierLength))
 	chk.PositiveDuration("database.connect_timeout", c.Database.ConnectTimeout)
 
 	// "watermill_offsets_" + topic must fit PostgreSQL's 63-byte identifiers.
-	chk.Check("outbox.topic", names.Identifier(c.Outbox.Topic, 63-len("watermill_offsets_")))
+	chk.Check("outbox.topic", names.Identifier(c.Outbox.Topic, pgschema.MaxOutboxTopicLength))
 	chk.OneOf("outbox.codec", c.Outbox.Codec, CodecJSON, CodecBytes)
 	chk.Positive("outbox.max_payload_bytes", c.Outbox.MaxPayloadBytes)
 	chk.Positive("outbox.max_metadata_bytes", c.Outbox.MaxMetadataBytes)

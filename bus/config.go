@@ -7,7 +7,9 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -165,10 +167,8 @@ func (c Config) Validate() error {
 		chk.Merge(c.Broker.NATS.Validate("broker.nats"))
 	}
 	chk.Merge(c.Relay.Validate("relay"))
-	if c.Metrics.Listen != "" {
-		if _, _, err := net.SplitHostPort(c.Metrics.Listen); err != nil {
-			chk.Add("metrics.listen", "must be host:port such as \":9464\" or \"127.0.0.1:9464\"; got %q", c.Metrics.Listen)
-		}
+	if c.Metrics.Listen != "" && !validListen(c.Metrics.Listen) {
+		chk.Add("metrics.listen", "must be host:port such as \":9464\" or \"127.0.0.1:9464\"; got %q", c.Metrics.Listen)
 	}
 	chk.Merge(c.Consumer.Validate("consumer"))
 	if len(chk.Problems) == 0 {
@@ -216,6 +216,21 @@ func checkReadable(chk *confload.Checker, param, path string) {
 		return
 	}
 	_ = f.Close()
+}
+
+var hostnamePattern = regexp.MustCompile(`^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$`)
+
+// validListen reports whether addr is host:port with an empty host, an IP
+// or a host name, and a numeric port.
+func validListen(addr string) bool {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return false
+	}
+	if n, err := strconv.Atoi(port); err != nil || n < 0 || n > 65535 {
+		return false
+	}
+	return host == "" || net.ParseIP(host) != nil || hostnamePattern.MatchString(host)
 }
 
 // annotate names the environment variable behind a problem's value.

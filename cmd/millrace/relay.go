@@ -29,6 +29,9 @@ func runRelay(ctx context.Context, e env, args []string) error {
 	cfg.Relay.Enabled = new(true)
 	if relayMetrics != "" {
 		cfg.Metrics.Listen = relayMetrics
+		if err := cfg.Validate(); err != nil {
+			return usageError{fmt.Errorf("--metrics: %w", err)}
+		}
 	}
 	b, err := bus.Open(ctx, cfg, nil)
 	if err != nil {

@@ -74,3 +74,16 @@ func TestCommandsNeverPrintSecrets(t *testing.T) {
 		require.NotContains(t, out.String()+errOut.String(), secret, tc.name)
 	}
 }
+
+// A hostile --metrics address is refused before anything starts.
+func TestRelayRefusesHostileMetricsAddress(t *testing.T) {
+	t.Parallel()
+	path := writeConfig(t, "broker:\n  nats: {url: nats://127.0.0.1:4222}\n")
+	for _, addr := range []string{"127.0.0.1:9464\nX", "evil host:9464", "127.0.0.1:http", "127.0.0.1", "[::1]:99999"} {
+		var out, errOut bytes.Buffer
+		code := run(context.Background(), []string{"--config", path, "relay", "--metrics", addr}, &out, &errOut)
+		require.Equal(t, exitUsage, code, "%q: %s", addr, errOut.String())
+		require.Contains(t, errOut.String(), "metrics.listen: must be host:port", addr)
+		require.NotContains(t, out.String(), "relay: outbox", "%q: the relay did not start", addr)
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log"
+	"strings"
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testdb"
@@ -71,4 +72,22 @@ outbox:
 	// invalid millrace config (2 problems):
 	//   outbox.max_payload_bytes: must be greater than 0; got -1
 	//   broker.kind: must be one of kafka, rabbitmq, nats; got "kafak"
+}
+
+// GrantSQL prints what the service role needs; run it as the tables' owner.
+func ExampleGrantSQL() {
+	var cfg bus.Config
+	cfg.Database.Schema = "billing"
+	sql, err := bus.GrantSQL(cfg, "billing_app")
+	if err != nil {
+		panic(err)
+	}
+	fmt.Print(sql[:strings.Index(sql, "-- relay")])
+	// Output:
+	// -- every part: look up millrace's tables
+	// GRANT USAGE ON SCHEMA "billing" TO "billing_app";
+	// -- publish: write events into the outbox
+	// GRANT INSERT ON TABLE "billing"."watermill_millrace_outbox" TO "billing_app";
+	// -- publish: number outbox rows (the "offset" column)
+	// GRANT USAGE ON SEQUENCE "billing"."watermill_millrace_outbox_offset_seq" TO "billing_app";
 }

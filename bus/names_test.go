@@ -200,6 +200,8 @@ func TestHostileNamesAreRefusedEverywhere(t *testing.T) {
 			}
 			_, err := middleware.New(middleware.Config{}, middleware.Deps{DB: db, Schema: name})
 			requireClear(t, err, label)
+			_, err = middleware.PruneInbox(ctx, db, name, time.Hour, 10)
+			requireClear(t, err, label)
 		}
 		stack, err := middleware.New(middleware.Config{}, middleware.Deps{DB: db, Schema: cfg.Database.Schema})
 		require.NoError(t, err)

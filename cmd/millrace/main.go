@@ -3,6 +3,8 @@
 //
 //	millrace [--config config.yaml] migrate
 //	millrace [--config config.yaml] outbox status [--json]
+//	millrace [--config config.yaml] relay [--metrics ADDR]
+//	millrace [--config config.yaml] grants --role NAME
 //
 // Every command has --help. Exit codes: 0 success, 1 the command failed,
 // 2 bad usage or configuration.

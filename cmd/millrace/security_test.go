@@ -87,3 +87,26 @@ func TestRelayRefusesHostileMetricsAddress(t *testing.T) {
 		require.NotContains(t, out.String(), "relay: outbox", "%q: the relay did not start", addr)
 	}
 }
+
+func TestGrantsCommand(t *testing.T) {
+	t.Parallel()
+	path := writeConfig(t, "database:\n  schema: billing\nbroker:\n  nats: {url: nats://127.0.0.1:4222}\n")
+	var out, errOut bytes.Buffer
+	require.Equal(t, exitOK, run(context.Background(), []string{"--config", path, "grants", "--role", "billing_app"}, &out, &errOut), errOut.String())
+	cfg, err := bus.LoadConfig(path)
+	require.NoError(t, err)
+	want, err := bus.GrantSQL(cfg, "billing_app")
+	require.NoError(t, err)
+	require.Equal(t, want, out.String())
+	require.Contains(t, out.String(), `GRANT INSERT ON TABLE "billing"."watermill_millrace_outbox" TO "billing_app";`)
+
+	out.Reset()
+	require.Equal(t, exitOK, run(context.Background(), []string{"--config", path, "grants", "--role", "billing_app", "--json"}, &out, &errOut))
+	require.Contains(t, out.String(), `"privilege": "USAGE"`)
+
+	for _, args := range [][]string{{"grants"}, {"grants", "--role", `x"; DROP TABLE y; --`}} {
+		errOut.Reset()
+		require.Equal(t, exitUsage, run(context.Background(), append([]string{"--config", path}, args...), &out, &errOut), args)
+		require.Contains(t, errOut.String(), "role", args)
+	}
+}

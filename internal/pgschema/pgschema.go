@@ -128,7 +128,13 @@ func statements(t Tables) []string {
 	schema := t.SchemaAdapter()
 	offsets := t.OffsetsAdapter()
 	var stmts []string
-	stmts = append(stmts, fmt.Sprintf(`CREATE SCHEMA IF NOT EXISTS "%s"`, t.Schema))
+	// CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the
+	// schema exists; asking first lets the schema's owner migrate without it.
+	stmts = append(stmts, fmt.Sprintf(`DO $$ BEGIN
+	IF NOT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = '%s') THEN
+		CREATE SCHEMA "%s";
+	END IF;
+END $$`, t.Schema, t.Schema))
 	for _, q := range schema.SchemaInitializingQueries(t.OutboxTopic) {
 		stmts = append(stmts, q.Query)
 	}

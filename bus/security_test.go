@@ -186,6 +186,7 @@ func TestSecretsNeverPrinted(t *testing.T) {
 			"broker:\n  kind: nats\n  nats:\n    url: nats://h:4222\n    token: " + s + "\n    password: " + s + "\n",
 			"broker:\n  kind: kafka\n  kafka:\n    brokers: [k:9092]\n    sasl: {mechanism: GSSAPI, user: app, password: " + s + "}\n",
 			"broker:\n  kind: kafka\n  kafka:\n    brokers: [k:9092]\n    sasl: {mechanism: PLAIN, password: \"" + s + "${x\"}\n",
+			"broker:\n  kind: kafka\n  kafka:\n    brokers: [k:9092]\n    sasl: " + s + "\n",
 		} {
 			_, err := bus.ParseConfig([]byte(yaml))
 			require.Error(t, err, yaml)

@@ -196,3 +196,23 @@ func TestSecurityConfigValidate(t *testing.T) {
 		require.Contains(t, errs[0].Error(), tc.path+": "+tc.want, tc.name)
 	}
 }
+
+// SASL PLAIN over plaintext works but is logged at error level: it sends
+// the password itself.
+func TestPlainWithoutTLSIsWarnedAbout(t *testing.T) {
+	t.Parallel()
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.Ports(0), kfake.EnableSASL(),
+		kfake.Superuser("PLAIN", "plain-user", plainSecret))
+	require.NoError(t, err)
+	t.Cleanup(c.Close)
+	var logs logBuffer
+	b, err := kafka.Open(context.Background(), kafka.Config{Brokers: c.ListenAddrs(), ReplicationFactor: 1,
+		SASL: kafka.SASLConfig{Mechanism: kafka.SASLPlain, User: "plain-user", Password: plainSecret}},
+		adapters.Options{Logger: logs.logger(), ConnectTimeout: 10 * time.Second})
+	require.NoError(t, err)
+	require.NoError(t, b.Provision(context.Background(), testdb.UniqueName(t.Name()), "g"))
+	require.NoError(t, b.Close())
+	require.Contains(t, logs.String(), "level=ERROR")
+	require.Contains(t, logs.String(), "PLAIN without tls.enabled sends the password in clear text")
+	require.NotContains(t, logs.String(), plainSecret)
+}

@@ -118,7 +118,12 @@ func (d *decoder) decode(n *yaml.Node, v reflect.Value, path string) {
 
 func (d *decoder) decodeStruct(n *yaml.Node, v reflect.Value, path string) {
 	if n.Kind != yaml.MappingNode {
-		d.fail(path, "expected a mapping of keys, got %s", describe(n))
+		// The value is not quoted: a misplaced password (sasl: s3cret) would be.
+		shape := "a single value"
+		if n.Kind == yaml.SequenceNode {
+			shape = "a list"
+		}
+		d.fail(path, "expected a mapping of keys, got %s", shape)
 		return
 	}
 	fields := structFields(v.Type())

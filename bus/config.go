@@ -65,7 +65,11 @@ type DatabaseConfig struct {
 	// URL is the PostgreSQL URL used when Open is given no *sql.DB and by the
 	// command-line tool. Defaults to
 	// postgres://postgres:postgres@127.0.0.1:5432/postgres?sslmode=disable.
-	// DATABASE_URL overrides it.
+	// DATABASE_URL overrides it. TLS is set by its libpq parameters, which
+	// pgx implements: sslmode (checked: disable, allow, prefer, require,
+	// verify-ca or verify-full; use verify-full in production), sslrootcert
+	// (a CA file, or "system"), sslcert and sslkey (checked readable),
+	// sslpassword. Errors and logs show it without its password.
 	URL string `yaml:"url"`
 	// Schema is the PostgreSQL schema holding millrace's tables. Defaults to "public".
 	Schema string `yaml:"schema"`

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net/url"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -14,11 +13,13 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgconn"
 	_ "github.com/jackc/pgx/v5/stdlib" // registers the "pgx" database/sql driver
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/millrace-io/millrace/internal/confload"
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/names"
 	"github.com/millrace-io/millrace/internal/pgschema"
@@ -113,6 +114,10 @@ func (b *Bus) checkDatabase(ctx context.Context) error {
 	defer cancel()
 	var exists bool
 	err := b.db.QueryRowContext(ctx, `SELECT to_regclass($1) IS NOT NULL`, b.tables.Outbox()).Scan(&exists)
+	if pgErr := (*pgconn.PgError)(nil); errors.As(err, &pgErr) {
+		// The server answered: a missing privilege, not a network problem.
+		return fmt.Errorf("millrace: look up outbox table %s: %w", b.tables.Outbox(), err)
+	}
 	if err != nil {
 		return fmt.Errorf("millrace: database %s not reachable within database.connect_timeout (%s): %w",
 			redactURL(b.cfg.Database.URL), b.cfg.Database.ConnectTimeout, err)
@@ -141,6 +146,16 @@ func Migrate(ctx context.Context, db *sql.DB, cfg Config) error {
 		return err
 	}
 	return pgschema.Migrate(ctx, db, tablesOf(cfg))
+}
+
+// GrantSQL returns the GRANT statements that give role exactly the
+// privileges a service needs at run time on cfg's tables (publish, relay,
+// consumers), one per object with a comment saying what needs it. Run them
+// as the tables' owner, the role that ran Migrate. role must be a lowercase
+// identifier.
+func GrantSQL(cfg Config, role string) (string, error) {
+	cfg = cfg.WithDefaults()
+	return pgschema.GrantSQL(tablesOf(cfg), role)
 }
 
 // Config returns the configuration the Bus runs with, defaults applied.
@@ -251,10 +266,5 @@ func (t txWithContext) ExecContext(_ context.Context, query string, args ...any)
 	return t.Tx.ExecContext(t.ctx, query, args...)
 }
 
-func redactURL(raw string) string {
-	u, err := url.Parse(raw)
-	if err != nil {
-		return "<unparseable URL>"
-	}
-	return u.Redacted()
-}
+// redactURL is raw without its password (in the user info or the query).
+func redactURL(raw string) string { return confload.RedactURL(raw) }

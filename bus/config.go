@@ -2,9 +2,14 @@ package bus
 
 import (
 	"cmp"
+	"errors"
 	"fmt"
 	"net"
+	"net/url"
 	"os"
+	"regexp"
+	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -14,6 +19,7 @@ import (
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/confload"
 	"github.com/millrace-io/millrace/internal/names"
+	"github.com/millrace-io/millrace/internal/pgschema"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -59,7 +65,11 @@ type DatabaseConfig struct {
 	// URL is the PostgreSQL URL used when Open is given no *sql.DB and by the
 	// command-line tool. Defaults to
 	// postgres://postgres:postgres@127.0.0.1:5432/postgres?sslmode=disable.
-	// DATABASE_URL overrides it.
+	// DATABASE_URL overrides it. TLS is set by its libpq parameters, which
+	// pgx implements: sslmode (checked: disable, allow, prefer, require,
+	// verify-ca or verify-full; use verify-full in production), sslrootcert
+	// (a CA file, or "system"), sslcert and sslkey (checked readable),
+	// sslpassword. Errors and logs show it without its password.
 	URL string `yaml:"url"`
 	// Schema is the PostgreSQL schema holding millrace's tables. Defaults to "public".
 	Schema string `yaml:"schema"`
@@ -140,11 +150,12 @@ func (c Config) WithDefaults() Config {
 func (c Config) Validate() error {
 	var chk confload.Checker
 	chk.URL("database.url", c.Database.URL, "postgres", "postgresql")
-	chk.Check("database.schema", names.Identifier(c.Database.Schema, 63))
+	checkDatabaseTLS(&chk, c.Database.URL)
+	chk.Check("database.schema", names.Identifier(c.Database.Schema, pgschema.MaxIdentifierLength))
 	chk.PositiveDuration("database.connect_timeout", c.Database.ConnectTimeout)
 
 	// "watermill_offsets_" + topic must fit PostgreSQL's 63-byte identifiers.
-	chk.Check("outbox.topic", names.Identifier(c.Outbox.Topic, 63-len("watermill_offsets_")))
+	chk.Check("outbox.topic", names.Identifier(c.Outbox.Topic, pgschema.MaxOutboxTopicLength))
 	chk.OneOf("outbox.codec", c.Outbox.Codec, CodecJSON, CodecBytes)
 	chk.Positive("outbox.max_payload_bytes", c.Outbox.MaxPayloadBytes)
 	chk.Positive("outbox.max_metadata_bytes", c.Outbox.MaxMetadataBytes)
@@ -160,16 +171,70 @@ func (c Config) Validate() error {
 		chk.Merge(c.Broker.NATS.Validate("broker.nats"))
 	}
 	chk.Merge(c.Relay.Validate("relay"))
-	if c.Metrics.Listen != "" {
-		if _, _, err := net.SplitHostPort(c.Metrics.Listen); err != nil {
-			chk.Add("metrics.listen", "must be host:port such as \":9464\" or \"127.0.0.1:9464\"; got %q", c.Metrics.Listen)
-		}
+	if c.Metrics.Listen != "" && !validListen(c.Metrics.Listen) {
+		chk.Add("metrics.listen", "must be host:port such as \":9464\" or \"127.0.0.1:9464\"; got %q", c.Metrics.Listen)
 	}
 	chk.Merge(c.Consumer.Validate("consumer"))
 	if len(chk.Problems) == 0 {
 		return nil
 	}
 	return &ConfigError{Problems: c.annotate(chk.Problems)}
+}
+
+// SSL modes accepted in database.url's sslmode parameter (libpq's, which
+// pgx implements). verify-full is the one that proves the server is the
+// one named in the URL; require encrypts without checking who answers.
+var sslModes = []string{"disable", "allow", "prefer", "require", "verify-ca", "verify-full"}
+
+// checkDatabaseTLS checks the TLS parameters of database.url: pgx does the
+// TLS, but a mistyped sslmode or a missing certificate file should be a
+// config error naming the key, not a failure at the first connection.
+func checkDatabaseTLS(chk *confload.Checker, raw string) {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return // reported by chk.URL
+	}
+	q := u.Query()
+	if mode := q.Get("sslmode"); q.Has("sslmode") && !slices.Contains(sslModes, mode) {
+		chk.Add("database.url", "sslmode must be one of %s; got %q", strings.Join(sslModes, ", "), mode)
+	}
+	if root := q.Get("sslrootcert"); root != "" && root != "system" {
+		checkReadable(chk, "sslrootcert", root)
+	}
+	cert, key := q.Get("sslcert"), q.Get("sslkey")
+	if (cert == "") != (key == "") {
+		chk.Add("database.url", "sslcert and sslkey go together (a client certificate needs its key)")
+	}
+	if cert != "" {
+		checkReadable(chk, "sslcert", cert)
+	}
+	if key != "" {
+		checkReadable(chk, "sslkey", key)
+	}
+}
+
+func checkReadable(chk *confload.Checker, param, path string) {
+	f, err := os.Open(path)
+	if err != nil {
+		chk.Add("database.url", "%s %s cannot be read: %v", param, path, errors.Unwrap(err))
+		return
+	}
+	_ = f.Close()
+}
+
+var hostnamePattern = regexp.MustCompile(`^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$`)
+
+// validListen reports whether addr is host:port with an empty host, an IP
+// or a host name, and a numeric port.
+func validListen(addr string) bool {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return false
+	}
+	if n, err := strconv.Atoi(port); err != nil || n < 0 || n > 65535 {
+		return false
+	}
+	return host == "" || net.ParseIP(host) != nil || hostnamePattern.MatchString(host)
 }
 
 // annotate names the environment variable behind a problem's value.

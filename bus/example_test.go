@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log"
+	"strings"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -125,4 +126,22 @@ func ExampleBus_ConsumerChain() {
 	// ack: true
 	// ack: true
 	// handler calls: 1
+}
+
+// GrantSQL prints what the service role needs; run it as the tables' owner.
+func ExampleGrantSQL() {
+	var cfg bus.Config
+	cfg.Database.Schema = "billing"
+	sql, err := bus.GrantSQL(cfg, "billing_app")
+	if err != nil {
+		panic(err)
+	}
+	fmt.Print(sql[:strings.Index(sql, "-- relay")])
+	// Output:
+	// -- every part: look up millrace's tables
+	// GRANT USAGE ON SCHEMA "billing" TO "billing_app";
+	// -- publish: write events into the outbox
+	// GRANT INSERT ON TABLE "billing"."watermill_millrace_outbox" TO "billing_app";
+	// -- publish: number outbox rows (the "offset" column)
+	// GRANT USAGE ON SEQUENCE "billing"."watermill_millrace_outbox_offset_seq" TO "billing_app";
 }

@@ -75,10 +75,13 @@ func New(db *sql.DB, broker Broker, outbox Outbox, cfg Config, opts Options) (*F
 	if db == nil || broker == nil {
 		return nil, errors.New("forwarder: db and broker are required")
 	}
+	tables := pgschema.Tables{Schema: outbox.Schema, OutboxTopic: outbox.Topic}
+	if err := tables.Validate(); err != nil {
+		return nil, fmt.Errorf("forwarder: %w", err)
+	}
 	if opts.Logger == nil {
 		opts.Logger = watermill.NopLogger{}
 	}
-	tables := pgschema.Tables{Schema: outbox.Schema, OutboxTopic: outbox.Topic}
 	m, err := newMetrics(opts.Registerer, tables.OutboxNotifyPayload())
 	if err != nil {
 		return nil, fmt.Errorf("forwarder: register metrics: %w", err)

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/millrace-io/millrace/internal/names"
 	"github.com/millrace-io/millrace/internal/pgschema"
 )
 
@@ -76,7 +77,15 @@ type Status struct {
 // Inspect reads the status of outbox for the relay consumer group group
 // ("" means the default, millrace_relay).
 func Inspect(ctx context.Context, db *sql.DB, outbox Outbox, group string) (Status, error) {
-	return inspect(ctx, db, pgschema.Tables{Schema: outbox.Schema, OutboxTopic: outbox.Topic}, cmp.Or(group, Config{}.WithDefaults().ConsumerGroup))
+	tables := pgschema.Tables{Schema: outbox.Schema, OutboxTopic: outbox.Topic}
+	if err := tables.Validate(); err != nil {
+		return Status{}, fmt.Errorf("inspect outbox: %w", err)
+	}
+	group = cmp.Or(group, Config{}.WithDefaults().ConsumerGroup)
+	if err := names.Topic(group); err != nil {
+		return Status{}, fmt.Errorf("inspect outbox: relay consumer group %q: %w", group, err)
+	}
+	return inspect(ctx, db, tables, group)
 }
 
 func inspect(ctx context.Context, db *sql.DB, t pgschema.Tables, group string) (Status, error) {

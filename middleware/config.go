@@ -236,8 +236,8 @@ func (c Config) Validate(path string) []error {
 	for _, name := range handlers {
 		hpath := confload.Join(path, "handlers."+name)
 		o := c.Handlers[name]
-		if name == "" {
-			chk.Add(hpath, "handler name must not be empty")
+		if err := names.Topic(name); err != nil {
+			chk.Add(hpath, "not a handler name: %v", err)
 		}
 		if len(o.Handlers) > 0 {
 			chk.Add(confload.Join(hpath, "handlers"), "an override cannot have handlers of its own")

@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/millrace-io/millrace/internal/envelope"
+	"github.com/millrace-io/millrace/internal/names"
 	"github.com/millrace-io/millrace/internal/pgschema"
 )
 
@@ -109,6 +110,9 @@ WHERE v.version < EXCLUDED.version`
 func PruneInbox(ctx context.Context, db *sql.DB, schema string, olderThan time.Duration, batch int) (int64, error) {
 	if schema == "" {
 		schema = "public"
+	}
+	if err := names.Identifier(schema, pgschema.MaxIdentifierLength); err != nil {
+		return 0, fmt.Errorf("prune inbox: schema %q: %w", schema, err)
 	}
 	if olderThan <= 0 || batch <= 0 {
 		return 0, fmt.Errorf("prune inbox: olderThan and batch must be positive; got %s and %d", olderThan, batch)

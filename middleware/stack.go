@@ -76,7 +76,7 @@ func New(cfg Config, deps Deps) (*Stack, error) {
 		return nil, fmt.Errorf("millrace consumer config: %w", errors.Join(errs...))
 	}
 	schema := cmp.Or(deps.Schema, "public")
-	if err := names.Identifier(schema, 63); err != nil {
+	if err := names.Identifier(schema, pgschema.MaxIdentifierLength); err != nil {
 		return nil, fmt.Errorf("millrace consumer: schema: %w", err)
 	}
 	m, err := newMetrics(deps.Registerer)
@@ -137,8 +137,11 @@ type Chain struct {
 // (Config.For(h.Name)). Each handler name gets one chain.
 func (s *Stack) Chain(h Handler) (*Chain, error) {
 	var chk confload.Checker
+	// The name is a metric label, a config key and a poison-table column.
 	if h.Name == "" {
 		chk.Add("handler.name", "required")
+	} else {
+		chk.Check("handler.name", names.Topic(h.Name))
 	}
 	chk.Check("handler.topic", names.Topic(h.Topic))
 	chk.Check("handler.consumer_group", names.Topic(h.ConsumerGroup))

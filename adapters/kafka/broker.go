@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -65,6 +66,11 @@ func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, erro
 		subscribers: map[*subscriber]struct{}{},
 		closing:     make(chan struct{}),
 	}
+	cfg.TLS.WarnInsecure(b.logger, "broker.kafka.tls")
+	if cfg.SASL.Mechanism == SASLPlain && !cfg.TLS.Enabled {
+		b.logger.Error("INSECURE: broker.kafka.sasl.mechanism PLAIN without tls.enabled sends the password in clear text",
+			errPlainWithoutTLS, nil)
+	}
 	if cfg.DevCluster {
 		listening, release, err := acquireDevCluster(cfg.Brokers, cfg.ReplicationFactor)
 		if err != nil {
@@ -121,7 +127,12 @@ func connect(ctx context.Context, cfg Config, opts adapters.Options) (sarama.Cli
 	select {
 	case r := <-done:
 		if r.err != nil {
-			return nil, fmt.Errorf("kafka: cannot reach brokers %s: %w", strings.Join(cfg.Brokers, ","), r.err)
+			hint := ""
+			if errors.Is(r.err, io.EOF) {
+				hint = " (a broker that closes the connection at once usually refused the SASL credentials or expects TLS)"
+			}
+			return nil, fmt.Errorf("kafka: cannot reach brokers %s over %s: %w%s",
+				strings.Join(cfg.Brokers, ","), cfg.security(), r.err, hint)
 		}
 		return r.client, nil
 	case <-ctx.Done():
@@ -130,9 +141,21 @@ func connect(ctx context.Context, cfg Config, opts adapters.Options) (sarama.Cli
 				_ = r.client.Close()
 			}
 		}()
-		return nil, fmt.Errorf("kafka: cannot reach brokers %s within %s: %w",
-			strings.Join(cfg.Brokers, ","), opts.ConnectTimeout, ctx.Err())
+		return nil, fmt.Errorf("kafka: cannot reach brokers %s over %s within %s: %w",
+			strings.Join(cfg.Brokers, ","), cfg.security(), opts.ConnectTimeout, ctx.Err())
 	}
+}
+
+// security describes how connections are secured, for errors: never the password.
+func (cfg Config) security() string {
+	s := "plaintext"
+	if cfg.TLS.Enabled {
+		s = "TLS"
+	}
+	if cfg.SASL.Mechanism != "" {
+		s += fmt.Sprintf(" with SASL %s as user %q", cfg.SASL.Mechanism, cfg.SASL.User)
+	}
+	return s
 }
 
 // baseConfig holds the Sarama settings producers, consumers and the admin
@@ -150,6 +173,9 @@ func baseConfig(cfg Config, opts adapters.Options) (*sarama.Config, error) {
 	// replication factor, never implicitly with the broker's defaults.
 	c.Metadata.AllowAutoTopicCreation = false
 	c.Admin.Timeout = max(c.Admin.Timeout, cfg.ProducerTimeout)
+	if err := applySecurity(c, cfg); err != nil {
+		return nil, err
+	}
 	return c, nil
 }
 
@@ -242,6 +268,8 @@ func (b *Broker) Close() error {
 	})
 	return b.closeErr
 }
+
+var errPlainWithoutTLS = errors.New("SASL PLAIN over a plaintext connection: use tls.enabled: true or a SCRAM mechanism")
 
 // ErrClosed is returned by calls on a closed Broker.
 var ErrClosed = errors.New("kafka: broker closed")

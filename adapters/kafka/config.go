@@ -9,6 +9,7 @@ import (
 
 	"github.com/IBM/sarama"
 
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/confload"
 )
 
@@ -19,6 +20,13 @@ const (
 	CompressionSnappy = "snappy"
 	CompressionLZ4    = "lz4"
 	CompressionZstd   = "zstd"
+)
+
+// SASL mechanisms accepted by broker.kafka.sasl.mechanism.
+const (
+	SASLPlain       = "PLAIN"
+	SASLScramSHA256 = "SCRAM-SHA-256"
+	SASLScramSHA512 = "SCRAM-SHA-512"
 )
 
 // Config is the broker.kafka section of config.yaml. Each field's comment
@@ -106,6 +114,26 @@ type Config struct {
 	// ReconnectDelay is the wait between attempts to reconnect a subscription
 	// whose broker connection failed. Defaults to 1s.
 	ReconnectDelay time.Duration `yaml:"reconnect_delay"`
+
+	// TLS encrypts and authenticates the connections to the brokers
+	// (Kafka's SSL and SASL_SSL listeners). Defaults to off.
+	TLS adapters.TLSConfig `yaml:"tls"`
+	// SASL authenticates this client to the brokers. Defaults to off.
+	SASL SASLConfig `yaml:"sasl"`
+}
+
+// SASLConfig is broker.kafka.sasl: the credentials of this client. Take the
+// password from the environment or a mounted file (${KAFKA_PASSWORD},
+// ${file:/run/secrets/kafka}); it never appears in errors or logs.
+type SASLConfig struct {
+	// Mechanism is PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512. PLAIN sends the
+	// password itself, so use it only with tls.enabled (Open logs an
+	// error-level warning otherwise). Defaults to "": no SASL.
+	Mechanism string `yaml:"mechanism"`
+	// User is the SASL user name. Required with a mechanism. Defaults to "".
+	User string `yaml:"user"`
+	// Password is the user's password. Required with a mechanism. Defaults to "".
+	Password string `yaml:"password"`
 }
 
 // Defaults of the settings that are not zero values.
@@ -143,6 +171,7 @@ func (c Config) WithDefaults() Config {
 	}
 	c.NackRedeliveryDelay = cmp.Or(c.NackRedeliveryDelay, 100*time.Millisecond)
 	c.ReconnectDelay = cmp.Or(c.ReconnectDelay, time.Second)
+	c.TLS = c.TLS.WithDefaults()
 	return c
 }
 
@@ -207,7 +236,29 @@ func (c Config) Validate(path string) []error {
 	}
 	chk.PositiveDuration(at("nack_redelivery_delay"), c.NackRedeliveryDelay)
 	chk.PositiveDuration(at("reconnect_delay"), c.ReconnectDelay)
+	chk.Merge(c.TLS.Validate(at("tls"), c.TLS.Enabled))
+	c.SASL.validate(&chk, at("sasl"))
+	if c.DevCluster && (c.TLS.Enabled || c.SASL.Mechanism != "") {
+		chk.Add(at("dev_cluster"), "the in-process dev cluster speaks neither TLS nor SASL; turn tls and sasl off with dev_cluster: true")
+	}
 	return chk.Problems
+}
+
+func (s SASLConfig) validate(chk *confload.Checker, path string) {
+	at := func(key string) string { return confload.Join(path, key) }
+	if s.Mechanism == "" {
+		if s.User != "" || s.Password != "" {
+			chk.Add(at("mechanism"), "required when user or password is set: one of %s, %s, %s", SASLPlain, SASLScramSHA256, SASLScramSHA512)
+		}
+		return
+	}
+	chk.OneOf(at("mechanism"), s.Mechanism, SASLPlain, SASLScramSHA256, SASLScramSHA512)
+	if s.User == "" {
+		chk.Add(at("user"), "required with mechanism %s", s.Mechanism)
+	}
+	if s.Password == "" {
+		chk.Add(at("password"), "required with mechanism %s", s.Mechanism)
+	}
 }
 
 func isLoopback(host string) bool {

@@ -64,11 +64,11 @@ func (b *Broker) Provision(ctx context.Context, topic string, consumerGroups ...
 // (broker.kafka.auto_provision): it creates a missing topic with the
 // configured settings, and does not check an existing one (Provision does).
 func (b *Broker) ensureTopic(ctx context.Context, topic string) error {
-	if _, ok := b.provisioned.Load(topic); ok || !*b.cfg.AutoProvision {
-		return nil
-	}
 	if err := names.Topic(topic); err != nil {
 		return adapters.Permanent(fmt.Errorf("kafka: topic %q: %w", topic, err))
+	}
+	if _, ok := b.provisioned.Load(topic); ok || !*b.cfg.AutoProvision {
+		return nil
 	}
 	// One topic at a time: concurrent first publishes ask the broker once.
 	b.provisionMu.Lock()

@@ -16,6 +16,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/internal/confload"
 )
 
 var _ adapters.Broker = (*Broker)(nil)
@@ -66,6 +67,7 @@ func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, erro
 		consumers: map[string]bool{},
 		window:    make(chan struct{}, cfg.Publish.MaxPending),
 	}
+	cfg.TLS.WarnInsecure(opts.Logger, "broker.nats.tls")
 	if cfg.Embedded.Enabled {
 		srv, err := StartEmbedded(cfg.URL, cfg.Embedded, opts.Logger)
 		if err != nil {
@@ -141,7 +143,11 @@ func (b *Broker) connect(ctx context.Context, name string, extra ...nats.Option)
 		nats.ReconnectJitter(250*time.Millisecond, time.Second),
 		nats.ReconnectBufSize(-1),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
-			b.logger.Info("NATS disconnected", logFields.Add(watermill.LogFields{"err": fmt.Sprint(err)}))
+			if err != nil {
+				b.logger.Info("NATS disconnected", logFields.Add(watermill.LogFields{"err": b.scrub(err)}))
+			} else {
+				b.logger.Info("NATS disconnected", logFields)
+			}
 		}),
 		nats.ReconnectHandler(func(*nats.Conn) { b.logger.Info("NATS reconnected", logFields) }),
 		nats.ErrorHandler(func(_ *nats.Conn, sub *nats.Subscription, err error) {
@@ -149,9 +155,14 @@ func (b *Broker) connect(ctx context.Context, name string, extra ...nats.Option)
 			if sub != nil {
 				subject = sub.Subject
 			}
-			b.logger.Error("NATS async error", err, logFields.Add(watermill.LogFields{"subject": subject}))
+			b.logger.Error("NATS async error", errors.New(b.scrub(err)), logFields.Add(watermill.LogFields{"subject": subject}))
 		}),
 	}, extra...)
+	security, err := b.securityOptions()
+	if err != nil {
+		return nil, err
+	}
+	options = append(options, security...)
 
 	done := make(chan connResult, 1)
 	go func() {
@@ -161,7 +172,7 @@ func (b *Broker) connect(ctx context.Context, name string, extra ...nats.Option)
 	timer := time.NewTimer(b.opts.ConnectTimeout)
 	defer timer.Stop()
 	fail := func(err error) error {
-		return fmt.Errorf("nats: cannot connect to %s within %s: %s", redact(b.url), b.opts.ConnectTimeout, scrub(err, b.url))
+		return fmt.Errorf("nats: cannot connect to %s within %s: %s", redact(b.url), b.opts.ConnectTimeout, b.scrub(err))
 	}
 	select {
 	case r := <-done:
@@ -281,21 +292,53 @@ func (p *publisher) Close() error {
 	return nil
 }
 
-// redact returns rawURL without its password.
-func redact(rawURL string) string {
-	u, err := url.Parse(rawURL)
-	if err != nil {
-		return "<unparsable URL>"
+// securityOptions are the nats.go options for broker.nats.tls and the
+// configured credentials.
+func (b *Broker) securityOptions() ([]nats.Option, error) {
+	var opts []nats.Option
+	if b.cfg.tlsOn() {
+		tc, err := b.cfg.TLS.ClientConfig("broker.nats.tls")
+		if err != nil {
+			return nil, err
+		}
+		opts = append(opts, nats.Secure(tc))
 	}
-	return u.Redacted()
+	switch {
+	case b.cfg.User != "":
+		opts = append(opts, nats.UserInfo(b.cfg.User, b.cfg.Password))
+	case b.cfg.Token != "":
+		opts = append(opts, nats.Token(b.cfg.Token))
+	case b.cfg.NKeySeedFile != "":
+		o, err := nats.NkeyOptionFromSeed(b.cfg.NKeySeedFile)
+		if err != nil {
+			return nil, fmt.Errorf("nats: broker.nats.nkey_seed_file %s: %s", b.cfg.NKeySeedFile, fileProblem(err))
+		}
+		opts = append(opts, o)
+	case b.cfg.CredsFile != "":
+		opts = append(opts, nats.UserCredentials(b.cfg.CredsFile))
+	}
+	return opts, nil
 }
 
-// scrub returns err's text with any password of rawURL removed.
-func scrub(err error, rawURL string) string {
+// redact returns rawURL without its password, or its token (a NATS URL
+// with a user and no password, nats://token@host, carries a token).
+func redact(rawURL string) string { return confload.RedactURL(rawURL) }
+
+// scrub returns err's text without any secret of the configuration: the
+// URL's password or token, broker.nats.password and broker.nats.token.
+func (b *Broker) scrub(err error) string {
 	text := err.Error()
-	if u, perr := url.Parse(rawURL); perr == nil && u.User != nil {
-		if pw, ok := u.User.Password(); ok && pw != "" {
-			text = strings.ReplaceAll(text, pw, "xxxxx")
+	secrets := []string{b.cfg.Password, b.cfg.Token}
+	if u, perr := url.Parse(b.url); perr == nil && u.User != nil {
+		if pw, ok := u.User.Password(); ok {
+			secrets = append(secrets, pw)
+		} else {
+			secrets = append(secrets, u.User.Username())
+		}
+	}
+	for _, s := range secrets {
+		if s != "" {
+			text = strings.ReplaceAll(text, s, "xxxxx")
 		}
 	}
 	return text

@@ -2,13 +2,20 @@ package nats
 
 import (
 	"cmp"
+	"errors"
 	"fmt"
 	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
+	"strings"
 	"time"
 
+	"github.com/nats-io/jwt/v2"
+	"github.com/nats-io/nats.go"
+
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/confload"
 )
 
@@ -28,6 +35,25 @@ type Config struct {
 	// Embedded runs a nats-server with JetStream inside the process, for
 	// tests and the demo on a machine without a NATS server.
 	Embedded EmbeddedConfig `yaml:"embedded"`
+
+	// User and Password authenticate with a user name and password (as
+	// nats://user:password@host in the URL does; set them in one place).
+	// Take the password from the environment or a mounted file
+	// (${NATS_PASSWORD}, ${file:/run/secrets/nats}). Defaults to "".
+	User string `yaml:"user"`
+	// Password is User's password. Defaults to "".
+	Password string `yaml:"password"`
+	// Token authenticates with a server token. Defaults to "".
+	Token string `yaml:"token"`
+	// NKeySeedFile is a file holding the user's NKey seed ("SU..."); the
+	// server knows the user by its public key. Defaults to "".
+	NKeySeedFile string `yaml:"nkey_seed_file"`
+	// CredsFile is a .creds file (user JWT and NKey seed) for servers in
+	// operator (JWT) mode, such as NGS/Synadia Cloud. Defaults to "".
+	CredsFile string `yaml:"creds_file"`
+	// TLS encrypts and authenticates the connection; a tls:// URL turns it
+	// on as well. Defaults to off.
+	TLS adapters.TLSConfig `yaml:"tls"`
 }
 
 // StreamConfig is broker.nats.stream: the settings of every stream millrace
@@ -151,6 +177,7 @@ func (c Config) WithDefaults() Config {
 	c.Publish.MaxPending = cmp.Or(c.Publish.MaxPending, defaultMaxPending)
 	c.Embedded.StoreDir = cmp.Or(c.Embedded.StoreDir, DefaultStoreDir())
 	c.Embedded.Sync = cmp.Or(c.Embedded.Sync, SyncAlways)
+	c.TLS = c.TLS.WithDefaults()
 	return c
 }
 
@@ -204,7 +231,101 @@ func (c Config) Validate(path string) []error {
 	if _, err := parseSync(c.Embedded.Sync); err != nil {
 		chk.Add(at("embedded", "sync"), "%v", err)
 	}
+	c.validateSecurity(&chk, path)
 	return chk.Problems
+}
+
+// tlsOn reports whether connections use TLS: tls.enabled or a tls:// URL.
+func (c Config) tlsOn() bool {
+	u, err := url.Parse(c.URL)
+	return c.TLS.Enabled || (err == nil && u.Scheme == "tls")
+}
+
+// authMethods lists the credentials configured, by YAML key.
+func (c Config) authMethods() []string {
+	var m []string
+	if u, err := url.Parse(c.URL); err == nil && u.User != nil {
+		m = append(m, "url")
+	}
+	if c.User != "" || c.Password != "" {
+		m = append(m, "user")
+	}
+	if c.Token != "" {
+		m = append(m, "token")
+	}
+	if c.NKeySeedFile != "" {
+		m = append(m, "nkey_seed_file")
+	}
+	if c.CredsFile != "" {
+		m = append(m, "creds_file")
+	}
+	return m
+}
+
+func (c Config) validateSecurity(chk *confload.Checker, path string) {
+	at := func(key string) string { return confload.Join(path, key) }
+	chk.Merge(c.TLS.Validate(at("tls"), c.tlsOn()))
+	if methods := c.authMethods(); len(methods) > 1 {
+		chk.Add(at(methods[1]), "only one way to authenticate may be set; got %s", strings.Join(methods, " and "))
+	}
+	if c.Password != "" && c.User == "" {
+		chk.Add(at("user"), "required with password")
+	}
+	if c.User != "" && c.Password == "" {
+		chk.Add(at("password"), "required with user")
+	}
+	if c.NKeySeedFile != "" {
+		// Reads and checks the seed now, so a bad file is reported at load time.
+		if _, err := nats.NkeyOptionFromSeed(c.NKeySeedFile); err != nil {
+			chk.Add(at("nkey_seed_file"), "cannot use %s: %s", c.NKeySeedFile, fileProblem(err))
+		}
+	}
+	if c.CredsFile != "" {
+		if err := checkCreds(c.CredsFile); err != nil {
+			chk.Add(at("creds_file"), "cannot use %s: %v", c.CredsFile, err)
+		}
+	}
+	if c.Embedded.Enabled {
+		for _, key := range []string{"user", "token", "nkey_seed_file", "creds_file"} {
+			if slices.Contains(c.authMethods(), key) {
+				chk.Add(at(key), "the embedded server takes credentials from url (nats://user:password@host:port) only")
+			}
+		}
+		if c.tlsOn() {
+			chk.Add(at("tls"), "the embedded server does not serve TLS; turn tls off with embedded.enabled: true")
+		}
+	}
+}
+
+// fileProblem is err's text without any path-independent detail that could
+// echo a file's contents (nats.go's messages never do; this keeps it so).
+func fileProblem(err error) string {
+	var pe *os.PathError
+	if errors.As(err, &pe) {
+		return pe.Err.Error()
+	}
+	return err.Error()
+}
+
+// checkCreds checks that path is a .creds file: a user JWT and an NKey seed.
+func checkCreds(path string) error {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return errors.Unwrap(err)
+	}
+	token, err := jwt.ParseDecoratedJWT(data)
+	if err == nil {
+		_, err = jwt.DecodeUserClaims(token)
+	}
+	if err != nil {
+		return errors.New("no user JWT in it (a .creds file holds a NATS USER JWT block and a USER NKEY SEED block)")
+	}
+	kp, err := jwt.ParseDecoratedNKey(data)
+	if err != nil {
+		return errors.New("no user NKey seed in it (a .creds file holds a NATS USER JWT block and a USER NKEY SEED block)")
+	}
+	kp.Wipe()
+	return nil
 }
 
 // parseSync turns embedded.sync into the server's sync-always flag or

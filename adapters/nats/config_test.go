@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.yaml.in/yaml/v3"
 
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/confload"
 )
 
@@ -24,6 +25,7 @@ func TestConfigDefaults(t *testing.T) {
 		},
 		Publish:  PublishConfig{Timeout: 30 * time.Second, MaxPending: 512},
 		Embedded: EmbeddedConfig{StoreDir: DefaultStoreDir(), Sync: SyncAlways},
+		TLS:      adapters.TLSConfig{MinVersion: adapters.TLS12},
 	}, c)
 	require.Equal(t, c, c.WithDefaults(), "idempotent")
 	require.Empty(t, c.Validate("broker.nats"))

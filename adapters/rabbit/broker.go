@@ -2,10 +2,10 @@ package rabbit
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
-	"net/url"
 	"sync"
 	"time"
 
@@ -13,6 +13,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/internal/confload"
 )
 
 // ErrClosed is returned by every call on a closed Broker.
@@ -24,7 +25,8 @@ var ErrClosed = errors.New("rabbitmq: broker is closed")
 type Broker struct {
 	cfg      Config
 	opts     adapters.Options
-	redacted string // cfg.URL without its password, for errors and logs
+	redacted string      // cfg.URL without its password, for errors and logs
+	tls      *tls.Config // broker.rabbitmq.tls for an amqps:// URL; nil leaves TLS to the URL
 	declarer declarer
 
 	mu       sync.Mutex
@@ -53,24 +55,23 @@ func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, erro
 	b := &Broker{
 		cfg:      cfg,
 		opts:     opts.WithDefaults(),
-		redacted: redactURL(cfg.URL),
+		redacted: confload.RedactURL(cfg.URL),
 		declarer: declarer{deliveryLimit: cfg.DeliveryLimit},
 		declared: map[string]bool{},
 		subs:     map[*subscriber]struct{}{},
 	}
+	if cfg.tlsOn() && len(cfg.urlTLS()) == 0 {
+		tc, err := cfg.TLS.ClientConfig("broker.rabbitmq.tls")
+		if err != nil {
+			return nil, fmt.Errorf("rabbitmq: %w", err)
+		}
+		b.tls = tc
+	}
+	cfg.TLS.WarnInsecure(b.opts.Logger, "broker.rabbitmq.tls")
 	if _, err := b.connection(ctx); err != nil {
 		return nil, err
 	}
 	return b, nil
-}
-
-// redactURL returns raw with its password masked.
-func redactURL(raw string) string {
-	u, err := url.Parse(raw)
-	if err != nil {
-		return "<unparsable URL>"
-	}
-	return u.Redacted()
 }
 
 // amqpConfig is the client configuration of every connection: dialling and
@@ -80,10 +81,20 @@ func (b *Broker) amqpConfig(ctx context.Context, role string) amqp.Config {
 	timeout := b.opts.ConnectTimeout
 	props := amqp.NewConnectionProperties()
 	props.SetClientConnectionName("millrace " + role)
+	var auth []amqp.Authentication // nil: the URL's credentials
+	if b.cfg.User != "" {
+		auth = []amqp.Authentication{&amqp.PlainAuth{Username: b.cfg.User, Password: b.cfg.Password}}
+	}
+	var tc *tls.Config
+	if b.tls != nil {
+		tc = b.tls.Clone() // amqp091 sets ServerName on it
+	}
 	return amqp.Config{
-		Heartbeat:  b.cfg.Heartbeat,
-		Locale:     "en_US",
-		Properties: props,
+		Heartbeat:       b.cfg.Heartbeat,
+		Locale:          "en_US",
+		Properties:      props,
+		SASL:            auth,
+		TLSClientConfig: tc,
 		Dial: func(network, addr string) (net.Conn, error) {
 			dctx, cancel := context.WithTimeout(ctx, timeout)
 			defer cancel()

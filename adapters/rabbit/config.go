@@ -2,8 +2,11 @@ package rabbit
 
 import (
 	"cmp"
+	"net/url"
+	"strings"
 	"time"
 
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/confload"
 )
 
@@ -53,7 +56,24 @@ type Config struct {
 	// at 100ms and grows to this. Publishing reconnects on its next call.
 	// Defaults to 5s.
 	ReconnectMaxInterval time.Duration `yaml:"reconnect_max_interval"`
+
+	// User and Password are the credentials (SASL PLAIN), so that the URL
+	// can stay free of secrets; take the password from the environment or a
+	// mounted file (${AMQP_PASSWORD}, ${file:/run/secrets/amqp}). Set them
+	// here or in the URL, not both. Defaults to "": the URL's, or guest/guest
+	// when the URL has none.
+	User string `yaml:"user"`
+	// Password is User's password. Defaults to "".
+	Password string `yaml:"password"`
+
+	// TLS configures the connection of an amqps:// URL (which turns TLS on:
+	// RabbitMQ serves TLS on its own port, 5671 by convention). Defaults to
+	// the system's roots and TLS 1.2 or newer.
+	TLS adapters.TLSConfig `yaml:"tls"`
 }
+
+// urlTLSParams are amqp091's TLS settings in the URL's query.
+var urlTLSParams = []string{"cacertfile", "certfile", "keyfile", "server_name_indication"}
 
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
@@ -62,6 +82,7 @@ func (c Config) WithDefaults() Config {
 	c.MaxMessageBytes = cmp.Or(c.MaxMessageBytes, DefaultMaxMessageBytes)
 	c.Heartbeat = cmp.Or(c.Heartbeat, 10*time.Second)
 	c.ReconnectMaxInterval = cmp.Or(c.ReconnectMaxInterval, 5*time.Second)
+	c.TLS = c.TLS.WithDefaults()
 	return c
 }
 
@@ -84,5 +105,47 @@ func (c Config) Validate(path string) []error {
 		chk.Add(confload.Join(path, "heartbeat"), "must be at least 1s (AMQP counts heartbeats in whole seconds); got %s", c.Heartbeat)
 	}
 	chk.PositiveDuration(confload.Join(path, "reconnect_max_interval"), c.ReconnectMaxInterval)
+	c.validateSecurity(&chk, path)
 	return chk.Problems
+}
+
+// tlsOn reports whether the URL is amqps://.
+func (c Config) tlsOn() bool {
+	u, err := url.Parse(c.URL)
+	return err == nil && u.Scheme == "amqps"
+}
+
+// urlTLS lists the TLS settings the URL's query carries.
+func (c Config) urlTLS() []string {
+	u, err := url.Parse(c.URL)
+	if err != nil {
+		return nil
+	}
+	var set []string
+	for _, p := range urlTLSParams {
+		if u.Query().Has(p) {
+			set = append(set, p)
+		}
+	}
+	return set
+}
+
+func (c Config) validateSecurity(chk *confload.Checker, path string) {
+	at := func(key string) string { return confload.Join(path, key) }
+	if c.TLS.Enabled && !c.tlsOn() {
+		chk.Add(at("url"), "tls.enabled is true but the URL is not amqps:// (RabbitMQ serves TLS on its own port, 5671 by convention)")
+	}
+	if params := c.urlTLS(); len(params) > 0 && c.TLS.Customized() {
+		chk.Add(at("tls"), "TLS is set both here and in the URL (%s); set it in one place", strings.Join(params, ", "))
+	}
+	chk.Merge(c.TLS.Validate(at("tls"), c.tlsOn()))
+	if u, err := url.Parse(c.URL); err == nil && u.User != nil && (c.User != "" || c.Password != "") {
+		chk.Add(at("user"), "the URL has credentials too; set them in one place")
+	}
+	if c.Password != "" && c.User == "" {
+		chk.Add(at("user"), "required with password")
+	}
+	if c.User != "" && c.Password == "" {
+		chk.Add(at("password"), "required with user")
+	}
 }

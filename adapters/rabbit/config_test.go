@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.yaml.in/yaml/v3"
 
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/confload"
 )
 
@@ -22,9 +23,11 @@ func TestConfigDefaults(t *testing.T) {
 		MaxMessageBytes:      128 << 20,
 		Heartbeat:            10 * time.Second,
 		ReconnectMaxInterval: 5 * time.Second,
+		TLS:                  adapters.TLSConfig{MinVersion: adapters.TLS12},
 	}, c)
 	require.Empty(t, c.Validate("broker.rabbitmq"))
-	set := Config{URL: defaultURL, Prefetch: 50, DeliveryLimit: 3, MaxMessageBytes: 1 << 20, Heartbeat: time.Minute, ReconnectMaxInterval: time.Second}
+	set := Config{URL: defaultURL, Prefetch: 50, DeliveryLimit: 3, MaxMessageBytes: 1 << 20, Heartbeat: time.Minute, ReconnectMaxInterval: time.Second,
+		TLS: adapters.TLSConfig{MinVersion: adapters.TLS13}}
 	require.Equal(t, set, set.WithDefaults(), "set values are kept")
 }
 

@@ -9,6 +9,7 @@
 //	millrace [--config config.yaml] dlq replay [--dry-run] [--force] (ID... | filters | --all)
 //	millrace [--config config.yaml] dlq purge [--dry-run] (ID... | filters | --all)
 //	millrace [--config config.yaml] inbox purge --older-than DURATION [--group G] [--batch N] [--dry-run]
+//	millrace [--config config.yaml] grants --role NAME
 //
 // Every command has --help and --json (its output as one JSON document with
 // stable field names, described in this directory's README.md). Flags may come

@@ -28,6 +28,9 @@ func runRelay(ctx context.Context, e env, args []string, metrics string) error {
 	cfg.Relay.Enabled = new(true)
 	if metrics != "" {
 		cfg.Metrics.Listen = metrics
+		if err := cfg.Validate(); err != nil {
+			return usageError{fmt.Errorf("--metrics: %w", err)}
+		}
 	}
 	b, err := bus.Open(ctx, cfg, nil)
 	if err != nil {

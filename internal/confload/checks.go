@@ -43,11 +43,45 @@ func (c *Checker) URL(path, value string, schemes ...string) {
 		return
 	}
 	if !slices.Contains(schemes, u.Scheme) {
-		c.Add(path, "URL scheme must be one of %s; got %q in %s", strings.Join(schemes, ", "), u.Scheme, u.Redacted())
+		c.Add(path, "URL scheme must be one of %s; got %q in %s", strings.Join(schemes, ", "), u.Scheme, RedactURL(value))
 	}
 	if u.Host == "" && u.Opaque == "" {
-		c.Add(path, "URL has no host: %s", u.Redacted())
+		c.Add(path, "URL has no host: %s", RedactURL(value))
 	}
+}
+
+// secretParams are query parameters that carry secrets (PostgreSQL's
+// password and sslpassword, a token).
+var secretParams = []string{"password", "sslpassword", "token"}
+
+// RedactURL returns raw with its password, and any secret query parameter,
+// replaced by "xxxxx", for errors and logs. A user without a password is
+// replaced too: it may be a token (nats://token@host). An unparsable URL is
+// replaced whole: its text may hold a password.
+func RedactURL(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "<unparsable URL>"
+	}
+	if u.User != nil {
+		if _, ok := u.User.Password(); !ok {
+			u.User = url.User("xxxxx")
+		}
+	}
+	if u.RawQuery != "" {
+		q := u.Query()
+		changed := false
+		for _, p := range secretParams {
+			if q.Has(p) {
+				q.Set(p, "xxxxx")
+				changed = true
+			}
+		}
+		if changed {
+			u.RawQuery = q.Encode()
+		}
+	}
+	return u.Redacted()
 }
 
 // Positive checks value > 0.

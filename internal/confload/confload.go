@@ -118,7 +118,12 @@ func (d *decoder) decode(n *yaml.Node, v reflect.Value, path string) {
 
 func (d *decoder) decodeStruct(n *yaml.Node, v reflect.Value, path string) {
 	if n.Kind != yaml.MappingNode {
-		d.fail(path, "expected a mapping of keys, got %s", describe(n))
+		// The value is not quoted: a misplaced password (sasl: s3cret) would be.
+		shape := "a single value"
+		if n.Kind == yaml.SequenceNode {
+			shape = "a list"
+		}
+		d.fail(path, "expected a mapping of keys, got %s", shape)
 		return
 	}
 	fields := structFields(v.Type())
@@ -220,7 +225,8 @@ func Expand(s string, lookup LookupEnv) (string, error) {
 		}
 		end := strings.IndexByte(s[i:], '}')
 		if end < 0 {
-			return "", fmt.Errorf("unterminated ${ in %q", s)
+			// The value is not quoted: it may be a secret with a stray "${".
+			return "", fmt.Errorf(`unterminated "${" (no closing "}"; write "$$" for a literal "$")`)
 		}
 		expr := s[i+2 : i+end]
 		if path, ok := strings.CutPrefix(expr, "file:"); ok {
@@ -234,7 +240,8 @@ func Expand(s string, lookup LookupEnv) (string, error) {
 		}
 		name, def, hasDefault := strings.Cut(expr, ":-")
 		if !validEnvName(name) {
-			return "", fmt.Errorf("invalid variable name %q in ${%s}", name, expr)
+			// Not quoted either: a secret may contain "${...}" by mistake.
+			return "", fmt.Errorf(`invalid variable name in "${...}": names are letters, digits and '_', not starting with a digit (write "$$" for a literal "$")`)
 		}
 		val, set := lookup(name)
 		switch {

@@ -78,3 +78,39 @@ per:
 	}
 	require.ElementsMatch(t, []string{"inner.off", "per.billing.limit", "per.billing.extra"}, paths)
 }
+
+func TestExpandErrorsDoNotQuoteTheValue(t *testing.T) {
+	t.Parallel()
+	for _, secret := range []string{"hunter2${oops", "hunter2${not a name}x"} {
+		_, err := Expand(secret, func(string) (string, bool) { return "", false })
+		require.Error(t, err, secret)
+		require.NotContains(t, err.Error(), "hunter2", "a malformed value may be a password")
+	}
+	var s struct {
+		Password string `yaml:"password"`
+	}
+	errs := Decode([]byte("password: \"hunter2${oops\"\n"), &s, nil)
+	require.Len(t, errs, 1)
+	require.Equal(t, "password", errs[0].(*FieldError).Path)
+	require.NotContains(t, errs[0].Error(), "hunter2")
+}
+
+func TestRedactURL(t *testing.T) {
+	t.Parallel()
+	cases := map[string]string{
+		"postgres://app:hunter2@db:5432/app?sslmode=verify-full": "postgres://app:xxxxx@db:5432/app?sslmode=verify-full",
+		"postgres://db/app?user=app&password=hunter2":            "postgres://db/app?password=xxxxx&user=app",
+		"postgres://db/app?sslkey=/k.pem&sslpassword=hunter2":    "postgres://db/app?sslkey=%2Fk.pem&sslpassword=xxxxx",
+		"amqp://guest:hunter2@rabbit:5672/":                      "amqp://guest:xxxxx@rabbit:5672/",
+		"nats://127.0.0.1:4222":                                  "nats://127.0.0.1:4222",
+		"postgres://app:hunter2@db:5432/%zz":                     "<unparsable URL>",
+		"amqps://u:hunter2@h/?token=hunter2&cacertfile=/ca.pem":  "amqps://u:xxxxx@h/?cacertfile=%2Fca.pem&token=xxxxx",
+	}
+	for in, want := range cases {
+		require.Equal(t, want, RedactURL(in), in)
+	}
+	var c Checker
+	c.URL("database.url", "mysql://app:hunter2@db/app?password=hunter2", "postgres")
+	require.Len(t, c.Problems, 1)
+	require.NotContains(t, c.Problems[0].Error(), "hunter2")
+}

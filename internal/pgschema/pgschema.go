@@ -8,9 +8,12 @@ package pgschema
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 
 	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
+
+	"github.com/millrace-io/millrace/internal/names"
 )
 
 // NotifyChannel is the LISTEN/NOTIFY channel the outbox trigger signals on
@@ -23,6 +26,28 @@ type Tables struct {
 	Schema string
 	// OutboxTopic is the watermill-sql topic of the outbox (the forwarder topic).
 	OutboxTopic string
+}
+
+// MaxIdentifierLength is PostgreSQL's limit on identifiers, in bytes.
+const MaxIdentifierLength = 63
+
+// MaxOutboxTopicLength is the longest outbox topic: "watermill_offsets_" +
+// topic must fit in an identifier.
+const MaxOutboxTopicLength = MaxIdentifierLength - len("watermill_offsets_")
+
+// Validate reports a schema or outbox topic that cannot be part of an SQL
+// identifier (names.Identifier: lowercase letters, digits and '_'). Every
+// function that builds SQL from Tables calls it first: the names are
+// quoted, but never trusted.
+func (t Tables) Validate() error {
+	var errs []error
+	if err := names.Identifier(t.Schema, MaxIdentifierLength); err != nil {
+		errs = append(errs, fmt.Errorf("schema %q: %w", t.Schema, err))
+	}
+	if err := names.Identifier(t.OutboxTopic, MaxOutboxTopicLength); err != nil {
+		errs = append(errs, fmt.Errorf("outbox topic %q: %w", t.OutboxTopic, err))
+	}
+	return errors.Join(errs...)
 }
 
 func (t Tables) qualify(name string) string {
@@ -80,6 +105,9 @@ const migrateLockKey = 0x6d696c6c72616365 // "millrace"
 // in one transaction under an advisory lock so that several instances may run
 // it at once.
 func Migrate(ctx context.Context, db *sql.DB, t Tables) error {
+	if err := t.Validate(); err != nil {
+		return fmt.Errorf("migrate: %w", err)
+	}
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
 		return fmt.Errorf("begin migration: %w", err)
@@ -104,7 +132,13 @@ func statements(t Tables) []string {
 	schema := t.SchemaAdapter()
 	offsets := t.OffsetsAdapter()
 	var stmts []string
-	stmts = append(stmts, fmt.Sprintf(`CREATE SCHEMA IF NOT EXISTS "%s"`, t.Schema))
+	// CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the
+	// schema exists; asking first lets the schema's owner migrate without it.
+	stmts = append(stmts, fmt.Sprintf(`DO $$ BEGIN
+	IF NOT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = '%s') THEN
+		CREATE SCHEMA "%s";
+	END IF;
+END $$`, t.Schema, t.Schema))
 	for _, q := range schema.SchemaInitializingQueries(t.OutboxTopic) {
 		stmts = append(stmts, q.Query)
 	}

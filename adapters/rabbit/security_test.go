@@ -1,0 +1,218 @@
+package rabbit
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"log/slog"
+	"net/url"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/adapters/adaptertest"
+	"github.com/millrace-io/millrace/internal/confload"
+	"github.com/millrace-io/millrace/internal/testcerts"
+)
+
+// logBuffer collects a Watermill logger's output at trace level.
+type logBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (l *logBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.Write(p)
+}
+
+func (l *logBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.String()
+}
+
+func (l *logBuffer) logger() watermill.LoggerAdapter {
+	return watermill.NewSlogLogger(slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: watermill.LevelTrace})))
+}
+
+// TestTLSOnPrivateNode runs a private RabbitMQ node with a TLS listener that
+// requires client certificates (the shared server has none, and its
+// configuration is not ours to change) and connects to it over amqps://.
+func TestTLSOnPrivateNode(t *testing.T) {
+	t.Parallel()
+	ca := testcerts.NewCA(t, "rabbit")
+	server := ca.Server("rabbit")
+	client := ca.Client("millrace")
+	tlsPort := freePort(t)
+	node := startPrivateNode(t, fmt.Sprintf(`listeners.ssl.1 = 127.0.0.1:%d
+ssl_options.cacertfile = %s
+ssl_options.certfile = %s
+ssl_options.keyfile = %s
+ssl_options.verify = verify_peer
+ssl_options.fail_if_no_peer_cert = true
+`, tlsPort, ca.CertFile, server.CertFile, server.KeyFile), "")
+	amqps := fmt.Sprintf("amqps://127.0.0.1:%d/", tlsPort)
+	secureCfg := func() Config {
+		c := testConfig(amqps)
+		c.User, c.Password = "guest", "guest"
+		c.TLS = adapters.TLSConfig{CAFile: ca.CertFile, CertFile: client.CertFile, KeyFile: client.KeyFile}
+		return c
+	}
+	open := func(t *testing.T, c Config, logs *logBuffer) (*Broker, error) {
+		b, err := Open(context.Background(), c, adapters.Options{Logger: logs.logger(), ConnectTimeout: 10 * time.Second})
+		if err == nil {
+			t.Cleanup(func() { _ = b.Close() })
+		}
+		return b, err
+	}
+
+	t.Run("round trip over mutual TLS", func(t *testing.T) {
+		var logs logBuffer
+		b, err := open(t, secureCfg(), &logs)
+		require.NoError(t, err)
+		conn, err := b.connection(context.Background())
+		require.NoError(t, err)
+		state := conn.ConnectionState()
+		require.True(t, state.HandshakeComplete, "the connection is TLS")
+		require.NotEmpty(t, state.PeerCertificates)
+		require.Equal(t, "rabbit", state.PeerCertificates[0].Subject.CommonName)
+
+		topic, group := adaptertest.Name("tls"), adaptertest.Name("g")
+		require.NoError(t, b.Provision(context.Background(), topic, group))
+		sub, err := b.Subscriber(group)
+		require.NoError(t, err)
+		defer sub.Close()
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		msgs, err := sub.Subscribe(ctx, topic)
+		require.NoError(t, err)
+		m := newMsg(`{"over":"amqps"}`)
+		require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, m)))
+		got := receiveN(t, msgs, 1)
+		require.Equal(t, m.UUID, got[0].UUID)
+	})
+	t.Run("TLS in the URL", func(t *testing.T) {
+		var logs logBuffer
+		q := url.Values{"cacertfile": {ca.CertFile}, "certfile": {client.CertFile}, "keyfile": {client.KeyFile}}
+		b, err := open(t, testConfig(fmt.Sprintf("amqps://guest:guest@127.0.0.1:%d/?%s", tlsPort, q.Encode())), &logs)
+		require.NoError(t, err, "amqp091's URL parameters still work when the tls block is empty")
+		conn, err := b.connection(context.Background())
+		require.NoError(t, err)
+		require.True(t, conn.ConnectionState().HandshakeComplete)
+	})
+	t.Run("unknown CA", func(t *testing.T) {
+		var logs logBuffer
+		c := secureCfg()
+		c.TLS.CAFile = testcerts.NewCA(t, "stranger").CertFile
+		_, err := open(t, c, &logs)
+		require.ErrorContains(t, err, "certificate signed by unknown authority")
+		require.ErrorContains(t, err, "connect to "+amqps)
+	})
+	t.Run("no client certificate", func(t *testing.T) {
+		var logs logBuffer
+		c := secureCfg()
+		c.TLS.CertFile, c.TLS.KeyFile = "", ""
+		_, err := open(t, c, &logs)
+		require.ErrorContains(t, err, "certificate required", "the node requires a client certificate")
+		require.ErrorContains(t, err, "connect to "+amqps)
+	})
+	t.Run("wrong password", func(t *testing.T) {
+		var logs logBuffer
+		const wrong = "wrong-S3cret-rabbit"
+		c := secureCfg()
+		c.Password = wrong
+		_, err := open(t, c, &logs)
+		require.ErrorContains(t, err, "username or password not allowed")
+		require.NotContains(t, err.Error(), wrong)
+		require.NotContains(t, logs.String(), wrong)
+	})
+	t.Run("insecure skip verify warns", func(t *testing.T) {
+		var logs logBuffer
+		c := secureCfg()
+		c.TLS.CAFile, c.TLS.InsecureSkipVerify = "", true
+		b, err := open(t, c, &logs)
+		require.NoError(t, err)
+		require.NoError(t, b.Close())
+		require.Contains(t, logs.String(), "level=ERROR")
+		require.Contains(t, logs.String(), "broker.rabbitmq.tls.insecure_skip_verify is true")
+	})
+	t.Run("plain listener still plain", func(t *testing.T) {
+		var logs logBuffer
+		b, err := open(t, testConfig(node.URL), &logs)
+		require.NoError(t, err)
+		conn, err := b.connection(context.Background())
+		require.NoError(t, err)
+		require.False(t, conn.ConnectionState().HandshakeComplete, "amqp:// is not TLS")
+	})
+}
+
+// Credentials in user/password instead of the URL, against the shared server.
+func TestCredentialsOutsideTheURL(t *testing.T) {
+	t.Parallel()
+	u, err := url.Parse(serverURL())
+	require.NoError(t, err)
+	if u.User == nil {
+		u.User = url.UserPassword("guest", "guest")
+	}
+	user := u.User.Username()
+	password, _ := u.User.Password()
+	u.User = nil
+
+	c := testConfig(u.String())
+	c.User, c.Password = user, password
+	b, err := Open(context.Background(), c, adapters.Options{ConnectTimeout: 10 * time.Second})
+	require.NoError(t, err)
+	require.NoError(t, b.Close())
+
+	const wrong = "wrong-S3cret-9f9f"
+	var logs logBuffer
+	c.Password = wrong
+	_, err = Open(context.Background(), c, adapters.Options{Logger: logs.logger(), ConnectTimeout: 10 * time.Second})
+	require.ErrorContains(t, err, "username or password not allowed")
+	require.NotContains(t, err.Error(), wrong)
+	require.NotContains(t, logs.String(), wrong)
+
+	// A password in the URL is redacted in the same error.
+	u.User = url.UserPassword(user, wrong)
+	_, err = Open(context.Background(), testConfig(u.String()), adapters.Options{Logger: logs.logger(), ConnectTimeout: 10 * time.Second})
+	require.ErrorContains(t, err, "username or password not allowed")
+	require.ErrorContains(t, err, user+":xxxxx@")
+	require.NotContains(t, err.Error(), wrong)
+	require.NotContains(t, logs.String(), wrong)
+}
+
+func TestSecurityConfigValidate(t *testing.T) {
+	t.Parallel()
+	cases := []struct {
+		name string
+		cfg  Config
+		path string
+		want string
+	}{
+		{"TLS on with amqp://", Config{URL: "amqp://h/", TLS: adapters.TLSConfig{Enabled: true}}, "broker.rabbitmq.url",
+			"tls.enabled is true but the URL is not amqps://"},
+		{"TLS settings with amqp://", Config{URL: "amqp://h/", TLS: adapters.TLSConfig{CAFile: "/ca.pem"}}, "broker.rabbitmq.tls.enabled",
+			"TLS settings are given but TLS is off"},
+		{"TLS in two places", Config{URL: "amqps://h/?cacertfile=/a.pem", TLS: adapters.TLSConfig{ServerName: "h"}}, "broker.rabbitmq.tls",
+			"TLS is set both here and in the URL (cacertfile)"},
+		{"credentials in two places", Config{URL: "amqp://a:b@h/", User: "u", Password: "p"}, "broker.rabbitmq.user",
+			"the URL has credentials too"},
+		{"password without user", Config{URL: "amqp://h/", Password: "p"}, "broker.rabbitmq.user", "required with password"},
+		{"user without password", Config{URL: "amqp://h/", User: "u"}, "broker.rabbitmq.password", "required with user"},
+	}
+	for _, tc := range cases {
+		errs := tc.cfg.WithDefaults().Validate("broker.rabbitmq")
+		require.Len(t, errs, 1, "%s: %v", tc.name, errs)
+		require.Equal(t, tc.path, errs[0].(*confload.FieldError).Path, tc.name)
+		require.ErrorContains(t, errs[0], tc.want, tc.name)
+		require.False(t, strings.Contains(errs[0].Error(), ":b@"), "no password in %s", tc.name)
+	}
+	require.Empty(t, Config{URL: "amqps://h/", TLS: adapters.TLSConfig{ServerName: "h"}}.WithDefaults().Validate("broker.rabbitmq"))
+}

@@ -1,0 +1,301 @@
+package bus_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"net/url"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/forwarder"
+	"github.com/millrace-io/millrace/internal/brokertest"
+	"github.com/millrace-io/millrace/internal/pgschema"
+	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/middleware"
+)
+
+// roles is an owner role that runs the migration and a service role that
+// gets exactly pgschema.Grants, in a schema the owner owns. Both roles and
+// the schema are dropped when the test ends.
+type roles struct {
+	schema         string
+	owner, service *sql.DB
+	serviceURL     string
+	serviceRole    string
+}
+
+// roleURL is DATABASE_URL's server logged in as role with password.
+func roleURL(t *testing.T, role, password string) string {
+	t.Helper()
+	u, err := url.Parse(testdb.URL())
+	require.NoError(t, err)
+	u.User = url.UserPassword(role, password)
+	q := u.Query()
+	q.Del("user")
+	q.Del("password")
+	u.RawQuery = q.Encode()
+	return u.String()
+}
+
+func openAs(t *testing.T, dbURL string) *sql.DB {
+	t.Helper()
+	db, err := bus.OpenDB(bus.DatabaseConfig{URL: dbURL})
+	require.NoError(t, err)
+	t.Cleanup(func() { db.Close() })
+	require.NoError(t, db.Ping())
+	return db
+}
+
+// newRoles sets the roles up; with revoke >= 0 the service role lacks
+// grant number revoke of pgschema.Grants.
+func newRoles(t *testing.T, cfg bus.Config, revoke int) roles {
+	t.Helper()
+	ctx := context.Background()
+	admin := testdb.Open(t)
+	base := testdb.UniqueName(t.Name())
+	r := roles{schema: base, serviceRole: base + "_svc"}
+	owner := base + "_own"
+	password := testdb.UniqueName("pw")
+	for _, role := range []string{owner, r.serviceRole} {
+		_, err := admin.Exec(fmt.Sprintf(`CREATE ROLE %q LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD '%s'`, role, password))
+		require.NoError(t, err, "creating roles needs a PostgreSQL user with CREATEROLE")
+	}
+	_, err := admin.Exec(fmt.Sprintf(`CREATE SCHEMA %q AUTHORIZATION %q`, r.schema, owner))
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		for _, stmt := range []string{
+			fmt.Sprintf(`DROP SCHEMA IF EXISTS %q CASCADE`, r.schema),
+			fmt.Sprintf(`DROP OWNED BY %q, %q`, r.serviceRole, owner),
+			fmt.Sprintf(`DROP ROLE IF EXISTS %q`, r.serviceRole),
+			fmt.Sprintf(`DROP ROLE IF EXISTS %q`, owner),
+		} {
+			// Sessions of the roles end when their pools close (cleanups
+			// registered later run first).
+			if _, err := admin.Exec(stmt); err != nil {
+				t.Errorf("cleanup %s: %v", stmt, err)
+			}
+		}
+	})
+
+	r.owner = openAs(t, roleURL(t, owner, password))
+	cfg.Database.Schema = r.schema
+	require.NoError(t, bus.Migrate(ctx, r.owner, cfg), "the owner role runs the migration")
+	grants, err := pgschema.GrantSQL(tablesOf(cfg), r.serviceRole)
+	require.NoError(t, err)
+	_, err = r.owner.Exec(grants)
+	require.NoError(t, err, "the owner grants the service role its privileges")
+	if revoke >= 0 {
+		g := pgschema.Grants(tablesOf(cfg))[revoke]
+		_, err = r.owner.Exec(fmt.Sprintf(`REVOKE %s ON %s %s FROM %q`, g.Privilege, g.Kind, g.Object, r.serviceRole))
+		require.NoError(t, err)
+	}
+	r.serviceURL = roleURL(t, r.serviceRole, password)
+	r.service = openAs(t, r.serviceURL)
+	return r
+}
+
+func tablesOf(cfg bus.Config) pgschema.Tables {
+	cfg = cfg.WithDefaults()
+	return pgschema.Tables{Schema: cfg.Database.Schema, OutboxTopic: cfg.Outbox.Topic}
+}
+
+// evidence collects everything a run said: log lines and returned errors.
+type evidence struct {
+	secretLogs
+	mu   sync.Mutex
+	errs []string
+}
+
+func (e *evidence) add(err error) {
+	if err != nil {
+		e.mu.Lock()
+		e.errs = append(e.errs, err.Error())
+		e.mu.Unlock()
+	}
+}
+
+func (e *evidence) text() string {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.secretLogs.String() + strings.Join(e.errs, "\n")
+}
+
+// serviceRun is a service running as the service role: it publishes two
+// good events and a bad one, relays them (with a corrupt outbox row to
+// quarantine and forwarded rows to clean up), handles them with the inbox,
+// the ordering guard and inbox retention on, and poisons the bad one.
+type serviceRun struct {
+	r       roles
+	cfg     bus.Config
+	ev      *evidence
+	mu      sync.Mutex
+	handled map[string]bool
+	stop    func() error
+}
+
+func startService(t *testing.T, revoke int) *serviceRun {
+	t.Helper()
+	ctx := context.Background()
+	var cfg bus.Config
+	brokertest.Apply(t, bus.KindNATS, &cfg)
+	cfg.Relay.PollInterval = 50 * time.Millisecond
+	cfg.Relay.CleanupInterval = 50 * time.Millisecond
+	cfg.Relay.Retention = new(time.Duration(0))
+	cfg.Consumer.Workers = 1
+	cfg.Consumer.OrderingGuard = new(true)
+	cfg.Consumer.Retry.MaxAttempts = 1
+	cfg.Consumer.Inbox.Retention = time.Millisecond
+	cfg.Consumer.Inbox.CleanupInterval = 50 * time.Millisecond
+	s := &serviceRun{r: newRoles(t, cfg, revoke), ev: &evidence{}, handled: map[string]bool{}}
+	cfg.Database.Schema = s.r.schema
+	s.cfg = cfg
+	topic := strings.ReplaceAll(s.r.schema, "_", "-")
+	brokertest.Cleanup(t, bus.KindNATS, topic, "billing")
+
+	// A row no broker can take: its payload is not a millrace envelope.
+	_, err := s.r.owner.Exec(`INSERT INTO ` + tablesOf(cfg).Outbox() + ` (uuid, payload, metadata, transaction_id)
+		VALUES ('corrupt-1', '{"not":"an envelope"}', '{}', pg_current_xact_id())`)
+	require.NoError(t, err)
+
+	b, err := bus.Open(ctx, cfg, s.r.service, bus.WithLogger(s.ev.slog()))
+	s.ev.add(err)
+	if err != nil {
+		s.stop = func() error { return nil }
+		return s
+	}
+	t.Cleanup(func() { b.Close() })
+	require.NoError(t, b.Handle(topic, "billing", func(ctx context.Context, ev bus.Event) error {
+		if ev.Type == "Bad" {
+			return middleware.Permanent(errors.New("refused on purpose"))
+		}
+		s.mu.Lock()
+		s.handled[ev.AggregateID] = true
+		s.mu.Unlock()
+		return nil
+	}))
+	runCtx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- b.Run(runCtx) }()
+	var once sync.Once
+	var runErr error
+	s.stop = func() error {
+		once.Do(func() { cancel(); runErr = <-done })
+		return runErr
+	}
+	t.Cleanup(func() { _ = s.stop() })
+	s.ev.add(b.PublishInOwnTx(ctx, topic,
+		bus.Event{Type: "OrderPlaced", AggregateType: "order", AggregateID: "o-1", AggregateVersion: 1, Payload: []byte(`{}`)},
+		bus.Event{Type: "OrderPlaced", AggregateType: "order", AggregateID: "o-2", AggregateVersion: 1, Payload: []byte(`{}`)},
+		bus.Event{Type: "Bad", AggregateType: "order", AggregateID: "o-3", AggregateVersion: 1, Payload: []byte(`{}`)},
+	))
+	return s
+}
+
+func (s *serviceRun) count(t *testing.T, table string) int {
+	t.Helper()
+	var n int
+	require.NoError(t, s.r.owner.QueryRow(`SELECT count(*) FROM "`+s.r.schema+`".`+table).Scan(&n))
+	return n
+}
+
+func (s *serviceRun) inspect() (forwarder.Status, error) {
+	c := s.cfg.WithDefaults()
+	return forwarder.Inspect(context.Background(), s.r.service, forwarder.Outbox{Schema: c.Database.Schema, Topic: c.Outbox.Topic}, "")
+}
+
+// The service role with exactly the listed privileges runs everything:
+// publish, relay (with quarantine and cleanup), a consumer with the inbox,
+// the ordering guard, inbox retention and the poison table, and outbox
+// status; and it can do nothing else.
+func TestLeastPrivilegeRoleRunsEverything(t *testing.T) {
+	t.Parallel()
+	s := startService(t, -1)
+	require.Empty(t, s.ev.errs, "bus.Open and Publish as the service role")
+	require.Eventually(t, func() bool {
+		s.mu.Lock()
+		handled := len(s.handled)
+		s.mu.Unlock()
+		return handled == 2 &&
+			s.count(t, "millrace_poison") == 1 &&
+			s.count(t, "millrace_relay_quarantine") == 1 &&
+			s.count(t, "millrace_aggregate_versions") == 2 &&
+			s.count(t, "watermill_millrace_outbox") == 0 && // forwarded rows cleaned up
+			s.count(t, "millrace_inbox") == 0 // processed events pruned by retention
+	}, 90*time.Second, 20*time.Millisecond, "the service did not finish its work; it said:\n%s", s.ev.text())
+	st, err := s.inspect()
+	require.NoError(t, err, "outbox status as the service role")
+	require.Zero(t, st.Pending)
+	require.Equal(t, int64(1), st.Quarantined)
+	require.NoError(t, s.stop())
+	require.NotContains(t, s.ev.text(), "permission denied")
+
+	// What was not granted is refused.
+	_, err = s.r.owner.Exec(`CREATE TABLE "` + s.r.schema + `".orders (id text)`)
+	require.NoError(t, err)
+	outbox := tablesOf(s.cfg).Outbox()
+	for stmt, want := range map[string]string{
+		`SELECT * FROM "` + s.r.schema + `".orders`:                  "permission denied for table orders",
+		`UPDATE ` + outbox + ` SET payload = '{}'`:                   "permission denied for table watermill_millrace_outbox",
+		`TRUNCATE ` + outbox:                                         "permission denied for table watermill_millrace_outbox",
+		`DROP TABLE ` + outbox:                                       "must be owner of table watermill_millrace_outbox",
+		`DELETE FROM "` + s.r.schema + `".millrace_poison`:           "permission denied for table millrace_poison",
+		`DELETE FROM "` + s.r.schema + `".millrace_relay_quarantine`: "permission denied for table millrace_relay_quarantine",
+		`CREATE TABLE "` + s.r.schema + `".sneaky (id int)`:          "permission denied for schema " + s.r.schema,
+		`ALTER TABLE "` + s.r.schema + `".millrace_inbox ADD x int`:  "must be owner of table millrace_inbox",
+		`CREATE SCHEMA "` + s.r.schema + `_2"`:                       "permission denied for database",
+	} {
+		_, err := s.r.service.Exec(stmt)
+		require.ErrorContains(t, err, want, stmt)
+	}
+}
+
+// Every listed privilege is needed: with any single one revoked, the run
+// above fails with PostgreSQL's "permission denied" for that object. So the
+// list in the README is not broader than what millrace uses.
+func TestEveryListedPrivilegeIsNeeded(t *testing.T) {
+	t.Parallel()
+	template := pgschema.Tables{Schema: "schema", OutboxTopic: bus.Config{}.WithDefaults().Outbox.Topic}
+	for i, g := range pgschema.Grants(template) {
+		t.Run(g.Privilege+" "+g.Kind+" "+g.Name, func(t *testing.T) {
+			t.Parallel()
+			s := startService(t, i)
+			name := g.Name
+			if g.Kind == "SCHEMA" {
+				name = s.r.schema
+			}
+			want := "permission denied for " + strings.ToLower(g.Kind) + " " + name
+			deadline := time.Now().Add(90 * time.Second)
+			for !strings.Contains(s.ev.text(), want) {
+				require.True(t, time.Now().Before(deadline), "without %s on %s %s the service never hit %q; it said:\n%s",
+					g.Privilege, g.Kind, g.Name, want, s.ev.text())
+				_, err := s.inspect() // outbox status is part of what the role does
+				s.ev.add(err)
+				time.Sleep(50 * time.Millisecond)
+			}
+		})
+	}
+}
+
+// The statements in the README's Security section are the ones millrace
+// generates (and the tests above run) for the default schema and topic.
+func TestReadmeListsTheGeneratedGrants(t *testing.T) {
+	t.Parallel()
+	readme, err := os.ReadFile("../README.md")
+	require.NoError(t, err)
+	_, security, ok := strings.Cut(string(readme), "\n## Security\n")
+	require.True(t, ok, "README.md has a Security section")
+	_, block, ok := strings.Cut(security, "```sql\n")
+	require.True(t, ok, "the Security section has an sql block")
+	block, _, _ = strings.Cut(block, "```")
+	want, err := bus.GrantSQL(bus.Config{}, "orders_app")
+	require.NoError(t, err)
+	require.Equal(t, want, block, "regenerate with: millrace grants --role orders_app")
+}

@@ -1,0 +1,115 @@
+package pgschema
+
+import (
+	"fmt"
+	"strings"
+
+	"github.com/millrace-io/millrace/internal/names"
+)
+
+// Grant is one privilege the role a service runs as needs at run time on
+// one of millrace's objects, and which part of millrace uses it. Migrate
+// runs as the objects' owner; the service role gets exactly these.
+type Grant struct {
+	// Privilege is USAGE, SELECT, INSERT, UPDATE or DELETE.
+	Privilege string
+	// Kind is SCHEMA, TABLE or SEQUENCE.
+	Kind string
+	// Object is the object's qualified, quoted name.
+	Object string
+	// Name is the object's bare name, as PostgreSQL's "permission denied
+	// for table <name>" says it (for a sequence whose name PostgreSQL
+	// shortened, the name it would have had).
+	Name string
+	// Use says what needs it.
+	Use string
+
+	// serialOf is the qualified table whose serial column's sequence this
+	// is, when PostgreSQL had to shorten the sequence's name: GrantSQL
+	// looks it up instead of naming it.
+	serialOf string
+}
+
+// serialSequence is the name PostgreSQL gives the sequence of a serial
+// column when it fits in an identifier (table_column_seq).
+func serialSequence(table, column string) (string, bool) {
+	name := table + "_" + column + "_seq"
+	return name, len(name) <= MaxIdentifierLength
+}
+
+// Grants lists every privilege a service role needs on t's objects, one
+// per privilege and object: publishing (bus.Publish), the relay, and
+// consumers (inbox, ordering guard, poison table). A service that only
+// publishes, or a relay running as its own process, needs only its part.
+func Grants(t Tables) []Grant {
+	table := func(name string) (string, string) { return t.qualify(name), name }
+	var g []Grant
+	add := func(privs, kind, object, name, use string) {
+		for _, p := range strings.Split(privs, ",") {
+			g = append(g, Grant{Privilege: strings.TrimSpace(p), Kind: kind, Object: object, Name: name, Use: use})
+		}
+	}
+	add("USAGE", "SCHEMA", `"`+t.Schema+`"`, t.Schema, "every part: look up millrace's tables")
+
+	outbox, outboxName := table("watermill_" + t.OutboxTopic)
+	add("INSERT", "TABLE", outbox, outboxName, "publish: write events into the outbox")
+	seq, fits := serialSequence(outboxName, "offset")
+	add("USAGE", "SEQUENCE", t.qualify(seq), seq, `publish: number outbox rows (the "offset" column)`)
+	if !fits {
+		g[len(g)-1].serialOf = outbox
+	}
+	add("SELECT", "TABLE", outbox, outboxName, "relay: read pending events; outbox status")
+	add("DELETE", "TABLE", outbox, outboxName, "relay: delete forwarded rows after relay.retention")
+
+	offsets, offsetsName := table("watermill_offsets_" + t.OutboxTopic)
+	add("SELECT, INSERT, UPDATE", "TABLE", offsets, offsetsName, "relay: its position in the outbox, locked while a batch is in flight")
+
+	quarantine, quarantineName := table("millrace_relay_quarantine")
+	add("SELECT, INSERT", "TABLE", quarantine, quarantineName, "relay: set aside rows no broker can take; outbox status counts them")
+	add("USAGE", "SEQUENCE", t.qualify("millrace_relay_quarantine_id_seq"), "millrace_relay_quarantine_id_seq", "relay: number quarantined rows")
+
+	inbox, inboxName := table("millrace_inbox")
+	add("SELECT, INSERT, UPDATE, DELETE", "TABLE", inbox, inboxName,
+		"consumers: record processed events; inbox retention deletes old rows (locking them, hence UPDATE)")
+
+	versions, versionsName := table("millrace_aggregate_versions")
+	add("SELECT, INSERT, UPDATE", "TABLE", versions, versionsName, "consumers with consumer.ordering_guard: the latest version applied")
+
+	poison, poisonName := table("millrace_poison")
+	add("SELECT, INSERT, UPDATE", "TABLE", poison, poisonName, "consumers: store poisoned messages (again: update their row)")
+	add("USAGE", "SEQUENCE", t.qualify("millrace_poison_id_seq"), "millrace_poison_id_seq", "consumers: number poisoned messages")
+	return g
+}
+
+// GrantSQL returns the GRANT statements that give role every privilege of
+// Grants(t): one statement per object, each with a comment saying what
+// needs it. Run them as the owner of the tables (whoever ran Migrate).
+func GrantSQL(t Tables, role string) (string, error) {
+	if err := t.Validate(); err != nil {
+		return "", err
+	}
+	if err := names.Identifier(role, MaxIdentifierLength); err != nil {
+		return "", fmt.Errorf("role %q: %w", role, err)
+	}
+	var b strings.Builder
+	grants := Grants(t)
+	for i := 0; i < len(grants); {
+		// One statement per object and use: consecutive grants on it merge.
+		j := i
+		var privs []string
+		for j < len(grants) && grants[j].Object == grants[i].Object && grants[j].Use == grants[i].Use {
+			privs = append(privs, grants[j].Privilege)
+			j++
+		}
+		g := grants[i]
+		if g.serialOf != "" {
+			// PostgreSQL shortened the sequence's name: look it up.
+			fmt.Fprintf(&b, "-- %s\nDO $$ BEGIN EXECUTE format('GRANT %s ON SEQUENCE %%s TO %%I', pg_get_serial_sequence('%s', 'offset'), '%s'); END $$;\n",
+				g.Use, g.Privilege, g.serialOf, role)
+		} else {
+			fmt.Fprintf(&b, "-- %s\nGRANT %s ON %s %s TO \"%s\";\n", g.Use, strings.Join(privs, ", "), g.Kind, g.Object, role)
+		}
+		i = j
+	}
+	return b.String(), nil
+}

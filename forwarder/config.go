@@ -18,10 +18,10 @@ type Config struct {
 	// standbys. Defaults to "millrace_relay".
 	ConsumerGroup string `yaml:"consumer_group"`
 	// BatchSize is how many outbox rows are read, published and acked per
-	// database transaction. Defaults to 1000.
+	// database transaction. Defaults to 2000.
 	BatchSize int `yaml:"batch_size"`
 	// MaxInFlight bounds the messages published to the broker and not yet
-	// confirmed; a batch larger than it is published in slices. Defaults to 1000.
+	// confirmed; a batch larger than it is published in slices. Defaults to 2000.
 	MaxInFlight int `yaml:"max_in_flight"`
 	// RateLimit caps the relay at this many messages per second so a backlog
 	// drains without flooding consumers; 0 means no limit. Defaults to 0.
@@ -56,8 +56,8 @@ func (c Config) WithDefaults() Config {
 		c.Enabled = ptr(true)
 	}
 	c.ConsumerGroup = cmp.Or(c.ConsumerGroup, "millrace_relay")
-	c.BatchSize = cmp.Or(c.BatchSize, 1000)
-	c.MaxInFlight = cmp.Or(c.MaxInFlight, 1000)
+	c.BatchSize = cmp.Or(c.BatchSize, 2000)
+	c.MaxInFlight = cmp.Or(c.MaxInFlight, 2000)
 	c.PollInterval = cmp.Or(c.PollInterval, time.Second)
 	c.RetryInitial = cmp.Or(c.RetryInitial, 100*time.Millisecond)
 	c.RetryMax = cmp.Or(c.RetryMax, 10*time.Second)

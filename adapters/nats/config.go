@@ -122,7 +122,7 @@ type PublishConfig struct {
 	// to 30s.
 	Timeout time.Duration `yaml:"timeout"`
 	// MaxPending is how many messages PublishBatch keeps sent but unconfirmed
-	// at once. Defaults to 512.
+	// at once. Defaults to 1024.
 	MaxPending int `yaml:"max_pending"`
 }
 
@@ -157,7 +157,7 @@ const (
 	defaultNakDelay        = 5 * time.Second
 	defaultSubscribers     = 1
 	defaultPublishTimeout  = 30 * time.Second
-	defaultMaxPending      = 512
+	defaultMaxPending      = 1024
 )
 
 // DefaultStoreDir is broker.nats.embedded.store_dir's default.

@@ -23,7 +23,7 @@ func TestConfigDefaults(t *testing.T) {
 		Consumer: ConsumerConfig{
 			AckWait: 60 * time.Second, MaxDeliver: -1, MaxAckPending: 32, NakDelay: 5 * time.Second, Subscribers: 1,
 		},
-		Publish:  PublishConfig{Timeout: 30 * time.Second, MaxPending: 512},
+		Publish:  PublishConfig{Timeout: 30 * time.Second, MaxPending: 1024},
 		Embedded: EmbeddedConfig{StoreDir: DefaultStoreDir(), Sync: SyncAlways},
 		TLS:      adapters.TLSConfig{MinVersion: adapters.TLS12},
 	}, c)

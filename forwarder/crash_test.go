@@ -93,6 +93,37 @@ func runRelayChild() int {
 	return 0
 }
 
+// endToEnd is a test's own schema with a Bus, a broker of kind, a topic and
+// a collector of everything that reaches the topic.
+type endToEnd struct {
+	db     *sql.DB
+	bus    *bus.Bus
+	cfg    bus.Config
+	broker adapters.Broker
+	topic  string
+	got    *collector
+}
+
+func newEndToEnd(t *testing.T, kind, prefix string) endToEnd {
+	ctx := context.Background()
+	db := testdb.Open(t)
+	var cfg bus.Config
+	cfg.Database.Schema = testdb.Schema(t, db)
+	brokertest.Apply(t, kind, &cfg)
+	require.NoError(t, bus.Migrate(ctx, db, cfg))
+	b, err := bus.Open(ctx, cfg, db)
+	require.NoError(t, err)
+	t.Cleanup(func() { b.Close() })
+	topic := prefix + "-" + testdb.UniqueName("")[3:]
+	group := topic + "-check"
+	brokertest.Cleanup(t, kind, topic, group)
+	broker, err := bus.OpenBroker(ctx, b.Config(), nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { broker.Close() })
+	require.NoError(t, broker.Provision(ctx, topic, group))
+	return endToEnd{db: db, bus: b, cfg: b.Config(), broker: broker, topic: topic, got: collect(t, broker, topic, group)}
+}
+
 func crashConfig() forwarder.Config {
 	return forwarder.Config{BatchSize: 200, MaxInFlight: 100, PollInterval: 100 * time.Millisecond,
 		RetryInitial: 20 * time.Millisecond, RetryMax: 500 * time.Millisecond, ShutdownTimeout: 5 * time.Second}
@@ -221,24 +252,8 @@ func TestRelayKilledAtRandomPointsLosesNothing(t *testing.T) {
 
 func testRelayCrashes(t *testing.T, kind string) {
 	const events, kills = 10_000, 10
-	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
-	brokertest.Apply(t, kind, &cfg)
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	b, err := bus.Open(ctx, cfg, db)
-	require.NoError(t, err)
-	defer b.Close()
-	cfg = b.Config()
-	topic := "crash-" + testdb.UniqueName("")[3:]
-	group := topic + "-check"
-	brokertest.Cleanup(t, kind, topic, group)
-	broker, err := bus.OpenBroker(ctx, cfg, nil)
-	require.NoError(t, err)
-	defer broker.Close()
-	require.NoError(t, broker.Provision(ctx, topic, group))
-	got := collect(t, broker, topic, group)
+	e := newEndToEnd(t, kind, "crash")
+	db, b, cfg, broker, topic, got := e.db, e.bus, e.cfg, e.broker, e.topic, e.got
 
 	written := make(chan *writer, 1)
 	go func() { w := newWriter(); w.write(t, b, db, topic, events); written <- w }()
@@ -323,24 +338,8 @@ func TestStandbyRelayTakesOverFromAKilledOne(t *testing.T) {
 }
 
 func testTakeover(t *testing.T, kind string) {
-	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
-	brokertest.Apply(t, kind, &cfg)
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	b, err := bus.Open(ctx, cfg, db)
-	require.NoError(t, err)
-	defer b.Close()
-	cfg = b.Config()
-	topic := "takeover-" + testdb.UniqueName("")[3:]
-	group := topic + "-check"
-	brokertest.Cleanup(t, kind, topic, group)
-	broker, err := bus.OpenBroker(ctx, cfg, nil)
-	require.NoError(t, err)
-	defer broker.Close()
-	require.NoError(t, broker.Provision(ctx, topic, group))
-	got := collect(t, broker, topic, group)
+	e := newEndToEnd(t, kind, "takeover")
+	db, b, cfg, topic, got := e.db, e.bus, e.cfg, e.topic, e.got
 
 	prefix := "relay" + cfg.Database.Schema[len(cfg.Database.Schema)-8:] // unique per test
 	relays := map[string]*exec.Cmd{}

@@ -77,8 +77,12 @@ type Config struct {
 	Compression string `yaml:"compression"`
 	// ProducerRetries is how often the producer resends a batch the broker
 	// did not acknowledge before the publish fails (retryably). The
-	// idempotent producer keeps this free of duplicates and reordering.
-	// Defaults to 10.
+	// idempotent producer keeps its retries free of duplicates and of
+	// reordering, but once it gives up on a batch, later batches of the
+	// partition may already be stored: so retries times
+	// producer_retry_backoff is the broker outage the relay rides out with
+	// each partition's order intact, like Kafka's own delivery.timeout.ms
+	// (120s). Defaults to 480 (2 minutes at 250ms).
 	ProducerRetries int `yaml:"producer_retries"`
 	// ProducerRetryBackoff is the wait between those resends. Defaults to 250ms.
 	ProducerRetryBackoff time.Duration `yaml:"producer_retry_backoff"`
@@ -159,7 +163,7 @@ func (c Config) WithDefaults() Config {
 	}
 	c.MaxMessageBytes = cmp.Or(c.MaxMessageBytes, DefaultMaxMessageBytes)
 	c.Compression = cmp.Or(c.Compression, CompressionLZ4)
-	c.ProducerRetries = cmp.Or(c.ProducerRetries, 10)
+	c.ProducerRetries = cmp.Or(c.ProducerRetries, 480)
 	c.ProducerRetryBackoff = cmp.Or(c.ProducerRetryBackoff, 250*time.Millisecond)
 	c.ProducerTimeout = cmp.Or(c.ProducerTimeout, 10*time.Second)
 	c.SessionTimeout = cmp.Or(c.SessionTimeout, 10*time.Second)

@@ -25,8 +25,9 @@ type ticket struct {
 }
 
 type result struct {
-	index int
-	err   error
+	index     int
+	partition int32
+	err       error
 }
 
 // routeResults hands every producer answer to the call that sent the record,
@@ -54,7 +55,7 @@ func (b *Broker) routeResults() {
 
 func deliver(m *sarama.ProducerMessage, err error) {
 	if t, ok := m.Metadata.(ticket); ok {
-		t.results <- result{index: t.index, err: err} // buffered for the whole batch: never blocks
+		t.results <- result{index: t.index, partition: m.Partition, err: err} // buffered for the whole batch: never blocks
 	}
 }
 
@@ -67,18 +68,25 @@ func deliver(m *sarama.ProducerMessage, err error) {
 // partition sent together) when one message in it is over the topic's
 // max.message.bytes; the messages of such a batch are then sent again one by
 // one, so only the large one fails.
+//
+// A partition's order holds within a call: once a message failed retryably
+// (the producer spent producer_retries on it), no later message of its
+// topic and partition counts as confirmed, even if the broker took it, so
+// the caller sends them all again after the failed one. The broker may
+// then hold such a later message twice, once before the failed one.
 func (b *Broker) PublishBatch(ctx context.Context, msgs []adapters.Outgoing) error {
 	if len(msgs) == 0 {
 		return nil
 	}
-	errs := b.send(ctx, msgs)
+	errs, partitions := b.send(ctx, msgs)
 	for i, err := range errs {
 		if !errors.Is(err, sarama.ErrMessageSizeTooLarge) {
 			continue
 		}
 		// One record per batch now; order among these retries is kept
 		// because each waits for the previous one's answer.
-		err = b.send(ctx, msgs[i:i+1])[0]
+		single, _ := b.send(ctx, msgs[i:i+1])
+		err = single[0]
 		if errors.Is(err, sarama.ErrMessageSizeTooLarge) {
 			err = b.overBrokerLimit(msgs[i])
 		}
@@ -92,13 +100,37 @@ func (b *Broker) PublishBatch(ctx context.Context, msgs []adapters.Outgoing) err
 		}
 		errs[i] = classify(msgs[i].Topic, err)
 	}
+	keepPartitionOrder(msgs, errs, partitions)
 	return adapters.NewBatchError(errs)
+}
+
+// keepPartitionOrder fails every message confirmed after a retryable
+// failure of an earlier message of the same topic and partition.
+func keepPartitionOrder(msgs []adapters.Outgoing, errs []error, partitions []int32) {
+	type topicPartition struct {
+		topic     string
+		partition int32
+	}
+	failed := map[topicPartition]int{}
+	for i, err := range errs {
+		tp := topicPartition{msgs[i].Topic, partitions[i]}
+		first, seen := failed[tp]
+		switch {
+		case err != nil && !adapters.IsPermanent(err) && !seen:
+			failed[tp] = i
+		case err == nil && seen:
+			errs[i] = fmt.Errorf("kafka: not confirmed in order: message %s of the same partition (%s/%d) failed before it: %w",
+				msgs[first].Msg.UUID, tp.topic, tp.partition, errs[first])
+		}
+	}
 }
 
 // send hands msgs to the producer and waits for their answers or ctx. The
 // errors are as the producer reported them; PublishBatch classifies them.
-func (b *Broker) send(ctx context.Context, msgs []adapters.Outgoing) []error {
-	errs := make([]error, len(msgs))
+// partitions holds the partition each answered message went to.
+func (b *Broker) send(ctx context.Context, msgs []adapters.Outgoing) (errs []error, partitions []int32) {
+	errs = make([]error, len(msgs))
+	partitions = make([]int32, len(msgs))
 	fill := func(from int, err error) {
 		for i := from; i < len(msgs); i++ {
 			if errs[i] == nil {
@@ -108,7 +140,7 @@ func (b *Broker) send(ctx context.Context, msgs []adapters.Outgoing) []error {
 	}
 	if b.closed.Load() {
 		fill(0, ErrClosed)
-		return errs
+		return errs, partitions
 	}
 	topicErrs := map[string]error{}
 	for i, o := range msgs {
@@ -162,7 +194,7 @@ func (b *Broker) send(ctx context.Context, msgs []adapters.Outgoing) []error {
 	for pending > 0 {
 		select {
 		case r := <-results:
-			errs[r.index] = r.err
+			errs[r.index], partitions[r.index] = r.err, r.partition
 			sent[r.index] = false
 			pending--
 		case <-ctx.Done():
@@ -171,10 +203,10 @@ func (b *Broker) send(ctx context.Context, msgs []adapters.Outgoing) []error {
 					errs[i] = fmt.Errorf("kafka: not acknowledged before the context ended (it may still arrive): %w", ctx.Err())
 				}
 			}
-			return errs
+			return errs, partitions
 		}
 	}
-	return errs
+	return errs, partitions
 }
 
 // record turns o into a Kafka record, refusing what the broker would refuse.

@@ -108,7 +108,7 @@ func testCrash(t *testing.T, broker, mode string) {
 	committedByChild := e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox"))
 	c := startConsumer(t, k, e, middleware.Config{}, handlerSpec{name: "billing", topic: topic, group: group,
 		handle: func(msg *message.Message) error { return e.write(msg.Context(), group, msg) }})
-	eventually(t, time.Minute, "every event the child did not commit processed by the clean consumer", func() bool {
+	eventually(t, 2*time.Minute, "every event the child did not commit processed by the clean consumer", func() bool {
 		return int(c.messages(t, "billing", middleware.OutcomeOK)) == events-committedByChild
 	})
 	require.Equal(t, events, e.count(t, `SELECT count(*) FROM `+e.table("business")), "no event has two effects")

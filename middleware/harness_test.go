@@ -99,6 +99,11 @@ func adapterKit(t testing.TB, kind string, opts kitOptions) *kit {
 	cfg.Broker.NATS.Consumer.MaxAckPending = cmp.Or(opts.maxAckPending, 256)
 	cfg.Broker.NATS.Consumer.NakDelay = 100 * time.Millisecond
 	cfg.Broker.RabbitMQ.Prefetch = 4
+	// A consumer killed by a test leaves its Kafka group member behind until
+	// its session times out; a rebalance waits for it at most this long.
+	cfg.Broker.Kafka.SessionTimeout = 6 * time.Second
+	cfg.Broker.Kafka.HeartbeatInterval = 2 * time.Second
+	cfg.Broker.Kafka.RebalanceTimeout = 10 * time.Second
 	broker, err := bus.OpenBroker(context.Background(), cfg, testLogger())
 	require.NoError(t, err)
 	t.Cleanup(func() { broker.Close() })

@@ -4,7 +4,7 @@ PKGS    ?= ./...
 STACK   := internal/devstack/stack.sh
 CONFIG  ?= config.yaml
 
-.PHONY: help up down status test vet fmt-check lint demo migrate bench
+.PHONY: help up down status test vet fmt-check lint demo migrate bench reliability
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -40,3 +40,6 @@ demo: up ## the seed scenario end to end (BROKER=nats|rabbitmq|kafka; default: c
 
 bench: up ## benchmarks, millrace side by side with stock Watermill
 	$(GO) test -run '^$$' -bench . -benchmem $(PKGS)
+
+reliability: up ## the fault-injection suite on every broker; rewrites docs/RELIABILITY.md from its results
+	MILLRACE_RELIABILITY_DOC=$(CURDIR)/docs/RELIABILITY.md $(GO) test -race -count=1 -timeout 60m -v ./internal/faults

@@ -41,6 +41,9 @@ type Bus struct {
 	gatherer   prometheus.Gatherer
 	tracer     trace.Tracer
 
+	// routerMiddleware wraps every handler outside its chain.
+	routerMiddleware []message.HandlerMiddleware
+
 	mu       sync.Mutex
 	handlers []handlerSpec
 	running  bool
@@ -48,6 +51,16 @@ type Bus struct {
 
 // Option changes how Open builds a Bus.
 type Option func(*Bus)
+
+// WithRouterMiddleware adds Watermill handler middleware around every
+// handler Run runs, outside millrace's chain: it sees a message before the
+// inbox transaction begins, and after the chain returns (the transaction
+// committed or rolled back) before the message is acked or nacked. Use it
+// for instrumentation; retry, poison, breaker and timeout are already in the
+// chain and must not be added again.
+func WithRouterMiddleware(m ...message.HandlerMiddleware) Option {
+	return func(b *Bus) { b.routerMiddleware = append(b.routerMiddleware, m...) }
+}
 
 // WithLogger sets the logger. Defaults to slog.Default().
 func WithLogger(l *slog.Logger) Option {

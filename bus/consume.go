@@ -211,7 +211,10 @@ func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []han
 			Competing:      true,
 			KeyPartitioned: b.cfg.Broker.Kind == KindKafka,
 		})
-		router.AddConsumerHandler(h.name, h.topic, sub, handle)
+		handler := router.AddConsumerHandler(h.name, h.topic, sub, handle)
+		for _, m := range b.routerMiddleware {
+			handler.AddMiddleware(m)
+		}
 	}
 	return router, stack, nil
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log"
 	"strings"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -144,4 +145,37 @@ func ExampleGrantSQL() {
 	// GRANT INSERT ON TABLE "billing"."watermill_millrace_outbox" TO "billing_app";
 	// -- publish: number outbox rows (the "offset" column)
 	// GRANT USAGE ON SEQUENCE "billing"."watermill_millrace_outbox_offset_seq" TO "billing_app";
+}
+
+// Router middleware wraps every handler Run runs, outside millrace's chain:
+// here it logs how long each message took, inbox transaction included,
+// before the message is acked.
+func ExampleWithRouterMiddleware() {
+	timing := func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			start := time.Now()
+			out, err := h(msg)
+			log.Printf("event %s handled in %s, err: %v", msg.Metadata.Get(bus.EventIDKey), time.Since(start), err)
+			return out, err
+		}
+	}
+	ctx := context.Background()
+	cfg, err := bus.LoadConfig("config.yaml")
+	if err != nil {
+		log.Fatal(err)
+	}
+	db, err := bus.OpenDB(cfg.Database)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer db.Close()
+	b, err := bus.Open(ctx, cfg, db, bus.WithRouterMiddleware(timing))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer b.Close()
+	// Register handlers with b.Handle, then:
+	if err := b.Run(ctx); err != nil {
+		log.Fatal(err)
+	}
 }

@@ -1,13 +1,17 @@
 package middleware
 
 import (
+	"context"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
 	"strconv"
+	"strings"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/millrace-io/millrace/internal/envelope"
 )
@@ -161,6 +165,31 @@ func (e *outageError) Error() string {
 	return "dependency outage (circuit breaker open): " + e.err.Error()
 }
 func (e *outageError) Unwrap() error { return e.err }
+
+// unavailableError marks a failure to reach the database in the inbox
+// transaction: the message was never judged, so the failure does not use up
+// its retries. The retry stage waits its backoff and tries again, for as
+// long as the database stays away.
+type unavailableError struct{ err error }
+
+func (e *unavailableError) Error() string { return "database unreachable: " + e.err.Error() }
+func (e *unavailableError) Unwrap() error { return e.err }
+
+// unreachable reports whether err says the database could not be reached
+// (no answer, a broken connection, a server shutting down or starting), as
+// opposed to the server rejecting a statement.
+func unreachable(err error) bool {
+	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, sql.ErrTxDone) {
+		return false
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		// Class 08: connection exception; 57P01-03: admin shutdown, crash
+		// shutdown, cannot connect now.
+		return strings.HasPrefix(pgErr.Code, "08") || slices.Contains([]string{"57P01", "57P02", "57P03"}, pgErr.Code)
+	}
+	return true
+}
 
 // shouldPoison is the poison queue's filter: permanent failures and messages
 // whose retries ran out. Never a shutdown, an open breaker or an outage.

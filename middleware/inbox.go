@@ -43,7 +43,7 @@ WHERE v.version < EXCLUDED.version`
 		d := deliveryFrom(ctx)
 		tx, err := c.stack.db.BeginTx(ctx, nil)
 		if err != nil {
-			return nil, fmt.Errorf("inbox: begin transaction: %w", err)
+			return nil, ownStatement(fmt.Errorf("inbox: begin transaction: %w", err))
 		}
 		done := false
 		defer func() {
@@ -55,7 +55,7 @@ WHERE v.version < EXCLUDED.version`
 		if inbox {
 			res, err := tx.ExecContext(ctx, insertInbox, group, d.eventID)
 			if err != nil {
-				return nil, fmt.Errorf("inbox: insert event id: %w", err)
+				return nil, ownStatement(fmt.Errorf("inbox: insert event id: %w", err))
 			}
 			if n, _ := res.RowsAffected(); n == 0 {
 				d.outcome = OutcomeDuplicate
@@ -88,6 +88,13 @@ WHERE v.version < EXCLUDED.version`
 		out, err := h(msg)
 		msg.SetContext(ctx)
 		if err != nil {
+			if IsRetryable(err) {
+				// Did the handler fail because the database went away? Its
+				// transaction answers unless the connection is gone.
+				if _, probe := tx.ExecContext(ctx, "SELECT 1"); unreachable(probe) {
+					return nil, &unavailableError{err: err}
+				}
+			}
 			return nil, err
 		}
 		done = true
@@ -95,11 +102,20 @@ WHERE v.version < EXCLUDED.version`
 			if errors.Is(err, sql.ErrTxDone) {
 				return nil, Permanent(errTxEnded)
 			}
-			return nil, fmt.Errorf("inbox: commit: %w", err)
+			return nil, ownStatement(fmt.Errorf("inbox: commit: %w", err))
 		}
 		d.outcome = OutcomeOK
 		return out, nil
 	}
+}
+
+// ownStatement classifies a failure of one of the inbox transaction's own
+// statements: unreachable database or not.
+func ownStatement(err error) error {
+	if unreachable(err) {
+		return &unavailableError{err: err}
+	}
+	return err
 }
 
 // PruneInbox deletes inbox rows processed more than olderThan ago, batch rows

@@ -33,7 +33,9 @@ func newBackOff(cfg RetryConfig) *backoff.ExponentialBackOff {
 // message's context, so a shutdown ends them with a *shutdownError (nack,
 // never poison). A failure the breaker attributes to a dependency outage
 // (*outageError) does not use up the message's retries: the next attempt
-// waits in the breaker stage instead.
+// waits in the breaker stage instead. Nor does a database the inbox
+// transaction could not reach (*unavailableError): the attempt is repeated
+// after the backoff's next wait.
 //
 // Written here instead of using Watermill's Retry middleware, which advances
 // the backoff once more for every ShouldRetry and OnRetryHook call (the ladder
@@ -69,6 +71,17 @@ func (c *Chain) retry(h message.HandlerFunc) message.HandlerFunc {
 			if errors.As(err, &outage) {
 				c.stack.logger.Info("Attempt failed while the circuit breaker is open; waiting for it, retries not used up",
 					c.logFields(d, watermill.LogFields{"err": err.Error()}))
+				continue
+			}
+			var down *unavailableError
+			if errors.As(err, &down) {
+				wait := bo.NextBackOff()
+				c.stack.logger.Info("Database unreachable; waiting, retries not used up",
+					c.logFields(d, watermill.LogFields{"err": err.Error(), "wait": wait.String()}))
+				if err := c.stack.sleep(ctx, wait); err != nil {
+					return nil, &shutdownError{cause: err}
+				}
+				d.held += wait
 				continue
 			}
 			counted++

@@ -11,13 +11,14 @@ import (
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/adaptertest"
+	"github.com/millrace-io/millrace/internal/servers"
 )
 
 // Nothing listens on the port: Open fails at once, naming the address and
 // not the password.
 func TestOpenRefused(t *testing.T) {
 	t.Parallel()
-	port := freePort(t)
+	port := servers.FreePort(t)
 	url := "amqp://millrace:s3cret-pw@127.0.0.1:" + strconv.Itoa(port) + "/"
 	_, err := Open(context.Background(), Config{URL: url}, adapters.Options{ConnectTimeout: 5 * time.Second})
 	require.Error(t, err)

@@ -12,6 +12,7 @@ import (
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/adaptertest"
+	"github.com/millrace-io/millrace/internal/servers"
 )
 
 // TestOutages stops, alarms and reconfigures a private RabbitMQ node, one
@@ -20,7 +21,7 @@ func TestOutages(t *testing.T) {
 	t.Parallel()
 	// The dead-letter worker retries a dead letter it could not route after
 	// this long (3 minutes by default).
-	node := startPrivateNode(t, "max_message_size = 1048576",
+	node := servers.StartRabbitMQ(t, "max_message_size = 1048576",
 		"[{rabbit, [{dead_letter_worker_publisher_confirm_timeout, 1000}]}].\n")
 	t.Run("AtLeastOnceDeadLettering", func(t *testing.T) { testAtLeastOnceDeadLettering(t, node) })
 	t.Run("ServerMessageSizeLimit", func(t *testing.T) { testServerMessageSizeLimit(t, node) })
@@ -66,7 +67,7 @@ func nackUntilGone(t *testing.T, ch <-chan *message.Message) int {
 // (at-least-once dead-lettering) and reaches the queue once it is back. The
 // same queue declared without x-overflow reject-publish loses it: RabbitMQ
 // quietly falls back to at-most-once.
-func testAtLeastOnceDeadLettering(t *testing.T, node *privateNode) {
+func testAtLeastOnceDeadLettering(t *testing.T, node *servers.RabbitMQ) {
 	cfg := testConfig(node.URL)
 	cfg.DeliveryLimit = 1
 	b := openBroker(t, cfg)
@@ -123,7 +124,7 @@ func testAtLeastOnceDeadLettering(t *testing.T, node *privateNode) {
 // max_message_bytes) closes the channel: that message fails permanently,
 // naming the server's limit, the others are retryable, and the retry
 // refuses it before sending so the rest goes through.
-func testServerMessageSizeLimit(t *testing.T, node *privateNode) {
+func testServerMessageSizeLimit(t *testing.T, node *servers.RabbitMQ) {
 	cfg := testConfig(node.URL)
 	cfg.MaxMessageBytes = DefaultMaxMessageBytes
 	b := openBroker(t, cfg)
@@ -162,7 +163,7 @@ func testServerMessageSizeLimit(t *testing.T, node *privateNode) {
 // connection is blocked is refused at once, subscribers (on their own
 // connections) keep consuming, and a batch waiting out the alarm is
 // confirmed once it clears.
-func testMemoryAlarm(t *testing.T, node *privateNode) {
+func testMemoryAlarm(t *testing.T, node *servers.RabbitMQ) {
 	b := openBroker(t, testConfig(node.URL))
 	topic, group := adaptertest.Name("alarm"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
@@ -248,7 +249,7 @@ func publishEventually(t *testing.T, b *Broker, topic string, msgs ...*message.M
 
 // With the broker down, PublishBatch fails fast with a retryable error; once
 // it is back, publishing reconnects and the subscription resumes by itself.
-func testBrokerDown(t *testing.T, node *privateNode) {
+func testBrokerDown(t *testing.T, node *servers.RabbitMQ) {
 	b := openBroker(t, testConfig(node.URL))
 	topic, group := adaptertest.Name("down"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))

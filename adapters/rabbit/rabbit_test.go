@@ -8,6 +8,7 @@ import (
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/adaptertest"
+	"github.com/millrace-io/millrace/internal/servers"
 )
 
 // TestContract runs millrace's adapter suite against the server at AMQP_URL
@@ -26,7 +27,7 @@ func TestContract(t *testing.T) {
 // against a private RabbitMQ node started for it.
 func TestContractPrivateNode(t *testing.T) {
 	t.Parallel()
-	node := startPrivateNode(t, "", "")
+	node := servers.StartRabbitMQ(t, "", "")
 	cfg := testConfig(node.URL)
 	adaptertest.Run(t, adaptertest.Harness{
 		NewBroker:       func(t *testing.T) adapters.Broker { return openBroker(t, cfg) },
@@ -86,7 +87,7 @@ func TestWatermillReconnect(t *testing.T) {
 			"run without -race. The adapter's own restart tests run with it (TestContractPrivateNode, TestOutages)")
 	}
 	t.Parallel()
-	node := startPrivateNode(t, "", "")
+	node := servers.StartRabbitMQ(t, "", "")
 	cfg := watermillConfig(node.URL)
 	features := watermillFeatures
 	features.RestartServiceCommand = []string{node.RestartScript()}

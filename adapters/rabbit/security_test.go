@@ -17,6 +17,7 @@ import (
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/adaptertest"
 	"github.com/millrace-io/millrace/internal/confload"
+	"github.com/millrace-io/millrace/internal/servers"
 	"github.com/millrace-io/millrace/internal/testcerts"
 )
 
@@ -50,8 +51,8 @@ func TestTLSOnPrivateNode(t *testing.T) {
 	ca := testcerts.NewCA(t, "rabbit")
 	server := ca.Server("rabbit")
 	client := ca.Client("millrace")
-	tlsPort := freePort(t)
-	node := startPrivateNode(t, fmt.Sprintf(`listeners.ssl.1 = 127.0.0.1:%d
+	tlsPort := servers.FreePort(t)
+	node := servers.StartRabbitMQ(t, fmt.Sprintf(`listeners.ssl.1 = 127.0.0.1:%d
 ssl_options.cacertfile = %s
 ssl_options.certfile = %s
 ssl_options.keyfile = %s

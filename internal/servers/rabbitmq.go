@@ -1,11 +1,10 @@
-package rabbit
+package servers
 
 import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -19,10 +18,10 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// privateNode is a RabbitMQ node of its own (own node name, ports, data and
+// RabbitMQ is a RabbitMQ node of its own (own node name, ports, data and
 // log directories) that a test may stop, restart and reconfigure without
 // touching the shared server other tests use.
-type privateNode struct {
+type RabbitMQ struct {
 	t       testing.TB
 	bin     string // directory holding rabbitmq-server and rabbitmqctl
 	dir     string
@@ -30,7 +29,8 @@ type privateNode struct {
 	env     []string // os.Environ() and own
 	own     []string // the node's own variables
 	pidFile string
-	URL     string
+	// URL is the node's AMQP URL (user guest, default virtual host).
+	URL string
 }
 
 // rabbitBinDir finds the RabbitMQ scripts: the Debian/Ubuntu package keeps
@@ -46,20 +46,11 @@ func rabbitBinDir() (string, bool) {
 	return "", false
 }
 
-// freePort returns a TCP port nothing listens on right now.
-func freePort(t testing.TB) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
-}
-
-// startPrivateNode starts a private node, stopped when t ends. rabbitmqConf
-// and advancedConfig are appended to its rabbitmq.conf and written as its
-// advanced.config (may be empty). The test is skipped, saying why, when no
+// StartRabbitMQ starts a private RabbitMQ node, stopped when t ends.
+// rabbitmqConf and advancedConfig are appended to its rabbitmq.conf and
+// written as its advanced.config (may be empty). The test is skipped, saying why, when no
 // RabbitMQ installation is there to start one from.
-func startPrivateNode(t testing.TB, rabbitmqConf, advancedConfig string) *privateNode {
+func StartRabbitMQ(t testing.TB, rabbitmqConf, advancedConfig string) *RabbitMQ {
 	t.Helper()
 	bin, ok := rabbitBinDir()
 	if !ok {
@@ -70,14 +61,14 @@ func startPrivateNode(t testing.TB, rabbitmqConf, advancedConfig string) *privat
 	// The data directory goes to /tmp: RabbitMQ's paths must stay short.
 	dir, err := os.MkdirTemp("", "millrace-rmq-")
 	require.NoError(t, err)
-	n := &privateNode{
+	n := &RabbitMQ{
 		t:       t,
 		bin:     bin,
 		dir:     dir,
 		name:    "millrace" + hex.EncodeToString(suffix) + "@localhost",
 		pidFile: filepath.Join(dir, "pid"),
 	}
-	port, distPort := freePort(t), freePort(t)
+	port, distPort := FreePort(t), FreePort(t)
 	n.URL = fmt.Sprintf("amqp://guest:guest@127.0.0.1:%d/", port)
 	conf := fmt.Sprintf("listeners.tcp.1 = 127.0.0.1:%d\nlog.file.level = warning\n%s\n", port, rabbitmqConf)
 	files := map[string]string{
@@ -132,7 +123,7 @@ rm -rf %[3]q`, os.Getpid(), n.pidFile, dir))
 }
 
 // Start starts the node and returns once it accepts AMQP connections.
-func (n *privateNode) Start() {
+func (n *RabbitMQ) Start() {
 	n.t.Helper()
 	began := time.Now()
 	cmd := exec.Command(filepath.Join(n.bin, "rabbitmq-server"), "-detached")
@@ -157,7 +148,7 @@ func (n *privateNode) Start() {
 
 // Stop stops the node (SIGTERM, a clean shutdown) and waits for its process
 // to end. It does nothing when the node is not running.
-func (n *privateNode) Stop() {
+func (n *RabbitMQ) Stop() {
 	n.t.Helper()
 	raw, err := os.ReadFile(n.pidFile)
 	if err != nil {
@@ -185,7 +176,7 @@ func (n *privateNode) Stop() {
 }
 
 // Restart stops the node and starts it again on the same data directory.
-func (n *privateNode) Restart() {
+func (n *RabbitMQ) Restart() {
 	n.t.Helper()
 	n.Stop()
 	n.Start()
@@ -193,7 +184,7 @@ func (n *privateNode) Restart() {
 
 // RestartScript writes a shell script that restarts the node the way
 // Restart does, for tools that take a command (Watermill's TestReconnect).
-func (n *privateNode) RestartScript() string {
+func (n *RabbitMQ) RestartScript() string {
 	n.t.Helper()
 	var env strings.Builder
 	for _, kv := range n.own {
@@ -220,18 +211,11 @@ done
 }
 
 // Ctl runs rabbitmqctl against the node.
-func (n *privateNode) Ctl(args ...string) string {
+func (n *RabbitMQ) Ctl(args ...string) string {
 	n.t.Helper()
 	cmd := exec.Command(filepath.Join(n.bin, "rabbitmqctl"), append([]string{"-n", n.name}, args...)...)
 	cmd.Env = n.env
 	out, err := cmd.CombinedOutput()
 	require.NoError(n.t, err, "rabbitmqctl %s: %s", strings.Join(args, " "), out)
 	return string(out)
-}
-
-func tail(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	return s[len(s)-n:]
 }

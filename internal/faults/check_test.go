@@ -1,0 +1,287 @@
+package faults
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/bus"
+)
+
+// aggregates is how many aggregates a world's events are spread over.
+const aggregates = 20
+
+// writer is the service: it commits events of aggregates agg-0..agg-19 with
+// increasing versions, ten per transaction; every 25th transaction rolls
+// back. Through a database outage it keeps trying; a transaction whose
+// COMMIT failed is uncertain until the check looks for it in the outbox.
+type writer struct {
+	w           *world
+	poisonEvery int // every n-th event is malformed (0: none)
+
+	mu         sync.Mutex
+	committed  map[string]bool // well-formed events committed
+	malformed  map[string]bool // malformed events committed
+	rolledBack map[string]bool
+	uncertain  map[string]bool // COMMIT failed: committed or not
+	bad        map[string]bool // malformed among the uncertain
+	version    map[string]int
+	txn, seq   int
+	failures   int // transactions that failed (database unreachable)
+}
+
+func newWriter(w *world) *writer {
+	return &writer{w: w, committed: map[string]bool{}, malformed: map[string]bool{}, rolledBack: map[string]bool{},
+		uncertain: map[string]bool{}, bad: map[string]bool{}, version: map[string]int{}}
+}
+
+// commitTx writes one transaction of ten events; it reports false when the
+// database refused it before COMMIT (nothing was written).
+func (wr *writer) commitTx(ctx context.Context) bool {
+	wr.mu.Lock()
+	txn := wr.txn
+	rollback := txn%25 == 24
+	versions := map[string]int{}
+	var events []bus.Event
+	bad := map[string]bool{}
+	for i := range 10 {
+		agg := fmt.Sprintf("agg-%d", (txn*10+i)%aggregates)
+		if rollback {
+			agg = "ghost-" + agg
+		}
+		versions[agg] = wr.version[agg] + 1 // ten distinct aggregates per transaction
+		wr.seq++
+		n := wr.seq
+		if wr.poisonEvery > 0 && wr.seq%wr.poisonEvery == 0 {
+			n = 0
+		}
+		body, _ := json.Marshal(payload{N: n})
+		id := watermill.NewUUID()
+		bad[id] = n == 0
+		events = append(events, bus.Event{ID: id, Type: "Counted", AggregateType: "counter", AggregateID: agg,
+			AggregateVersion: int64(versions[agg]), Payload: body})
+	}
+	wr.mu.Unlock()
+
+	tx, err := wr.w.db.BeginTx(ctx, nil)
+	if err == nil {
+		if err = wr.w.bus.Publish(ctx, tx, wr.w.topic, events...); err != nil {
+			_ = tx.Rollback()
+		}
+	}
+	if err != nil {
+		wr.mu.Lock()
+		wr.failures++
+		wr.mu.Unlock()
+		return false
+	}
+	if rollback {
+		_ = tx.Rollback()
+	} else {
+		err = tx.Commit()
+	}
+	wr.mu.Lock()
+	defer wr.mu.Unlock()
+	wr.txn++
+	for agg, v := range versions {
+		wr.version[agg] = v
+	}
+	for _, ev := range events {
+		switch {
+		case rollback:
+			wr.rolledBack[ev.ID] = true
+		case err != nil:
+			wr.uncertain[ev.ID] = true
+			wr.bad[ev.ID] = bad[ev.ID]
+		case bad[ev.ID]:
+			wr.malformed[ev.ID] = true
+		default:
+			wr.committed[ev.ID] = true
+		}
+	}
+	if err != nil {
+		wr.failures++
+	}
+	return true
+}
+
+// commit commits transactions until n more events are committed.
+func (wr *writer) commit(n int) {
+	target := wr.total() + n
+	for wr.total() < target {
+		if !wr.commitTx(context.Background()) {
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+}
+
+// run commits about rate events per second until ctx ends or d passes,
+// and closes done when it stops.
+func (wr *writer) run(ctx context.Context, rate int, d time.Duration) (done <-chan struct{}) {
+	ch := make(chan struct{})
+	go func() {
+		defer close(ch)
+		ctx, cancel := context.WithTimeout(ctx, d)
+		defer cancel()
+		tick := time.NewTicker(time.Second * 10 / time.Duration(rate))
+		defer tick.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+				if !wr.commitTx(context.Background()) {
+					time.Sleep(100 * time.Millisecond)
+				}
+			}
+		}
+	}()
+	return ch
+}
+
+// total is how many events were committed or may have been.
+func (wr *writer) total() int {
+	wr.mu.Lock()
+	defer wr.mu.Unlock()
+	return len(wr.committed) + len(wr.malformed) + len(wr.uncertain)
+}
+
+// resolve settles the uncertain events: those in the outbox committed.
+func (wr *writer) resolve(t *testing.T) {
+	wr.mu.Lock()
+	defer wr.mu.Unlock()
+	if len(wr.uncertain) == 0 {
+		return
+	}
+	ids := make([]string, 0, len(wr.uncertain))
+	for id := range wr.uncertain {
+		ids = append(ids, id)
+	}
+	rows, err := wr.w.db.Query(`SELECT uuid FROM "`+wr.w.cfg.Database.Schema+`".watermill_`+wr.w.cfg.Outbox.Topic+
+		` WHERE uuid = ANY($1)`, ids)
+	require.NoError(t, err)
+	defer rows.Close()
+	for rows.Next() {
+		var id string
+		require.NoError(t, rows.Scan(&id))
+		if wr.bad[id] {
+			wr.malformed[id] = true
+		} else {
+			wr.committed[id] = true
+		}
+		delete(wr.uncertain, id)
+	}
+	require.NoError(t, rows.Err())
+	for id := range wr.uncertain { // not in the outbox: rolled back
+		wr.rolledBack[id] = true
+	}
+	wr.uncertain = map[string]bool{}
+}
+
+// outcome is what a scenario's check found.
+type outcome struct {
+	committed, malformed, rolledBack int
+	effects                          int // effect rows
+	lost, duplicated, ghosts         int
+	outOfOrder                       int
+	poisoned, wronglyPoisoned        int
+}
+
+// settle waits until every committed well-formed event has an effect and
+// every malformed one is in the poison table, and returns how long that
+// took after the last fault.
+func (w *world) settle(timeout time.Duration) time.Duration {
+	w.t.Helper()
+	w.writer.resolve(w.t)
+	want, bad := len(w.writer.committed), len(w.writer.malformed)
+	waitFor(w.t, timeout, fmt.Sprintf("%d effects and %d poisoned events", want, bad), func() bool {
+		var effects, poisoned int
+		err := w.db.QueryRow(`SELECT (SELECT count(DISTINCT event_id) FROM `+w.table("effects")+`),
+			(SELECT count(*) FROM `+w.table("millrace_poison")+`)`).Scan(&effects, &poisoned)
+		return err == nil && effects >= want && poisoned >= bad
+	})
+	settled := time.Now()
+	// Late duplicates would show up now: give redeliveries in flight a moment.
+	time.Sleep(2 * time.Second)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.lastFault.IsZero() {
+		return 0
+	}
+	return settled.Sub(w.lastFault)
+}
+
+func (w *world) table(name string) string { return `"` + w.cfg.Database.Schema + `".` + name }
+
+// check compares the effects with what the writer committed, asserts the
+// guarantees (order only when ordered), and returns what it found.
+func (w *world) check(ordered bool) outcome {
+	t := w.t
+	t.Helper()
+	wr := w.writer
+	o := outcome{committed: len(wr.committed), malformed: len(wr.malformed), rolledBack: len(wr.rolledBack)}
+	rows, err := w.db.Query(`SELECT event_id, aggregate_id, version FROM ` + w.table("effects") + ` ORDER BY seq`)
+	require.NoError(t, err)
+	defer rows.Close()
+	seen := map[string]int{}
+	last := map[string]int64{}
+	for rows.Next() {
+		var id, agg string
+		var version int64
+		require.NoError(t, rows.Scan(&id, &agg, &version))
+		o.effects++
+		seen[id]++
+		if seen[id] == 2 {
+			o.duplicated++
+		}
+		if wr.rolledBack[id] {
+			o.ghosts++
+		}
+		if version <= last[agg] {
+			o.outOfOrder++
+		}
+		last[agg] = version
+	}
+	require.NoError(t, rows.Err())
+	for id := range wr.committed {
+		if seen[id] == 0 {
+			o.lost++
+		}
+	}
+	poisoned := map[string]bool{}
+	prow, err := w.db.Query(`SELECT event_id FROM ` + w.table("millrace_poison"))
+	require.NoError(t, err)
+	defer prow.Close()
+	for prow.Next() {
+		var id string
+		require.NoError(t, prow.Scan(&id))
+		poisoned[id] = true
+	}
+	require.NoError(t, prow.Err())
+	o.poisoned = len(poisoned)
+	for id := range poisoned {
+		if !wr.malformed[id] {
+			o.wronglyPoisoned++
+		}
+	}
+	for id := range wr.malformed {
+		if !poisoned[id] {
+			o.lost++ // a malformed event must reach the poison table
+		}
+	}
+
+	require.Zero(t, o.lost, "committed events without an effect (or malformed ones not poisoned)")
+	require.Zero(t, o.duplicated, "events with more than one effect")
+	require.Zero(t, o.ghosts, "effects of rolled-back events")
+	require.Zero(t, o.wronglyPoisoned, "well-formed events poisoned")
+	if ordered {
+		require.Zero(t, o.outOfOrder, "effects of an aggregate out of version order")
+	}
+	return o
+}

@@ -1,0 +1,12 @@
+// Package faults holds millrace's fault-injection suite: each scenario runs
+// the whole path (a service committing events in business transactions ->
+// outbox -> relay -> broker -> consumer -> inbox and a business effect) on
+// every broker, with the relay and the consumers as separate processes it
+// can SIGKILL or SIGTERM, and servers of its own it can restart. After each
+// scenario it checks that every committed event had exactly one effect,
+// that no rolled-back event had any, and that each aggregate's effects ran
+// in version order where millrace promises it.
+//
+// `make test` runs it. `make reliability` runs it and rewrites
+// docs/RELIABILITY.md from the results.
+package faults

@@ -1,0 +1,128 @@
+package faults
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"os"
+	"os/signal"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/middleware"
+)
+
+// nodeEnv carries a node's spec, as JSON, to a child process: this test
+// binary run again.
+const nodeEnv = "MILLRACE_FAULTS_NODE"
+
+// nodeSpec is what one node process runs: the relay, the consumer, or both,
+// through bus.Run, as a service would.
+type nodeSpec struct {
+	Config  bus.Config
+	Relay   bool
+	Consume bool
+	Topic   string
+	Handler string
+	// DependencyURL is called by the handler before its effect; a non-200
+	// answer fails the attempt (a dependency outage).
+	DependencyURL string
+	// KillAfterEffect makes the node SIGKILL itself once its n-th event's
+	// effect is committed, before the ack (0: never).
+	KillAfterEffect int
+}
+
+// payload is the events' body. N == 0 marks a malformed event.
+type payload struct {
+	N int `json:"n"`
+}
+
+// runNode is the child process: it runs spec until SIGTERM and returns the
+// exit code.
+func runNode(raw string) int {
+	var spec nodeSpec
+	if err := json.Unmarshal([]byte(raw), &spec); err != nil {
+		fmt.Fprintln(os.Stderr, "node: bad spec:", err)
+		return 2
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	defer stop()
+	cfg := spec.Config
+	cfg.Relay.Enabled = &spec.Relay
+	db, err := bus.OpenDB(cfg.Database)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "node:", err)
+		return 1
+	}
+	defer db.Close()
+	var opts []bus.Option
+	if spec.KillAfterEffect > 0 {
+		opts = append(opts, bus.WithRouterMiddleware(killAfterEffect(spec.KillAfterEffect)))
+	}
+	b, err := bus.Open(ctx, cfg, db, opts...)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "node:", err)
+		return 1
+	}
+	defer b.Close()
+	if spec.Consume {
+		if err := b.Handle(spec.Topic, spec.Handler, effectHandler(spec, cfg.Database.Schema)); err != nil {
+			fmt.Fprintln(os.Stderr, "node:", err)
+			return 1
+		}
+	}
+	if err := b.Run(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, "node:", err)
+		return 1
+	}
+	return 0
+}
+
+// effectHandler writes one effects row per event in the inbox transaction.
+// The table has no unique key: a second effect of an event shows as a
+// second row.
+func effectHandler(spec nodeSpec, schema string) bus.HandlerFunc {
+	insert := `INSERT INTO "` + schema + `".effects (event_id, aggregate_id, version, pid) VALUES ($1, $2, $3, $4)`
+	client := &http.Client{Timeout: 2 * time.Second}
+	pid := os.Getpid()
+	return func(ctx context.Context, ev bus.Event) error {
+		var p payload
+		if err := json.Unmarshal(ev.Payload, &p); err != nil || p.N == 0 {
+			return middleware.Invalid("payload", "not a counted event: %s", ev.Payload)
+		}
+		if spec.DependencyURL != "" {
+			resp, err := client.Get(spec.DependencyURL)
+			if err != nil {
+				return fmt.Errorf("dependency: %w", err)
+			}
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusOK {
+				return fmt.Errorf("dependency: %s", resp.Status)
+			}
+		}
+		_, err := bus.Tx(ctx).ExecContext(ctx, insert, ev.ID, ev.AggregateID, ev.AggregateVersion, pid)
+		return err
+	}
+}
+
+// killAfterEffect SIGKILLs the process when the n-th message's chain has
+// returned without error (its effect and inbox row committed) and before the
+// router acks it.
+func killAfterEffect(n int) message.HandlerMiddleware {
+	var handled atomic.Int64
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			out, err := h(msg)
+			if err == nil && handled.Add(1) == int64(n) {
+				_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+				select {}
+			}
+			return out, err
+		}
+	}
+}

@@ -1,0 +1,218 @@
+package faults
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/forwarder"
+	"github.com/millrace-io/millrace/internal/brokertest"
+	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/middleware"
+)
+
+// world is one scenario on one broker: its own schema, topic and consumer
+// group, a service that commits events (writer), and node processes.
+type world struct {
+	t       *testing.T
+	kind    string
+	cfg     bus.Config // what the nodes run with
+	db      *sql.DB    // the service's and the checks' pool
+	bus     *bus.Bus
+	topic   string
+	handler string
+	writer  *writer
+
+	mu        sync.Mutex
+	lastFault time.Time
+	faults    int
+}
+
+// worldOptions place a world on servers of its own.
+type worldOptions struct {
+	databaseURL string            // a private PostgreSQL; default: the shared one
+	brokerURL   string            // a private RabbitMQ or NATS server
+	tune        func(*bus.Config) // scenario-specific settings
+}
+
+func newWorld(t *testing.T, kind string, opts worldOptions) *world {
+	t.Helper()
+	ctx := context.Background()
+	var cfg bus.Config
+	cfg.Database.URL = testdb.URL()
+	if opts.databaseURL != "" {
+		cfg.Database.URL = opts.databaseURL
+	}
+	brokertest.Apply(t, kind, &cfg)
+	switch {
+	case opts.brokerURL != "" && kind == bus.KindNATS:
+		cfg.Broker.NATS.URL = opts.brokerURL
+	case opts.brokerURL != "" && kind == bus.KindRabbitMQ:
+		cfg.Broker.RabbitMQ.URL = opts.brokerURL
+	}
+	cfg.Relay = forwarder.Config{BatchSize: 200, MaxInFlight: 200, PollInterval: 200 * time.Millisecond,
+		RetryInitial: 50 * time.Millisecond, RetryMax: time.Second, ShutdownTimeout: 5 * time.Second}
+	cfg.Consumer.Ordered = ptr(true)
+	cfg.Consumer.Retry = middleware.RetryConfig{MaxAttempts: 5, InitialInterval: 50 * time.Millisecond,
+		MaxInterval: 500 * time.Millisecond, MaxElapsed: time.Minute}
+	cfg.Consumer.Breaker = middleware.BreakerConfig{Enabled: ptr(true), ConsecutiveFailures: 5,
+		OpenTimeout: time.Second, HalfOpenRequests: 1}
+	// A killed consumer's messages come back after these.
+	cfg.Broker.NATS.Consumer.AckWait = 5 * time.Second
+	cfg.Broker.NATS.Consumer.NakDelay = 100 * time.Millisecond
+	cfg.Broker.Kafka.SessionTimeout = 6 * time.Second
+	cfg.Broker.Kafka.HeartbeatInterval = 2 * time.Second
+	cfg.Broker.Kafka.RebalanceTimeout = 10 * time.Second
+	if opts.tune != nil {
+		opts.tune(&cfg)
+	}
+
+	db, err := bus.OpenDB(cfg.Database)
+	require.NoError(t, err)
+	t.Cleanup(func() { db.Close() })
+	if opts.databaseURL == "" {
+		cfg.Database.Schema = testdb.Schema(t, db)
+	} else { // the private server goes away with the test
+		cfg.Database.Schema = testdb.UniqueName(t.Name())
+		_, err := db.Exec(`CREATE SCHEMA "` + cfg.Database.Schema + `"`)
+		require.NoError(t, err)
+	}
+	cfg = cfg.WithDefaults()
+	require.NoError(t, cfg.Validate())
+	require.NoError(t, bus.Migrate(ctx, db, cfg))
+	_, err = db.Exec(`CREATE TABLE "` + cfg.Database.Schema + `".effects (
+		seq BIGSERIAL PRIMARY KEY, event_id TEXT NOT NULL, aggregate_id TEXT NOT NULL, version BIGINT NOT NULL, pid INT NOT NULL)`)
+	require.NoError(t, err)
+	b, err := bus.Open(ctx, cfg, db)
+	require.NoError(t, err)
+	t.Cleanup(func() { b.Close() })
+
+	w := &world{t: t, kind: kind, cfg: cfg, db: db, bus: b}
+	name := testdb.UniqueName("")[2:]
+	w.topic, w.handler = "faults"+name, "effects"+name
+	// The consumer group's topology exists before the first event is
+	// relayed, whichever node starts first.
+	broker, err := bus.OpenBroker(ctx, cfg, nil)
+	require.NoError(t, err)
+	require.NoError(t, broker.Provision(ctx, w.topic, w.handler))
+	require.NoError(t, broker.Close())
+	if opts.brokerURL == "" {
+		brokertest.Cleanup(t, kind, w.topic, w.handler)
+	}
+	w.writer = newWriter(w)
+	return w
+}
+
+// fault notes that a fault was injected now.
+func (w *world) fault() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.faults++
+	w.lastFault = time.Now()
+}
+
+// node is a child process running the relay, the consumer or both.
+type node struct {
+	t      *testing.T
+	name   string
+	cmd    *exec.Cmd
+	stderr *syncBuffer
+	done   chan struct{}
+	err    error
+}
+
+// start runs a node; spec's Config, Topic and Handler are filled in.
+func (w *world) start(name string, spec nodeSpec) *node {
+	w.t.Helper()
+	spec.Config, spec.Topic, spec.Handler = w.cfg, w.topic, w.handler
+	raw, err := json.Marshal(spec)
+	require.NoError(w.t, err)
+	n := &node{t: w.t, name: name, stderr: &syncBuffer{}, done: make(chan struct{})}
+	n.cmd = exec.Command(os.Args[0], "-test.run=^$")
+	n.cmd.Env = append(os.Environ(), nodeEnv+"="+string(raw))
+	n.cmd.Stderr = n.stderr
+	require.NoError(w.t, n.cmd.Start())
+	go func() { n.err = n.cmd.Wait(); close(n.done) }()
+	w.t.Cleanup(func() {
+		n.kill()
+		if w.t.Failed() && n.stderr.Len() > 0 {
+			w.t.Logf("node %s stderr:\n%s", name, tail(n.stderr.String(), 4000))
+		}
+	})
+	return n
+}
+
+// kill SIGKILLs the node and waits for it to end.
+func (n *node) kill() {
+	_ = n.cmd.Process.Signal(syscall.SIGKILL)
+	<-n.done
+}
+
+// term sends SIGTERM and returns how long the node took to exit and how.
+func (n *node) term(limit time.Duration) (time.Duration, error) {
+	began := time.Now()
+	require.NoError(n.t, n.cmd.Process.Signal(syscall.SIGTERM))
+	select {
+	case <-n.done:
+		return time.Since(began), n.err
+	case <-time.After(limit):
+		n.kill()
+		return time.Since(began), fmt.Errorf("node %s still running %s after SIGTERM", n.name, limit)
+	}
+}
+
+// killedBySIGKILL reports whether the node ended by SIGKILL (its own or ours).
+func (n *node) killedBySIGKILL() bool {
+	var ee *exec.ExitError
+	if !errors.As(n.err, &ee) {
+		return false
+	}
+	ws, _ := ee.Sys().(syscall.WaitStatus)
+	return ws.Signaled() && ws.Signal() == syscall.SIGKILL
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+func (s *syncBuffer) String() string { s.mu.Lock(); defer s.mu.Unlock(); return s.b.String() }
+func (s *syncBuffer) Len() int       { s.mu.Lock(); defer s.mu.Unlock(); return s.b.Len() }
+
+func tail(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[len(s)-n:]
+}
+
+func ptr[T any](v T) *T { return &v }
+
+// waitFor polls cond until it holds or timeout passes.
+func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s", timeout, what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}

@@ -1,0 +1,13 @@
+// Package servers starts private, restartable real servers for tests:
+// RabbitMQ, NATS with JetStream and PostgreSQL. Each test gets a server
+// process of its own, on its own free ports and in its own data directory,
+// so it may stop, restart or crash that server without disturbing the
+// shared servers that tests running in parallel use.
+//
+// Every server is stopped when its test ends and its files are removed
+// unless the test failed (then the test log names where they were kept). A
+// watchdog process stops the server and removes its files when the test
+// binary dies without running its cleanups (a -timeout panic, a kill).
+//
+// The package is imported from tests only.
+package servers

@@ -1,0 +1,222 @@
+package servers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// NATS is a nats-server of its own, with JetStream, listening on its own
+// port and keeping its streams in its own store directory, that a test may
+// stop, kill and restart without touching the shared server other tests use.
+type NATS struct {
+	// URL is the server's client URL, the same across restarts.
+	URL string
+
+	t       testing.TB
+	bin     string
+	dir     string
+	port    int
+	pidFile string
+	logFile string
+
+	mu   sync.Mutex
+	cmd  *exec.Cmd     // the running server, nil when stopped
+	done chan struct{} // closed once cmd has exited
+}
+
+// natsServerBin finds the nats-server binary: on PATH, else where the
+// Debian/Ubuntu package puts it.
+func natsServerBin() (string, bool) {
+	if p, err := exec.LookPath("nats-server"); err == nil {
+		return p, true
+	}
+	if _, err := os.Stat("/usr/sbin/nats-server"); err == nil {
+		return "/usr/sbin/nats-server", true
+	}
+	return "", false
+}
+
+// StartNATS starts a private nats-server with JetStream on a free port of
+// 127.0.0.1 and returns once a client connects and JetStream answers. It is
+// stopped when t ends and its store directory removed unless t failed. The
+// test fails when nats-server is not installed.
+func StartNATS(t testing.TB) *NATS {
+	t.Helper()
+	bin, ok := natsServerBin()
+	if !ok {
+		t.Fatalf("nats-server is not installed (on PATH or in /usr/sbin): run `make up`, which installs it")
+	}
+	dir, err := os.MkdirTemp("", "millrace-nats-")
+	if err != nil {
+		t.Fatalf("create the private NATS server's directory: %v", err)
+	}
+	s := &NATS{
+		t:       t,
+		bin:     bin,
+		dir:     dir,
+		port:    FreePort(t),
+		pidFile: filepath.Join(dir, "nats.pid"),
+		logFile: filepath.Join(dir, "nats.log"),
+	}
+	s.URL = fmt.Sprintf("nats://127.0.0.1:%d", s.port)
+	// Cleanups do not run when the test binary dies (a -timeout panic): a
+	// watchdog kills the server and removes its files then.
+	watchdog := exec.Command("/bin/sh", "-c", fmt.Sprintf(`
+while kill -0 %d 2>/dev/null; do sleep 1; done
+if [ -f %[2]s ]; then
+	pid=$(cat %[2]s)
+	kill -KILL "$pid"
+	while kill -0 "$pid" 2>/dev/null; do sleep 0.2; done
+fi
+rm -rf %[3]s`, os.Getpid(), shellQuote(s.pidFile), shellQuote(dir)))
+	watchdog.SysProcAttr = &syscall.SysProcAttr{Setpgid: true} // outlives a killed process group
+	if err := watchdog.Start(); err != nil {
+		_ = os.RemoveAll(dir)
+		t.Fatalf("start the private NATS server's watchdog: %v", err)
+	}
+	t.Cleanup(func() {
+		s.Stop()
+		_ = watchdog.Process.Kill()
+		_ = watchdog.Wait()
+		if !t.Failed() {
+			_ = os.RemoveAll(dir)
+		} else {
+			t.Logf("private NATS server's files kept in %s", dir)
+		}
+	})
+	s.Start()
+	return s
+}
+
+// Start starts the server on its port and store directory (streams stored
+// before survive) and returns once a client connects and JetStream answers.
+func (s *NATS) Start() {
+	s.t.Helper()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cmd != nil {
+		s.t.Fatalf("private NATS server on port %d: Start while it runs", s.port)
+	}
+	began := time.Now()
+	logs, err := os.OpenFile(s.logFile, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		s.t.Fatalf("open the private NATS server's log: %v", err)
+	}
+	cmd := exec.Command(s.bin, "-js", "-sd", filepath.Join(s.dir, "store"),
+		"-a", "127.0.0.1", "-p", strconv.Itoa(s.port), "-P", s.pidFile)
+	cmd.Stdout, cmd.Stderr = logs, logs
+	if err := cmd.Start(); err != nil {
+		logs.Close()
+		s.t.Fatalf("start nats-server: %v", err)
+	}
+	done := make(chan struct{})
+	go func() {
+		_ = cmd.Wait()
+		logs.Close()
+		close(done)
+	}()
+	s.cmd, s.done = cmd, done
+
+	deadline := time.Now().Add(time.Minute)
+	for {
+		err := s.ping()
+		if err == nil {
+			s.t.Logf("private NATS server on port %d up after %s", s.port, time.Since(began).Round(time.Millisecond))
+			return
+		}
+		select {
+		case <-done:
+			s.cmd, s.done = nil, nil
+			s.t.Fatalf("private NATS server on port %d exited while starting: %v\n%s", s.port, cmd.ProcessState, s.logTail())
+		default:
+		}
+		if time.Now().After(deadline) {
+			s.t.Fatalf("private NATS server on port %d did not start: %v\n%s", s.port, err, s.logTail())
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// ping connects to the server and asks JetStream for the account's info.
+func (s *NATS) ping() error {
+	nc, err := nats.Connect(s.URL, nats.Timeout(time.Second), nats.NoReconnect())
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	_, err = js.AccountInfo(ctx)
+	return err
+}
+
+// Stop stops the server (SIGTERM, a clean shutdown) and waits for its
+// process to end. It does nothing when the server is not running.
+func (s *NATS) Stop() {
+	s.t.Helper()
+	s.signal(syscall.SIGTERM, "stopped")
+}
+
+// Kill kills the server (SIGKILL, no shutdown at all) and waits for its
+// process to end. It does nothing when the server is not running.
+func (s *NATS) Kill() {
+	s.t.Helper()
+	s.signal(syscall.SIGKILL, "killed")
+}
+
+// Restart stops the server and starts it again on the same port and store
+// directory.
+func (s *NATS) Restart() {
+	s.t.Helper()
+	began := time.Now()
+	s.Stop()
+	s.Start()
+	s.t.Logf("private NATS server on port %d restarted in %s", s.port, time.Since(began).Round(time.Millisecond))
+}
+
+// signal sends sig to the running server and waits for it to exit; a server
+// still running a minute after SIGTERM is killed.
+func (s *NATS) signal(sig syscall.Signal, what string) {
+	s.t.Helper()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cmd == nil {
+		return
+	}
+	began := time.Now()
+	if err := s.cmd.Process.Signal(sig); err != nil && !errors.Is(err, os.ErrProcessDone) {
+		s.t.Errorf("signal the private NATS server: %v", err)
+	}
+	select {
+	case <-s.done:
+	case <-time.After(time.Minute):
+		s.t.Errorf("private NATS server on port %d still running a minute after %v: killing it", s.port, sig)
+		_ = s.cmd.Process.Kill()
+		<-s.done
+	}
+	s.cmd, s.done = nil, nil
+	_ = os.Remove(s.pidFile)
+	s.t.Logf("private NATS server on port %d %s after %s", s.port, what, time.Since(began).Round(time.Millisecond))
+}
+
+// logTail returns the end of the server's log.
+func (s *NATS) logTail() string {
+	logs, _ := os.ReadFile(s.logFile)
+	return tail(string(logs), 3000)
+}

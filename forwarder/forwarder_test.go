@@ -145,7 +145,7 @@ func publish(t *testing.T, tb bundle, topic string, events []bus.Event, perTx in
 
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(60 * time.Second)
+	deadline := time.Now().Add(3 * time.Minute) // generous: the machine may be busy with other packages
 	for !cond() {
 		require.True(t, time.Now().Before(deadline), "timed out waiting for %s", what)
 		time.Sleep(10 * time.Millisecond)

@@ -2,10 +2,12 @@ package middleware
 
 import (
 	"context"
-	"database/sql"
+	"database/sql/driver"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"slices"
 	"strconv"
 	"strings"
@@ -176,10 +178,10 @@ func (e *unavailableError) Error() string { return "database unreachable: " + e.
 func (e *unavailableError) Unwrap() error { return e.err }
 
 // unreachable reports whether err says the database could not be reached
-// (no answer, a broken connection, a server shutting down or starting), as
-// opposed to the server rejecting a statement.
+// (no connection, a connection that broke, a server shutting down or
+// starting), as opposed to the server answering with an error.
 func unreachable(err error) bool {
-	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, sql.ErrTxDone) {
+	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return false
 	}
 	var pgErr *pgconn.PgError
@@ -188,7 +190,11 @@ func unreachable(err error) bool {
 		// shutdown, cannot connect now.
 		return strings.HasPrefix(pgErr.Code, "08") || slices.Contains([]string{"57P01", "57P02", "57P03"}, pgErr.Code)
 	}
-	return true
+	var connectErr *pgconn.ConnectError
+	var netErr net.Error
+	return errors.As(err, &connectErr) || errors.As(err, &netErr) || pgconn.SafeToRetry(err) ||
+		errors.Is(err, driver.ErrBadConn) || errors.Is(err, pgconn.ErrConnClosed) ||
+		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF)
 }
 
 // shouldPoison is the poison queue's filter: permanent failures and messages

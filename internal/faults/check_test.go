@@ -121,14 +121,13 @@ func (wr *writer) commit(n int) {
 	}
 }
 
-// run commits about rate events per second until ctx ends or d passes,
-// and closes done when it stops.
-func (wr *writer) run(ctx context.Context, rate int, d time.Duration) (done <-chan struct{}) {
-	ch := make(chan struct{})
+// start commits about rate events per second until the returned stop is
+// called; stop returns once the writer has stopped.
+func (wr *writer) start(rate int) (stop func()) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
 	go func() {
-		defer close(ch)
-		ctx, cancel := context.WithTimeout(ctx, d)
-		defer cancel()
+		defer close(done)
 		tick := time.NewTicker(time.Second * 10 / time.Duration(rate))
 		defer tick.Stop()
 		for {
@@ -142,7 +141,7 @@ func (wr *writer) run(ctx context.Context, rate int, d time.Duration) (done <-ch
 			}
 		}
 	}()
-	return ch
+	return func() { cancel(); <-done }
 }
 
 // total is how many events were committed or may have been.
@@ -200,12 +199,21 @@ func (w *world) settle(timeout time.Duration) time.Duration {
 	w.t.Helper()
 	w.writer.resolve(w.t)
 	want, bad := len(w.writer.committed), len(w.writer.malformed)
-	waitFor(w.t, timeout, fmt.Sprintf("%d effects and %d poisoned events", want, bad), func() bool {
-		var effects, poisoned int
+	var effects, poisoned int
+	deadline := time.Now().Add(timeout)
+	for {
 		err := w.db.QueryRow(`SELECT (SELECT count(DISTINCT event_id) FROM `+w.table("effects")+`),
 			(SELECT count(*) FROM `+w.table("millrace_poison")+`)`).Scan(&effects, &poisoned)
-		return err == nil && effects >= want && poisoned >= bad
-	})
+		if err == nil && effects >= want && poisoned >= bad {
+			break
+		}
+		w.nodesAlive()
+		if time.Now().After(deadline) {
+			w.t.Fatalf("after %s: %d of %d events have an effect, %d of %d malformed ones are poisoned (last error: %v)",
+				timeout, effects, want, poisoned, bad, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 	settled := time.Now()
 	// Late duplicates would show up now: give redeliveries in flight a moment.
 	time.Sleep(2 * time.Second)

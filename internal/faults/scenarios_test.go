@@ -1,7 +1,6 @@
 package faults
 
 import (
-	"context"
 	"fmt"
 	"math/rand/v2"
 	"net/http"
@@ -57,24 +56,60 @@ const (
 
 func newRand() *rand.Rand { return rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 11)) }
 
+// relayOutageDuration is 5 minutes; MILLRACE_FAULTS_RELAY_OUTAGE shortens
+// it while working on the suite.
+func relayOutageDuration() time.Duration {
+	if d, err := time.ParseDuration(os.Getenv("MILLRACE_FAULTS_RELAY_OUTAGE")); err == nil {
+		return d
+	}
+	return 5 * time.Minute
+}
+
+// Declared first so that its long, mostly idle subtests start first and the
+// other scenarios run beside them.
+func TestRelayOutageThenDrain(t *testing.T) {
+	eachBroker(t, brokertest.Kinds, func(t *testing.T, kind string) {
+		const limit = 1000 // relay.rate_limit for the drain, events/s
+		w := newWorld(t, kind, worldOptions{tune: func(c *bus.Config) { c.Relay.RateLimit = limit }})
+		w.start("consumer", nodeSpec{Consume: true})
+		outage := relayOutageDuration()
+		w.flowing(0)
+		stop := w.writer.start(100)
+		time.Sleep(outage)
+		stop()
+		w.writer.resolve(t)
+		backlog := len(w.writer.committed)
+		began := time.Now()
+		w.fault()
+		w.start("relay", nodeSpec{Relay: true})
+		recovery := w.settle(settleTimeout + outage)
+		drained := float64(backlog) / recovery.Seconds()
+		// The rate limiter's burst is one batch.
+		require.LessOrEqual(t, float64(backlog-w.cfg.Relay.BatchSize)/time.Since(began).Seconds(), float64(limit),
+			"the drain kept to relay.rate_limit")
+		record(result{scenario: relayOutage, broker: kind, faults: fmt.Sprintf("relay down %s", outage), o: w.check(true),
+			ordered: true, recovery: recovery, note: fmt.Sprintf("a backlog of %d events drained at %.0f events/s (rate_limit %d)",
+				backlog, drained, limit)})
+	})
+}
+
 func TestRelaySIGKILL(t *testing.T) {
 	eachBroker(t, brokertest.Kinds, func(t *testing.T, kind string) {
 		w := newWorld(t, kind, worldOptions{})
 		w.start("consumer", nodeSpec{Consume: true})
-		done := w.writer.run(context.Background(), rate, 8*time.Second)
+		stop := w.writer.start(rate)
 		rng := newRand()
-		kills := 0
-		for writing := true; writing; {
-			relay := w.start(fmt.Sprint("relay-", kills), nodeSpec{Relay: true})
-			select {
-			case <-done:
-				writing = false
-			case <-time.After(time.Duration(300+rng.IntN(1200)) * time.Millisecond):
+		const kills = 8
+		for i := range kills {
+			relay := w.start(fmt.Sprint("relay-", i), nodeSpec{Relay: true})
+			if i == 0 {
+				w.flowing(100)
 			}
+			time.Sleep(time.Duration(300+rng.IntN(1200)) * time.Millisecond)
 			relay.kill()
 			w.fault()
-			kills++
 		}
+		stop()
 		w.start("relay", nodeSpec{Relay: true})
 		recovery := w.settle(settleTimeout)
 		record(result{scenario: relayKilled, broker: kind, faults: fmt.Sprintf("%d SIGKILLs", kills),
@@ -97,6 +132,7 @@ func TestConsumerSIGKILLAfterEffect(t *testing.T) {
 				t.Fatalf("consumer %d never reached its kill point", i)
 			}
 			require.True(t, c.killedBySIGKILL(), "consumer %d died by its own SIGKILL, not %v:\n%s", i, c.err, tail(c.stderr.String(), 2000))
+			c.stopped.Store(true)
 			w.fault()
 		}
 		w.start("consumer", nodeSpec{Consume: true})
@@ -125,13 +161,14 @@ func TestBrokerRestart(t *testing.T) {
 		w := newWorld(t, kind, worldOptions{brokerURL: url})
 		w.start("relay", nodeSpec{Relay: true})
 		w.start("consumer", nodeSpec{Consume: true})
-		done := w.writer.run(context.Background(), rate, 10*time.Second)
-		time.Sleep(3 * time.Second)
+		stop := w.writer.start(rate)
+		w.flowing(200)
 		began := time.Now()
 		restart()
 		w.fault()
 		down := time.Since(began)
-		<-done
+		time.Sleep(5 * time.Second)
+		stop()
 		recovery := w.settle(settleTimeout)
 		// A publish that failed mid-batch is retried after later events of
 		// its batch went out: order is not promised here (README).
@@ -146,13 +183,14 @@ func TestPostgreSQLRestart(t *testing.T) {
 		w := newWorld(t, kind, worldOptions{databaseURL: pg.URL})
 		w.start("relay", nodeSpec{Relay: true})
 		w.start("consumer", nodeSpec{Consume: true})
-		done := w.writer.run(context.Background(), rate, 10*time.Second)
-		time.Sleep(3 * time.Second)
+		stop := w.writer.start(rate)
+		w.flowing(200)
 		began := time.Now()
 		pg.Restart()
 		w.fault()
 		down := time.Since(began)
-		<-done
+		time.Sleep(5 * time.Second)
+		stop()
 		recovery := w.settle(settleTimeout)
 		record(result{scenario: postgresCrashed, broker: kind, faults: "1 crash restart", o: w.check(true), ordered: true,
 			recovery: recovery, note: fmt.Sprintf("PostgreSQL was down for %s; the service's transactions failed meanwhile (%d)",
@@ -191,13 +229,14 @@ func TestTwoRelaysTwoConsumers(t *testing.T) {
 		w := newWorld(t, kind, worldOptions{})
 		a := w.start("a", nodeSpec{Relay: true, Consume: true})
 		w.start("b", nodeSpec{Relay: true, Consume: true})
-		done := w.writer.run(context.Background(), rate, 10*time.Second)
-		time.Sleep(4 * time.Second)
+		stop := w.writer.start(rate)
+		w.flowing(200)
 		a.kill()
 		w.fault()
 		time.Sleep(time.Second)
 		w.start("a-again", nodeSpec{Relay: true, Consume: true})
-		<-done
+		time.Sleep(5 * time.Second)
+		stop()
 		recovery := w.settle(settleTimeout)
 		// Order holds per partition on Kafka; RabbitMQ and NATS replicas
 		// compete for one queue, so order is per process only.
@@ -242,50 +281,19 @@ func TestDependencyOutage(t *testing.T) {
 			c.Consumer.Retry.MaxAttempts, c.Consumer.Retry.MaxInterval = 20, time.Second
 		}})
 		w.start("node", nodeSpec{Relay: true, Consume: true, DependencyURL: dep.URL})
-		done := w.writer.run(context.Background(), rate, 10*time.Second)
-		time.Sleep(3 * time.Second)
+		stop := w.writer.start(rate)
+		w.flowing(200)
 		const outage = 4 * time.Second
 		down.Store(true)
 		time.Sleep(outage)
 		down.Store(false)
 		w.fault()
-		<-done
+		time.Sleep(3 * time.Second)
+		stop()
 		recovery := w.settle(settleTimeout)
 		o := w.check(true)
 		record(result{scenario: dependencyOutage, broker: kind, faults: fmt.Sprintf("%s of HTTP 503", outage), o: o, ordered: true,
 			recovery: recovery, note: fmt.Sprintf("%d calls failed during the outage (the open breaker holds messages between trials); %d poisoned; retry.max_attempts 20",
 				failed.Load(), o.poisoned)})
-	})
-}
-
-// relayOutageDuration is 5 minutes; MILLRACE_FAULTS_RELAY_OUTAGE shortens
-// it while working on the suite.
-func relayOutageDuration() time.Duration {
-	if d, err := time.ParseDuration(os.Getenv("MILLRACE_FAULTS_RELAY_OUTAGE")); err == nil {
-		return d
-	}
-	return 5 * time.Minute
-}
-
-func TestRelayOutageThenDrain(t *testing.T) {
-	eachBroker(t, brokertest.Kinds, func(t *testing.T, kind string) {
-		const limit = 1000 // relay.rate_limit for the drain, events/s
-		w := newWorld(t, kind, worldOptions{tune: func(c *bus.Config) { c.Relay.RateLimit = limit }})
-		w.start("consumer", nodeSpec{Consume: true})
-		outage := relayOutageDuration()
-		<-w.writer.run(context.Background(), 100, outage)
-		w.writer.resolve(t)
-		backlog := len(w.writer.committed)
-		began := time.Now()
-		w.fault()
-		w.start("relay", nodeSpec{Relay: true})
-		recovery := w.settle(settleTimeout + outage)
-		drained := float64(backlog) / recovery.Seconds()
-		// The rate limiter's burst is one batch.
-		require.LessOrEqual(t, float64(backlog-w.cfg.Relay.BatchSize)/time.Since(began).Seconds(), float64(limit),
-			"the drain kept to relay.rate_limit")
-		record(result{scenario: relayOutage, broker: kind, faults: fmt.Sprintf("relay down %s", outage), o: w.check(true),
-			ordered: true, recovery: recovery, note: fmt.Sprintf("a backlog of %d events drained at %.0f events/s (rate_limit %d)",
-				backlog, drained, limit)})
 	})
 }

@@ -9,7 +9,9 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"slices"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -38,6 +40,7 @@ type world struct {
 	mu        sync.Mutex
 	lastFault time.Time
 	faults    int
+	nodes     []*node
 }
 
 // worldOptions place a world on servers of its own.
@@ -131,6 +134,9 @@ type node struct {
 	stderr *syncBuffer
 	done   chan struct{}
 	err    error
+	// stopped says the scenario ended the node (or the node's own kill
+	// point did): its exit is no failure.
+	stopped atomic.Bool
 }
 
 // start runs a node; spec's Config, Topic and Handler are filled in.
@@ -145,6 +151,9 @@ func (w *world) start(name string, spec nodeSpec) *node {
 	n.cmd.Stderr = n.stderr
 	require.NoError(w.t, n.cmd.Start())
 	go func() { n.err = n.cmd.Wait(); close(n.done) }()
+	w.mu.Lock()
+	w.nodes = append(w.nodes, n)
+	w.mu.Unlock()
 	w.t.Cleanup(func() {
 		n.kill()
 		if w.t.Failed() && n.stderr.Len() > 0 {
@@ -156,6 +165,7 @@ func (w *world) start(name string, spec nodeSpec) *node {
 
 // kill SIGKILLs the node and waits for it to end.
 func (n *node) kill() {
+	n.stopped.Store(true)
 	_ = n.cmd.Process.Signal(syscall.SIGKILL)
 	<-n.done
 }
@@ -163,6 +173,7 @@ func (n *node) kill() {
 // term sends SIGTERM and returns how long the node took to exit and how.
 func (n *node) term(limit time.Duration) (time.Duration, error) {
 	began := time.Now()
+	n.stopped.Store(true)
 	require.NoError(n.t, n.cmd.Process.Signal(syscall.SIGTERM))
 	select {
 	case <-n.done:
@@ -170,6 +181,42 @@ func (n *node) term(limit time.Duration) (time.Duration, error) {
 	case <-time.After(limit):
 		n.kill()
 		return time.Since(began), fmt.Errorf("node %s still running %s after SIGTERM", n.name, limit)
+	}
+}
+
+// nodesAlive fails the test when a node the scenario did not stop has
+// exited: a node must ride out every fault without manual action.
+func (w *world) nodesAlive() {
+	w.t.Helper()
+	w.mu.Lock()
+	nodes := slices.Clone(w.nodes)
+	w.mu.Unlock()
+	for _, n := range nodes {
+		select {
+		case <-n.done:
+			if !n.stopped.Load() {
+				w.t.Fatalf("node %s exited by itself (%v):\n%s", n.name, n.err, tail(n.stderr.String(), 3000))
+			}
+		default:
+		}
+	}
+}
+
+// flowing waits until n events have an effect: the nodes are up and
+// working, so a fault injected next hits them mid-flow.
+func (w *world) flowing(n int) {
+	w.t.Helper()
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		var effects int
+		if w.db.QueryRow(`SELECT count(*) FROM `+w.table("effects")).Scan(&effects) == nil && effects >= n {
+			return
+		}
+		w.nodesAlive()
+		if time.Now().After(deadline) {
+			w.t.Fatalf("the flow did not start: %d of %d effects after 2m", effects, n)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }
 

@@ -71,31 +71,7 @@ func StartNATS(t testing.TB) *NATS {
 		logFile: filepath.Join(dir, "nats.log"),
 	}
 	s.URL = fmt.Sprintf("nats://127.0.0.1:%d", s.port)
-	// Cleanups do not run when the test binary dies (a -timeout panic): a
-	// watchdog kills the server and removes its files then.
-	watchdog := exec.Command("/bin/sh", "-c", fmt.Sprintf(`
-while kill -0 %d 2>/dev/null; do sleep 1; done
-if [ -f %[2]s ]; then
-	pid=$(cat %[2]s)
-	kill -KILL "$pid"
-	while kill -0 "$pid" 2>/dev/null; do sleep 0.2; done
-fi
-rm -rf %[3]s`, os.Getpid(), shellQuote(s.pidFile), shellQuote(dir)))
-	watchdog.SysProcAttr = &syscall.SysProcAttr{Setpgid: true} // outlives a killed process group
-	if err := watchdog.Start(); err != nil {
-		_ = os.RemoveAll(dir)
-		t.Fatalf("start the private NATS server's watchdog: %v", err)
-	}
-	t.Cleanup(func() {
-		s.Stop()
-		_ = watchdog.Process.Kill()
-		_ = watchdog.Wait()
-		if !t.Failed() {
-			_ = os.RemoveAll(dir)
-		} else {
-			t.Logf("private NATS server's files kept in %s", dir)
-		}
-	})
+	watch(t, "private NATS server", dir, killByPIDFile("KILL", s.pidFile), s.Stop)
 	s.Start()
 	return s
 }

@@ -11,7 +11,6 @@ import (
 	"sort"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -88,27 +87,8 @@ func StartPostgreSQL(t testing.TB) *PostgreSQL {
 			t.Fatalf("PostgreSQL does not run as root, and running it as the OS user postgres is not possible: %v", err)
 		}
 	}
-	// Cleanups do not run when the test binary dies (a -timeout panic): a
-	// watchdog stops the cluster and removes its files then.
-	watchdog := exec.Command("/bin/sh", "-c", fmt.Sprintf(`
-while kill -0 %d 2>/dev/null; do sleep 1; done
-%s >/dev/null 2>&1
-rm -rf %s`, os.Getpid(), p.shellCommand("pg_ctl", "-D", p.data, "stop", "-m", "immediate", "-w"), shellQuote(dir)))
-	watchdog.SysProcAttr = &syscall.SysProcAttr{Setpgid: true} // outlives a killed process group
-	if err := watchdog.Start(); err != nil {
-		_ = os.RemoveAll(dir)
-		t.Fatalf("start the private PostgreSQL cluster's watchdog: %v", err)
-	}
-	t.Cleanup(func() {
-		p.Stop()
-		_ = watchdog.Process.Kill()
-		_ = watchdog.Wait()
-		if !t.Failed() {
-			_ = os.RemoveAll(dir)
-		} else {
-			t.Logf("private PostgreSQL cluster's files kept in %s", dir)
-		}
-	})
+	watch(t, "private PostgreSQL cluster", dir,
+		p.shellCommand("pg_ctl", "-D", p.data, "stop", "-m", "immediate", "-w")+" >/dev/null 2>&1", p.Stop)
 
 	began := time.Now()
 	p.run("initdb", "-D", p.data, "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-locale", "--no-sync")

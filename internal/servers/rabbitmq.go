@@ -96,28 +96,7 @@ func StartRabbitMQ(t testing.TB, rabbitmqConf, advancedConfig string) *RabbitMQ 
 		"RABBITMQ_PID_FILE=" + n.pidFile,
 	}
 	n.env = append(os.Environ(), n.own...)
-	// Cleanups do not run when the test binary dies (a -timeout panic): a
-	// watchdog stops the node and removes its files then.
-	watchdog := exec.Command("/bin/sh", "-c", fmt.Sprintf(`
-while kill -0 %d 2>/dev/null; do sleep 1; done
-if [ -f %[2]q ]; then
-	pid=$(cat %[2]q)
-	kill -TERM "$pid"
-	while kill -0 "$pid" 2>/dev/null; do sleep 0.2; done
-fi
-rm -rf %[3]q`, os.Getpid(), n.pidFile, dir))
-	watchdog.SysProcAttr = &syscall.SysProcAttr{Setpgid: true} // outlives a killed process group
-	require.NoError(t, watchdog.Start())
-	t.Cleanup(func() {
-		n.Stop()
-		_ = watchdog.Process.Kill()
-		_ = watchdog.Wait()
-		if !t.Failed() {
-			_ = os.RemoveAll(dir)
-		} else {
-			t.Logf("private RabbitMQ node's files kept in %s", dir)
-		}
-	})
+	watch(t, "private RabbitMQ node", dir, killByPIDFile("TERM", n.pidFile), n.Stop)
 	n.Start()
 	return n
 }

@@ -27,8 +27,12 @@ fmt-check:
 
 lint: vet fmt-check ## go vet and gofmt
 
+FAULTS  := ./internal/faults
+
 test: up lint ## every test, unit and integration, with -race, against the local services
-	$(GO) test -race -count=1 -timeout 60m $(PKGS)
+	$(GO) test -race -count=1 -timeout 60m $$($(GO) list $(PKGS) | grep -v '/internal/faults$$')
+	@# The fault-injection suite runs many processes of its own: alone, after the rest.
+	$(if $(filter ./...,$(PKGS)),$(GO) test -race -count=1 -timeout 60m $(FAULTS))
 
 migrate: up ## create millrace's tables in the database config.yaml names
 	$(GO) run ./cmd/millrace --config $(CONFIG) migrate
@@ -42,4 +46,4 @@ bench: up ## benchmarks, millrace side by side with stock Watermill
 	$(GO) test -run '^$$' -bench . -benchmem $(PKGS)
 
 reliability: up ## the fault-injection suite on every broker; rewrites docs/RELIABILITY.md from its results
-	MILLRACE_RELIABILITY_DOC=$(CURDIR)/docs/RELIABILITY.md $(GO) test -race -count=1 -timeout 60m -v ./internal/faults
+	MILLRACE_RELIABILITY_DOC=$(CURDIR)/docs/RELIABILITY.md $(GO) test -race -count=1 -timeout 60m -v $(FAULTS)

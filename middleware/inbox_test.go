@@ -49,7 +49,7 @@ func TestDuplicateDeliveriesHaveOneEffectPerGroup(t *testing.T) {
 			for _, g := range groups {
 				// A broker may redeliver more (an ack wait that expired under
 				// load); those are duplicates too, never a second effect.
-				eventually(t, 2*time.Minute, "every delivery of "+g+" acked", func() bool {
+				eventually(t, 4*time.Minute, "every delivery of "+g+" acked", func() bool {
 					ok := c.messages(t, g, middleware.OutcomeOK)
 					dup := c.messages(t, g, middleware.OutcomeDuplicate)
 					return ok >= events && dup >= events

@@ -109,8 +109,12 @@ to the last effect applied.
 		if r.o.malformed > 0 {
 			events = fmt.Sprintf("%d + %d malformed", r.o.committed, r.o.malformed)
 		}
+		recovery := "n/a (a continuous fault)"
+		if r.recovery > 0 {
+			recovery = r.recovery.Round(100 * time.Millisecond).String()
+		}
 		fmt.Fprintf(&b, "| %s | %s | %s | %d | %s | %d | %d | %s | %s |\n", r.scenario, r.broker, events,
-			r.o.rolledBack, r.faults, r.o.lost, r.o.duplicated, order, r.recovery.Round(100*time.Millisecond))
+			r.o.rolledBack, r.faults, r.o.lost, r.o.duplicated, order, recovery)
 	}
 	b.WriteString("\nNotes from the run:\n\n")
 	for _, r := range rows {

@@ -76,9 +76,8 @@ func report() string {
 	b.WriteString(`# Reliability
 
 Generated from a run of the fault-injection suite (internal/faults) on
-` + time.Now().UTC().Format("2006-01-02") + `, on a 2-core machine running the other test packages
-beside it; ` + "`make reliability`" + ` regenerates it, and ` + "`make test`" + ` runs the same
-scenarios.
+` + time.Now().UTC().Format("2006-01-02") + `, on a 2-core machine, with -race; ` + "`make reliability`" + `
+regenerates it, and ` + "`make test`" + ` runs the same scenarios after the other packages.
 
 Every scenario runs the whole path: a service commits events in business
 transactions (ten per transaction, every 25th transaction rolled back) ->

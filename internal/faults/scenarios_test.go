@@ -53,7 +53,7 @@ func eachBroker(t *testing.T, kinds []string, scenario func(t *testing.T, kind s
 // injected; settleTimeout bounds each scenario's recovery.
 const (
 	rate          = 200
-	settleTimeout = 3 * time.Minute
+	settleTimeout = 5 * time.Minute
 )
 
 func newRand() *rand.Rand { return rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 11)) }

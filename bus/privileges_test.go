@@ -19,6 +19,7 @@ import (
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/pgschema"
 	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testlog"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -109,7 +110,7 @@ func tablesOf(cfg bus.Config) pgschema.Tables {
 
 // evidence collects everything a run said: log lines and returned errors.
 type evidence struct {
-	secretLogs
+	testlog.Buffer
 	mu   sync.Mutex
 	errs []string
 }
@@ -125,7 +126,7 @@ func (e *evidence) add(err error) {
 func (e *evidence) text() string {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	return e.secretLogs.String() + strings.Join(e.errs, "\n")
+	return e.Buffer.String() + strings.Join(e.errs, "\n")
 }
 
 // serviceRun is a service running as the service role: it publishes two
@@ -165,7 +166,7 @@ func startService(t *testing.T, revoke int) *serviceRun {
 		VALUES ('corrupt-1', '{"not":"an envelope"}', '{}', pg_current_xact_id())`)
 	require.NoError(t, err)
 
-	b, err := bus.Open(ctx, cfg, s.r.service, bus.WithLogger(s.ev.slog()))
+	b, err := bus.Open(ctx, cfg, s.r.service, bus.WithLogger(s.ev.Slog()))
 	s.ev.add(err)
 	if err != nil {
 		s.stop = func() error { return nil }

@@ -1,10 +1,7 @@
 package kafka_test
 
 import (
-	"bytes"
 	"context"
-	"log/slog"
-	"sync"
 	"testing"
 	"time"
 
@@ -17,6 +14,7 @@ import (
 	"github.com/millrace-io/millrace/adapters/kafka"
 	"github.com/millrace-io/millrace/internal/testcerts"
 	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testlog"
 )
 
 // These tests need a cluster with known users and certificates, so they run
@@ -63,29 +61,6 @@ func (s secureCluster) config(mechanism, user, password string) kafka.Config {
 	}
 }
 
-// logBuffer is a Watermill logger at trace level writing into a buffer.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (l *logBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.Write(p)
-}
-
-func (l *logBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.String()
-}
-
-func (l *logBuffer) logger() watermill.LoggerAdapter {
-	return watermill.NewSlogLoggerWithLevelMapping(
-		slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: watermill.LevelTrace})), nil)
-}
-
 func TestSASLOverTLSEveryMechanism(t *testing.T) {
 	t.Parallel()
 	cluster := startSecureCluster(t)
@@ -96,10 +71,10 @@ func TestSASLOverTLSEveryMechanism(t *testing.T) {
 	} {
 		t.Run(tc.mechanism, func(t *testing.T) {
 			t.Parallel()
-			var logs logBuffer
+			var logs testlog.Buffer
 			ctx := context.Background()
 			b, err := kafka.Open(ctx, cluster.config(tc.mechanism, tc.user, tc.password),
-				adapters.Options{Logger: logs.logger(), ConnectTimeout: 30 * time.Second})
+				adapters.Options{Logger: logs.Watermill(), ConnectTimeout: 30 * time.Second})
 			require.NoError(t, err)
 			defer b.Close()
 
@@ -152,8 +127,8 @@ func TestSASLFailuresAreClearAndKeepTheSecret(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			var logs logBuffer
-			_, err := kafka.Open(context.Background(), tc.cfg, adapters.Options{Logger: logs.logger(), ConnectTimeout: 10 * time.Second})
+			var logs testlog.Buffer
+			_, err := kafka.Open(context.Background(), tc.cfg, adapters.Options{Logger: logs.Watermill(), ConnectTimeout: 10 * time.Second})
 			require.Error(t, err)
 			require.ErrorContains(t, err, tc.want)
 			require.ErrorContains(t, err, cluster.addrs[0], "the error names the broker")
@@ -205,10 +180,10 @@ func TestPlainWithoutTLSIsWarnedAbout(t *testing.T) {
 		kfake.Superuser("PLAIN", "plain-user", plainSecret))
 	require.NoError(t, err)
 	t.Cleanup(c.Close)
-	var logs logBuffer
+	var logs testlog.Buffer
 	b, err := kafka.Open(context.Background(), kafka.Config{Brokers: c.ListenAddrs(), ReplicationFactor: 1,
 		SASL: kafka.SASLConfig{Mechanism: kafka.SASLPlain, User: "plain-user", Password: plainSecret}},
-		adapters.Options{Logger: logs.logger(), ConnectTimeout: 10 * time.Second})
+		adapters.Options{Logger: logs.Watermill(), ConnectTimeout: 10 * time.Second})
 	require.NoError(t, err)
 	require.NoError(t, b.Provision(context.Background(), testdb.UniqueName(t.Name()), "g"))
 	require.NoError(t, b.Close())

@@ -1,17 +1,13 @@
 package nats
 
 import (
-	"bytes"
 	"context"
-	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/nats-io/jwt/v2"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nkeys"
@@ -21,6 +17,7 @@ import (
 	"github.com/millrace-io/millrace/adapters/adaptertest"
 	"github.com/millrace-io/millrace/internal/confload"
 	"github.com/millrace-io/millrace/internal/testcerts"
+	"github.com/millrace-io/millrace/internal/testlog"
 )
 
 // These tests need servers with known certificates and credentials, so
@@ -42,28 +39,6 @@ func startSecureServer(t *testing.T, tweak func(o *server.Options)) string {
 	t.Cleanup(func() { srv.Shutdown(); srv.WaitForShutdown() })
 	require.True(t, srv.ReadyForConnections(30*time.Second), "private nats-server did not start")
 	return "nats://" + srv.Addr().String()
-}
-
-// logBuffer collects a Watermill logger's output at trace level.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (l *logBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.Write(p)
-}
-
-func (l *logBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.String()
-}
-
-func (l *logBuffer) logger() watermill.LoggerAdapter {
-	return watermill.NewSlogLogger(slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: watermill.LevelTrace})))
 }
 
 // roundTrip publishes one message through b and receives it in a group,
@@ -90,9 +65,9 @@ func roundTrip(t *testing.T, b *Broker) {
 	}
 }
 
-func openSecure(t *testing.T, cfg Config, logs *logBuffer) (*Broker, error) {
+func openSecure(t *testing.T, cfg Config, logs *testlog.Buffer) (*Broker, error) {
 	t.Helper()
-	b, err := Open(context.Background(), cfg, adapters.Options{Logger: logs.logger(), ConnectTimeout: 10 * time.Second})
+	b, err := Open(context.Background(), cfg, adapters.Options{Logger: logs.Watermill(), ConnectTimeout: 10 * time.Second})
 	if err == nil {
 		t.Cleanup(func() { _ = b.Close() })
 	}
@@ -108,7 +83,7 @@ func TestTLSAgainstPrivateServer(t *testing.T) {
 	})
 
 	t.Run("trusted CA", func(t *testing.T) {
-		var logs logBuffer
+		var logs testlog.Buffer
 		b, err := openSecure(t, Config{URL: url, TLS: adapters.TLSConfig{Enabled: true, CAFile: ca.CertFile}}, &logs)
 		require.NoError(t, err)
 		roundTrip(t, b)
@@ -118,14 +93,14 @@ func TestTLSAgainstPrivateServer(t *testing.T) {
 		require.True(t, state.HandshakeComplete)
 	})
 	t.Run("tls scheme", func(t *testing.T) {
-		var logs logBuffer
+		var logs testlog.Buffer
 		tlsURL := strings.Replace(url, "nats://", "tls://", 1)
 		b, err := openSecure(t, Config{URL: tlsURL, TLS: adapters.TLSConfig{CAFile: ca.CertFile}}, &logs)
 		require.NoError(t, err, "a tls:// URL turns TLS on and takes the tls block")
 		roundTrip(t, b)
 	})
 	t.Run("wrong CA", func(t *testing.T) {
-		var logs logBuffer
+		var logs testlog.Buffer
 		other := testcerts.NewCA(t, "other")
 		_, err := openSecure(t, Config{URL: url, TLS: adapters.TLSConfig{Enabled: true, CAFile: other.CertFile}}, &logs)
 		require.Error(t, err)
@@ -133,17 +108,17 @@ func TestTLSAgainstPrivateServer(t *testing.T) {
 		require.ErrorContains(t, err, url, "the error names the server")
 	})
 	t.Run("system roots only", func(t *testing.T) {
-		var logs logBuffer
+		var logs testlog.Buffer
 		_, err := openSecure(t, Config{URL: url, TLS: adapters.TLSConfig{Enabled: true}}, &logs)
 		require.ErrorContains(t, err, "certificate signed by unknown authority")
 	})
 	t.Run("wrong server name", func(t *testing.T) {
-		var logs logBuffer
+		var logs testlog.Buffer
 		_, err := openSecure(t, Config{URL: url, TLS: adapters.TLSConfig{Enabled: true, CAFile: ca.CertFile, ServerName: "nats.example.com"}}, &logs)
 		require.ErrorContains(t, err, "nats.example.com")
 	})
 	t.Run("insecure skip verify warns", func(t *testing.T) {
-		var logs logBuffer
+		var logs testlog.Buffer
 		b, err := openSecure(t, Config{URL: url, TLS: adapters.TLSConfig{Enabled: true, InsecureSkipVerify: true}}, &logs)
 		require.NoError(t, err)
 		require.NoError(t, b.Close())
@@ -151,7 +126,7 @@ func TestTLSAgainstPrivateServer(t *testing.T) {
 		require.Contains(t, logs.String(), "broker.nats.tls.insecure_skip_verify is true")
 	})
 	t.Run("plaintext client", func(t *testing.T) {
-		var logs logBuffer
+		var logs testlog.Buffer
 		// nats.go upgrades to TLS when the server requires it, and then
 		// cannot verify a certificate of a private CA.
 		_, err := openSecure(t, Config{URL: url}, &logs)
@@ -167,7 +142,7 @@ func TestMutualTLSAgainstPrivateServer(t *testing.T) {
 		o.TLS, o.TLSVerify = true, true
 	})
 	client := ca.Client("millrace")
-	var logs logBuffer
+	var logs testlog.Buffer
 	b, err := openSecure(t, Config{URL: url, TLS: adapters.TLSConfig{
 		Enabled: true, CAFile: ca.CertFile, CertFile: client.CertFile, KeyFile: client.KeyFile}}, &logs)
 	require.NoError(t, err)
@@ -231,7 +206,7 @@ func TestCredentialsAgainstPrivateServers(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			var logs logBuffer
+			var logs testlog.Buffer
 			b, err := openSecure(t, tc.cfg, &logs)
 			if tc.ok {
 				require.NoError(t, err)

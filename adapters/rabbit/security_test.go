@@ -1,17 +1,13 @@
 package rabbit
 
 import (
-	"bytes"
 	"context"
 	"fmt"
-	"log/slog"
 	"net/url"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters"
@@ -19,29 +15,8 @@ import (
 	"github.com/millrace-io/millrace/internal/confload"
 	"github.com/millrace-io/millrace/internal/servers"
 	"github.com/millrace-io/millrace/internal/testcerts"
+	"github.com/millrace-io/millrace/internal/testlog"
 )
-
-// logBuffer collects a Watermill logger's output at trace level.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (l *logBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.Write(p)
-}
-
-func (l *logBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.String()
-}
-
-func (l *logBuffer) logger() watermill.LoggerAdapter {
-	return watermill.NewSlogLogger(slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: watermill.LevelTrace})))
-}
 
 // TestTLSOnPrivateNode runs a private RabbitMQ node with a TLS listener that
 // requires client certificates (the shared server has none, and its
@@ -66,8 +41,8 @@ ssl_options.fail_if_no_peer_cert = true
 		c.TLS = adapters.TLSConfig{CAFile: ca.CertFile, CertFile: client.CertFile, KeyFile: client.KeyFile}
 		return c
 	}
-	open := func(t *testing.T, c Config, logs *logBuffer) (*Broker, error) {
-		b, err := Open(context.Background(), c, adapters.Options{Logger: logs.logger(), ConnectTimeout: 10 * time.Second})
+	open := func(t *testing.T, c Config, logs *testlog.Buffer) (*Broker, error) {
+		b, err := Open(context.Background(), c, adapters.Options{Logger: logs.Watermill(), ConnectTimeout: 10 * time.Second})
 		if err == nil {
 			t.Cleanup(func() { _ = b.Close() })
 		}
@@ -75,7 +50,7 @@ ssl_options.fail_if_no_peer_cert = true
 	}
 
 	t.Run("round trip over mutual TLS", func(t *testing.T) {
-		var logs logBuffer
+		var logs testlog.Buffer
 		b, err := open(t, secureCfg(), &logs)
 		require.NoError(t, err)
 		conn, err := b.connection(context.Background())
@@ -100,7 +75,7 @@ ssl_options.fail_if_no_peer_cert = true
 		require.Equal(t, m.UUID, got[0].UUID)
 	})
 	t.Run("TLS in the URL", func(t *testing.T) {
-		var logs logBuffer
+		var logs testlog.Buffer
 		q := url.Values{"cacertfile": {ca.CertFile}, "certfile": {client.CertFile}, "keyfile": {client.KeyFile}}
 		b, err := open(t, testConfig(fmt.Sprintf("amqps://guest:guest@127.0.0.1:%d/?%s", tlsPort, q.Encode())), &logs)
 		require.NoError(t, err, "amqp091's URL parameters still work when the tls block is empty")
@@ -109,7 +84,7 @@ ssl_options.fail_if_no_peer_cert = true
 		require.True(t, conn.ConnectionState().HandshakeComplete)
 	})
 	t.Run("unknown CA", func(t *testing.T) {
-		var logs logBuffer
+		var logs testlog.Buffer
 		c := secureCfg()
 		c.TLS.CAFile = testcerts.NewCA(t, "stranger").CertFile
 		_, err := open(t, c, &logs)
@@ -117,7 +92,7 @@ ssl_options.fail_if_no_peer_cert = true
 		require.ErrorContains(t, err, "connect to "+amqps)
 	})
 	t.Run("no client certificate", func(t *testing.T) {
-		var logs logBuffer
+		var logs testlog.Buffer
 		c := secureCfg()
 		c.TLS.CertFile, c.TLS.KeyFile = "", ""
 		_, err := open(t, c, &logs)
@@ -130,7 +105,7 @@ ssl_options.fail_if_no_peer_cert = true
 		require.ErrorContains(t, err, "connect to "+amqps)
 	})
 	t.Run("wrong password", func(t *testing.T) {
-		var logs logBuffer
+		var logs testlog.Buffer
 		const wrong = "wrong-S3cret-rabbit"
 		c := secureCfg()
 		c.Password = wrong
@@ -140,7 +115,7 @@ ssl_options.fail_if_no_peer_cert = true
 		require.NotContains(t, logs.String(), wrong)
 	})
 	t.Run("insecure skip verify warns", func(t *testing.T) {
-		var logs logBuffer
+		var logs testlog.Buffer
 		c := secureCfg()
 		c.TLS.CAFile, c.TLS.InsecureSkipVerify = "", true
 		b, err := open(t, c, &logs)
@@ -150,7 +125,7 @@ ssl_options.fail_if_no_peer_cert = true
 		require.Contains(t, logs.String(), "broker.rabbitmq.tls.insecure_skip_verify is true")
 	})
 	t.Run("plain listener still plain", func(t *testing.T) {
-		var logs logBuffer
+		var logs testlog.Buffer
 		b, err := open(t, testConfig(node.URL), &logs)
 		require.NoError(t, err)
 		conn, err := b.connection(context.Background())
@@ -178,16 +153,16 @@ func TestCredentialsOutsideTheURL(t *testing.T) {
 	require.NoError(t, b.Close())
 
 	const wrong = "wrong-S3cret-9f9f"
-	var logs logBuffer
+	var logs testlog.Buffer
 	c.Password = wrong
-	_, err = Open(context.Background(), c, adapters.Options{Logger: logs.logger(), ConnectTimeout: 10 * time.Second})
+	_, err = Open(context.Background(), c, adapters.Options{Logger: logs.Watermill(), ConnectTimeout: 10 * time.Second})
 	require.ErrorContains(t, err, "username or password not allowed")
 	require.NotContains(t, err.Error(), wrong)
 	require.NotContains(t, logs.String(), wrong)
 
 	// A password in the URL is redacted in the same error.
 	u.User = url.UserPassword(user, wrong)
-	_, err = Open(context.Background(), testConfig(u.String()), adapters.Options{Logger: logs.logger(), ConnectTimeout: 10 * time.Second})
+	_, err = Open(context.Background(), testConfig(u.String()), adapters.Options{Logger: logs.Watermill(), ConnectTimeout: 10 * time.Second})
 	require.ErrorContains(t, err, "username or password not allowed")
 	require.ErrorContains(t, err, user+":xxxxx@")
 	require.NotContains(t, err.Error(), wrong)

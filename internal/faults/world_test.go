@@ -1,7 +1,6 @@
 package faults
 
 import (
-	"bytes"
 	"context"
 	"database/sql"
 	"encoding/json"
@@ -22,6 +21,7 @@ import (
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testlog"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -131,7 +131,7 @@ type node struct {
 	t      *testing.T
 	name   string
 	cmd    *exec.Cmd
-	stderr *syncBuffer
+	stderr *testlog.Buffer
 	done   chan struct{}
 	err    error
 	// stopped says the scenario ended the node (or the node's own kill
@@ -145,7 +145,7 @@ func (w *world) start(name string, spec nodeSpec) *node {
 	spec.Config, spec.Topic, spec.Handler = w.cfg, w.topic, w.handler
 	raw, err := json.Marshal(spec)
 	require.NoError(w.t, err)
-	n := &node{t: w.t, name: name, stderr: &syncBuffer{}, done: make(chan struct{})}
+	n := &node{t: w.t, name: name, stderr: &testlog.Buffer{}, done: make(chan struct{})}
 	n.cmd = exec.Command(os.Args[0], "-test.run=^$")
 	n.cmd.Env = append(os.Environ(), nodeEnv+"="+string(raw))
 	n.cmd.Stderr = n.stderr
@@ -229,19 +229,6 @@ func (n *node) killedBySIGKILL() bool {
 	ws, _ := ee.Sys().(syscall.WaitStatus)
 	return ws.Signaled() && ws.Signal() == syscall.SIGKILL
 }
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-func (s *syncBuffer) String() string { s.mu.Lock(); defer s.mu.Unlock(); return s.b.String() }
-func (s *syncBuffer) Len() int       { s.mu.Lock(); defer s.mu.Unlock(); return s.b.Len() }
 
 func tail(s string, n int) string {
 	if len(s) <= n {

@@ -1,23 +1,17 @@
 package bus_test
 
 import (
-	"bytes"
 	"context"
 	"crypto/rand"
-	"crypto/x509"
+	"database/sql"
 	"encoding/hex"
-	"encoding/pem"
 	"errors"
-	"log/slog"
 	"net/url"
-	"os"
 	"path/filepath"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kfake"
 
@@ -25,8 +19,10 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/brokertest"
+	"github.com/millrace-io/millrace/internal/servers"
 	"github.com/millrace-io/millrace/internal/testcerts"
 	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testlog"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -43,38 +39,18 @@ func withQuery(t *testing.T, raw string, params map[string]string) string {
 	return u.String()
 }
 
-// serverCA writes the top certificate of the chain the PostgreSQL server at
-// rawURL presents to a PEM file: the CA a client must trust to verify it.
-func serverCA(t *testing.T, rawURL string) string {
-	t.Helper()
-	cfg, err := pgconn.ParseConfig(withQuery(t, rawURL, map[string]string{"sslmode": "require"}))
-	require.NoError(t, err)
-	require.NotNil(t, cfg.TLSConfig)
-	var chain [][]byte
-	cfg.TLSConfig.VerifyPeerCertificate = func(raw [][]byte, _ [][]*x509.Certificate) error {
-		chain = raw
-		return nil
-	}
-	conn, err := pgconn.ConnectConfig(context.Background(), cfg)
-	require.NoError(t, err)
-	require.NoError(t, conn.Close(context.Background()))
-	require.NotEmpty(t, chain)
-	path := filepath.Join(t.TempDir(), "server-ca.pem")
-	require.NoError(t, os.WriteFile(path, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: chain[len(chain)-1]}), 0o600))
-	return path
-}
-
-// TestDatabaseTLS connects to the real PostgreSQL server over TLS through
-// database.url's libpq parameters, which pgx implements.
+// TestDatabaseTLS connects to a real PostgreSQL server over TLS through
+// database.url's libpq parameters, which pgx implements: a private cluster
+// of the test's own with ssl on and a certificate from a test CA.
 func TestDatabaseTLS(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db := testdb.Open(t)
-	var ssl string
-	require.NoError(t, db.QueryRow(`SHOW ssl`).Scan(&ssl))
-	if ssl != "on" {
-		t.Skip("the PostgreSQL server at DATABASE_URL has ssl off: there is no TLS listener to test against")
-	}
+	serverCA := testcerts.NewCA(t, "postgres")
+	server := serverCA.Server("postgres")
+	pg := servers.StartPostgreSQLWithTLS(t, server.CertFile, server.KeyFile)
+	db, err := sql.Open("pgx", pg.URL)
+	require.NoError(t, err)
+	t.Cleanup(func() { db.Close() })
 	var cfg bus.Config
 	cfg.Database.Schema = testdb.Schema(t, db)
 	brokertest.Apply(t, bus.KindNATS, &cfg)
@@ -91,16 +67,15 @@ func TestDatabaseTLS(t *testing.T) {
 		require.NoError(t, b.DB().QueryRow(`SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()`).Scan(&on))
 		return on
 	}
-	require.True(t, usesTLS(t, withQuery(t, testdb.URL(), map[string]string{"sslmode": "require"})))
-	require.False(t, usesTLS(t, withQuery(t, testdb.URL(), map[string]string{"sslmode": "disable"})))
-	ca := serverCA(t, testdb.URL())
-	require.True(t, usesTLS(t, withQuery(t, testdb.URL(), map[string]string{"sslmode": "verify-ca", "sslrootcert": ca})),
+	require.True(t, usesTLS(t, withQuery(t, pg.URL, map[string]string{"sslmode": "require"})))
+	require.False(t, usesTLS(t, withQuery(t, pg.URL, map[string]string{"sslmode": "disable"})))
+	require.True(t, usesTLS(t, withQuery(t, pg.URL, map[string]string{"sslmode": "verify-ca", "sslrootcert": serverCA.CertFile})),
 		"verify-ca with the CA that signed the server's certificate")
 
 	wrong := testcerts.NewCA(t, "not-postgres")
 	for _, mode := range []string{"verify-ca", "verify-full"} {
 		c := cfg
-		c.Database.URL = withQuery(t, testdb.URL(), map[string]string{"sslmode": mode, "sslrootcert": wrong.CertFile})
+		c.Database.URL = withQuery(t, pg.URL, map[string]string{"sslmode": mode, "sslrootcert": wrong.CertFile})
 		_, err := bus.Open(ctx, c, nil)
 		require.Error(t, err, mode)
 		// verify-ca fails on the unknown signer; verify-full may fail on the
@@ -133,29 +108,6 @@ func TestDatabaseURLTLSParametersAreChecked(t *testing.T) {
 		require.ErrorContains(t, err, want, query)
 		require.NotContains(t, err.Error(), secret, query)
 	}
-}
-
-// secretLogs is a slog logger at Watermill's trace level (everything is
-// logged) writing into a buffer.
-type secretLogs struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (l *secretLogs) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.Write(p)
-}
-
-func (l *secretLogs) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.String()
-}
-
-func (l *secretLogs) slog() *slog.Logger {
-	return slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: watermill.LevelTrace}))
 }
 
 func newSecret(t *testing.T, label string) string {
@@ -197,7 +149,7 @@ func TestSecretsNeverPrinted(t *testing.T) {
 	t.Run("database connect", func(t *testing.T) {
 		t.Parallel()
 		s := newSecret(t, "db")
-		var logs secretLogs
+		var logs testlog.Buffer
 		for _, dbURL := range []string{
 			"postgres://nobody_" + hex.EncodeToString([]byte(s[:4])) + ":" + s + "@127.0.0.1:5432/postgres?sslmode=disable&connect_timeout=5",
 			"postgres://app:" + s + "@127.0.0.1:1/postgres?sslmode=disable",
@@ -206,7 +158,7 @@ func TestSecretsNeverPrinted(t *testing.T) {
 			var cfg bus.Config
 			cfg.Database.URL = dbURL
 			brokertest.Apply(t, bus.KindNATS, &cfg)
-			_, err := bus.Open(ctx, cfg, nil, bus.WithLogger(logs.slog()))
+			_, err := bus.Open(ctx, cfg, nil, bus.WithLogger(logs.Slog()))
 			require.Error(t, err, dbURL)
 			require.ErrorContains(t, err, "database")
 			require.NotContains(t, err.Error(), s)
@@ -262,9 +214,9 @@ func TestSecretsNeverPrinted(t *testing.T) {
 			"rabbitmq password in url": rabbitCfg, "rabbitmq password field": rabbitFields,
 			"nats token in url": natsTokenCfg, "nats password field": natsPwCfg, "kafka sasl": kafkaCfg,
 		} {
-			var logs secretLogs
+			var logs testlog.Buffer
 			cfg.Broker.ConnectTimeout = 5 * time.Second
-			_, err := bus.OpenBroker(ctx, cfg, watermill.NewSlogLogger(logs.slog()))
+			_, err := bus.OpenBroker(ctx, cfg, watermill.NewSlogLogger(logs.Slog()))
 			require.Error(t, err, name)
 			require.NotContains(t, err.Error(), s, name)
 			require.NotContains(t, logs.String(), s, name)
@@ -296,8 +248,8 @@ func TestSecretsNeverPrinted(t *testing.T) {
 		brokertest.Cleanup(t, bus.KindNATS, topic, "h")
 		require.NoError(t, bus.Migrate(ctx, db, cfg))
 
-		var logs secretLogs
-		b, err := bus.Open(ctx, cfg, db, bus.WithLogger(logs.slog()))
+		var logs testlog.Buffer
+		b, err := bus.Open(ctx, cfg, db, bus.WithLogger(logs.Slog()))
 		require.NoError(t, err)
 		defer b.Close()
 		handled := make(chan struct{}, 1)

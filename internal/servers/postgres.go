@@ -28,6 +28,8 @@ type PostgreSQL struct {
 	t       testing.TB
 	bin     string // directory holding initdb and pg_ctl
 	runAs   string // OS user to run PostgreSQL's programs as; "" for this process's
+	uid     int    // runAs's user and group ids
+	gid     int
 	runuser string
 	dir     string
 	data    string
@@ -67,6 +69,19 @@ func majorVersion(initdb string) int {
 // is not installed.
 func StartPostgreSQL(t testing.TB) *PostgreSQL {
 	t.Helper()
+	return startPostgreSQL(t, "", "")
+}
+
+// StartPostgreSQLWithTLS is StartPostgreSQL with TLS on (ssl = on), the
+// server presenting the certificate and key in certFile and keyFile.
+// Clients may still connect without TLS.
+func StartPostgreSQLWithTLS(t testing.TB, certFile, keyFile string) *PostgreSQL {
+	t.Helper()
+	return startPostgreSQL(t, certFile, keyFile)
+}
+
+func startPostgreSQL(t testing.TB, certFile, keyFile string) *PostgreSQL {
+	t.Helper()
 	bin, ok := postgresBinDir()
 	if !ok {
 		t.Fatalf("PostgreSQL's initdb is neither on PATH nor in /usr/lib/postgresql/*/bin: install PostgreSQL (`make up` does)")
@@ -99,6 +114,16 @@ unix_socket_directories = '%s'
 fsync = off
 max_connections = 200
 `, p.port, p.data)
+	if certFile != "" {
+		// server.crt and server.key in the data directory are PostgreSQL's
+		// defaults; the key must belong to the server's user, mode 0600.
+		for dst, src := range map[string]string{"server.crt": certFile, "server.key": keyFile} {
+			if err := p.copyIn(src, dst); err != nil {
+				t.Fatalf("give the private PostgreSQL cluster its TLS files: %v", err)
+			}
+		}
+		conf += "ssl = on\n"
+	}
 	f, err := os.OpenFile(filepath.Join(p.data, "postgresql.conf"), os.O_WRONLY|os.O_APPEND, 0)
 	if err == nil {
 		_, err = f.WriteString(conf)
@@ -132,6 +157,7 @@ func (p *PostgreSQL) chownToRunAs() error {
 	if err := os.Chown(p.dir, uid, gid); err != nil {
 		return err
 	}
+	p.uid, p.gid = uid, gid
 	for _, c := range []string{"runuser", "/usr/sbin/runuser", "/sbin/runuser"} {
 		if path, err := exec.LookPath(c); err == nil {
 			p.runuser = path
@@ -139,6 +165,23 @@ func (p *PostgreSQL) chownToRunAs() error {
 		}
 	}
 	return fmt.Errorf("runuser not found")
+}
+
+// copyIn copies the file src into the data directory as name, readable
+// only by the server's user.
+func (p *PostgreSQL) copyIn(src, name string) error {
+	data, err := os.ReadFile(src)
+	if err != nil {
+		return err
+	}
+	dst := filepath.Join(p.data, name)
+	if err := os.WriteFile(dst, data, 0o600); err != nil {
+		return err
+	}
+	if p.runAs != "" {
+		return os.Chown(dst, p.uid, p.gid)
+	}
+	return nil
 }
 
 // command returns the command that runs PostgreSQL's program name with args,

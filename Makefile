@@ -4,7 +4,7 @@ PKGS    ?= ./...
 STACK   := internal/devstack/stack.sh
 CONFIG  ?= config.yaml
 
-.PHONY: help up down status test vet fmt-check lint demo migrate bench reliability
+.PHONY: help up down status test vet fmt-check lint demo migrate bench reliability fuzz
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -31,8 +31,21 @@ FAULTS  := ./internal/faults
 
 test: up lint ## every test, unit and integration, with -race, against the local services
 	$(GO) test -race -count=1 -timeout 60m $$($(GO) list $(PKGS) | grep -v '/internal/faults$$')
+	$(if $(filter ./...,$(PKGS)),$(MAKE) --no-print-directory fuzz FUZZTIME=$(TEST_FUZZTIME))
 	@# The fault-injection suite runs many processes of its own: alone, after the rest.
 	$(if $(filter ./...,$(PKGS)),$(GO) test -race -count=1 -timeout 60m $(FAULTS))
+
+FUZZTIME      ?= 1m
+TEST_FUZZTIME ?= 5s
+
+fuzz: up ## run every fuzz target for FUZZTIME each (make test runs them for 5s each)
+	@set -e; for file in $$(grep -rl --include='*_test.go' '^func Fuzz' . | sort); do \
+		for fn in $$(sed -n 's/^func \(Fuzz[A-Za-z0-9_]*\)(.*/\1/p' $$file); do \
+			echo "fuzz $$(dirname $$file) $$fn for $(FUZZTIME)"; \
+			out=$$($(GO) test -run '^$$' -fuzz "^$$fn$$" -fuzztime $(FUZZTIME) $$(dirname $$file) 2>&1) || \
+				{ echo "$$out"; exit 1; }; \
+		done; \
+	done
 
 migrate: up ## create millrace's tables in the database config.yaml names
 	$(GO) run ./cmd/millrace --config $(CONFIG) migrate

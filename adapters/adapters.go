@@ -41,6 +41,10 @@ type Broker interface {
 	// that conflicts with the configured one is an error saying what differs.
 	Provision(ctx context.Context, topic string, consumerGroups ...string) error
 
+	// Rules says what this broker carries unchanged; PublishBatch fails a
+	// message they refuse permanently instead of sending it.
+	Rules() Rules
+
 	// Close releases every connection. It is idempotent.
 	Close() error
 }

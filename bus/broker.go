@@ -31,3 +31,16 @@ func OpenBroker(ctx context.Context, cfg Config, logger watermill.LoggerAdapter)
 	}
 	return nil, fmt.Errorf("millrace: broker.kind %q has no adapter", cfg.Broker.Kind) // unreachable after Validate
 }
+
+// Rules are what the selected broker carries unchanged, known from the
+// config alone, so Publish and Handle check against them without a connection.
+func (c BrokerConfig) Rules() adapters.Rules {
+	switch c.Kind {
+	case KindKafka:
+		return c.Kafka.Rules()
+	case KindRabbitMQ:
+		return c.RabbitMQ.Rules()
+	default:
+		return c.NATS.Rules()
+	}
+}

@@ -19,6 +19,7 @@ import (
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/confload"
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/names"
@@ -33,6 +34,8 @@ type Bus struct {
 	ownsDB bool
 	tables pgschema.Tables
 	schema watermillsql.DefaultPostgreSQLSchema
+	// rules are what the configured broker carries unchanged.
+	rules  adapters.Rules
 	logger watermill.LoggerAdapter
 	now    func() time.Time
 	closed atomic.Bool
@@ -94,6 +97,7 @@ func Open(ctx context.Context, cfg Config, db *sql.DB, opts ...Option) (*Bus, er
 		cfg:    cfg,
 		db:     db,
 		tables: tablesOf(cfg),
+		rules:  cfg.Broker.Rules(),
 		logger: watermill.NewSlogLogger(slog.Default()),
 		now:    time.Now,
 	}
@@ -230,6 +234,9 @@ func (b *Bus) outboxRows(ctx context.Context, topic string, events []Event) ([]*
 	if err := names.Topic(topic); err != nil {
 		return nil, fmt.Errorf("%w %q: %v", ErrInvalidTopic, topic, err)
 	}
+	if err := b.rules.CheckTopic(topic); err != nil {
+		return nil, fmt.Errorf("%w %q on broker.kind %s: %w", ErrInvalidTopic, topic, b.cfg.Broker.Kind, err)
+	}
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
@@ -237,6 +244,9 @@ func (b *Bus) outboxRows(ctx context.Context, topic string, events []Event) ([]*
 	rows := make([]*message.Message, len(events))
 	for i, e := range events {
 		msg, err := e.toMessage(ctx, b.cfg.Outbox, now)
+		if err == nil {
+			err = refusedByBroker(b.rules.CheckMessage(topic, msg))
+		}
 		if err != nil {
 			var ee *EventError
 			if errors.As(err, &ee) {
@@ -281,3 +291,34 @@ func (t txWithContext) ExecContext(_ context.Context, query string, args ...any)
 
 // redactURL is raw without its password (in the user info or the query).
 func redactURL(raw string) string { return confload.RedactURL(raw) }
+
+// refusedByBroker turns the broker's *adapters.RefusedError into an
+// *EventError naming the Event field behind the refused part.
+func refusedByBroker(err error) error {
+	var re *adapters.RefusedError
+	if !errors.As(err, &re) {
+		return err
+	}
+	ee := &EventError{Field: "Metadata", Key: re.Key, Kind: ErrRefusedByBroker, Detail: re.Error(), Err: re}
+	switch re.Part {
+	case adapters.PartID:
+		ee.Field, ee.Key = "ID", ""
+	case adapters.PartSize:
+		ee.Field = "Payload"
+	case adapters.PartTopic:
+		return fmt.Errorf("%w: %w", ErrInvalidTopic, re)
+	default:
+		if field, ok := envelopeFields[re.Key]; ok {
+			ee.Field, ee.Key = field, ""
+		}
+	}
+	return ee
+}
+
+// envelopeFields maps the envelope's metadata keys to the Event fields
+// they come from.
+var envelopeFields = map[string]string{
+	EventIDKey: "ID", EventTypeKey: "Type", AggregateTypeKey: "AggregateType", AggregateIDKey: "AggregateID",
+	AggregateVersionKey: "AggregateVersion", SchemaVersionKey: "SchemaVersion", OccurredAtKey: "OccurredAt",
+	CorrelationIDKey: "CorrelationID", CausationIDKey: "CausationID",
+}

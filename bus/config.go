@@ -151,7 +151,7 @@ func (c Config) Validate() error {
 	var chk confload.Checker
 	chk.URL("database.url", c.Database.URL, "postgres", "postgresql")
 	checkDatabaseTLS(&chk, c.Database.URL)
-	chk.Check("database.schema", names.Identifier(c.Database.Schema, pgschema.MaxIdentifierLength))
+	chk.Check("database.schema", names.Schema(c.Database.Schema, pgschema.MaxIdentifierLength))
 	chk.PositiveDuration("database.connect_timeout", c.Database.ConnectTimeout)
 
 	// "watermill_offsets_" + topic must fit PostgreSQL's 63-byte identifiers.

@@ -31,6 +31,7 @@ func TestShippedConfigLoadsAndValidates(t *testing.T) {
 	require.Equal(t, defaults.Database, cfg.Database)
 	require.Equal(t, defaults.Outbox, cfg.Outbox)
 	require.Equal(t, defaults.Consumer, cfg.Consumer)
+	require.Equal(t, defaults.Broker, cfg.Broker)
 }
 
 func TestMinimalConfigIsAllDefaults(t *testing.T) {
@@ -41,9 +42,13 @@ func TestMinimalConfigIsAllDefaults(t *testing.T) {
 	want.Broker.NATS.URL = "nats://127.0.0.1:4222"
 	require.Equal(t, want, cfg)
 
-	// Broker addresses have no default: a missing one is an error, not a silent localhost.
-	_, err = parseConfig(nil, noEnv)
-	require.ErrorContains(t, err, "broker.nats.url: required")
+	// The broker addresses config.yaml documents are the defaults: a file
+	// without a broker section reaches the local servers.
+	cfg, err = parseConfig(nil, noEnv)
+	require.NoError(t, err)
+	require.Equal(t, "nats://127.0.0.1:4222", cfg.Broker.NATS.URL)
+	require.Equal(t, "amqp://127.0.0.1:5672/", cfg.Broker.RabbitMQ.URL)
+	require.Equal(t, want, cfg)
 }
 
 func TestConfigEnvironment(t *testing.T) {
@@ -83,10 +88,10 @@ func TestBadConfigsNameTheirField(t *testing.T) {
 	}{
 		{name: "wrong kind", yaml: "broker:\n  kind: kafak\n",
 			paths: []string{"broker.kind"}, text: `must be one of kafka, rabbitmq, nats; got "kafak"`},
-		{name: "missing rabbitmq url", yaml: "broker:\n  kind: rabbitmq\n",
-			paths: []string{"broker.rabbitmq.url"}, text: "required"},
-		{name: "missing kafka brokers", yaml: "broker:\n  kind: kafka\n",
-			paths: []string{"broker.kafka.brokers"}, text: "required"},
+		{name: "empty rabbitmq url", yaml: "broker:\n  kind: rabbitmq\n  rabbitmq:\n    url: \"amqp://\"\n",
+			paths: []string{"broker.rabbitmq.url"}, text: "no host"},
+		{name: "empty kafka broker", yaml: "broker:\n  kind: kafka\n  kafka:\n    brokers: [\"\"]\n",
+			paths: []string{"broker.kafka.brokers[0]"}, text: ""},
 		{name: "wrong url scheme", yaml: "broker:\n  nats:\n    url: http://x:4222\n",
 			paths: []string{"broker.nats.url"}, text: `"http"`},
 		{name: "negative duration", yaml: "database:\n  connect_timeout: -5s\nbroker:\n  connect_timeout: -1s\n",

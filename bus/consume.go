@@ -47,6 +47,13 @@ type handlerSpec struct {
 // its consumer group). Register every handler before Run.
 func (b *Bus) Handle(topic, name string, fn HandlerFunc, opts ...HandleOption) error {
 	spec, errs := newHandlerSpec(topic, name, fn, opts)
+	if len(errs) == 0 {
+		if err := b.rules.CheckTopic(topic); err != nil {
+			errs = append(errs, fmt.Errorf("topic on broker.kind %s: %w", b.cfg.Broker.Kind, err))
+		} else if err := b.rules.CheckGroup(topic, spec.group); err != nil {
+			errs = append(errs, fmt.Errorf("consumer group on broker.kind %s: %w", b.cfg.Broker.Kind, err))
+		}
+	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.running {

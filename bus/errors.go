@@ -25,6 +25,11 @@ var (
 	ErrMetadataTooLarge = errors.New("millrace: metadata too large")
 	// ErrClosed: the Bus was closed.
 	ErrClosed = errors.New("millrace: bus is closed")
+	// ErrRefusedByBroker: the configured broker (broker.kind) would refuse
+	// the event, or not carry it unchanged: a header name it reserves, a
+	// message over its size limit. The *EventError's Err is the broker's
+	// *adapters.RefusedError.
+	ErrRefusedByBroker = errors.New("millrace: the configured broker would refuse or alter the event")
 )
 
 // EventError says which event of a Publish call was refused and why.
@@ -34,20 +39,35 @@ type EventError struct {
 	Index int
 	// Type is the event's Type, to help find it in logs.
 	Type string
-	// Field is the Event field at fault, e.g. "Payload".
+	// Field is the Event field at fault, e.g. "Payload" or "Metadata".
 	Field string
+	// Key is the metadata key at fault when Field is "Metadata", else "".
+	Key string
 	// Kind is one of the Err* sentinels above.
 	Kind error
 	// Detail says what was wrong.
 	Detail string
+	// Err is the underlying error, if any: the broker's
+	// *adapters.RefusedError for ErrRefusedByBroker.
+	Err error
 }
 
 func (e *EventError) Error() string {
-	return fmt.Sprintf("%v: event %d (type %q): %s: %s", e.Kind, e.Index, e.Type, e.Field, e.Detail)
+	field := e.Field
+	if e.Key != "" {
+		field += fmt.Sprintf("[%q]", e.Key)
+	}
+	return fmt.Sprintf("%v: event %d (type %q): %s: %s", e.Kind, e.Index, e.Type, field, e.Detail)
 }
 
-// Unwrap returns Kind, so errors.Is(err, ErrPayloadTooLarge) works.
-func (e *EventError) Unwrap() error { return e.Kind }
+// Unwrap returns Kind and Err, so errors.Is(err, ErrPayloadTooLarge) and
+// errors.As(err, &refused) work.
+func (e *EventError) Unwrap() []error {
+	if e.Err == nil {
+		return []error{e.Kind}
+	}
+	return []error{e.Kind, e.Err}
+}
 
 func fieldErr(field string, kind error, detail string) *EventError {
 	return &EventError{Field: field, Kind: kind, Detail: detail}

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -14,6 +15,8 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/millrace-io/millrace/internal/envelope"
+	"github.com/millrace-io/millrace/internal/names"
+	"github.com/millrace-io/millrace/middleware"
 )
 
 // Metadata keys of the event envelope. Every event carries them as message
@@ -93,12 +96,25 @@ func (e Event) toMessage(ctx context.Context, cfg OutboxConfig, now time.Time) (
 		return nil, fieldErr("AggregateType", ErrMissingField, "aggregate type is required")
 	case e.AggregateID == "":
 		return nil, fieldErr("AggregateID", ErrMissingField, "aggregate id is required")
+	}
+	for _, f := range []struct{ name, value string }{
+		{"ID", e.ID}, {"Type", e.Type}, {"AggregateType", e.AggregateType}, {"AggregateID", e.AggregateID},
+		{"CorrelationID", e.CorrelationID}, {"CausationID", e.CausationID},
+	} {
+		if err := names.Text(f.value); err != nil {
+			return nil, fieldErr(f.name, ErrInvalidField, err.Error())
+		}
+	}
+	switch {
 	case len(e.ID) > maxIDLength:
 		return nil, fieldErr("ID", ErrInvalidField, fmt.Sprintf("event id is %d bytes, the limit is %d", len(e.ID), maxIDLength))
 	case e.AggregateVersion < 0:
 		return nil, fieldErr("AggregateVersion", ErrInvalidField, fmt.Sprintf("must not be negative, got %d", e.AggregateVersion))
 	case e.SchemaVersion < 0:
 		return nil, fieldErr("SchemaVersion", ErrInvalidField, fmt.Sprintf("must not be negative, got %d", e.SchemaVersion))
+	case !e.OccurredAt.IsZero() && (e.OccurredAt.UTC().Year() < 0 || e.OccurredAt.UTC().Year() > 9999):
+		return nil, fieldErr("OccurredAt", ErrInvalidField,
+			fmt.Sprintf("year %d is outside 0000-9999, which RFC 3339 (the occurred-at header) can hold", e.OccurredAt.UTC().Year()))
 	case len(e.Payload) > cfg.MaxPayloadBytes:
 		return nil, fieldErr("Payload", ErrPayloadTooLarge,
 			fmt.Sprintf("%d bytes, the limit (outbox.max_payload_bytes) is %d", len(e.Payload), cfg.MaxPayloadBytes))
@@ -119,11 +135,9 @@ func (e Event) toMessage(ctx context.Context, cfg OutboxConfig, now time.Time) (
 	meta := make(message.Metadata, len(e.Metadata)+12)
 	size := 0
 	for k, v := range e.Metadata {
-		if reservedKeys[k] {
-			return nil, fieldErr("Metadata", ErrInvalidField, fmt.Sprintf("key %q is set by millrace; use the Event field instead", k))
-		}
-		if k == "" {
-			return nil, fieldErr("Metadata", ErrInvalidField, "empty metadata key")
+		if err := checkMetadata(k, v); err != nil {
+			err.Key = k
+			return nil, err
 		}
 		meta[k] = v
 	}
@@ -159,6 +173,32 @@ func (e Event) toMessage(ctx context.Context, cfg OutboxConfig, now time.Time) (
 	msg := message.NewMessage(id, e.Payload)
 	msg.Metadata = meta
 	return msg, nil
+}
+
+// checkMetadata checks one metadata entry against what every broker and
+// millrace's tables carry; the broker's own Rules check it again.
+func checkMetadata(k, v string) *EventError {
+	switch {
+	case k == "":
+		return fieldErr("Metadata", ErrInvalidField, "empty metadata key")
+	case reservedKeys[k]:
+		return fieldErr("Metadata", ErrInvalidField, fmt.Sprintf("key %q is set by millrace; use the Event field instead", k))
+	case reservedKey(k):
+		return fieldErr("Metadata", ErrInvalidField, fmt.Sprintf("key %q is reserved: the consumer chain sets it on poisoned and replayed messages", k))
+	}
+	if err := names.Text(k); err != nil {
+		return fieldErr("Metadata", ErrInvalidField, "key: "+err.Error())
+	}
+	if err := names.Value(v); err != nil {
+		return fieldErr("Metadata", ErrInvalidField, "value: "+err.Error())
+	}
+	return nil
+}
+
+// reservedKey reports a key of the consumer chain's failure envelope or
+// replay marker.
+func reservedKey(k string) bool {
+	return k == middleware.ReplayOfKey || strings.HasPrefix(k, "poison-") || k == middleware.PoisonedAtKey
 }
 
 func checkPayload(codec string, payload []byte) (contentType string, err error) {

@@ -141,6 +141,11 @@ func TestHostileNamesAreRefusedEverywhere(t *testing.T) {
 			c.Outbox.Topic = name
 			requireProblemAt(t, c, "outbox.topic", label)
 		}
+		for _, name := range []string{"pg_temp", "pg_catalog", "pg_toast", "information_schema"} {
+			c := cfg
+			c.Database.Schema = name
+			requireProblemAt(t, c, "database.schema", name+": a schema PostgreSQL reserves")
+		}
 		for label, name := range hostileNames {
 			c := cfg
 			c.Relay.ConsumerGroup = name

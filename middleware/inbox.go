@@ -127,7 +127,7 @@ func PruneInbox(ctx context.Context, db *sql.DB, schema string, olderThan time.D
 	if schema == "" {
 		schema = "public"
 	}
-	if err := names.Identifier(schema, pgschema.MaxIdentifierLength); err != nil {
+	if err := names.Schema(schema, pgschema.MaxIdentifierLength); err != nil {
 		return 0, fmt.Errorf("prune inbox: schema %q: %w", schema, err)
 	}
 	if olderThan <= 0 || batch <= 0 {

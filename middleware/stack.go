@@ -76,7 +76,7 @@ func New(cfg Config, deps Deps) (*Stack, error) {
 		return nil, fmt.Errorf("millrace consumer config: %w", errors.Join(errs...))
 	}
 	schema := cmp.Or(deps.Schema, "public")
-	if err := names.Identifier(schema, pgschema.MaxIdentifierLength); err != nil {
+	if err := names.Schema(schema, pgschema.MaxIdentifierLength); err != nil {
 		return nil, fmt.Errorf("millrace consumer: schema: %w", err)
 	}
 	m, err := newMetrics(deps.Registerer)

@@ -8,6 +8,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/millrace-io/millrace/internal/envelope"
+	"github.com/millrace-io/millrace/internal/names"
 )
 
 // MaxEventIDBytes is the longest event id the inbox accepts, the same limit
@@ -43,6 +44,11 @@ func (c *Chain) check(msg *message.Message, eventID string) error {
 	case len(eventID) > MaxEventIDBytes:
 		return Invalid(idField, "%d bytes, the limit is %d", len(eventID), MaxEventIDBytes)
 	}
+	// The inbox keeps the id in a text column, which holds neither NUL nor
+	// invalid UTF-8: such an id would fail every attempt.
+	if err := names.Value(eventID); err != nil {
+		return Invalid(idField, "%v", err)
+	}
 	size := 0
 	for k, v := range msg.Metadata {
 		size += len(k) + len(v)
@@ -56,6 +62,11 @@ func (c *Chain) check(msg *message.Message, eventID string) error {
 	if *c.cfg.OrderingGuard {
 		if _, err := aggregateVersion(msg); err != nil {
 			return err
+		}
+		for _, key := range []string{envelope.AggregateTypeKey, envelope.AggregateIDKey} {
+			if err := names.Value(msg.Metadata.Get(key)); err != nil {
+				return Invalid("metadata."+key, "%v", err)
+			}
 		}
 	}
 	return nil

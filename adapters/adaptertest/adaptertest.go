@@ -46,6 +46,7 @@ func Run(t *testing.T, h Harness) {
 	t.Run("ConsumerGroupFanOut", func(t *testing.T) { t.Parallel(); testFanOut(t, h) })
 	t.Run("CompetingConsumers", func(t *testing.T) { t.Parallel(); testCompeting(t, h) })
 	t.Run("RedeliveryAfterNack", func(t *testing.T) { t.Parallel(); testRedelivery(t, h) })
+	t.Run("UnusualMessagesIntactOrRefused", func(t *testing.T) { t.Parallel(); testUnusual(t, h) })
 	t.Run("MessageTooLarge", func(t *testing.T) {
 		if h.MaxMessageBytes == 0 {
 			t.Skip("the harness sets no MaxMessageBytes for this broker")
@@ -357,4 +358,80 @@ func testRestart(t *testing.T, h Harness) {
 			require.FailNow(t, "lost messages", "%d messages never arrived after the restart", len(want))
 		}
 	}
+}
+
+// unusualIDs are message ids a writer other than bus.Publish may have put in
+// the outbox (bus.Publish refuses most of them): ids that differ only in
+// white space, control characters or an encoding-like prefix must stay apart.
+var unusualIDs = []string{
+	"id A", "id\rA", "id\nA", "id\r\nA", "id\tA", " id", "id", "id ", "  id  ", "\tid",
+	"=?utf-8?b?aWQ=?=", "=?utf-8?b?aWQ=?= ", "ид 🙂", "id\x01",
+}
+
+// unusualValues are header values NATS, Kafka and AMQP encode differently.
+var unusualValues = []string{
+	" lead", "trail ", "a\r\nb", "\t", "\n", "", "=?utf-8?b?Zm9v?=", "=?utf-8?b?bad?=", "ключ 🙂", "\x01\x1f\x7f", "a, b",
+}
+
+// unusualKeys are header names; each broker's Rules refuse some of them.
+var unusualKeys = []string{
+	"note", "my key", "a:b", "ключ", "Nats-Rollup", "x-death", "x-request-id", "CC", "_watermill_message_uuid",
+}
+
+// testUnusual publishes messages with unusual ids, header names and values:
+// each arrives exactly as sent, or, when the broker's Rules refuse it,
+// PublishBatch fails it permanently and the rest of the batch arrives.
+func testUnusual(t *testing.T, h Harness) {
+	b := newBroker(t, h)
+	topic, group := Name("unusual"), Name("g")
+	require.NoError(t, b.Provision(context.Background(), topic, group))
+	ch := subscribe(t, b, topic, group)
+
+	var batch []adapters.Outgoing
+	add := func(id string, meta map[string]string) {
+		m := message.NewMessage(id, []byte(`{"id":`+strconv.Quote(id)+`}`))
+		for k, v := range meta {
+			m.Metadata.Set(k, v)
+		}
+		batch = append(batch, adapters.Outgoing{Topic: topic, Msg: m})
+	}
+	for _, id := range unusualIDs {
+		add(id, map[string]string{envelope.EventIDKey: id})
+	}
+	for i, v := range unusualValues {
+		add(Name(fmt.Sprintf("value-%d", i)), map[string]string{"note": v})
+	}
+	for i, k := range unusualKeys {
+		add(Name(fmt.Sprintf("key-%d", i)), map[string]string{k: "v"})
+	}
+	err := b.PublishBatch(context.Background(), batch)
+	var be *adapters.BatchError
+	if err != nil {
+		require.ErrorAs(t, err, &be)
+	}
+	want := map[string]*message.Message{}
+	for i, o := range batch {
+		refused := b.Rules().CheckMessage(topic, o.Msg)
+		var got error
+		if be != nil {
+			got = be.Errs[i]
+		}
+		if refused != nil {
+			require.Error(t, got, "message %q: the Rules refuse it (%v), PublishBatch must not send it", o.Msg.UUID, refused)
+			require.True(t, adapters.IsPermanent(got), "message %q: a refusal is permanent: %v", o.Msg.UUID, got)
+			continue
+		}
+		require.NoError(t, got, "message %q", o.Msg.UUID)
+		want[o.Msg.UUID] = o.Msg
+	}
+	for _, m := range receive(t, ch, len(want), h.Timeout) {
+		sent, ok := want[m.UUID]
+		require.True(t, ok, "message id %q arrived, but no such id was sent or it arrived twice", m.UUID)
+		delete(want, m.UUID)
+		require.Equal(t, []byte(sent.Payload), []byte(m.Payload), "message %q", m.UUID)
+		for k, v := range sent.Metadata {
+			require.Equal(t, v, m.Metadata.Get(k), "message %q header %q", m.UUID, k)
+		}
+	}
+	quiet(t, ch, time.Second)
 }

@@ -32,8 +32,8 @@ const (
 // Config is the broker.kafka section of config.yaml. Each field's comment
 // gives its YAML key's default; WithDefaults applies them.
 type Config struct {
-	// Brokers are the bootstrap broker addresses (host:port). Required when
-	// broker.kind is kafka. KAFKA_BROKERS (comma separated) overrides it.
+	// Brokers are the bootstrap broker addresses (host:port). KAFKA_BROKERS
+	// (comma separated) overrides it. Defaults to [127.0.0.1:9092].
 	Brokers []string `yaml:"brokers"`
 
 	// DevCluster, when true, makes Open start an in-process Kafka-protocol
@@ -142,6 +142,7 @@ type SASLConfig struct {
 
 // Defaults of the settings that are not zero values.
 const (
+	DefaultBroker            = "127.0.0.1:9092"
 	DefaultVersion           = "2.8.0"
 	DefaultClientID          = "millrace"
 	DefaultPartitions        = 6
@@ -151,6 +152,9 @@ const (
 
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
+	if len(c.Brokers) == 0 {
+		c.Brokers = []string{DefaultBroker}
+	}
 	c.Version = cmp.Or(c.Version, DefaultVersion)
 	c.ClientID = cmp.Or(c.ClientID, DefaultClientID)
 	c.Partitions = cmp.Or(c.Partitions, DefaultPartitions)

@@ -86,6 +86,10 @@ func (b *Broker) PublishBatch(ctx context.Context, msgs []adapters.Outgoing) err
 			errs[i] = notSent
 			continue
 		}
+		if err := b.rules.CheckMessage(o.Topic, o.Msg); err != nil {
+			errs[i] = err // permanent: a header NATS refuses, or too large
+			continue
+		}
 		nm, err := (marshaler{}).Marshal(o.Topic, o.Msg)
 		if err != nil {
 			errs[i] = err // permanent: a bad metadata key
@@ -104,7 +108,7 @@ func (b *Broker) PublishBatch(ctx context.Context, msgs []adapters.Outgoing) err
 		}
 		b.pending.Store(nm, state)
 		f, err := b.js.PublishMsgAsync(nm,
-			jetstream.WithMsgID(o.Msg.UUID),
+			jetstream.WithMsgID(msgID(o.Msg.UUID)),
 			// No automatic re-send on "no responders": it would re-send this
 			// message after later ones. The relay retries the batch instead.
 			jetstream.WithRetryAttempts(0),

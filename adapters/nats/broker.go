@@ -27,6 +27,7 @@ var _ adapters.Broker = (*Broker)(nil)
 // connect to. It is safe for concurrent use.
 type Broker struct {
 	cfg    Config
+	rules  adapters.Rules
 	opts   adapters.Options
 	url    string // the URL clients connect to (the embedded server's actual one)
 	logger watermill.LoggerAdapter
@@ -60,6 +61,7 @@ func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, erro
 	}
 	b := &Broker{
 		cfg:       cfg,
+		rules:     cfg.Rules(),
 		opts:      opts,
 		url:       cfg.URL,
 		logger:    opts.Logger,

@@ -21,9 +21,9 @@ import (
 
 // Config is the broker.nats section of config.yaml.
 type Config struct {
-	// URL is the NATS server URL, e.g. nats://127.0.0.1:4222. Required when
-	// broker.kind is nats. NATS_URL overrides it. With Embedded.Enabled it is
-	// the address the in-process server listens on (port 0 picks a free one).
+	// URL is the NATS server URL. NATS_URL overrides it. With
+	// Embedded.Enabled it is the address the in-process server listens on
+	// (port 0 picks a free one). Defaults to nats://127.0.0.1:4222.
 	URL string `yaml:"url"`
 	// Stream configures the JetStream stream millrace creates for each topic.
 	Stream StreamConfig `yaml:"stream"`
@@ -160,11 +160,15 @@ const (
 	defaultMaxPending      = 1024
 )
 
+// DefaultURL is broker.nats.url's default: a local nats-server.
+const DefaultURL = "nats://127.0.0.1:4222"
+
 // DefaultStoreDir is broker.nats.embedded.store_dir's default.
 func DefaultStoreDir() string { return filepath.Join(os.TempDir(), "millrace-nats") }
 
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
+	c.URL = cmp.Or(c.URL, DefaultURL)
 	c.Stream.Replicas = cmp.Or(c.Stream.Replicas, defaultReplicas)
 	c.Stream.MaxAge = cmp.Or(c.Stream.MaxAge, defaultMaxAge)
 	c.Stream.DuplicateWindow = cmp.Or(c.Stream.DuplicateWindow, defaultDuplicateWindow)

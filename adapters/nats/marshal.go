@@ -21,7 +21,10 @@ import (
 //   - a value NATS would change (nats.go trims leading and trailing
 //     whitespace and turns CR and LF into spaces) travels base64-encoded as
 //     "=?utf-8?b?<base64>?=" and is decoded on receipt, so it arrives as sent;
-//     a value that already starts with "=?utf-8?b?" is encoded the same way;
+//     a value that already starts with "=?utf-8?b?" is encoded the same way.
+//     The message UUID in the _watermill_message_uuid header, and the
+//     Nats-Msg-Id PublishBatch derives from it (msgID), are encoded alike,
+//     so ids that differ only in white space stay apart;
 //   - a key that is not a valid header name, or one the server acts on
 //     ("Nats-..." such as Nats-Rollup, which would purge the stream), is a
 //     permanent error naming the key instead of a message that is refused or
@@ -44,35 +47,49 @@ func (marshaler) Marshal(topic string, msg *message.Message) (*nats.Msg, error) 
 		if err := checkHeaderKey(k); err != nil {
 			return nil, adapters.Permanent(fmt.Errorf("nats: message %s: %w", msg.UUID, err))
 		}
-		if needsEncoding(v) {
-			v = encodedPrefix + base64.StdEncoding.EncodeToString([]byte(v)) + encodedSuffix
-		}
-		md[k] = v
+		md[k] = encodeValue(v)
 	}
-	wire := message.NewMessage(msg.UUID, msg.Payload)
+	wire := message.NewMessage(encodeValue(msg.UUID), msg.Payload)
 	wire.Metadata = md
 	return (&wmnats.NATSMarshaler{}).Marshal(topic, wire)
 }
 
 func (marshaler) Unmarshal(nm *nats.Msg) (*message.Message, error) {
-	msg := message.NewMessage(nm.Header.Get(wmnats.WatermillUUIDHdr), nm.Data)
+	msg := message.NewMessage(decodeValue(nm.Header.Get(wmnats.WatermillUUIDHdr)), nm.Data)
 	for k, vs := range nm.Header {
 		switch k {
 		case wmnats.WatermillUUIDHdr, nats.MsgIdHdr, nats.ExpectedLastMsgIdHdr, nats.ExpectedStreamHdr,
 			nats.ExpectedLastSubjSeqHdr, nats.ExpectedLastSeqHdr:
 			continue
 		}
-		v := strings.Join(vs, ", ")
-		if s, ok := strings.CutPrefix(v, encodedPrefix); ok {
-			if s, ok := strings.CutSuffix(s, encodedSuffix); ok {
-				if raw, err := base64.StdEncoding.DecodeString(s); err == nil {
-					v = string(raw)
-				}
-			}
-		}
-		msg.Metadata.Set(k, v)
+		msg.Metadata.Set(k, decodeValue(strings.Join(vs, ", ")))
 	}
 	return msg, nil
+}
+
+// msgID is the Nats-Msg-Id of a message with id: the id itself, or its
+// encoded form when NATS would alter it, so that JetStream's duplicate window
+// never takes two different ids for one.
+func msgID(id string) string { return encodeValue(id) }
+
+// encodeValue returns v as NATS carries it unchanged.
+func encodeValue(v string) string {
+	if !needsEncoding(v) {
+		return v
+	}
+	return encodedPrefix + base64.StdEncoding.EncodeToString([]byte(v)) + encodedSuffix
+}
+
+// decodeValue reverses encodeValue.
+func decodeValue(v string) string {
+	if s, ok := strings.CutPrefix(v, encodedPrefix); ok {
+		if s, ok := strings.CutSuffix(s, encodedSuffix); ok {
+			if raw, err := base64.StdEncoding.DecodeString(s); err == nil {
+				return string(raw)
+			}
+		}
+	}
+	return v
 }
 
 // needsEncoding reports whether NATS headers would not carry v unchanged.

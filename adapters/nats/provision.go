@@ -8,6 +8,8 @@ import (
 	"strings"
 
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/millrace-io/millrace/adapters"
 )
 
 // codeSubjectOverlap is the JetStream API error "subjects overlap with an
@@ -22,14 +24,15 @@ var ErrTopologyConflict = errors.New("existing JetStream topology differs from b
 // consumerGroups exist with the configured settings. It is idempotent. An
 // existing stream or consumer with other settings is left alone and reported
 // (wrapping ErrTopologyConflict) with each difference; so is a server that
-// silently ignored a setting.
+// silently ignored a setting. Both, and a topic or group that is not a valid
+// name, are permanent errors (adapters.IsPermanent): retrying cannot fix them.
 func (b *Broker) Provision(ctx context.Context, topic string, consumerGroups ...string) error {
 	if err := checkTopic(topic); err != nil {
-		return err
+		return adapters.Permanent(err)
 	}
 	for _, g := range consumerGroups {
 		if err := checkGroup(g); err != nil {
-			return err
+			return adapters.Permanent(err)
 		}
 	}
 	if err := b.ensureStream(ctx, topic); err != nil {
@@ -103,7 +106,7 @@ func (b *Broker) ensureStream(ctx context.Context, topic string) error {
 		return nil
 	}
 	if err := checkTopic(topic); err != nil {
-		return err
+		return adapters.Permanent(err)
 	}
 	want := b.streamConfig(topic)
 	s, err := b.js.Stream(ctx, want.Name)
@@ -117,8 +120,8 @@ func (b *Broker) ensureStream(ctx context.Context, topic string) error {
 	}
 	if err != nil {
 		if apiErrorCode(err) == codeSubjectOverlap {
-			return fmt.Errorf("nats: stream %q for topic %q: another stream already captures subject %q: %w",
-				want.Name, topic, topic, ErrTopologyConflict)
+			return adapters.Permanent(fmt.Errorf("nats: stream %q for topic %q: another stream already captures subject %q: %w",
+				want.Name, topic, topic, ErrTopologyConflict))
 		}
 		return fmt.Errorf("nats: provisioning stream %q for topic %q: %w", want.Name, topic, err)
 	}
@@ -170,8 +173,8 @@ func (b *Broker) ensureConsumer(ctx context.Context, topic, group string) error 
 	}
 	if err != nil {
 		if errors.Is(err, jetstream.ErrNotPushConsumer) {
-			return fmt.Errorf("nats: consumer %q on stream %q (group %q, topic %q) is a pull consumer; millrace needs a push consumer: %w",
-				want.Durable, stream, group, topic, ErrTopologyConflict)
+			return adapters.Permanent(fmt.Errorf("nats: consumer %q on stream %q (group %q, topic %q) is a pull consumer; millrace needs a push consumer: %w",
+				want.Durable, stream, group, topic, ErrTopologyConflict))
 		}
 		return fmt.Errorf("nats: provisioning consumer %q on stream %q (group %q, topic %q): %w", want.Durable, stream, group, topic, err)
 	}
@@ -189,11 +192,11 @@ func (b *Broker) ensureConsumer(ctx context.Context, topic, group string) error 
 // server dropped or changed a setting).
 func (b *Broker) conflict(created bool, kind, what, topic string, diffs []string) error {
 	if created {
-		return fmt.Errorf("nats: the server (version %s) did not apply every setting of the new %s for topic %q: %s; it may be too old for them: %w",
-			b.nc.ConnectedServerVersion(), what, topic, strings.Join(diffs, "; "), ErrTopologyConflict)
+		return adapters.Permanent(fmt.Errorf("nats: the server (version %s) did not apply every setting of the new %s for topic %q: %s; it may be too old for them: %w",
+			b.nc.ConnectedServerVersion(), what, topic, strings.Join(diffs, "; "), ErrTopologyConflict))
 	}
-	return fmt.Errorf("nats: %s for topic %q exists with settings other than broker.nats: %s; change the config or the %s (nats %s edit, or delete it) so they agree: %w",
-		what, topic, strings.Join(diffs, "; "), kind, kind, ErrTopologyConflict)
+	return adapters.Permanent(fmt.Errorf("nats: %s for topic %q exists with settings other than broker.nats: %s; change the config or the %s (nats %s edit, or delete it) so they agree: %w",
+		what, topic, strings.Join(diffs, "; "), kind, kind, ErrTopologyConflict))
 }
 
 // diffStream lists each field millrace sets whose value on the server (got)

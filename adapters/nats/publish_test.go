@@ -74,10 +74,10 @@ func TestDuplicateWindowDropsRepublish(t *testing.T) {
 	})
 }
 
-// A failure other than a too-large message stops the rest of the batch: the
-// relay retries from the first unconfirmed message, and a later message must
-// not be stored ahead of it.
-func TestPublishBatchStopsAtFirstFailure(t *testing.T) {
+// A stream that conflicts with the config fails its topic's messages
+// permanently (the relay quarantines them; an operator fixes the stream and
+// replays them), and the rest of the batch is stored.
+func TestPublishBatchFailsAConflictingTopicAlone(t *testing.T) {
 	t.Parallel()
 	servers(t, func(t *testing.T, url string) {
 		b := openBroker(t, url, nil)
@@ -96,13 +96,48 @@ func TestPublishBatchStopsAtFirstFailure(t *testing.T) {
 		var be *adapters.BatchError
 		require.ErrorAs(t, err, &be)
 		require.Equal(t, 2, be.FirstUnconfirmed())
+		require.Equal(t, 1, be.Failed())
 		require.ErrorIs(t, be.Errs[2], ErrTopologyConflict)
 		require.Contains(t, be.Errs[2].Error(), "max_age is 1h0m0s on the server, 168h0m0s wanted")
-		for i := 3; i < 5; i++ {
+		require.True(t, adapters.IsPermanent(be.Errs[2]), "no retry fixes a conflict: the relay quarantines the message")
+		require.EqualValues(t, 4, streamMsgs(t, b, good), "the other topic's messages were stored")
+	})
+}
+
+// A retryable failure stops the rest of the batch: the relay retries from
+// the first unconfirmed message. Messages already in flight when the
+// failure is reported may still be confirmed (see the README on ordering);
+// none is sent after it.
+func TestPublishBatchStopsAtFirstRetryableFailure(t *testing.T) {
+	t.Parallel()
+	servers(t, func(t *testing.T, url string) {
+		// Streams of at most 1000 bytes that refuse new messages when full:
+		// a full stream is retryable (messages age out of it).
+		b := openBroker(t, url, func(c *Config) { c.Stream.MaxBytes = 1000 })
+		good, full := adaptertest.Name("stop.good"), adaptertest.Name("stop.full")
+		filler := message.NewMessage(adaptertest.Name("filler"), make([]byte, 800))
+		require.NoError(t, b.PublishBatch(context.Background(), batchOf(full, filler)))
+		trackStream(url, StreamName(full))
+
+		over := message.NewMessage(adaptertest.Name("over"), make([]byte, 400))
+		batch := append(batchOf(good, newMsg(adaptertest.Name("a"))), adapters.Outgoing{Topic: full, Msg: over})
+		batch = append(batch, batchOf(good, newMsg(adaptertest.Name("c")), newMsg(adaptertest.Name("d")))...)
+		err := b.PublishBatch(context.Background(), batch)
+		trackStream(url, StreamName(good))
+		var be *adapters.BatchError
+		require.ErrorAs(t, err, &be)
+		require.Equal(t, 1, be.FirstUnconfirmed())
+		require.False(t, adapters.IsPermanent(be.Errs[1]), "a full stream is retryable: %v", be.Errs[1])
+		require.ErrorContains(t, be.Errs[1], "maximum bytes exceeded")
+		stored := 1
+		for i := 2; i < 4; i++ {
+			if be.Errs[i] == nil {
+				stored++ // in flight before the failure was reported
+				continue
+			}
 			require.ErrorContains(t, be.Errs[i], "not sent because an earlier message of the batch failed")
 		}
-		require.False(t, adapters.IsPermanent(err), "a conflict is fixed by an operator, then retried")
-		require.EqualValues(t, 2, streamMsgs(t, b, good), "nothing after the failure was stored")
+		require.EqualValues(t, stored, streamMsgs(t, b, good), "what was not confirmed was not stored")
 	})
 }
 

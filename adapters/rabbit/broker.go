@@ -24,6 +24,7 @@ var ErrClosed = errors.New("rabbitmq: broker is closed")
 // It is safe for concurrent use.
 type Broker struct {
 	cfg      Config
+	rules    adapters.Rules
 	opts     adapters.Options
 	redacted string      // cfg.URL without its password, for errors and logs
 	tls      *tls.Config // broker.rabbitmq.tls for an amqps:// URL; nil leaves TLS to the URL
@@ -54,6 +55,7 @@ func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, erro
 	}
 	b := &Broker{
 		cfg:      cfg,
+		rules:    cfg.Rules(),
 		opts:     opts.WithDefaults(),
 		redacted: confload.RedactURL(cfg.URL),
 		declarer: declarer{deliveryLimit: cfg.DeliveryLimit},
@@ -214,7 +216,10 @@ func (b *Broker) Provision(ctx context.Context, topic string, consumerGroups ...
 
 // Publisher returns a message.Publisher over PublishBatch: each Publish call
 // is one pipelined batch that returns once the broker confirmed every
-// message. Its Close does not close the Broker.
+// message. Its Close does not close the Broker. It publishes consumed
+// messages again (the poison topic), so it leaves out the headers RabbitMQ
+// set on their delivery (x-delivery-count, x-death, ...): they describe that
+// delivery, not the event. PublishBatch refuses them.
 func (b *Broker) Publisher() message.Publisher { return &publisher{b: b} }
 
 type publisher struct {
@@ -237,7 +242,7 @@ func (p *publisher) Publish(topic string, msgs ...*message.Message) error {
 	}
 	out := make([]adapters.Outgoing, len(msgs))
 	for i, m := range msgs {
-		out[i] = adapters.Outgoing{Topic: topic, Msg: m}
+		out[i] = adapters.Outgoing{Topic: topic, Msg: withoutDeliveryHeaders(m)}
 	}
 	err := p.b.PublishBatch(msgs[0].Context(), out)
 	var be *adapters.BatchError
@@ -288,4 +293,24 @@ func (b *Broker) Close() error {
 	}
 	b.watchers.Wait()
 	return errors.Join(errs...)
+}
+
+// withoutDeliveryHeaders returns msg, or a copy of it without the headers
+// RabbitMQ sets on a delivery (brokerHeader).
+func withoutDeliveryHeaders(msg *message.Message) *message.Message {
+	var out *message.Message
+	for k := range msg.Metadata {
+		if !brokerHeader(k) {
+			continue
+		}
+		if out == nil {
+			out = msg.Copy()
+			out.SetContext(msg.Context())
+		}
+		delete(out.Metadata, k)
+	}
+	if out == nil {
+		return msg
+	}
+	return out
 }

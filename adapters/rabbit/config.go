@@ -10,6 +10,10 @@ import (
 	"github.com/millrace-io/millrace/internal/confload"
 )
 
+// DefaultURL is broker.rabbitmq.url's default: a local server, with
+// RabbitMQ's default credentials (guest/guest) as amqp091 fills them in.
+const DefaultURL = "amqp://127.0.0.1:5672/"
+
 // DefaultMaxMessageBytes is max_message_bytes' default: RabbitMQ's own
 // max_message_size default (128 MiB) since 3.8.
 const DefaultMaxMessageBytes = 128 << 20
@@ -19,8 +23,9 @@ const maxMessageBytesCeiling = 512 << 20
 
 // Config is the broker.rabbitmq section of config.yaml.
 type Config struct {
-	// URL is the AMQP URL, e.g. amqp://guest:guest@127.0.0.1:5672/. Required
-	// when broker.kind is rabbitmq. AMQP_URL overrides it.
+	// URL is the AMQP URL. AMQP_URL overrides it. Defaults to
+	// amqp://127.0.0.1:5672/ (a local server, as guest/guest, which RabbitMQ
+	// allows from localhost only).
 	URL string `yaml:"url"`
 
 	// Prefetch is how many unacknowledged deliveries RabbitMQ hands one
@@ -77,6 +82,7 @@ var urlTLSParams = []string{"cacertfile", "certfile", "keyfile", "server_name_in
 
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
+	c.URL = cmp.Or(c.URL, DefaultURL)
 	c.Prefetch = cmp.Or(c.Prefetch, 1)
 	c.DeliveryLimit = cmp.Or(c.DeliveryLimit, 20)
 	c.MaxMessageBytes = cmp.Or(c.MaxMessageBytes, DefaultMaxMessageBytes)

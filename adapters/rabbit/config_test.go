@@ -57,7 +57,8 @@ func TestConfigValidate(t *testing.T) {
 	require.Contains(t, paths["broker.rabbitmq.heartbeat"], "at least 1s")
 	require.Contains(t, paths["broker.rabbitmq.reconnect_max_interval"], "positive")
 
-	require.Contains(t, Config{}.WithDefaults().Validate("broker.rabbitmq")[0].Error(), "broker.rabbitmq.url: required")
+	require.Empty(t, Config{}.WithDefaults().Validate("broker.rabbitmq"), "the defaults are valid: a local server")
+	require.Equal(t, DefaultURL, Config{}.WithDefaults().URL)
 }
 
 // The shipped config.yaml states this section's defaults.

@@ -34,9 +34,12 @@ const (
 // and, for x-death as a string, would trip RabbitMQ's own dead-lettering,
 // which expects an array there.
 func brokerHeader(key string) bool {
-	return key == DeliveryCountKey || key == DeathKey ||
+	return key == DeliveryCountKey || key == DeathKey || key == receivedFromKey ||
 		strings.HasPrefix(key, "x-first-death-") || strings.HasPrefix(key, "x-last-death-")
 }
+
+// receivedFromKey is set by the shovel and federation plugins on what they move.
+const receivedFromKey = "x-received-from"
 
 // maxHeaderNameBytes is AMQP's limit on a header (field table) name: a short string.
 const maxHeaderNameBytes = 255

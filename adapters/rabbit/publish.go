@@ -215,12 +215,12 @@ func (b *Broker) prepare(o adapters.Outgoing, p *amqp.Publishing) error {
 	if o.Msg == nil {
 		return adapters.Permanent(errors.New("rabbitmq: nil message"))
 	}
-	if err := checkNames(o.Topic); err != nil {
-		return err
-	}
 	if n := len(o.Msg.Payload); n > b.cfg.MaxMessageBytes {
 		return fmt.Errorf("rabbitmq: message %s to %q has a %d-byte body, over the limit of %d bytes (broker.rabbitmq.max_message_bytes): %w",
 			o.Msg.UUID, o.Topic, n, b.cfg.MaxMessageBytes, adapters.ErrMessageTooLarge)
+	}
+	if err := b.rules.CheckMessage(o.Topic, o.Msg); err != nil {
+		return err
 	}
 	b.mu.Lock()
 	serverMax := b.serverMax
@@ -260,7 +260,7 @@ func headerFrameBytes(p amqp.Publishing) int {
 // connection (FRAME_ERROR) and fail every message in flight with it, on
 // every retry.
 func checkHeaderFrames(conn *amqp.Connection, msgs []adapters.Outgoing, pubs []amqp.Publishing, errs []error) {
-	limit := conn.Config.FrameSize - 8 // frame type, channel, size, end octet
+	limit := conn.Config.FrameSize - frameOverhead
 	if limit <= 0 {
 		return
 	}

@@ -6,6 +6,9 @@ package names
 import (
 	"fmt"
 	"regexp"
+	"strings"
+	"unicode"
+	"unicode/utf8"
 )
 
 // MaxTopicLength is Kafka's limit on topic names, the strictest of the three brokers.
@@ -43,4 +46,66 @@ func Identifier(name string, maxLen int) error {
 		return fmt.Errorf("must match %s (lowercase letters, digits, '_'), got %q", identifierPattern, name)
 	}
 	return nil
+}
+
+// Schema checks a PostgreSQL schema name: an Identifier of at most maxLen
+// bytes that is not one PostgreSQL keeps for itself (pg_catalog, pg_temp,
+// pg_toast and every other name starting with "pg_", information_schema):
+// tables there are system tables, temporary, or cannot be created at all.
+func Schema(name string, maxLen int) error {
+	if err := Identifier(name, maxLen); err != nil {
+		return err
+	}
+	if strings.HasPrefix(name, "pg_") || name == "information_schema" {
+		return fmt.Errorf("must not be a schema PostgreSQL reserves (pg_*, information_schema), got %q", name)
+	}
+	return nil
+}
+
+// Text checks an id or name carried as a broker header and stored in text
+// columns (an event id, type, aggregate type or id, a correlation id): valid
+// UTF-8 (JSON would replace invalid bytes), no control characters
+// (PostgreSQL text cannot hold NUL; NATS turns CR and LF into spaces) and no
+// white space at either end (NATS trims it), so that two different ids never
+// arrive as one.
+func Text(s string) error {
+	if !utf8.ValidString(s) {
+		return fmt.Errorf("not valid UTF-8 at byte %d", invalidAt(s))
+	}
+	for i, r := range s {
+		if unicode.IsControl(r) {
+			return fmt.Errorf("control character %U at byte %d", r, i)
+		}
+	}
+	if r, _ := utf8.DecodeRuneInString(s); unicode.IsSpace(r) {
+		return fmt.Errorf("starts with white space %U", r)
+	}
+	if r, _ := utf8.DecodeLastRuneInString(s); unicode.IsSpace(r) {
+		return fmt.Errorf("ends with white space %U", r)
+	}
+	return nil
+}
+
+// Value checks a metadata value: valid UTF-8 (JSON would replace invalid
+// bytes) without NUL (PostgreSQL's text and jsonb cannot hold it).
+func Value(s string) error {
+	if !utf8.ValidString(s) {
+		return fmt.Errorf("not valid UTF-8 at byte %d", invalidAt(s))
+	}
+	if i := strings.IndexByte(s, 0); i >= 0 {
+		return fmt.Errorf("NUL byte at %d", i)
+	}
+	return nil
+}
+
+// invalidAt is the offset of the first byte of s that is not valid UTF-8.
+func invalidAt(s string) int {
+	for i, r := range s {
+		if r == utf8.RuneError {
+			if _, size := utf8.DecodeRuneInString(s[i:]); size == 1 {
+				return i
+			}
+		}
+	}
+	return len(s)
 }

@@ -28,3 +28,37 @@ func TestHostileNamesAreRefused(t *testing.T) {
 		require.Error(t, Identifier(name, 63), name)
 	}
 }
+
+func TestSchemaRefusesWhatPostgreSQLReserves(t *testing.T) {
+	t.Parallel()
+	for _, name := range []string{"pg_temp", "pg_catalog", "pg_toast", "pg_anything", "information_schema", "Public", ""} {
+		require.Error(t, Schema(name, 63), name)
+	}
+	for _, name := range []string{"public", "orders", "pgx", "pg", "information"} {
+		require.NoError(t, Schema(name, 63), name)
+	}
+}
+
+func TestTextRefusesWhatBrokersOrTablesWouldChange(t *testing.T) {
+	t.Parallel()
+	for _, s := range []string{
+		"a\rb", "a\nb", "a\tb", "a\x00b", "a\x1bb", "a\x7fb", "a\u0085b", " a", "a ", "\u00a0a", "a\u2028", "a\u3000",
+		"a\xffb", "a\xc3", "\xed\xa0\x80", "\xf4\x90\x80\x80",
+	} {
+		require.Error(t, Text(s), "%q", s)
+	}
+	for _, s := range []string{"", "a b", "a  b", "a\u00a0b", "ключ", "🙂", "=?utf-8?b?eA==?=", "a:b;c", "a\u200bb"} {
+		require.NoError(t, Text(s), "%q", s)
+	}
+	require.ErrorContains(t, Text("ab\xff"), "byte 2")
+}
+
+func TestValueRefusesOnlyWhatTablesCannotHold(t *testing.T) {
+	t.Parallel()
+	for _, s := range []string{"a\x00", "\xff", "ok\xc3"} {
+		require.Error(t, Value(s), "%q", s)
+	}
+	for _, s := range []string{"", " lead", "trail ", "a\r\nb", "\t", "\x01\x7f", "ключ 🙂"} {
+		require.NoError(t, Value(s), "%q", s)
+	}
+}

@@ -41,7 +41,7 @@ const MaxOutboxTopicLength = MaxIdentifierLength - len("watermill_offsets_")
 // quoted, but never trusted.
 func (t Tables) Validate() error {
 	var errs []error
-	if err := names.Identifier(t.Schema, MaxIdentifierLength); err != nil {
+	if err := names.Schema(t.Schema, MaxIdentifierLength); err != nil {
 		errs = append(errs, fmt.Errorf("schema %q: %w", t.Schema, err))
 	}
 	if err := names.Identifier(t.OutboxTopic, MaxOutboxTopicLength); err != nil {

@@ -188,3 +188,40 @@ func TestAbandonedAttemptDuringAStopIsNacked(t *testing.T) {
 	require.Zero(t, c.messages(t, "billing", middleware.OutcomePoisoned))
 	require.Empty(t, e.poisoned(t))
 }
+
+// Abandoned attempts of several messages open the breaker, but are never
+// taken for an outage: each still uses up an attempt of its message, so the
+// messages are poisoned after retry.max_attempts instead of being held (and
+// adding a stuck goroutine at every trial) for as long as the hang lasts.
+func TestAbandonedAttemptsOpenTheBreakerButAreNoOutage(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	var cfg middleware.Config
+	cfg.HandlerTimeout = 200 * time.Millisecond
+	fastRetry(&cfg, 3)
+	cfg.Breaker = middleware.BreakerConfig{ConsecutiveFailures: 2, OpenTimeout: 50 * time.Millisecond}
+	release := make(chan struct{})
+	defer close(release)
+	var calls attemptCounter
+	handle, c := chainOn(t, e, cfg, func(msg *message.Message) error {
+		calls.next(msg.Metadata.Get(bus.EventIDKey))
+		<-release
+		return nil
+	})
+	var wg sync.WaitGroup
+	for _, id := range []string{"stuck-1", "stuck-2"} {
+		wg.Go(func() {
+			if err := handle(event(id, "o-"+id, 1, `{}`)); err != nil {
+				t.Errorf("%s: %v", id, err)
+			}
+		})
+	}
+	wg.Wait()
+	poisoned := e.poisoned(t)
+	for _, id := range []string{"stuck-1", "stuck-2"} {
+		require.Equal(t, 3, poisoned[id].attempts, id)
+		require.Equal(t, 3, calls.get(id), id)
+	}
+	require.NotEqualValues(t, middleware.BreakerClosed,
+		c.metric(t, middleware.MetricBreakerState, map[string]string{"handler": "billing"}), "the abandoned attempts opened the breaker")
+}

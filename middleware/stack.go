@@ -6,6 +6,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"runtime"
 	"runtime/debug"
 	"sync"
 	"sync/atomic"
@@ -280,7 +281,7 @@ func (c *Chain) observe(h message.HandlerFunc) message.HandlerFunc {
 // goroutine is left to finish; since it touches only its copy, it cannot
 // race with the next attempt or the poison queue. A panic in the inner
 // part is raised again here, where the chain's Recoverer turns it into a
-// nack as before.
+// nack as before, and a runtime.Goexit ends this goroutine too.
 func (c *Chain) attempt(h message.HandlerFunc) message.HandlerFunc {
 	timeout := c.cfg.HandlerTimeout
 	return func(msg *message.Message) ([]*message.Message, error) {
@@ -312,8 +313,14 @@ func (c *Chain) attempt(h message.HandlerFunc) message.HandlerFunc {
 			<-run.done // it returned as the deadline passed
 		}
 		c.timer.Observe(time.Since(start).Seconds())
-		if run.panicked != nil {
+		switch {
+		case run.panicked != nil:
 			panic(run.panicked)
+		case run.exited:
+			// The inner part ended its goroutine (runtime.Goexit, as a test
+			// simulating a dead process or calling t.FailNow does): end
+			// this one too, as it did when the attempt ran inline.
+			runtime.Goexit()
 		}
 		if state.outcome != "" {
 			d.outcome = state.outcome
@@ -331,14 +338,15 @@ const (
 )
 
 // innerAttempt is the inner part of one attempt as the attempt stage sees
-// it. out, err and panicked are written before done is closed, and read
-// only after, and only when the attempt was not abandoned.
+// it. The result fields are written before done is closed, and read only
+// after, and only when the attempt was not abandoned.
 type innerAttempt struct {
 	phase    atomic.Int32
 	done     chan struct{}
 	out      []*message.Message
 	err      error
-	panicked any
+	panicked any  // what it panicked with
+	exited   bool // it called runtime.Goexit
 }
 
 // runInner runs the inner part of an attempt and reports its result, or,
@@ -351,7 +359,7 @@ func (c *Chain) runInner(h message.HandlerFunc, msg *message.Message, run *inner
 			if p := recover(); p != nil {
 				run.panicked = fmt.Errorf("panic in the attempt: %v\n%s", p, debug.Stack())
 			} else {
-				run.err = errors.New("the attempt's goroutine exited without returning (runtime.Goexit)")
+				run.exited = true
 			}
 		}
 		if !run.phase.CompareAndSwap(innerRunning, innerReturned) {
@@ -360,6 +368,8 @@ func (c *Chain) runInner(h message.HandlerFunc, msg *message.Message, run *inner
 			switch {
 			case run.panicked != nil:
 				result = fmt.Sprint(run.panicked)
+			case run.exited:
+				result = "runtime.Goexit"
 			case run.err != nil:
 				result = run.err.Error()
 			}

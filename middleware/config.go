@@ -45,7 +45,7 @@ type Config struct {
 	// HandlerTimeout bounds one attempt: the inbox transaction, the handler
 	// and the commit. At the timeout the attempt's context ends, and an
 	// attempt that has not returned is abandoned: it counts as a failed
-	// attempt (retried, then poisoned after retry.max_attempts), its
+	// attempt (retried, then poisoned like any other failure), its
 	// transaction is rolled back, its worker is freed and its goroutine is
 	// left to finish. A stop waits for a running attempt at most this long.
 	// Defaults to 30s.

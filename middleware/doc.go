@@ -67,7 +67,8 @@
 //     So a handler that ignores its context (a stuck driver call, a sleep)
 //     holds neither a worker nor a stop past handler_timeout. An abandoned
 //     attempt is a failed attempt of its message: it uses up one of
-//     retry.max_attempts, and the message is poisoned when they are spent.
+//     retry.max_attempts, its handler_timeout counts toward
+//     retry.max_elapsed, and the message is poisoned when either runs out.
 //  8. transaction: the inbox. One database transaction inserts
 //     (consumer_group, event_id) into millrace_inbox first (ON CONFLICT DO
 //     NOTHING; a concurrent duplicate waits on the row lock), applies the

@@ -125,7 +125,11 @@ func (b *Bus) ConsumerChain(ctx context.Context, topic, name string, fn HandlerF
 // (unless relay.enabled is false) and every registered handler. It returns
 // nil after a graceful stop: the relay acks only what the broker confirmed,
 // handlers finish or give back what they hold, nothing is poisoned by the
-// stop. Run may be called once.
+// stop. The stop is bounded: the relay's by relay.shutdown_timeout, the
+// handlers' by the longest consumer handler_timeout plus 10s, even for a
+// handler that ignores its context (its attempt is abandoned at
+// handler_timeout and the message nacked; its goroutine may outlive Run).
+// Run may be called once.
 func (b *Bus) Run(ctx context.Context) error {
 	b.mu.Lock()
 	if b.running {
@@ -196,6 +200,10 @@ func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []han
 	if err != nil {
 		return nil, nil, err
 	}
+	// On a stop every message in flight is settled within its handler's
+	// handler_timeout (an attempt that has not returned by then is
+	// abandoned), and each Dispatcher drains for at most handler_timeout +
+	// 5s; the router's wait for its handlers is the backstop beyond that.
 	longest := b.cfg.Consumer.HandlerTimeout
 	for _, h := range handlers {
 		longest = max(longest, b.cfg.Consumer.For(h.name).HandlerTimeout)

@@ -2,6 +2,7 @@ package middleware
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"time"
 
@@ -106,7 +107,11 @@ func (b *breaker) middleware(h message.HandlerFunc) message.HandlerFunc {
 				rejected = true
 				continue
 			}
-			if b.record(d.eventID, err) {
+			// An abandoned attempt opens the breaker like any failure (a
+			// dependency that hangs every call is then tried once per
+			// open_timeout rather than by every worker) but is never taken
+			// for an outage: it uses up one of its message's attempts.
+			if b.record(d.eventID, err) && !errors.As(err, new(*abandonedError)) {
 				return out, &outageError{err: err}
 			}
 			return out, err

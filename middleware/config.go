@@ -42,8 +42,13 @@ type Config struct {
 	// already applied for its aggregate, inside the inbox transaction.
 	// Defaults to false.
 	OrderingGuard *bool `yaml:"ordering_guard"`
-	// HandlerTimeout bounds one attempt: the inbox transaction and the
-	// handler. Defaults to 30s.
+	// HandlerTimeout bounds one attempt: the inbox transaction, the handler
+	// and the commit. At the timeout the attempt's context ends, and an
+	// attempt that has not returned is abandoned: it counts as a failed
+	// attempt (retried, then poisoned like any other failure), its
+	// transaction is rolled back, its worker is freed and its goroutine is
+	// left to finish. A stop waits for a running attempt at most this long.
+	// Defaults to 30s.
 	HandlerTimeout time.Duration `yaml:"handler_timeout"`
 	// MaxMetadataBytes is the largest total size of a consumed message's
 	// metadata keys and values; a bigger one is poisoned. Defaults to 16384.

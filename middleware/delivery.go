@@ -22,7 +22,9 @@ const (
 )
 
 // delivery is what the chain knows about one message while it processes it.
-// One goroutine owns it, so it has no lock.
+// The goroutine running the chain for the message owns it, so it has no
+// lock; the inner part of an attempt (inbox transaction and handler), which
+// runs in a goroutine of its own, never sees it (see attemptState).
 type delivery struct {
 	eventID string
 	// attempts counts the times the handler stage was entered.
@@ -44,16 +46,34 @@ func (d *delivery) failed(err error, now time.Time) {
 	d.finalErr = err
 }
 
+// attemptState is what the inner part of one attempt (inbox transaction and
+// handler) reads and reports. The attempt stage gives each attempt a fresh
+// one and merges it into the delivery only when the attempt returned within
+// handler_timeout, so that an abandoned attempt still running shares no
+// mutable state with the next attempt or with the poison queue.
+type attemptState struct {
+	eventID string
+	// outcome is OutcomeOK, OutcomeDuplicate or OutcomeStale once the
+	// transaction stage acked the message, empty otherwise.
+	outcome string
+}
+
 type ctxKey int
 
 const (
 	deliveryKey ctxKey = iota
+	attemptKey
 	txKey
 )
 
 func deliveryFrom(ctx context.Context) *delivery {
 	d, _ := ctx.Value(deliveryKey).(*delivery)
 	return d
+}
+
+func attemptFrom(ctx context.Context) *attemptState {
+	a, _ := ctx.Value(attemptKey).(*attemptState)
+	return a
 }
 
 // Tx returns the database transaction of the message being handled: the one

@@ -56,9 +56,12 @@ type Source struct {
 // Stopping (Close, or the end of Subscribe's context) is graceful: no new
 // message is released, held ones are nacked, the contexts of the messages in
 // flight are cancelled (retry and breaker waits end and nack; attempts
-// already running finish and commit), their acks are awaited for up to
-// DrainTimeout while the subscriptions are still open to carry them, and
-// only then are the subscriptions closed.
+// already running finish and commit, or are abandoned at handler_timeout
+// and nacked), their acks are awaited for up to DrainTimeout while the
+// subscriptions are still open to carry them, and only then are the
+// subscriptions closed. With Chain's handlers every message in flight is
+// settled within handler_timeout of the stop, even when a handler ignores
+// its context, so the drain ends before DrainTimeout.
 type Dispatcher struct {
 	src      Source
 	cfg      DispatchConfig
@@ -91,8 +94,10 @@ type DispatchConfig struct {
 
 // Subscriber returns the handler's Dispatcher over src, sized by the
 // handler's workers, prefetch and ordered settings, draining for up to
-// handler_timeout plus 5s when it stops. Pass it to the router as the
-// handler's subscriber; the router's CloseTimeout should exceed that drain.
+// handler_timeout plus 5s when it stops (an attempt running at the stop
+// returns or is abandoned within handler_timeout; the 5s are for the nacks
+// and acks to reach the broker). Pass it to the router as the handler's
+// subscriber; the router's CloseTimeout should exceed that drain.
 func (c *Chain) Subscriber(src Source) *Dispatcher {
 	return NewDispatcher(src, DispatchConfig{
 		Workers:      c.cfg.Workers,

@@ -54,7 +54,21 @@
 //     inbox, so that a database outage opens it too.
 //  7. attempt: bounds one attempt by handler_timeout, on a context a stop
 //     does not cancel (context.WithoutCancel): an attempt that started
-//     finishes and commits rather than being torn down halfway.
+//     finishes and commits rather than being torn down halfway. The inner
+//     part (stages 8 and 9 and the handler) runs in a goroutine of its own,
+//     on a copy of the message and with state of its own. At
+//     handler_timeout the stage stops waiting for it: the attempt is
+//     abandoned and fails with a retryable error that says so, its
+//     transaction (begun on the attempt's context) is rolled back and can
+//     no longer commit, the worker is free for the next message, and the
+//     goroutine, which shares nothing with the chain any more, is left to
+//     finish (millrace_consumer_abandoned_attempts_total counts them,
+//     millrace_consumer_abandoned_attempts_running those still running).
+//     So a handler that ignores its context (a stuck driver call, a sleep)
+//     holds neither a worker nor a stop past handler_timeout. An abandoned
+//     attempt is a failed attempt of its message: it uses up one of
+//     retry.max_attempts, its handler_timeout counts toward
+//     retry.max_elapsed, and the message is poisoned when either runs out.
 //  8. transaction: the inbox. One database transaction inserts
 //     (consumer_group, event_id) into millrace_inbox first (ON CONFLICT DO
 //     NOTHING; a concurrent duplicate waits on the row lock), applies the
@@ -79,10 +93,29 @@
 // its own failures opened the breaker, and the messages behind it flow again.
 // With a single message in flight the two cannot be told apart; see README.md.
 //
+// An attempt abandoned at handler_timeout is a failure for the breaker too
+// (a dependency that hangs every call opens it, so it is tried once per
+// open_timeout instead of by every worker), but never an outage: it always
+// uses up an attempt of its message, since each one may leave a goroutine
+// behind and holding a message through an outage would add one at every
+// trial.
+//
 // # Concurrency
 //
 // Chain.Subscriber returns a Dispatcher: it opens the handler's
 // subscriptions, releases at most consumer.workers messages at a time to the
 // router and, with consumer.ordered, one message per aggregate at a time, in
 // delivery order. README.md says what each broker allows.
+//
+// # Stopping
+//
+// When the Dispatcher stops, waits for a retry or the breaker end and the
+// message is nacked. An attempt running goes on: when it commits the message
+// is acked; when it fails, or is abandoned at handler_timeout, the message
+// is nacked too, since a retryable failure seen while stopping is no verdict
+// on the message. A stop never poisons.
+// Every message in flight is thus settled within handler_timeout of the
+// stop, and the Dispatcher's drain (handler_timeout + 5s) and the router's
+// CloseTimeout (bus.Run: the longest handler_timeout + 10s) are real
+// bounds. Abandoned goroutines still blocked then outlive the stop.
 package middleware

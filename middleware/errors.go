@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -167,6 +168,24 @@ func (e *outageError) Error() string {
 	return "dependency outage (circuit breaker open): " + e.err.Error()
 }
 func (e *outageError) Unwrap() error { return e.err }
+
+// abandonedError is the attempt stage's verdict on an attempt that did not
+// return within handler_timeout: the handler ignored its context (a stuck
+// driver call, a sleep). The chain stops waiting for it, so the worker is
+// freed and a stop stays bounded; its transaction is rolled back and can no
+// longer commit; its goroutine is left to finish. It is retryable and always
+// counts as a failed attempt of its message (never as an outage, see the
+// breaker stage): each abandoned attempt may leave a goroutine behind, and
+// a message held for an outage would start a new one at every trial.
+type abandonedError struct{ timeout time.Duration }
+
+func (e *abandonedError) Error() string {
+	return fmt.Sprintf("attempt abandoned after handler_timeout (%s): the handler did not return in time and ignores its context; "+
+		"it is left to finish in the background and its transaction is rolled back", e.timeout)
+}
+
+// Unwrap lets errors.Is(err, context.DeadlineExceeded) recognise the timeout.
+func (e *abandonedError) Unwrap() error { return context.DeadlineExceeded }
 
 // unavailableError marks a failure to reach the database in the inbox
 // transaction: the message was never judged, so the failure does not use up

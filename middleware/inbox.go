@@ -26,6 +26,18 @@ var errTxEnded = errors.New("the handler committed or rolled back the transactio
 // commits. The message is acked only after that commit. A duplicate is acked
 // without calling the handler; any error rolls everything back, the inbox
 // row included, so the message can be tried again.
+//
+// The transaction is begun on the attempt's context, which ends at
+// handler_timeout. An attempt abandoned then can never commit afterwards:
+// database/sql rolls the transaction back when its context ends, and Commit
+// checks that context before it marks the transaction done, so a Commit
+// called after the deadline fails without sending COMMIT. Only a COMMIT
+// sent before the deadline can still land: pgx cancels it and closes the
+// connection at the deadline, but the server may have carried it out
+// already, or be past the point where a cancel stops it (a wait for a
+// synchronous standby). Its inbox row then makes the retry a duplicate,
+// acked without calling the handler: the next attempt's insert waits on
+// that row's lock until the server has decided.
 func (c *Chain) transaction(h message.HandlerFunc) message.HandlerFunc {
 	inbox := *c.cfg.Inbox.Enabled
 	guard := *c.cfg.OrderingGuard
@@ -40,7 +52,7 @@ WHERE v.version < EXCLUDED.version`
 
 	return func(msg *message.Message) (_ []*message.Message, err error) {
 		ctx := msg.Context()
-		d := deliveryFrom(ctx)
+		a := attemptFrom(ctx)
 		tx, err := c.stack.db.BeginTx(ctx, nil)
 		if err != nil {
 			return nil, ownStatement(fmt.Errorf("inbox: begin transaction: %w", err))
@@ -53,12 +65,12 @@ WHERE v.version < EXCLUDED.version`
 		}()
 
 		if inbox {
-			res, err := tx.ExecContext(ctx, insertInbox, group, d.eventID)
+			res, err := tx.ExecContext(ctx, insertInbox, group, a.eventID)
 			if err != nil {
 				return nil, ownStatement(fmt.Errorf("inbox: insert event id: %w", err))
 			}
 			if n, _ := res.RowsAffected(); n == 0 {
-				d.outcome = OutcomeDuplicate
+				a.outcome = OutcomeDuplicate
 				return nil, nil
 			}
 		}
@@ -67,7 +79,7 @@ WHERE v.version < EXCLUDED.version`
 			aggregateID := msg.Metadata.Get(envelope.AggregateIDKey)
 			if version > 0 && aggregateID != "" {
 				res, err := tx.ExecContext(ctx, applyVersion, group,
-					msg.Metadata.Get(envelope.AggregateTypeKey), aggregateID, version, d.eventID)
+					msg.Metadata.Get(envelope.AggregateTypeKey), aggregateID, version, a.eventID)
 				if err != nil {
 					return nil, fmt.Errorf("ordering guard: record aggregate version: %w", err)
 				}
@@ -78,7 +90,7 @@ WHERE v.version < EXCLUDED.version`
 					if err := tx.Commit(); err != nil {
 						return nil, fmt.Errorf("ordering guard: commit: %w", err)
 					}
-					d.outcome = OutcomeStale
+					a.outcome = OutcomeStale
 					return nil, nil
 				}
 			}
@@ -99,12 +111,18 @@ WHERE v.version < EXCLUDED.version`
 		}
 		done = true
 		if err := tx.Commit(); err != nil {
+			if ctx.Err() != nil {
+				// handler_timeout passed before or during the commit (see
+				// above): not committed, or a COMMIT already sent lands and
+				// the retry is a duplicate.
+				return nil, fmt.Errorf("inbox: commit failed, handler_timeout passed: %w", err)
+			}
 			if errors.Is(err, sql.ErrTxDone) {
 				return nil, Permanent(errTxEnded)
 			}
 			return nil, ownStatement(fmt.Errorf("inbox: commit: %w", err))
 		}
-		d.outcome = OutcomeOK
+		a.outcome = OutcomeOK
 		return out, nil
 	}
 }

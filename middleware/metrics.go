@@ -12,6 +12,8 @@ const (
 	MetricMessages        = "millrace_consumer_messages_total"
 	MetricHandlerDuration = "millrace_consumer_handler_duration_seconds"
 	MetricBreakerState    = "millrace_consumer_breaker_state"
+	MetricAbandoned       = "millrace_consumer_abandoned_attempts_total"
+	MetricAbandonedActive = "millrace_consumer_abandoned_attempts_running"
 	MetricInboxRows       = "millrace_inbox_rows"
 	MetricInboxPruned     = "millrace_inbox_pruned_total"
 )
@@ -29,6 +31,8 @@ type metrics struct {
 	messages  *prometheus.CounterVec
 	duration  *prometheus.HistogramVec
 	breaker   *prometheus.GaugeVec
+	abandoned *prometheus.CounterVec
+	running   *prometheus.GaugeVec
 	inboxRows *prometheus.GaugeVec
 	pruned    prometheus.Counter
 }
@@ -48,6 +52,14 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: MetricBreakerState,
 			Help: "Circuit breaker state per handler: 0 closed, 1 half-open, 2 open.",
 		}, []string{"handler"}),
+		abandoned: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: MetricAbandoned,
+			Help: "Attempts abandoned because the handler did not return within handler_timeout; each counts as a failed attempt.",
+		}, []string{"handler"}),
+		running: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: MetricAbandonedActive,
+			Help: "Abandoned attempts whose goroutine has not returned yet (a handler stuck regardless of its context).",
+		}, []string{"handler"}),
 		inboxRows: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: MetricInboxRows,
 			Help: "Rows in the inbox table per consumer group, as of the last retention run.",
@@ -64,6 +76,8 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m.messages = register(reg, m.messages, &err)
 	m.duration = register(reg, m.duration, &err)
 	m.breaker = register(reg, m.breaker, &err)
+	m.abandoned = register(reg, m.abandoned, &err)
+	m.running = register(reg, m.running, &err)
 	m.inboxRows = register(reg, m.inboxRows, &err)
 	m.pruned = register(reg, m.pruned, &err)
 	return m, err

@@ -3,6 +3,7 @@ package middleware
 import (
 	"context"
 	"errors"
+	"fmt"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -31,11 +32,14 @@ func newBackOff(cfg RetryConfig) *backoff.ExponentialBackOff {
 // the message has used retry.max_attempts or retry.max_elapsed; then it
 // returns an error the poison queue takes (shouldPoison). Waits use the
 // message's context, so a shutdown ends them with a *shutdownError (nack,
-// never poison). A failure the breaker attributes to a dependency outage
+// never poison), and so does a failed attempt that ends after the stop (an
+// attempt keeps running through a stop, for up to handler_timeout). A
+// failure the breaker attributes to a dependency outage
 // (*outageError) does not use up the message's retries: the next attempt
 // waits in the breaker stage instead. Nor does a database the inbox
 // transaction could not reach (*unavailableError): the attempt is repeated
-// after the backoff's next wait.
+// after the backoff's next wait. An attempt abandoned at handler_timeout
+// (*abandonedError) is a failed attempt like any other.
 //
 // Written here instead of using Watermill's Retry middleware, which advances
 // the backoff once more for every ShouldRetry and OnRetryHook call (the ladder
@@ -64,6 +68,13 @@ func (c *Chain) retry(h message.HandlerFunc) message.HandlerFunc {
 			var sd *shutdownError
 			if errors.As(err, &sd) {
 				return nil, err
+			}
+			if ctx.Err() != nil {
+				// The consumer stopped during the attempt. A stop is never a
+				// reason to poison, and a failure seen while stopping may be
+				// the stop's doing: return the message for redelivery, where
+				// its attempts start over.
+				return nil, &shutdownError{cause: fmt.Errorf("%w (the attempt running at the stop failed: %v)", context.Cause(ctx), err)}
 			}
 			now := c.stack.now()
 			d.failed(err, now)

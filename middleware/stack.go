@@ -6,7 +6,10 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"runtime"
+	"runtime/debug"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -131,6 +134,10 @@ type Chain struct {
 	poison  message.HandlerMiddleware
 	counter func(outcome string) prometheus.Counter
 	timer   prometheus.Observer
+	// abandoned counts attempts abandoned at handler_timeout; running
+	// gauges those whose goroutine has not returned yet.
+	abandoned prometheus.Counter
+	running   prometheus.Gauge
 }
 
 // Chain builds the chain of one handler with its configuration
@@ -177,7 +184,9 @@ func (s *Stack) Chain(h Handler) (*Chain, error) {
 		counter: func(outcome string) prometheus.Counter {
 			return s.metrics.messages.WithLabelValues(h.Name, h.ConsumerGroup, outcome)
 		},
-		timer: s.metrics.duration.WithLabelValues(h.Name),
+		timer:     s.metrics.duration.WithLabelValues(h.Name),
+		abandoned: s.metrics.abandoned.WithLabelValues(h.Name),
+		running:   s.metrics.running.WithLabelValues(h.Name),
 	}
 	if *cfg.Breaker.Enabled {
 		c.breaker = newBreaker(h.Name, cfg.Breaker, s.metrics.breaker.WithLabelValues(h.Name), s.logger)
@@ -259,21 +268,117 @@ func (c *Chain) observe(h message.HandlerFunc) message.HandlerFunc {
 // context that a shutdown does not cancel (context.WithoutCancel): work
 // that started finishes and commits. Watermill's Timeout middleware is not
 // used because it derives from the message's context and never restores it
-// (Watermill issue #467).
+// (Watermill issue #467), and because it only cancels the context: a
+// handler that ignores its context would hold its worker, and a stop, for
+// as long as it blocks.
+//
+// The inner part (inbox transaction and handler) runs in a goroutine of its
+// own, on a copy of the message and with an attemptState of its own. When
+// it has not returned at handler_timeout the attempt is abandoned: the
+// stage returns an *abandonedError (retryable, a failed attempt of the
+// message), the transaction, begun on the attempt's context, is rolled back
+// and can no longer commit (see transaction), the worker is freed, and the
+// goroutine is left to finish; since it touches only its copy, it cannot
+// race with the next attempt or the poison queue. A panic in the inner
+// part is raised again here, where the chain's Recoverer turns it into a
+// nack as before, and a runtime.Goexit ends this goroutine too.
 func (c *Chain) attempt(h message.HandlerFunc) message.HandlerFunc {
+	timeout := c.cfg.HandlerTimeout
 	return func(msg *message.Message) ([]*message.Message, error) {
-		orig := msg.Context()
-		d := deliveryFrom(orig)
+		d := deliveryFrom(msg.Context())
 		d.attempts++
-		ctx, cancel := context.WithTimeout(context.WithoutCancel(orig), c.cfg.HandlerTimeout)
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(msg.Context()), timeout)
 		defer cancel()
-		msg.SetContext(ctx)
-		defer msg.SetContext(orig)
+		state := &attemptState{eventID: d.eventID}
+		inner := msg.Copy()
+		// The delivery stays with this goroutine: the inner part gets nil.
+		inner.SetContext(context.WithValue(context.WithValue(ctx, deliveryKey, nil), attemptKey, state))
+		run := &innerAttempt{done: make(chan struct{})}
 		start := time.Now()
-		out, err := h(msg)
+		go c.runInner(h, inner, run, c.logFields(d, nil))
+
+		select {
+		case <-run.done:
+		case <-ctx.Done():
+			c.running.Inc()
+			if run.phase.CompareAndSwap(innerRunning, innerAbandoned) {
+				c.timer.Observe(time.Since(start).Seconds())
+				c.abandoned.Inc()
+				c.stack.logger.Error("Attempt abandoned: it did not return within handler_timeout; the handler ignores its context. "+
+					"It is left to finish in the background; its transaction is rolled back", nil,
+					c.logFields(d, watermill.LogFields{"handler_timeout": timeout.String()}))
+				return nil, &abandonedError{timeout: timeout}
+			}
+			c.running.Dec()
+			<-run.done // it returned as the deadline passed
+		}
 		c.timer.Observe(time.Since(start).Seconds())
-		return out, err
+		switch {
+		case run.panicked != nil:
+			panic(run.panicked)
+		case run.exited:
+			// The inner part ended its goroutine (runtime.Goexit, as a test
+			// simulating a dead process or calling t.FailNow does): end
+			// this one too, as it did when the attempt ran inline.
+			runtime.Goexit()
+		}
+		if state.outcome != "" {
+			d.outcome = state.outcome
+		}
+		return run.out, run.err
 	}
+}
+
+// Phases of an attempt's inner goroutine; whichever of it and the attempt
+// stage moves the phase first decides whether its result is used.
+const (
+	innerRunning int32 = iota
+	innerReturned
+	innerAbandoned
+)
+
+// innerAttempt is the inner part of one attempt as the attempt stage sees
+// it. The result fields are written before done is closed, and read only
+// after, and only when the attempt was not abandoned.
+type innerAttempt struct {
+	phase    atomic.Int32
+	done     chan struct{}
+	out      []*message.Message
+	err      error
+	panicked any  // what it panicked with
+	exited   bool // it called runtime.Goexit
+}
+
+// runInner runs the inner part of an attempt and reports its result, or,
+// when the attempt was abandoned meanwhile, logs (with logFields) that it
+// finished.
+func (c *Chain) runInner(h message.HandlerFunc, msg *message.Message, run *innerAttempt, logFields watermill.LogFields) {
+	returned := false
+	defer func() {
+		if !returned {
+			if p := recover(); p != nil {
+				run.panicked = fmt.Errorf("panic in the attempt: %v\n%s", p, debug.Stack())
+			} else {
+				run.exited = true
+			}
+		}
+		if !run.phase.CompareAndSwap(innerRunning, innerReturned) {
+			c.running.Dec()
+			result := "returned nil"
+			switch {
+			case run.panicked != nil:
+				result = fmt.Sprint(run.panicked)
+			case run.exited:
+				result = "runtime.Goexit"
+			case run.err != nil:
+				result = run.err.Error()
+			}
+			c.stack.logger.Info("An abandoned attempt finished; its result is dropped", logFields.Add(watermill.LogFields{"result": result}))
+		}
+		close(run.done)
+	}()
+	run.out, run.err = h(msg)
+	returned = true
 }
 
 func (c *Chain) logFields(d *delivery, extra watermill.LogFields) watermill.LogFields {

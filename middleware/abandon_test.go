@@ -1,0 +1,227 @@
+package middleware_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/middleware"
+)
+
+// chainOn builds one handler's chain on e with cfg and returns it wrapped
+// around handle, with the registry of its metrics.
+func chainOn(t *testing.T, e *env, cfg middleware.Config, handle message.NoPublishHandlerFunc) (message.NoPublishHandlerFunc, *consumer) {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	stack, err := middleware.New(cfg, middleware.Deps{DB: e.db, Schema: e.schema, Registerer: reg, Logger: testLogger()})
+	require.NoError(t, err)
+	chain, err := stack.Chain(middleware.Handler{Name: "billing", Topic: "orders", ConsumerGroup: "billing"})
+	require.NoError(t, err)
+	return chain.Wrap(handle), &consumer{reg: reg}
+}
+
+func (c *consumer) abandoned(t testing.TB) (total, running float64) {
+	labels := map[string]string{"handler": "billing"}
+	return c.metric(t, middleware.MetricAbandoned, labels), c.metric(t, middleware.MetricAbandonedActive, labels)
+}
+
+// A handler that ignores its context is abandoned at handler_timeout: each
+// abandoned attempt is a failed attempt of its message, the message is
+// poisoned after retry.max_attempts with a reason that says so, and the
+// chain is free for the next message at once. The abandoned goroutines keep
+// using their message (metadata, context, transaction) while the next
+// attempts and the poison queue work on it, and finish later: the race
+// detector checks that they share nothing, and their writes never commit.
+func TestAbandonedAttemptsArePoisonedAndNeverCommit(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	var cfg middleware.Config
+	cfg.HandlerTimeout = 300 * time.Millisecond
+	fastRetry(&cfg, 3)
+
+	var released atomic.Bool
+	var calls attemptCounter
+	var late sync.WaitGroup // the stuck handlers, until they return
+	lateErrs := make(chan error, 3)
+	handle, c := chainOn(t, e, cfg, func(msg *message.Message) error {
+		id := msg.Metadata.Get(bus.EventIDKey)
+		calls.next(id)
+		if err := e.write(msg.Context(), "billing", msg); err != nil {
+			return err
+		}
+		if id != "stuck" {
+			return nil
+		}
+		defer late.Done()
+		// Blocks regardless of its context, touching its message all along.
+		for !released.Load() {
+			msg.Metadata.Set("handler-note", "still here")
+			_ = msg.Metadata.Get(middleware.PoisonReasonKey)
+			_ = msg.Context().Err()
+			time.Sleep(5 * time.Millisecond)
+		}
+		// Woken long after the attempt was abandoned: its transaction is
+		// gone, and the chain would refuse to commit it anyway.
+		err := e.write(msg.Context(), "billing", msg)
+		lateErrs <- err
+		return err
+	})
+
+	late.Add(3) // the stuck attempts
+	require.NoError(t, handle(event("stuck", "o-1", 1, `{}`)), "poisoned and acked")
+	require.Equal(t, 3, calls.get("stuck"), "every attempt ran, each abandoned")
+	total, running := c.abandoned(t)
+	require.EqualValues(t, 3, total)
+	require.EqualValues(t, 3, running, "the abandoned handlers are still blocked")
+	require.EqualValues(t, 1, c.messages(t, "billing", middleware.OutcomePoisoned))
+	require.EqualValues(t, 2, c.messages(t, "billing", middleware.OutcomeRetried))
+	row, ok := e.poisoned(t)["stuck"]
+	require.True(t, ok)
+	require.Equal(t, 3, row.attempts, "attempts == retry.max_attempts")
+	require.Equal(t, middleware.ClassTransient, row.class)
+	require.Contains(t, row.reason, "3 attempts failed, last: attempt abandoned after handler_timeout (300ms)")
+	require.NotContains(t, row.metadata, "handler-note", "the poisoned message is the delivered one, not an attempt's copy")
+
+	// The chain is not held by them: the next message is processed.
+	require.NoError(t, handle(event("next", "o-2", 1, `{}`)))
+	require.EqualValues(t, 1, c.messages(t, "billing", middleware.OutcomeOK))
+
+	released.Store(true)
+	late.Wait()
+	for range 3 {
+		err := <-lateErrs
+		require.True(t, errors.Is(err, sql.ErrTxDone) || errors.Is(err, context.DeadlineExceeded),
+			"a woken handler finds its transaction gone: %v", err)
+	}
+	eventually(t, 30*time.Second, "the abandoned attempts reported their end", func() bool {
+		_, running := c.abandoned(t)
+		return running == 0
+	})
+	require.Zero(t, e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = 'stuck'`), "no write of an abandoned attempt committed")
+	require.Zero(t, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")+` WHERE event_id = 'stuck'`))
+	require.Equal(t, 1, e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = 'next'`))
+}
+
+// The one window in which an abandoned attempt can still commit: its COMMIT
+// was sent before handler_timeout and the server carries it out after. Here
+// a deferred trigger makes the COMMIT outlast the timeout and ignores the
+// cancel request pgx sends at the deadline, as a COMMIT past its point of no
+// return does (one waiting for a synchronous standby, or whose answer was
+// lost). The inbox row commits with the business write, so the retry finds
+// it and acks the message as a duplicate without calling the handler: one
+// effect.
+func TestLateCommitOfAnAbandonedAttemptMakesTheRetryADuplicate(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	_, err := e.db.Exec(`
+CREATE FUNCTION ` + e.table("slow_commit") + `() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+	until timestamptz := clock_timestamp() + interval '1.5 seconds';
+BEGIN
+	WHILE clock_timestamp() < until LOOP
+		BEGIN
+			PERFORM pg_sleep(0.05);
+		EXCEPTION WHEN query_canceled THEN
+			-- the cancel at the deadline does not stop this COMMIT
+		END;
+	END LOOP;
+	RETURN NULL;
+END $$;
+CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON ` + e.table("business") + `
+	DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION ` + e.table("slow_commit") + `()`)
+	require.NoError(t, err)
+
+	var cfg middleware.Config
+	cfg.HandlerTimeout = time.Second
+	fastRetry(&cfg, 5)
+	cfg.Breaker.Enabled = ptr(false)
+	var calls atomic.Int32
+	handle, c := chainOn(t, e, cfg, func(msg *message.Message) error {
+		calls.Add(1)
+		// Returns at once; the COMMIT after it outlasts handler_timeout.
+		return e.write(msg.Context(), "billing", msg)
+	})
+	require.NoError(t, handle(event("slow", "o-1", 1, `{}`)))
+
+	require.EqualValues(t, 1, calls.Load(), "the handler ran once")
+	require.GreaterOrEqual(t, c.messages(t, "billing", middleware.OutcomeRetried), 1.0, "the first attempt did not succeed in time")
+	require.EqualValues(t, 1, c.messages(t, "billing", middleware.OutcomeDuplicate), "its late commit made the retry a duplicate")
+	require.Zero(t, c.messages(t, "billing", middleware.OutcomePoisoned))
+	require.Equal(t, 1, e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = 'slow'`), "one effect")
+}
+
+// A stop never poisons: an attempt running when the consumer stops keeps
+// going until handler_timeout, and when it is abandoned then, the message
+// is returned for redelivery, even though it was its last attempt.
+func TestAbandonedAttemptDuringAStopIsNacked(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	var cfg middleware.Config
+	cfg.HandlerTimeout = 300 * time.Millisecond
+	fastRetry(&cfg, 1)
+	release := make(chan struct{})
+	defer close(release)
+	ctx, stop := context.WithCancel(context.Background())
+	handle, c := chainOn(t, e, cfg, func(msg *message.Message) error {
+		stop() // the consumer stops during the only attempt
+		<-release
+		return nil
+	})
+	msg := event("stuck", "o-1", 1, `{}`)
+	msg.SetContext(ctx)
+	err := handle(msg)
+	require.ErrorContains(t, err, "consumer stopping, message returned for redelivery")
+	require.True(t, strings.Contains(err.Error(), "abandoned after handler_timeout"), err.Error())
+	total, _ := c.abandoned(t)
+	require.EqualValues(t, 1, total)
+	require.EqualValues(t, 1, c.messages(t, "billing", middleware.OutcomeNacked))
+	require.Zero(t, c.messages(t, "billing", middleware.OutcomePoisoned))
+	require.Empty(t, e.poisoned(t))
+}
+
+// Abandoned attempts of several messages open the breaker, but are never
+// taken for an outage: each still uses up an attempt of its message, so the
+// messages are poisoned after retry.max_attempts instead of being held (and
+// adding a stuck goroutine at every trial) for as long as the hang lasts.
+func TestAbandonedAttemptsOpenTheBreakerButAreNoOutage(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	var cfg middleware.Config
+	cfg.HandlerTimeout = 200 * time.Millisecond
+	fastRetry(&cfg, 3)
+	cfg.Breaker = middleware.BreakerConfig{ConsecutiveFailures: 2, OpenTimeout: 50 * time.Millisecond}
+	release := make(chan struct{})
+	defer close(release)
+	var calls attemptCounter
+	handle, c := chainOn(t, e, cfg, func(msg *message.Message) error {
+		calls.next(msg.Metadata.Get(bus.EventIDKey))
+		<-release
+		return nil
+	})
+	var wg sync.WaitGroup
+	for _, id := range []string{"stuck-1", "stuck-2"} {
+		wg.Go(func() {
+			if err := handle(event(id, "o-"+id, 1, `{}`)); err != nil {
+				t.Errorf("%s: %v", id, err)
+			}
+		})
+	}
+	wg.Wait()
+	poisoned := e.poisoned(t)
+	for _, id := range []string{"stuck-1", "stuck-2"} {
+		require.Equal(t, 3, poisoned[id].attempts, id)
+		require.Equal(t, 3, calls.get(id), id)
+	}
+	require.NotEqualValues(t, middleware.BreakerClosed,
+		c.metric(t, middleware.MetricBreakerState, map[string]string{"handler": "billing"}), "the abandoned attempts opened the breaker")
+}

@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgconn"
 	_ "github.com/jackc/pgx/v5/stdlib" // registers the "pgx" database/sql driver
@@ -23,7 +22,7 @@ import (
 	"github.com/millrace-io/millrace/internal/confload"
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/names"
-	"github.com/millrace-io/millrace/internal/pgschema"
+	"github.com/millrace-io/millrace/internal/store"
 )
 
 // Bus is a service's handle on millrace: it writes events into the outbox in
@@ -32,8 +31,7 @@ type Bus struct {
 	cfg    Config
 	db     *sql.DB
 	ownsDB bool
-	tables pgschema.Tables
-	schema watermillsql.DefaultPostgreSQLSchema
+	tables store.Tables
 	// rules are what the configured broker carries unchanged.
 	rules  adapters.Rules
 	logger watermill.LoggerAdapter
@@ -101,7 +99,6 @@ func Open(ctx context.Context, cfg Config, db *sql.DB, opts ...Option) (*Bus, er
 		logger: watermill.NewSlogLogger(slog.Default()),
 		now:    time.Now,
 	}
-	b.schema = b.tables.SchemaAdapter()
 	reg := prometheus.NewRegistry()
 	b.registerer, b.gatherer = reg, reg
 	b.tracer = otel.GetTracerProvider().Tracer(tracerName)
@@ -122,25 +119,24 @@ func Open(ctx context.Context, cfg Config, db *sql.DB, opts ...Option) (*Bus, er
 	return b, nil
 }
 
-func tablesOf(cfg Config) pgschema.Tables {
-	return pgschema.Tables{Schema: cfg.Database.Schema, OutboxTopic: cfg.Outbox.Topic}
+func tablesOf(cfg Config) store.Tables {
+	return store.Tables{Schema: cfg.Database.Schema, OutboxTopic: cfg.Outbox.Topic}
 }
 
 func (b *Bus) checkDatabase(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, b.cfg.Database.ConnectTimeout)
 	defer cancel()
-	var exists bool
-	err := b.db.QueryRowContext(ctx, `SELECT to_regclass($1) IS NOT NULL`, b.tables.Outbox()).Scan(&exists)
+	missing, err := store.Missing(ctx, b.db, b.tables.OutboxTable())
 	if pgErr := (*pgconn.PgError)(nil); errors.As(err, &pgErr) {
 		// The server answered: a missing privilege, not a network problem.
-		return fmt.Errorf("millrace: look up outbox table %s: %w", b.tables.Outbox(), err)
+		return fmt.Errorf("millrace: look up outbox table %s: %w", b.tables.OutboxTable(), err)
 	}
 	if err != nil {
 		return fmt.Errorf("millrace: database %s not reachable within database.connect_timeout (%s): %w",
 			redactURL(b.cfg.Database.URL), b.cfg.Database.ConnectTimeout, err)
 	}
-	if !exists {
-		return fmt.Errorf("millrace: outbox table %s does not exist: run `millrace migrate` or bus.Migrate first", b.tables.Outbox())
+	if missing != "" {
+		return fmt.Errorf("millrace: outbox table %s does not exist: run `millrace migrate` or bus.Migrate first", missing)
 	}
 	return nil
 }
@@ -162,7 +158,7 @@ func Migrate(ctx context.Context, db *sql.DB, cfg Config) error {
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
-	return pgschema.Migrate(ctx, db, tablesOf(cfg))
+	return store.Migrate(ctx, db, tablesOf(cfg))
 }
 
 // GrantSQL returns the GRANT statements that give role exactly the
@@ -172,7 +168,7 @@ func Migrate(ctx context.Context, db *sql.DB, cfg Config) error {
 // identifier.
 func GrantSQL(cfg Config, role string) (string, error) {
 	cfg = cfg.WithDefaults()
-	return pgschema.GrantSQL(tablesOf(cfg), role)
+	return store.GrantSQL(tablesOf(cfg), role)
 }
 
 // Config returns the configuration the Bus runs with, defaults applied.
@@ -193,17 +189,8 @@ func (b *Bus) Publish(ctx context.Context, tx *sql.Tx, topic string, events ...E
 	if err != nil || len(rows) == 0 {
 		return err
 	}
-	pub, err := watermillsql.NewPublisher(txWithContext{ctx: ctx, Tx: tx}, watermillsql.PublisherConfig{SchemaAdapter: b.schema}, b.logger)
-	if err != nil {
-		return fmt.Errorf("millrace: outbox publisher: %w", err)
-	}
-	// PostgreSQL allows 65535 bind parameters per statement, three per row.
-	const rowsPerInsert = 1000
-	for start := 0; start < len(rows); start += rowsPerInsert {
-		chunk := rows[start:min(start+rowsPerInsert, len(rows))]
-		if err := pub.Publish(b.cfg.Outbox.Topic, chunk...); err != nil {
-			return fmt.Errorf("millrace: write %d events to outbox %s: %w", len(chunk), b.tables.Outbox(), err)
-		}
+	if err := b.tables.WriteOutbox(ctx, tx, rows); err != nil {
+		return fmt.Errorf("millrace: %w", err)
 	}
 	return nil
 }
@@ -276,17 +263,6 @@ func (b *Bus) Close() error {
 		return b.db.Close()
 	}
 	return nil
-}
-
-// txWithContext gives watermill-sql's publisher, which executes with
-// context.Background(), the caller's context so cancellation and deadlines apply.
-type txWithContext struct {
-	ctx context.Context
-	*sql.Tx
-}
-
-func (t txWithContext) ExecContext(_ context.Context, query string, args ...any) (sql.Result, error) {
-	return t.Tx.ExecContext(t.ctx, query, args...)
 }
 
 // redactURL is raw without its password (in the user info or the query).

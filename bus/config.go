@@ -19,7 +19,7 @@ import (
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/confload"
 	"github.com/millrace-io/millrace/internal/names"
-	"github.com/millrace-io/millrace/internal/pgschema"
+	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -151,11 +151,11 @@ func (c Config) Validate() error {
 	var chk confload.Checker
 	chk.URL("database.url", c.Database.URL, "postgres", "postgresql")
 	checkDatabaseTLS(&chk, c.Database.URL)
-	chk.Check("database.schema", names.Schema(c.Database.Schema, pgschema.MaxIdentifierLength))
+	chk.Check("database.schema", names.Schema(c.Database.Schema, store.MaxIdentifierLength))
 	chk.PositiveDuration("database.connect_timeout", c.Database.ConnectTimeout)
 
 	// "watermill_offsets_" + topic must fit PostgreSQL's 63-byte identifiers.
-	chk.Check("outbox.topic", names.Identifier(c.Outbox.Topic, pgschema.MaxOutboxTopicLength))
+	chk.Check("outbox.topic", names.Identifier(c.Outbox.Topic, store.MaxOutboxTopicLength))
 	chk.OneOf("outbox.codec", c.Outbox.Codec, CodecJSON, CodecBytes)
 	chk.Positive("outbox.max_payload_bytes", c.Outbox.MaxPayloadBytes)
 	chk.Positive("outbox.max_metadata_bytes", c.Outbox.MaxMetadataBytes)

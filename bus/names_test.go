@@ -23,7 +23,7 @@ import (
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/confload"
-	"github.com/millrace-io/millrace/internal/pgschema"
+	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/internal/testdb"
 	"github.com/millrace-io/millrace/middleware"
 )
@@ -162,11 +162,11 @@ func TestHostileNamesAreRefusedEverywhere(t *testing.T) {
 		}
 	})
 
-	t.Run("pgschema.Migrate", func(t *testing.T) {
+	t.Run("store.Migrate", func(t *testing.T) {
 		for label, name := range hostileIdentifiers {
-			err := pgschema.Migrate(ctx, db, pgschema.Tables{Schema: name, OutboxTopic: "millrace_outbox"})
+			err := store.Migrate(ctx, db, store.Tables{Schema: name, OutboxTopic: "millrace_outbox"})
 			requireClear(t, err, label)
-			err = pgschema.Migrate(ctx, db, pgschema.Tables{Schema: cfg.Database.Schema, OutboxTopic: name})
+			err = store.Migrate(ctx, db, store.Tables{Schema: cfg.Database.Schema, OutboxTopic: name})
 			requireClear(t, err, label)
 			var schemas int
 			require.NoError(t, db.QueryRow(`SELECT count(*) FROM pg_namespace WHERE nspname = $1`, name).Scan(&schemas))
@@ -183,8 +183,12 @@ func TestHostileNamesAreRefusedEverywhere(t *testing.T) {
 			requireClear(t, err, label)
 			_, err = forwarder.New(db, broker, forwarder.Outbox{Schema: cfg.Database.Schema, Topic: name}, forwarder.Config{}, forwarder.Options{})
 			requireClear(t, err, label)
-			_, err = forwarder.Inspect(ctx, db, forwarder.Outbox{Schema: name, Topic: "millrace_outbox"}, "")
-			requireClear(t, err, label)
+			if name != "" {
+				bad := cfg
+				bad.Database.Schema = name
+				_, err = bus.NewOps(ctx, db, bad)
+				requireClear(t, err, label)
+			}
 		}
 		for label, name := range hostileNames {
 			if name == "" {
@@ -193,7 +197,9 @@ func TestHostileNamesAreRefusedEverywhere(t *testing.T) {
 			_, err := forwarder.New(db, broker, forwarder.Outbox{Schema: cfg.Database.Schema, Topic: "millrace_outbox"},
 				forwarder.Config{ConsumerGroup: name}, forwarder.Options{})
 			requireClear(t, err, label)
-			_, err = forwarder.Inspect(ctx, db, forwarder.Outbox{Schema: cfg.Database.Schema, Topic: "millrace_outbox"}, name)
+			ops, err := bus.NewOps(ctx, db, cfg)
+			require.NoError(t, err)
+			_, err = ops.OutboxStatus(ctx, name)
 			requireClear(t, err, label)
 		}
 	})
@@ -204,8 +210,6 @@ func TestHostileNamesAreRefusedEverywhere(t *testing.T) {
 				continue // the default schema
 			}
 			_, err := middleware.New(middleware.Config{}, middleware.Deps{DB: db, Schema: name})
-			requireClear(t, err, label)
-			_, err = middleware.PruneInbox(ctx, db, name, time.Hour, 10)
 			requireClear(t, err, label)
 		}
 		stack, err := middleware.New(middleware.Config{}, middleware.Deps{DB: db, Schema: cfg.Database.Schema})

@@ -15,16 +15,15 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/brokertest"
-	"github.com/millrace-io/millrace/internal/pgschema"
+	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/internal/testdb"
 	"github.com/millrace-io/millrace/internal/testlog"
 	"github.com/millrace-io/millrace/middleware"
 )
 
 // roles is an owner role that runs the migration and a service role that
-// gets exactly pgschema.Grants, in a schema the owner owns. Both roles and
+// gets exactly store.Grants, in a schema the owner owns. Both roles and
 // the schema are dropped when the test ends.
 type roles struct {
 	schema         string
@@ -56,7 +55,7 @@ func openAs(t *testing.T, dbURL string) *sql.DB {
 }
 
 // newRoles sets the roles up; with revoke >= 0 the service role lacks
-// grant number revoke of pgschema.Grants.
+// grant number revoke of store.Grants.
 func newRoles(t *testing.T, cfg bus.Config, revoke int) roles {
 	t.Helper()
 	ctx := context.Background()
@@ -89,12 +88,12 @@ func newRoles(t *testing.T, cfg bus.Config, revoke int) roles {
 	r.owner = openAs(t, roleURL(t, owner, password))
 	cfg.Database.Schema = r.schema
 	require.NoError(t, bus.Migrate(ctx, r.owner, cfg), "the owner role runs the migration")
-	grants, err := pgschema.GrantSQL(tablesOf(cfg), r.serviceRole)
+	grants, err := store.GrantSQL(tablesOf(cfg), r.serviceRole)
 	require.NoError(t, err)
 	_, err = r.owner.Exec(grants)
 	require.NoError(t, err, "the owner grants the service role its privileges")
 	if revoke >= 0 {
-		g := pgschema.Grants(tablesOf(cfg))[revoke]
+		g := store.Grants(tablesOf(cfg))[revoke]
 		_, err = r.owner.Exec(fmt.Sprintf(`REVOKE %s ON %s %s FROM %q`, g.Privilege, g.Kind, g.Object, r.serviceRole))
 		require.NoError(t, err)
 	}
@@ -103,9 +102,9 @@ func newRoles(t *testing.T, cfg bus.Config, revoke int) roles {
 	return r
 }
 
-func tablesOf(cfg bus.Config) pgschema.Tables {
+func tablesOf(cfg bus.Config) store.Tables {
 	cfg = cfg.WithDefaults()
-	return pgschema.Tables{Schema: cfg.Database.Schema, OutboxTopic: cfg.Outbox.Topic}
+	return store.Tables{Schema: cfg.Database.Schema, OutboxTopic: cfg.Outbox.Topic}
 }
 
 // evidence collects everything a run said: log lines and returned errors.
@@ -162,7 +161,7 @@ func startService(t *testing.T, revoke int) *serviceRun {
 	brokertest.Cleanup(t, bus.KindNATS, topic, "billing")
 
 	// A row no broker can take: its payload is not a millrace envelope.
-	_, err := s.r.owner.Exec(`INSERT INTO ` + tablesOf(cfg).Outbox() + ` (uuid, payload, metadata, transaction_id)
+	_, err := s.r.owner.Exec(`INSERT INTO ` + tablesOf(cfg).OutboxTable() + ` (uuid, payload, metadata, transaction_id)
 		VALUES ('corrupt-1', '{"not":"an envelope"}', '{}', pg_current_xact_id())`)
 	require.NoError(t, err)
 
@@ -207,9 +206,12 @@ func (s *serviceRun) count(t *testing.T, table string) int {
 	return n
 }
 
-func (s *serviceRun) inspect() (forwarder.Status, error) {
-	c := s.cfg.WithDefaults()
-	return forwarder.Inspect(context.Background(), s.r.service, forwarder.Outbox{Schema: c.Database.Schema, Topic: c.Outbox.Topic}, "")
+func (s *serviceRun) inspect() (bus.OutboxStatus, error) {
+	ops, err := bus.NewOps(context.Background(), s.r.service, s.cfg)
+	if err != nil {
+		return bus.OutboxStatus{}, err
+	}
+	return ops.OutboxStatus(context.Background(), "")
 }
 
 // The service role with exactly the listed privileges runs everything:
@@ -241,7 +243,7 @@ func TestLeastPrivilegeRoleRunsEverything(t *testing.T) {
 	// What was not granted is refused.
 	_, err = s.r.owner.Exec(`CREATE TABLE "` + s.r.schema + `".orders (id text)`)
 	require.NoError(t, err)
-	outbox := tablesOf(s.cfg).Outbox()
+	outbox := tablesOf(s.cfg).OutboxTable()
 	for stmt, want := range map[string]string{
 		`SELECT * FROM "` + s.r.schema + `".orders`:                  "permission denied for table orders",
 		`UPDATE ` + outbox + ` SET payload = '{}'`:                   "permission denied for table watermill_millrace_outbox",
@@ -263,8 +265,8 @@ func TestLeastPrivilegeRoleRunsEverything(t *testing.T) {
 // list in the README is not broader than what millrace uses.
 func TestEveryListedPrivilegeIsNeeded(t *testing.T) {
 	t.Parallel()
-	template := pgschema.Tables{Schema: "schema", OutboxTopic: bus.Config{}.WithDefaults().Outbox.Topic}
-	for i, g := range pgschema.Grants(template) {
+	template := store.Tables{Schema: "schema", OutboxTopic: bus.Config{}.WithDefaults().Outbox.Topic}
+	for i, g := range store.Grants(template) {
 		t.Run(g.Privilege+" "+g.Kind+" "+g.Name, func(t *testing.T) {
 			t.Parallel()
 			s := startService(t, i)

@@ -17,7 +17,6 @@ import (
 
 	"github.com/millrace-io/millrace/adapters/kafka"
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/servers"
 	"github.com/millrace-io/millrace/internal/testcerts"
@@ -271,7 +270,9 @@ func TestSecretsNeverPrinted(t *testing.T) {
 			require.NoError(t, db.QueryRow(`SELECT count(*) FROM "`+cfg.Database.Schema+`".millrace_poison`).Scan(&n))
 			return n == 1
 		}, 60*time.Second, 20*time.Millisecond)
-		st, err := forwarder.Inspect(ctx, db, forwarder.Outbox{Schema: cfg.Database.Schema, Topic: b.Config().Outbox.Topic}, "")
+		ops, err := bus.NewOps(ctx, db, b.Config())
+		require.NoError(t, err)
+		st, err := ops.OutboxStatus(ctx, "")
 		require.NoError(t, err)
 		require.Zero(t, st.Pending)
 		stop()

@@ -8,16 +8,16 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/envelope"
+	"github.com/millrace-io/millrace/internal/store"
 )
 
 // outboxRow is one row of the outbox as the batch query returns it, and what
 // became of it.
 type outboxRow struct {
-	row      watermillsql.Row
+	row      store.OutboxRow
 	out      adapters.Outgoing
 	occurred time.Time
 	// quarantine is why the row can never be published; empty for a good row.
@@ -40,7 +40,7 @@ func (f *Forwarder) forwardBatch(ctx context.Context) (handled int, hidden bool,
 	})
 	defer stop()
 
-	tx, err := f.db.BeginTx(work, &sql.TxOptions{Isolation: f.schema.SubscribeIsolationLevel()})
+	tx, err := f.db.BeginTx(work, &sql.TxOptions{Isolation: f.tables.RelayIsolation()})
 	if err != nil {
 		return 0, false, fmt.Errorf("begin batch: %w", err)
 	}
@@ -69,32 +69,19 @@ func (f *Forwarder) forwardBatch(ctx context.Context) (handled int, hidden bool,
 	return confirmed, hidden, publishErr
 }
 
-// readBatch runs the batch query (which takes the FOR UPDATE lock on the
-// offsets row and applies the xid8 visibility rule) and unwraps each row's
-// forwarder envelope.
+// readBatch reads the next batch (store.ReadBatch: the FOR UPDATE lock on
+// the offsets row and the xid8 visibility rule) and unwraps each row's
+// forwarder envelope; a row whose envelope is unreadable is marked for the
+// quarantine.
 func (f *Forwarder) readBatch(ctx context.Context, tx *sql.Tx) (rows []outboxRow, hidden bool, err error) {
-	q := batchQuery(f.tables.Outbox(), f.offsets, f.tables.OutboxTopic, f.cfg.ConsumerGroup, f.cfg.BatchSize)
-	res, err := tx.QueryContext(ctx, q.Query, q.Args...)
+	read, hidden, err := f.tables.ReadBatch(ctx, tx, f.cfg.ConsumerGroup, f.cfg.BatchSize)
 	if err != nil {
-		return nil, false, fmt.Errorf("read batch: %w", err)
+		return nil, false, err
 	}
-	defer res.Close()
-	rows = make([]outboxRow, 0, f.cfg.BatchSize)
-	for res.Next() {
-		// Scanned here rather than by the schema's UnmarshalMessage, which
-		// fails the whole batch on a row with corrupt metadata instead of
-		// letting the relay move that one row aside.
-		var r outboxRow
-		var offset, txID sql.NullInt64
-		if err := res.Scan(&offset, &txID, &r.row.UUID, &r.row.Payload, &r.row.Metadata, &hidden); err != nil {
-			return nil, false, fmt.Errorf("scan outbox row: %w", err)
-		}
-		if !offset.Valid {
-			continue // the row of an empty batch, carrying only the hidden flag
-		}
-		r.row.Offset = offset.Int64
-		r.row.ExtraData = map[string]any{"transaction_id": txID.Int64}
-		topic, msg, err := envelope.Unwrap(r.row.Payload)
+	rows = make([]outboxRow, len(read))
+	for i, row := range read {
+		r := outboxRow{row: row}
+		topic, msg, err := envelope.Unwrap(row.Payload)
 		switch {
 		case err != nil:
 			r.quarantine = err.Error()
@@ -104,9 +91,9 @@ func (f *Forwarder) readBatch(ctx context.Context, tx *sql.Tx) (rows []outboxRow
 				r.occurred = at
 			}
 		}
-		rows = append(rows, r)
+		rows[i] = r
 	}
-	return rows, hidden, res.Err()
+	return rows, hidden, nil
 }
 
 // publish sends the good rows in slices of max_in_flight and returns how
@@ -222,30 +209,22 @@ func (f *Forwarder) ack(ctx context.Context, tx *sql.Tx, handled []outboxRow) er
 			return err
 		}
 	}
-	q := f.offsets.AckMessageQuery(f.tables.OutboxTopic, handled[len(handled)-1].row, f.cfg.ConsumerGroup)
-	if _, err := tx.ExecContext(ctx, q.Query, q.Args...); err != nil {
-		return fmt.Errorf("ack batch: %w", err)
-	}
-	return nil
+	return f.tables.Ack(ctx, tx, f.cfg.ConsumerGroup, handled[len(handled)-1].row)
 }
 
 func (f *Forwarder) quarantineRow(ctx context.Context, tx *sql.Tx, r outboxRow) error {
-	var topic, eventID sql.NullString
+	var topic, eventID string
 	if r.out.Msg != nil {
-		topic = sql.NullString{String: r.out.Topic, Valid: true}
-		eventID = sql.NullString{String: r.out.Msg.UUID, Valid: true}
+		topic, eventID = r.out.Topic, r.out.Msg.UUID
 	} else {
 		f.metrics.publishErrors.WithLabelValues(errorClassCorrupt).Inc()
 	}
-	_, err := tx.ExecContext(ctx, `INSERT INTO `+f.tables.RelayQuarantine()+
-		` (outbox_offset, outbox_uuid, destination_topic, event_id, payload, metadata, reason) VALUES ($1, $2, $3, $4, $5, $6, $7)`,
-		r.row.Offset, string(r.row.UUID), topic, eventID, r.row.Payload, string(r.row.Metadata), r.quarantine)
-	if err != nil {
-		return fmt.Errorf("quarantine outbox row %d: %w", r.row.Offset, err)
+	if err := f.tables.Quarantine(ctx, tx, r.row, topic, eventID, r.quarantine); err != nil {
+		return err
 	}
 	f.metrics.quarantined.Inc()
 	f.logger.Error("Outbox row moved to the relay quarantine", errors.New(r.quarantine), watermill.LogFields{
-		"outbox_offset": r.row.Offset, "event_id": eventID.String, "topic": topic.String,
+		"outbox_offset": r.row.Offset, "event_id": eventID, "topic": topic,
 	})
 	return nil
 }

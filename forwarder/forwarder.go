@@ -9,14 +9,13 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
 	"github.com/cenkalti/backoff/v5"
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/time/rate"
 
 	"github.com/millrace-io/millrace/adapters"
-	"github.com/millrace-io/millrace/internal/pgschema"
+	"github.com/millrace-io/millrace/internal/store"
 )
 
 // Broker is what the relay needs of a broker adapter.
@@ -49,9 +48,7 @@ type Forwarder struct {
 	db      *sql.DB
 	broker  Broker
 	cfg     Config
-	tables  pgschema.Tables
-	schema  watermillsql.DefaultPostgreSQLSchema
-	offsets watermillsql.DefaultPostgreSQLOffsetsAdapter
+	tables  store.Tables
 	logger  watermill.LoggerAdapter
 	metrics *metrics
 	limiter *rate.Limiter
@@ -75,7 +72,7 @@ func New(db *sql.DB, broker Broker, outbox Outbox, cfg Config, opts Options) (*F
 	if db == nil || broker == nil {
 		return nil, errors.New("forwarder: db and broker are required")
 	}
-	tables := pgschema.Tables{Schema: outbox.Schema, OutboxTopic: outbox.Topic}
+	tables := store.Tables{Schema: outbox.Schema, OutboxTopic: outbox.Topic}
 	if err := tables.Validate(); err != nil {
 		return nil, fmt.Errorf("forwarder: %w", err)
 	}
@@ -91,8 +88,6 @@ func New(db *sql.DB, broker Broker, outbox Outbox, cfg Config, opts Options) (*F
 		broker:      broker,
 		cfg:         cfg,
 		tables:      tables,
-		schema:      tables.SchemaAdapter(),
-		offsets:     tables.OffsetsAdapter(),
 		logger:      opts.Logger.With(watermill.LogFields{"outbox": tables.OutboxNotifyPayload()}),
 		metrics:     m,
 		slice:       cfg.MaxInFlight,
@@ -150,8 +145,8 @@ func (f *Forwarder) lead(ctx context.Context) error {
 	defer f.metrics.leader.Set(0)
 	f.logger.Info("Relay is active", nil)
 
-	if err := f.prepareOffsets(ctx); err != nil {
-		return err
+	if err := f.tables.PrepareOffsets(ctx, f.db, f.cfg.ConsumerGroup); err != nil {
+		return fmt.Errorf("forwarder: %w", err)
 	}
 	listenCtx, stopListening := context.WithCancel(ctx)
 	defer stopListening()
@@ -191,17 +186,6 @@ func discard(conn *sql.Conn) {
 	_ = conn.Close()
 }
 
-// prepareOffsets inserts the relay's zero offsets row, which the batch
-// query's FOR UPDATE locks.
-func (f *Forwarder) prepareOffsets(ctx context.Context) error {
-	for _, q := range f.offsets.BeforeSubscribingQueries(f.tables.OutboxTopic, f.cfg.ConsumerGroup) {
-		if _, err := f.db.ExecContext(ctx, q.Query, q.Args...); err != nil {
-			return fmt.Errorf("forwarder: prepare offsets row: %w", err)
-		}
-	}
-	return nil
-}
-
 // listen LISTENs on the leader connection and signals wake for every
 // notification naming this outbox. It reports LISTEN's outcome on ready.
 func (f *Forwarder) listen(ctx context.Context, conn *sql.Conn, wake chan<- struct{}, ready chan<- error) error {
@@ -212,7 +196,7 @@ func (f *Forwarder) listen(ctx context.Context, conn *sql.Conn, wake chan<- stru
 			return fmt.Errorf("%w, got %T", ErrNotPgx, dc)
 		}
 		pc := sc.Conn()
-		if _, err := pc.Exec(ctx, `LISTEN `+pgschema.NotifyChannel); err != nil {
+		if _, err := pc.Exec(ctx, `LISTEN `+store.NotifyChannel); err != nil {
 			return fmt.Errorf("forwarder: LISTEN: %w", err)
 		}
 		ready <- nil

@@ -515,11 +515,13 @@ func TestConfigValidationNamesFields(t *testing.T) {
 	require.Contains(t, text[0], "relay.batch_size")
 }
 
-func TestInspectReportsTheOutboxState(t *testing.T) {
+func TestOutboxStatusReportsTheOutboxState(t *testing.T) {
 	t.Parallel()
 	tb := setup(t)
 	publish(t, tb, "things", interleaved(2, 5), 5)
-	st, err := forwarder.Inspect(context.Background(), tb.db, tb.outbox, "")
+	ops, err := bus.NewOps(context.Background(), tb.db, tb.cfg)
+	require.NoError(t, err)
+	st, err := ops.OutboxStatus(context.Background(), "")
 	require.NoError(t, err)
 	require.EqualValues(t, 10, st.Pending)
 	require.Positive(t, st.OldestPendingAge)
@@ -529,7 +531,7 @@ func TestInspectReportsTheOutboxState(t *testing.T) {
 	broker := newMemoryBroker()
 	f, _ := start(t, tb, broker, testConfig(), nil)
 	waitFor(t, "nothing pending", func() bool { return pending(t, f) == 0 })
-	st, err = forwarder.Inspect(context.Background(), tb.db, tb.outbox, "")
+	st, err = ops.OutboxStatus(context.Background(), "")
 	require.NoError(t, err)
 	require.Zero(t, st.Pending)
 	require.Zero(t, st.OldestPendingAge)

@@ -156,16 +156,3 @@ func ExampleDecodeJSON() {
 	// invalid payload.amount: expected int, got JSON string
 	// true
 }
-
-// The CLI or a cron job can prune the inbox without a running consumer.
-func ExamplePruneInbox() {
-	db, err := sql.Open("pgx", os.Getenv("DATABASE_URL"))
-	if err != nil {
-		log.Fatal(err)
-	}
-	deleted, err := middleware.PruneInbox(context.Background(), db, "public", middleware.DefaultInboxRetention, middleware.DefaultCleanupBatch)
-	if err != nil {
-		log.Fatal(err)
-	}
-	fmt.Println("deleted", deleted, "inbox rows")
-}

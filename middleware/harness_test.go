@@ -19,7 +19,7 @@ import (
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/brokertest"
-	"github.com/millrace-io/millrace/internal/pgschema"
+	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/internal/testdb"
 	"github.com/millrace-io/millrace/middleware"
 )
@@ -133,7 +133,7 @@ type env struct {
 func newEnv(t testing.TB) *env {
 	db := testdb.Open(t)
 	schema := testdb.Schema(t, db)
-	require.NoError(t, pgschema.Migrate(context.Background(), db, pgschema.Tables{Schema: schema, OutboxTopic: "millrace_outbox"}))
+	require.NoError(t, store.Migrate(context.Background(), db, store.Tables{Schema: schema, OutboxTopic: "millrace_outbox"}))
 	_, err := db.Exec(`CREATE TABLE "` + schema + `".business (
 		seq BIGSERIAL PRIMARY KEY,
 		consumer_group TEXT NOT NULL,

@@ -11,8 +11,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/millrace-io/millrace/internal/envelope"
-	"github.com/millrace-io/millrace/internal/names"
-	"github.com/millrace-io/millrace/internal/pgschema"
 )
 
 // errTxEnded explains a handler that ended the chain's transaction itself.
@@ -42,13 +40,7 @@ func (c *Chain) transaction(h message.HandlerFunc) message.HandlerFunc {
 	inbox := *c.cfg.Inbox.Enabled
 	guard := *c.cfg.OrderingGuard
 	group := c.spec.ConsumerGroup
-	insertInbox := `INSERT INTO ` + c.stack.tables.Inbox() + ` (consumer_group, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING`
-	versions := c.stack.tables.AggregateVersions()
-	applyVersion := `INSERT INTO ` + versions + ` AS v (consumer_group, aggregate_type, aggregate_id, version, event_id)
-VALUES ($1, $2, $3, $4, $5)
-ON CONFLICT (consumer_group, aggregate_type, aggregate_id) DO UPDATE
-SET version = EXCLUDED.version, event_id = EXCLUDED.event_id, updated_at = now()
-WHERE v.version < EXCLUDED.version`
+	tables := c.stack.tables
 
 	return func(msg *message.Message) (_ []*message.Message, err error) {
 		ctx := msg.Context()
@@ -65,11 +57,11 @@ WHERE v.version < EXCLUDED.version`
 		}()
 
 		if inbox {
-			res, err := tx.ExecContext(ctx, insertInbox, group, a.eventID)
+			first, err := tables.MarkProcessed(ctx, tx, group, a.eventID)
 			if err != nil {
-				return nil, ownStatement(fmt.Errorf("inbox: insert event id: %w", err))
+				return nil, ownStatement(err)
 			}
-			if n, _ := res.RowsAffected(); n == 0 {
+			if !first {
 				a.outcome = OutcomeDuplicate
 				return nil, nil
 			}
@@ -78,12 +70,11 @@ WHERE v.version < EXCLUDED.version`
 			version, _ := aggregateVersion(msg) // checked by the validate stage
 			aggregateID := msg.Metadata.Get(envelope.AggregateIDKey)
 			if version > 0 && aggregateID != "" {
-				res, err := tx.ExecContext(ctx, applyVersion, group,
-					msg.Metadata.Get(envelope.AggregateTypeKey), aggregateID, version, a.eventID)
+				newer, err := tables.ApplyVersion(ctx, tx, group, msg.Metadata.Get(envelope.AggregateTypeKey), aggregateID, version, a.eventID)
 				if err != nil {
-					return nil, fmt.Errorf("ordering guard: record aggregate version: %w", err)
+					return nil, err
 				}
-				if n, _ := res.RowsAffected(); n == 0 {
+				if !newer {
 					// An equal or newer version was applied: keep the inbox
 					// row, so a redelivery is a plain duplicate, and skip.
 					done = true
@@ -136,66 +127,26 @@ func ownStatement(err error) error {
 	return err
 }
 
-// PruneInbox deletes inbox rows processed more than olderThan ago, batch rows
-// per statement, until none is left or ctx ends. It returns how many it
-// deleted. Short statements keep locks short and leave the index healthy;
-// rows of a concurrent prune are skipped, not waited for. schema is the
-// PostgreSQL schema of the tables ("public" when empty).
-func PruneInbox(ctx context.Context, db *sql.DB, schema string, olderThan time.Duration, batch int) (int64, error) {
-	if schema == "" {
-		schema = "public"
-	}
-	if err := names.Schema(schema, pgschema.MaxIdentifierLength); err != nil {
-		return 0, fmt.Errorf("prune inbox: schema %q: %w", schema, err)
-	}
-	if olderThan <= 0 || batch <= 0 {
-		return 0, fmt.Errorf("prune inbox: olderThan and batch must be positive; got %s and %d", olderThan, batch)
-	}
-	inbox := pgschema.Tables{Schema: schema}.Inbox()
-	query := `DELETE FROM ` + inbox + ` WHERE (consumer_group, event_id) IN (
-	SELECT consumer_group, event_id FROM ` + inbox + `
-	WHERE processed_at < now() - make_interval(secs => $1)
-	ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED)`
-	var total int64
-	for {
-		res, err := db.ExecContext(ctx, query, olderThan.Seconds(), batch)
-		if err != nil {
-			return total, fmt.Errorf("prune inbox %s: %w", inbox, err)
-		}
-		n, _ := res.RowsAffected()
-		total += n
-		if n < int64(batch) {
-			return total, nil
-		}
-	}
-}
-
 // PruneInbox deletes the inbox rows older than inbox.retention, in batches
 // of inbox.cleanup_batch, and refreshes the millrace_inbox_rows gauge.
 func (s *Stack) PruneInbox(ctx context.Context) (int64, error) {
 	if s.db == nil {
 		return 0, errors.New("millrace consumer: prune inbox: Deps.DB is nil")
 	}
-	n, err := PruneInbox(ctx, s.db, s.tables.Schema, s.cfg.Inbox.Retention, s.cfg.Inbox.CleanupBatch)
+	n, err := s.tables.PruneInbox(ctx, s.db, s.cfg.Inbox.Retention, "", s.cfg.Inbox.CleanupBatch)
 	s.metrics.pruned.Add(float64(n))
 	if err != nil {
 		return n, err
 	}
-	rows, err := s.db.QueryContext(ctx, `SELECT consumer_group, count(*) FROM `+s.tables.Inbox()+` GROUP BY consumer_group`)
+	counts, err := s.tables.InboxRows(ctx, s.db)
 	if err != nil {
-		return n, fmt.Errorf("count inbox rows: %w", err)
+		return n, err
 	}
-	defer rows.Close()
 	s.metrics.inboxRows.Reset()
-	for rows.Next() {
-		var group string
-		var count int64
-		if err := rows.Scan(&group, &count); err != nil {
-			return n, fmt.Errorf("count inbox rows: %w", err)
-		}
+	for group, count := range counts {
 		s.metrics.inboxRows.WithLabelValues(group).Set(float64(count))
 	}
-	return n, rows.Err()
+	return n, nil
 }
 
 // RunRetention prunes the inbox now and then every inbox.cleanup_interval

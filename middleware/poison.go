@@ -3,7 +3,6 @@ package middleware
 import (
 	"cmp"
 	"context"
-	"encoding/json"
 	"fmt"
 	"strconv"
 	"strings"
@@ -14,6 +13,7 @@ import (
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
 	"github.com/millrace-io/millrace/internal/envelope"
+	"github.com/millrace-io/millrace/internal/store"
 )
 
 // Metadata keys of the failure envelope a poisoned message carries on the
@@ -169,41 +169,19 @@ var watermillPoisonKeys = []string{wmw.ReasonForPoisonedKey, wmw.PoisonedTopicKe
 func (c *Chain) storePoisoned(ctx context.Context, msg *message.Message, f failure) error {
 	meta := make(map[string]string, len(msg.Metadata))
 	for k, v := range msg.Metadata {
-		// jsonb cannot hold U+0000.
-		meta[strings.ReplaceAll(k, "\x00", "\uFFFD")] = strings.ReplaceAll(v, "\x00", "\uFFFD")
+		meta[k] = v
 	}
 	for _, k := range watermillPoisonKeys {
 		delete(meta, k)
-	}
-	metaJSON, err := json.Marshal(meta)
-	if err != nil {
-		return fmt.Errorf("encode metadata: %w", err)
 	}
 	messageID := cmp.Or(msg.Metadata.Get(ReplayOfKey), msg.UUID)
 	if messageID == "" {
 		messageID = watermill.NewUUID()
 	}
-	clean := func(s string) string { return strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "\uFFFD") }
-	payload := msg.Payload
-	if payload == nil {
-		payload = []byte{}
-	}
-	_, err = c.stack.db.ExecContext(ctx, `INSERT INTO `+c.stack.tables.Poison()+` AS p
-	(consumer_group, handler, source_topic, message_id, event_id, event_type, payload, metadata,
-	 reason, error_class, attempts, first_failure_at, last_failure_at, traceparent, poisoned_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
-ON CONFLICT (consumer_group, handler, message_id) DO UPDATE SET
-	source_topic = EXCLUDED.source_topic, event_id = EXCLUDED.event_id, event_type = EXCLUDED.event_type,
-	payload = EXCLUDED.payload, metadata = EXCLUDED.metadata, reason = EXCLUDED.reason,
-	error_class = EXCLUDED.error_class, attempts = EXCLUDED.attempts,
-	first_failure_at = EXCLUDED.first_failure_at, last_failure_at = EXCLUDED.last_failure_at,
-	traceparent = EXCLUDED.traceparent, poisoned_at = EXCLUDED.poisoned_at,
-	times_poisoned = p.times_poisoned + 1, replayed_at = NULL`,
-		f.consumerGroup, f.handler, f.sourceTopic, clean(messageID), clean(eventIDOf(msg)),
-		clean(msg.Metadata.Get(envelope.EventTypeKey)), payload, metaJSON,
-		clean(f.reason), f.class, f.attempts, f.firstFailure, f.lastFailure, clean(f.traceparent), f.poisonedAt)
-	if err != nil {
-		return fmt.Errorf("insert into %s: %w", c.stack.tables.Poison(), err)
-	}
-	return nil
+	return c.stack.tables.StorePoisoned(ctx, c.stack.db, store.Poisoned{
+		ConsumerGroup: f.consumerGroup, Handler: f.handler, SourceTopic: f.sourceTopic,
+		MessageID: messageID, EventID: eventIDOf(msg), EventType: msg.Metadata.Get(envelope.EventTypeKey),
+		Payload: msg.Payload, Metadata: meta, Reason: f.reason, ErrorClass: f.class, Attempts: f.attempts,
+		FirstFailureAt: f.firstFailure, LastFailureAt: f.lastFailure, Traceparent: f.traceparent, PoisonedAt: f.poisonedAt,
+	})
 }

@@ -19,7 +19,7 @@ import (
 
 	"github.com/millrace-io/millrace/internal/confload"
 	"github.com/millrace-io/millrace/internal/names"
-	"github.com/millrace-io/millrace/internal/pgschema"
+	"github.com/millrace-io/millrace/internal/store"
 )
 
 // Deps are what a Stack needs from the service around it.
@@ -58,7 +58,7 @@ type Handler struct {
 type Stack struct {
 	cfg     Config
 	db      *sql.DB
-	tables  pgschema.Tables
+	tables  store.Tables
 	poison  message.Publisher
 	logger  watermill.LoggerAdapter
 	metrics *metrics
@@ -79,7 +79,7 @@ func New(cfg Config, deps Deps) (*Stack, error) {
 		return nil, fmt.Errorf("millrace consumer config: %w", errors.Join(errs...))
 	}
 	schema := cmp.Or(deps.Schema, "public")
-	if err := names.Schema(schema, pgschema.MaxIdentifierLength); err != nil {
+	if err := names.Schema(schema, store.MaxIdentifierLength); err != nil {
 		return nil, fmt.Errorf("millrace consumer: schema: %w", err)
 	}
 	m, err := newMetrics(deps.Registerer)
@@ -89,7 +89,7 @@ func New(cfg Config, deps Deps) (*Stack, error) {
 	s := &Stack{
 		cfg:     cfg,
 		db:      deps.DB,
-		tables:  pgschema.Tables{Schema: schema},
+		tables:  store.Tables{Schema: schema},
 		poison:  deps.PoisonPublisher,
 		logger:  deps.Logger,
 		metrics: m,
@@ -113,14 +113,12 @@ func (s *Stack) Check(ctx context.Context) error {
 	if s.db == nil {
 		return nil
 	}
-	for _, table := range []string{s.tables.Inbox(), s.tables.Poison(), s.tables.AggregateVersions()} {
-		var exists bool
-		if err := s.db.QueryRowContext(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&exists); err != nil {
-			return fmt.Errorf("millrace consumer: check table %s: %w", table, err)
-		}
-		if !exists {
-			return fmt.Errorf("millrace consumer: table %s does not exist: run `millrace migrate` or bus.Migrate first", table)
-		}
+	missing, err := store.Missing(ctx, s.db, s.tables.InboxTable(), s.tables.PoisonTable(), s.tables.AggregateVersionsTable())
+	if err != nil {
+		return fmt.Errorf("millrace consumer: check tables: %w", err)
+	}
+	if missing != "" {
+		return fmt.Errorf("millrace consumer: table %s does not exist: run `millrace migrate` or bus.Migrate first", missing)
 	}
 	return nil
 }

@@ -69,14 +69,14 @@ func TestPruneInboxDeletesExpiredRowsInBatches(t *testing.T) {
 		SELECT 'g0', 'new-' || n FROM generate_series(1, 30) n`)
 	require.NoError(t, err)
 
-	n, err := middleware.PruneInbox(ctx, e.db, e.schema, 30*24*time.Hour, 1000)
+	month, err := middleware.New(middleware.Config{Inbox: middleware.InboxConfig{Retention: 30 * 24 * time.Hour, CleanupBatch: 1000}},
+		middleware.Deps{DB: e.db, Schema: e.schema})
+	require.NoError(t, err)
+	n, err := month.PruneInbox(ctx)
 	require.NoError(t, err)
 	require.EqualValues(t, 2500, n)
 	require.Equal(t, 30, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")))
 	require.Zero(t, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")+` WHERE event_id LIKE 'old-%'`))
-
-	_, err = middleware.PruneInbox(ctx, e.db, e.schema, 0, 10)
-	require.ErrorContains(t, err, "must be positive")
 
 	// The Stack's runner prunes with the configured window and reports the
 	// table's size per consumer group.

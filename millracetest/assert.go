@@ -3,12 +3,11 @@ package millracetest
 import (
 	"context"
 	"database/sql"
-	"errors"
 	"fmt"
 	"strings"
 
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/internal/pgschema"
+	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -191,15 +190,13 @@ func (h *Harness) poisonReason(eventID string) string {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), setupTimeout)
 	defer cancel()
-	poison := pgschema.Tables{Schema: h.cfg.Database.Schema}.Poison()
-	var reason string
-	err := h.db.QueryRowContext(ctx, `SELECT reason FROM `+poison+` WHERE consumer_group = $1 AND handler = $2 AND event_id = $3 ORDER BY poisoned_at DESC LIMIT 1`,
-		h.group, h.name, eventID).Scan(&reason)
+	tables := store.Tables{Schema: h.cfg.Database.Schema}
+	reason, found, err := tables.LastPoisonReason(ctx, h.db, h.group, h.name, eventID)
 	switch {
-	case errors.Is(err, sql.ErrNoRows):
-		return "(no row in " + poison + ")"
 	case err != nil:
-		return "(read " + poison + ": " + err.Error() + ")"
+		return "(" + err.Error() + ")"
+	case !found:
+		return "(no row in " + tables.PoisonTable() + ")"
 	}
 	return reason
 }

@@ -19,7 +19,7 @@ import (
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/envelope"
-	"github.com/millrace-io/millrace/internal/pgschema"
+	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -442,21 +442,14 @@ func (h *Harness) prepare(evs []bus.Event) ([]*message.Message, []bus.Event) {
 		h.t.Fatalf("millracetest: bus.Publish refused the events: %v", err)
 		return nil, nil
 	}
-	outbox := pgschema.Tables{Schema: h.cfg.Database.Schema, OutboxTopic: h.cfg.Outbox.Topic}.Outbox()
-	rows, err := tx.QueryContext(ctx, `SELECT payload FROM `+outbox+` WHERE transaction_id = pg_current_xact_id() ORDER BY "offset"`)
+	payloads, err := store.Tables{Schema: h.cfg.Database.Schema, OutboxTopic: h.cfg.Outbox.Topic}.WrittenInTx(ctx, tx)
 	if err != nil {
-		h.t.Fatalf("millracetest: read the events back from %s: %v", outbox, err)
+		h.t.Fatalf("millracetest: %v", err)
 		return nil, nil
 	}
-	defer rows.Close()
 	var msgs []*message.Message
 	var events []bus.Event
-	for rows.Next() {
-		var payload []byte
-		if err := rows.Scan(&payload); err != nil {
-			h.t.Fatalf("millracetest: read the events back from %s: %v", outbox, err)
-			return nil, nil
-		}
+	for _, payload := range payloads {
 		_, msg, err := envelope.Unwrap(payload)
 		if err != nil {
 			h.t.Fatalf("millracetest: unwrap an outbox row: %v", err)
@@ -470,12 +463,8 @@ func (h *Harness) prepare(evs []bus.Event) ([]*message.Message, []bus.Event) {
 		msgs = append(msgs, msg)
 		events = append(events, ev)
 	}
-	if err := rows.Err(); err != nil {
-		h.t.Fatalf("millracetest: read the events back from %s: %v", outbox, err)
-		return nil, nil
-	}
 	if len(msgs) != len(evs) {
-		h.t.Fatalf("millracetest: published %d events but read %d back from %s", len(evs), len(msgs), outbox)
+		h.t.Fatalf("millracetest: published %d events but read %d back from the outbox", len(evs), len(msgs))
 		return nil, nil
 	}
 	h.mu.Lock()

@@ -15,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
+	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/testdb"
 	"github.com/millrace-io/millrace/middleware"
@@ -85,7 +86,7 @@ VALUES ($1, $2, $3, $4, $4, $5, $6, $7, $8, $9, 3, now() - make_interval(secs =>
 	return id
 }
 
-func idsOf(rows []poisonRow) []int64 {
+func idsOf(rows []bus.PoisonedMessage) []int64 {
 	ids := make([]int64, len(rows))
 	for i, r := range rows {
 		ids[i] = r.ID
@@ -103,22 +104,22 @@ func TestDLQListFiltersAndStates(t *testing.T) {
 	timeout := insertPoison(t, db, schema, fixture{group: "billing", handler: "billing", topic: "invoices", eventID: "e-3",
 		eventType: "InvoiceIssued", reason: "context deadline exceeded", class: "transient", poisonedAgo: 10 * time.Minute, processed: true})
 
-	list := func(args ...string) listResult {
-		var res listResult
+	list := func(args ...string) bus.PoisonList {
+		var res bus.PoisonList
 		cliJSON(t, path, &res, append([]string{"dlq", "list"}, args...)...)
 		return res
 	}
 	all := list()
 	require.Equal(t, []int64{timeout, decode, gateway}, idsOf(all.Messages), "newest first")
 	require.False(t, all.Truncated)
-	byID := map[int64]poisonRow{}
+	byID := map[int64]bus.PoisonedMessage{}
 	for _, r := range all.Messages {
 		byID[r.ID] = r
 	}
-	require.Equal(t, statePoisoned, byID[gateway].State)
-	require.Equal(t, stateReplayed, byID[decode].State)
+	require.Equal(t, bus.PoisonStatePoisoned, byID[gateway].State)
+	require.Equal(t, bus.PoisonStateReplayed, byID[decode].State)
 	require.NotNil(t, byID[decode].ReplayedAt)
-	require.Equal(t, stateProcessed, byID[timeout].State)
+	require.Equal(t, bus.PoisonStateProcessed, byID[timeout].State)
 	require.NotNil(t, byID[timeout].ProcessedAt)
 	g := byID[gateway]
 	require.Equal(t, "billing", g.ConsumerGroup)
@@ -159,8 +160,8 @@ func TestDLQListFiltersAndStates(t *testing.T) {
 	require.Equal(t, exitOK, code, errOut)
 	lines := strings.Split(strings.TrimSpace(out), "\n")
 	require.Len(t, lines, 4, out)
-	require.Regexp(t, `^ID\s+POISONED AT\s+GROUP\s+HANDLER\s+TOPIC\s+EVENT TYPE\s+CLASS\s+TIMES\s+STATE\s+REASON$`, lines[0])
-	require.Regexp(t, `^`+strconv.FormatInt(gateway, 10)+`\s.*billing\s+billing\s+orders\s+OrderCreated\s+transient\s+1\s+poisoned\s+payment gateway said NO…$`, lines[3])
+	require.Regexp(t, `^ID\s+POISONED AT\s+GROUP\s+HANDLER\s+TOPIC\s+EVENT TYPE\s+AGGREGATE\s+CLASS\s+TIMES\s+STATE\s+REASON$`, lines[0])
+	require.Regexp(t, `^`+strconv.FormatInt(gateway, 10)+`\s.*billing\s+billing\s+orders\s+OrderCreated\s+-\s+transient\s+1\s+poisoned\s+payment gateway said NO…$`, lines[3])
 	code, out, _ = cli(t, path, "dlq", "list", "--group", "nobody")
 	require.Equal(t, exitOK, code)
 	require.Equal(t, "no poisoned messages match\n", out)
@@ -241,7 +242,7 @@ func TestDLQPurge(t *testing.T) {
 	_, err := db.Exec(`INSERT INTO "`+schema+`".millrace_poison_replays (poison_id, message_id, replayed_by, times_poisoned) VALUES ($1, 'm', 'op', 1)`, ids[0])
 	require.NoError(t, err)
 	remaining := func() []int64 {
-		var res listResult
+		var res bus.PoisonList
 		cliJSON(t, path, &res, "dlq", "list", "--limit", "0")
 		got := idsOf(res.Messages)
 		for i, j := 0, len(got)-1; i < j; i, j = i+1, j-1 {
@@ -250,7 +251,7 @@ func TestDLQPurge(t *testing.T) {
 		return got
 	}
 
-	var res purgeResult
+	var res bus.PurgeResult
 	cliJSON(t, path, &res, "dlq", "purge", "--dry-run", "--group", "shipping")
 	require.True(t, res.DryRun)
 	require.Equal(t, []int64{ids[3], ids[4]}, idsOf(res.Purged))
@@ -261,7 +262,7 @@ func TestDLQPurge(t *testing.T) {
 	require.Contains(t, errOut, "no poisoned message with id 999999")
 	require.Equal(t, ids, remaining(), "an unknown ID purges nothing")
 
-	res = purgeResult{}
+	res = bus.PurgeResult{}
 	cliJSON(t, path, &res, "dlq", "purge", strconv.FormatInt(ids[0], 10))
 	require.False(t, res.DryRun)
 	require.Equal(t, []int64{ids[0]}, idsOf(res.Purged))
@@ -280,13 +281,13 @@ func TestDLQPurge(t *testing.T) {
 	require.Contains(t, errOut, "choose what to purge")
 	require.Equal(t, []int64{ids[1], ids[2], ids[4]}, remaining())
 
-	res = purgeResult{}
+	res = bus.PurgeResult{}
 	cliJSON(t, path, &res, "dlq", "purge", "--all")
 	require.Len(t, res.Purged, 3)
 	require.Empty(t, remaining())
-	res = purgeResult{}
+	res = bus.PurgeResult{}
 	cliJSON(t, path, &res, "dlq", "purge", "--all")
-	require.Equal(t, []poisonRow{}, res.Purged)
+	require.Equal(t, []bus.PoisonedMessage{}, res.Purged)
 }
 
 func TestInboxPurge(t *testing.T) {
@@ -309,14 +310,14 @@ func TestInboxPurge(t *testing.T) {
 		return n
 	}
 
-	var res inboxPurgeResult
+	var res bus.InboxPruneResult
 	cliJSON(t, path, &res, "inbox", "purge", "--older-than", "24h", "--dry-run")
-	require.Equal(t, inboxPurgeResult{DryRun: true, Deleted: 7, OlderThan: "24h0m0s", Batch: 10000,
-		Warnings: []string{"--older-than 24h0m0s is shorter than consumer.inbox.retention (720h0m0s): a redelivery or replay of an event whose row is deleted is processed again"}}, res)
+	require.Equal(t, bus.InboxPruneResult{DryRun: true, Deleted: 7, OlderThan: "24h0m0s", Batch: 10000,
+		Warnings: []string{"the prune window (24h0m0s) is shorter than consumer.inbox.retention (720h0m0s): a redelivery or replay of an event whose row is deleted is processed again"}}, res)
 	require.Equal(t, 5, count("billing"))
 	require.Equal(t, 5, count("audit"))
 
-	res = inboxPurgeResult{}
+	res = bus.InboxPruneResult{}
 	cliJSON(t, path, &res, "inbox", "purge", "--older-than", "1d", "--group", "billing", "--batch", "2")
 	require.EqualValues(t, 3, res.Deleted, "two batches of at most 2")
 	require.Equal(t, "billing", res.Group)
@@ -327,11 +328,11 @@ func TestInboxPurge(t *testing.T) {
 	code, out, errOut := cli(t, path, "inbox", "purge", "--older-than", "24h", "--batch", "3")
 	require.Equal(t, exitOK, code, errOut)
 	require.Equal(t, "deleted 4 inbox rows of every consumer group processed more than 24h0m0s ago\n", out)
-	require.Contains(t, errOut, "warning: --older-than 24h0m0s is shorter than consumer.inbox.retention")
+	require.Contains(t, errOut, "warning: the prune window (24h0m0s) is shorter than consumer.inbox.retention")
 	require.Equal(t, 2, count("billing"))
 	require.Equal(t, 1, count("audit"))
 
-	res = inboxPurgeResult{}
+	res = bus.InboxPruneResult{}
 	cliJSON(t, path, &res, "inbox", "purge", "--older-than", "800h")
 	require.Zero(t, res.Deleted)
 	require.Equal(t, []string{}, res.Warnings, "no warning at or beyond the retention")
@@ -478,7 +479,7 @@ func TestDLQReplayWritesTheOutbox(t *testing.T) {
 		VALUES ('guarded', 'order', 'o-1', 5, 'e-9')`)
 	require.NoError(t, err)
 
-	var res replayResult
+	var res bus.ReplayResult
 	cliJSON(t, path, &res, "dlq", "replay", "--all", "--dry-run")
 	require.True(t, res.DryRun)
 	require.Equal(t, []int64{guarded, unguarded, plain}, []int64{res.Replayed[0].ID, res.Replayed[1].ID, res.Replayed[2].ID})
@@ -495,7 +496,7 @@ func TestDLQReplayWritesTheOutbox(t *testing.T) {
 	require.Equal(t, "millrace dlq replay: no poisoned message with id 424242\n", errOut)
 	require.Empty(t, outbox(), "an unknown ID replays nothing")
 
-	res = replayResult{}
+	res = bus.ReplayResult{}
 	cliJSON(t, path, &res, "dlq", "replay", "--topic", "orders")
 	require.Len(t, res.Replayed, 2)
 	require.Equal(t, 1, res.Messages)
@@ -523,11 +524,11 @@ func TestDLQReplayWritesTheOutbox(t *testing.T) {
 	require.Equal(t, []byte{1, 2, 3}, []byte(rows[1].msg.Payload))
 	require.Equal(t, message.Metadata{"event-id": "wm-uuid-1", middleware.ReplayOfKey: "wm-uuid-1"}, rows[1].msg.Metadata)
 
-	var list listResult
+	var list bus.PoisonList
 	cliJSON(t, path, &list, "dlq", "list", "--replayed")
 	require.Len(t, list.Messages, 3)
 	for _, m := range list.Messages {
-		require.Equal(t, stateReplayed, m.State)
+		require.Equal(t, bus.PoisonStateReplayed, m.State)
 		require.Equal(t, 1, m.ReplayCount)
 	}
 }

@@ -8,7 +8,7 @@ import (
 	"io"
 
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/internal/pgschema"
+	"github.com/millrace-io/millrace/internal/store"
 )
 
 func init() {
@@ -40,7 +40,7 @@ func runGrants(_ context.Context, e env, args []string, grantsRole string) error
 		Use       string `json:"use"`
 	}
 	var list []grant
-	for _, g := range pgschema.Grants(pgschema.Tables{Schema: e.cfg.Database.Schema, OutboxTopic: e.cfg.Outbox.Topic}) {
+	for _, g := range store.Grants(store.Tables{Schema: e.cfg.Database.Schema, OutboxTopic: e.cfg.Outbox.Topic}) {
 		list = append(list, grant{g.Privilege, g.Kind, g.Object, g.Use})
 	}
 	return e.print(map[string]any{"role": grantsRole, "grants": list, "sql": sql}, func(w io.Writer) {

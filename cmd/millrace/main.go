@@ -232,7 +232,7 @@ func usage(fs *flag.FlagSet, w io.Writer, group string) {
 
 // sortedCommands returns the commands in the order an operator meets them.
 func sortedCommands() []command {
-	order := []string{"migrate", "outbox", "relay", "dlq", "inbox"}
+	order := []string{"migrate", "outbox", "relay", "dlq", "quarantine", "inbox"}
 	rank := func(c command) int {
 		first, _, _ := strings.Cut(c.path, " ")
 		if i := slices.Index(order, first); i >= 0 {

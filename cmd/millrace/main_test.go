@@ -12,7 +12,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/testdb"
 )
@@ -119,9 +118,11 @@ func TestRelayCommandForwardsAndStopsOnSignal(t *testing.T) {
 	code := make(chan int, 1)
 	var relayOut, relayErr bytes.Buffer
 	go func() { code <- run(ctx, []string{"--config", path, "relay"}, &relayOut, &relayErr) }()
+	ops, err := bus.NewOps(context.Background(), db, cfg)
+	require.NoError(t, err)
 	deadline := time.Now().Add(60 * time.Second)
 	for {
-		st, err := forwarder.Inspect(context.Background(), db, forwarder.Outbox{Schema: schema, Topic: "millrace_outbox"}, "")
+		st, err := ops.OutboxStatus(context.Background(), "")
 		require.NoError(t, err)
 		if st.Pending == 0 {
 			break

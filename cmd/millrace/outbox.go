@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/forwarder"
 )
 
 func init() {
@@ -38,24 +37,22 @@ func runOutboxStatus(ctx context.Context, e env, args []string) error {
 	if err := noArgs(args); err != nil {
 		return err
 	}
-	db, err := bus.OpenDB(e.cfg.Database)
-	if err != nil {
-		return err
-	}
-	defer db.Close()
-	st, err := forwarder.Inspect(ctx, db, forwarder.Outbox{Schema: e.cfg.Database.Schema, Topic: e.cfg.Outbox.Topic}, e.cfg.Relay.ConsumerGroup)
-	if err != nil {
-		return err
-	}
-	return e.print(st, func(w io.Writer) {
-		fmt.Fprintf(w, "pending:             %d\n", st.Pending)
-		fmt.Fprintf(w, "oldest pending age:  %s\n", st.OldestPendingAge.Round(time.Millisecond))
-		last := "never (or already cleaned up)"
-		if !st.LastForwardedAt.IsZero() {
-			last = st.LastForwardedAt.Format(time.RFC3339)
+	return withOps(ctx, e, func(ops *bus.Ops) error {
+		st, err := ops.OutboxStatus(ctx, "")
+		if err != nil {
+			return err
 		}
-		fmt.Fprintf(w, "last forwarded:      %s\n", last)
-		fmt.Fprintf(w, "forwarded, retained: %d\n", st.Forwarded)
-		fmt.Fprintf(w, "quarantined:         %d\n", st.Quarantined)
+		return e.print(st, func(w io.Writer) {
+			fmt.Fprintf(w, "relay group:         %s\n", st.RelayGroup)
+			fmt.Fprintf(w, "pending:             %d\n", st.Pending)
+			fmt.Fprintf(w, "oldest pending age:  %s\n", st.OldestPendingAge.Round(time.Millisecond))
+			last := "never (or already cleaned up)"
+			if !st.LastForwardedAt.IsZero() {
+				last = st.LastForwardedAt.Format(time.RFC3339)
+			}
+			fmt.Fprintf(w, "last forwarded:      %s\n", last)
+			fmt.Fprintf(w, "forwarded, retained: %d\n", st.Forwarded)
+			fmt.Fprintf(w, "quarantined:         %d\n", st.Quarantined)
+		})
 	})
 }

@@ -92,8 +92,8 @@ func testReplayAfterFix(t *testing.T, kind string) {
 		bus.Event{ID: "ev-bad-" + suffix, Type: "OrderPlaced", AggregateType: "order", AggregateID: "bad", Payload: []byte(`{"order":"bad"}`)}))
 	good, bad := "ev-good-"+suffix, "ev-bad-"+suffix
 
-	list := func() []poisonRow {
-		var res listResult
+	list := func() []bus.PoisonedMessage {
+		var res bus.PoisonList
 		cliJSON(t, path, &res, "dlq", "list", "--topic", topic)
 		return res.Messages
 	}
@@ -106,7 +106,7 @@ func testReplayAfterFix(t *testing.T, kind string) {
 	require.Equal(t, bad, row.EventID)
 	require.Equal(t, "permanent", row.ErrorClass)
 	require.Contains(t, row.Reason, "no price list for order bad")
-	require.Equal(t, statePoisoned, row.State)
+	require.Equal(t, bus.PoisonStatePoisoned, row.State)
 	require.Nil(t, row.ProcessedAt, "a poisoned event's inbox row rolled back with its transaction")
 	id := strconv.FormatInt(row.ID, 10)
 	show := func() showResult {
@@ -118,7 +118,7 @@ func testReplayAfterFix(t *testing.T, kind string) {
 	billingDuplicates := func() float64 { return messagesTotal(t, reg, billing, middleware.OutcomeDuplicate) }
 
 	// A replay before the fix is poisoned again, in the same row.
-	var res replayResult
+	var res bus.ReplayResult
 	cliJSON(t, path, &res, "dlq", "replay", id)
 	require.Len(t, res.Replayed, 1)
 	require.NotEmpty(t, res.Replayed[0].MessageID)
@@ -132,22 +132,22 @@ func testReplayAfterFix(t *testing.T, kind string) {
 
 	// Fixed: a dry run changes nothing, the replay is processed exactly once.
 	broken.Store(false)
-	res = replayResult{}
+	res = bus.ReplayResult{}
 	cliJSON(t, path, &res, "dlq", "replay", "--dry-run", id)
 	require.True(t, res.DryRun)
-	require.Equal(t, []replayEntry{{ID: row.ID, ConsumerGroup: billing, Handler: billing, Topic: topic, EventID: bad, EventType: "OrderPlaced"}}, res.Replayed)
+	require.Equal(t, []bus.ReplayedEntry{{ID: row.ID, ConsumerGroup: billing, Handler: billing, Topic: topic, EventID: bad, EventType: "OrderPlaced"}}, res.Replayed)
 	require.Equal(t, 1, res.Messages)
 	require.Equal(t, 1, show().ReplayCount, "a dry run records no replay")
 	require.Nil(t, show().ReplayedAt)
 
-	res = replayResult{}
+	res = bus.ReplayResult{}
 	cliJSON(t, path, &res, "dlq", "replay", "--topic", topic, "--not-replayed")
 	require.Len(t, res.Replayed, 1)
 	eventually(t, "the replay processed by billing", func() bool { return effects(billing, bad) == 1 })
 	var replayOf string
 	require.NoError(t, db.QueryRow(`SELECT replay_of FROM "`+schema+`".effects WHERE grp = $1 AND event_id = $2`, billing, bad).Scan(&replayOf))
 	require.Equal(t, row.MessageID, replayOf, "the handler sees which message the replay re-sends")
-	eventually(t, "the poison row shows the event processed", func() bool { return show().State == stateProcessed })
+	eventually(t, "the poison row shows the event processed", func() bool { return show().State == bus.PoisonStateProcessed })
 	s := show()
 	require.NotNil(t, s.ReplayedAt)
 	require.NotNil(t, s.ProcessedAt)
@@ -155,11 +155,11 @@ func testReplayAfterFix(t *testing.T, kind string) {
 	require.Equal(t, 2, s.TimesPoisoned)
 
 	// Replaying it again is skipped: billing's inbox has the event.
-	res = replayResult{}
+	res = bus.ReplayResult{}
 	cliJSON(t, path, &res, "dlq", "replay", id)
 	require.Empty(t, res.Replayed)
 	require.Len(t, res.Skipped, 1)
-	require.Equal(t, skipAlreadyProcessed, res.Skipped[0].Reason)
+	require.Equal(t, bus.SkipAlreadyProcessed, res.Skipped[0].Reason)
 	require.Zero(t, res.Messages)
 	code, out, errOut := cli(t, path, "dlq", "replay", id)
 	require.Equal(t, exitOK, code, errOut)
@@ -167,7 +167,7 @@ func testReplayAfterFix(t *testing.T, kind string) {
 
 	// Forced, it is delivered again and billing's inbox acks it as a duplicate.
 	before := billingDuplicates()
-	res = replayResult{}
+	res = bus.ReplayResult{}
 	cliJSON(t, path, &res, "dlq", "replay", "--force", id)
 	require.Len(t, res.Replayed, 1)
 	eventually(t, "billing acked the forced replay as a duplicate", func() bool { return billingDuplicates() > before })

@@ -6,6 +6,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/millrace-io/millrace/bus"
 )
 
 // filter selects rows of the poison table; list, replay and purge share it.
@@ -28,6 +30,18 @@ func (f *filter) register(fs *flag.FlagSet, limit int, limitUsage string) {
 	fs.IntVar(&f.limit, "limit", limit, limitUsage)
 }
 
+// registerQuarantine registers the flags that apply to the relay
+// quarantine, which has no handlers or consumer groups.
+func (f *filter) registerQuarantine(fs *flag.FlagSet, limit int, limitUsage string) {
+	fs.StringVar(&f.topic, "topic", "", "only rows for this destination `topic`")
+	fs.StringVar(&f.reason, "reason", "", "only rows whose reason contains `text` (case-insensitive)")
+	fs.Var(&f.since, "since", "only rows quarantined at or after `TIME`: RFC 3339 (2025-05-01T12:00:00Z) or a duration ago (90m, 2h, 7d)")
+	fs.Var(&f.until, "until", "only rows quarantined before `TIME`: RFC 3339 or a duration ago")
+	fs.BoolVar(&f.replayed, "replayed", false, "only rows replayed")
+	fs.BoolVar(&f.notReplayed, "not-replayed", false, "only rows not replayed")
+	fs.IntVar(&f.limit, "limit", limit, limitUsage)
+}
+
 // check reports contradictory or invalid filter flags.
 func (f *filter) check() error {
 	if f.replayed && f.notReplayed {
@@ -45,39 +59,30 @@ func (f *filter) selects() bool {
 		f.since.set || f.until.set || f.replayed || f.notReplayed
 }
 
-// where returns the SQL conditions on the poison table p, appending their
-// arguments to args.
-func (f *filter) where(args *[]any) []string {
-	var conds []string
-	arg := func(v any) string {
-		*args = append(*args, v)
-		return "$" + strconv.Itoa(len(*args))
+// poisonFilter is the filter as the operations API takes it.
+func (f *filter) poisonFilter() bus.PoisonFilter {
+	pf := bus.PoisonFilter{Topic: f.topic, Handler: f.handler, Group: f.group, Reason: f.reason,
+		Since: f.since.bound(), Until: f.until.bound()}
+	switch {
+	case f.replayed:
+		pf.Replayed = new(true)
+	case f.notReplayed:
+		pf.Replayed = new(false)
 	}
-	if f.topic != "" {
-		conds = append(conds, "p.source_topic = "+arg(f.topic))
+	return pf
+}
+
+// quarantineFilter is the filter for the relay quarantine, which has no
+// handlers or consumer groups.
+func (f *filter) quarantineFilter() bus.QuarantineFilter {
+	qf := bus.QuarantineFilter{Topic: f.topic, Reason: f.reason, Since: f.since.bound(), Until: f.until.bound()}
+	switch {
+	case f.replayed:
+		qf.Replayed = new(true)
+	case f.notReplayed:
+		qf.Replayed = new(false)
 	}
-	if f.handler != "" {
-		conds = append(conds, "p.handler = "+arg(f.handler))
-	}
-	if f.group != "" {
-		conds = append(conds, "p.consumer_group = "+arg(f.group))
-	}
-	if f.reason != "" {
-		conds = append(conds, "strpos(lower(p.reason), lower("+arg(f.reason)+")) > 0")
-	}
-	if f.since.set {
-		conds = append(conds, "p.poisoned_at >= "+f.since.sql(arg))
-	}
-	if f.until.set {
-		conds = append(conds, "p.poisoned_at < "+f.until.sql(arg))
-	}
-	if f.replayed {
-		conds = append(conds, "p.replayed_at IS NOT NULL")
-	}
-	if f.notReplayed {
-		conds = append(conds, "p.replayed_at IS NULL")
-	}
-	return conds
+	return qf
 }
 
 // selection is what replay and purge act on: IDs, a filter, or --all.
@@ -85,11 +90,19 @@ type selection struct {
 	filter
 	all bool
 	ids []int64
+	// quarantine selects rows of the relay quarantine instead of the poison table.
+	quarantine bool
 }
 
 func (s *selection) register(fs *flag.FlagSet) {
 	s.filter.register(fs, 0, "act on at most `N` matching messages, oldest first (0: no limit)")
 	fs.BoolVar(&s.all, "all", false, "select every message of the poison table (instead of IDs or filters)")
+}
+
+func (s *selection) registerQuarantine(fs *flag.FlagSet) {
+	s.quarantine = true
+	s.filter.registerQuarantine(fs, 0, "act on at most `N` matching rows, oldest first (0: no limit)")
+	fs.BoolVar(&s.all, "all", false, "select every row of the relay quarantine (instead of IDs or filters)")
 }
 
 // resolve reads the IDs among args and checks that exactly one kind of
@@ -101,6 +114,9 @@ func (s *selection) resolve(args []string, verb string) error {
 	for _, a := range args {
 		id, err := strconv.ParseInt(a, 10, 64)
 		if err != nil || id <= 0 {
+			if s.quarantine {
+				return usagef("%q is not a quarantined row ID (a positive integer, as `millrace quarantine list` shows)", a)
+			}
 			return usagef("%q is not a poison message ID (a positive integer, as `millrace dlq list` shows)", a)
 		}
 		s.ids = append(s.ids, id)
@@ -112,6 +128,8 @@ func (s *selection) resolve(args []string, verb string) error {
 		}
 	}
 	switch {
+	case kinds == 0 && s.quarantine:
+		return usagef("choose what to %s: row IDs, filters (--topic, --reason, --since, --until, --replayed, --not-replayed) or --all", verb)
 	case kinds == 0:
 		return usagef("choose what to %s: message IDs, filters (--topic, --handler, --group, --reason, --since, --until, --replayed, --not-replayed) or --all", verb)
 	case kinds > 1:
@@ -122,13 +140,14 @@ func (s *selection) resolve(args []string, verb string) error {
 	return nil
 }
 
-// where returns the SQL conditions of the selection (none for --all).
-func (s *selection) where(args *[]any) []string {
-	if len(s.ids) > 0 {
-		*args = append(*args, s.ids)
-		return []string{fmt.Sprintf("p.id = ANY($%d)", len(*args))}
-	}
-	return s.filter.where(args)
+// poisonSelection is the selection as the operations API takes it.
+func (s *selection) poisonSelection() bus.PoisonSelection {
+	return bus.PoisonSelection{IDs: s.ids, Filter: s.poisonFilter(), All: s.all, Limit: s.limit}
+}
+
+// quarantineSelection is the selection of relay quarantine rows.
+func (s *selection) quarantineSelection() bus.QuarantineSelection {
+	return bus.QuarantineSelection{IDs: s.ids, Filter: s.quarantineFilter(), All: s.all, Limit: s.limit}
 }
 
 // timeFlag is an RFC 3339 time or a duration meaning "that long ago",
@@ -163,11 +182,16 @@ func (t *timeFlag) Set(v string) error {
 	return nil
 }
 
-func (t *timeFlag) sql(arg func(any) string) string {
-	if !t.at.IsZero() {
-		return arg(t.at)
+// bound is the flag as a filter bound; unset flags leave it open.
+func (t *timeFlag) bound() bus.TimeBound {
+	switch {
+	case !t.set:
+		return bus.TimeBound{}
+	case !t.at.IsZero():
+		return bus.At(t.at)
+	default:
+		return bus.Ago(t.ago)
 	}
-	return "now() - make_interval(secs => " + arg(t.ago.Seconds()) + ")"
 }
 
 // parseAge parses a non-negative Go duration ("90m", "1h30m") or a whole

@@ -170,7 +170,13 @@ func run(ctx context.Context, configPath, schema string, count int, out io.Write
 	relayCtx, stopRelay := context.WithCancel(ctx)
 	relayDone := make(chan error, 1)
 	go func() { relayDone <- relay.Run(relayCtx) }()
-	st, err := waitPending(ctx, db, outbox, out)
+	ops, err := bus.NewOps(ctx, db, cfg)
+	if err != nil {
+		stopRelay()
+		<-relayDone
+		return Counts{}, err
+	}
+	st, err := waitPending(ctx, ops, out)
 	stopRelay()
 	if rerr := <-relayDone; err == nil {
 		err = rerr
@@ -268,10 +274,10 @@ func (k killAfterConfirm) PublishBatch(ctx context.Context, msgs []adapters.Outg
 	return err
 }
 
-func waitPending(ctx context.Context, db *sql.DB, outbox forwarder.Outbox, out io.Writer) (forwarder.Status, error) {
+func waitPending(ctx context.Context, ops *bus.Ops, out io.Writer) (bus.OutboxStatus, error) {
 	deadline := time.Now().Add(2 * time.Minute)
 	for {
-		st, err := forwarder.Inspect(ctx, db, outbox, "")
+		st, err := ops.OutboxStatus(ctx, "")
 		if err != nil || st.Pending == 0 {
 			return st, err
 		}

@@ -15,7 +15,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/servers"
 )
@@ -85,10 +84,11 @@ func TestRelayOutageThenDrain(t *testing.T) {
 		began := time.Now()
 		w.start("relay", nodeSpec{Relay: true})
 		// The relay's own drain: until the outbox has nothing pending.
-		outbox := forwarder.Outbox{Schema: w.cfg.Database.Schema, Topic: w.cfg.Outbox.Topic}
+		ops, err := bus.NewOps(context.Background(), w.db, w.cfg)
+		require.NoError(t, err)
 		var relayed time.Duration
 		waitFor(t, settleTimeout+outage, "the relay to drain the outbox", func() bool {
-			st, err := forwarder.Inspect(context.Background(), w.db, outbox, w.cfg.Relay.ConsumerGroup)
+			st, err := ops.OutboxStatus(context.Background(), w.cfg.Relay.ConsumerGroup)
 			relayed = time.Since(began)
 			return err == nil && st.Pending == 0
 		})

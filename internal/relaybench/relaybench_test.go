@@ -29,7 +29,7 @@ import (
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/forwarder"
-	"github.com/millrace-io/millrace/internal/pgschema"
+	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/internal/testdb"
 )
 
@@ -183,8 +183,12 @@ func measure(b *testing.B, kind, relay string) result {
 	outbox := forwarder.Outbox{Schema: schema, Topic: cfg.Outbox.Topic}
 	child := startChild(b, relay, kind, dbURL, outbox, childEnv)
 	began := time.Now()
+	ops, err := bus.NewOps(ctx, db, cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
 	waitUntil(b, 10*time.Minute, "the backlog to drain", func() bool {
-		st, err := forwarder.Inspect(ctx, db, outbox, relayGroup(relay))
+		st, err := ops.OutboxStatus(ctx, relayGroup(relay))
 		return err == nil && st.Pending == 0
 	})
 	drain := time.Since(began)
@@ -394,7 +398,7 @@ func runChild() int {
 		}
 		_ = f.Run(ctx)
 	case "watermill":
-		tables := pgschema.Tables{Schema: outbox.Schema, OutboxTopic: outbox.Topic}
+		tables := store.Tables{Schema: outbox.Schema, OutboxTopic: outbox.Topic}
 		sub, err := watermillsql.NewSubscriber(db, watermillsql.SubscriberConfig{
 			ConsumerGroup:  relayGroup("watermill"),
 			SchemaAdapter:  tables.SchemaAdapter(),

@@ -1,4 +1,4 @@
-package pgschema_test
+package store_test
 
 import (
 	"context"
@@ -8,7 +8,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/millrace-io/millrace/internal/pgschema"
+	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/internal/testdb"
 )
 
@@ -18,8 +18,8 @@ func TestGrantSQLGrantsEveryListedPrivilege(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := testdb.Open(t)
-	for _, topic := range []string{"millrace_outbox", strings.Repeat("t", pgschema.MaxOutboxTopicLength)} {
-		tables := pgschema.Tables{Schema: testdb.Schema(t, db), OutboxTopic: topic}
+	for _, topic := range []string{"millrace_outbox", strings.Repeat("t", store.MaxOutboxTopicLength)} {
+		tables := store.Tables{Schema: testdb.Schema(t, db), OutboxTopic: topic}
 		role := tables.Schema + "_svc"
 		_, err := db.Exec(fmt.Sprintf(`CREATE ROLE %q NOLOGIN`, role))
 		require.NoError(t, err)
@@ -27,17 +27,17 @@ func TestGrantSQLGrantsEveryListedPrivilege(t *testing.T) {
 			_, _ = db.Exec(fmt.Sprintf(`DROP OWNED BY %q`, role))
 			_, _ = db.Exec(fmt.Sprintf(`DROP ROLE %q`, role))
 		})
-		require.NoError(t, pgschema.Migrate(ctx, db, tables))
-		sql, err := pgschema.GrantSQL(tables, role)
+		require.NoError(t, store.Migrate(ctx, db, tables))
+		sql, err := store.GrantSQL(tables, role)
 		require.NoError(t, err)
 		_, err = db.Exec(sql)
 		require.NoError(t, err, sql)
 
 		var seqGranted bool
 		require.NoError(t, db.QueryRow(`SELECT has_sequence_privilege($1, pg_get_serial_sequence($2, 'offset'), 'USAGE')`,
-			role, tables.Outbox()).Scan(&seqGranted))
+			role, tables.OutboxTable()).Scan(&seqGranted))
 		require.True(t, seqGranted, "topic %q: the outbox sequence", topic)
-		for _, g := range pgschema.Grants(tables) {
+		for _, g := range store.Grants(tables) {
 			var ok bool
 			switch g.Kind {
 			case "SCHEMA":
@@ -54,11 +54,11 @@ func TestGrantSQLGrantsEveryListedPrivilege(t *testing.T) {
 
 func TestGrantSQLRefusesHostileNames(t *testing.T) {
 	t.Parallel()
-	ok := pgschema.Tables{Schema: "public", OutboxTopic: "millrace_outbox"}
+	ok := store.Tables{Schema: "public", OutboxTopic: "millrace_outbox"}
 	for _, role := range []string{`app"; DROP TABLE x; --`, "App", "", strings.Repeat("r", 64), "app\n"} {
-		_, err := pgschema.GrantSQL(ok, role)
+		_, err := store.GrantSQL(ok, role)
 		require.ErrorContains(t, err, "role", role)
 	}
-	_, err := pgschema.GrantSQL(pgschema.Tables{Schema: `public"; --`, OutboxTopic: "millrace_outbox"}, "app")
+	_, err := store.GrantSQL(store.Tables{Schema: `public"; --`, OutboxTopic: "millrace_outbox"}, "app")
 	require.ErrorContains(t, err, "schema")
 }

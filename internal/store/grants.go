@@ -1,4 +1,4 @@
-package pgschema
+package store
 
 import (
 	"fmt"

@@ -1,0 +1,257 @@
+package bus
+
+import (
+	"cmp"
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/millrace-io/millrace/internal/names"
+	"github.com/millrace-io/millrace/internal/store"
+)
+
+// Ops is the operations API of one millrace installation: outbox status,
+// the dead-letter queue (the poison table) and the relay quarantine with
+// list, show, replay and purge, and inbox pruning. It needs only the
+// database, never a broker. The millrace command-line tool and the web
+// console are thin layers over it; a service or an admin tool can call it
+// from Go. It is safe for concurrent use.
+//
+// Replays keep every guarantee of the command-line tool's: they go back
+// through the outbox in one transaction, keep the event id (so consumer
+// groups that processed the event already ack it as a duplicate) and can be
+// tried with DryRun first.
+type Ops struct {
+	db     *sql.DB
+	cfg    Config
+	tables store.Tables
+}
+
+// NewOps returns the operations API over cfg's tables in db. It applies
+// cfg's defaults, validates it and checks that the tables exist (a
+// database that is down or not migrated is a clear error here, not later).
+func NewOps(ctx context.Context, db *sql.DB, cfg Config) (*Ops, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if db == nil {
+		return nil, errors.New("millrace: NewOps needs a database")
+	}
+	o := &Ops{db: db, cfg: cfg, tables: tablesOf(cfg)}
+	cctx, cancel := context.WithTimeout(ctx, cfg.Database.ConnectTimeout)
+	defer cancel()
+	t := o.tables
+	missing, err := store.Missing(cctx, db, t.OutboxTable(), t.OffsetsTable(), t.QuarantineTable(), t.InboxTable(),
+		t.PoisonTable(), t.PoisonReplaysTable(), t.AggregateVersionsTable())
+	if err != nil {
+		return nil, fmt.Errorf("millrace: database %s not reachable within database.connect_timeout (%s): %w",
+			redactURL(cfg.Database.URL), cfg.Database.ConnectTimeout, err)
+	}
+	if missing != "" {
+		return nil, fmt.Errorf("millrace: table %s does not exist: run `millrace migrate` or bus.Migrate first", missing)
+	}
+	return o, nil
+}
+
+// Config returns the configuration Ops runs with, defaults applied.
+func (o *Ops) Config() Config { return o.cfg }
+
+// ErrNotFound is matched (errors.Is) by the *NotFoundError of an operation
+// given ids that do not exist.
+var ErrNotFound = errors.New("millrace: not found")
+
+// NotFoundError names the ids an operation did not find; the operation
+// changed nothing.
+type NotFoundError struct {
+	// What is "poisoned message" or "quarantined row".
+	What string
+	// IDs are the ids that do not exist.
+	IDs []int64
+}
+
+func (e *NotFoundError) Error() string {
+	s := make([]string, len(e.IDs))
+	for i, id := range e.IDs {
+		s[i] = strconv.FormatInt(id, 10)
+	}
+	if len(s) == 1 {
+		return fmt.Sprintf("no %s with id %s", e.What, s[0])
+	}
+	return fmt.Sprintf("no %ss with ids %s", e.What, strings.Join(s, ", "))
+}
+
+// Is matches ErrNotFound.
+func (e *NotFoundError) Is(target error) bool { return target == ErrNotFound }
+
+// missingIDs returns a *NotFoundError for the ids that found lacks, or nil.
+func missingIDs(what string, ids []int64, found map[int64]bool) error {
+	var missing []int64
+	for _, id := range ids {
+		if !found[id] {
+			missing = append(missing, id)
+		}
+	}
+	if len(missing) == 0 {
+		return nil
+	}
+	return &NotFoundError{What: what, IDs: missing}
+}
+
+// ErrInvalidSelection is matched by the error of a replay or purge given
+// no selection, or several kinds of it at once.
+var ErrInvalidSelection = errors.New("millrace: invalid selection")
+
+// selectionError checks that exactly one of ids, a filter or all was given,
+// and that limit goes with a filter or all.
+func selectionError(ids []int64, filtered, all bool, limit int) error {
+	kinds := 0
+	for _, given := range []bool{len(ids) > 0, filtered, all} {
+		if given {
+			kinds++
+		}
+	}
+	switch {
+	case kinds == 0:
+		return fmt.Errorf("%w: choose ids, a filter or all", ErrInvalidSelection)
+	case kinds > 1:
+		return fmt.Errorf("%w: give ids, a filter or all, not several of them", ErrInvalidSelection)
+	case len(ids) > 0 && limit > 0:
+		return fmt.Errorf("%w: a limit applies to a filter or all, not to ids", ErrInvalidSelection)
+	case limit < 0:
+		return fmt.Errorf("%w: the limit must not be negative; got %d", ErrInvalidSelection, limit)
+	}
+	for _, id := range ids {
+		if id <= 0 {
+			return fmt.Errorf("%w: ids are positive integers; got %d", ErrInvalidSelection, id)
+		}
+	}
+	return nil
+}
+
+// TimeBound is one end of a time range in a filter: an instant (At) or a
+// duration before now on the database's clock (Ago). The zero TimeBound
+// leaves that end open.
+type TimeBound struct{ b store.TimeBound }
+
+// At is the bound at the instant t.
+func At(t time.Time) TimeBound { return TimeBound{store.TimeBound{At: t, Set: true}} }
+
+// Ago is the bound d before the database's now.
+func Ago(d time.Duration) TimeBound { return TimeBound{store.TimeBound{Ago: d, Set: true}} }
+
+// IsZero reports whether the bound is open.
+func (b TimeBound) IsZero() bool { return !b.b.Set }
+
+func (b TimeBound) String() string {
+	switch {
+	case !b.b.Set:
+		return ""
+	case !b.b.At.IsZero():
+		return b.b.At.Format(time.RFC3339Nano)
+	default:
+		return b.b.Ago.String() + " ago"
+	}
+}
+
+// OutboxStatus is the state of the outbox as one relay consumer group sees it.
+type OutboxStatus struct {
+	// RelayGroup is the relay consumer group (relay.consumer_group).
+	RelayGroup string `json:"relay_group"`
+	// Pending counts committed rows not forwarded yet.
+	Pending int64 `json:"pending"`
+	// OldestPendingAge is the age of the oldest pending row.
+	OldestPendingAge time.Duration `json:"oldest_pending_age_ns"`
+	// LastForwardedAt is when the last forwarded row was written, if it is
+	// still in the table; zero otherwise.
+	LastForwardedAt time.Time `json:"last_forwarded_at,omitzero"`
+	// Forwarded counts forwarded rows still in the table (kept for relay.retention).
+	Forwarded int64 `json:"forwarded_retained"`
+	// Quarantined counts rows in the relay quarantine.
+	Quarantined int64 `json:"quarantined"`
+}
+
+// OutboxStatus reads the outbox's state for the relay consumer group
+// relayGroup ("" means relay.consumer_group).
+func (o *Ops) OutboxStatus(ctx context.Context, relayGroup string) (OutboxStatus, error) {
+	relayGroup = cmp.Or(relayGroup, o.cfg.Relay.ConsumerGroup)
+	if err := names.Topic(relayGroup); err != nil {
+		return OutboxStatus{}, fmt.Errorf("millrace: relay consumer group %q: %w", relayGroup, err)
+	}
+	st, err := o.tables.Status(ctx, o.db, relayGroup)
+	if err != nil {
+		return OutboxStatus{}, err
+	}
+	return OutboxStatus{RelayGroup: relayGroup, Pending: st.Pending, OldestPendingAge: st.OldestPendingAge,
+		LastForwardedAt: st.LastForwardedAt, Forwarded: st.Forwarded, Quarantined: st.Quarantined}, nil
+}
+
+// InboxPrune says which inbox rows PruneInbox deletes.
+type InboxPrune struct {
+	// OlderThan deletes rows processed longer ago than this. Required.
+	OlderThan time.Duration
+	// Group limits the prune to one consumer group; "" prunes every group.
+	Group string
+	// Batch is the rows one DELETE removes at most. Defaults to
+	// consumer.inbox.cleanup_batch.
+	Batch int
+	// DryRun counts the rows that would be deleted and deletes nothing.
+	DryRun bool
+}
+
+// InboxPruneResult is what PruneInbox did.
+type InboxPruneResult struct {
+	DryRun bool `json:"dry_run"`
+	// Deleted counts the rows deleted; with DryRun, the rows that would be.
+	Deleted   int64  `json:"deleted"`
+	OlderThan string `json:"older_than"`
+	Group     string `json:"group"`
+	Batch     int    `json:"batch"`
+	// Warnings say what the prune may cost (a window shorter than
+	// consumer.inbox.retention).
+	Warnings []string `json:"warnings"`
+}
+
+// PruneInbox deletes inbox rows processed longer ago than p.OlderThan, in
+// short statements that skip rows a concurrent prune holds. A row that is
+// gone no longer deduplicates: a redelivery or replay of its event is
+// processed again, hence the warning when p.OlderThan is shorter than
+// consumer.inbox.retention.
+func (o *Ops) PruneInbox(ctx context.Context, p InboxPrune) (InboxPruneResult, error) {
+	res := InboxPruneResult{DryRun: p.DryRun, OlderThan: p.OlderThan.String(), Group: p.Group,
+		Batch: cmp.Or(p.Batch, o.cfg.Consumer.Inbox.CleanupBatch), Warnings: []string{}}
+	switch {
+	case p.OlderThan <= 0:
+		return res, fmt.Errorf("millrace: prune inbox: OlderThan must be positive; got %s", p.OlderThan)
+	case p.Batch < 0:
+		return res, fmt.Errorf("millrace: prune inbox: Batch must be positive; got %d", p.Batch)
+	}
+	if p.Group != "" {
+		if err := names.Topic(p.Group); err != nil {
+			return res, fmt.Errorf("millrace: prune inbox: consumer group %q: %w", p.Group, err)
+		}
+	}
+	if retention := o.cfg.Consumer.Inbox.Retention; p.OlderThan < retention {
+		res.Warnings = append(res.Warnings, fmt.Sprintf("the prune window (%s) is shorter than consumer.inbox.retention (%s): "+
+			"a redelivery or replay of an event whose row is deleted is processed again", p.OlderThan, retention))
+	}
+	var err error
+	if p.DryRun {
+		res.Deleted, err = o.tables.CountInboxOlder(ctx, o.db, p.OlderThan, p.Group)
+	} else {
+		res.Deleted, err = o.tables.PruneInbox(ctx, o.db, p.OlderThan, p.Group, res.Batch)
+	}
+	if err != nil {
+		return res, fmt.Errorf("%w (%d rows deleted before the error)", err, res.Deleted)
+	}
+	return res, nil
+}
+
+// InboxRows counts the inbox rows of each consumer group.
+func (o *Ops) InboxRows(ctx context.Context) (map[string]int64, error) {
+	return o.tables.InboxRows(ctx, o.db)
+}

@@ -1,0 +1,440 @@
+package bus
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"strconv"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/millrace-io/millrace/internal/envelope"
+	"github.com/millrace-io/millrace/internal/store"
+	"github.com/millrace-io/millrace/middleware"
+)
+
+// States of a poisoned message, derived from its row and the inbox.
+const (
+	// PoisonStatePoisoned: waiting, not replayed since it was last poisoned.
+	PoisonStatePoisoned = "poisoned"
+	// PoisonStateReplayed: sent back through the outbox, not (yet) processed.
+	PoisonStateReplayed = "replayed"
+	// PoisonStateProcessed: its consumer group's inbox records the event.
+	PoisonStateProcessed = "processed"
+)
+
+// PoisonFilter selects poisoned messages; the zero filter selects all.
+type PoisonFilter struct {
+	// Topic, Handler and Group match the source topic, handler and consumer group.
+	Topic, Handler, Group string
+	// Reason matches messages whose failure reason contains it, case-insensitively.
+	Reason string
+	// Since and Until bound when the message was poisoned: Since <= t < Until.
+	Since, Until TimeBound
+	// Replayed, when set, selects messages replayed (true) or not replayed
+	// (false) since they were last poisoned.
+	Replayed *bool
+}
+
+// IsZero reports whether f selects every message.
+func (f PoisonFilter) IsZero() bool {
+	return f.Topic == "" && f.Handler == "" && f.Group == "" && f.Reason == "" &&
+		f.Since.IsZero() && f.Until.IsZero() && f.Replayed == nil
+}
+
+func (f PoisonFilter) store(ids []int64) store.PoisonFilter {
+	return store.PoisonFilter{IDs: ids, Topic: f.Topic, Handler: f.Handler, Group: f.Group, Reason: f.Reason,
+		Since: f.Since.b, Until: f.Until.b, Replayed: f.Replayed}
+}
+
+// PoisonedMessage is one message of the poison table: its failure envelope,
+// replays and state.
+type PoisonedMessage struct {
+	ID             int64      `json:"id"`
+	ConsumerGroup  string     `json:"consumer_group"`
+	Handler        string     `json:"handler"`
+	Topic          string     `json:"topic"`
+	MessageID      string     `json:"message_id"`
+	EventID        string     `json:"event_id"`
+	EventType      string     `json:"event_type"`
+	AggregateID    string     `json:"aggregate_id"`
+	State          string     `json:"state"`
+	ErrorClass     string     `json:"error_class"`
+	Reason         string     `json:"reason"`
+	Attempts       int        `json:"attempts"`
+	TimesPoisoned  int        `json:"times_poisoned"`
+	FirstFailureAt time.Time  `json:"first_failure_at"`
+	LastFailureAt  time.Time  `json:"last_failure_at"`
+	PoisonedAt     time.Time  `json:"poisoned_at"`
+	ReplayedAt     *time.Time `json:"replayed_at"`
+	ReplayCount    int        `json:"replay_count"`
+	ProcessedAt    *time.Time `json:"processed_at"`
+	PayloadBytes   int        `json:"payload_bytes"`
+}
+
+// PoisonedDetail is a poisoned message with its payload, metadata and
+// replay history.
+type PoisonedDetail struct {
+	PoisonedMessage
+	Traceparent string            `json:"traceparent"`
+	Metadata    map[string]string `json:"metadata"`
+	Payload     []byte            `json:"payload"`
+	Replays     []PoisonReplay    `json:"replays"`
+}
+
+// PoisonReplay is one replay of a poisoned message.
+type PoisonReplay struct {
+	ReplayedAt time.Time `json:"replayed_at"`
+	// MessageID is the message id the replay was sent with.
+	MessageID string `json:"message_id"`
+	// ReplayedBy names who replayed it (ReplayOptions.By).
+	ReplayedBy string `json:"replayed_by"`
+	// TimesPoisoned is the message's times_poisoned when it was replayed.
+	TimesPoisoned int `json:"times_poisoned"`
+}
+
+func poisonedMessage(r store.PoisonRow) PoisonedMessage {
+	m := PoisonedMessage{ID: r.ID, ConsumerGroup: r.ConsumerGroup, Handler: r.Handler, Topic: r.Topic,
+		MessageID: r.MessageID, EventID: r.EventID, EventType: r.EventType, AggregateID: r.AggregateID,
+		ErrorClass: r.ErrorClass, Reason: r.Reason, Attempts: r.Attempts, TimesPoisoned: r.TimesPoisoned,
+		FirstFailureAt: r.FirstFailureAt, LastFailureAt: r.LastFailureAt, PoisonedAt: r.PoisonedAt,
+		ReplayedAt: r.ReplayedAt, ReplayCount: r.ReplayCount, ProcessedAt: r.ProcessedAt, PayloadBytes: r.PayloadBytes}
+	switch {
+	case r.ProcessedAt != nil:
+		m.State = PoisonStateProcessed
+	case r.ReplayedAt != nil:
+		m.State = PoisonStateReplayed
+	default:
+		m.State = PoisonStatePoisoned
+	}
+	return m
+}
+
+// PoisonList is a page of poisoned messages.
+type PoisonList struct {
+	Messages []PoisonedMessage `json:"messages"`
+	// Truncated says more messages match than the limit.
+	Truncated bool `json:"truncated"`
+}
+
+// ListPoisoned lists the poisoned messages f selects, newest first, at most
+// limit of them (0: all).
+func (o *Ops) ListPoisoned(ctx context.Context, f PoisonFilter, limit int) (PoisonList, error) {
+	if limit < 0 {
+		return PoisonList{}, fmt.Errorf("millrace: list poisoned: the limit must not be negative; got %d", limit)
+	}
+	q := store.PoisonQuery{Filter: f.store(nil), NewestFirst: true}
+	if limit > 0 {
+		q.Limit = limit + 1
+	}
+	rows, err := o.tables.Poison(ctx, o.db, q)
+	if err != nil {
+		return PoisonList{}, err
+	}
+	res := PoisonList{Messages: make([]PoisonedMessage, 0, len(rows))}
+	for _, r := range rows {
+		res.Messages = append(res.Messages, poisonedMessage(r))
+	}
+	if limit > 0 && len(res.Messages) > limit {
+		res.Messages, res.Truncated = res.Messages[:limit], true
+	}
+	return res, nil
+}
+
+// Poisoned returns the poisoned message id with its payload, metadata and
+// replay history, or a *NotFoundError.
+func (o *Ops) Poisoned(ctx context.Context, id int64) (PoisonedDetail, error) {
+	rows, err := o.tables.Poison(ctx, o.db, store.PoisonQuery{Filter: store.PoisonFilter{IDs: []int64{id}}, Full: true})
+	if err != nil {
+		return PoisonedDetail{}, err
+	}
+	if len(rows) == 0 {
+		return PoisonedDetail{}, &NotFoundError{What: "poisoned message", IDs: []int64{id}}
+	}
+	r := rows[0]
+	replays, err := o.tables.PoisonReplays(ctx, o.db, id)
+	if err != nil {
+		return PoisonedDetail{}, err
+	}
+	d := PoisonedDetail{PoisonedMessage: poisonedMessage(r), Traceparent: r.Traceparent, Metadata: r.Metadata,
+		Payload: r.Payload, Replays: make([]PoisonReplay, len(replays))}
+	for i, rp := range replays {
+		d.Replays[i] = PoisonReplay(rp)
+	}
+	return d, nil
+}
+
+// PoisonSelection is what a replay or purge of poisoned messages acts on:
+// IDs, a Filter, or All, exactly one of them.
+type PoisonSelection struct {
+	IDs    []int64
+	Filter PoisonFilter
+	All    bool
+	// Limit acts on at most this many matching messages, oldest first (with
+	// Filter or All; 0: no limit).
+	Limit int
+}
+
+func (s PoisonSelection) query(lock bool) (store.PoisonQuery, error) {
+	if err := selectionError(s.IDs, !s.Filter.IsZero(), s.All, s.Limit); err != nil {
+		return store.PoisonQuery{}, err
+	}
+	return store.PoisonQuery{Filter: s.Filter.store(s.IDs), Limit: s.Limit, Full: true, Lock: lock}, nil
+}
+
+// ReplayOptions change how a replay runs.
+type ReplayOptions struct {
+	// DryRun reports what would be replayed and changes nothing.
+	DryRun bool
+	// Force also replays messages whose event the consumer group's inbox
+	// already records (that group acks them as duplicates).
+	Force bool
+	// By names who replays, for the replay history (e.g. user@host).
+	// Defaults to "unknown".
+	By string
+}
+
+// ReplayResult is what a replay of poisoned messages did (with DryRun:
+// would do).
+type ReplayResult struct {
+	DryRun   bool            `json:"dry_run"`
+	Replayed []ReplayedEntry `json:"replayed"`
+	Skipped  []SkippedEntry  `json:"skipped"`
+	// Messages counts the messages written to the outbox (with DryRun:
+	// that would be): one per event and topic, however many consumer groups
+	// poisoned it.
+	Messages int `json:"messages"`
+	// Warnings say where a replay will not have the effect one might expect
+	// (no inbox, the ordering guard, an event older than the inbox keeps ids).
+	Warnings []string `json:"warnings"`
+}
+
+// ReplayedEntry is a poisoned message that was (or would be) replayed.
+type ReplayedEntry struct {
+	ID            int64  `json:"id"`
+	ConsumerGroup string `json:"consumer_group"`
+	Handler       string `json:"handler"`
+	Topic         string `json:"topic"`
+	EventID       string `json:"event_id"`
+	EventType     string `json:"event_type"`
+	// MessageID is the replay's new message id; "" with DryRun.
+	MessageID string `json:"message_id"`
+}
+
+// SkippedEntry is a selected poisoned message that was not replayed.
+type SkippedEntry struct {
+	ID            int64     `json:"id"`
+	ConsumerGroup string    `json:"consumer_group"`
+	Handler       string    `json:"handler"`
+	Topic         string    `json:"topic"`
+	EventID       string    `json:"event_id"`
+	EventType     string    `json:"event_type"`
+	Reason        string    `json:"reason"` // SkipAlreadyProcessed
+	ProcessedAt   time.Time `json:"processed_at"`
+}
+
+// SkipAlreadyProcessed is the reason of a message not replayed because its
+// consumer group's inbox records its event (see ReplayOptions.Force).
+const SkipAlreadyProcessed = "already_processed"
+
+// ReplayPoisoned sends the selected poisoned messages back to their topics
+// through the outbox, in one transaction: one outbox message per event and
+// topic, with a new message id (brokers that deduplicate by message id would
+// drop the original's), the original event id (the inbox key), payload and
+// metadata, and middleware.ReplayOfKey naming the original message. The rows
+// get replayed_at and a history record. Messages whose consumer group's
+// inbox already records the event are skipped unless opts.Force. A selected
+// id that does not exist is a *NotFoundError, and nothing changes.
+func (o *Ops) ReplayPoisoned(ctx context.Context, sel PoisonSelection, opts ReplayOptions) (ReplayResult, error) {
+	res := ReplayResult{DryRun: opts.DryRun, Replayed: []ReplayedEntry{}, Skipped: []SkippedEntry{}, Warnings: []string{}}
+	q, err := sel.query(!opts.DryRun)
+	if err != nil {
+		return res, err
+	}
+	tx, err := o.db.BeginTx(ctx, nil)
+	if err != nil {
+		return res, fmt.Errorf("millrace: begin transaction: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
+	rows, err := o.tables.Poison(ctx, tx, q)
+	if err != nil {
+		return res, err
+	}
+	if err := missingIDs("poisoned message", sel.IDs, foundPoison(rows)); err != nil {
+		return res, err
+	}
+
+	// One message per event: the broker gives it to every consumer group of
+	// the topic, so several poisoned rows of one event need one message.
+	type eventKey struct{ topic, eventID string }
+	var order []eventKey
+	byEvent := map[eventKey][]store.PoisonRow{}
+	for _, r := range rows {
+		k := eventKey{r.Topic, r.EventID}
+		if _, ok := byEvent[k]; !ok {
+			order = append(order, k)
+		}
+		byEvent[k] = append(byEvent[k], r)
+	}
+	var outbox []*message.Message
+	var ids []int64
+	var messageIDs []string
+	warned := map[string]bool{}
+	warn := func(format string, args ...any) {
+		if w := fmt.Sprintf(format, args...); !warned[w] {
+			warned[w] = true
+			res.Warnings = append(res.Warnings, w)
+		}
+	}
+	for _, k := range order {
+		var chosen []store.PoisonRow
+		for _, r := range byEvent[k] {
+			if r.ProcessedAt != nil && !opts.Force {
+				res.Skipped = append(res.Skipped, SkippedEntry{ID: r.ID, ConsumerGroup: r.ConsumerGroup, Handler: r.Handler,
+					Topic: r.Topic, EventID: r.EventID, EventType: r.EventType, Reason: SkipAlreadyProcessed, ProcessedAt: *r.ProcessedAt})
+				continue
+			}
+			chosen = append(chosen, r)
+		}
+		if len(chosen) == 0 {
+			continue
+		}
+		first := chosen[0]
+		messageID := ""
+		if !opts.DryRun {
+			messageID = uuid.Must(uuid.NewV7()).String()
+			msg, err := replayMessage(first, messageID)
+			if err != nil {
+				return res, fmt.Errorf("millrace: poisoned message %d: %w", first.ID, err)
+			}
+			outbox = append(outbox, msg)
+		}
+		res.Messages++
+		for _, r := range chosen {
+			res.Replayed = append(res.Replayed, ReplayedEntry{ID: r.ID, ConsumerGroup: r.ConsumerGroup, Handler: r.Handler,
+				Topic: r.Topic, EventID: r.EventID, EventType: r.EventType, MessageID: messageID})
+			ids = append(ids, r.ID)
+			messageIDs = append(messageIDs, messageID)
+			handler := o.cfg.Consumer.For(r.Handler)
+			if !*handler.Inbox.Enabled {
+				warn("handler %s has consumer.inbox.enabled false: nothing deduplicates its replays, so replaying a message twice processes it twice", r.Handler)
+			}
+			if *handler.OrderingGuard {
+				version, _ := strconv.ParseInt(r.Metadata[AggregateVersionKey], 10, 64)
+				aggType, aggID := r.Metadata[AggregateTypeKey], r.Metadata[AggregateIDKey]
+				if version > 0 && aggID != "" {
+					applied, err := o.tables.AppliedVersion(ctx, tx, r.ConsumerGroup, aggType, aggID)
+					if err != nil {
+						return res, err
+					}
+					if applied >= version {
+						warn("message %d: handler %s has the ordering guard on and has applied version %d of %s %s; the event is version %d, so the group drops its replay as stale",
+							r.ID, r.Handler, applied, aggType, aggID, version)
+					}
+				}
+			}
+		}
+		if age := time.Since(occurredAt(first)); age > o.cfg.Consumer.Inbox.Retention {
+			warn("event %s on topic %s is older than consumer.inbox.retention (%s): consumer groups that processed it may have pruned it from their inbox and would process it again",
+				k.eventID, k.topic, o.cfg.Consumer.Inbox.Retention)
+		}
+	}
+	if opts.DryRun || len(ids) == 0 {
+		return res, nil
+	}
+	if err := o.tables.WriteOutbox(ctx, tx, outbox); err != nil {
+		return res, fmt.Errorf("millrace: %w", err)
+	}
+	by := opts.By
+	if by == "" {
+		by = "unknown"
+	}
+	if err := o.tables.MarkPoisonReplayed(ctx, tx, ids, messageIDs, by); err != nil {
+		return res, fmt.Errorf("millrace: %w", err)
+	}
+	if err := tx.Commit(); err != nil {
+		return res, fmt.Errorf("millrace: commit replay: %w", err)
+	}
+	return res, nil
+}
+
+func foundPoison(rows []store.PoisonRow) map[int64]bool {
+	found := make(map[int64]bool, len(rows))
+	for _, r := range rows {
+		found[r.ID] = true
+	}
+	return found
+}
+
+// replayMessage is the outbox row that re-sends r to its topic.
+func replayMessage(r store.PoisonRow, messageID string) (*message.Message, error) {
+	msg := message.NewMessage(messageID, r.Payload)
+	msg.Metadata = make(message.Metadata, len(r.Metadata)+2)
+	maps.Copy(msg.Metadata, r.Metadata)
+	if r.EventID != "" {
+		// A message from plain Watermill had only its UUID as event id.
+		msg.Metadata.Set(EventIDKey, r.EventID)
+	}
+	msg.Metadata.Set(middleware.ReplayOfKey, r.MessageID)
+	payload, err := envelope.Wrap(r.Topic, msg)
+	if err != nil {
+		return nil, err
+	}
+	return message.NewMessage(messageID, payload), nil
+}
+
+// occurredAt is when r's event happened, or when it first failed if it does
+// not say.
+func occurredAt(r store.PoisonRow) time.Time {
+	if t, err := time.Parse(time.RFC3339Nano, r.Metadata[OccurredAtKey]); err == nil {
+		return t
+	}
+	return r.FirstFailureAt
+}
+
+// PurgeResult is what a purge of poisoned messages did (with DryRun: would do).
+type PurgeResult struct {
+	DryRun bool `json:"dry_run"`
+	// Purged are the messages deleted; with DryRun, those that would be.
+	Purged []PoisonedMessage `json:"purged"`
+}
+
+// PurgePoisoned deletes the selected poisoned messages and their replay
+// history, in one transaction. A selected id that does not exist is a
+// *NotFoundError, and nothing changes.
+func (o *Ops) PurgePoisoned(ctx context.Context, sel PoisonSelection, dryRun bool) (PurgeResult, error) {
+	res := PurgeResult{DryRun: dryRun, Purged: []PoisonedMessage{}}
+	q, err := sel.query(!dryRun)
+	if err != nil {
+		return res, err
+	}
+	tx, err := o.db.BeginTx(ctx, nil)
+	if err != nil {
+		return res, fmt.Errorf("millrace: begin transaction: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
+	rows, err := o.tables.Poison(ctx, tx, q)
+	if err != nil {
+		return res, err
+	}
+	if err := missingIDs("poisoned message", sel.IDs, foundPoison(rows)); err != nil {
+		return res, err
+	}
+	ids := make([]int64, len(rows))
+	for i, r := range rows {
+		ids[i] = r.ID
+		res.Purged = append(res.Purged, poisonedMessage(r))
+	}
+	if dryRun || len(ids) == 0 {
+		return res, nil
+	}
+	if err := o.tables.DeletePoison(ctx, tx, ids); err != nil {
+		return res, fmt.Errorf("millrace: %w", err)
+	}
+	if err := tx.Commit(); err != nil {
+		return res, fmt.Errorf("millrace: commit purge: %w", err)
+	}
+	return res, nil
+}

@@ -1,0 +1,360 @@
+package bus_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
+	wmforwarder "github.com/ThreeDotsLabs/watermill/components/forwarder"
+	"github.com/ThreeDotsLabs/watermill/message"
+	natsgo "github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/adapters/nats"
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/internal/brokertest"
+	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/middleware"
+)
+
+// opsWorld is a service on NATS with one handler that poisons the events a
+// test marks bad, and the operations API over its tables.
+type opsWorld struct {
+	db    *sql.DB
+	cfg   bus.Config
+	bus   *bus.Bus
+	ops   *bus.Ops
+	topic string
+	group string
+
+	mu      sync.Mutex
+	bad     map[string]bool // aggregate ids whose events the handler refuses
+	handled map[string]int  // event id -> effects
+}
+
+func newOpsWorld(t *testing.T) *opsWorld {
+	ctx := context.Background()
+	db := testdb.Open(t)
+	var cfg bus.Config
+	cfg.Database.Schema = testdb.Schema(t, db)
+	brokertest.Apply(t, bus.KindNATS, &cfg)
+	cfg.Relay.PollInterval = 100 * time.Millisecond
+	require.NoError(t, bus.Migrate(ctx, db, cfg))
+	w := &opsWorld{db: db, cfg: cfg, topic: "ops-" + testdb.UniqueName("")[2:], bad: map[string]bool{}, handled: map[string]int{}}
+	w.group = w.topic + "-billing"
+	brokertest.Cleanup(t, bus.KindNATS, w.topic, w.group)
+	b, err := bus.Open(ctx, cfg, db)
+	require.NoError(t, err)
+	t.Cleanup(func() { b.Close() })
+	w.bus = b
+	require.NoError(t, b.Handle(w.topic, w.group, func(_ context.Context, ev bus.Event) error {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		if w.bad[ev.AggregateID] {
+			return middleware.Permanent(fmt.Errorf("payment gateway refused %s", ev.AggregateID))
+		}
+		w.handled[ev.ID]++
+		return nil
+	}))
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- b.Run(runCtx) }()
+	t.Cleanup(func() { stop(); require.NoError(t, <-done) })
+	w.ops, err = bus.NewOps(ctx, db, cfg)
+	require.NoError(t, err)
+	return w
+}
+
+func (w *opsWorld) publish(t *testing.T, aggregate string) string {
+	id := watermill.NewUUID()
+	require.NoError(t, w.bus.PublishInOwnTx(context.Background(), w.topic, bus.Event{
+		ID: id, Type: "OrderPlaced", AggregateType: "order", AggregateID: aggregate, Payload: []byte(`{"total":1}`),
+	}))
+	return id
+}
+
+func (w *opsWorld) effects(id string) int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.handled[id]
+}
+
+func eventuallyTrue(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	require.Eventually(t, cond, time.Minute, 20*time.Millisecond, what)
+}
+
+// The DLQ through the operations API: list with filters, show, replay (dry
+// run first, then for real, then again: skipped as processed), purge.
+func TestOpsDLQListShowReplayPurge(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	w := newOpsWorld(t)
+	w.bad["o-bad-1"], w.bad["o-bad-2"] = true, true
+	bad1, bad2 := w.publish(t, "o-bad-1"), w.publish(t, "o-bad-2")
+	good := w.publish(t, "o-good")
+	eventuallyTrue(t, "two messages poisoned", func() bool {
+		l, err := w.ops.ListPoisoned(ctx, bus.PoisonFilter{}, 0)
+		return err == nil && len(l.Messages) == 2
+	})
+	eventuallyTrue(t, "the good event handled", func() bool { return w.effects(good) == 1 })
+
+	list, err := w.ops.ListPoisoned(ctx, bus.PoisonFilter{Reason: "O-BAD-2"}, 0)
+	require.NoError(t, err)
+	require.Len(t, list.Messages, 1, "the reason filter is case-insensitive")
+	m := list.Messages[0]
+	require.Equal(t, bad2, m.EventID)
+	require.Equal(t, "o-bad-2", m.AggregateID)
+	require.Equal(t, bus.PoisonStatePoisoned, m.State)
+	require.Equal(t, middleware.ClassPermanent, m.ErrorClass)
+	list, err = w.ops.ListPoisoned(ctx, bus.PoisonFilter{Group: w.group, Since: bus.Ago(time.Hour), Until: bus.Ago(-time.Hour)}, 1)
+	require.NoError(t, err)
+	require.Len(t, list.Messages, 1)
+	require.True(t, list.Truncated, "two match, the limit is one")
+	list, err = w.ops.ListPoisoned(ctx, bus.PoisonFilter{Topic: "other"}, 0)
+	require.NoError(t, err)
+	require.Empty(t, list.Messages)
+
+	d, err := w.ops.Poisoned(ctx, m.ID)
+	require.NoError(t, err)
+	require.JSONEq(t, `{"total":1}`, string(d.Payload))
+	require.Equal(t, "o-bad-2", d.Metadata[bus.AggregateIDKey])
+	require.Empty(t, d.Replays)
+	_, err = w.ops.Poisoned(ctx, 999999)
+	require.ErrorIs(t, err, bus.ErrNotFound)
+
+	// Selections must say what they act on, and ids must exist.
+	_, err = w.ops.ReplayPoisoned(ctx, bus.PoisonSelection{}, bus.ReplayOptions{})
+	require.ErrorIs(t, err, bus.ErrInvalidSelection)
+	_, err = w.ops.ReplayPoisoned(ctx, bus.PoisonSelection{IDs: []int64{m.ID}, All: true}, bus.ReplayOptions{})
+	require.ErrorIs(t, err, bus.ErrInvalidSelection)
+	_, err = w.ops.PurgePoisoned(ctx, bus.PoisonSelection{IDs: []int64{m.ID, 999999}}, false)
+	var nf *bus.NotFoundError
+	require.ErrorAs(t, err, &nf)
+	require.Equal(t, []int64{999999}, nf.IDs, "nothing was purged: the selection named a missing id")
+
+	dry, err := w.ops.ReplayPoisoned(ctx, bus.PoisonSelection{All: true}, bus.ReplayOptions{DryRun: true})
+	require.NoError(t, err)
+	require.Len(t, dry.Replayed, 2)
+	require.Equal(t, 2, dry.Messages)
+	st, err := w.ops.OutboxStatus(ctx, "")
+	require.NoError(t, err)
+	require.Zero(t, st.Pending, "a dry run writes nothing")
+
+	w.mu.Lock()
+	w.bad = map[string]bool{} // the gateway is fixed
+	w.mu.Unlock()
+	res, err := w.ops.ReplayPoisoned(ctx, bus.PoisonSelection{Filter: bus.PoisonFilter{Handler: w.group}}, bus.ReplayOptions{By: "tester@host"})
+	require.NoError(t, err)
+	require.Len(t, res.Replayed, 2)
+	for _, r := range res.Replayed {
+		require.NotEmpty(t, r.MessageID, "a replay has a message id of its own")
+	}
+	eventuallyTrue(t, "both replays handled once", func() bool { return w.effects(bad1) == 1 && w.effects(bad2) == 1 })
+	d, err = w.ops.Poisoned(ctx, m.ID)
+	require.NoError(t, err)
+	require.Len(t, d.Replays, 1)
+	require.Equal(t, "tester@host", d.Replays[0].ReplayedBy)
+	eventuallyTrue(t, "the inbox records the replayed event", func() bool {
+		d, err := w.ops.Poisoned(ctx, m.ID)
+		return err == nil && d.State == bus.PoisonStateProcessed
+	})
+
+	again, err := w.ops.ReplayPoisoned(ctx, bus.PoisonSelection{IDs: []int64{m.ID}}, bus.ReplayOptions{})
+	require.NoError(t, err)
+	require.Empty(t, again.Replayed)
+	require.Len(t, again.Skipped, 1)
+	require.Equal(t, bus.SkipAlreadyProcessed, again.Skipped[0].Reason)
+
+	purged, err := w.ops.PurgePoisoned(ctx, bus.PoisonSelection{All: true}, true)
+	require.NoError(t, err)
+	require.Len(t, purged.Purged, 2)
+	list, err = w.ops.ListPoisoned(ctx, bus.PoisonFilter{}, 0)
+	require.NoError(t, err)
+	require.Len(t, list.Messages, 2, "a dry run purges nothing")
+	purged, err = w.ops.PurgePoisoned(ctx, bus.PoisonSelection{All: true}, false)
+	require.NoError(t, err)
+	require.Len(t, purged.Purged, 2)
+	list, err = w.ops.ListPoisoned(ctx, bus.PoisonFilter{}, 0)
+	require.NoError(t, err)
+	require.Empty(t, list.Messages)
+	require.Equal(t, 1, w.effects(bad1), "one effect per event, replays included")
+}
+
+// The relay quarantine through the operations API: rows set aside because
+// the stream conflicted with the config are replayed once the stream is
+// fixed and arrive with their event ids; a row the broker still refuses is
+// skipped; purge deletes.
+func TestOpsQuarantineListShowReplayPurge(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	w := newOpsWorld(t)
+	conflicted := "ops-conflict-" + testdb.UniqueName("")[2:]
+	brokertest.Cleanup(t, bus.KindNATS, conflicted)
+	js := natsJetStream(t, w.cfg.Broker.NATS.URL)
+	_, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: nats.StreamName(conflicted), Subjects: []string{conflicted}, MaxAge: time.Hour})
+	require.NoError(t, err)
+
+	ids := []string{watermill.NewUUID(), watermill.NewUUID()}
+	for _, id := range ids {
+		require.NoError(t, w.bus.PublishInOwnTx(ctx, conflicted, bus.Event{ID: id, Type: "T", AggregateType: "a", AggregateID: "1", Payload: []byte(`{}`)}))
+	}
+	reserved := message.NewMessage(watermill.NewUUID(), []byte(`{}`))
+	reserved.Metadata.Set("Nats-Rollup", "all") // written by plain Watermill: nothing checked it
+	writeOutboxWithWatermill(t, w, w.topic, reserved)
+	eventuallyTrue(t, "three rows quarantined", func() bool {
+		st, err := w.ops.OutboxStatus(ctx, "")
+		return err == nil && st.Quarantined == 3 && st.Pending == 0
+	})
+
+	list, err := w.ops.ListQuarantined(ctx, bus.QuarantineFilter{Topic: conflicted}, 0)
+	require.NoError(t, err)
+	require.Len(t, list.Rows, 2)
+	require.Contains(t, list.Rows[0].Reason, "max_age")
+	d, err := w.ops.Quarantined(ctx, list.Rows[0].ID)
+	require.NoError(t, err)
+	require.Empty(t, d.EnvelopeError)
+	require.Contains(t, ids, d.Metadata[bus.EventIDKey])
+
+	// Not fixed yet: the broker still refuses the reserved header.
+	all, err := w.ops.ReplayQuarantined(ctx, bus.QuarantineSelection{All: true}, bus.ReplayOptions{DryRun: true})
+	require.NoError(t, err)
+	require.Len(t, all.Replayed, 2)
+	require.Len(t, all.Skipped, 1)
+	require.Equal(t, bus.SkipRefusedByBroker, all.Skipped[0].Skip)
+	require.Contains(t, all.Skipped[0].Detail, "Nats-Rollup")
+
+	// Fix the stream, then replay the conflicted rows.
+	require.NoError(t, js.DeleteStream(ctx, nats.StreamName(conflicted)))
+	got := subscribe(t, w, conflicted)
+	res, err := w.ops.ReplayQuarantined(ctx, bus.QuarantineSelection{Filter: bus.QuarantineFilter{Topic: conflicted}}, bus.ReplayOptions{})
+	require.NoError(t, err)
+	require.Len(t, res.Replayed, 2)
+	for _, id := range ids {
+		select {
+		case gotID := <-got:
+			require.Contains(t, ids, gotID, "the replayed event keeps its id")
+		case <-time.After(time.Minute):
+			t.Fatalf("replayed event %s never arrived", id)
+		}
+	}
+	replayed := true
+	list, err = w.ops.ListQuarantined(ctx, bus.QuarantineFilter{Replayed: &replayed}, 0)
+	require.NoError(t, err)
+	require.Len(t, list.Rows, 2)
+	require.Equal(t, 1, list.Rows[0].TimesReplayed)
+
+	_, err = w.ops.PurgeQuarantined(ctx, bus.QuarantineSelection{IDs: []int64{999999}}, false)
+	require.ErrorIs(t, err, bus.ErrNotFound)
+	purged, err := w.ops.PurgeQuarantined(ctx, bus.QuarantineSelection{Filter: bus.QuarantineFilter{Reason: "nats-rollup"}}, false)
+	require.NoError(t, err)
+	require.Len(t, purged.Purged, 1)
+	st, err := w.ops.OutboxStatus(ctx, "")
+	require.NoError(t, err)
+	require.EqualValues(t, 2, st.Quarantined)
+}
+
+// Pruning the inbox through the operations API: a dry run counts, a prune
+// deletes only old rows of the group asked for, and a window shorter than
+// the retention is warned about.
+func TestOpsPruneInbox(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	w := newOpsWorld(t)
+	var ids []string
+	for i := range 3 {
+		ids = append(ids, w.publish(t, fmt.Sprintf("o-%d", i)))
+	}
+	eventuallyTrue(t, "three events handled", func() bool {
+		rows, err := w.ops.InboxRows(ctx)
+		return err == nil && rows[w.group] == 3
+	})
+	_, err := w.db.Exec(`UPDATE "`+w.cfg.Database.Schema+`".millrace_inbox SET processed_at = now() - interval '40 days' WHERE event_id = ANY($1)`, ids[:2])
+	require.NoError(t, err)
+
+	res, err := w.ops.PruneInbox(ctx, bus.InboxPrune{OlderThan: 30 * 24 * time.Hour, DryRun: true})
+	require.NoError(t, err)
+	require.EqualValues(t, 2, res.Deleted)
+	require.Empty(t, res.Warnings)
+	res, err = w.ops.PruneInbox(ctx, bus.InboxPrune{OlderThan: 30 * 24 * time.Hour, Group: "another-group"})
+	require.NoError(t, err)
+	require.Zero(t, res.Deleted)
+	res, err = w.ops.PruneInbox(ctx, bus.InboxPrune{OlderThan: 30 * 24 * time.Hour, Group: w.group, Batch: 1})
+	require.NoError(t, err)
+	require.EqualValues(t, 2, res.Deleted)
+	rows, err := w.ops.InboxRows(ctx)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, rows[w.group])
+
+	res, err = w.ops.PruneInbox(ctx, bus.InboxPrune{OlderThan: time.Hour, DryRun: true})
+	require.NoError(t, err)
+	require.Len(t, res.Warnings, 1)
+	require.Contains(t, res.Warnings[0], "shorter than consumer.inbox.retention")
+	_, err = w.ops.PruneInbox(ctx, bus.InboxPrune{})
+	require.ErrorContains(t, err, "OlderThan must be positive")
+}
+
+// NewOps names a database that is not migrated.
+func TestOpsRefusesAnUnmigratedDatabase(t *testing.T) {
+	t.Parallel()
+	db := testdb.Open(t)
+	var cfg bus.Config
+	cfg.Database.Schema = testdb.Schema(t, db)
+	_, err := bus.NewOps(context.Background(), db, cfg)
+	require.ErrorContains(t, err, "does not exist: run `millrace migrate`")
+}
+
+func writeOutboxWithWatermill(t *testing.T, w *opsWorld, topic string, msg *message.Message) {
+	t.Helper()
+	tx, err := w.db.Begin()
+	require.NoError(t, err)
+	sqlPub, err := watermillsql.NewPublisher(tx, watermillsql.PublisherConfig{
+		SchemaAdapter: watermillsql.DefaultPostgreSQLSchema{
+			GenerateMessagesTableName: func(topic string) string { return `"` + w.cfg.Database.Schema + `"."watermill_` + topic + `"` },
+		},
+	}, nil)
+	require.NoError(t, err)
+	require.NoError(t, wmforwarder.NewPublisher(sqlPub, wmforwarder.PublisherConfig{ForwarderTopic: "millrace_outbox"}).Publish(topic, msg))
+	require.NoError(t, tx.Commit())
+}
+
+// subscribe returns the event ids that reach topic, for a group of the test's.
+func subscribe(t *testing.T, w *opsWorld, topic string) <-chan string {
+	t.Helper()
+	ctx := context.Background()
+	broker, err := bus.OpenBroker(ctx, w.cfg, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { broker.Close() })
+	group := "tap"
+	require.NoError(t, broker.Provision(ctx, topic, group))
+	sub, err := broker.Subscriber(group)
+	require.NoError(t, err)
+	subCtx, cancel := context.WithCancel(ctx)
+	t.Cleanup(func() { cancel(); _ = sub.Close() })
+	ch, err := sub.Subscribe(subCtx, topic)
+	require.NoError(t, err)
+	out := make(chan string, 16)
+	go func() {
+		for m := range ch {
+			out <- m.Metadata.Get(bus.EventIDKey)
+			m.Ack()
+		}
+	}()
+	return out
+}
+
+func natsJetStream(t *testing.T, url string) jetstream.JetStream {
+	t.Helper()
+	nc, err := natsgo.Connect(url)
+	require.NoError(t, err)
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+	return js
+}

@@ -1,0 +1,26 @@
+// Package store owns millrace's PostgreSQL tables: their names, their DDL
+// (Migrate), the grants a service role needs (Grants), and every query on
+// them. The relay (forwarder), the consumer chain (middleware), the public
+// API and operations (bus), the command-line tool and millracetest call it;
+// none of them writes SQL against a millrace table itself, which a test of
+// this package checks over the whole tree.
+//
+// The outbox and offsets tables keep exactly the layout of watermill-sql's
+// DefaultPostgreSQLSchema and DefaultPostgreSQLOffsetsAdapter, so rows
+// written by plain Watermill land in, and are relayed from, the same table.
+//
+// Functions take a DBTX: a *sql.DB, *sql.Tx or *sql.Conn, so each runs in
+// the transaction its caller holds, if any.
+package store
+
+import (
+	"context"
+	"database/sql"
+)
+
+// DBTX is what queries run on: a pool, a transaction or a connection.
+type DBTX interface {
+	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
+	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+}

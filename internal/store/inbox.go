@@ -1,0 +1,113 @@
+package store
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// MarkProcessed inserts (group, eventID) into the inbox in the handler's
+// transaction tx and reports whether it was new: false means the event was
+// processed before (a duplicate). A concurrent duplicate waits on the row
+// lock and then sees the row.
+func (t Tables) MarkProcessed(ctx context.Context, tx DBTX, group, eventID string) (bool, error) {
+	res, err := tx.ExecContext(ctx, `INSERT INTO `+t.InboxTable()+` (consumer_group, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING`,
+		group, eventID)
+	if err != nil {
+		return false, fmt.Errorf("inbox: insert event id: %w", err)
+	}
+	n, err := res.RowsAffected()
+	return n > 0, err
+}
+
+// ApplyVersion records version as the latest applied to the aggregate for
+// group, in tx, unless an equal or newer one was applied already; it
+// reports whether version was newer (false: the event is stale).
+func (t Tables) ApplyVersion(ctx context.Context, tx DBTX, group, aggregateType, aggregateID string, version int64, eventID string) (bool, error) {
+	res, err := tx.ExecContext(ctx, `INSERT INTO `+t.AggregateVersionsTable()+` AS v (consumer_group, aggregate_type, aggregate_id, version, event_id)
+VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (consumer_group, aggregate_type, aggregate_id) DO UPDATE
+SET version = EXCLUDED.version, event_id = EXCLUDED.event_id, updated_at = now()
+WHERE v.version < EXCLUDED.version`, group, aggregateType, aggregateID, version, eventID)
+	if err != nil {
+		return false, fmt.Errorf("ordering guard: record aggregate version: %w", err)
+	}
+	n, err := res.RowsAffected()
+	return n > 0, err
+}
+
+// AppliedVersion is the latest version group applied to the aggregate, 0
+// when it applied none.
+func (t Tables) AppliedVersion(ctx context.Context, db DBTX, group, aggregateType, aggregateID string) (int64, error) {
+	var v int64
+	err := db.QueryRowContext(ctx, `SELECT version FROM `+t.AggregateVersionsTable()+`
+WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3`, group, aggregateType, aggregateID).Scan(&v)
+	if errors.Is(err, sql.ErrNoRows) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("read %s: %w", t.AggregateVersionsTable(), err)
+	}
+	return v, nil
+}
+
+// PruneInbox deletes inbox rows processed more than olderThan ago (of group
+// only, unless group is ""), batch rows per statement, until none is left
+// or ctx ends, and returns how many it deleted. Short statements keep locks
+// short and leave the index healthy; rows of a concurrent prune are skipped,
+// not waited for.
+func (t Tables) PruneInbox(ctx context.Context, db DBTX, olderThan time.Duration, group string, batch int) (int64, error) {
+	if olderThan <= 0 || batch <= 0 {
+		return 0, fmt.Errorf("prune inbox: olderThan and batch must be positive; got %s and %d", olderThan, batch)
+	}
+	inbox := t.InboxTable()
+	query := `DELETE FROM ` + inbox + ` WHERE (consumer_group, event_id) IN (
+	SELECT consumer_group, event_id FROM ` + inbox + `
+	WHERE processed_at < now() - make_interval(secs => $1) AND ($3 = '' OR consumer_group = $3)
+	ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED)`
+	var total int64
+	for {
+		res, err := db.ExecContext(ctx, query, olderThan.Seconds(), batch, group)
+		if err != nil {
+			return total, fmt.Errorf("prune inbox %s: %w", inbox, err)
+		}
+		n, _ := res.RowsAffected()
+		total += n
+		if n < int64(batch) {
+			return total, nil
+		}
+	}
+}
+
+// CountInboxOlder counts the inbox rows PruneInbox would delete.
+func (t Tables) CountInboxOlder(ctx context.Context, db DBTX, olderThan time.Duration, group string) (int64, error) {
+	var n int64
+	err := db.QueryRowContext(ctx, `SELECT count(*) FROM `+t.InboxTable()+`
+WHERE processed_at < now() - make_interval(secs => $1) AND ($2 = '' OR consumer_group = $2)`,
+		olderThan.Seconds(), group).Scan(&n)
+	if err != nil {
+		return 0, fmt.Errorf("count inbox rows: %w", err)
+	}
+	return n, nil
+}
+
+// InboxRows counts the inbox rows of every consumer group.
+func (t Tables) InboxRows(ctx context.Context, db DBTX) (map[string]int64, error) {
+	rows, err := db.QueryContext(ctx, `SELECT consumer_group, count(*) FROM `+t.InboxTable()+` GROUP BY consumer_group`)
+	if err != nil {
+		return nil, fmt.Errorf("count inbox rows: %w", err)
+	}
+	defer rows.Close()
+	out := map[string]int64{}
+	for rows.Next() {
+		var group string
+		var n int64
+		if err := rows.Scan(&group, &n); err != nil {
+			return nil, fmt.Errorf("count inbox rows: %w", err)
+		}
+		out[group] = n
+	}
+	return out, rows.Err()
+}

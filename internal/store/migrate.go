@@ -1,0 +1,149 @@
+package store
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+)
+
+// migrateLockKey serialises concurrent Migrate calls across processes
+// (CREATE ... IF NOT EXISTS alone still races on the catalog).
+const migrateLockKey = 0x6d696c6c72616365 // "millrace"
+
+// Migrate creates every table, index and trigger millrace needs (outbox,
+// offsets, inbox, poison, poison-replay and aggregate-versions tables), idempotently,
+// in one transaction under an advisory lock so that several instances may run
+// it at once.
+func Migrate(ctx context.Context, db *sql.DB, t Tables) error {
+	if err := t.Validate(); err != nil {
+		return fmt.Errorf("migrate: %w", err)
+	}
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("begin migration: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
+
+	if _, err := tx.ExecContext(ctx, `SELECT pg_advisory_xact_lock($1)`, int64(migrateLockKey)); err != nil {
+		return fmt.Errorf("take migration lock: %w", err)
+	}
+	for _, stmt := range statements(t) {
+		if _, err := tx.ExecContext(ctx, stmt); err != nil {
+			return fmt.Errorf("migrate: %w\n%s", err, stmt)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("commit migration: %w", err)
+	}
+	return nil
+}
+
+func statements(t Tables) []string {
+	schema := t.SchemaAdapter()
+	offsets := t.OffsetsAdapter()
+	var stmts []string
+	// CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the
+	// schema exists; asking first lets the schema's owner migrate without it.
+	stmts = append(stmts, fmt.Sprintf(`DO $$ BEGIN
+	IF NOT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = '%s') THEN
+		CREATE SCHEMA "%s";
+	END IF;
+END $$`, t.Schema, t.Schema))
+	for _, q := range schema.SchemaInitializingQueries(t.OutboxTopic) {
+		stmts = append(stmts, q.Query)
+	}
+	for _, q := range offsets.SchemaInitializingQueries(t.OutboxTopic) {
+		stmts = append(stmts, q.Query)
+	}
+	notifyFunc := t.qualify("millrace_notify_outbox")
+	stmts = append(stmts,
+		// One notification per inserting statement (not per row); PostgreSQL
+		// delivers it at commit and folds duplicates within a transaction.
+		`CREATE OR REPLACE FUNCTION `+notifyFunc+`() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+	PERFORM pg_notify('`+NotifyChannel+`', TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME);
+	RETURN NULL;
+END $$`,
+		// Created only when missing: re-creating it would lock the outbox
+		// against writers every time an instance starts.
+		`DO $$ BEGIN
+	IF NOT EXISTS (SELECT 1 FROM pg_trigger
+		WHERE tgname = 'millrace_notify_outbox' AND tgrelid = '`+t.OutboxTable()+`'::regclass) THEN
+		CREATE TRIGGER millrace_notify_outbox AFTER INSERT ON `+t.OutboxTable()+`
+			FOR EACH STATEMENT EXECUTE FUNCTION `+notifyFunc+`();
+	END IF;
+END $$`,
+		`CREATE TABLE IF NOT EXISTS `+t.InboxTable()+` (
+	consumer_group TEXT NOT NULL,
+	event_id TEXT NOT NULL,
+	processed_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+	PRIMARY KEY (consumer_group, event_id)
+)`,
+		`CREATE INDEX IF NOT EXISTS millrace_inbox_processed_at ON `+t.InboxTable()+` (processed_at)`,
+		`CREATE TABLE IF NOT EXISTS `+t.QuarantineTable()+` (
+	id BIGSERIAL PRIMARY KEY,
+	outbox_offset BIGINT NOT NULL,
+	outbox_uuid TEXT NOT NULL,
+	destination_topic TEXT,
+	event_id TEXT,
+	payload BYTEA NOT NULL,
+	metadata TEXT,
+	reason TEXT NOT NULL,
+	quarantined_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+	replayed_at TIMESTAMPTZ,
+	times_replayed INTEGER NOT NULL DEFAULT 0
+)`,
+		// Added after the table's first version: installations migrated
+		// before get the columns here.
+		`ALTER TABLE `+t.QuarantineTable()+` ADD COLUMN IF NOT EXISTS replayed_at TIMESTAMPTZ`,
+		`ALTER TABLE `+t.QuarantineTable()+` ADD COLUMN IF NOT EXISTS times_replayed INTEGER NOT NULL DEFAULT 0`,
+		// One row per poisoned message and (consumer group, handler); poisoning
+		// the same message again updates it. The envelope fields are columns
+		// so that an operator can list, filter, show, replay and purge.
+		`CREATE TABLE IF NOT EXISTS `+t.PoisonTable()+` (
+	id BIGSERIAL PRIMARY KEY,
+	consumer_group TEXT NOT NULL,
+	handler TEXT NOT NULL,
+	source_topic TEXT NOT NULL,
+	message_id TEXT NOT NULL,
+	event_id TEXT NOT NULL,
+	event_type TEXT NOT NULL,
+	payload BYTEA NOT NULL,
+	metadata JSONB NOT NULL,
+	reason TEXT NOT NULL,
+	error_class TEXT NOT NULL,
+	attempts INTEGER NOT NULL,
+	first_failure_at TIMESTAMPTZ NOT NULL,
+	last_failure_at TIMESTAMPTZ NOT NULL,
+	traceparent TEXT NOT NULL,
+	poisoned_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+	times_poisoned INTEGER NOT NULL DEFAULT 1,
+	replayed_at TIMESTAMPTZ,
+	UNIQUE (consumer_group, handler, message_id)
+)`,
+		`CREATE INDEX IF NOT EXISTS millrace_poison_poisoned_at ON `+t.PoisonTable()+` (poisoned_at)`,
+		`CREATE INDEX IF NOT EXISTS millrace_poison_event_id ON `+t.PoisonTable()+` (event_id)`,
+		// Replay history of the poison table; a replay re-sends the message with
+		// a new message id (message_id here) and the same event id. Purging a
+		// poison row drops its history.
+		`CREATE TABLE IF NOT EXISTS `+t.PoisonReplaysTable()+` (
+	id BIGSERIAL PRIMARY KEY,
+	poison_id BIGINT NOT NULL REFERENCES `+t.PoisonTable()+` (id) ON DELETE CASCADE,
+	message_id TEXT NOT NULL,
+	replayed_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+	replayed_by TEXT NOT NULL,
+	times_poisoned INTEGER NOT NULL
+)`,
+		`CREATE INDEX IF NOT EXISTS millrace_poison_replays_poison_id ON `+t.PoisonReplaysTable()+` (poison_id)`,
+		`CREATE TABLE IF NOT EXISTS `+t.AggregateVersionsTable()+` (
+	consumer_group TEXT NOT NULL,
+	aggregate_type TEXT NOT NULL,
+	aggregate_id TEXT NOT NULL,
+	version BIGINT NOT NULL,
+	event_id TEXT NOT NULL,
+	updated_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+	PRIMARY KEY (consumer_group, aggregate_type, aggregate_id)
+)`,
+	)
+	return stmts
+}

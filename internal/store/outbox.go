@@ -1,0 +1,220 @@
+package store
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"strconv"
+	"time"
+
+	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// rowsPerInsert bounds one outbox INSERT: PostgreSQL allows 65535 bind
+// parameters per statement, and watermill-sql uses three per row.
+const rowsPerInsert = 1000
+
+// WriteOutbox inserts rows (each a Watermill forwarder envelope as its
+// payload) into the outbox in tx, through watermill-sql's PostgreSQL
+// insert, in statements of at most 1000 rows.
+func (t Tables) WriteOutbox(ctx context.Context, tx DBTX, rows []*message.Message) error {
+	schema := t.SchemaAdapter()
+	for start := 0; start < len(rows); start += rowsPerInsert {
+		chunk := rows[start:min(start+rowsPerInsert, len(rows))]
+		q, err := schema.InsertQuery(t.OutboxTopic, chunk)
+		if err != nil {
+			return fmt.Errorf("build outbox insert: %w", err)
+		}
+		if _, err := tx.ExecContext(ctx, q.Query, q.Args...); err != nil {
+			return fmt.Errorf("write %d events to outbox %s: %w", len(chunk), t.OutboxTable(), err)
+		}
+	}
+	return nil
+}
+
+// Missing returns the first of tables (qualified names, such as
+// t.OutboxTable()) that does not exist, or "" when all do.
+func Missing(ctx context.Context, db DBTX, tables ...string) (string, error) {
+	for _, table := range tables {
+		var exists bool
+		if err := db.QueryRowContext(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&exists); err != nil {
+			return "", err
+		}
+		if !exists {
+			return table, nil
+		}
+	}
+	return "", nil
+}
+
+// RelayIsolation is the isolation level of a relay batch transaction, the
+// one watermill-sql's subscriber reads with.
+func (t Tables) RelayIsolation() sql.IsolationLevel {
+	return t.SchemaAdapter().SubscribeIsolationLevel()
+}
+
+// PrepareOffsets inserts the zero offsets row of the relay consumer group
+// group, which ReadBatch locks.
+func (t Tables) PrepareOffsets(ctx context.Context, db DBTX, group string) error {
+	for _, q := range t.OffsetsAdapter().BeforeSubscribingQueries(t.OutboxTopic, group) {
+		if _, err := db.ExecContext(ctx, q.Query, q.Args...); err != nil {
+			return fmt.Errorf("prepare offsets row of %s: %w", group, err)
+		}
+	}
+	return nil
+}
+
+// OutboxRow is one row of a relay batch.
+type OutboxRow = watermillsql.Row
+
+// ReadBatch reads, in tx (begun with RelayIsolation), the next limit outbox
+// rows after group's position, locking group's offsets row, and reports
+// whether committed rows exist that are hidden for now by an older open
+// transaction.
+//
+// It is watermill-sql's PostgreSQL batch query with two changes. It
+// compares (transaction_id, "offset") as a row, which the primary key index
+// answers as a range scan that stops after limit rows; the stock query's OR
+// of two conditions reads and sorts the whole backlog for every batch (39 ms
+// per batch of 1,000 with 50,000 rows pending, against 0.4 ms for this one,
+// on the same table). The rows are the same: the offsets row is still locked
+// FOR UPDATE, and the xid8 rule still hides rows of transactions newer than
+// the oldest one still open, so that a writer committing later is never
+// skipped. And its last column says whether committed rows exist that the
+// xid8 rule hides right now, so the relay polls again soon instead of
+// waiting for the next NOTIFY, which those rows' commits have already spent.
+// Such rows are always past the relay's position (the oldest open
+// transaction id never moves back, and every acked row was older than it),
+// so the newest row's transaction id, one backward index step, says it.
+//
+// Rows are scanned here rather than by the schema adapter's
+// UnmarshalMessage, which fails the whole batch on one row with corrupt
+// metadata instead of letting the relay move that one row aside.
+func (t Tables) ReadBatch(ctx context.Context, tx DBTX, group string, limit int) (rows []OutboxRow, hidden bool, err error) {
+	next := t.OffsetsAdapter().NextOffsetQuery(t.OutboxTopic, group)
+	table := t.OutboxTable()
+	query := `WITH last_processed AS (` + next.Query + `),
+			batch AS (
+				SELECT "offset", transaction_id, uuid, payload, metadata FROM ` + table + `
+				WHERE (transaction_id, "offset") > (
+					(SELECT last_processed_transaction_id FROM last_processed),
+					(SELECT offset_acked FROM last_processed))
+				  AND transaction_id < pg_snapshot_xmin(pg_current_snapshot())
+				ORDER BY transaction_id, "offset"
+				LIMIT ` + strconv.Itoa(limit) + `),
+			hidden AS (
+				SELECT coalesce((SELECT max(transaction_id) FROM ` + table + `)
+					>= pg_snapshot_xmin(pg_current_snapshot()), false) AS rows)
+			SELECT batch."offset", batch.transaction_id, batch.uuid, batch.payload, batch.metadata, hidden.rows
+			FROM hidden LEFT JOIN batch ON true
+			ORDER BY batch.transaction_id, batch."offset"`
+	res, err := tx.QueryContext(ctx, query, next.Args...)
+	if err != nil {
+		return nil, false, fmt.Errorf("read batch: %w", err)
+	}
+	defer res.Close()
+	rows = make([]OutboxRow, 0, limit)
+	for res.Next() {
+		var r OutboxRow
+		var offset, txID sql.NullInt64
+		if err := res.Scan(&offset, &txID, &r.UUID, &r.Payload, &r.Metadata, &hidden); err != nil {
+			return nil, false, fmt.Errorf("scan outbox row: %w", err)
+		}
+		if !offset.Valid {
+			continue // the row of an empty batch, carrying only the hidden flag
+		}
+		r.Offset = offset.Int64
+		r.ExtraData = map[string]any{"transaction_id": txID.Int64}
+		rows = append(rows, r)
+	}
+	return rows, hidden, res.Err()
+}
+
+// Ack records last as group's position, in the batch transaction tx.
+func (t Tables) Ack(ctx context.Context, tx DBTX, group string, last OutboxRow) error {
+	q := t.OffsetsAdapter().AckMessageQuery(t.OutboxTopic, last, group)
+	if _, err := tx.ExecContext(ctx, q.Query, q.Args...); err != nil {
+		return fmt.Errorf("ack batch: %w", err)
+	}
+	return nil
+}
+
+// OutboxStatus is the state of the outbox as seen by one relay consumer group.
+type OutboxStatus struct {
+	// Pending counts committed rows not forwarded yet.
+	Pending int64
+	// OldestPendingAge is the age of the oldest pending row.
+	OldestPendingAge time.Duration
+	// LastForwardedAt is when the last forwarded row was written, if it is
+	// still in the table; zero otherwise.
+	LastForwardedAt time.Time
+	// Forwarded counts forwarded rows still in the table (kept for retention).
+	Forwarded int64
+	// Quarantined counts rows in the relay quarantine table.
+	Quarantined int64
+}
+
+// Status reads the outbox's state for the relay consumer group group.
+func (t Tables) Status(ctx context.Context, db DBTX, group string) (OutboxStatus, error) {
+	var st OutboxStatus
+	var age sql.NullFloat64
+	var last sql.NullTime
+	err := db.QueryRowContext(ctx, `
+		WITH o AS (SELECT offset_acked, last_processed_transaction_id AS txid FROM `+t.OffsetsTable()+` WHERE consumer_group = $1),
+		m AS (
+			SELECT created_at,
+				EXISTS (SELECT 1 FROM o WHERE m.transaction_id < o.txid OR (m.transaction_id = o.txid AND m."offset" <= o.offset_acked)) AS done,
+				EXISTS (SELECT 1 FROM o WHERE m.transaction_id = o.txid AND m."offset" = o.offset_acked) AS last
+			FROM `+t.OutboxTable()+` m)
+		SELECT count(*) FILTER (WHERE NOT done),
+			EXTRACT(EPOCH FROM LOCALTIMESTAMP - min(created_at) FILTER (WHERE NOT done))::float8,
+			count(*) FILTER (WHERE done),
+			(max(created_at) FILTER (WHERE last)) AT TIME ZONE current_setting('TimeZone'),
+			(SELECT count(*) FROM `+t.QuarantineTable()+`)
+		FROM m`, group).Scan(&st.Pending, &age, &st.Forwarded, &last, &st.Quarantined)
+	if err != nil {
+		return OutboxStatus{}, fmt.Errorf("inspect outbox %s: %w", t.OutboxTable(), err)
+	}
+	st.OldestPendingAge = time.Duration(age.Float64 * float64(time.Second))
+	st.LastForwardedAt = last.Time
+	return st, nil
+}
+
+// DeleteForwarded deletes up to limit outbox rows that group has forwarded
+// and that are older than olderThan, oldest first, and returns how many.
+func (t Tables) DeleteForwarded(ctx context.Context, db DBTX, group string, olderThan time.Duration, limit int) (int64, error) {
+	res, err := db.ExecContext(ctx, `
+		DELETE FROM `+t.OutboxTable()+` WHERE ctid = ANY(ARRAY(
+			SELECT m.ctid FROM `+t.OutboxTable()+` m
+			JOIN `+t.OffsetsTable()+` o ON o.consumer_group = $1
+			WHERE (m.transaction_id < o.last_processed_transaction_id
+			    OR (m.transaction_id = o.last_processed_transaction_id AND m."offset" <= o.offset_acked))
+			  AND m.created_at < LOCALTIMESTAMP - make_interval(secs => $2)
+			ORDER BY m.transaction_id, m."offset"
+			LIMIT $3))`,
+		group, olderThan.Seconds(), limit)
+	if err != nil {
+		return 0, fmt.Errorf("delete forwarded rows of %s: %w", t.OutboxTable(), err)
+	}
+	return res.RowsAffected()
+}
+
+// WrittenInTx returns the payloads of the outbox rows tx itself wrote, in
+// the order it wrote them.
+func (t Tables) WrittenInTx(ctx context.Context, tx DBTX) ([][]byte, error) {
+	rows, err := tx.QueryContext(ctx, `SELECT payload FROM `+t.OutboxTable()+` WHERE transaction_id = pg_current_xact_id() ORDER BY "offset"`)
+	if err != nil {
+		return nil, fmt.Errorf("read back from %s: %w", t.OutboxTable(), err)
+	}
+	defer rows.Close()
+	var out [][]byte
+	for rows.Next() {
+		var payload []byte
+		if err := rows.Scan(&payload); err != nil {
+			return nil, fmt.Errorf("read back from %s: %w", t.OutboxTable(), err)
+		}
+		out = append(out, payload)
+	}
+	return out, rows.Err()
+}

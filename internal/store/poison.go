@@ -1,0 +1,319 @@
+package store
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Poisoned is one message the consumer chain gave up on, with its failure
+// envelope, as the poison table keeps it.
+type Poisoned struct {
+	ConsumerGroup  string
+	Handler        string
+	SourceTopic    string
+	MessageID      string
+	EventID        string
+	EventType      string
+	Payload        []byte
+	Metadata       map[string]string
+	Reason         string
+	ErrorClass     string
+	Attempts       int
+	FirstFailureAt time.Time
+	LastFailureAt  time.Time
+	Traceparent    string
+	PoisonedAt     time.Time
+}
+
+// StorePoisoned upserts p into the poison table: poisoning the same message
+// (or a replay of it, whose MessageID is the original's) for the same
+// consumer group and handler again refreshes its row, counts it and clears
+// its replayed mark. Text PostgreSQL cannot hold (NUL, invalid UTF-8, which
+// only a message from another publisher can carry) is replaced by U+FFFD.
+func (t Tables) StorePoisoned(ctx context.Context, db DBTX, p Poisoned) error {
+	meta := make(map[string]string, len(p.Metadata))
+	for k, v := range p.Metadata {
+		meta[clean(k)] = clean(v)
+	}
+	metaJSON, err := json.Marshal(meta)
+	if err != nil {
+		return fmt.Errorf("encode metadata: %w", err)
+	}
+	payload := p.Payload
+	if payload == nil {
+		payload = []byte{}
+	}
+	_, err = db.ExecContext(ctx, `INSERT INTO `+t.PoisonTable()+` AS p
+	(consumer_group, handler, source_topic, message_id, event_id, event_type, payload, metadata,
+	 reason, error_class, attempts, first_failure_at, last_failure_at, traceparent, poisoned_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
+ON CONFLICT (consumer_group, handler, message_id) DO UPDATE SET
+	source_topic = EXCLUDED.source_topic, event_id = EXCLUDED.event_id, event_type = EXCLUDED.event_type,
+	payload = EXCLUDED.payload, metadata = EXCLUDED.metadata, reason = EXCLUDED.reason,
+	error_class = EXCLUDED.error_class, attempts = EXCLUDED.attempts,
+	first_failure_at = EXCLUDED.first_failure_at, last_failure_at = EXCLUDED.last_failure_at,
+	traceparent = EXCLUDED.traceparent, poisoned_at = EXCLUDED.poisoned_at,
+	times_poisoned = p.times_poisoned + 1, replayed_at = NULL`,
+		p.ConsumerGroup, p.Handler, p.SourceTopic, clean(p.MessageID), clean(p.EventID), clean(p.EventType),
+		payload, metaJSON, clean(p.Reason), p.ErrorClass, p.Attempts, p.FirstFailureAt, p.LastFailureAt,
+		clean(p.Traceparent), p.PoisonedAt)
+	if err != nil {
+		return fmt.Errorf("insert into %s: %w", t.PoisonTable(), err)
+	}
+	return nil
+}
+
+// clean makes s storable in a text or jsonb column.
+func clean(s string) string {
+	return strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "\uFFFD")
+}
+
+// TimeBound is one end of a time range: an instant, or a duration before
+// the database's now. The zero TimeBound is unset.
+type TimeBound struct {
+	At  time.Time
+	Ago time.Duration
+	Set bool
+}
+
+func (b TimeBound) sql(arg func(any) string) string {
+	if !b.At.IsZero() {
+		return arg(b.At)
+	}
+	return "now() - make_interval(secs => " + arg(b.Ago.Seconds()) + ")"
+}
+
+// PoisonFilter selects rows of the poison table; the zero filter selects all.
+type PoisonFilter struct {
+	IDs                   []int64
+	Topic, Handler, Group string
+	// Reason matches rows whose failure reason contains it, case-insensitively.
+	Reason string
+	// Since and Until bound poisoned_at: Since <= poisoned_at < Until.
+	Since, Until TimeBound
+	// Replayed, when set, selects rows replayed (true) or not replayed
+	// (false) since they were last poisoned.
+	Replayed *bool
+}
+
+// where returns the filter's SQL conditions on the poison table p,
+// appending their arguments to args.
+func (f PoisonFilter) where(args *[]any) []string {
+	var conds []string
+	arg := func(v any) string {
+		*args = append(*args, v)
+		return "$" + strconv.Itoa(len(*args))
+	}
+	if len(f.IDs) > 0 {
+		conds = append(conds, "p.id = ANY("+arg(f.IDs)+")")
+	}
+	if f.Topic != "" {
+		conds = append(conds, "p.source_topic = "+arg(f.Topic))
+	}
+	if f.Handler != "" {
+		conds = append(conds, "p.handler = "+arg(f.Handler))
+	}
+	if f.Group != "" {
+		conds = append(conds, "p.consumer_group = "+arg(f.Group))
+	}
+	if f.Reason != "" {
+		conds = append(conds, "strpos(lower(p.reason), lower("+arg(f.Reason)+")) > 0")
+	}
+	if f.Since.Set {
+		conds = append(conds, "p.poisoned_at >= "+f.Since.sql(arg))
+	}
+	if f.Until.Set {
+		conds = append(conds, "p.poisoned_at < "+f.Until.sql(arg))
+	}
+	if f.Replayed != nil && *f.Replayed {
+		conds = append(conds, "p.replayed_at IS NOT NULL")
+	}
+	if f.Replayed != nil && !*f.Replayed {
+		conds = append(conds, "p.replayed_at IS NULL")
+	}
+	return conds
+}
+
+// PoisonQuery says which poison rows to read and how.
+type PoisonQuery struct {
+	Filter PoisonFilter
+	// NewestFirst orders by poisoned_at descending; else by id ascending.
+	NewestFirst bool
+	// Limit caps the rows read; 0 reads all.
+	Limit int
+	// Full also reads the payload, metadata and traceparent.
+	Full bool
+	// Lock takes the rows FOR UPDATE (inside a transaction).
+	Lock bool
+}
+
+// PoisonRow is a poison table row as operations report it: the failure
+// envelope, how often it was replayed, and when its consumer group's inbox
+// recorded the event, if it did.
+type PoisonRow struct {
+	ID             int64
+	ConsumerGroup  string
+	Handler        string
+	Topic          string
+	MessageID      string
+	EventID        string
+	EventType      string
+	AggregateID    string
+	ErrorClass     string
+	Reason         string
+	Attempts       int
+	TimesPoisoned  int
+	FirstFailureAt time.Time
+	LastFailureAt  time.Time
+	PoisonedAt     time.Time
+	ReplayedAt     *time.Time
+	ReplayCount    int
+	ProcessedAt    *time.Time
+	PayloadBytes   int
+
+	// With PoisonQuery.Full only.
+	Traceparent string
+	Payload     []byte
+	Metadata    map[string]string
+}
+
+// Poison reads the rows q selects.
+func (t Tables) Poison(ctx context.Context, db DBTX, q PoisonQuery) ([]PoisonRow, error) {
+	cols := `p.id, p.consumer_group, p.handler, p.source_topic, p.message_id, p.event_id, p.event_type,
+	p.error_class, p.reason, p.attempts, p.times_poisoned, p.first_failure_at, p.last_failure_at,
+	p.poisoned_at, p.replayed_at, (SELECT count(*) FROM ` + t.PoisonReplaysTable() + ` r WHERE r.poison_id = p.id),
+	i.processed_at, length(p.payload), coalesce(p.metadata->>'aggregate-id', '')`
+	if q.Full {
+		cols += `, p.traceparent, p.payload, p.metadata`
+	}
+	var args []any
+	var b strings.Builder
+	b.WriteString(`SELECT ` + cols + ` FROM ` + t.PoisonTable() + ` p
+	LEFT JOIN ` + t.InboxTable() + ` i ON i.consumer_group = p.consumer_group AND i.event_id = p.event_id`)
+	if where := q.Filter.where(&args); len(where) > 0 {
+		b.WriteString("\nWHERE " + strings.Join(where, " AND "))
+	}
+	if q.NewestFirst {
+		b.WriteString("\nORDER BY p.poisoned_at DESC, p.id DESC")
+	} else {
+		b.WriteString("\nORDER BY p.id")
+	}
+	if q.Limit > 0 {
+		b.WriteString(" LIMIT " + strconv.Itoa(q.Limit))
+	}
+	if q.Lock {
+		b.WriteString(" FOR UPDATE OF p")
+	}
+	rows, err := db.QueryContext(ctx, b.String(), args...)
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", t.PoisonTable(), err)
+	}
+	defer rows.Close()
+	var out []PoisonRow
+	for rows.Next() {
+		var r PoisonRow
+		var replayed, processed sql.NullTime
+		var metadata []byte
+		dest := []any{&r.ID, &r.ConsumerGroup, &r.Handler, &r.Topic, &r.MessageID, &r.EventID, &r.EventType,
+			&r.ErrorClass, &r.Reason, &r.Attempts, &r.TimesPoisoned, &r.FirstFailureAt, &r.LastFailureAt,
+			&r.PoisonedAt, &replayed, &r.ReplayCount, &processed, &r.PayloadBytes, &r.AggregateID}
+		if q.Full {
+			dest = append(dest, &r.Traceparent, &r.Payload, &metadata)
+		}
+		if err := rows.Scan(dest...); err != nil {
+			return nil, fmt.Errorf("read %s: %w", t.PoisonTable(), err)
+		}
+		if q.Full {
+			if err := json.Unmarshal(metadata, &r.Metadata); err != nil {
+				return nil, fmt.Errorf("poison message %d: metadata is not a JSON object of strings: %w", r.ID, err)
+			}
+		}
+		r.FirstFailureAt, r.LastFailureAt, r.PoisonedAt = r.FirstFailureAt.UTC(), r.LastFailureAt.UTC(), r.PoisonedAt.UTC()
+		r.ReplayedAt, r.ProcessedAt = utcPtr(replayed), utcPtr(processed)
+		out = append(out, r)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read %s: %w", t.PoisonTable(), err)
+	}
+	return out, nil
+}
+
+func utcPtr(t sql.NullTime) *time.Time {
+	if !t.Valid {
+		return nil
+	}
+	u := t.Time.UTC()
+	return &u
+}
+
+// PoisonReplay is one replay of a poisoned message.
+type PoisonReplay struct {
+	ReplayedAt    time.Time
+	MessageID     string
+	ReplayedBy    string
+	TimesPoisoned int
+}
+
+// PoisonReplays reads the replay history of poison row id, oldest first.
+func (t Tables) PoisonReplays(ctx context.Context, db DBTX, id int64) ([]PoisonReplay, error) {
+	rows, err := db.QueryContext(ctx, `SELECT replayed_at, message_id, replayed_by, times_poisoned FROM `+
+		t.PoisonReplaysTable()+` WHERE poison_id = $1 ORDER BY id`, id)
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", t.PoisonReplaysTable(), err)
+	}
+	defer rows.Close()
+	out := []PoisonReplay{}
+	for rows.Next() {
+		var r PoisonReplay
+		if err := rows.Scan(&r.ReplayedAt, &r.MessageID, &r.ReplayedBy, &r.TimesPoisoned); err != nil {
+			return nil, fmt.Errorf("read %s: %w", t.PoisonReplaysTable(), err)
+		}
+		r.ReplayedAt = r.ReplayedAt.UTC()
+		out = append(out, r)
+	}
+	return out, rows.Err()
+}
+
+// MarkPoisonReplayed sets replayed_at on the poison rows ids and records,
+// for each, a replay sent as messageIDs[i] by by, in tx.
+func (t Tables) MarkPoisonReplayed(ctx context.Context, tx DBTX, ids []int64, messageIDs []string, by string) error {
+	if _, err := tx.ExecContext(ctx, `UPDATE `+t.PoisonTable()+` SET replayed_at = now() WHERE id = ANY($1)`, ids); err != nil {
+		return fmt.Errorf("mark replayed: %w", err)
+	}
+	if _, err := tx.ExecContext(ctx, `INSERT INTO `+t.PoisonReplaysTable()+` (poison_id, message_id, replayed_by, times_poisoned)
+SELECT p.id, m.message_id, $3, p.times_poisoned
+FROM unnest($1::bigint[], $2::text[]) AS m(poison_id, message_id) JOIN `+t.PoisonTable()+` p ON p.id = m.poison_id`,
+		ids, messageIDs, by); err != nil {
+		return fmt.Errorf("record replay history: %w", err)
+	}
+	return nil
+}
+
+// DeletePoison deletes the poison rows ids and their replay history.
+func (t Tables) DeletePoison(ctx context.Context, db DBTX, ids []int64) error {
+	if _, err := db.ExecContext(ctx, `DELETE FROM `+t.PoisonTable()+` WHERE id = ANY($1)`, ids); err != nil {
+		return fmt.Errorf("delete from %s: %w", t.PoisonTable(), err)
+	}
+	return nil
+}
+
+// LastPoisonReason is the failure reason of the newest poison row of
+// eventID for group and handler, and whether there is one.
+func (t Tables) LastPoisonReason(ctx context.Context, db DBTX, group, handler, eventID string) (string, bool, error) {
+	var reason string
+	err := db.QueryRowContext(ctx, `SELECT reason FROM `+t.PoisonTable()+
+		` WHERE consumer_group = $1 AND handler = $2 AND event_id = $3 ORDER BY poisoned_at DESC LIMIT 1`,
+		group, handler, eventID).Scan(&reason)
+	if err == sql.ErrNoRows {
+		return "", false, nil
+	}
+	if err != nil {
+		return "", false, fmt.Errorf("read %s: %w", t.PoisonTable(), err)
+	}
+	return reason, true, nil
+}

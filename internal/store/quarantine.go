@@ -1,0 +1,168 @@
+package store
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Quarantine moves the outbox row r aside, in the relay's batch transaction
+// tx, with the reason no broker can take it; topic and eventID are empty
+// when its envelope is unreadable.
+func (t Tables) Quarantine(ctx context.Context, tx DBTX, r OutboxRow, topic, eventID, reason string) error {
+	_, err := tx.ExecContext(ctx, `INSERT INTO `+t.QuarantineTable()+
+		` (outbox_offset, outbox_uuid, destination_topic, event_id, payload, metadata, reason) VALUES ($1, $2, $3, $4, $5, $6, $7)`,
+		r.Offset, string(r.UUID), nullable(topic), nullable(eventID), r.Payload, string(r.Metadata), clean(reason))
+	if err != nil {
+		return fmt.Errorf("quarantine outbox row %d: %w", r.Offset, err)
+	}
+	return nil
+}
+
+func nullable(s string) sql.NullString { return sql.NullString{String: s, Valid: s != ""} }
+
+// QuarantineFilter selects rows of the relay quarantine; the zero filter
+// selects all.
+type QuarantineFilter struct {
+	IDs   []int64
+	Topic string
+	// Reason matches rows whose reason contains it, case-insensitively.
+	Reason string
+	// Since and Until bound quarantined_at: Since <= quarantined_at < Until.
+	Since, Until TimeBound
+	// Replayed, when set, selects rows replayed (true) or not (false).
+	Replayed *bool
+}
+
+func (f QuarantineFilter) where(args *[]any) []string {
+	var conds []string
+	arg := func(v any) string {
+		*args = append(*args, v)
+		return "$" + strconv.Itoa(len(*args))
+	}
+	if len(f.IDs) > 0 {
+		conds = append(conds, "q.id = ANY("+arg(f.IDs)+")")
+	}
+	if f.Topic != "" {
+		conds = append(conds, "q.destination_topic = "+arg(f.Topic))
+	}
+	if f.Reason != "" {
+		conds = append(conds, "strpos(lower(q.reason), lower("+arg(f.Reason)+")) > 0")
+	}
+	if f.Since.Set {
+		conds = append(conds, "q.quarantined_at >= "+f.Since.sql(arg))
+	}
+	if f.Until.Set {
+		conds = append(conds, "q.quarantined_at < "+f.Until.sql(arg))
+	}
+	if f.Replayed != nil && *f.Replayed {
+		conds = append(conds, "q.replayed_at IS NOT NULL")
+	}
+	if f.Replayed != nil && !*f.Replayed {
+		conds = append(conds, "q.replayed_at IS NULL")
+	}
+	return conds
+}
+
+// QuarantineQuery says which quarantine rows to read and how.
+type QuarantineQuery struct {
+	Filter QuarantineFilter
+	// NewestFirst orders by quarantined_at descending; else by id ascending.
+	NewestFirst bool
+	// Limit caps the rows read; 0 reads all.
+	Limit int
+	// Full also reads the payload (the outbox row's envelope) and metadata.
+	Full bool
+	// Lock takes the rows FOR UPDATE (inside a transaction).
+	Lock bool
+}
+
+// QuarantineRow is one row of the relay quarantine.
+type QuarantineRow struct {
+	ID            int64
+	OutboxOffset  int64
+	OutboxUUID    string
+	Topic         string // "" when the envelope was unreadable
+	EventID       string // "" when the envelope was unreadable
+	Reason        string
+	QuarantinedAt time.Time
+	ReplayedAt    *time.Time
+	TimesReplayed int
+	PayloadBytes  int
+
+	// With QuarantineQuery.Full only.
+	Payload  []byte
+	Metadata string
+}
+
+// Quarantined reads the rows q selects.
+func (t Tables) Quarantined(ctx context.Context, db DBTX, q QuarantineQuery) ([]QuarantineRow, error) {
+	cols := `q.id, q.outbox_offset, q.outbox_uuid, coalesce(q.destination_topic, ''), coalesce(q.event_id, ''), q.reason,
+	q.quarantined_at, q.replayed_at, q.times_replayed, length(q.payload)`
+	if q.Full {
+		cols += `, q.payload, coalesce(q.metadata, '')`
+	}
+	var args []any
+	var b strings.Builder
+	b.WriteString(`SELECT ` + cols + ` FROM ` + t.QuarantineTable() + ` q`)
+	if where := q.Filter.where(&args); len(where) > 0 {
+		b.WriteString("\nWHERE " + strings.Join(where, " AND "))
+	}
+	if q.NewestFirst {
+		b.WriteString("\nORDER BY q.quarantined_at DESC, q.id DESC")
+	} else {
+		b.WriteString("\nORDER BY q.id")
+	}
+	if q.Limit > 0 {
+		b.WriteString(" LIMIT " + strconv.Itoa(q.Limit))
+	}
+	if q.Lock {
+		b.WriteString(" FOR UPDATE OF q")
+	}
+	rows, err := db.QueryContext(ctx, b.String(), args...)
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", t.QuarantineTable(), err)
+	}
+	defer rows.Close()
+	var out []QuarantineRow
+	for rows.Next() {
+		var r QuarantineRow
+		var replayed sql.NullTime
+		dest := []any{&r.ID, &r.OutboxOffset, &r.OutboxUUID, &r.Topic, &r.EventID, &r.Reason,
+			&r.QuarantinedAt, &replayed, &r.TimesReplayed, &r.PayloadBytes}
+		if q.Full {
+			dest = append(dest, &r.Payload, &r.Metadata)
+		}
+		if err := rows.Scan(dest...); err != nil {
+			return nil, fmt.Errorf("read %s: %w", t.QuarantineTable(), err)
+		}
+		r.QuarantinedAt = r.QuarantinedAt.UTC()
+		r.ReplayedAt = utcPtr(replayed)
+		out = append(out, r)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read %s: %w", t.QuarantineTable(), err)
+	}
+	return out, nil
+}
+
+// MarkQuarantineReplayed sets replayed_at and counts a replay of the
+// quarantine rows ids, in tx.
+func (t Tables) MarkQuarantineReplayed(ctx context.Context, tx DBTX, ids []int64) error {
+	if _, err := tx.ExecContext(ctx, `UPDATE `+t.QuarantineTable()+
+		` SET replayed_at = now(), times_replayed = times_replayed + 1 WHERE id = ANY($1)`, ids); err != nil {
+		return fmt.Errorf("mark replayed: %w", err)
+	}
+	return nil
+}
+
+// DeleteQuarantined deletes the quarantine rows ids.
+func (t Tables) DeleteQuarantined(ctx context.Context, db DBTX, ids []int64) error {
+	if _, err := db.ExecContext(ctx, `DELETE FROM `+t.QuarantineTable()+` WHERE id = ANY($1)`, ids); err != nil {
+		return fmt.Errorf("delete from %s: %w", t.QuarantineTable(), err)
+	}
+	return nil
+}

@@ -1,0 +1,90 @@
+package store
+
+import (
+	"errors"
+	"fmt"
+
+	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
+
+	"github.com/millrace-io/millrace/internal/names"
+)
+
+// NotifyChannel is the LISTEN/NOTIFY channel the outbox trigger signals on
+// commit; the payload is the outbox table's qualified name.
+const NotifyChannel = "millrace_outbox"
+
+// Tables names every table of one millrace installation.
+type Tables struct {
+	// Schema is the PostgreSQL schema holding every table.
+	Schema string
+	// OutboxTopic is the watermill-sql topic of the outbox (the forwarder topic).
+	OutboxTopic string
+}
+
+// MaxIdentifierLength is PostgreSQL's limit on identifiers, in bytes.
+const MaxIdentifierLength = 63
+
+// MaxOutboxTopicLength is the longest outbox topic: "watermill_offsets_" +
+// topic must fit in an identifier.
+const MaxOutboxTopicLength = MaxIdentifierLength - len("watermill_offsets_")
+
+// Validate reports a schema or outbox topic that cannot be part of an SQL
+// identifier (names.Identifier: lowercase letters, digits and '_'). Every
+// function that builds SQL from Tables calls it first: the names are
+// quoted, but never trusted.
+func (t Tables) Validate() error {
+	var errs []error
+	if err := names.Schema(t.Schema, MaxIdentifierLength); err != nil {
+		errs = append(errs, fmt.Errorf("schema %q: %w", t.Schema, err))
+	}
+	if err := names.Identifier(t.OutboxTopic, MaxOutboxTopicLength); err != nil {
+		errs = append(errs, fmt.Errorf("outbox topic %q: %w", t.OutboxTopic, err))
+	}
+	return errors.Join(errs...)
+}
+
+func (t Tables) qualify(name string) string {
+	return fmt.Sprintf(`"%s"."%s"`, t.Schema, name)
+}
+
+// OutboxTable is the qualified outbox table, watermill-sql's "watermill_<topic>".
+func (t Tables) OutboxTable() string { return t.qualify("watermill_" + t.OutboxTopic) }
+
+// OffsetsTable is the qualified offsets table, watermill-sql's "watermill_offsets_<topic>".
+func (t Tables) OffsetsTable() string { return t.qualify("watermill_offsets_" + t.OutboxTopic) }
+
+// InboxTable is the qualified inbox (processed messages) table.
+func (t Tables) InboxTable() string { return t.qualify("millrace_inbox") }
+
+// QuarantineTable is the qualified table where the relay moves outbox rows it
+// can never publish (corrupt envelope, message over the broker's limit).
+func (t Tables) QuarantineTable() string { return t.qualify("millrace_relay_quarantine") }
+
+// PoisonTable is the qualified poison (quarantine) table: messages the consumer
+// middleware gave up on, with their failure envelope, for listing and replay.
+func (t Tables) PoisonTable() string { return t.qualify("millrace_poison") }
+
+// PoisonReplaysTable is the qualified table of replay history: one row each time
+// `millrace dlq replay` sent a poisoned message back through the outbox.
+func (t Tables) PoisonReplaysTable() string { return t.qualify("millrace_poison_replays") }
+
+// AggregateVersionsTable is the qualified table of the ordering guard: the latest
+// aggregate version each consumer group applied, per aggregate.
+func (t Tables) AggregateVersionsTable() string { return t.qualify("millrace_aggregate_versions") }
+
+// OutboxNotifyPayload is the NOTIFY payload that names this outbox.
+func (t Tables) OutboxNotifyPayload() string { return t.Schema + ".watermill_" + t.OutboxTopic }
+
+// SchemaAdapter is watermill-sql's PostgreSQL schema adapter pointed at the outbox table.
+func (t Tables) SchemaAdapter() watermillsql.DefaultPostgreSQLSchema {
+	return watermillsql.DefaultPostgreSQLSchema{
+		GenerateMessagesTableName: func(string) string { return t.OutboxTable() },
+	}
+}
+
+// OffsetsAdapter is watermill-sql's PostgreSQL offsets adapter pointed at the offsets table.
+func (t Tables) OffsetsAdapter() watermillsql.DefaultPostgreSQLOffsetsAdapter {
+	return watermillsql.DefaultPostgreSQLOffsetsAdapter{
+		GenerateMessagesOffsetsTableName: func(string) string { return t.OffsetsTable() },
+	}
+}

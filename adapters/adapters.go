@@ -9,7 +9,6 @@ package adapters
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strings"
 	"time"
@@ -73,32 +72,6 @@ func (o Options) WithDefaults() Options {
 		o.ConnectTimeout = 10 * time.Second
 	}
 	return o
-}
-
-// ErrMessageTooLarge is wrapped by the error for a message over the broker's
-// size limit; the error text names the limit. It is permanent.
-var ErrMessageTooLarge = errors.New("message larger than the broker accepts")
-
-// permanentError marks an error that retrying cannot fix.
-type permanentError struct{ err error }
-
-func (e *permanentError) Error() string { return e.err.Error() }
-func (e *permanentError) Unwrap() error { return e.err }
-
-// Permanent marks err as one that retrying the same message cannot fix (too
-// large, refused by the broker's validation). Other errors are retryable.
-func Permanent(err error) error {
-	if err == nil {
-		return nil
-	}
-	return &permanentError{err: err}
-}
-
-// IsPermanent reports whether err, or any error it wraps, was marked
-// Permanent or is ErrMessageTooLarge.
-func IsPermanent(err error) bool {
-	var p *permanentError
-	return errors.As(err, &p) || errors.Is(err, ErrMessageTooLarge)
 }
 
 // BatchError reports the messages of a PublishBatch call the broker did not

@@ -72,9 +72,12 @@ func (e *RefusedError) Error() string {
 	return fmt.Sprintf("%s: %s: %s", e.Broker, e.Part, e.Problem)
 }
 
-// Refused returns a permanent *RefusedError.
+// Permanent is true: a broker refuses the same message again.
+func (e *RefusedError) Permanent() bool { return true }
+
+// Refused returns a *RefusedError.
 func Refused(broker string, part Part, key, format string, args ...any) error {
-	return Permanent(&RefusedError{Broker: broker, Part: part, Key: key, Problem: fmt.Sprintf(format, args...)})
+	return &RefusedError{Broker: broker, Part: part, Key: key, Problem: fmt.Sprintf(format, args...)}
 }
 
 // CheckWatermillUUIDHeader refuses metadata that uses WatermillUUIDHeader,

@@ -3,6 +3,8 @@ package bus
 import (
 	"errors"
 	"fmt"
+
+	"github.com/millrace-io/millrace/adapters"
 )
 
 // Errors Publish returns; test for them with errors.Is. When one is returned,
@@ -68,6 +70,24 @@ func (e *EventError) Unwrap() []error {
 	}
 	return []error{e.Kind, e.Err}
 }
+
+// Permanent is true: Publish refuses the same event again. An *EventError
+// met by a handler (publishing a follow-up event) poisons the message at once.
+func (e *EventError) Permanent() bool { return true }
+
+// Permanent marks err as one that retrying cannot fix; a handler returns it
+// for a payload that does not decode, an unknown schema version or a broken
+// business invariant, and the message is poisoned at once instead of
+// retried. The relay and the adapters recognise it too (it is
+// adapters.Permanent, which middleware.Permanent is as well). Permanent(nil)
+// is nil.
+func Permanent(err error) error { return adapters.Permanent(err) }
+
+// IsPermanent reports whether err, or any error it wraps, is permanent:
+// marked with Permanent, an *EventError, a *middleware.InvalidError, a
+// broker's *adapters.RefusedError, a message too large or a topology
+// conflict.
+func IsPermanent(err error) bool { return adapters.IsPermanent(err) }
 
 func fieldErr(field string, kind error, detail string) *EventError {
 	return &EventError{Field: field, Kind: kind, Detail: detail}

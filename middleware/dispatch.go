@@ -212,83 +212,108 @@ func (d *Dispatcher) Close() error {
 	return nil
 }
 
-// run is the scheduler: it owns every queue, so it needs no lock.
+// run is the scheduler: it owns every queue, so it needs no lock. It feeds
+// the router until the Dispatcher stops or its subscriptions end, then
+// drains what is in flight and lets the subscriptions close.
 func (d *Dispatcher) run(subs []subscription, out chan<- *message.Message) {
 	defer close(out)
-	stopping := d.stopCtx.Done()
 	drained := make(chan struct{})
+	in, inputsDone := d.fanIn(subs, drained)
+	// A watcher per released message reports its ack or nack here; the
+	// buffer (one per worker slot) means a watcher never blocks.
+	finished := make(chan finishedMsg, d.cfg.Workers)
+	s := newSchedule(d.cfg.Ordered)
+	d.dispatch(s, in, out, inputsDone, finished)
+	d.stop() // when the subscriptions ended by themselves
+	s.nackHeld()
+	d.drain(s, finished)
+	close(drained)
+	<-inputsDone
+}
 
-	// One fan-in goroutine per subscription keeps its order and, when the
-	// Dispatcher stops, closes it. Once stopping it releases nothing more
-	// but keeps taking what the subscription delivers until the messages in
-	// flight are drained, then closes the subscription and nacks what it
-	// took: a subscription left blocked on its output channel races with its
-	// own Close (watermill-nats v2.1.3), and one nacked while we drain gets
-	// the message straight back, in a loop. Closing from this goroutine also
-	// orders every receive before the Close.
-	in := make(chan *message.Message)
-	inputsDone := make(chan struct{})
-	var fanIn sync.WaitGroup
+// fanIn starts one goroutine per subscription (feed) that forwards its
+// messages to in, in order. inputsDone is closed when every subscription
+// is closed and its goroutine has ended; drained tells them the messages in
+// flight have been acked.
+func (d *Dispatcher) fanIn(subs []subscription, drained <-chan struct{}) (in chan *message.Message, inputsDone chan struct{}) {
+	in = make(chan *message.Message)
+	inputsDone = make(chan struct{})
+	var wg sync.WaitGroup
 	for _, sub := range subs {
-		fanIn.Add(1)
-		go func() {
-			defer fanIn.Done()
-			var held []*message.Message
-			defer func() {
-				for _, m := range held {
-					m.Nack()
-				}
-			}()
-		deliver:
-			for {
-				select {
-				case msg, ok := <-sub.ch:
-					if !ok {
-						_ = sub.close()
-						return
-					}
-					select {
-					case in <- msg:
-						continue
-					case <-stopping:
-						held = append(held, msg)
-						break deliver
-					}
-				case <-stopping:
-					break deliver
-				}
+		wg.Go(func() { d.feed(sub, in, drained) })
+	}
+	go func() {
+		wg.Wait()
+		close(inputsDone)
+	}()
+	return in, inputsDone
+}
+
+// feed forwards one subscription's messages to in until the Dispatcher
+// stops. Then it releases nothing more but keeps taking what the
+// subscription delivers until the messages in flight are drained, closes
+// the subscription and nacks what it took: a subscription left blocked on
+// its output channel races with its own Close (watermill-nats v2.1.3), and
+// one nacked while we drain gets the message straight back, in a loop.
+// Closing from this goroutine also orders every receive before the Close.
+func (d *Dispatcher) feed(sub subscription, in chan<- *message.Message, drained <-chan struct{}) {
+	held, open := d.deliver(sub, in)
+	defer func() {
+		for _, m := range held {
+			m.Nack()
+		}
+	}()
+	if !open {
+		_ = sub.close()
+		return
+	}
+	for {
+		select {
+		case msg, ok := <-sub.ch:
+			if !ok {
+				_ = sub.close()
+				return
 			}
-		hold:
-			for {
-				select {
-				case msg, ok := <-sub.ch:
-					if !ok {
-						_ = sub.close()
-						return
-					}
-					held = append(held, msg)
-				case <-drained:
-					break hold
-				}
-			}
+			held = append(held, msg)
+		case <-drained:
 			if err := sub.close(); err != nil {
 				d.cfg.Logger.Error("Closing a subscription failed", err, nil)
 			}
 			for msg := range sub.ch {
 				held = append(held, msg)
 			}
-		}()
+			return
+		}
 	}
-	go func() {
-		fanIn.Wait()
-		close(inputsDone)
-	}()
+}
 
-	// A watcher per released message reports its ack or nack here; the
-	// buffer (one per worker slot) means a watcher never blocks.
-	finished := make(chan finishedMsg, d.cfg.Workers)
-	s := newSchedule(d.cfg.Ordered)
-loop:
+// deliver forwards sub's messages to in until the Dispatcher stops; it
+// returns the message it took but could not forward, and whether the
+// subscription is still open.
+func (d *Dispatcher) deliver(sub subscription, in chan<- *message.Message) (held []*message.Message, open bool) {
+	stopping := d.stopCtx.Done()
+	for {
+		select {
+		case msg, ok := <-sub.ch:
+			if !ok {
+				return nil, false
+			}
+			select {
+			case in <- msg:
+			case <-stopping:
+				return []*message.Message{msg}, true
+			}
+		case <-stopping:
+			return nil, true
+		}
+	}
+}
+
+// dispatch releases messages from in to the router (out) as worker slots
+// and, in ordered mode, their aggregates allow, until the Dispatcher stops
+// or every subscription has ended.
+func (d *Dispatcher) dispatch(s *schedule, in <-chan *message.Message, out chan<- *message.Message, inputsDone <-chan struct{}, finished chan finishedMsg) {
+	stopping := d.stopCtx.Done()
 	for {
 		var recv <-chan *message.Message
 		if s.held < d.cfg.Prefetch {
@@ -315,35 +340,35 @@ loop:
 				m.Nack()
 			}
 		case <-inputsDone:
-			break loop
+			return
 		case <-stopping:
-			break loop
+			return
 		}
 	}
+}
 
-	d.stop() // when the subscriptions ended by themselves
-	s.nackHeld()
-	drain := time.NewTimer(d.cfg.DrainTimeout)
-	defer drain.Stop()
-	hadInFlight := s.inFlight > 0
+// drain waits up to DrainTimeout for the acks of the messages in flight,
+// while the subscriptions that carry them are still open.
+func (d *Dispatcher) drain(s *schedule, finished <-chan finishedMsg) {
+	if s.inFlight == 0 {
+		return
+	}
+	timeout := time.NewTimer(d.cfg.DrainTimeout)
+	defer timeout.Stop()
 	for s.inFlight > 0 {
 		select {
 		case f := <-finished:
 			s.finish(f.msg, f.acked)
-		case <-drain.C:
+		case <-timeout.C:
 			d.cfg.Logger.Error("Dispatcher stopped before every message in flight was acked; they will be redelivered",
 				nil, watermill.LogFields{"in_flight": s.inFlight, "drain_timeout": d.cfg.DrainTimeout.String()})
 			s.inFlight = 0
 		}
 	}
-	if hadInFlight {
-		// Watermill's subscribers pick at random between an ack and a close
-		// that are both ready: let the acks just given leave first, or their
-		// messages come back (as duplicates the inbox absorbs).
-		time.Sleep(ackGrace)
-	}
-	close(drained)
-	<-inputsDone
+	// Watermill's subscribers pick at random between an ack and a close
+	// that are both ready: let the acks just given leave first, or their
+	// messages come back (as duplicates the inbox absorbs).
+	time.Sleep(ackGrace)
 }
 
 type finishedMsg struct {

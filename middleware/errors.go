@@ -16,6 +16,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/envelope"
 )
 
@@ -30,37 +31,22 @@ const (
 	ClassTransient = "transient"
 )
 
-// permanentError marks an error that retrying the same message cannot fix.
-type permanentError struct{ err error }
-
-func (e *permanentError) Error() string { return e.err.Error() }
-func (e *permanentError) Unwrap() error { return e.err }
-
 // Permanent marks err as one that retrying the same message cannot fix: the
 // chain skips the retries and poisons the message at once. Use it for a
 // payload that does not decode, an unknown schema version or a broken
-// business invariant. Permanent(nil) is nil.
-func Permanent(err error) error {
-	if err == nil {
-		return nil
-	}
-	return &permanentError{err: err}
-}
+// business invariant. Permanent(nil) is nil. It is adapters.Permanent: the
+// relay and the adapters recognise it too.
+func Permanent(err error) error { return adapters.Permanent(err) }
 
-// IsPermanent reports whether err, or any error it wraps, was marked
-// Permanent or is an *InvalidError.
-func IsPermanent(err error) bool {
-	var p *permanentError
-	var inv *InvalidError
-	return errors.As(err, &p) || errors.As(err, &inv)
-}
+// IsPermanent reports whether err, or any error it wraps, is permanent:
+// marked Permanent (here, in bus or in adapters), an *InvalidError, a
+// broker's refusal. It is adapters.IsPermanent.
+func IsPermanent(err error) bool { return adapters.IsPermanent(err) }
 
 // IsRetryable is the one error classification every stage of the chain uses:
 // nil and permanent errors are not retryable, every other error is (a
 // timeout, a refused connection, a deadlock, a panic in the handler).
-func IsRetryable(err error) bool {
-	return err != nil && !IsPermanent(err)
-}
+func IsRetryable(err error) bool { return adapters.IsRetryable(err) }
 
 // InvalidError says which part of a consumed message is invalid. It is
 // permanent. Field is a path such as "payload.amount", "metadata" or
@@ -75,6 +61,9 @@ type InvalidError struct {
 }
 
 func (e *InvalidError) Error() string { return "invalid " + e.Field + ": " + e.Problem }
+
+// Permanent is true: the message stays invalid however often it is tried.
+func (e *InvalidError) Permanent() bool { return true }
 
 // Unwrap returns the underlying error.
 func (e *InvalidError) Unwrap() error { return e.Err }

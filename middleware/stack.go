@@ -205,11 +205,10 @@ func (c *Chain) Config() Config { return c.cfg }
 // Handler returns the handler the chain was built for.
 func (c *Chain) Handler() Handler { return c.spec }
 
-// Middlewares returns the chain, outermost first, for
-// router.AddConsumerHandler(...).AddMiddleware(chain.Middlewares()...).
-// Do not add Watermill's Retry, PoisonQueue or CircuitBreaker around it:
-// the chain has its own, and doc.go explains the order.
-func (c *Chain) Middlewares() []message.HandlerMiddleware {
+// stages returns the chain, outermost first. The stages share the
+// message's delivery state, which observe creates, so they only work
+// together and in this order: Wrap is the way to use them.
+func (c *Chain) stages() []message.HandlerMiddleware {
 	mws := []message.HandlerMiddleware{
 		c.observe,
 		wmw.Recoverer, // a panic in the chain itself: nack, never lose the message
@@ -233,7 +232,7 @@ func (c *Chain) Wrap(h message.NoPublishHandlerFunc) message.NoPublishHandlerFun
 	next := message.HandlerFunc(func(msg *message.Message) ([]*message.Message, error) {
 		return nil, h(msg)
 	})
-	mws := c.Middlewares()
+	mws := c.stages()
 	for i := len(mws) - 1; i >= 0; i-- {
 		next = mws[i](next)
 	}

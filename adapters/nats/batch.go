@@ -21,7 +21,7 @@ const (
 )
 
 // errBrokerClosed is returned by calls on a closed Broker.
-var errBrokerClosed = errors.New("nats: broker closed")
+var errBrokerClosed = fmt.Errorf("nats: %w", adapters.ErrClosed)
 
 // PublishBatch publishes msgs with JetStream's asynchronous publish, in slice
 // order on one connection, each with Nats-Msg-Id set to msg.UUID, keeping at

@@ -16,14 +16,10 @@ import (
 // existing stream".
 const codeSubjectOverlap = 10065
 
-// ErrTopologyConflict is wrapped by Provision's error when a stream or
-// consumer exists with settings other than the configured ones.
-var ErrTopologyConflict = errors.New("existing JetStream topology differs from broker.nats")
-
 // Provision makes topic's stream and a durable consumer for each of
 // consumerGroups exist with the configured settings. It is idempotent. An
 // existing stream or consumer with other settings is left alone and reported
-// (wrapping ErrTopologyConflict) with each difference; so is a server that
+// (wrapping adapters.ErrTopologyConflict) with each difference; so is a server that
 // silently ignored a setting. Both, and a topic or group that is not a valid
 // name, are permanent errors (adapters.IsPermanent): retrying cannot fix them.
 func (b *Broker) Provision(ctx context.Context, topic string, consumerGroups ...string) error {
@@ -121,7 +117,7 @@ func (b *Broker) ensureStream(ctx context.Context, topic string) error {
 	if err != nil {
 		if apiErrorCode(err) == codeSubjectOverlap {
 			return adapters.Permanent(fmt.Errorf("nats: stream %q for topic %q: another stream already captures subject %q: %w",
-				want.Name, topic, topic, ErrTopologyConflict))
+				want.Name, topic, topic, adapters.ErrTopologyConflict))
 		}
 		return fmt.Errorf("nats: provisioning stream %q for topic %q: %w", want.Name, topic, err)
 	}
@@ -174,7 +170,7 @@ func (b *Broker) ensureConsumer(ctx context.Context, topic, group string) error 
 	if err != nil {
 		if errors.Is(err, jetstream.ErrNotPushConsumer) {
 			return adapters.Permanent(fmt.Errorf("nats: consumer %q on stream %q (group %q, topic %q) is a pull consumer; millrace needs a push consumer: %w",
-				want.Durable, stream, group, topic, ErrTopologyConflict))
+				want.Durable, stream, group, topic, adapters.ErrTopologyConflict))
 		}
 		return fmt.Errorf("nats: provisioning consumer %q on stream %q (group %q, topic %q): %w", want.Durable, stream, group, topic, err)
 	}
@@ -193,10 +189,10 @@ func (b *Broker) ensureConsumer(ctx context.Context, topic, group string) error 
 func (b *Broker) conflict(created bool, kind, what, topic string, diffs []string) error {
 	if created {
 		return adapters.Permanent(fmt.Errorf("nats: the server (version %s) did not apply every setting of the new %s for topic %q: %s; it may be too old for them: %w",
-			b.nc.ConnectedServerVersion(), what, topic, strings.Join(diffs, "; "), ErrTopologyConflict))
+			b.nc.ConnectedServerVersion(), what, topic, strings.Join(diffs, "; "), adapters.ErrTopologyConflict))
 	}
 	return adapters.Permanent(fmt.Errorf("nats: %s for topic %q exists with settings other than broker.nats: %s; change the config or the %s (nats %s edit, or delete it) so they agree: %w",
-		what, topic, strings.Join(diffs, "; "), kind, kind, ErrTopologyConflict))
+		what, topic, strings.Join(diffs, "; "), kind, kind, adapters.ErrTopologyConflict))
 }
 
 // diffStream lists each field millrace sets whose value on the server (got)

@@ -10,6 +10,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/adaptertest"
 )
 
@@ -77,7 +78,7 @@ func TestProvisionReportsConflicts(t *testing.T) {
 		require.NoError(t, err)
 		trackStream(url, other.Name)
 		err = b.Provision(ctx, topic)
-		require.ErrorIs(t, err, ErrTopologyConflict)
+		require.ErrorIs(t, err, adapters.ErrTopologyConflict)
 		for _, want := range []string{
 			"stream \"" + StreamName(topic) + "\"", "topic \"" + topic + "\"",
 			"max_age is 1h0m0s on the server, 168h0m0s wanted (broker.nats.stream.max_age)",
@@ -98,7 +99,7 @@ func TestProvisionReportsConflicts(t *testing.T) {
 		_, err = b.js.CreatePushConsumer(ctx, StreamName(topic2), cc)
 		require.NoError(t, err)
 		err = b.Provision(ctx, topic2, group)
-		require.ErrorIs(t, err, ErrTopologyConflict)
+		require.ErrorIs(t, err, adapters.ErrTopologyConflict)
 		require.ErrorContains(t, err, "ack_wait is 5s on the server, 1m0s wanted (broker.nats.consumer.ack_wait)")
 
 		// A pull consumer under the group's name.
@@ -106,7 +107,7 @@ func TestProvisionReportsConflicts(t *testing.T) {
 		_, err = b.js.CreateConsumer(ctx, StreamName(topic2), jetstream.ConsumerConfig{Durable: ConsumerName(group2), AckPolicy: jetstream.AckExplicitPolicy})
 		require.NoError(t, err)
 		err = b.Provision(ctx, topic2, group2)
-		require.ErrorIs(t, err, ErrTopologyConflict)
+		require.ErrorIs(t, err, adapters.ErrTopologyConflict)
 		require.ErrorContains(t, err, "pull consumer")
 
 		// Another stream already captures the topic's subject.
@@ -115,7 +116,7 @@ func TestProvisionReportsConflicts(t *testing.T) {
 		require.NoError(t, err)
 		trackStream(url, otherName)
 		err = b.Provision(ctx, topic3)
-		require.ErrorIs(t, err, ErrTopologyConflict)
+		require.ErrorIs(t, err, adapters.ErrTopologyConflict)
 		require.ErrorContains(t, err, "another stream already captures subject")
 	})
 }

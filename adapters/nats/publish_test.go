@@ -97,7 +97,7 @@ func TestPublishBatchFailsAConflictingTopicAlone(t *testing.T) {
 		require.ErrorAs(t, err, &be)
 		require.Equal(t, 2, be.FirstUnconfirmed())
 		require.Equal(t, 1, be.Failed())
-		require.ErrorIs(t, be.Errs[2], ErrTopologyConflict)
+		require.ErrorIs(t, be.Errs[2], adapters.ErrTopologyConflict)
 		require.Contains(t, be.Errs[2].Error(), "max_age is 1h0m0s on the server, 168h0m0s wanted")
 		require.True(t, adapters.IsPermanent(be.Errs[2]), "no retry fixes a conflict: the relay quarantines the message")
 		require.EqualValues(t, 4, streamMsgs(t, b, good), "the other topic's messages were stored")

@@ -16,8 +16,8 @@ import (
 	"github.com/millrace-io/millrace/internal/confload"
 )
 
-// ErrClosed is returned by every call on a closed Broker.
-var ErrClosed = errors.New("rabbitmq: broker is closed")
+// errClosed is returned by every call on a closed Broker.
+var errClosed = fmt.Errorf("rabbitmq: %w", adapters.ErrClosed)
 
 // Broker is a RabbitMQ connection as millrace uses it: quorum queues, one
 // per topic and consumer group, with publisher confirms on every publish.
@@ -124,7 +124,7 @@ func (b *Broker) connection(ctx context.Context) (*amqp.Connection, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.closed {
-		return nil, ErrClosed
+		return nil, errClosed
 	}
 	if b.conn != nil && !b.conn.IsClosed() {
 		return b.conn, nil
@@ -183,7 +183,7 @@ func (b *Broker) dropOnCancel(ctx context.Context, conn *amqp.Connection) (stop 
 // Provision declares the topology of topic and of each consumer group:
 // exchanges, the group's quorum queue, its dead-letter queue and the parking
 // queue for unroutable messages. It is idempotent. An existing object with
-// other settings is an error wrapping ErrTopologyConflict.
+// other settings is an error wrapping adapters.ErrTopologyConflict.
 func (b *Broker) Provision(ctx context.Context, topic string, consumerGroups ...string) error {
 	if err := checkNames(topic, consumerGroups...); err != nil {
 		return err

@@ -70,16 +70,16 @@ func TestOpenInvalidConfig(t *testing.T) {
 	require.NotContains(t, err.Error(), "pw@")
 }
 
-// Close is idempotent and every later call fails with ErrClosed.
+// Close is idempotent and every later call fails with adapters.ErrClosed.
 func TestClose(t *testing.T) {
 	t.Parallel()
 	b, err := Open(context.Background(), testConfig(serverURL()), adapters.Options{})
 	require.NoError(t, err)
 	require.NoError(t, b.Close())
 	require.NoError(t, b.Close())
-	require.ErrorIs(t, b.Provision(context.Background(), adaptertest.Name("t")), ErrClosed)
+	require.ErrorIs(t, b.Provision(context.Background(), adaptertest.Name("t")), adapters.ErrClosed)
 	_, err = b.Subscriber("g")
-	require.ErrorIs(t, err, ErrClosed)
+	require.ErrorIs(t, err, adapters.ErrClosed)
 	err = b.PublishBatch(context.Background(), outgoing(adaptertest.Name("t"), newMsg("1")))
-	require.ErrorIs(t, err, ErrClosed)
+	require.ErrorIs(t, err, adapters.ErrClosed)
 }

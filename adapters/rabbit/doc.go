@@ -19,7 +19,7 @@
 // Provision declares all of it, idempotently; Subscribe does it for its
 // group, and PublishBatch for a topic on first use. An existing object with
 // other settings (a classic queue where a quorum queue belongs, another
-// delivery limit) is a permanent error wrapping ErrTopologyConflict that
+// delivery limit) is a permanent error wrapping adapters.ErrTopologyConflict that
 // names the object and quotes the broker's description of the difference.
 // Topology changes of existing queues need a new queue or a policy.
 //

@@ -57,7 +57,7 @@ func (b *Broker) Subscriber(consumerGroup string) (message.Subscriber, error) {
 	closed := b.closed
 	b.mu.Unlock()
 	if closed {
-		return nil, ErrClosed
+		return nil, errClosed
 	}
 	s := &subscriber{b: b, group: consumerGroup, closing: make(chan struct{})}
 	if _, err := s.connection(context.Background()); err != nil {
@@ -67,7 +67,7 @@ func (b *Broker) Subscriber(consumerGroup string) (message.Subscriber, error) {
 	if b.closed {
 		b.mu.Unlock()
 		_ = s.Close()
-		return nil, ErrClosed
+		return nil, errClosed
 	}
 	b.subs[s] = struct{}{}
 	b.mu.Unlock()

@@ -40,14 +40,6 @@ func deadLetterExchangeName(topic string) string { return topic + ":dlx" }
 // maxNameBytes is AMQP's limit on exchange and queue names (short strings).
 const maxNameBytes = 255
 
-// ErrTopologyConflict is wrapped by the error Provision, Subscribe and
-// PublishBatch return when an exchange or queue already exists with settings
-// other than the ones this adapter declares (for example a classic queue
-// where a quorum queue is configured). The error text names the object and
-// quotes the broker's description of the difference. It is permanent:
-// retrying cannot fix it until someone deletes or changes the object.
-var ErrTopologyConflict = errors.New("existing RabbitMQ topology differs from the configured one")
-
 // checkNames validates topic and groups and the lengths of the names derived
 // from them.
 func checkNames(topic string, groups ...string) error {
@@ -246,5 +238,5 @@ func conflictError(kind, name, what, reason, want string) error {
 	return adapters.Permanent(fmt.Errorf(
 		"rabbitmq: %s %q %s: %w: the broker says %q; millrace declares a %s. "+
 			"Delete the %s (its messages go with it) or change the configuration to match",
-		kind, name, what, ErrTopologyConflict, reason, want, kind))
+		kind, name, what, adapters.ErrTopologyConflict, reason, want, kind))
 }

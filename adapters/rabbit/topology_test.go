@@ -45,7 +45,7 @@ func TestProvisionConflictingQueue(t *testing.T) {
 
 	err = b.Provision(context.Background(), topic, group)
 	require.Error(t, err)
-	require.ErrorIs(t, err, ErrTopologyConflict)
+	require.ErrorIs(t, err, adapters.ErrTopologyConflict)
 	require.True(t, adapters.IsPermanent(err), "a conflict is permanent: %v", err)
 	for _, want := range []string{QueueName(topic, group), "x-queue-type", "quorum"} {
 		require.Contains(t, err.Error(), want)
@@ -56,7 +56,7 @@ func TestProvisionConflictingQueue(t *testing.T) {
 	require.NoError(t, err)
 	defer sub.Close()
 	_, err = sub.Subscribe(context.Background(), topic)
-	require.ErrorIs(t, err, ErrTopologyConflict, "Subscribe reports the conflict too")
+	require.ErrorIs(t, err, adapters.ErrTopologyConflict, "Subscribe reports the conflict too")
 
 	// Still usable: another group provisions, publishing works.
 	other := adaptertest.Name("g")
@@ -79,7 +79,7 @@ func TestProvisionChangedDeliveryLimit(t *testing.T) {
 	cfg.DeliveryLimit = 5
 	changed := openBroker(t, cfg)
 	err := changed.Provision(context.Background(), topic, group)
-	require.ErrorIs(t, err, ErrTopologyConflict)
+	require.ErrorIs(t, err, adapters.ErrTopologyConflict)
 	require.Contains(t, err.Error(), "exists with other settings")
 	require.Contains(t, err.Error(), "x-delivery-limit")
 	t.Log(err)
@@ -103,7 +103,7 @@ func TestPublishBatchConflictingExchange(t *testing.T) {
 	var be *adapters.BatchError
 	require.ErrorAs(t, err, &be)
 	require.NoError(t, be.Errs[0])
-	require.ErrorIs(t, be.Errs[1], ErrTopologyConflict)
+	require.ErrorIs(t, be.Errs[1], adapters.ErrTopologyConflict)
 	require.True(t, adapters.IsPermanent(be.Errs[1]))
 	require.Contains(t, be.Errs[1].Error(), "exchange "+`"`+bad+`"`)
 	require.Contains(t, be.Errs[1].Error(), "type")

@@ -102,6 +102,48 @@ func missingIDs(what string, ids []int64, found map[int64]bool) error {
 	return &NotFoundError{What: what, IDs: missing}
 }
 
+// page converts rows read with a limit of limit+1 and says whether more
+// matched than limit (0: no limit).
+func page[R, T any](rows []R, convert func(R) T, limit int) (out []T, truncated bool) {
+	out = make([]T, 0, len(rows))
+	for _, r := range rows {
+		out = append(out, convert(r))
+	}
+	if limit > 0 && len(out) > limit {
+		return out[:limit], true
+	}
+	return out, false
+}
+
+// listLimit is the limit to read for a page of limit rows: one more, to
+// tell whether more match.
+func listLimit(limit int) (int, error) {
+	switch {
+	case limit < 0:
+		return 0, fmt.Errorf("millrace: the limit must not be negative; got %d", limit)
+	case limit == 0:
+		return 0, nil
+	}
+	return limit + 1, nil
+}
+
+// inTx runs f in a transaction and commits it unless dryRun (then it rolls
+// back: a dry run changes nothing).
+func (o *Ops) inTx(ctx context.Context, dryRun bool, what string, f func(tx *sql.Tx) error) error {
+	tx, err := o.db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("millrace: begin transaction: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
+	if err := f(tx); err != nil || dryRun {
+		return err
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("millrace: commit %s: %w", what, err)
+	}
+	return nil
+}
+
 // ErrInvalidSelection is matched by the error of a replay or purge given
 // no selection, or several kinds of it at once.
 var ErrInvalidSelection = errors.New("millrace: invalid selection")

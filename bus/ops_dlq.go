@@ -1,7 +1,9 @@
 package bus
 
 import (
+	"cmp"
 	"context"
+	"database/sql"
 	"fmt"
 	"maps"
 	"strconv"
@@ -122,24 +124,16 @@ type PoisonList struct {
 // ListPoisoned lists the poisoned messages f selects, newest first, at most
 // limit of them (0: all).
 func (o *Ops) ListPoisoned(ctx context.Context, f PoisonFilter, limit int) (PoisonList, error) {
-	if limit < 0 {
-		return PoisonList{}, fmt.Errorf("millrace: list poisoned: the limit must not be negative; got %d", limit)
-	}
-	q := store.PoisonQuery{Filter: f.store(nil), NewestFirst: true}
-	if limit > 0 {
-		q.Limit = limit + 1
-	}
-	rows, err := o.tables.Poison(ctx, o.db, q)
+	read, err := listLimit(limit)
 	if err != nil {
 		return PoisonList{}, err
 	}
-	res := PoisonList{Messages: make([]PoisonedMessage, 0, len(rows))}
-	for _, r := range rows {
-		res.Messages = append(res.Messages, poisonedMessage(r))
+	rows, err := o.tables.Poison(ctx, o.db, store.PoisonQuery{Filter: f.store(nil), NewestFirst: true, Limit: read})
+	if err != nil {
+		return PoisonList{}, err
 	}
-	if limit > 0 && len(res.Messages) > limit {
-		res.Messages, res.Truncated = res.Messages[:limit], true
-	}
+	var res PoisonList
+	res.Messages, res.Truncated = page(rows, poisonedMessage, limit)
 	return res, nil
 }
 
@@ -253,17 +247,18 @@ func (o *Ops) ReplayPoisoned(ctx context.Context, sel PoisonSelection, opts Repl
 	if err != nil {
 		return res, err
 	}
-	tx, err := o.db.BeginTx(ctx, nil)
-	if err != nil {
-		return res, fmt.Errorf("millrace: begin transaction: %w", err)
-	}
-	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
+	err = o.inTx(ctx, opts.DryRun, "replay", func(tx *sql.Tx) error { return o.replayPoisoned(ctx, tx, q, sel.IDs, opts, &res) })
+	return res, err
+}
+
+// replayPoisoned is ReplayPoisoned's work in tx.
+func (o *Ops) replayPoisoned(ctx context.Context, tx *sql.Tx, q store.PoisonQuery, ids []int64, opts ReplayOptions, res *ReplayResult) error {
 	rows, err := o.tables.Poison(ctx, tx, q)
 	if err != nil {
-		return res, err
+		return err
 	}
-	if err := missingIDs("poisoned message", sel.IDs, foundPoison(rows)); err != nil {
-		return res, err
+	if err := missingIDs("poisoned message", ids, foundPoison(rows)); err != nil {
+		return err
 	}
 
 	// One message per event: the broker gives it to every consumer group of
@@ -279,7 +274,7 @@ func (o *Ops) ReplayPoisoned(ctx context.Context, sel PoisonSelection, opts Repl
 		byEvent[k] = append(byEvent[k], r)
 	}
 	var outbox []*message.Message
-	var ids []int64
+	var replayed []int64
 	var messageIDs []string
 	warned := map[string]bool{}
 	warn := func(format string, args ...any) {
@@ -307,7 +302,7 @@ func (o *Ops) ReplayPoisoned(ctx context.Context, sel PoisonSelection, opts Repl
 			messageID = uuid.Must(uuid.NewV7()).String()
 			msg, err := replayMessage(first, messageID)
 			if err != nil {
-				return res, fmt.Errorf("millrace: poisoned message %d: %w", first.ID, err)
+				return fmt.Errorf("millrace: poisoned message %d: %w", first.ID, err)
 			}
 			outbox = append(outbox, msg)
 		}
@@ -315,25 +310,10 @@ func (o *Ops) ReplayPoisoned(ctx context.Context, sel PoisonSelection, opts Repl
 		for _, r := range chosen {
 			res.Replayed = append(res.Replayed, ReplayedEntry{ID: r.ID, ConsumerGroup: r.ConsumerGroup, Handler: r.Handler,
 				Topic: r.Topic, EventID: r.EventID, EventType: r.EventType, MessageID: messageID})
-			ids = append(ids, r.ID)
+			replayed = append(replayed, r.ID)
 			messageIDs = append(messageIDs, messageID)
-			handler := o.cfg.Consumer.For(r.Handler)
-			if !*handler.Inbox.Enabled {
-				warn("handler %s has consumer.inbox.enabled false: nothing deduplicates its replays, so replaying a message twice processes it twice", r.Handler)
-			}
-			if *handler.OrderingGuard {
-				version, _ := strconv.ParseInt(r.Metadata[AggregateVersionKey], 10, 64)
-				aggType, aggID := r.Metadata[AggregateTypeKey], r.Metadata[AggregateIDKey]
-				if version > 0 && aggID != "" {
-					applied, err := o.tables.AppliedVersion(ctx, tx, r.ConsumerGroup, aggType, aggID)
-					if err != nil {
-						return res, err
-					}
-					if applied >= version {
-						warn("message %d: handler %s has the ordering guard on and has applied version %d of %s %s; the event is version %d, so the group drops its replay as stale",
-							r.ID, r.Handler, applied, aggType, aggID, version)
-					}
-				}
+			if err := o.replayWarnings(ctx, tx, r, warn); err != nil {
+				return err
 			}
 		}
 		if age := time.Since(occurredAt(first)); age > o.cfg.Consumer.Inbox.Retention {
@@ -341,23 +321,42 @@ func (o *Ops) ReplayPoisoned(ctx context.Context, sel PoisonSelection, opts Repl
 				k.eventID, k.topic, o.cfg.Consumer.Inbox.Retention)
 		}
 	}
-	if opts.DryRun || len(ids) == 0 {
-		return res, nil
+	if opts.DryRun || len(replayed) == 0 {
+		return nil
 	}
 	if err := o.tables.WriteOutbox(ctx, tx, outbox); err != nil {
-		return res, fmt.Errorf("millrace: %w", err)
+		return fmt.Errorf("millrace: %w", err)
 	}
-	by := opts.By
-	if by == "" {
-		by = "unknown"
+	if err := o.tables.MarkPoisonReplayed(ctx, tx, replayed, messageIDs, cmp.Or(opts.By, "unknown")); err != nil {
+		return fmt.Errorf("millrace: %w", err)
 	}
-	if err := o.tables.MarkPoisonReplayed(ctx, tx, ids, messageIDs, by); err != nil {
-		return res, fmt.Errorf("millrace: %w", err)
+	return nil
+}
+
+// replayWarnings warns when r's handler will not deduplicate its replay
+// (no inbox) or will drop it as stale (the ordering guard).
+func (o *Ops) replayWarnings(ctx context.Context, tx *sql.Tx, r store.PoisonRow, warn func(string, ...any)) error {
+	handler := o.cfg.Consumer.For(r.Handler)
+	if !*handler.Inbox.Enabled {
+		warn("handler %s has consumer.inbox.enabled false: nothing deduplicates its replays, so replaying a message twice processes it twice", r.Handler)
 	}
-	if err := tx.Commit(); err != nil {
-		return res, fmt.Errorf("millrace: commit replay: %w", err)
+	if !*handler.OrderingGuard {
+		return nil
 	}
-	return res, nil
+	version, _ := strconv.ParseInt(r.Metadata[AggregateVersionKey], 10, 64)
+	aggType, aggID := r.Metadata[AggregateTypeKey], r.Metadata[AggregateIDKey]
+	if version <= 0 || aggID == "" {
+		return nil
+	}
+	applied, err := o.tables.AppliedVersion(ctx, tx, r.ConsumerGroup, aggType, aggID)
+	if err != nil {
+		return err
+	}
+	if applied >= version {
+		warn("message %d: handler %s has the ordering guard on and has applied version %d of %s %s; the event is version %d, so the group drops its replay as stale",
+			r.ID, r.Handler, applied, aggType, aggID, version)
+	}
+	return nil
 }
 
 func foundPoison(rows []store.PoisonRow) map[int64]bool {
@@ -410,31 +409,26 @@ func (o *Ops) PurgePoisoned(ctx context.Context, sel PoisonSelection, dryRun boo
 	if err != nil {
 		return res, err
 	}
-	tx, err := o.db.BeginTx(ctx, nil)
-	if err != nil {
-		return res, fmt.Errorf("millrace: begin transaction: %w", err)
-	}
-	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
-	rows, err := o.tables.Poison(ctx, tx, q)
-	if err != nil {
-		return res, err
-	}
-	if err := missingIDs("poisoned message", sel.IDs, foundPoison(rows)); err != nil {
-		return res, err
-	}
-	ids := make([]int64, len(rows))
-	for i, r := range rows {
-		ids[i] = r.ID
-		res.Purged = append(res.Purged, poisonedMessage(r))
-	}
-	if dryRun || len(ids) == 0 {
-		return res, nil
-	}
-	if err := o.tables.DeletePoison(ctx, tx, ids); err != nil {
-		return res, fmt.Errorf("millrace: %w", err)
-	}
-	if err := tx.Commit(); err != nil {
-		return res, fmt.Errorf("millrace: commit purge: %w", err)
-	}
-	return res, nil
+	q.Full = false
+	err = o.inTx(ctx, dryRun, "purge", func(tx *sql.Tx) error {
+		rows, err := o.tables.Poison(ctx, tx, q)
+		if err != nil {
+			return err
+		}
+		if err := missingIDs("poisoned message", sel.IDs, foundPoison(rows)); err != nil {
+			return err
+		}
+		ids := make([]int64, len(rows))
+		for i, r := range rows {
+			ids[i] = r.ID
+		}
+		if len(ids) > 0 && !dryRun {
+			if err := o.tables.DeletePoison(ctx, tx, ids); err != nil {
+				return fmt.Errorf("millrace: %w", err)
+			}
+		}
+		res.Purged, _ = page(rows, poisonedMessage, 0)
+		return nil
+	})
+	return res, err
 }

@@ -2,6 +2,7 @@ package bus
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"time"
@@ -86,24 +87,16 @@ type QuarantineList struct {
 // ListQuarantined lists the quarantined rows f selects, newest first, at
 // most limit of them (0: all).
 func (o *Ops) ListQuarantined(ctx context.Context, f QuarantineFilter, limit int) (QuarantineList, error) {
-	if limit < 0 {
-		return QuarantineList{}, fmt.Errorf("millrace: list quarantined: the limit must not be negative; got %d", limit)
-	}
-	q := store.QuarantineQuery{Filter: f.store(nil), NewestFirst: true}
-	if limit > 0 {
-		q.Limit = limit + 1
-	}
-	rows, err := o.tables.Quarantined(ctx, o.db, q)
+	read, err := listLimit(limit)
 	if err != nil {
 		return QuarantineList{}, err
 	}
-	res := QuarantineList{Rows: make([]QuarantinedRow, 0, len(rows))}
-	for _, r := range rows {
-		res.Rows = append(res.Rows, quarantinedRow(r))
+	rows, err := o.tables.Quarantined(ctx, o.db, store.QuarantineQuery{Filter: f.store(nil), NewestFirst: true, Limit: read})
+	if err != nil {
+		return QuarantineList{}, err
 	}
-	if limit > 0 && len(res.Rows) > limit {
-		res.Rows, res.Truncated = res.Rows[:limit], true
-	}
+	var res QuarantineList
+	res.Rows, res.Truncated = page(rows, quarantinedRow, limit)
 	return res, nil
 }
 
@@ -190,59 +183,65 @@ func (o *Ops) ReplayQuarantined(ctx context.Context, sel QuarantineSelection, op
 	if err != nil {
 		return res, err
 	}
-	tx, err := o.db.BeginTx(ctx, nil)
+	err = o.inTx(ctx, opts.DryRun, "replay", func(tx *sql.Tx) error {
+		rows, err := o.tables.Quarantined(ctx, tx, q)
+		if err != nil {
+			return err
+		}
+		if err := missingIDs("quarantined row", sel.IDs, foundQuarantined(rows)); err != nil {
+			return err
+		}
+		var outbox []*message.Message
+		var ids []int64
+		for _, r := range rows {
+			if !o.replayable(r, opts.Force, &res) {
+				continue
+			}
+			res.Replayed = append(res.Replayed, quarantinedRow(r))
+			ids = append(ids, r.ID)
+			outbox = append(outbox, message.NewMessage(r.OutboxUUID, r.Payload))
+		}
+		res.Messages = len(outbox)
+		if opts.DryRun || len(ids) == 0 {
+			return nil
+		}
+		if err := o.tables.WriteOutbox(ctx, tx, outbox); err != nil {
+			return fmt.Errorf("millrace: %w", err)
+		}
+		return o.tables.MarkQuarantineReplayed(ctx, tx, ids)
+	})
+	return res, err
+}
+
+// replayable reports whether r can be replayed, and records in res why not
+// (or, with force, that the broker will refuse it again).
+func (o *Ops) replayable(r store.QuarantineRow, force bool, res *QuarantineReplayResult) bool {
+	row := quarantinedRow(r)
+	topic, msg, err := envelope.Unwrap(r.Payload)
 	if err != nil {
-		return res, fmt.Errorf("millrace: begin transaction: %w", err)
+		res.Skipped = append(res.Skipped, QuarantineSkipped{QuarantinedRow: row, Skip: SkipUnreadable, Detail: err.Error()})
+		return false
 	}
-	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
-	rows, err := o.tables.Quarantined(ctx, tx, q)
-	if err != nil {
-		return res, err
+	err = o.cfg.Broker.Rules().CheckMessage(topic, msg)
+	var refused *adapters.RefusedError
+	switch {
+	case err == nil:
+		return true
+	case !force || !errors.As(err, &refused):
+		res.Skipped = append(res.Skipped, QuarantineSkipped{QuarantinedRow: row, Skip: SkipRefusedByBroker, Detail: err.Error()})
+		return false
 	}
+	res.Warnings = append(res.Warnings, fmt.Sprintf("row %d is still refused by broker.kind %s (%v); replayed because of Force, the relay will quarantine it again",
+		r.ID, o.cfg.Broker.Kind, err))
+	return true
+}
+
+func foundQuarantined(rows []store.QuarantineRow) map[int64]bool {
 	found := make(map[int64]bool, len(rows))
 	for _, r := range rows {
 		found[r.ID] = true
 	}
-	if err := missingIDs("quarantined row", sel.IDs, found); err != nil {
-		return res, err
-	}
-	rules := o.cfg.Broker.Rules()
-	var outbox []*message.Message
-	var ids []int64
-	for _, r := range rows {
-		row := quarantinedRow(r)
-		topic, msg, err := envelope.Unwrap(r.Payload)
-		if err != nil {
-			res.Skipped = append(res.Skipped, QuarantineSkipped{QuarantinedRow: row, Skip: SkipUnreadable, Detail: err.Error()})
-			continue
-		}
-		if err := rules.CheckMessage(topic, msg); err != nil {
-			var refused *adapters.RefusedError
-			if !opts.Force || !errors.As(err, &refused) {
-				res.Skipped = append(res.Skipped, QuarantineSkipped{QuarantinedRow: row, Skip: SkipRefusedByBroker, Detail: err.Error()})
-				continue
-			}
-			res.Warnings = append(res.Warnings, fmt.Sprintf("row %d is still refused by broker.kind %s (%v); replayed because of Force, the relay will quarantine it again",
-				r.ID, o.cfg.Broker.Kind, err))
-		}
-		res.Replayed = append(res.Replayed, row)
-		ids = append(ids, r.ID)
-		outbox = append(outbox, message.NewMessage(r.OutboxUUID, r.Payload))
-	}
-	res.Messages = len(outbox)
-	if opts.DryRun || len(ids) == 0 {
-		return res, nil
-	}
-	if err := o.tables.WriteOutbox(ctx, tx, outbox); err != nil {
-		return res, fmt.Errorf("millrace: %w", err)
-	}
-	if err := o.tables.MarkQuarantineReplayed(ctx, tx, ids); err != nil {
-		return res, fmt.Errorf("millrace: %w", err)
-	}
-	if err := tx.Commit(); err != nil {
-		return res, fmt.Errorf("millrace: commit replay: %w", err)
-	}
-	return res, nil
+	return found
 }
 
 // QuarantinePurgeResult is what a purge of quarantined rows did (with
@@ -263,33 +262,25 @@ func (o *Ops) PurgeQuarantined(ctx context.Context, sel QuarantineSelection, dry
 		return res, err
 	}
 	q.Full = false
-	tx, err := o.db.BeginTx(ctx, nil)
-	if err != nil {
-		return res, fmt.Errorf("millrace: begin transaction: %w", err)
-	}
-	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
-	rows, err := o.tables.Quarantined(ctx, tx, q)
-	if err != nil {
-		return res, err
-	}
-	found := make(map[int64]bool, len(rows))
-	ids := make([]int64, len(rows))
-	for i, r := range rows {
-		found[r.ID] = true
-		ids[i] = r.ID
-		res.Purged = append(res.Purged, quarantinedRow(r))
-	}
-	if err := missingIDs("quarantined row", sel.IDs, found); err != nil {
-		return QuarantinePurgeResult{DryRun: dryRun, Purged: []QuarantinedRow{}}, err
-	}
-	if dryRun || len(ids) == 0 {
-		return res, nil
-	}
-	if err := o.tables.DeleteQuarantined(ctx, tx, ids); err != nil {
-		return res, fmt.Errorf("millrace: %w", err)
-	}
-	if err := tx.Commit(); err != nil {
-		return res, fmt.Errorf("millrace: commit purge: %w", err)
-	}
-	return res, nil
+	err = o.inTx(ctx, dryRun, "purge", func(tx *sql.Tx) error {
+		rows, err := o.tables.Quarantined(ctx, tx, q)
+		if err != nil {
+			return err
+		}
+		if err := missingIDs("quarantined row", sel.IDs, foundQuarantined(rows)); err != nil {
+			return err
+		}
+		ids := make([]int64, len(rows))
+		for i, r := range rows {
+			ids[i] = r.ID
+		}
+		if len(ids) > 0 && !dryRun {
+			if err := o.tables.DeleteQuarantined(ctx, tx, ids); err != nil {
+				return fmt.Errorf("millrace: %w", err)
+			}
+		}
+		res.Purged, _ = page(rows, quarantinedRow, 0)
+		return nil
+	})
+	return res, err
 }

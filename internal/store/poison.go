@@ -104,39 +104,81 @@ type PoisonFilter struct {
 // where returns the filter's SQL conditions on the poison table p,
 // appending their arguments to args.
 func (f PoisonFilter) where(args *[]any) []string {
-	var conds []string
-	arg := func(v any) string {
-		*args = append(*args, v)
-		return "$" + strconv.Itoa(len(*args))
+	c := conditions{args: args}
+	c.ids("p.id", f.IDs)
+	c.equal("p.source_topic", f.Topic)
+	c.equal("p.handler", f.Handler)
+	c.equal("p.consumer_group", f.Group)
+	c.contains("p.reason", f.Reason)
+	c.between("p.poisoned_at", f.Since, f.Until)
+	c.isSet("p.replayed_at", f.Replayed)
+	return c.list
+}
+
+// finishSelect appends the WHERE, ORDER BY, LIMIT and FOR UPDATE clauses
+// of a list query on the table aliased alias.
+func finishSelect(b *strings.Builder, where []string, order string, limit int, lock bool, alias string) {
+	if len(where) > 0 {
+		b.WriteString("\nWHERE " + strings.Join(where, " AND "))
 	}
-	if len(f.IDs) > 0 {
-		conds = append(conds, "p.id = ANY("+arg(f.IDs)+")")
+	b.WriteString("\nORDER BY " + order)
+	if limit > 0 {
+		b.WriteString(" LIMIT " + strconv.Itoa(limit))
 	}
-	if f.Topic != "" {
-		conds = append(conds, "p.source_topic = "+arg(f.Topic))
+	if lock {
+		b.WriteString(" FOR UPDATE OF " + alias)
 	}
-	if f.Handler != "" {
-		conds = append(conds, "p.handler = "+arg(f.Handler))
+}
+
+// conditions builds the WHERE conditions of a filter and their arguments.
+type conditions struct {
+	args *[]any
+	list []string
+}
+
+func (c *conditions) arg(v any) string {
+	*c.args = append(*c.args, v)
+	return "$" + strconv.Itoa(len(*c.args))
+}
+
+func (c *conditions) ids(col string, ids []int64) {
+	if len(ids) > 0 {
+		c.list = append(c.list, col+" = ANY("+c.arg(ids)+")")
 	}
-	if f.Group != "" {
-		conds = append(conds, "p.consumer_group = "+arg(f.Group))
+}
+
+func (c *conditions) equal(col, v string) {
+	if v != "" {
+		c.list = append(c.list, col+" = "+c.arg(v))
 	}
-	if f.Reason != "" {
-		conds = append(conds, "strpos(lower(p.reason), lower("+arg(f.Reason)+")) > 0")
+}
+
+// contains matches text containing v, case-insensitively.
+func (c *conditions) contains(col, v string) {
+	if v != "" {
+		c.list = append(c.list, "strpos(lower("+col+"), lower("+c.arg(v)+")) > 0")
 	}
-	if f.Since.Set {
-		conds = append(conds, "p.poisoned_at >= "+f.Since.sql(arg))
+}
+
+// between matches since <= col < until, for the bounds that are set.
+func (c *conditions) between(col string, since, until TimeBound) {
+	if since.Set {
+		c.list = append(c.list, col+" >= "+since.sql(c.arg))
 	}
-	if f.Until.Set {
-		conds = append(conds, "p.poisoned_at < "+f.Until.sql(arg))
+	if until.Set {
+		c.list = append(c.list, col+" < "+until.sql(c.arg))
 	}
-	if f.Replayed != nil && *f.Replayed {
-		conds = append(conds, "p.replayed_at IS NOT NULL")
+}
+
+// isSet matches a set (true) or unset (false) col when set is not nil.
+func (c *conditions) isSet(col string, set *bool) {
+	switch {
+	case set == nil:
+	case *set:
+		c.list = append(c.list, col+" IS NOT NULL")
+	default:
+		c.list = append(c.list, col+" IS NULL")
 	}
-	if f.Replayed != nil && !*f.Replayed {
-		conds = append(conds, "p.replayed_at IS NULL")
-	}
-	return conds
 }
 
 // PoisonQuery says which poison rows to read and how.
@@ -195,20 +237,11 @@ func (t Tables) Poison(ctx context.Context, db DBTX, q PoisonQuery) ([]PoisonRow
 	var b strings.Builder
 	b.WriteString(`SELECT ` + cols + ` FROM ` + t.PoisonTable() + ` p
 	LEFT JOIN ` + t.InboxTable() + ` i ON i.consumer_group = p.consumer_group AND i.event_id = p.event_id`)
-	if where := q.Filter.where(&args); len(where) > 0 {
-		b.WriteString("\nWHERE " + strings.Join(where, " AND "))
-	}
+	order := "p.id"
 	if q.NewestFirst {
-		b.WriteString("\nORDER BY p.poisoned_at DESC, p.id DESC")
-	} else {
-		b.WriteString("\nORDER BY p.id")
+		order = "p.poisoned_at DESC, p.id DESC"
 	}
-	if q.Limit > 0 {
-		b.WriteString(" LIMIT " + strconv.Itoa(q.Limit))
-	}
-	if q.Lock {
-		b.WriteString(" FOR UPDATE OF p")
-	}
+	finishSelect(&b, q.Filter.where(&args), order, q.Limit, q.Lock, "p")
 	rows, err := db.QueryContext(ctx, b.String(), args...)
 	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", t.PoisonTable(), err)

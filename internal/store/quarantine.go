@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
-	"strconv"
 	"strings"
 	"time"
 )
@@ -38,33 +37,13 @@ type QuarantineFilter struct {
 }
 
 func (f QuarantineFilter) where(args *[]any) []string {
-	var conds []string
-	arg := func(v any) string {
-		*args = append(*args, v)
-		return "$" + strconv.Itoa(len(*args))
-	}
-	if len(f.IDs) > 0 {
-		conds = append(conds, "q.id = ANY("+arg(f.IDs)+")")
-	}
-	if f.Topic != "" {
-		conds = append(conds, "q.destination_topic = "+arg(f.Topic))
-	}
-	if f.Reason != "" {
-		conds = append(conds, "strpos(lower(q.reason), lower("+arg(f.Reason)+")) > 0")
-	}
-	if f.Since.Set {
-		conds = append(conds, "q.quarantined_at >= "+f.Since.sql(arg))
-	}
-	if f.Until.Set {
-		conds = append(conds, "q.quarantined_at < "+f.Until.sql(arg))
-	}
-	if f.Replayed != nil && *f.Replayed {
-		conds = append(conds, "q.replayed_at IS NOT NULL")
-	}
-	if f.Replayed != nil && !*f.Replayed {
-		conds = append(conds, "q.replayed_at IS NULL")
-	}
-	return conds
+	c := conditions{args: args}
+	c.ids("q.id", f.IDs)
+	c.equal("q.destination_topic", f.Topic)
+	c.contains("q.reason", f.Reason)
+	c.between("q.quarantined_at", f.Since, f.Until)
+	c.isSet("q.replayed_at", f.Replayed)
+	return c.list
 }
 
 // QuarantineQuery says which quarantine rows to read and how.
@@ -108,20 +87,11 @@ func (t Tables) Quarantined(ctx context.Context, db DBTX, q QuarantineQuery) ([]
 	var args []any
 	var b strings.Builder
 	b.WriteString(`SELECT ` + cols + ` FROM ` + t.QuarantineTable() + ` q`)
-	if where := q.Filter.where(&args); len(where) > 0 {
-		b.WriteString("\nWHERE " + strings.Join(where, " AND "))
-	}
+	order := "q.id"
 	if q.NewestFirst {
-		b.WriteString("\nORDER BY q.quarantined_at DESC, q.id DESC")
-	} else {
-		b.WriteString("\nORDER BY q.id")
+		order = "q.quarantined_at DESC, q.id DESC"
 	}
-	if q.Limit > 0 {
-		b.WriteString(" LIMIT " + strconv.Itoa(q.Limit))
-	}
-	if q.Lock {
-		b.WriteString(" FOR UPDATE OF q")
-	}
+	finishSelect(&b, q.Filter.where(&args), order, q.Limit, q.Lock, "q")
 	rows, err := db.QueryContext(ctx, b.String(), args...)
 	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", t.QuarantineTable(), err)

@@ -130,7 +130,7 @@ func TestBrokerOutage(t *testing.T) {
 	}
 	env := newEnv(t)
 	cfg := env.config()
-	cfg.ProducerRetries = 3 // fail fast while the cluster is down
+	cfg.ProducerRetries = 10 // fail fast while the cluster is down: 1s, the shortest the producer allows
 	cfg.ProducerRetryBackoff = 100 * time.Millisecond
 	b := open(t, cfg)
 	topic, group := adaptertest.Name("outage"), adaptertest.Name("g")

@@ -176,7 +176,7 @@ func (cfg Config) security() string {
 // comes after under a new producer epoch), where Sarama's idempotent
 // producer went on sending the batches behind a failed one; with send's
 // rules that keeps each aggregate's order across broker crashes
-// (TestRelayKeepsOrderAcrossClusterCrashes: Sarama 9 to 21 inversions per
+// (TestRelayKeepsOrderAcrossClusterCrashes: Sarama 4 to 26 inversions per
 // run, kgo none). Speed: internal/relaybench, the relay in its own process
 // draining a 50,000-event backlog into kfake on a 2-core machine, then a
 // 200 events/s trickle for commit-to-consumer latency, alternating runs at

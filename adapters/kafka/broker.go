@@ -37,11 +37,13 @@ type Broker struct {
 	// record goes to the client until the client has resolved every record
 	// it was given (see send for why order depends on it).
 	publishing chan struct{}
-	// flushes are the goroutines flushing a send's records.
-	flushes sync.WaitGroup
-	// stopFlushing ends the flushes at Close.
-	stopFlushing context.CancelFunc
+	// sending counts the sends holding publishing, so Close waits for them;
+	// closeMu orders a send's check of closed before Close's wait.
+	sending sync.WaitGroup
+	closeMu sync.RWMutex
+	// flushCtx ends the sends' flushes at Close.
 	flushCtx     context.Context
+	stopFlushing context.CancelFunc
 
 	// provisioned holds the topics known to exist, so only the first
 	// publish or subscribe on a topic asks the broker.
@@ -304,7 +306,9 @@ func (b *Broker) release() {
 // Close does not wait for them. It is idempotent.
 func (b *Broker) Close() error {
 	b.closeOnce.Do(func() {
+		b.closeMu.Lock()
 		b.closed.Store(true)
+		b.closeMu.Unlock()
 		close(b.closing)
 		b.mu.Lock()
 		subs := make([]*subscriber, 0, len(b.subscribers))
@@ -317,8 +321,8 @@ func (b *Broker) Close() error {
 			errs = append(errs, s.Close())
 		}
 		b.stopFlushing()
-		b.client.Close() // fails what is still buffered, so every flush ends
-		b.flushes.Wait()
+		b.client.Close() // fails what is still buffered, so every send ends
+		b.sending.Wait()
 		b.release()
 		b.closeErr = errors.Join(errs...)
 	})

@@ -9,7 +9,9 @@ import (
 
 	wkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
@@ -118,5 +120,60 @@ func TestPublishBatchConfirmsNothingOfAKeyAfterAFailure(t *testing.T) {
 	}
 	for i, id := range order {
 		require.Equal(t, fmt.Sprintf("v%02d", i), id, "first copies in the log: %v", order)
+	}
+}
+
+// A record that fails while a call is still handing its records to the
+// client (here one with no topic, which fails at once) must keep the rest
+// of the call from being sent: the later records of its partition would go
+// into a fresh buffer and could be written before it. send finds such a
+// failure with its fence and sends nothing.
+func TestSendSendsNothingAfterAnEarlyFailure(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	dev, err := StartDevCluster(DevClusterOptions{})
+	require.NoError(t, err)
+	defer dev.Close()
+	b, err := Open(ctx, Config{Brokers: dev.Addrs()}, adapters.Options{ConnectTimeout: 10 * time.Second})
+	require.NoError(t, err)
+	defer b.Close()
+	topic := fmt.Sprintf("early-failure-%d", time.Now().UnixNano())
+	require.NoError(t, b.Provision(ctx, topic))
+
+	var records []*kgo.Record
+	for i := range 20 {
+		msg := message.NewMessage(fmt.Sprintf("v%02d", i), []byte(`{}`))
+		msg.Metadata.Set(envelope.AggregateIDKey, "order-1")
+		r, err := b.record(adapters.Outgoing{Topic: topic, Msg: msg})
+		require.NoError(t, err)
+		records = append(records, r)
+	}
+	records[5].Topic = "" // fails before it is buffered
+	errs := make([]error, len(records))
+	b.send(ctx, records, errs)
+	for i, err := range errs {
+		require.Error(t, err, "record %d", i)
+		assert.False(t, adapters.IsPermanent(classify(topic, err)), "record %d: %v", i, err)
+		if i != 5 {
+			assert.ErrorContains(t, err, "not sent: another message of the batch failed before it was sent", "record %d", i)
+		}
+	}
+
+	ends, err := b.admin.ListEndOffsets(ctx, topic)
+	require.NoError(t, err)
+	ends.Each(func(o kadm.ListedOffset) {
+		require.NoError(t, o.Err)
+		assert.Zero(t, o.Offset, "partition %d holds records of the failed call", o.Partition)
+	})
+
+	// The client is usable again: the next call goes through.
+	records[5].Topic = topic
+	for i := range records {
+		records[i] = &kgo.Record{Topic: topic, Key: records[i].Key, Value: records[i].Value, Headers: records[i].Headers}
+	}
+	errs = make([]error, len(records))
+	b.send(ctx, records, errs)
+	for i, err := range errs {
+		require.NoError(t, err, "record %d", i)
 	}
 }

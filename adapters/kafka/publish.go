@@ -127,8 +127,9 @@ func (b *Broker) resendTooLarge(ctx context.Context, msgs []adapters.Outgoing, e
 //     batch and renumbers under a new producer epoch what it failed). So
 //     what a partition writes of the call is a prefix, and every record
 //     after a failed one fails with it. A request that was written but not
-//     answered is retried, never failed, so nothing written is reported as
-//     failed while a later record of its partition is reported as written.
+//     answered is retried, never failed (only Close fails such records,
+//     written or not, with every later record of their partitions: sent
+//     again, they are duplicates, never out of order).
 //  3. A record can still fail while the call is going into the client (a
 //     metadata failure of its topic, Close); the later records of its
 //     partition would then start a new buffer and be sent. The fence finds
@@ -169,10 +170,18 @@ func (b *Broker) send(ctx context.Context, records []*kgo.Record, errs []error) 
 		fail(fmt.Errorf("kafka: not sent: the previous publish was still unanswered after %s (broker.kafka.producer_retries x producer_retry_backoff + producer_timeout)", limit))
 		return
 	}
+	b.closeMu.RLock()
 	if b.closed.Load() {
+		b.closeMu.RUnlock()
 		<-b.publishing
 		fail(ErrClosed)
 		return
+	}
+	b.sending.Add(1) // done once the client has answered every record (or at Close)
+	b.closeMu.RUnlock()
+	release := func() {
+		<-b.publishing
+		b.sending.Done()
 	}
 	b.purge.Range(func(topic, _ any) bool {
 		b.client.PurgeTopicsFromProducing(topic.(string))
@@ -193,22 +202,26 @@ func (b *Broker) send(ctx context.Context, records []*kgo.Record, errs []error) 
 		// none of which the broker can have.
 		b.client.UnsafeAbortBufferedRecords()
 		<-answers.done
-		<-b.publishing
+		release()
+		// The others fail as the first did (closed, or retryably), but
+		// never permanently: nothing is wrong with them.
 		cause := answers.errs[first]
+		notSent := fmt.Errorf("kafka: not sent: another message of the batch failed before it was sent: %w", cause)
+		if adapters.IsPermanent(classify(records[idx[first]].Topic, cause)) {
+			notSent = fmt.Errorf("kafka: not sent: another message of the batch failed before it was sent (%v)", cause)
+		}
 		for k, i := range idx {
 			errs[i] = answers.errs[k]
 			if errors.Is(errs[i], kgo.ErrAborting) {
-				errs[i] = fmt.Errorf("kafka: not sent: another message of the batch failed before it was sent (%v)", cause)
+				errs[i] = notSent
 			}
 		}
 		return
 	}
 
-	b.flushes.Add(1)
 	go func() {
-		defer b.flushes.Done()
 		_ = b.client.Flush(b.flushCtx) // returns once every record is answered, or at Close
-		<-b.publishing
+		release()
 	}()
 	answered := time.NewTimer(limit)
 	defer answered.Stop()

@@ -128,19 +128,11 @@ func connect(ctx context.Context, cfg Config, opts adapters.Options) (*kgo.Clien
 	ctx, cancel := context.WithTimeout(ctx, opts.ConnectTimeout)
 	defer cancel()
 	for {
-		err = client.Ping(ctx)
-		if err == nil {
+		if err = client.Ping(ctx); err == nil {
 			return client, nil
 		}
 		var opErr *net.OpError
-		if !errors.As(err, &opErr) || opErr.Op != "dial" || ctx.Err() != nil {
-			break
-		}
-		select {
-		case <-ctx.Done():
-		case <-time.After(250 * time.Millisecond):
-		}
-		if ctx.Err() != nil {
+		if !errors.As(err, &opErr) || opErr.Op != "dial" || !sleep(ctx, 250*time.Millisecond) {
 			break
 		}
 	}
@@ -155,6 +147,18 @@ func connect(ctx context.Context, cfg Config, opts adapters.Options) (*kgo.Clien
 	}
 	return nil, fmt.Errorf("kafka: cannot reach brokers %s over %s: %w%s",
 		strings.Join(cfg.Brokers, ","), cfg.security(), err, hint)
+}
+
+// sleep waits for d, or returns false once ctx ends.
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
 }
 
 // security describes how connections are secured, for errors: never the password.
@@ -244,7 +248,9 @@ func (cfg Config) deliveryTimeout() time.Duration {
 }
 
 // keyPartitioner places keyed records by murmur2(key) masked to 31 bits
-// modulo the partition count, as Kafka's Java client does.
+// modulo the partition count, as Kafka's Java client does, waiting for
+// that partition when it has no leader; records without a key stick to one
+// partition per batch and so spread over the partitions.
 var keyPartitioner = kgo.StickyKeyPartitioner(nil)
 
 func compressionCodec(name string) (kgo.CompressionCodec, error) {

@@ -42,9 +42,11 @@ type Config struct {
 	// Defaults to false.
 	DevCluster bool `yaml:"dev_cluster"`
 
-	// Version is the Kafka protocol version Sarama speaks; at least 0.11.0
-	// (the idempotent producer needs it). Defaults to "2.8.0", the newest
-	// version Sarama fully covers, which Kafka 2.8 to 4.x brokers accept.
+	// Version is the Kafka protocol version the subscribers (Sarama, through
+	// watermill-kafka) speak; at least 0.11.0 (read_committed consumers need
+	// it). The producer and the admin requests (franz-go) negotiate their
+	// versions with the brokers. Defaults to "2.8.0", the newest version
+	// Sarama fully covers, which Kafka 2.8 to 4.x brokers accept.
 	Version string `yaml:"version"`
 	// ClientID names this client in broker logs and quotas. Defaults to "millrace".
 	ClientID string `yaml:"client_id"`
@@ -68,23 +70,28 @@ type Config struct {
 	// Defaults to true.
 	AutoProvision *bool `yaml:"auto_provision"`
 
-	// MaxMessageBytes is the largest message (payload, key and headers) the
-	// producer sends; a larger one fails at once with a permanent error. Keep
-	// it at or under the broker's message.max.bytes. Defaults to 1048576.
+	// MaxMessageBytes is the largest record batch the producer sends; a
+	// message that does not fit a batch of its own (payload, key, headers
+	// and about 100 bytes of framing) fails at once with a permanent error.
+	// Keep it at or under the broker's message.max.bytes. Defaults to 1048576.
 	MaxMessageBytes int `yaml:"max_message_bytes"`
 	// Compression is the producer's batch codec: none, gzip, snappy, lz4 or
 	// zstd. Defaults to "lz4".
 	Compression string `yaml:"compression"`
-	// ProducerRetries is how often the producer resends a batch the broker
-	// did not acknowledge before the publish fails (retryably). The
-	// idempotent producer keeps its retries free of duplicates and of
-	// reordering, but once it gives up on a batch, later batches of the
-	// partition may already be stored: so retries times
-	// producer_retry_backoff is the broker outage the relay rides out with
-	// each partition's order intact, like Kafka's own delivery.timeout.ms
-	// (120s). Defaults to 480 (2 minutes at 250ms).
+	// ProducerRetries is how often the producer sends a record batch again
+	// that the broker did not acknowledge, and ProducerRetries times
+	// ProducerRetryBackoff is how long it keeps trying to deliver a record
+	// (franz-go's RecordRetries and RecordDeliveryTimeout, like Kafka's own
+	// delivery.timeout.ms of 2m): the broker outage the relay rides out
+	// inside one publish. After that the records fail, retryably, and every
+	// later record of their partitions fails with them, so the relay sends
+	// them again in order. A request whose outcome the producer cannot know
+	// (written, never answered) is retried until the broker answers; a
+	// publish waits for it up to that time plus ProducerTimeout. Their
+	// product is at least 1s. Defaults to 480 (2 minutes at 250ms).
 	ProducerRetries int `yaml:"producer_retries"`
-	// ProducerRetryBackoff is the wait between those resends. Defaults to 250ms.
+	// ProducerRetryBackoff is the wait between those resends, and between
+	// the client's other retries. Defaults to 250ms.
 	ProducerRetryBackoff time.Duration `yaml:"producer_retry_backoff"`
 	// ProducerTimeout is how long the broker may take to gather the acks of
 	// all in-sync replicas. Defaults to 10s.
@@ -214,7 +221,7 @@ func (c Config) Validate(path string) []error {
 	if v, err := sarama.ParseKafkaVersion(c.Version); err != nil {
 		chk.Add(at("version"), "not a Kafka version such as \"2.8.0\"; got %q", c.Version)
 	} else if !v.IsAtLeast(sarama.V0_11_0_0) {
-		chk.Add(at("version"), "must be at least 0.11.0 (the idempotent producer needs it); got %q", c.Version)
+		chk.Add(at("version"), "must be at least 0.11.0 (read_committed consumers need it); got %q", c.Version)
 	}
 	chk.Positive(at("partitions"), c.Partitions)
 	chk.Positive(at("replication_factor"), c.ReplicationFactor)
@@ -230,6 +237,10 @@ func (c Config) Validate(path string) []error {
 		CompressionNone, CompressionGzip, CompressionSnappy, CompressionLZ4, CompressionZstd)
 	chk.Positive(at("producer_retries"), c.ProducerRetries)
 	chk.PositiveDuration(at("producer_retry_backoff"), c.ProducerRetryBackoff)
+	if c.ProducerRetries > 0 && c.ProducerRetryBackoff > 0 && c.deliveryTimeout() < time.Second {
+		chk.Add(at("producer_retries"), "times producer_retry_backoff (%s) must be at least 1s, the shortest delivery timeout of the producer; got %d x %s",
+			c.ProducerRetryBackoff, c.ProducerRetries, c.ProducerRetryBackoff)
+	}
 	chk.PositiveDuration(at("producer_timeout"), c.ProducerTimeout)
 	chk.PositiveDuration(at("session_timeout"), c.SessionTimeout)
 	chk.PositiveDuration(at("heartbeat_interval"), c.HeartbeatInterval)

@@ -34,14 +34,16 @@ func TestConfigDefaults(t *testing.T) {
 func TestConfigValidate(t *testing.T) {
 	t.Parallel()
 	c := kafka.Config{
-		Brokers:           []string{"", "host-without-port", "10.0.0.1:9092"},
-		DevCluster:        true,
-		Version:           "0.10.2.0",
-		ReplicationFactor: 1,
-		MinInsyncReplicas: 2,
-		MaxMessageBytes:   10,
-		Compression:       "brotli",
-		HeartbeatInterval: 20 * time.Second,
+		Brokers:              []string{"", "host-without-port", "10.0.0.1:9092"},
+		DevCluster:           true,
+		Version:              "0.10.2.0",
+		ReplicationFactor:    1,
+		MinInsyncReplicas:    2,
+		MaxMessageBytes:      10,
+		Compression:          "brotli",
+		HeartbeatInterval:    20 * time.Second,
+		ProducerRetries:      5,
+		ProducerRetryBackoff: 100 * time.Millisecond,
 	}.WithDefaults()
 	var got []string
 	for _, err := range c.Validate("broker.kafka") {
@@ -57,6 +59,7 @@ func TestConfigValidate(t *testing.T) {
 		"broker.kafka.max_message_bytes: must be from 1024 to",
 		`broker.kafka.compression: must be one of none, gzip, snappy, lz4, zstd; got "brotli"`,
 		"broker.kafka.heartbeat_interval: must be less than session_timeout (10s); got 20s",
+		"broker.kafka.producer_retries: times producer_retry_backoff (100ms) must be at least 1s, the shortest delivery timeout of the producer; got 5 x 100ms",
 	} {
 		assert.Contains(t, all, want)
 	}

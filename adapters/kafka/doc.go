@@ -1,20 +1,37 @@
-// Package kafka connects millrace to Apache Kafka through watermill-kafka and
-// Sarama, with reliable defaults.
+// Package kafka connects millrace to Apache Kafka: it publishes through
+// franz-go's kgo client and consumes through watermill-kafka (Sarama), with
+// reliable defaults.
 //
 // # Publishing
 //
-// One idempotent producer per Broker (acks=all, Sarama's Producer.Idempotent
-// with Net.MaxOpenRequests=1, retries) serves both Publisher and
-// PublishBatch: its own retries never duplicate or reorder records of a
-// partition. The record key is the event's aggregate id (metadata
-// "aggregate-id"), placed on a partition as Kafka's Java client places it
-// (murmur2), so one aggregate's events stay in one partition, in order.
-// PublishBatch hands the whole batch to the producer before waiting, then
-// waits for every acknowledgement and reports each message's outcome in a
+// One kgo client per Broker, with the idempotent producer and acks from all
+// in-sync replicas, serves both Publisher and PublishBatch. The record key
+// is the event's aggregate id (metadata "aggregate-id"), placed on a
+// partition as Kafka's Java client places it (murmur2), so one aggregate's
+// events stay in one partition; events without an aggregate id get no key
+// and spread over the partitions. Records carry watermill-kafka's format
+// (see Marshaler), so its subscribers read them unchanged. PublishBatch
+// hands the whole batch to the client before anything is sent, then waits
+// for every acknowledgement and reports each message's outcome in a
 // *adapters.BatchError. A message over broker.kafka.max_message_bytes fails
 // alone, permanently (adapters.ErrMessageTooLarge); if a topic's own
 // max.message.bytes is lower, the messages the broker refused together with
 // the large one are sent again one by one so they still get through.
+//
+// # Order across broker crashes
+//
+// Events of one aggregate reach the partition log in the order PublishBatch
+// was given them, also when brokers crash mid-publish: the producer rides
+// out an outage for broker.kafka.producer_retries x producer_retry_backoff
+// (2 minutes by default) with its own idempotent retries, which keep order;
+// when it gives up on a record, every later record of the partition in the
+// call fails with it and none of them is in the log, so the relay, which
+// sends again from the first failed event, keeps the order. One publish
+// runs at a time, and nothing of a call is sent before all of it is in the
+// client (see PublishBatch and send). This is why the producer is kgo:
+// Sarama's idempotent producer went on sending the record batches behind
+// one it had given up on, and after a broker crash a later event of an
+// aggregate could be in the log before an earlier one.
 //
 // # Consuming
 //
@@ -31,7 +48,8 @@
 // # Topics
 //
 // Provision creates a topic with broker.kafka.partitions,
-// replication_factor and min_insync_replicas through the admin API, and
+// replication_factor and min_insync_replicas through the admin API
+// (franz-go's kadm, on the publishing client), and
 // refuses an existing topic that differs (see Provision). With
 // auto_provision, the first publish or subscribe on a missing topic creates
 // it the same way; brokers are never asked to auto-create topics.

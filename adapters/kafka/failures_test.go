@@ -130,7 +130,7 @@ func TestBrokerOutage(t *testing.T) {
 	}
 	env := newEnv(t)
 	cfg := env.config()
-	cfg.ProducerRetries = 3 // fail fast while the cluster is down
+	cfg.ProducerRetries = 10 // fail fast while the cluster is down: 1s, the shortest the producer allows
 	cfg.ProducerRetryBackoff = 100 * time.Millisecond
 	b := open(t, cfg)
 	topic, group := adaptertest.Name("outage"), adaptertest.Name("g")
@@ -375,4 +375,45 @@ func TestDevClusterShared(t *testing.T) {
 		}
 		return err == nil
 	}, 30*time.Second, 100*time.Millisecond, "the dev cluster stops with the last Broker")
+}
+
+// TestCloseDuringPublish: Close while publishes are under way returns, and
+// every message it cut short fails with ErrClosed (the relay sends it
+// again); nothing hangs.
+func TestCloseDuringPublish(t *testing.T) {
+	t.Parallel()
+	env := newEnv(t)
+	b, err := kafka.Open(context.Background(), env.config(), adapters.Options{ConnectTimeout: 30 * time.Second})
+	require.NoError(t, err)
+	topic := adaptertest.Name("closing")
+	require.NoError(t, b.Provision(context.Background(), topic))
+	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, event("agg-0", 1))))
+
+	errs := make(chan error, 4)
+	for g := range 4 {
+		go func() {
+			for v := 1; ; v++ {
+				var msgs []*message.Message
+				for i := range 50 {
+					msgs = append(msgs, event(fmt.Sprintf("agg-%d-%d", g, i), v))
+				}
+				if err := b.PublishBatch(context.Background(), outgoing(topic, msgs...)); err != nil {
+					errs <- err
+					return
+				}
+			}
+		}()
+	}
+	time.Sleep(200 * time.Millisecond)
+	require.NoError(t, b.Close())
+	for range 4 {
+		err := <-errs
+		var be *adapters.BatchError
+		require.ErrorAs(t, err, &be)
+		for _, e := range be.Errs {
+			if e != nil {
+				require.ErrorIs(t, e, kafka.ErrClosed)
+			}
+		}
+	}
 }

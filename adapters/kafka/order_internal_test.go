@@ -7,9 +7,13 @@ import (
 	"testing"
 	"time"
 
+	wkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/millrace-io/millrace/adapters"
@@ -19,16 +23,17 @@ import (
 // When the producer gives up on a record batch (its producer_retries spent
 // while the partition's leader keeps refusing it: a broker outage longer
 // than the retry budget), PublishBatch must not confirm a later message of
-// the same key in the same call. The relay acks the longest confirmed prefix
-// and sends the rest again; a later message confirmed now is already stored
-// before the earlier one the relay re-sends, and the key's order
-// (adapters.Broker.PublishBatch, README "Ordering and concurrency") is lost.
-// Sarama gives up on the failed record batch, bumps its idempotent epoch and
-// goes on with the record batches queued behind it.
+// the same key in the same call, and the partition log must not hold one.
+// The relay acks the longest confirmed prefix and sends the rest again; a
+// later message stored now would be in the log before the earlier one the
+// relay sends again, and the key's order (adapters.Broker.PublishBatch,
+// README "Ordering and concurrency") would be lost. Sarama's producer gave
+// up on the failed record batch, bumped its idempotent epoch and went on
+// with the record batches queued behind it; kgo fails them with it.
 //
 // Found by internal/faults' broker-restart scenario (a kfake restart of 2s
-// against the default 10 x 250ms retry budget); reproduced here with the
-// broker refusing the first produce requests.
+// against a 10 x 250ms retry budget); reproduced here with the broker
+// refusing the first produce requests.
 func TestPublishBatchConfirmsNothingOfAKeyAfterAFailure(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -36,7 +41,7 @@ func TestPublishBatchConfirmsNothingOfAKeyAfterAFailure(t *testing.T) {
 	require.NoError(t, err)
 	defer dev.Close()
 	const retries = 2
-	b, err := Open(ctx, Config{Brokers: dev.Addrs(), ProducerRetries: retries, ProducerRetryBackoff: 10 * time.Millisecond},
+	b, err := Open(ctx, Config{Brokers: dev.Addrs(), ProducerRetries: retries, ProducerRetryBackoff: 500 * time.Millisecond},
 		adapters.Options{ConnectTimeout: 10 * time.Second})
 	require.NoError(t, err)
 	defer b.Close()
@@ -57,7 +62,7 @@ func TestPublishBatchConfirmsNothingOfAKeyAfterAFailure(t *testing.T) {
 		resp := pr.ResponseKind().(*kmsg.ProduceResponse)
 		for _, rt := range pr.Topics {
 			st := kmsg.NewProduceResponseTopic()
-			st.Topic = rt.Topic
+			st.Topic, st.TopicID = rt.Topic, rt.TopicID // produce v13 names topics by id
 			for _, rp := range rt.Partitions {
 				sp := kmsg.NewProduceResponseTopicPartition()
 				sp.Partition = rp.Partition
@@ -88,5 +93,87 @@ func TestPublishBatchConfirmsNothingOfAKeyAfterAFailure(t *testing.T) {
 			require.Failf(t, "order of a key broken", "message %d of key order-1 was confirmed after message %d of the same key failed "+
 				"(%v): re-sending from message %d stores it after messages %d..%d", i, first, be.Errs[first], first, first+1, i)
 		}
+	}
+
+	// As the relay does: send again from the first failed message. The log
+	// then holds every message, each first copy in order.
+	require.NoError(t, b.PublishBatch(ctx, batch[first:]))
+	cl, err := kgo.NewClient(kgo.SeedBrokers(dev.Addrs()...), kgo.ConsumeTopics(topic),
+		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
+	require.NoError(t, err)
+	defer cl.Close()
+	readCtx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	var order []string
+	seen := map[string]bool{}
+	for len(seen) < n {
+		fetches := cl.PollFetches(readCtx)
+		require.NoError(t, readCtx.Err(), "the log holds %d of %d messages", len(seen), n)
+		fetches.EachRecord(func(r *kgo.Record) {
+			for _, h := range r.Headers {
+				if h.Key == wkafka.UUIDHeaderKey && !seen[string(h.Value)] {
+					seen[string(h.Value)] = true
+					order = append(order, string(h.Value))
+				}
+			}
+		})
+	}
+	for i, id := range order {
+		require.Equal(t, fmt.Sprintf("v%02d", i), id, "first copies in the log: %v", order)
+	}
+}
+
+// A record that fails while a call is still handing its records to the
+// client (here one with no topic, which fails at once) must keep the rest
+// of the call from being sent: the later records of its partition would go
+// into a fresh buffer and could be written before it. send finds such a
+// failure with its fence and sends nothing.
+func TestSendSendsNothingAfterAnEarlyFailure(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	dev, err := StartDevCluster(DevClusterOptions{})
+	require.NoError(t, err)
+	defer dev.Close()
+	b, err := Open(ctx, Config{Brokers: dev.Addrs()}, adapters.Options{ConnectTimeout: 10 * time.Second})
+	require.NoError(t, err)
+	defer b.Close()
+	topic := fmt.Sprintf("early-failure-%d", time.Now().UnixNano())
+	require.NoError(t, b.Provision(ctx, topic))
+
+	var records []*kgo.Record
+	for i := range 20 {
+		msg := message.NewMessage(fmt.Sprintf("v%02d", i), []byte(`{}`))
+		msg.Metadata.Set(envelope.AggregateIDKey, "order-1")
+		r, err := b.record(adapters.Outgoing{Topic: topic, Msg: msg})
+		require.NoError(t, err)
+		records = append(records, r)
+	}
+	records[5].Topic = "" // fails before it is buffered
+	errs := make([]error, len(records))
+	b.send(ctx, records, errs)
+	for i, err := range errs {
+		require.Error(t, err, "record %d", i)
+		assert.False(t, adapters.IsPermanent(classify(topic, err)), "record %d: %v", i, err)
+		if i != 5 {
+			assert.ErrorContains(t, err, "not sent: another message of the batch failed before it was sent", "record %d", i)
+		}
+	}
+
+	ends, err := b.admin.ListEndOffsets(ctx, topic)
+	require.NoError(t, err)
+	ends.Each(func(o kadm.ListedOffset) {
+		require.NoError(t, o.Err)
+		assert.Zero(t, o.Offset, "partition %d holds records of the failed call", o.Partition)
+	})
+
+	// The client is usable again: the next call goes through.
+	records[5].Topic = topic
+	for i := range records {
+		records[i] = &kgo.Record{Topic: topic, Key: records[i].Key, Value: records[i].Value, Headers: records[i].Headers}
+	}
+	errs = make([]error, len(records))
+	b.send(ctx, records, errs)
+	for i, err := range errs {
+		require.NoError(t, err, "record %d", i)
 	}
 }

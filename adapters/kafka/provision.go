@@ -6,8 +6,9 @@ import (
 	"fmt"
 	"strconv"
 
-	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/names"
@@ -41,20 +42,19 @@ func (b *Broker) Provision(ctx context.Context, topic string, consumerGroups ...
 	if b.closed.Load() {
 		return ErrClosed
 	}
-	err := withContext(ctx, func() error {
-		md, err := b.describeTopic(topic)
-		if err != nil {
-			return err
-		}
-		if md == nil {
-			if md, err = b.createTopic(topic); err != nil || md == nil {
-				return err
-			}
-		}
-		return b.checkTopic(topic, md)
-	})
+	info, err := b.describeTopic(ctx, topic)
 	if err != nil {
 		return err
+	}
+	if info == nil {
+		if info, err = b.createTopic(ctx, topic); err != nil {
+			return err
+		}
+	}
+	if info != nil {
+		if err := b.checkTopic(ctx, topic, info); err != nil {
+			return err
+		}
 	}
 	b.provisioned.Store(topic, true)
 	return nil
@@ -76,13 +76,10 @@ func (b *Broker) ensureTopic(ctx context.Context, topic string) error {
 	if _, ok := b.provisioned.Load(topic); ok {
 		return nil
 	}
-	err := withContext(ctx, func() error {
-		md, err := b.describeTopic(topic)
-		if err == nil && md == nil {
-			_, err = b.createTopic(topic)
-		}
-		return err
-	})
+	info, err := b.describeTopic(ctx, topic)
+	if err == nil && info == nil {
+		_, err = b.createTopic(ctx, topic)
+	}
 	if err != nil {
 		return fmt.Errorf("kafka: cannot make sure topic %s exists: %w", topic, err)
 	}
@@ -90,96 +87,93 @@ func (b *Broker) ensureTopic(ctx context.Context, topic string) error {
 	return nil
 }
 
-// describeTopic returns topic's metadata, or nil when it does not exist.
-func (b *Broker) describeTopic(topic string) (*sarama.TopicMetadata, error) {
-	mds, err := b.admin.DescribeTopics([]string{topic})
+// topicInfo is what Provision checks of an existing topic.
+type topicInfo struct {
+	partitions  int
+	minReplicas int // the fewest replicas of any partition
+}
+
+// describeTopic returns topic's partitions, or nil when it does not exist.
+// It asks the cluster each time: the client's metadata cache could still
+// hold a topic that was just created or deleted.
+func (b *Broker) describeTopic(ctx context.Context, topic string) (*topicInfo, error) {
+	req := kmsg.NewPtrMetadataRequest()
+	rt := kmsg.NewMetadataRequestTopic()
+	rt.Topic = kmsg.StringPtr(topic)
+	req.Topics = append(req.Topics, rt)
+	resp, err := req.RequestWith(ctx, b.client)
 	if err != nil {
 		return nil, fmt.Errorf("kafka: cannot describe topic %s: %w", topic, err)
 	}
-	for _, md := range mds {
-		if md.Name != topic {
+	for _, t := range resp.Topics {
+		if t.Topic == nil || *t.Topic != topic {
 			continue
 		}
-		switch {
-		case errors.Is(md.Err, sarama.ErrUnknownTopicOrPartition):
+		switch err := kerr.ErrorForCode(t.ErrorCode); {
+		case errors.Is(err, kerr.UnknownTopicOrPartition):
 			return nil, nil
-		case md.Err != sarama.ErrNoError:
-			return nil, fmt.Errorf("kafka: cannot describe topic %s: %w", topic, md.Err)
+		case err != nil:
+			return nil, fmt.Errorf("kafka: cannot describe topic %s: %w", topic, err)
 		}
-		return md, nil
+		info := &topicInfo{partitions: len(t.Partitions), minReplicas: -1}
+		for _, p := range t.Partitions {
+			if info.minReplicas < 0 || len(p.Replicas) < info.minReplicas {
+				info.minReplicas = len(p.Replicas)
+			}
+		}
+		return info, nil
 	}
 	return nil, nil
 }
 
-// createTopic creates topic with the configured settings and returns its
-// metadata (nil if the cluster does not show it yet).
-func (b *Broker) createTopic(topic string) (*sarama.TopicMetadata, error) {
+// createTopic creates topic with the configured settings and returns what
+// the cluster shows of it (nil if it does not show it yet).
+func (b *Broker) createTopic(ctx context.Context, topic string) (*topicInfo, error) {
 	minISR := strconv.Itoa(b.cfg.MinInsyncReplicas)
-	detail := &sarama.TopicDetail{
-		NumPartitions:     int32(b.cfg.Partitions),
-		ReplicationFactor: int16(b.cfg.ReplicationFactor),
-		ConfigEntries:     map[string]*string{"min.insync.replicas": &minISR},
+	resp, err := b.admin.CreateTopic(ctx, int32(b.cfg.Partitions), int16(b.cfg.ReplicationFactor),
+		map[string]*string{"min.insync.replicas": &minISR}, topic)
+	if err == nil {
+		err = resp.Err
 	}
-	err := b.admin.CreateTopic(topic, detail, false)
 	switch {
 	case err == nil:
 		b.logger.Info("Created Kafka topic", watermill.LogFields{
 			"topic": topic, "partitions": b.cfg.Partitions, "replication_factor": b.cfg.ReplicationFactor,
 		})
-	case errors.Is(err, sarama.ErrTopicAlreadyExists): // created concurrently elsewhere
-	case errors.Is(err, sarama.ErrInvalidReplicationFactor):
+	case errors.Is(err, kerr.TopicAlreadyExists): // created concurrently elsewhere
+	case errors.Is(err, kerr.InvalidReplicationFactor):
 		return nil, fmt.Errorf("kafka: cannot create topic %s with replication factor %d (broker.kafka.replication_factor): the cluster has fewer brokers: %w",
 			topic, b.cfg.ReplicationFactor, err)
 	default:
 		return nil, fmt.Errorf("kafka: cannot create topic %s: %w", topic, err)
 	}
-	return b.describeTopic(topic)
+	return b.describeTopic(ctx, topic)
 }
 
 // checkTopic compares an existing topic with the configuration.
-func (b *Broker) checkTopic(topic string, md *sarama.TopicMetadata) error {
+func (b *Broker) checkTopic(ctx context.Context, topic string, info *topicInfo) error {
 	var diffs []error
-	if n := len(md.Partitions); n != b.cfg.Partitions {
+	if info.partitions != b.cfg.Partitions {
 		diffs = append(diffs, fmt.Errorf(
 			"it has %d partitions, broker.kafka.partitions is %d (set partitions: %d to use the topic as it is; changing a topic's partition count moves aggregates to other partitions)",
-			n, b.cfg.Partitions, n))
+			info.partitions, b.cfg.Partitions, info.partitions))
 	}
-	replicas := -1
-	for _, p := range md.Partitions {
-		if replicas < 0 || len(p.Replicas) < replicas {
-			replicas = len(p.Replicas)
-		}
-	}
-	if replicas >= 0 && replicas < b.cfg.ReplicationFactor {
+	if info.minReplicas >= 0 && info.minReplicas < b.cfg.ReplicationFactor {
 		diffs = append(diffs, fmt.Errorf("it has replication factor %d, less than broker.kafka.replication_factor %d",
-			replicas, b.cfg.ReplicationFactor))
+			info.minReplicas, b.cfg.ReplicationFactor))
 	}
-	entries, err := b.admin.DescribeConfig(sarama.ConfigResource{
-		Type:        sarama.TopicResource,
-		Name:        topic,
-		ConfigNames: []string{"min.insync.replicas", "max.message.bytes"},
-	})
+	configs, err := b.topicConfigs(ctx, topic)
 	if err != nil {
 		return fmt.Errorf("kafka: cannot read the config of topic %s: %w", topic, err)
 	}
-	for _, e := range entries {
-		n, err := strconv.Atoi(e.Value)
-		if err != nil {
-			continue
-		}
-		switch e.Name {
-		case "min.insync.replicas":
-			if n < b.cfg.MinInsyncReplicas {
-				diffs = append(diffs, fmt.Errorf("its min.insync.replicas is %d, less than broker.kafka.min_insync_replicas %d",
-					n, b.cfg.MinInsyncReplicas))
-			}
-		case "max.message.bytes":
-			if n < b.cfg.MaxMessageBytes {
-				diffs = append(diffs, fmt.Errorf(
-					"its max.message.bytes is %d, less than broker.kafka.max_message_bytes %d (lower max_message_bytes or raise the topic's max.message.bytes)",
-					n, b.cfg.MaxMessageBytes))
-			}
-		}
+	if n, ok := configs["min.insync.replicas"]; ok && n < b.cfg.MinInsyncReplicas {
+		diffs = append(diffs, fmt.Errorf("its min.insync.replicas is %d, less than broker.kafka.min_insync_replicas %d",
+			n, b.cfg.MinInsyncReplicas))
+	}
+	if n, ok := configs["max.message.bytes"]; ok && n < b.cfg.MaxMessageBytes {
+		diffs = append(diffs, fmt.Errorf(
+			"its max.message.bytes is %d, less than broker.kafka.max_message_bytes %d (lower max_message_bytes or raise the topic's max.message.bytes)",
+			n, b.cfg.MaxMessageBytes))
 	}
 	if len(diffs) > 0 {
 		return fmt.Errorf("kafka: existing topic %s conflicts with the configuration: %w", topic, errors.Join(diffs...))
@@ -187,35 +181,41 @@ func (b *Broker) checkTopic(topic string, md *sarama.TopicMetadata) error {
 	return nil
 }
 
+// topicConfigs reads the topic's effective min.insync.replicas and
+// max.message.bytes.
+func (b *Broker) topicConfigs(ctx context.Context, topic string) (map[string]int, error) {
+	rcs, err := b.admin.DescribeTopicConfigs(ctx, topic)
+	if err != nil {
+		return nil, err
+	}
+	rc, err := rcs.On(topic, nil)
+	if err == nil {
+		err = rc.Err
+	}
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]int{}
+	for _, c := range rc.Configs {
+		if c.Key != "min.insync.replicas" && c.Key != "max.message.bytes" {
+			continue
+		}
+		if n, err := strconv.Atoi(c.MaybeValue()); err == nil {
+			out[c.Key] = n
+		}
+	}
+	return out, nil
+}
+
 // topicMaxMessageBytes reads the topic's effective max.message.bytes.
-func (b *Broker) topicMaxMessageBytes(topic string) (int, error) {
-	entries, err := b.admin.DescribeConfig(sarama.ConfigResource{
-		Type: sarama.TopicResource, Name: topic, ConfigNames: []string{"max.message.bytes"},
-	})
+func (b *Broker) topicMaxMessageBytes(ctx context.Context, topic string) (int, error) {
+	configs, err := b.topicConfigs(ctx, topic)
 	if err != nil {
 		return 0, err
 	}
-	for _, e := range entries {
-		if e.Name == "max.message.bytes" {
-			return strconv.Atoi(e.Value)
-		}
+	n, ok := configs["max.message.bytes"]
+	if !ok {
+		return 0, errors.New("max.message.bytes not reported")
 	}
-	return 0, errors.New("max.message.bytes not reported")
-}
-
-// withContext runs fn, returning early when ctx ends. Sarama's admin calls
-// take no context; fn still finishes in the background, bounded by Sarama's
-// own timeouts.
-func withContext(ctx context.Context, fn func() error) error {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	done := make(chan error, 1)
-	go func() { done <- fn() }()
-	select {
-	case err := <-done:
-		return err
-	case <-ctx.Done():
-		return ctx.Err()
-	}
+	return n, nil
 }

@@ -4,12 +4,37 @@ import (
 	"context"
 
 	"github.com/IBM/sarama"
+	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/sasl"
+	"github.com/twmb/franz-go/pkg/sasl/plain"
 	"github.com/twmb/franz-go/pkg/sasl/scram"
 )
 
-// applySecurity sets TLS and SASL on a Sarama config from broker.kafka.tls
-// and broker.kafka.sasl.
+// securityOptions are the franz-go client's TLS and SASL settings from
+// broker.kafka.tls and broker.kafka.sasl.
+func securityOptions(cfg Config) ([]kgo.Opt, error) {
+	var opts []kgo.Opt
+	if cfg.TLS.Enabled {
+		tc, err := cfg.TLS.ClientConfig("broker.kafka.tls")
+		if err != nil {
+			return nil, err
+		}
+		opts = append(opts, kgo.DialTLSConfig(tc))
+	}
+	user, password := cfg.SASL.User, cfg.SASL.Password
+	switch cfg.SASL.Mechanism {
+	case SASLPlain:
+		opts = append(opts, kgo.SASL(plain.Auth{User: user, Pass: password}.AsMechanism()))
+	case SASLScramSHA256:
+		opts = append(opts, kgo.SASL(scram.Auth{User: user, Pass: password}.AsSha256Mechanism()))
+	case SASLScramSHA512:
+		opts = append(opts, kgo.SASL(scram.Auth{User: user, Pass: password}.AsSha512Mechanism()))
+	}
+	return opts, nil
+}
+
+// applySecurity sets TLS and SASL on the subscribers' Sarama config from
+// broker.kafka.tls and broker.kafka.sasl.
 func applySecurity(c *sarama.Config, cfg Config) error {
 	if cfg.TLS.Enabled {
 		tc, err := cfg.TLS.ClientConfig("broker.kafka.tls")

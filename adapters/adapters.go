@@ -44,8 +44,40 @@ type Broker interface {
 	// message they refuse permanently instead of sending it.
 	Rules() Rules
 
+	// Capabilities says what this broker guarantees beyond this contract.
+	Capabilities() Capabilities
+
 	// Close releases every connection. It is idempotent.
 	Close() error
+}
+
+// Capabilities are what a broker guarantees beyond the contract. Consumers
+// decide from them, never from the broker's name.
+type Capabilities struct {
+	// KeyPartitioned: one subscription delivers messages of different
+	// partition keys concurrently and those of one key in order (Kafka: one
+	// message in flight per partition, and the key picks the partition), so
+	// one subscription gives ordered concurrency.
+	KeyPartitioned bool
+	// DeduplicatesByID: the broker stores a message once when it is
+	// published again with the same id within a window (JetStream's
+	// Nats-Msg-Id), so a relay's re-sent batch does not reach consumers twice.
+	DeduplicatesByID bool
+}
+
+// Section is one broker's section of config.yaml (kafka.Config,
+// rabbit.Config, nats.Config), as bus selects it by broker.kind: how to
+// check it, what the broker carries unchanged, and how to connect.
+type Section interface {
+	// Validate returns every problem of the section at path, each a
+	// *confload.FieldError naming its YAML path. Call it on a section that
+	// has had its defaults applied.
+	Validate(path string) []error
+	// Rules says what the broker carries unchanged with this section.
+	Rules() Rules
+	// Connect connects with the section, which Validate accepted; the
+	// package's Open applies the defaults and validates first.
+	Connect(ctx context.Context, opts Options) (Broker, error)
 }
 
 // Outgoing is one message of a batch and the topic it goes to.

@@ -7,40 +7,50 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 
 	"github.com/millrace-io/millrace/adapters"
-	"github.com/millrace-io/millrace/adapters/kafka"
-	"github.com/millrace-io/millrace/adapters/nats"
-	"github.com/millrace-io/millrace/adapters/rabbit"
 )
 
 // OpenBroker connects to the broker cfg.Broker.Kind selects, with that
-// adapter's reliable defaults, within broker.connect_timeout. It is what
-// Run uses; the command-line tool and tests use it too.
+// adapter's reliable defaults, within broker.connect_timeout. It applies
+// cfg's defaults and validates it first. It is what Run uses; the
+// command-line tool and tests use it too.
 func OpenBroker(ctx context.Context, cfg Config, logger watermill.LoggerAdapter) (adapters.Broker, error) {
-	cfg = cfg.WithDefaults()
-	if err := cfg.Validate(); err != nil {
+	cfg, err := cfg.check()
+	if err != nil {
 		return nil, err
 	}
-	opts := adapters.Options{Logger: logger, ConnectTimeout: cfg.Broker.ConnectTimeout}
-	switch cfg.Broker.Kind {
-	case KindKafka:
-		return kafka.Open(ctx, cfg.Broker.Kafka, opts)
-	case KindRabbitMQ:
-		return rabbit.Open(ctx, cfg.Broker.RabbitMQ, opts)
-	case KindNATS:
-		return nats.Open(ctx, cfg.Broker.NATS, opts)
+	return connectBroker(ctx, cfg, logger)
+}
+
+// connectBroker connects with cfg, which has its defaults and is valid.
+func connectBroker(ctx context.Context, cfg Config, logger watermill.LoggerAdapter) (adapters.Broker, error) {
+	_, section := cfg.Broker.section()
+	if section == nil {
+		return nil, fmt.Errorf("millrace: broker.kind %q has no adapter", cfg.Broker.Kind) // unreachable after Validate
 	}
-	return nil, fmt.Errorf("millrace: broker.kind %q has no adapter", cfg.Broker.Kind) // unreachable after Validate
+	return section.Connect(ctx, adapters.Options{Logger: logger, ConnectTimeout: cfg.Broker.ConnectTimeout})
+}
+
+// section is the config section of the broker broker.kind selects and its
+// YAML path: the one place a broker kind is mapped to its adapter. It is
+// nil for an unknown kind.
+func (c BrokerConfig) section() (path string, s adapters.Section) {
+	switch c.Kind {
+	case KindKafka:
+		return "broker.kafka", c.Kafka
+	case KindRabbitMQ:
+		return "broker.rabbitmq", c.RabbitMQ
+	case KindNATS:
+		return "broker.nats", c.NATS
+	}
+	return "", nil
 }
 
 // Rules are what the selected broker carries unchanged, known from the
-// config alone, so Publish and Handle check against them without a connection.
+// config alone, so Publish and Handle check against them without a
+// connection. An unknown kind (which Validate reports) has NATS's rules.
 func (c BrokerConfig) Rules() adapters.Rules {
-	switch c.Kind {
-	case KindKafka:
-		return c.Kafka.Rules()
-	case KindRabbitMQ:
-		return c.RabbitMQ.Rules()
-	default:
-		return c.NATS.Rules()
+	if _, s := c.section(); s != nil {
+		return s.Rules()
 	}
+	return c.NATS.Rules()
 }

@@ -87,8 +87,8 @@ const tracerName = "github.com/millrace-io/millrace"
 // own pool; when it is nil, Open connects to database.url and Close closes
 // that pool.
 func Open(ctx context.Context, cfg Config, db *sql.DB, opts ...Option) (*Bus, error) {
-	cfg = cfg.WithDefaults()
-	if err := cfg.Validate(); err != nil {
+	cfg, err := cfg.check()
+	if err != nil {
 		return nil, err
 	}
 	b := &Bus{
@@ -154,8 +154,8 @@ func OpenDB(cfg DatabaseConfig) (*sql.DB, error) {
 // tables and the outbox NOTIFY trigger in cfg's schema. It is idempotent and safe to run from several
 // instances at once.
 func Migrate(ctx context.Context, db *sql.DB, cfg Config) error {
-	cfg = cfg.WithDefaults()
-	if err := cfg.Validate(); err != nil {
+	cfg, err := cfg.check()
+	if err != nil {
 		return err
 	}
 	return store.Migrate(ctx, db, tablesOf(cfg))
@@ -271,9 +271,12 @@ func redactURL(raw string) string { return confload.RedactURL(raw) }
 // refusedByBroker turns the broker's *adapters.RefusedError into an
 // *EventError naming the Event field behind the refused part.
 func refusedByBroker(err error) error {
+	if err == nil {
+		return nil
+	}
 	var re *adapters.RefusedError
 	if !errors.As(err, &re) {
-		return err
+		return &EventError{Field: "Metadata", Kind: ErrRefusedByBroker, Detail: err.Error(), Err: err}
 	}
 	ee := &EventError{Field: "Metadata", Key: re.Key, Kind: ErrRefusedByBroker, Detail: re.Error(), Err: re}
 	switch re.Part {

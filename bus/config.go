@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"reflect"
 	"regexp"
 	"slices"
 	"strconv"
@@ -58,6 +59,24 @@ type Config struct {
 
 	// envSources maps a YAML path to the environment variable that overrode it.
 	envSources map[string]string
+	// valid is the config as LoadConfig or ParseConfig validated it, so
+	// Open, Migrate and NewOps do not check it (and read its TLS files)
+	// again unless it changed since.
+	valid *Config
+}
+
+// check applies c's defaults and validates it, unless LoadConfig already
+// validated exactly this config: the one check of a start.
+func (c Config) check() (Config, error) {
+	c = c.WithDefaults()
+	if c.valid != nil {
+		checked := c
+		checked.valid = nil
+		if reflect.DeepEqual(checked, *c.valid) {
+			return c, nil
+		}
+	}
+	return c, c.Validate()
 }
 
 // DatabaseConfig is the database section.
@@ -162,13 +181,8 @@ func (c Config) Validate() error {
 
 	chk.OneOf("broker.kind", c.Broker.Kind, KindKafka, KindRabbitMQ, KindNATS)
 	chk.PositiveDuration("broker.connect_timeout", c.Broker.ConnectTimeout)
-	switch c.Broker.Kind {
-	case KindKafka:
-		chk.Merge(c.Broker.Kafka.Validate("broker.kafka"))
-	case KindRabbitMQ:
-		chk.Merge(c.Broker.RabbitMQ.Validate("broker.rabbitmq"))
-	case KindNATS:
-		chk.Merge(c.Broker.NATS.Validate("broker.nats"))
+	if path, section := c.Broker.section(); section != nil {
+		chk.Merge(section.Validate(path))
 	}
 	chk.Merge(c.Relay.Validate("relay"))
 	if c.Metrics.Listen != "" && !validListen(c.Metrics.Listen) {
@@ -344,5 +358,7 @@ func parseConfig(data []byte, lookup confload.LookupEnv) (Config, error) {
 	if len(problems) > 0 {
 		return cfg, &ConfigError{Problems: problems}
 	}
+	valid := cfg
+	cfg.valid = &valid
 	return cfg, nil
 }

@@ -3,6 +3,7 @@ package bus
 import (
 	"errors"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -40,6 +41,7 @@ func TestMinimalConfigIsAllDefaults(t *testing.T) {
 	require.NoError(t, err)
 	want := Config{}.WithDefaults()
 	want.Broker.NATS.URL = "nats://127.0.0.1:4222"
+	cfg.valid = nil
 	require.Equal(t, want, cfg)
 
 	// The broker addresses config.yaml documents are the defaults: a file
@@ -48,6 +50,7 @@ func TestMinimalConfigIsAllDefaults(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "nats://127.0.0.1:4222", cfg.Broker.NATS.URL)
 	require.Equal(t, "amqp://127.0.0.1:5672/", cfg.Broker.RabbitMQ.URL)
+	cfg.valid = nil
 	require.Equal(t, want, cfg)
 }
 
@@ -176,4 +179,25 @@ func FuzzParseConfig(f *testing.F) {
 			t.Fatalf("not a *ConfigError with problems: %T %v", err, err)
 		}
 	})
+}
+
+// A start checks its config once: Open, Migrate and NewOps do not validate
+// (and read the files of) a config LoadConfig validated, unless it changed.
+func TestConfigIsCheckedOncePerStart(t *testing.T) {
+	t.Parallel()
+	root := filepath.Join(t.TempDir(), "ca.pem")
+	require.NoError(t, os.WriteFile(root, []byte("not read until checked"), 0o600))
+	yaml := "database:\n  url: postgres://u@127.0.0.1:5432/db?sslmode=verify-full&sslrootcert=" + root + "\n"
+	cfg, err := parseConfig([]byte(yaml), noEnv)
+	require.NoError(t, err)
+	require.NoError(t, os.Remove(root))
+
+	_, err = cfg.check()
+	require.NoError(t, err, "unchanged since it was validated: not checked again")
+	changed := cfg
+	changed.Outbox.MaxPayloadBytes = 10
+	_, err = changed.check()
+	require.ErrorContains(t, err, "sslrootcert", "changed: checked again, and the removed file is found missing")
+	_, err = Config{Database: cfg.Database}.check()
+	require.ErrorContains(t, err, "sslrootcert", "built in code: checked")
 }

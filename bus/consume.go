@@ -144,7 +144,7 @@ func (b *Bus) Run(ctx context.Context) error {
 		return errors.New("millrace: nothing to run: relay.enabled is false and no handler is registered")
 	}
 
-	broker, err := OpenBroker(ctx, b.cfg, b.logger)
+	broker, err := connectBroker(ctx, b.cfg, b.logger) // b.cfg was validated by Open
 	if err != nil {
 		return err
 	}
@@ -224,7 +224,7 @@ func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []han
 		sub := chain.Subscriber(middleware.Source{
 			NewSubscriber:  func() (message.Subscriber, error) { return broker.Subscriber(group) },
 			Competing:      true,
-			KeyPartitioned: b.cfg.Broker.Kind == KindKafka,
+			KeyPartitioned: broker.Capabilities().KeyPartitioned,
 		})
 		handler := router.AddConsumerHandler(h.name, h.topic, sub, handle)
 		for _, m := range b.routerMiddleware {

@@ -35,8 +35,8 @@ type Ops struct {
 // cfg's defaults, validates it and checks that the tables exist (a
 // database that is down or not migrated is a clear error here, not later).
 func NewOps(ctx context.Context, db *sql.DB, cfg Config) (*Ops, error) {
-	cfg = cfg.WithDefaults()
-	if err := cfg.Validate(); err != nil {
+	cfg, err := cfg.check()
+	if err != nil {
 		return nil, err
 	}
 	if db == nil {

@@ -28,6 +28,7 @@ import (
 // is safe for concurrent use.
 type Broker struct {
 	cfg    Config
+	rules  rules
 	opts   adapters.Options
 	logger watermill.LoggerAdapter
 
@@ -72,12 +73,23 @@ var _ adapters.Broker = (*Broker)(nil)
 // cluster is an error within opts.ConnectTimeout naming the addresses.
 func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, error) {
 	cfg = cfg.WithDefaults()
-	opts = opts.WithDefaults()
 	if problems := cfg.Validate("broker.kafka"); len(problems) > 0 {
 		return nil, fmt.Errorf("kafka: invalid config: %w", errors.Join(problems...))
 	}
+	return open(ctx, cfg, opts)
+}
+
+// Connect is Open for a Config that has its defaults and that Validate
+// accepted (adapters.Section).
+func (c Config) Connect(ctx context.Context, opts adapters.Options) (adapters.Broker, error) {
+	return open(ctx, c, opts)
+}
+
+func open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, error) {
+	opts = opts.WithDefaults()
 	b := &Broker{
 		cfg:         cfg,
+		rules:       cfg.Rules().(rules),
 		opts:        opts,
 		logger:      opts.Logger,
 		publishing:  make(chan struct{}, 1),
@@ -309,7 +321,7 @@ func (b *Broker) release() {
 }
 
 // Close closes every subscriber this Broker made and the client. Records
-// still unconfirmed fail with ErrClosed (the relay publishes them again);
+// still unconfirmed fail with errClosed (the relay publishes them again);
 // Close does not wait for them. It is idempotent.
 func (b *Broker) Close() error {
 	b.closeOnce.Do(func() {
@@ -338,8 +350,8 @@ func (b *Broker) Close() error {
 
 var errPlainWithoutTLS = errors.New("SASL PLAIN over a plaintext connection: use tls.enabled: true or a SCRAM mechanism")
 
-// ErrClosed is returned by calls on a closed Broker.
-var ErrClosed = errors.New("kafka: broker closed")
+// errClosed is returned by calls on a closed Broker.
+var errClosed = fmt.Errorf("kafka: %w", adapters.ErrClosed)
 
 // kgoLogger hands the client's warnings and errors to the Broker's logger
 // (warnings at info level, which Watermill's loggers have instead).

@@ -412,7 +412,7 @@ func TestCloseDuringPublish(t *testing.T) {
 		require.ErrorAs(t, err, &be)
 		for _, e := range be.Errs {
 			if e != nil {
-				require.ErrorIs(t, e, kafka.ErrClosed)
+				require.ErrorIs(t, e, adapters.ErrClosed)
 			}
 		}
 	}

@@ -46,7 +46,7 @@ func TestKeyPartitionerMatchesJavaClient(t *testing.T) {
 // headers.
 func TestRecordIsWatermillKafkasFormat(t *testing.T) {
 	t.Parallel()
-	b := &Broker{cfg: Config{MaxMessageBytes: DefaultMaxMessageBytes}}
+	b := &Broker{rules: rules{maxBytes: DefaultMaxMessageBytes}}
 	msg := message.NewMessage("id-1", []byte(`{"n":1}`))
 	msg.Metadata.Set(envelope.AggregateIDKey, "order-7")
 	msg.Metadata.Set("x-unknown", "kept")
@@ -76,7 +76,7 @@ func TestRecordIsWatermillKafkasFormat(t *testing.T) {
 func TestRecordSizeLimit(t *testing.T) {
 	t.Parallel()
 	const limit = 4096
-	b := &Broker{cfg: Config{MaxMessageBytes: limit}}
+	b := &Broker{rules: rules{maxBytes: limit}}
 	msg := message.NewMessage("id-1", make([]byte, limit))
 	_, err := b.record(adapters.Outgoing{Topic: "orders", Msg: msg})
 	require.ErrorIs(t, err, adapters.ErrMessageTooLarge)

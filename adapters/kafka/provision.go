@@ -32,15 +32,15 @@ import (
 // names are checked.
 func (b *Broker) Provision(ctx context.Context, topic string, consumerGroups ...string) error {
 	if err := names.Topic(topic); err != nil {
-		return fmt.Errorf("kafka: topic %q: %w", topic, err)
+		return adapters.Permanent(fmt.Errorf("kafka: topic %q: %w", topic, err))
 	}
 	for _, g := range consumerGroups {
 		if err := names.Topic(g); err != nil {
-			return fmt.Errorf("kafka: consumer group %q: %w", g, err)
+			return adapters.Permanent(fmt.Errorf("kafka: consumer group %q: %w", g, err))
 		}
 	}
 	if b.closed.Load() {
-		return ErrClosed
+		return errClosed
 	}
 	info, err := b.describeTopic(ctx, topic)
 	if err != nil {
@@ -176,7 +176,7 @@ func (b *Broker) checkTopic(ctx context.Context, topic string, info *topicInfo) 
 			n, b.cfg.MaxMessageBytes))
 	}
 	if len(diffs) > 0 {
-		return fmt.Errorf("kafka: existing topic %s conflicts with the configuration: %w", topic, errors.Join(diffs...))
+		return fmt.Errorf("kafka: existing topic %s conflicts with the configuration: %w: %w", topic, adapters.ErrTopologyConflict, errors.Join(diffs...))
 	}
 	return nil
 }

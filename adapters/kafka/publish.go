@@ -39,7 +39,7 @@ func (b *Broker) PublishBatch(ctx context.Context, msgs []adapters.Outgoing) err
 		return nil
 	}
 	if b.closed.Load() {
-		return adapters.FailAll(len(msgs), ErrClosed)
+		return adapters.FailAll(len(msgs), errClosed)
 	}
 	errs := make([]error, len(msgs))
 	records := make([]*kgo.Record, len(msgs))
@@ -164,7 +164,7 @@ func (b *Broker) send(ctx context.Context, records []*kgo.Record, errs []error) 
 		fail(fmt.Errorf("kafka: not sent: %w", ctx.Err()))
 		return
 	case <-b.closing:
-		fail(ErrClosed)
+		fail(errClosed)
 		return
 	case <-wait.C:
 		fail(fmt.Errorf("kafka: not sent: the previous publish was still unanswered after %s (broker.kafka.producer_retries x producer_retry_backoff + producer_timeout)", limit))
@@ -174,7 +174,7 @@ func (b *Broker) send(ctx context.Context, records []*kgo.Record, errs []error) 
 	if b.closed.Load() {
 		b.closeMu.RUnlock()
 		<-b.publishing
-		fail(ErrClosed)
+		fail(errClosed)
 		return
 	}
 	b.sending.Add(1) // done once the client has answered every record (or at Close)
@@ -231,7 +231,7 @@ func (b *Broker) send(ctx context.Context, records []*kgo.Record, errs []error) 
 	case <-ctx.Done():
 		unanswered = fmt.Errorf("kafka: not acknowledged before the context ended (it may still arrive): %w", ctx.Err())
 	case <-b.closing:
-		unanswered = ErrClosed
+		unanswered = errClosed
 	case <-answered.C:
 		unanswered = fmt.Errorf("kafka: not acknowledged within %s (broker.kafka.producer_retries x producer_retry_backoff + producer_timeout; it may still arrive)", limit)
 	}
@@ -305,7 +305,7 @@ func batchBytes(r *kgo.Record) int {
 }
 
 // record turns o into a Kafka record in watermill-kafka's format (see
-// Marshaler), refusing what the broker would refuse.
+// Marshaler), refusing what the broker would refuse (Rules).
 func (b *Broker) record(o adapters.Outgoing) (*kgo.Record, error) {
 	if o.Msg == nil {
 		return nil, adapters.Permanent(errors.New("kafka: nil message"))
@@ -313,26 +313,33 @@ func (b *Broker) record(o adapters.Outgoing) (*kgo.Record, error) {
 	if err := names.Topic(o.Topic); err != nil {
 		return nil, adapters.Permanent(fmt.Errorf("kafka: topic %q: %w", o.Topic, err))
 	}
-	pm, err := Marshaler{}.Marshal(o.Topic, o.Msg)
+	r, err := toRecord(o.Topic, o.Msg)
 	if err != nil {
-		return nil, adapters.Permanent(fmt.Errorf("kafka: message %s: %w", o.Msg.UUID, err))
+		return nil, err
 	}
-	r := &kgo.Record{Topic: o.Topic, Headers: make([]kgo.RecordHeader, len(pm.Headers))}
+	if err := b.rules.checkRecord(o.Msg, r); err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
+// toRecord is msg as a record on topic, in watermill-kafka's format.
+func toRecord(topic string, msg *message.Message) (*kgo.Record, error) {
+	pm, err := Marshaler{}.Marshal(topic, msg)
+	if err != nil {
+		return nil, adapters.Permanent(fmt.Errorf("kafka: message %s: %w", msg.UUID, err))
+	}
+	r := &kgo.Record{Topic: topic, Headers: make([]kgo.RecordHeader, len(pm.Headers))}
 	if pm.Key != nil {
 		if r.Key, err = pm.Key.Encode(); err != nil {
-			return nil, adapters.Permanent(fmt.Errorf("kafka: message %s: key: %w", o.Msg.UUID, err))
+			return nil, adapters.Permanent(fmt.Errorf("kafka: message %s: key: %w", msg.UUID, err))
 		}
 	}
 	if r.Value, err = pm.Value.Encode(); err != nil {
-		return nil, adapters.Permanent(fmt.Errorf("kafka: message %s: value: %w", o.Msg.UUID, err))
+		return nil, adapters.Permanent(fmt.Errorf("kafka: message %s: value: %w", msg.UUID, err))
 	}
 	for i, h := range pm.Headers {
 		r.Headers[i] = kgo.RecordHeader{Key: string(h.Key), Value: h.Value}
-	}
-	if size := batchBytes(r); size > b.cfg.MaxMessageBytes {
-		return nil, adapters.Permanent(fmt.Errorf(
-			"kafka: message %s is %d bytes as a record batch with key and headers, over the limit of %d bytes (broker.kafka.max_message_bytes): %w",
-			o.Msg.UUID, size, b.cfg.MaxMessageBytes, adapters.ErrMessageTooLarge))
 	}
 	return r, nil
 }
@@ -354,10 +361,10 @@ func (b *Broker) overBrokerLimit(ctx context.Context, o adapters.Outgoing, r *kg
 // (broker gone, leader moving, timeouts, authorization) is retryable.
 func classify(topic string, err error) error {
 	switch {
-	case err == nil || adapters.IsPermanent(err) || errors.Is(err, ErrClosed):
+	case err == nil || adapters.IsPermanent(err) || errors.Is(err, errClosed):
 		return err
 	case errors.Is(err, kgo.ErrClientClosed):
-		return fmt.Errorf("%w: %w", ErrClosed, err)
+		return fmt.Errorf("%w: %w", errClosed, err)
 	case errors.Is(err, kerr.MessageTooLarge), errors.Is(err, kerr.RecordListTooLarge):
 		return adapters.Permanent(fmt.Errorf("kafka: topic %s refused the message as too large: %w: %w", topic, err, adapters.ErrMessageTooLarge))
 	case errors.Is(err, kerr.InvalidRecord),

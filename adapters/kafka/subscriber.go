@@ -42,7 +42,7 @@ func (b *Broker) Subscriber(consumerGroup string) (message.Subscriber, error) {
 		return nil, fmt.Errorf("kafka: consumer group %q: %w", consumerGroup, err)
 	}
 	if b.closed.Load() {
-		return nil, ErrClosed
+		return nil, errClosed
 	}
 	s := &subscriber{b: b, group: consumerGroup, closing: make(chan struct{})}
 	b.mu.Lock()

@@ -55,10 +55,20 @@ type Broker struct {
 // without JetStream.
 func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, error) {
 	cfg = cfg.WithDefaults()
-	opts = opts.WithDefaults()
 	if problems := cfg.Validate("broker.nats"); len(problems) > 0 {
 		return nil, fmt.Errorf("nats: invalid config: %w", errors.Join(problems...))
 	}
+	return open(ctx, cfg, opts)
+}
+
+// Connect is Open for a Config that has its defaults and that Validate
+// accepted (adapters.Section).
+func (c Config) Connect(ctx context.Context, opts adapters.Options) (adapters.Broker, error) {
+	return open(ctx, c, opts)
+}
+
+func open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, error) {
+	opts = opts.WithDefaults()
 	b := &Broker{
 		cfg:       cfg,
 		rules:     cfg.Rules(),

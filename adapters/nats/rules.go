@@ -63,3 +63,8 @@ func (r rules) CheckMessage(topic string, msg *message.Message) error {
 
 // Rules returns the rules of the Broker's configuration (Config.Rules).
 func (b *Broker) Rules() adapters.Rules { return b.rules }
+
+// Capabilities: see adapters.Capabilities.
+func (b *Broker) Capabilities() adapters.Capabilities {
+	return adapters.Capabilities{DeduplicatesByID: true}
+}

@@ -53,6 +53,16 @@ func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, erro
 	if errs := cfg.Validate("broker.rabbitmq"); len(errs) > 0 {
 		return nil, fmt.Errorf("rabbitmq: invalid configuration: %w", errors.Join(errs...))
 	}
+	return open(ctx, cfg, opts)
+}
+
+// Connect is Open for a Config that has its defaults and that Validate
+// accepted (adapters.Section).
+func (c Config) Connect(ctx context.Context, opts adapters.Options) (adapters.Broker, error) {
+	return open(ctx, c, opts)
+}
+
+func open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, error) {
 	b := &Broker{
 		cfg:      cfg,
 		rules:    cfg.Rules(),

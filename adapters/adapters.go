@@ -1,10 +1,3 @@
-// Package adapters is the contract every broker adapter (kafka, rabbit, nats)
-// fulfils, so bus, the forwarder and the middleware can work with any of them.
-//
-// Each adapter turns its config section into a Broker: Watermill publishers and
-// subscribers with reliable defaults, a pipelined batch publish path for the
-// relay, and idempotent topology provisioning. The adaptertest package is the
-// suite every adapter passes.
 package adapters
 
 import (

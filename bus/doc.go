@@ -15,7 +15,8 @@
 //
 // Migrate creates the tables once (or run `millrace migrate`). Open returns a
 // Bus; Publish writes events into the outbox table on the caller's *sql.Tx
-// through Watermill's SQL publisher, wrapped in Watermill's forwarder envelope:
+// with the INSERT of watermill-sql's schema adapter (what Watermill's SQL
+// publisher runs), each wrapped in Watermill's forwarder envelope:
 //
 //	tx, _ := db.BeginTx(ctx, nil)
 //	tx.ExecContext(ctx, `INSERT INTO orders ...`)
@@ -25,8 +26,9 @@
 //	tx.Commit() // the order and its event become real together
 //
 // A rolled-back transaction leaves no event. Every event is checked before
-// anything is written (required fields, codec, size limits) and a refused
-// call writes nothing. PublishInOwnTx is the explicit way to publish without
+// anything is written (required fields, codec, size limits, and what the
+// configured broker would refuse or alter: BrokerConfig.Rules) and a
+// refused call writes nothing. PublishInOwnTx is the explicit way to publish without
 // a business transaction.
 //
 // # The event envelope
@@ -44,4 +46,11 @@
 // forwarder.NewPublisher over an SQL publisher with ForwarderTopic set to
 // outbox.topic are relayed like millrace's own, and EventFromMessage reads
 // them.
+//
+// # Operations
+//
+// Ops (NewOps) is the operations API over an installation's tables, with
+// no broker: outbox status, the dead-letter queue (the poison table) and
+// the relay quarantine with list, show, replay and purge, and inbox
+// pruning. The millrace command-line tool is flags and formatting over it.
 package bus

@@ -1,7 +1,3 @@
-// Package adaptertest is the contract suite every millrace broker adapter
-// passes, on top of Watermill's universal pubsub/tests suite: what millrace
-// adds (pipelined batch publish, per-key order, consumer-group fan-out versus
-// competing consumers, redelivery after a nack, surviving a broker restart).
 package adaptertest
 
 import (

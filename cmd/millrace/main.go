@@ -1,22 +1,3 @@
-// Command millrace operates a millrace installation from the same config.yaml
-// the services use.
-//
-//	millrace [--config config.yaml] migrate
-//	millrace [--config config.yaml] outbox status
-//	millrace [--config config.yaml] relay [--metrics ADDR]
-//	millrace [--config config.yaml] dlq list [filters] [--limit N]
-//	millrace [--config config.yaml] dlq show [--hex] ID
-//	millrace [--config config.yaml] dlq replay [--dry-run] [--force] (ID... | filters | --all)
-//	millrace [--config config.yaml] dlq purge [--dry-run] (ID... | filters | --all)
-//	millrace [--config config.yaml] inbox purge --older-than DURATION [--group G] [--batch N] [--dry-run]
-//	millrace [--config config.yaml] grants --role NAME
-//
-// Every command has --help and --json (its output as one JSON document with
-// stable field names, described in this directory's README.md). Flags may come
-// before or after the positional arguments. Exit codes: 0 success, 1 the
-// command failed, 2 bad usage or configuration; errors go to stderr as
-// "millrace <command>: <message>", usage errors followed by the usage. No
-// password of a configured URL is ever printed.
 package main
 
 import (

@@ -18,7 +18,8 @@ func (b *Bus) MetricsHandler() http.Handler {
 	return promhttp.HandlerFor(b.gatherer, promhttp.HandlerOpts{})
 }
 
-// serveMetrics serves /metrics on metrics.listen until ctx ends.
+// serveMetrics serves /metrics and the health endpoints on metrics.listen
+// until ctx ends.
 func (b *Bus) serveMetrics(ctx context.Context) (func(), error) {
 	ln, err := net.Listen("tcp", b.cfg.Metrics.Listen)
 	if err != nil {
@@ -26,6 +27,10 @@ func (b *Bus) serveMetrics(ctx context.Context) (func(), error) {
 	}
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", b.MetricsHandler())
+	health := b.HealthHandler()
+	for _, p := range []string{"/livez", "/readyz", "/healthz"} {
+		mux.Handle(p, health)
+	}
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	done := make(chan struct{})
 	go func() {

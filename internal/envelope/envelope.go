@@ -25,6 +25,7 @@ const (
 	CausationIDKey      = "causation-id"
 	TraceparentKey      = "traceparent"
 	TracestateKey       = "tracestate"
+	BaggageKey          = "baggage"
 	ContentTypeKey      = "content-type"
 )
 

@@ -242,12 +242,16 @@ func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []han
 	if err != nil {
 		return nil, nil, nil, err
 	}
+	lag, err := newLagMetric(b.registerer)
+	if err != nil {
+		return nil, nil, nil, err
+	}
 	activities := map[string]*activity{}
 	for _, h := range handlers {
 		if err := broker.Provision(ctx, h.topic, h.group); err != nil {
 			return nil, nil, nil, fmt.Errorf("millrace: provision %s for handler %s: %w", h.topic, h.name, err)
 		}
-		act := newActivity(h.name, b.cfg.Consumer.For(h.name).HandlerTimeout)
+		act := newActivity(h.name, b.cfg.Consumer.For(h.name).HandlerTimeout, lag.WithLabelValues(h.name, h.group))
 		activities[h.name] = act
 		chain, handle, err := b.chain(stack, h, act)
 		if err != nil {

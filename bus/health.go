@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/forwarder"
@@ -226,7 +227,8 @@ type runState struct {
 // handler calls still running.
 type activity struct {
 	name    string
-	timeout time.Duration // the handler's handler_timeout
+	timeout time.Duration       // the handler's handler_timeout
+	lag     prometheus.Observer // MetricConsumerLag of the handler
 
 	mu      sync.Mutex
 	inChain int
@@ -235,8 +237,8 @@ type activity struct {
 	nextID  uint64
 }
 
-func newActivity(name string, timeout time.Duration) *activity {
-	return &activity{name: name, timeout: timeout, last: time.Now(), calls: map[uint64]time.Time{}}
+func newActivity(name string, timeout time.Duration, lag prometheus.Observer) *activity {
+	return &activity{name: name, timeout: timeout, lag: lag, last: time.Now(), calls: map[uint64]time.Time{}}
 }
 
 // state returns the messages in the chain, when it last moved on, and
@@ -252,9 +254,10 @@ func (a *activity) state(now time.Time) (inChain int, last time.Time, stuck int)
 	return a.inChain, a.last, stuck
 }
 
-// chain wraps a handler's whole chain: a message entering and leaving it.
+// chain wraps a handler's whole chain: a message entering and leaving it,
+// and the lag of each message it processed.
 func (a *activity) chain(h message.NoPublishHandlerFunc) message.NoPublishHandlerFunc {
-	return func(msg *message.Message) error {
+	return func(msg *message.Message) (err error) {
 		a.mu.Lock()
 		a.inChain++
 		a.last = time.Now()
@@ -264,6 +267,12 @@ func (a *activity) chain(h message.NoPublishHandlerFunc) message.NoPublishHandle
 			a.inChain--
 			a.last = time.Now()
 			a.mu.Unlock()
+			if err != nil {
+				return // given back to the broker: not processed
+			}
+			if at, perr := time.Parse(time.RFC3339Nano, msg.Metadata.Get(OccurredAtKey)); perr == nil {
+				a.lag.Observe(time.Since(at).Seconds())
+			}
 		}()
 		return h(msg)
 	}

@@ -176,9 +176,9 @@ func OpenDB(cfg DatabaseConfig) (*sql.DB, error) {
 
 // Migrate creates the outbox, offsets, inbox, poison and aggregate-versions
 // tables and the outbox NOTIFY trigger in cfg's schema. It is idempotent and safe to run from several
-// instances at once.
+// instances at once. It needs no broker: cfg's broker section is not checked.
 func Migrate(ctx context.Context, db *sql.DB, cfg Config) error {
-	cfg, err := cfg.check()
+	cfg, err := cfg.checkFor(false)
 	if err != nil {
 		return err
 	}

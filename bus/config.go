@@ -69,7 +69,11 @@ type Config struct {
 
 // check applies c's defaults and validates it, unless LoadConfig already
 // validated exactly this config: the one check of a start.
-func (c Config) check() (Config, error) {
+func (c Config) check() (Config, error) { return c.checkFor(true) }
+
+// checkFor is check, leaving the broker section out unless broker: for
+// what needs only the database (Migrate, NewOps).
+func (c Config) checkFor(broker bool) (Config, error) {
 	c = c.WithDefaults()
 	if c.valid != nil {
 		checked := c
@@ -78,7 +82,7 @@ func (c Config) check() (Config, error) {
 			return c, nil
 		}
 	}
-	return c, c.Validate()
+	return c, c.validate(broker)
 }
 
 // DatabaseConfig is the database section.
@@ -191,7 +195,10 @@ func (c Config) WithDefaults() Config {
 // Validate reports every problem in c at once as a *ConfigError whose
 // problems each name their YAML path. Call it on a Config that has had
 // WithDefaults applied (LoadConfig and Open do).
-func (c Config) Validate() error {
+func (c Config) Validate() error { return c.validate(true) }
+
+// validate is Validate, leaving the broker section out unless broker.
+func (c Config) validate(broker bool) error {
 	var chk confload.Checker
 	chk.URL("database.url", c.Database.URL, "postgres", "postgresql")
 	checkDatabaseTLS(&chk, c.Database.URL)
@@ -204,10 +211,12 @@ func (c Config) Validate() error {
 	chk.Positive("outbox.max_payload_bytes", c.Outbox.MaxPayloadBytes)
 	chk.Positive("outbox.max_metadata_bytes", c.Outbox.MaxMetadataBytes)
 
-	chk.OneOf("broker.kind", c.Broker.Kind, KindKafka, KindRabbitMQ, KindNATS)
-	chk.PositiveDuration("broker.connect_timeout", c.Broker.ConnectTimeout)
-	if path, section := c.Broker.section(); section != nil {
-		chk.Merge(section.Validate(path))
+	if broker {
+		chk.OneOf("broker.kind", c.Broker.Kind, KindKafka, KindRabbitMQ, KindNATS)
+		chk.PositiveDuration("broker.connect_timeout", c.Broker.ConnectTimeout)
+		if path, section := c.Broker.section(); section != nil {
+			chk.Merge(section.Validate(path))
+		}
 	}
 	chk.Merge(c.Relay.Validate("relay"))
 	if c.Metrics.Listen != "" && !validListen(c.Metrics.Listen) {

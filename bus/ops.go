@@ -35,10 +35,11 @@ type Ops struct {
 }
 
 // NewOps returns the operations API over cfg's tables in db. It applies
-// cfg's defaults, validates it and checks that the tables exist (a
-// database that is down or not migrated is a clear error here, not later).
+// cfg's defaults, validates it (all but the broker section, which Ops never
+// connects to) and checks that the tables exist (a database that is down
+// or not migrated is a clear error here, not later).
 func NewOps(ctx context.Context, db *sql.DB, cfg Config) (*Ops, error) {
-	cfg, err := cfg.check()
+	cfg, err := cfg.checkFor(false)
 	if err != nil {
 		return nil, err
 	}

@@ -228,7 +228,11 @@ func bindReplay(fs *flag.FlagSet) runFunc {
 					fmt.Fprintln(e.errOut, "warning:", w)
 				}
 			}
-			return e.print(res, func(w io.Writer) { writeReplay(w, res) })
+			out, err := dryRunJSON(res, res.DryRun, map[string]string{"replayed": "would_replay", "skipped": "would_skip", "messages": "would_write"})
+			if err != nil {
+				return err
+			}
+			return e.print(out, func(w io.Writer) { writeReplay(w, res) })
 		})
 	}
 }
@@ -263,16 +267,34 @@ func bindPurge(fs *flag.FlagSet) runFunc {
 	var sel selection
 	sel.register(fs)
 	dryRun := fs.Bool("dry-run", false, "show what would be deleted; change nothing")
+	yes := fs.Bool("yes", false, "purge --all without asking for confirmation")
 	return func(ctx context.Context, e env, args []string) error {
 		if err := sel.resolve(args, "purge"); err != nil {
 			return err
 		}
 		return withOps(ctx, e, func(ops *bus.Ops) error {
-			res, err := ops.PurgePoisoned(ctx, sel.poisonSelection(), *dryRun)
+			selected := sel.poisonSelection()
+			if sel.all && !*dryRun && !*yes {
+				// Asked with the count of a dry run; the purge then acts on
+				// exactly what was counted, or refuses if it changed.
+				dry, err := ops.PurgePoisoned(ctx, selected, true)
+				if err != nil {
+					return err
+				}
+				if err := confirm(e, fmt.Sprintf("purge all %d poisoned message(s) and their replay history for good?", len(dry.Purged))); err != nil {
+					return err
+				}
+				selected.Expect = dry.Selection
+			}
+			res, err := ops.PurgePoisoned(ctx, selected, *dryRun)
 			if err != nil {
 				return err
 			}
-			return e.print(res, func(w io.Writer) {
+			out, err := dryRunJSON(res, res.DryRun, map[string]string{"purged": "would_purge"})
+			if err != nil {
+				return err
+			}
+			return e.print(out, func(w io.Writer) {
 				if len(res.Purged) == 0 {
 					fmt.Fprintln(w, "no poisoned messages match")
 					return

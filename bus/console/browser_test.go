@@ -169,7 +169,9 @@ func TestConsoleInABrowser(t *testing.T) {
 
 	do(t, bctx, chromedp.Navigate(srv.URL+"/dlq"), chromedp.WaitVisible("#messages"))
 	require.Equal(t, 4, count("#messages input[name=id]"))
-	disabled := func() bool { return get(t, bctx, chromedp.Evaluate[bool](`document.querySelector("#replay-selected").disabled`)) }
+	disabled := func() bool {
+		return get(t, bctx, chromedp.Evaluate[bool](`document.querySelector("#replay-selected").disabled`))
+	}
 	require.True(t, disabled(), "the console's script disables the selection's actions while nothing is ticked")
 	do(t, bctx, chromedp.Click("input[data-select-all]"))
 	require.False(t, disabled())

@@ -369,7 +369,7 @@ func TestBadArgumentsExitTwoWithUsage(t *testing.T) {
 		message  string // in stderr
 		usageFor string // the command whose usage line follows
 	}{
-		{[]string{"dlq"}, "dlq needs a subcommand: list, show, replay, purge", "dlq"},
+		{[]string{"dlq"}, "dlq needs a subcommand: list, groups, show, replay, purge", "dlq"},
 		{[]string{"dlq", "lst"}, `unknown command "dlq lst"`, ""},
 		{[]string{"dlq", "list", "extra"}, `unexpected arguments ["extra"]`, "dlq list"},
 		{[]string{"dlq", "list", "--since", "yesterday"}, `want an RFC 3339 time such as 2025-05-01T12:00:00Z or a duration ago such as 90m, 2h or 7d; got "yesterday"`, "dlq list"},

@@ -86,3 +86,20 @@ func TestUICommandBadUsage(t *testing.T) {
 		require.Contains(t, errOut, reason, args)
 	}
 }
+
+// dlq groups lists failure groups; --fingerprint selects one, and a
+// malformed one is bad usage.
+func TestDLQGroupsAndFingerprints(t *testing.T) {
+	t.Parallel()
+	_, _, path := migrated(t)
+	var res struct {
+		Groups []bus.FailureGroup `json:"groups"`
+	}
+	cliJSON(t, path, &res, "dlq", "groups")
+	require.Equal(t, []bus.FailureGroup{}, res.Groups)
+	code, _, errOut := cli(t, path, "dlq", "list", "--fingerprint", "ZZ")
+	require.Equal(t, exitUsage, code)
+	require.Contains(t, errOut, "--fingerprint")
+	code, _, errOut = cli(t, path, "dlq", "replay", "--fingerprint", "0123456789ab", "--dry-run")
+	require.Equal(t, exitOK, code, errOut)
+}

@@ -15,10 +15,15 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	_ "github.com/jackc/pgx/v5/stdlib" // registers the "pgx" database/sql driver
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/confload"
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/names"
@@ -40,7 +45,14 @@ type Bus struct {
 
 	registerer prometheus.Registerer
 	gatherer   prometheus.Gatherer
-	tracer     trace.Tracer
+	// ownRegistry is true when the Bus made its registry (no WithRegistry).
+	ownRegistry    bool
+	tracer         trace.Tracer
+	tracerProvider trace.TracerProvider          // nil: OpenTelemetry's global one
+	propagator     propagation.TextMapPropagator // nil: forwarder.Propagator's default
+
+	// run is what the health checks look at while Run runs; nil otherwise.
+	run atomic.Pointer[runState]
 
 	// routerMiddleware wraps every handler outside its chain.
 	routerMiddleware []message.HandlerMiddleware
@@ -69,15 +81,24 @@ func WithLogger(l *slog.Logger) Option {
 }
 
 // WithRegistry makes the Bus register its relay and consumer metrics on reg
-// (and MetricsHandler serve reg). Defaults to a registry of the Bus's own.
+// (and MetricsHandler serve reg). Defaults to a registry of the Bus's own,
+// which also holds the Go runtime and process collectors.
 func WithRegistry(reg *prometheus.Registry) Option {
-	return func(b *Bus) { b.registerer, b.gatherer = reg, reg }
+	return func(b *Bus) { b.registerer, b.gatherer, b.ownRegistry = reg, reg, false }
 }
 
-// WithTracerProvider sets where handler spans go. Defaults to OpenTelemetry's
-// global provider.
+// WithTracerProvider sets where the spans of Publish, the relay and the
+// handlers go. Defaults to OpenTelemetry's global provider.
 func WithTracerProvider(tp trace.TracerProvider) Option {
-	return func(b *Bus) { b.tracer = tp.Tracer(tracerName) }
+	return func(b *Bus) { b.tracer, b.tracerProvider = tp.Tracer(tracerName), tp }
+}
+
+// WithPropagator sets how trace context and baggage travel in an event's
+// metadata, from Publish through the relay to the handler. Defaults to the
+// propagator set with otel.SetTextMapPropagator, or W3C trace context and
+// baggage when none is set.
+func WithPropagator(p propagation.TextMapPropagator) Option {
+	return func(b *Bus) { b.propagator = p }
 }
 
 const tracerName = "github.com/millrace-io/millrace"
@@ -100,10 +121,13 @@ func Open(ctx context.Context, cfg Config, db *sql.DB, opts ...Option) (*Bus, er
 		now:    time.Now,
 	}
 	reg := prometheus.NewRegistry()
-	b.registerer, b.gatherer = reg, reg
+	b.registerer, b.gatherer, b.ownRegistry = reg, reg, true
 	b.tracer = otel.GetTracerProvider().Tracer(tracerName)
 	for _, o := range opts {
 		o(b)
+	}
+	if b.ownRegistry {
+		reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	}
 	if db == nil {
 		var err error
@@ -152,9 +176,9 @@ func OpenDB(cfg DatabaseConfig) (*sql.DB, error) {
 
 // Migrate creates the outbox, offsets, inbox, poison and aggregate-versions
 // tables and the outbox NOTIFY trigger in cfg's schema. It is idempotent and safe to run from several
-// instances at once.
+// instances at once. It needs no broker: cfg's broker section is not checked.
 func Migrate(ctx context.Context, db *sql.DB, cfg Config) error {
-	cfg, err := cfg.check()
+	cfg, err := cfg.checkFor(false)
 	if err != nil {
 		return err
 	}
@@ -181,16 +205,45 @@ func (b *Bus) DB() *sql.DB { return b.db }
 // business transaction: they are relayed to the broker only if tx commits,
 // and never if it rolls back. Every event is checked before anything is
 // written; on any error nothing is written. Publishing no events is a no-op.
-func (b *Bus) Publish(ctx context.Context, tx *sql.Tx, topic string, events ...Event) error {
+//
+// Publish runs in a producer span ("<topic> publish") whose trace context,
+// with the context's baggage, goes into each event's metadata: the relay's
+// and the handler's spans continue that trace.
+func (b *Bus) Publish(ctx context.Context, tx *sql.Tx, topic string, events ...Event) (err error) {
 	if tx == nil {
 		return ErrNilTx
 	}
+	if len(events) == 0 {
+		_, err := b.outboxRows(ctx, topic, nil) // checks the topic; writes nothing
+		return err
+	}
+	ctx, span := b.tracer.Start(ctx, topic+" publish", trace.WithSpanKind(trace.SpanKindProducer),
+		trace.WithAttributes(
+			attribute.String("messaging.operation.type", "create"),
+			attribute.String("messaging.destination.name", topic),
+			attribute.Int("messaging.batch.message_count", len(events)),
+		))
+	defer func() {
+		if err != nil {
+			span.RecordError(err)
+			span.SetStatus(codes.Error, err.Error())
+		}
+		span.End()
+	}()
 	rows, err := b.outboxRows(ctx, topic, events)
-	if err != nil || len(rows) == 0 {
+	if err != nil {
 		return err
 	}
 	if err := b.tables.WriteOutbox(ctx, tx, rows); err != nil {
 		return fmt.Errorf("millrace: %w", err)
+	}
+	return nil
+}
+
+// checkOpen returns ErrClosed once the Bus is closed.
+func (b *Bus) checkOpen() error {
+	if b.closed.Load() {
+		return ErrClosed
 	}
 	return nil
 }
@@ -215,8 +268,8 @@ func (b *Bus) PublishInOwnTx(ctx context.Context, topic string, events ...Event)
 
 // outboxRows checks every event and wraps each in a forwarder envelope.
 func (b *Bus) outboxRows(ctx context.Context, topic string, events []Event) ([]*message.Message, error) {
-	if b.closed.Load() {
-		return nil, ErrClosed
+	if err := b.checkOpen(); err != nil {
+		return nil, err
 	}
 	if err := names.Topic(topic); err != nil {
 		return nil, fmt.Errorf("%w %q: %v", ErrInvalidTopic, topic, err)
@@ -228,9 +281,10 @@ func (b *Bus) outboxRows(ctx context.Context, topic string, events []Event) ([]*
 		return nil, err
 	}
 	now := b.now()
+	prop := forwarder.Propagator(b.propagator)
 	rows := make([]*message.Message, len(events))
 	for i, e := range events {
-		msg, err := e.toMessage(ctx, b.cfg.Outbox, now)
+		msg, err := e.toMessage(ctx, b.cfg.Outbox, now, prop)
 		if err == nil {
 			err = refusedByBroker(b.rules.CheckMessage(topic, msg))
 		}

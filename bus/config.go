@@ -52,6 +52,8 @@ type Config struct {
 	Relay forwarder.Config `yaml:"relay"`
 	// Metrics configures the Prometheus endpoint.
 	Metrics MetricsConfig `yaml:"metrics"`
+	// Health configures the liveness and readiness checks.
+	Health HealthConfig `yaml:"health"`
 	// Consumer configures the consumer middleware chain (retry, poison
 	// queue, circuit breaker, inbox, concurrency), with per-handler overrides
 	// under consumer.handlers.<name>.
@@ -67,7 +69,11 @@ type Config struct {
 
 // check applies c's defaults and validates it, unless LoadConfig already
 // validated exactly this config: the one check of a start.
-func (c Config) check() (Config, error) {
+func (c Config) check() (Config, error) { return c.checkFor(true) }
+
+// checkFor is check, leaving the broker section out unless broker: for
+// what needs only the database (Migrate, NewOps).
+func (c Config) checkFor(broker bool) (Config, error) {
 	c = c.WithDefaults()
 	if c.valid != nil {
 		checked := c
@@ -76,7 +82,7 @@ func (c Config) check() (Config, error) {
 			return c, nil
 		}
 	}
-	return c, c.Validate()
+	return c, c.validate(broker)
 }
 
 // DatabaseConfig is the database section.
@@ -132,8 +138,28 @@ type BrokerConfig struct {
 type MetricsConfig struct {
 	// Listen is the address (host:port) where Run serves the relay and
 	// consumer metrics at /metrics; empty serves nothing (mount
-	// Bus.MetricsHandler yourself). Defaults to "".
+	// Bus.MetricsHandler yourself). Run serves the health endpoints
+	// /livez, /readyz and /healthz there too. Defaults to "".
 	Listen string `yaml:"listen"`
+	// InboxRowsInterval is how often Run counts the inbox rows of each
+	// consumer group for millrace_inbox_rows (one index-only scan of the
+	// inbox table). Defaults to 30s.
+	InboxRowsInterval time.Duration `yaml:"inbox_rows_interval"`
+}
+
+// HealthConfig is the health section.
+type HealthConfig struct {
+	// StallTimeout is how long the relay loop, or a handler with messages
+	// in its chain, may go without moving on before liveness fails (the
+	// process is wedged). A relay standing by for the leader lock, and a
+	// handler with nothing to do, are live however long they wait. Must
+	// exceed relay.poll_interval and relay.retry_max, and each handler's
+	// handler_timeout plus the longer of its retry.max_interval and
+	// breaker.open_timeout. Defaults to 5m.
+	StallTimeout time.Duration `yaml:"stall_timeout"`
+	// CheckTimeout bounds each readiness probe (database, broker).
+	// Defaults to 2s.
+	CheckTimeout time.Duration `yaml:"check_timeout"`
 }
 
 // DefaultDatabaseURL is database.url's default: the local PostgreSQL that
@@ -160,13 +186,19 @@ func (c Config) WithDefaults() Config {
 	c.Broker.NATS = c.Broker.NATS.WithDefaults()
 	c.Relay = c.Relay.WithDefaults()
 	c.Consumer = c.Consumer.WithDefaults()
+	c.Metrics.InboxRowsInterval = cmp.Or(c.Metrics.InboxRowsInterval, 30*time.Second)
+	c.Health.StallTimeout = cmp.Or(c.Health.StallTimeout, 5*time.Minute)
+	c.Health.CheckTimeout = cmp.Or(c.Health.CheckTimeout, 2*time.Second)
 	return c
 }
 
 // Validate reports every problem in c at once as a *ConfigError whose
 // problems each name their YAML path. Call it on a Config that has had
 // WithDefaults applied (LoadConfig and Open do).
-func (c Config) Validate() error {
+func (c Config) Validate() error { return c.validate(true) }
+
+// validate is Validate, leaving the broker section out unless broker.
+func (c Config) validate(broker bool) error {
 	var chk confload.Checker
 	chk.URL("database.url", c.Database.URL, "postgres", "postgresql")
 	checkDatabaseTLS(&chk, c.Database.URL)
@@ -179,20 +211,66 @@ func (c Config) Validate() error {
 	chk.Positive("outbox.max_payload_bytes", c.Outbox.MaxPayloadBytes)
 	chk.Positive("outbox.max_metadata_bytes", c.Outbox.MaxMetadataBytes)
 
-	chk.OneOf("broker.kind", c.Broker.Kind, KindKafka, KindRabbitMQ, KindNATS)
-	chk.PositiveDuration("broker.connect_timeout", c.Broker.ConnectTimeout)
-	if path, section := c.Broker.section(); section != nil {
-		chk.Merge(section.Validate(path))
+	if broker {
+		chk.OneOf("broker.kind", c.Broker.Kind, KindKafka, KindRabbitMQ, KindNATS)
+		chk.PositiveDuration("broker.connect_timeout", c.Broker.ConnectTimeout)
+		if path, section := c.Broker.section(); section != nil {
+			chk.Merge(section.Validate(path))
+		}
 	}
 	chk.Merge(c.Relay.Validate("relay"))
 	if c.Metrics.Listen != "" && !validListen(c.Metrics.Listen) {
 		chk.Add("metrics.listen", "must be host:port such as \":9464\" or \"127.0.0.1:9464\"; got %q", c.Metrics.Listen)
 	}
+	chk.PositiveDuration("metrics.inbox_rows_interval", c.Metrics.InboxRowsInterval)
 	chk.Merge(c.Consumer.Validate("consumer"))
+	c.validateHealth(&chk)
 	if len(chk.Problems) == 0 {
 		return nil
 	}
 	return &ConfigError{Problems: c.annotate(chk.Problems)}
+}
+
+// validateHealth checks the health section against the longest quiet
+// spell of each loop it watches: a stall timeout shorter than that would
+// fail liveness on a healthy process.
+func (c Config) validateHealth(chk *confload.Checker) {
+	chk.PositiveDuration("health.check_timeout", c.Health.CheckTimeout)
+	if c.Health.StallTimeout <= 0 {
+		chk.PositiveDuration("health.stall_timeout", c.Health.StallTimeout)
+		return
+	}
+	stall := c.Health.StallTimeout
+	for _, quiet := range []struct {
+		path string
+		d    time.Duration
+	}{{"relay.poll_interval", c.Relay.PollInterval}, {"relay.retry_max", c.Relay.RetryMax}} {
+		if quiet.d >= stall {
+			chk.Add("health.stall_timeout", "must exceed %s (%s); got %s", quiet.path, quiet.d, stall)
+		}
+	}
+	handlers := []string{""}
+	for name := range c.Consumer.Handlers {
+		handlers = append(handlers, name)
+	}
+	slices.Sort(handlers)
+	for _, name := range handlers {
+		h, path := c.Consumer, "consumer"
+		if name != "" {
+			h, path = c.Consumer.For(name), "consumer.handlers."+name
+		}
+		if quiet := handlerQuiet(h); quiet >= stall {
+			chk.Add("health.stall_timeout", "must exceed %s.handler_timeout plus the longer of retry.max_interval and breaker.open_timeout (%s); got %s",
+				path, quiet, stall)
+		}
+	}
+}
+
+// handlerQuiet is the longest a handler's chain goes without calling or
+// returning from the handler while it holds a message: an attempt
+// abandoned at handler_timeout, then a retry wait or an open breaker.
+func handlerQuiet(h middleware.Config) time.Duration {
+	return h.HandlerTimeout + max(h.Retry.MaxInterval, h.Breaker.OpenTimeout)
 }
 
 // SSL modes accepted in database.url's sslmode parameter (libpq's, which

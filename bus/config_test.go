@@ -33,6 +33,26 @@ func TestShippedConfigLoadsAndValidates(t *testing.T) {
 	require.Equal(t, defaults.Outbox, cfg.Outbox)
 	require.Equal(t, defaults.Consumer, cfg.Consumer)
 	require.Equal(t, defaults.Broker, cfg.Broker)
+	require.Equal(t, defaults.Metrics, cfg.Metrics)
+	require.Equal(t, defaults.Health, cfg.Health)
+}
+
+// A stall timeout shorter than a loop's longest quiet spell would fail
+// liveness on a healthy process: it is refused, naming what it must exceed.
+func TestStallTimeoutMustExceedTheQuietSpells(t *testing.T) {
+	t.Parallel()
+	_, err := parseConfig([]byte(`health: {stall_timeout: 20s}
+consumer:
+  handlers:
+    slow: {handler_timeout: 30s}
+`), noEnv)
+	require.Error(t, err)
+	require.Contains(t, err.Error(), "health.stall_timeout: must exceed consumer.handler_timeout plus the longer of retry.max_interval and breaker.open_timeout (40s); got 20s")
+	require.Contains(t, err.Error(), "consumer.handlers.slow.handler_timeout")
+	_, err = parseConfig([]byte("health: {stall_timeout: 5s}\nrelay: {retry_max: 10s}\n"), noEnv)
+	require.ErrorContains(t, err, "health.stall_timeout: must exceed relay.retry_max (10s); got 5s")
+	_, err = parseConfig([]byte("health: {check_timeout: -1s}\nmetrics: {inbox_rows_interval: 0s}\n"), noEnv)
+	require.ErrorContains(t, err, "health.check_timeout")
 }
 
 func TestMinimalConfigIsAllDefaults(t *testing.T) {

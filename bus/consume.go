@@ -117,7 +117,7 @@ func (b *Bus) ConsumerChain(ctx context.Context, topic, name string, fn HandlerF
 	if err != nil {
 		return nil, err
 	}
-	_, handle, err := b.chain(stack, spec)
+	_, handle, err := b.chain(stack, spec, nil)
 	return handle, err
 }
 
@@ -149,6 +149,34 @@ func (b *Bus) Run(ctx context.Context) error {
 		return err
 	}
 	defer broker.Close()
+
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	rs := &runState{broker: broker}
+	// Handlers' topology is provisioned before the relay starts, so that no
+	// event reaches a topic before this service's consumer groups exist on it
+	// (RabbitMQ would park it rather than route it to their queues).
+	var router *message.Router
+	var stack *middleware.Stack
+	if len(handlers) > 0 {
+		if router, stack, rs.handlers, err = b.router(runCtx, broker, handlers); err != nil {
+			return err
+		}
+		// Counted before the metrics are served: the first scrape has them.
+		if err := stack.RefreshInboxRows(runCtx); err != nil {
+			b.logger.Error("Could not count the inbox rows", err, nil)
+		}
+	}
+	if relayOn {
+		rs.relay, err = forwarder.New(b.db, broker, forwarder.Outbox{Schema: b.cfg.Database.Schema, Topic: b.cfg.Outbox.Topic},
+			b.cfg.Relay, forwarder.Options{Logger: b.logger, Registerer: b.registerer,
+				TracerProvider: b.tracerProvider, Propagator: b.propagator})
+		if err != nil {
+			return err
+		}
+	}
+	b.run.Store(rs)
+	defer b.run.Store(nil)
 	if b.cfg.Metrics.Listen != "" {
 		stopMetrics, err := b.serveMetrics(ctx)
 		if err != nil {
@@ -157,30 +185,14 @@ func (b *Bus) Run(ctx context.Context) error {
 		defer stopMetrics()
 	}
 
-	runCtx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	// Handlers' topology is provisioned before the relay starts, so that no
-	// event reaches a topic before this service's consumer groups exist on it
-	// (RabbitMQ would park it rather than route it to their queues).
-	var router *message.Router
-	var stack *middleware.Stack
-	if len(handlers) > 0 {
-		if router, stack, err = b.router(runCtx, broker, handlers); err != nil {
-			return err
-		}
-	}
 	var wg sync.WaitGroup
-	errs := make(chan error, 3)
-	if relayOn {
-		relay, err := forwarder.New(b.db, broker, forwarder.Outbox{Schema: b.cfg.Database.Schema, Topic: b.cfg.Outbox.Topic},
-			b.cfg.Relay, forwarder.Options{Logger: b.logger, Registerer: b.registerer})
-		if err != nil {
-			return err
-		}
-		wg.Go(func() { errs <- relay.Run(runCtx) })
+	errs := make(chan error, 4)
+	if rs.relay != nil {
+		wg.Go(func() { errs <- rs.relay.Run(runCtx) })
 	}
 	if router != nil {
 		wg.Go(func() { errs <- stack.RunRetention(runCtx) })
+		wg.Go(func() { errs <- b.refreshInboxRows(runCtx, stack) })
 		wg.Go(func() { errs <- router.Run(runCtx) })
 	}
 	var first error
@@ -194,11 +206,29 @@ func (b *Bus) Run(ctx context.Context) error {
 	return first
 }
 
-// router builds the Watermill router with one chained handler per spec.
-func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []handlerSpec) (*message.Router, *middleware.Stack, error) {
+// refreshInboxRows counts the inbox rows every metrics.inbox_rows_interval
+// until ctx ends.
+func (b *Bus) refreshInboxRows(ctx context.Context, stack *middleware.Stack) error {
+	t := time.NewTicker(b.cfg.Metrics.InboxRowsInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+		}
+		if err := stack.RefreshInboxRows(ctx); err != nil && ctx.Err() == nil {
+			b.logger.Error("Could not count the inbox rows", err, nil)
+		}
+	}
+}
+
+// router builds the Watermill router with one chained handler per spec,
+// each followed for the health checks.
+func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []handlerSpec) (*message.Router, *middleware.Stack, []*activity, error) {
 	stack, err := b.consumerStack(ctx, broker.Publisher())
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	// On a stop every message in flight is settled within its handler's
 	// handler_timeout (an attempt that has not returned by then is
@@ -210,15 +240,22 @@ func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []han
 	}
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: longest + 10*time.Second}, b.logger)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
+	lag, err := newLagMetric(b.registerer)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	activities := map[string]*activity{}
 	for _, h := range handlers {
 		if err := broker.Provision(ctx, h.topic, h.group); err != nil {
-			return nil, nil, fmt.Errorf("millrace: provision %s for handler %s: %w", h.topic, h.name, err)
+			return nil, nil, nil, fmt.Errorf("millrace: provision %s for handler %s: %w", h.topic, h.name, err)
 		}
-		chain, handle, err := b.chain(stack, h)
+		act := newActivity(h.name, b.cfg.Consumer.For(h.name).HandlerTimeout, lag.WithLabelValues(h.name, h.group))
+		activities[h.name] = act
+		chain, handle, err := b.chain(stack, h, act)
 		if err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 		group := h.group
 		sub := chain.Subscriber(middleware.Source{
@@ -226,12 +263,12 @@ func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []han
 			Competing:      true,
 			KeyPartitioned: broker.Capabilities().KeyPartitioned,
 		})
-		handler := router.AddConsumerHandler(h.name, h.topic, sub, handle)
+		handler := router.AddConsumerHandler(h.name, h.topic, sub, act.chain(handle))
 		for _, m := range b.routerMiddleware {
 			handler.AddMiddleware(m)
 		}
 	}
-	return router, stack, nil
+	return router, stack, sortedActivities(activities), nil
 }
 
 // consumerStack builds the middleware stack of the consumer config and
@@ -251,25 +288,30 @@ func (b *Bus) consumerStack(ctx context.Context, poison message.Publisher) (*mid
 }
 
 // chain builds h's chain on stack and h's func wrapped in it: the one
-// place Run and ConsumerChain build a handler.
-func (b *Bus) chain(stack *middleware.Stack, h handlerSpec) (*middleware.Chain, message.NoPublishHandlerFunc, error) {
+// place Run and ConsumerChain build a handler. act, when not nil, records
+// each call of the handler for the health checks.
+func (b *Bus) chain(stack *middleware.Stack, h handlerSpec, act *activity) (*middleware.Chain, message.NoPublishHandlerFunc, error) {
 	chain, err := stack.Chain(middleware.Handler{Name: h.name, Topic: h.topic, ConsumerGroup: h.group})
 	if err != nil {
 		return nil, nil, err
 	}
-	return chain, chain.Wrap(b.adapt(h)), nil
+	return chain, chain.Wrap(b.adapt(h, act)), nil
 }
 
 // adapt turns a HandlerFunc into the innermost Watermill handler: it decodes
-// the envelope, continues the publisher's trace in a consumer span, and
-// makes the event the causation of anything published while handling it.
-func (b *Bus) adapt(h handlerSpec) message.NoPublishHandlerFunc {
+// the envelope, continues the publisher's trace (and baggage) in a consumer
+// span, and makes the event the causation of anything published while
+// handling it.
+func (b *Bus) adapt(h handlerSpec, act *activity) message.NoPublishHandlerFunc {
 	return func(msg *message.Message) error {
+		if act != nil {
+			defer act.call()()
+		}
 		ev, err := EventFromMessage(msg)
 		if err != nil {
 			return middleware.Permanent(fmt.Errorf("invalid event envelope: %w", err))
 		}
-		ctx := propagation.TraceContext{}.Extract(msg.Context(), propagation.MapCarrier(msg.Metadata))
+		ctx := forwarder.Propagator(b.propagator).Extract(msg.Context(), propagation.MapCarrier(msg.Metadata))
 		ctx, span := b.tracer.Start(ctx, h.topic+" process", trace.WithSpanKind(trace.SpanKindConsumer),
 			trace.WithAttributes(
 				attribute.String("messaging.operation.type", "process"),

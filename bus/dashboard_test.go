@@ -2,92 +2,168 @@ package bus_test
 
 import (
 	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
 	"os"
-	"regexp"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+	"github.com/prometheus/prometheus/model/labels"
+	"github.com/prometheus/prometheus/model/rulefmt"
+	"github.com/prometheus/prometheus/promql/parser"
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/brokertest"
+	"github.com/millrace-io/millrace/internal/servers"
 	"github.com/millrace-io/millrace/internal/testdb"
 )
 
-// The example Grafana dashboard queries only metrics a running service
-// exports, with labels they carry.
-func TestGrafanaDashboardMatchesExportedMetrics(t *testing.T) {
-	t.Parallel()
-	dashboard, err := os.ReadFile("../docs/grafana/millrace.json")
-	require.NoError(t, err)
+// exported is what a scrape showed: each series name (histograms' _bucket,
+// _sum and _count included) with the label names it carries.
+type exported map[string]map[string]bool
 
+// firstScrape runs a service with the relay and a handler and returns its
+// first answer on /metrics, before any event was published: everything the
+// dashboard and the alert rules query must be there already.
+func firstScrape(t *testing.T) exported {
 	ctx := context.Background()
 	db := testdb.Open(t)
 	var cfg bus.Config
 	cfg.Database.Schema = testdb.Schema(t, db)
 	brokertest.Apply(t, bus.KindNATS, &cfg)
-	cfg.Consumer.Inbox.CleanupInterval = 50 * time.Millisecond
+	listen := fmt.Sprintf("127.0.0.1:%d", servers.FreePort(t))
+	cfg.Metrics.Listen = listen
 	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	reg := prometheus.NewRegistry()
-	b, err := bus.Open(ctx, cfg, db, bus.WithRegistry(reg))
+	b, err := bus.Open(ctx, cfg, db)
 	require.NoError(t, err)
 	defer b.Close()
 	topic := "dash-" + cfg.Database.Schema[len(cfg.Database.Schema)-8:]
 	brokertest.Cleanup(t, bus.KindNATS, topic, "dash-handler")
-	done := make(chan struct{}, 1)
-	require.NoError(t, b.Handle(topic, "dash-handler", func(context.Context, bus.Event) error {
-		done <- struct{}{}
-		return nil
-	}))
+	require.NoError(t, b.Handle(topic, "dash-handler", func(context.Context, bus.Event) error { return nil }))
 	runCtx, stop := context.WithCancel(ctx)
 	defer stop()
 	go b.Run(runCtx)
-	require.NoError(t, b.PublishInOwnTx(ctx, topic, bus.Event{Type: "T", AggregateType: "a", AggregateID: "1", Payload: []byte(`{}`)}))
-	select {
-	case <-done:
-	case <-time.After(60 * time.Second):
-		t.Fatal("the event was not handled")
-	}
 
-	labels := map[string]map[string]bool{}
+	var resp *http.Response
 	require.Eventually(t, func() bool {
-		families, err := reg.Gather()
-		require.NoError(t, err)
-		for _, mf := range families {
-			name := mf.GetName()
-			if labels[name] == nil {
-				labels[name] = map[string]bool{}
-			}
-			for _, m := range mf.GetMetric() {
-				for _, l := range m.GetLabel() {
-					labels[name][l.GetName()] = true
-				}
-			}
+		resp, err = http.Get("http://" + listen + "/metrics")
+		return err == nil
+	}, 60*time.Second, 10*time.Millisecond, "metrics served")
+	defer resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	textParser := expfmt.NewTextParser(model.UTF8Validation)
+	families, err := textParser.TextToMetricFamilies(resp.Body)
+	require.NoError(t, err)
+	seen := exported{}
+	add := func(name string, labelNames ...string) {
+		if seen[name] == nil {
+			seen[name] = map[string]bool{"__name__": true}
 		}
-		_, pruned := labels["millrace_inbox_rows"]
-		return pruned
-	}, 30*time.Second, 50*time.Millisecond, "the inbox retention runner reports")
-
-	query := regexp.MustCompile(`"expr": "((?:[^"\\]|\\.)*)"`)
-	metric := regexp.MustCompile(`millrace_[a-z_]+`)
-	by := regexp.MustCompile(`by \(([^)]*)\)`)
-	exprs := query.FindAllStringSubmatch(string(dashboard), -1)
-	require.NotEmpty(t, exprs)
-	for _, e := range exprs {
-		expr := e[1]
-		for _, name := range metric.FindAllString(expr, -1) {
-			name = strings.TrimSuffix(name, "_bucket")
-			got, ok := labels[name]
-			require.True(t, ok, "dashboard queries %s, which no service exports", name)
-			for _, group := range by.FindAllStringSubmatch(expr, -1) {
-				for _, l := range strings.Split(group[1], ",") {
-					if l = strings.TrimSpace(l); l != "le" {
-						require.True(t, got[l], "dashboard groups %s by %q, a label it does not have", name, l)
-					}
-				}
+		for _, l := range labelNames {
+			seen[name][l] = true
+		}
+	}
+	for name, mf := range families {
+		for _, m := range mf.GetMetric() {
+			var names []string
+			for _, l := range m.GetLabel() {
+				names = append(names, l.GetName())
+			}
+			add(name, names...)
+			if mf.GetType().String() == "HISTOGRAM" {
+				add(name+"_bucket", append(names, "le")...)
+				add(name+"_sum", names...)
+				add(name+"_count", names...)
 			}
 		}
 	}
+	return seen
+}
+
+// checkExpr fails when expr is not PromQL, or names a metric the scrape
+// lacks, or a label (matched or grouped by) that metric lacks.
+func checkExpr(t *testing.T, p parser.Parser, seen exported, where, expr string) {
+	t.Helper()
+	node, err := p.ParseExpr(expr)
+	require.NoError(t, err, "%s: %s", where, expr)
+	named := 0
+	var groups [][]string
+	parser.Inspect(node, func(n parser.Node, _ []parser.Node) error {
+		switch n := n.(type) {
+		case *parser.AggregateExpr:
+			if !n.Without {
+				groups = append(groups, n.Grouping)
+			}
+		case *parser.VectorSelector:
+			got, ok := seen[n.Name]
+			require.True(t, ok, "%s queries %s, which a running service does not export from its first scrape", where, n.Name)
+			named++
+			for _, m := range n.LabelMatchers {
+				if m.Name != labels.MetricName {
+					require.True(t, got[m.Name], "%s matches %s on label %q, which it does not have", where, n.Name, m.Name)
+				}
+			}
+			for _, g := range groups {
+				for _, l := range g {
+					require.True(t, got[l], "%s groups %s by %q, a label it does not have", where, n.Name, l)
+				}
+			}
+		}
+		return nil
+	})
+	require.Positive(t, named, "%s names no metric: %s", where, expr)
+}
+
+// The alert rules parse with Prometheus's own rule parser, and every query
+// of the rules and of the Grafana dashboard names only metrics a running
+// service exports from its first scrape, with labels they carry.
+func TestAlertRulesAndDashboardQueryExportedMetrics(t *testing.T) {
+	t.Parallel()
+	p := parser.NewParser(parser.Options{})
+	groups, errs := rulefmt.ParseFile("../docs/prometheus/alerts.yaml", false, model.UTF8Validation, p, nil)
+	require.Empty(t, errs)
+	seen := firstScrape(t)
+	for _, name := range []string{"go_goroutines", "go_memstats_heap_inuse_bytes", "process_cpu_seconds_total", "process_resident_memory_bytes"} {
+		require.Contains(t, seen, name, "Go runtime and process collectors")
+	}
+
+	var alerts []string
+	for _, g := range groups.Groups {
+		for _, r := range g.Rules {
+			require.NotEmpty(t, r.Alert, "every rule is an alert")
+			require.NotEmpty(t, r.Annotations["summary"], r.Alert)
+			alerts = append(alerts, r.Alert)
+			checkExpr(t, p, seen, "alert "+r.Alert, r.Expr)
+		}
+	}
+	for _, want := range []string{"MillraceOutboxOldestPendingAge", "MillraceDLQGrowing", "MillraceBreakerOpen", "MillraceNoActiveRelay", "MillraceConsumerLag"} {
+		require.Contains(t, alerts, want)
+	}
+
+	raw, err := os.ReadFile("../docs/grafana/millrace.json")
+	require.NoError(t, err)
+	var dashboard struct {
+		Panels []struct {
+			Title   string `json:"title"`
+			Targets []struct {
+				Expr string `json:"expr"`
+			} `json:"targets"`
+		} `json:"panels"`
+	}
+	require.NoError(t, json.Unmarshal(raw, &dashboard))
+	queries := 0
+	for _, panel := range dashboard.Panels {
+		for _, target := range panel.Targets {
+			// Grafana's $__rate_interval and friends are not PromQL.
+			expr := strings.NewReplacer("$__rate_interval", "5m", "$__interval", "1m", "$__range", "1h").Replace(target.Expr)
+			checkExpr(t, p, seen, "panel "+panel.Title, expr)
+			queries++
+		}
+	}
+	require.Positive(t, queries)
 }

@@ -36,8 +36,20 @@
 // Each event carries its id (UUIDv7 unless the caller sets one; equal to the
 // Watermill message UUID and never changed by retries), type, aggregate type,
 // id and version, schema version, occurred-at, correlation and causation ids,
-// and the W3C traceparent of the publishing span, as metadata under the
-// exported *Key constants. The aggregate id is the partition and ordering key.
+// and the trace context and baggage of Publish's producer span (W3C
+// traceparent, tracestate and baggage by default: the propagator is the one
+// set globally, or WithPropagator's), as metadata under the exported *Key
+// constants. The aggregate id is the partition and ordering key. The relay
+// and the handler continue that trace, so one trace id covers them all.
+//
+// # Health, metrics and operations
+//
+// Liveness and Readiness say whether a running Bus is wedged and whether it
+// can work now; HealthHandler serves them at /livez, /readyz and /healthz,
+// as Run does beside /metrics on metrics.listen. Ops is the operations API
+// (outbox status, the DLQ with failure groups, the relay quarantine, replay
+// and purge with dry runs and selection tokens); package bus/console is
+// the web console over it.
 //
 // # Compatibility with plain Watermill
 //

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -12,7 +13,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"go.opentelemetry.io/otel/propagation"
-	"go.opentelemetry.io/otel/trace"
 
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/names"
@@ -45,6 +45,8 @@ const (
 	TraceparentKey = envelope.TraceparentKey
 	// TracestateKey holds the W3C tracestate of the publishing span.
 	TracestateKey = envelope.TracestateKey
+	// BaggageKey holds the W3C baggage of the publishing context.
+	BaggageKey = envelope.BaggageKey
 	// ContentTypeKey holds the payload's media type, from outbox.codec.
 	ContentTypeKey = envelope.ContentTypeKey
 )
@@ -83,12 +85,13 @@ var reservedKeys = map[string]bool{
 	EventIDKey: true, EventTypeKey: true, AggregateTypeKey: true, AggregateIDKey: true,
 	AggregateVersionKey: true, SchemaVersionKey: true, OccurredAtKey: true,
 	CorrelationIDKey: true, CausationIDKey: true, TraceparentKey: true, TracestateKey: true,
-	ContentTypeKey: true,
+	BaggageKey: true, ContentTypeKey: true,
 }
 
 // toMessage checks e and turns it into the Watermill message that goes inside
-// the outbox envelope. now is the time of Publish.
-func (e Event) toMessage(ctx context.Context, cfg OutboxConfig, now time.Time) (*message.Message, error) {
+// the outbox envelope. now is the time of Publish; prop writes ctx's trace
+// context and baggage into the metadata.
+func (e Event) toMessage(ctx context.Context, cfg OutboxConfig, now time.Time, prop propagation.TextMapPropagator) (*message.Message, error) {
 	switch {
 	case e.Type == "":
 		return nil, fieldErr("Type", ErrMissingField, "event type is required")
@@ -139,6 +142,10 @@ func (e Event) toMessage(ctx context.Context, cfg OutboxConfig, now time.Time) (
 			err.Key = k
 			return nil, err
 		}
+		if slices.Contains(prop.Fields(), k) {
+			return nil, &EventError{Field: "Metadata", Key: k, Kind: ErrInvalidField,
+				Detail: fmt.Sprintf("key %q is set by the trace propagator", k)}
+		}
 		meta[k] = v
 	}
 	meta[EventIDKey] = id
@@ -160,9 +167,7 @@ func (e Event) toMessage(ctx context.Context, cfg OutboxConfig, now time.Time) (
 	if e.CausationID != "" {
 		meta[CausationIDKey] = e.CausationID
 	}
-	if sc := trace.SpanContextFromContext(ctx); sc.IsValid() {
-		propagation.TraceContext{}.Inject(ctx, propagation.MapCarrier(meta))
-	}
+	prop.Inject(ctx, propagation.MapCarrier(meta))
 	for k, v := range meta {
 		size += len(k) + len(v)
 	}

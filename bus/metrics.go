@@ -8,8 +8,27 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
+
+// MetricConsumerLag is the histogram of consumer lag: from an event's
+// occurred-at to the end of its processing (the handler's transaction
+// committed, before the ack), per handler.
+const MetricConsumerLag = "millrace_consumer_lag_seconds"
+
+// newLagMetric registers the consumer lag histogram on reg.
+func newLagMetric(reg prometheus.Registerer) (*prometheus.HistogramVec, error) {
+	lag := prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name:    MetricConsumerLag,
+		Help:    "From an event's occurred-at to the end of its processing by the handler (committed, not yet acked).",
+		Buckets: []float64{.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600},
+	}, []string{"handler", "consumer_group"})
+	if err := reg.Register(lag); err != nil {
+		return nil, fmt.Errorf("millrace: register %s: %w", MetricConsumerLag, err)
+	}
+	return lag, nil
+}
 
 // MetricsHandler serves the Bus's metrics (relay, consumers, circuit
 // breakers, inbox) in the Prometheus text format, for a service to mount on
@@ -18,7 +37,8 @@ func (b *Bus) MetricsHandler() http.Handler {
 	return promhttp.HandlerFor(b.gatherer, promhttp.HandlerOpts{})
 }
 
-// serveMetrics serves /metrics on metrics.listen until ctx ends.
+// serveMetrics serves /metrics and the health endpoints on metrics.listen
+// until ctx ends.
 func (b *Bus) serveMetrics(ctx context.Context) (func(), error) {
 	ln, err := net.Listen("tcp", b.cfg.Metrics.Listen)
 	if err != nil {
@@ -26,6 +46,10 @@ func (b *Bus) serveMetrics(ctx context.Context) (func(), error) {
 	}
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", b.MetricsHandler())
+	health := b.HealthHandler()
+	for _, p := range []string{"/livez", "/readyz", "/healthz"} {
+		mux.Handle(p, health)
+	}
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	done := make(chan struct{})
 	go func() {

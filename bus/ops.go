@@ -3,9 +3,12 @@ package bus
 import (
 	"cmp"
 	"context"
+	"crypto/sha256"
 	"database/sql"
+	"encoding/hex"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -32,10 +35,11 @@ type Ops struct {
 }
 
 // NewOps returns the operations API over cfg's tables in db. It applies
-// cfg's defaults, validates it and checks that the tables exist (a
-// database that is down or not migrated is a clear error here, not later).
+// cfg's defaults, validates it (all but the broker section, which Ops never
+// connects to) and checks that the tables exist (a database that is down
+// or not migrated is a clear error here, not later).
 func NewOps(ctx context.Context, db *sql.DB, cfg Config) (*Ops, error) {
-	cfg, err := cfg.check()
+	cfg, err := cfg.checkFor(false)
 	if err != nil {
 		return nil, err
 	}
@@ -148,6 +152,50 @@ func (o *Ops) inTx(ctx context.Context, dryRun bool, what string, f func(tx *sql
 // no selection, or several kinds of it at once.
 var ErrInvalidSelection = errors.New("millrace: invalid selection")
 
+// ErrInvalidFilter is matched by the error of a list, replay or purge
+// given a filter field that can never match (a malformed fingerprint).
+var ErrInvalidFilter = errors.New("millrace: invalid filter")
+
+// ErrChanged is matched (errors.Is) by the *ChangedError of an action whose
+// selection changed since it was reviewed.
+var ErrChanged = errors.New("millrace: the selection changed")
+
+// ChangedError reports that a replay or purge with an Expect token found
+// its selection changed (messages replayed, purged, poisoned again or
+// processed, or new ones matching): it changed nothing.
+type ChangedError struct {
+	// What is "poisoned message" or "quarantined row".
+	What string
+	// Rows counts what the selection holds now.
+	Rows int
+	// Selection is the token of the selection as it is now.
+	Selection string
+}
+
+func (e *ChangedError) Error() string {
+	return fmt.Sprintf("the selected %ss changed since they were reviewed (replayed, purged or poisoned again; %d match now): nothing was done; review the selection again",
+		e.What, e.Rows)
+}
+
+// Is matches ErrChanged.
+func (e *ChangedError) Is(target error) bool { return target == ErrChanged }
+
+// checkSelection returns the token of rows (their versions, in id order)
+// and a *ChangedError when expect is set and differs from it.
+func checkSelection[R any](what string, rows []R, version func(R) string, expect string) (string, error) {
+	versions := make([]string, len(rows))
+	for i, r := range rows {
+		versions[i] = version(r)
+	}
+	slices.Sort(versions)
+	sum := sha256.Sum256([]byte(strings.Join(versions, ";")))
+	token := hex.EncodeToString(sum[:8])
+	if expect != "" && expect != token {
+		return token, &ChangedError{What: what, Rows: len(rows), Selection: token}
+	}
+	return token, nil
+}
+
 // selectionError checks that exactly one of ids, a filter or all was given,
 // and that limit goes with a filter or all.
 func selectionError(ids []int64, filtered, all bool, limit int) error {
@@ -230,6 +278,28 @@ func (o *Ops) OutboxStatus(ctx context.Context, relayGroup string) (OutboxStatus
 	}
 	return OutboxStatus{RelayGroup: relayGroup, Pending: st.Pending, OldestPendingAge: st.OldestPendingAge,
 		LastForwardedAt: st.LastForwardedAt, Forwarded: st.Forwarded, Quarantined: st.Quarantined}, nil
+}
+
+// OutboxStatuses reads the outbox's state for every relay consumer group
+// that has relayed from it, and for relay.consumer_group in any case.
+func (o *Ops) OutboxStatuses(ctx context.Context) ([]OutboxStatus, error) {
+	groups, err := o.tables.RelayGroups(ctx, o.db)
+	if err != nil {
+		return nil, err
+	}
+	if !slices.Contains(groups, o.cfg.Relay.ConsumerGroup) {
+		groups = append(groups, o.cfg.Relay.ConsumerGroup)
+		slices.Sort(groups)
+	}
+	out := make([]OutboxStatus, 0, len(groups))
+	for _, g := range groups {
+		st, err := o.OutboxStatus(ctx, g)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, st)
+	}
+	return out, nil
 }
 
 // InboxPrune says which inbox rows PruneInbox deletes.

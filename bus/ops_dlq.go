@@ -38,17 +38,40 @@ type PoisonFilter struct {
 	// Replayed, when set, selects messages replayed (true) or not replayed
 	// (false) since they were last poisoned.
 	Replayed *bool
+	// Fingerprint selects the messages of one failure group (PoisonGroups).
+	Fingerprint string
 }
 
 // IsZero reports whether f selects every message.
 func (f PoisonFilter) IsZero() bool {
 	return f.Topic == "" && f.Handler == "" && f.Group == "" && f.Reason == "" &&
-		f.Since.IsZero() && f.Until.IsZero() && f.Replayed == nil
+		f.Since.IsZero() && f.Until.IsZero() && f.Replayed == nil && f.Fingerprint == ""
+}
+
+// check reports a filter field that can never match.
+func (f PoisonFilter) check() error {
+	if f.Fingerprint != "" && !isFingerprint(f.Fingerprint) {
+		return fmt.Errorf("%w: fingerprint %q: want %d lowercase hex digits, as PoisonGroups reports them",
+			ErrInvalidFilter, f.Fingerprint, store.FingerprintLength)
+	}
+	return nil
+}
+
+func isFingerprint(s string) bool {
+	if len(s) != store.FingerprintLength {
+		return false
+	}
+	for _, r := range s {
+		if (r < '0' || r > '9') && (r < 'a' || r > 'f') {
+			return false
+		}
+	}
+	return true
 }
 
 func (f PoisonFilter) store(ids []int64) store.PoisonFilter {
 	return store.PoisonFilter{IDs: ids, Topic: f.Topic, Handler: f.Handler, Group: f.Group, Reason: f.Reason,
-		Since: f.Since.b, Until: f.Until.b, Replayed: f.Replayed}
+		Since: f.Since.b, Until: f.Until.b, Replayed: f.Replayed, Fingerprint: f.Fingerprint}
 }
 
 // PoisonedMessage is one message of the poison table: its failure envelope,
@@ -74,6 +97,8 @@ type PoisonedMessage struct {
 	ReplayCount    int        `json:"replay_count"`
 	ProcessedAt    *time.Time `json:"processed_at"`
 	PayloadBytes   int        `json:"payload_bytes"`
+	// Fingerprint names the message's failure group (PoisonGroups).
+	Fingerprint string `json:"fingerprint"`
 }
 
 // PoisonedDetail is a poisoned message with its payload, metadata and
@@ -102,7 +127,8 @@ func poisonedMessage(r store.PoisonRow) PoisonedMessage {
 		MessageID: r.MessageID, EventID: r.EventID, EventType: r.EventType, AggregateID: r.AggregateID,
 		ErrorClass: r.ErrorClass, Reason: r.Reason, Attempts: r.Attempts, TimesPoisoned: r.TimesPoisoned,
 		FirstFailureAt: r.FirstFailureAt, LastFailureAt: r.LastFailureAt, PoisonedAt: r.PoisonedAt,
-		ReplayedAt: r.ReplayedAt, ReplayCount: r.ReplayCount, ProcessedAt: r.ProcessedAt, PayloadBytes: r.PayloadBytes}
+		ReplayedAt: r.ReplayedAt, ReplayCount: r.ReplayCount, ProcessedAt: r.ProcessedAt, PayloadBytes: r.PayloadBytes,
+		Fingerprint: r.Fingerprint}
 	switch {
 	case r.ProcessedAt != nil:
 		m.State = PoisonStateProcessed
@@ -128,6 +154,9 @@ func (o *Ops) ListPoisoned(ctx context.Context, f PoisonFilter, limit int) (Pois
 	if err != nil {
 		return PoisonList{}, err
 	}
+	if err := f.check(); err != nil {
+		return PoisonList{}, err
+	}
 	rows, err := o.tables.Poison(ctx, o.db, store.PoisonQuery{Filter: f.store(nil), NewestFirst: true, Limit: read})
 	if err != nil {
 		return PoisonList{}, err
@@ -135,6 +164,47 @@ func (o *Ops) ListPoisoned(ctx context.Context, f PoisonFilter, limit int) (Pois
 	var res PoisonList
 	res.Messages, res.Truncated = page(rows, poisonedMessage, limit)
 	return res, nil
+}
+
+// FailureGroup is one failure group of the poison table: the messages of
+// one error class whose reasons are the same once UUIDs, numbers and
+// runs of white space are set aside (only the first line counts).
+type FailureGroup struct {
+	// Fingerprint names the group: 12 hex digits from its error class and
+	// normalised reason. PoisonFilter.Fingerprint selects its messages.
+	Fingerprint string `json:"fingerprint"`
+	ErrorClass  string `json:"error_class"`
+	// Reason is the normalised reason ("order <n> not found").
+	Reason string `json:"reason"`
+	// Example is the newest message's own reason.
+	Example string `json:"example"`
+	// Messages counts the group's messages; Waiting those not replayed
+	// since they were last poisoned.
+	Messages int64 `json:"messages"`
+	Waiting  int64 `json:"waiting"`
+	// Handlers and Topics are those of the group's messages, sorted.
+	Handlers        []string  `json:"handlers"`
+	Topics          []string  `json:"topics"`
+	FirstPoisonedAt time.Time `json:"first_poisoned_at"`
+	LastPoisonedAt  time.Time `json:"last_poisoned_at"`
+}
+
+// PoisonGroups groups the poisoned messages f selects by failure
+// fingerprint, the largest group first. Replay or purge a whole group with
+// PoisonSelection{Filter: PoisonFilter{Fingerprint: g.Fingerprint}}.
+func (o *Ops) PoisonGroups(ctx context.Context, f PoisonFilter) ([]FailureGroup, error) {
+	if err := f.check(); err != nil {
+		return nil, err
+	}
+	groups, err := o.tables.PoisonGroups(ctx, o.db, f.store(nil))
+	if err != nil {
+		return nil, err
+	}
+	out := make([]FailureGroup, len(groups))
+	for i, g := range groups {
+		out[i] = FailureGroup(g)
+	}
+	return out, nil
 }
 
 // Poisoned returns the poisoned message id with its payload, metadata and
@@ -169,10 +239,19 @@ type PoisonSelection struct {
 	// Limit acts on at most this many matching messages, oldest first (with
 	// Filter or All; 0: no limit).
 	Limit int
+	// Expect, when set, is the Selection token of an earlier result (a dry
+	// run's): the action goes ahead only if the selection still holds
+	// exactly those messages in the same state, and is a *ChangedError
+	// otherwise, changing nothing. It keeps a reviewed action from acting
+	// on messages replayed, purged or poisoned again since.
+	Expect string
 }
 
 func (s PoisonSelection) query(lock bool) (store.PoisonQuery, error) {
 	if err := selectionError(s.IDs, !s.Filter.IsZero(), s.All, s.Limit); err != nil {
+		return store.PoisonQuery{}, err
+	}
+	if err := s.Filter.check(); err != nil {
 		return store.PoisonQuery{}, err
 	}
 	return store.PoisonQuery{Filter: s.Filter.store(s.IDs), Limit: s.Limit, Full: true, Lock: lock}, nil
@@ -193,9 +272,12 @@ type ReplayOptions struct {
 // ReplayResult is what a replay of poisoned messages did (with DryRun:
 // would do).
 type ReplayResult struct {
-	DryRun   bool            `json:"dry_run"`
-	Replayed []ReplayedEntry `json:"replayed"`
-	Skipped  []SkippedEntry  `json:"skipped"`
+	DryRun bool `json:"dry_run"`
+	// Selection is a token of the selected messages and their state, for
+	// PoisonSelection.Expect.
+	Selection string          `json:"selection"`
+	Replayed  []ReplayedEntry `json:"replayed"`
+	Skipped   []SkippedEntry  `json:"skipped"`
 	// Messages counts the messages written to the outbox (with DryRun:
 	// that would be): one per event and topic, however many consumer groups
 	// poisoned it.
@@ -247,17 +329,22 @@ func (o *Ops) ReplayPoisoned(ctx context.Context, sel PoisonSelection, opts Repl
 	if err != nil {
 		return res, err
 	}
-	err = o.inTx(ctx, opts.DryRun, "replay", func(tx *sql.Tx) error { return o.replayPoisoned(ctx, tx, q, sel.IDs, opts, &res) })
+	err = o.inTx(ctx, opts.DryRun, "replay", func(tx *sql.Tx) error {
+		return o.replayPoisoned(ctx, tx, q, sel.IDs, sel.Expect, opts, &res)
+	})
 	return res, err
 }
 
 // replayPoisoned is ReplayPoisoned's work in tx.
-func (o *Ops) replayPoisoned(ctx context.Context, tx *sql.Tx, q store.PoisonQuery, ids []int64, opts ReplayOptions, res *ReplayResult) error {
+func (o *Ops) replayPoisoned(ctx context.Context, tx *sql.Tx, q store.PoisonQuery, ids []int64, expect string, opts ReplayOptions, res *ReplayResult) error {
 	rows, err := o.tables.Poison(ctx, tx, q)
 	if err != nil {
 		return err
 	}
 	if err := missingIDs("poisoned message", ids, foundPoison(rows)); err != nil {
+		return err
+	}
+	if res.Selection, err = checkSelection("poisoned message", rows, poisonVersion, expect); err != nil {
 		return err
 	}
 
@@ -396,6 +483,9 @@ func occurredAt(r store.PoisonRow) time.Time {
 // PurgeResult is what a purge of poisoned messages did (with DryRun: would do).
 type PurgeResult struct {
 	DryRun bool `json:"dry_run"`
+	// Selection is a token of the selected messages and their state, for
+	// PoisonSelection.Expect.
+	Selection string `json:"selection"`
 	// Purged are the messages deleted; with DryRun, those that would be.
 	Purged []PoisonedMessage `json:"purged"`
 }
@@ -418,6 +508,9 @@ func (o *Ops) PurgePoisoned(ctx context.Context, sel PoisonSelection, dryRun boo
 		if err := missingIDs("poisoned message", sel.IDs, foundPoison(rows)); err != nil {
 			return err
 		}
+		if res.Selection, err = checkSelection("poisoned message", rows, poisonVersion, sel.Expect); err != nil {
+			return err
+		}
 		ids := make([]int64, len(rows))
 		for i, r := range rows {
 			ids[i] = r.ID
@@ -431,4 +524,17 @@ func (o *Ops) PurgePoisoned(ctx context.Context, sel PoisonSelection, dryRun boo
 		return nil
 	})
 	return res, err
+}
+
+// poisonVersion is what identifies a poison row's state: replaying it,
+// poisoning it again or its event being processed changes it.
+func poisonVersion(r store.PoisonRow) string {
+	v := fmt.Sprintf("%d/%d/%d", r.ID, r.TimesPoisoned, r.ReplayCount)
+	if r.ReplayedAt != nil {
+		v += "/r" + strconv.FormatInt(r.ReplayedAt.UnixNano(), 10)
+	}
+	if r.ProcessedAt != nil {
+		v += "/p"
+	}
+	return v
 }

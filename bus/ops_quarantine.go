@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -129,6 +130,11 @@ type QuarantineSelection struct {
 	// Limit acts on at most this many matching rows, oldest first (with
 	// Filter or All; 0: no limit).
 	Limit int
+	// Expect, when set, is the Selection token of an earlier result (a dry
+	// run's): the action goes ahead only if the selection still holds
+	// exactly those rows in the same state, and is a *ChangedError
+	// otherwise, changing nothing.
+	Expect string
 }
 
 func (s QuarantineSelection) query(lock bool) (store.QuarantineQuery, error) {
@@ -151,9 +157,12 @@ const (
 // QuarantineReplayResult is what a replay of quarantined rows did (with
 // DryRun: would do).
 type QuarantineReplayResult struct {
-	DryRun   bool                `json:"dry_run"`
-	Replayed []QuarantinedRow    `json:"replayed"`
-	Skipped  []QuarantineSkipped `json:"skipped"`
+	DryRun bool `json:"dry_run"`
+	// Selection is a token of the selected rows and their state, for
+	// QuarantineSelection.Expect.
+	Selection string              `json:"selection"`
+	Replayed  []QuarantinedRow    `json:"replayed"`
+	Skipped   []QuarantineSkipped `json:"skipped"`
 	// Messages counts the rows written to the outbox (with DryRun: that would be).
 	Messages int      `json:"messages"`
 	Warnings []string `json:"warnings"`
@@ -189,6 +198,9 @@ func (o *Ops) ReplayQuarantined(ctx context.Context, sel QuarantineSelection, op
 			return err
 		}
 		if err := missingIDs("quarantined row", sel.IDs, foundQuarantined(rows)); err != nil {
+			return err
+		}
+		if res.Selection, err = checkSelection("quarantined row", rows, quarantineVersion, sel.Expect); err != nil {
 			return err
 		}
 		var outbox []*message.Message
@@ -248,6 +260,9 @@ func foundQuarantined(rows []store.QuarantineRow) map[int64]bool {
 // DryRun: would do).
 type QuarantinePurgeResult struct {
 	DryRun bool `json:"dry_run"`
+	// Selection is a token of the selected rows and their state, for
+	// QuarantineSelection.Expect.
+	Selection string `json:"selection"`
 	// Purged are the rows deleted; with DryRun, those that would be.
 	Purged []QuarantinedRow `json:"purged"`
 }
@@ -270,6 +285,9 @@ func (o *Ops) PurgeQuarantined(ctx context.Context, sel QuarantineSelection, dry
 		if err := missingIDs("quarantined row", sel.IDs, foundQuarantined(rows)); err != nil {
 			return err
 		}
+		if res.Selection, err = checkSelection("quarantined row", rows, quarantineVersion, sel.Expect); err != nil {
+			return err
+		}
 		ids := make([]int64, len(rows))
 		for i, r := range rows {
 			ids[i] = r.ID
@@ -283,4 +301,14 @@ func (o *Ops) PurgeQuarantined(ctx context.Context, sel QuarantineSelection, dry
 		return nil
 	})
 	return res, err
+}
+
+// quarantineVersion is what identifies a quarantined row's state: a replay
+// changes it.
+func quarantineVersion(r store.QuarantineRow) string {
+	v := fmt.Sprintf("%d/%d", r.ID, r.TimesReplayed)
+	if r.ReplayedAt != nil {
+		v += "/r" + strconv.FormatInt(r.ReplayedAt.UnixNano(), 10)
+	}
+	return v
 }

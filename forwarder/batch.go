@@ -131,7 +131,9 @@ func (f *Forwarder) publish(ctx context.Context, rows []outboxRow) (int, error) 
 		if f.beforePublish != nil {
 			f.beforePublish(len(out))
 		}
+		endSpans := f.tracing.start(ctx, out)
 		err := f.broker.PublishBatch(ctx, out)
+		endSpans(err)
 		if f.afterPublish != nil {
 			f.afterPublish(len(out))
 		}

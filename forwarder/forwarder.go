@@ -12,6 +12,8 @@ import (
 	"github.com/cenkalti/backoff/v5"
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 	"golang.org/x/time/rate"
 
 	"github.com/millrace-io/millrace/adapters"
@@ -41,6 +43,13 @@ type Options struct {
 	Logger watermill.LoggerAdapter
 	// Registerer receives the relay's Prometheus metrics. Defaults to none.
 	Registerer prometheus.Registerer
+	// TracerProvider receives a span per published message, continuing the
+	// trace its publisher started. Defaults to OpenTelemetry's global one.
+	TracerProvider trace.TracerProvider
+	// Propagator reads a message's trace context from its metadata.
+	// Defaults to OpenTelemetry's global propagator, or W3C trace context
+	// and baggage when none is set.
+	Propagator propagation.TextMapPropagator
 }
 
 // Forwarder is the relay from one outbox table to the broker.
@@ -56,6 +65,8 @@ type Forwarder struct {
 
 	provisioned map[string]bool
 	lastStats   time.Time
+	health      health
+	tracing     tracing
 
 	// Test hooks, set only by this package's tests (see export_test.go).
 	beforePublish func(batch int)
@@ -92,6 +103,7 @@ func New(db *sql.DB, broker Broker, outbox Outbox, cfg Config, opts Options) (*F
 		metrics:     m,
 		slice:       cfg.MaxInFlight,
 		provisioned: map[string]bool{},
+		tracing:     newTracing(opts.TracerProvider, opts.Propagator),
 	}
 	if cfg.RateLimit > 0 {
 		// Slices of a tenth of a second's worth keep a limited drain smooth.
@@ -117,7 +129,9 @@ var ErrNotPgx = errors.New("forwarder: LISTEN/NOTIFY needs a database/sql pool o
 func (f *Forwarder) Run(ctx context.Context) error {
 	retry := f.newBackoff()
 	for ctx.Err() == nil {
+		f.health.set(RoleStarting)
 		err := f.lead(ctx)
+		f.health.set(RoleStarting)
 		if ctx.Err() != nil {
 			break
 		}
@@ -136,11 +150,13 @@ func (f *Forwarder) Run(ctx context.Context) error {
 // lead takes the leader lock, then forwards until ctx ends or the lock's
 // connection breaks.
 func (f *Forwarder) lead(ctx context.Context) error {
+	f.health.set(RoleStandby)
 	conn, err := f.acquireLeadership(ctx)
 	if err != nil {
 		return err
 	}
 	defer discard(conn)
+	f.health.set(RoleActive)
 	f.metrics.leader.Set(1)
 	defer f.metrics.leader.Set(0)
 	f.logger.Info("Relay is active", nil)
@@ -238,6 +254,7 @@ func (f *Forwarder) forwardLoop(ctx context.Context, wake <-chan struct{}, liste
 	defer cleanup.Stop()
 	chase := time.Duration(0) // the next quick re-poll; 0 when not chasing
 	for {
+		f.health.beat()
 		select {
 		case <-ctx.Done():
 			return nil
@@ -253,6 +270,7 @@ func (f *Forwarder) forwardLoop(ctx context.Context, wake <-chan struct{}, liste
 		hidden := false
 		for ctx.Err() == nil {
 			n, h, err := f.forwardBatch(ctx)
+			f.health.beat()
 			if err != nil {
 				f.metrics.publishErrors.WithLabelValues(errorClassRetryable).Inc()
 				wait := retry.NextBackOff()

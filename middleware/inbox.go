@@ -138,15 +138,37 @@ func (s *Stack) PruneInbox(ctx context.Context) (int64, error) {
 	if err != nil {
 		return n, err
 	}
+	return n, s.RefreshInboxRows(ctx)
+}
+
+// RefreshInboxRows counts the inbox rows of each consumer group into the
+// millrace_inbox_rows gauge; the groups of this Stack's handlers with the
+// inbox on are there from the first count, at 0 while they have no rows.
+func (s *Stack) RefreshInboxRows(ctx context.Context) error {
+	if s.db == nil {
+		return errors.New("millrace consumer: count inbox rows: Deps.DB is nil")
+	}
 	counts, err := s.tables.InboxRows(ctx, s.db)
 	if err != nil {
-		return n, err
+		return err
 	}
-	s.metrics.inboxRows.Reset()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for group := range s.groups {
+		if _, ok := counts[group]; !ok {
+			counts[group] = 0
+		}
+	}
+	for group := range s.inboxGroups {
+		if _, ok := counts[group]; !ok {
+			s.metrics.inboxRows.DeleteLabelValues(group)
+		}
+	}
 	for group, count := range counts {
 		s.metrics.inboxRows.WithLabelValues(group).Set(float64(count))
 	}
-	return n, nil
+	s.inboxGroups = counts
+	return nil
 }
 
 // RunRetention prunes the inbox now and then every inbox.cleanup_interval

@@ -69,6 +69,8 @@ type Stack struct {
 	mu     sync.Mutex
 	chains map[string]*Chain
 	groups map[string]string // consumer group -> handler, for handlers with the inbox on
+	// inboxGroups are the groups millrace_inbox_rows reported last.
+	inboxGroups map[string]int64
 }
 
 // New validates cfg (after WithDefaults, under the YAML path "consumer") and
@@ -185,6 +187,11 @@ func (s *Stack) Chain(h Handler) (*Chain, error) {
 		timer:     s.metrics.duration.WithLabelValues(h.Name),
 		abandoned: s.metrics.abandoned.WithLabelValues(h.Name),
 		running:   s.metrics.running.WithLabelValues(h.Name),
+	}
+	// Every outcome's series exists from the start, so dashboards and
+	// alerts see zeros rather than nothing before the first message.
+	for _, outcome := range []string{OutcomeOK, OutcomeDuplicate, OutcomeStale, OutcomePoisoned, OutcomeRetried, OutcomeNacked} {
+		c.counter(outcome)
 	}
 	if *cfg.Breaker.Enabled {
 		c.breaker = newBreaker(h.Name, cfg.Breaker, s.metrics.breaker.WithLabelValues(h.Name), s.logger)

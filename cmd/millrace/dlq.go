@@ -24,6 +24,7 @@ import (
 func init() {
 	commands = append(commands,
 		command{path: "dlq list", summary: "list poisoned messages, newest first, with their failure reason and state", bind: bindList},
+		command{path: "dlq groups", summary: "poisoned messages grouped by failure fingerprint (error class and reason, ids and numbers set aside), largest first", bind: bindGroups},
 		command{path: "dlq show", args: "ID", summary: "one poisoned message: failure envelope, metadata, payload, replay history", bind: bindShow},
 		command{path: "dlq replay", args: "[ID...]", summary: "send poisoned messages back to their topic through the outbox (same event id: the inbox keeps the effect single)", bind: bindReplay},
 		command{path: "dlq purge", args: "[ID...]", summary: "delete poisoned messages and their replay history", bind: bindPurge},
@@ -54,6 +55,39 @@ func bindList(fs *flag.FlagSet) runFunc {
 				if res.Truncated {
 					fmt.Fprintf(w, "(more messages match; showing %d, raise --limit to see more)\n", f.limit)
 				}
+			})
+		})
+	}
+}
+
+func bindGroups(fs *flag.FlagSet) runFunc {
+	var f filter
+	f.register(fs, 0, "")
+	return func(ctx context.Context, e env, args []string) error {
+		if err := noArgs(args); err != nil {
+			return err
+		}
+		if err := f.check(); err != nil {
+			return err
+		}
+		return withOps(ctx, e, func(ops *bus.Ops) error {
+			groups, err := ops.PoisonGroups(ctx, f.poisonFilter())
+			if err != nil {
+				return err
+			}
+			return e.print(map[string]any{"groups": groups}, func(w io.Writer) {
+				if len(groups) == 0 {
+					fmt.Fprintln(w, "no poisoned messages match")
+					return
+				}
+				tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+				fmt.Fprintln(tw, "FINGERPRINT\tMESSAGES\tWAITING\tCLASS\tHANDLERS\tLAST POISONED\tREASON")
+				for _, g := range groups {
+					fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\t%s\t%s\n", g.Fingerprint, g.Messages, g.Waiting, g.ErrorClass,
+						cell(strings.Join(g.Handlers, ","), 30), g.LastPoisonedAt.Format(time.RFC3339), cell(g.Reason, 70))
+				}
+				tw.Flush()
+				fmt.Fprintln(w, "(replay or purge a group with --fingerprint FP)")
 			})
 		})
 	}
@@ -228,7 +262,11 @@ func bindReplay(fs *flag.FlagSet) runFunc {
 					fmt.Fprintln(e.errOut, "warning:", w)
 				}
 			}
-			return e.print(res, func(w io.Writer) { writeReplay(w, res) })
+			out, err := dryRunJSON(res, res.DryRun, map[string]string{"replayed": "would_replay", "skipped": "would_skip", "messages": "would_write"})
+			if err != nil {
+				return err
+			}
+			return e.print(out, func(w io.Writer) { writeReplay(w, res) })
 		})
 	}
 }
@@ -263,16 +301,34 @@ func bindPurge(fs *flag.FlagSet) runFunc {
 	var sel selection
 	sel.register(fs)
 	dryRun := fs.Bool("dry-run", false, "show what would be deleted; change nothing")
+	yes := fs.Bool("yes", false, "purge --all without asking for confirmation")
 	return func(ctx context.Context, e env, args []string) error {
 		if err := sel.resolve(args, "purge"); err != nil {
 			return err
 		}
 		return withOps(ctx, e, func(ops *bus.Ops) error {
-			res, err := ops.PurgePoisoned(ctx, sel.poisonSelection(), *dryRun)
+			selected := sel.poisonSelection()
+			if sel.all && !*dryRun && !*yes {
+				// Asked with the count of a dry run; the purge then acts on
+				// exactly what was counted, or refuses if it changed.
+				dry, err := ops.PurgePoisoned(ctx, selected, true)
+				if err != nil {
+					return err
+				}
+				if err := confirm(e, fmt.Sprintf("purge all %d poisoned message(s) and their replay history for good?", len(dry.Purged))); err != nil {
+					return err
+				}
+				selected.Expect = dry.Selection
+			}
+			res, err := ops.PurgePoisoned(ctx, selected, *dryRun)
 			if err != nil {
 				return err
 			}
-			return e.print(res, func(w io.Writer) {
+			out, err := dryRunJSON(res, res.DryRun, map[string]string{"purged": "would_purge"})
+			if err != nil {
+				return err
+			}
+			return e.print(out, func(w io.Writer) {
 				if len(res.Purged) == 0 {
 					fmt.Fprintln(w, "no poisoned messages match")
 					return

@@ -251,11 +251,16 @@ func TestDLQPurge(t *testing.T) {
 		return got
 	}
 
-	var res bus.PurgeResult
-	cliJSON(t, path, &res, "dlq", "purge", "--dry-run", "--group", "shipping")
-	require.True(t, res.DryRun)
-	require.Equal(t, []int64{ids[3], ids[4]}, idsOf(res.Purged))
+	var dry struct {
+		DryRun     bool                  `json:"dry_run"`
+		Selection  string                `json:"selection"`
+		WouldPurge []bus.PoisonedMessage `json:"would_purge"`
+	}
+	cliJSON(t, path, &dry, "dlq", "purge", "--dry-run", "--group", "shipping")
+	require.True(t, dry.DryRun)
+	require.Equal(t, []int64{ids[3], ids[4]}, idsOf(dry.WouldPurge), "a dry run says what it would purge")
 	require.Equal(t, ids, remaining(), "a dry run deletes nothing")
+	var res bus.PurgeResult
 
 	code, _, errOut := cli(t, path, "dlq", "purge", strconv.FormatInt(ids[0], 10), "999999")
 	require.Equal(t, exitFailed, code)
@@ -281,12 +286,20 @@ func TestDLQPurge(t *testing.T) {
 	require.Contains(t, errOut, "choose what to purge")
 	require.Equal(t, []int64{ids[1], ids[2], ids[4]}, remaining())
 
-	res = bus.PurgeResult{}
-	cliJSON(t, path, &res, "dlq", "purge", "--all")
-	require.Len(t, res.Purged, 3)
+	// --all asks first: no answer (a script) or "no" purges nothing.
+	code, _, errOut = cli(t, path, "dlq", "purge", "--all")
+	require.Equal(t, exitFailed, code)
+	require.Contains(t, errOut, "purge all 3 poisoned message(s) and their replay history for good? [y/N]")
+	require.Contains(t, errOut, "not confirmed: nothing was changed")
+	var stdout, stderr bytes.Buffer
+	require.Equal(t, exitFailed, runIO(context.Background(), []string{"--config", path, "dlq", "purge", "--all"}, strings.NewReader("no\n"), &stdout, &stderr))
+	require.Len(t, remaining(), 3)
+	stdout.Reset()
+	require.Equal(t, exitOK, runIO(context.Background(), []string{"--config", path, "dlq", "purge", "--all"}, strings.NewReader("yes\n"), &stdout, &stderr), stderr.String())
+	require.Contains(t, stdout.String(), "purged 3 message(s)")
 	require.Empty(t, remaining())
 	res = bus.PurgeResult{}
-	cliJSON(t, path, &res, "dlq", "purge", "--all")
+	cliJSON(t, path, &res, "dlq", "purge", "--all", "--yes")
 	require.Equal(t, []bus.PoisonedMessage{}, res.Purged)
 }
 
@@ -310,10 +323,20 @@ func TestInboxPurge(t *testing.T) {
 		return n
 	}
 
+	var dry struct {
+		DryRun      bool     `json:"dry_run"`
+		WouldDelete int64    `json:"would_delete"`
+		OlderThan   string   `json:"older_than"`
+		Group       string   `json:"group"`
+		Batch       int      `json:"batch"`
+		Warnings    []string `json:"warnings"`
+	}
+	cliJSON(t, path, &dry, "inbox", "purge", "--older-than", "24h", "--dry-run")
+	require.True(t, dry.DryRun)
+	require.EqualValues(t, 7, dry.WouldDelete, "a dry run says what it would delete")
+	require.Equal(t, 10000, dry.Batch)
+	require.Equal(t, []string{"the prune window (24h0m0s) is shorter than consumer.inbox.retention (720h0m0s): a redelivery or replay of an event whose row is deleted is processed again"}, dry.Warnings)
 	var res bus.InboxPruneResult
-	cliJSON(t, path, &res, "inbox", "purge", "--older-than", "24h", "--dry-run")
-	require.Equal(t, bus.InboxPruneResult{DryRun: true, Deleted: 7, OlderThan: "24h0m0s", Batch: 10000,
-		Warnings: []string{"the prune window (24h0m0s) is shorter than consumer.inbox.retention (720h0m0s): a redelivery or replay of an event whose row is deleted is processed again"}}, res)
 	require.Equal(t, 5, count("billing"))
 	require.Equal(t, 5, count("audit"))
 
@@ -346,7 +369,7 @@ func TestBadArgumentsExitTwoWithUsage(t *testing.T) {
 		message  string // in stderr
 		usageFor string // the command whose usage line follows
 	}{
-		{[]string{"dlq"}, "dlq needs a subcommand: list, show, replay, purge", "dlq"},
+		{[]string{"dlq"}, "dlq needs a subcommand: list, groups, show, replay, purge", "dlq"},
 		{[]string{"dlq", "lst"}, `unknown command "dlq lst"`, ""},
 		{[]string{"dlq", "list", "extra"}, `unexpected arguments ["extra"]`, "dlq list"},
 		{[]string{"dlq", "list", "--since", "yesterday"}, `want an RFC 3339 time such as 2025-05-01T12:00:00Z or a duration ago such as 90m, 2h or 7d; got "yesterday"`, "dlq list"},
@@ -389,6 +412,7 @@ func TestBadArgumentsExitTwoWithUsage(t *testing.T) {
 	}
 }
 
+// --help prints to stdout (it is what was asked for) and exits 0.
 func TestHelpOnEveryCommand(t *testing.T) {
 	t.Parallel()
 	require.GreaterOrEqual(t, len(commands), 8)
@@ -396,14 +420,30 @@ func TestHelpOnEveryCommand(t *testing.T) {
 		var out, errOut bytes.Buffer
 		args := append(strings.Fields(c.path), "--help")
 		require.Equal(t, exitOK, run(context.Background(), args, &out, &errOut), c.path)
-		require.Contains(t, errOut.String(), "usage: millrace [--config config.yaml] "+c.path+" [flags]", c.path)
-		require.Contains(t, errOut.String(), "-json", c.path)
-		require.Contains(t, errOut.String(), c.summary, c.path)
+		require.Contains(t, out.String(), "usage: millrace [--config config.yaml] "+c.path+" [flags]", c.path)
+		require.Contains(t, out.String(), "-json", c.path)
+		require.Contains(t, out.String(), c.summary, c.path)
+		require.Empty(t, errOut.String(), c.path)
+	}
+	for _, args := range [][]string{{"dlq", "--help"}, {"--help"}, {"-h"}} {
+		var out, errOut bytes.Buffer
+		require.Equal(t, exitOK, run(context.Background(), args, &out, &errOut), "%v", args)
+		require.Contains(t, out.String(), "dlq replay", "%v", args)
+		require.Empty(t, errOut.String(), "%v", args)
 	}
 	var out, errOut bytes.Buffer
 	require.Equal(t, exitOK, run(context.Background(), []string{"dlq", "--help"}, &out, &errOut))
-	require.Contains(t, errOut.String(), "dlq replay")
-	require.NotContains(t, errOut.String(), "inbox purge")
+	require.NotContains(t, out.String(), "inbox purge")
+}
+
+// dryReplay is the --json output of a dry-run replay.
+type dryReplay struct {
+	DryRun      bool                `json:"dry_run"`
+	Selection   string              `json:"selection"`
+	WouldReplay []bus.ReplayedEntry `json:"would_replay"`
+	WouldSkip   []bus.SkippedEntry  `json:"would_skip"`
+	WouldWrite  int                 `json:"would_write"`
+	Warnings    []string            `json:"warnings"`
 }
 
 // A password in a URL is never printed: not in errors, usage or output.
@@ -479,24 +519,24 @@ func TestDLQReplayWritesTheOutbox(t *testing.T) {
 		VALUES ('guarded', 'order', 'o-1', 5, 'e-9')`)
 	require.NoError(t, err)
 
-	var res bus.ReplayResult
-	cliJSON(t, path, &res, "dlq", "replay", "--all", "--dry-run")
-	require.True(t, res.DryRun)
-	require.Equal(t, []int64{guarded, unguarded, plain}, []int64{res.Replayed[0].ID, res.Replayed[1].ID, res.Replayed[2].ID})
-	require.Equal(t, 2, res.Messages, "one message per event")
+	var dry dryReplay
+	cliJSON(t, path, &dry, "dlq", "replay", "--all", "--dry-run")
+	require.True(t, dry.DryRun)
+	require.Equal(t, []int64{guarded, unguarded, plain}, []int64{dry.WouldReplay[0].ID, dry.WouldReplay[1].ID, dry.WouldReplay[2].ID})
+	require.Equal(t, 2, dry.WouldWrite, "one message per event")
 	require.Empty(t, outbox(), "a dry run writes nothing")
 	require.ElementsMatch(t, []string{
 		"handler unguarded has consumer.inbox.enabled false: nothing deduplicates its replays, so replaying a message twice processes it twice",
 		"message " + strconv.FormatInt(guarded, 10) + ": handler guarded has the ordering guard on and has applied version 5 of order o-1; the event is version 3, so the group drops its replay as stale",
 		"event e-1 on topic orders is older than consumer.inbox.retention (720h0m0s): consumer groups that processed it may have pruned it from their inbox and would process it again",
-	}, res.Warnings)
+	}, dry.Warnings)
 
 	code, _, errOut = cli(t, path, "dlq", "replay", strconv.FormatInt(plain, 10), "424242")
 	require.Equal(t, exitFailed, code)
 	require.Equal(t, "millrace dlq replay: no poisoned message with id 424242\n", errOut)
 	require.Empty(t, outbox(), "an unknown ID replays nothing")
 
-	res = bus.ReplayResult{}
+	var res bus.ReplayResult
 	cliJSON(t, path, &res, "dlq", "replay", "--topic", "orders")
 	require.Len(t, res.Replayed, 2)
 	require.Equal(t, 1, res.Messages)

@@ -43,7 +43,11 @@ func bindInboxPurge(fs *flag.FlagSet) runFunc {
 					fmt.Fprintln(e.errOut, "warning:", w)
 				}
 			}
-			return e.print(res, func(w io.Writer) {
+			out, err := dryRunJSON(res, res.DryRun, map[string]string{"deleted": "would_delete"})
+			if err != nil {
+				return err
+			}
+			return e.print(out, func(w io.Writer) {
 				scope := "every consumer group"
 				if res.Group != "" {
 					scope = "consumer group " + res.Group

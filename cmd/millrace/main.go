@@ -35,8 +35,9 @@ func usagef(format string, args ...any) error { return usageError{fmt.Errorf(for
 // env is what a command runs with.
 type env struct {
 	cfg    bus.Config
+	in     io.Reader // answers to confirmation prompts
 	out    io.Writer
-	errOut io.Writer // warnings; already redacted
+	errOut io.Writer // warnings and prompts; already redacted
 	asJSON bool
 }
 
@@ -58,6 +59,11 @@ type command struct {
 	path    string // e.g. "outbox status"
 	args    string // positional arguments, for the usage line
 	summary string
+	// broker says the command connects to the broker: only then does a
+	// problem of the config's broker section stop it.
+	broker bool
+	// noConfig says the command reads no config at all.
+	noConfig bool
 	// bind registers the command's flags on a fresh FlagSet and returns the
 	// function that runs the command with their values, so that concurrent
 	// runs (tests) share no flag variables.
@@ -73,58 +79,111 @@ var commands []command
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	code := runIO(ctx, os.Args[1:], os.Stdin, os.Stdout, os.Stderr)
 	stop()
 	os.Exit(code)
 }
 
+// run runs the tool with no input for prompts (they are answered no).
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	return runIO(ctx, args, strings.NewReader(""), stdout, stderr)
+}
+
+// globalFlags are the flags every command accepts, before or after it.
+type globalFlags struct {
+	config string
+	asJSON bool
+}
+
+func (g *globalFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&g.config, "config", g.config, "path to config.yaml (env MILLRACE_CONFIG)")
+	fs.BoolVar(&g.asJSON, "json", g.asJSON, "print JSON instead of text")
+}
+
+func runIO(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
+	g := &globalFlags{config: envOr("MILLRACE_CONFIG", "config.yaml")}
 	global := flag.NewFlagSet("millrace", flag.ContinueOnError)
-	global.SetOutput(stderr)
-	configPath := global.String("config", envOr("MILLRACE_CONFIG", "config.yaml"), "path to config.yaml (env MILLRACE_CONFIG)")
-	global.Usage = func() { usage(global, stderr, "") }
+	global.SetOutput(io.Discard) // help goes to stdout, errors to stderr, both below
+	g.register(global)
 	if err := global.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
+			usage(global, stdout, "")
 			return exitOK
 		}
+		fmt.Fprintln(stderr, "millrace:", err)
+		usage(global, stderr, "")
 		return exitUsage
 	}
 	cmd, rest := find(global.Args())
 	if cmd == nil {
-		return noCommand(global, stderr)
+		return noCommand(global, stdout, stderr)
 	}
 
 	fs := flag.NewFlagSet("millrace "+cmd.path, flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	asJSON := fs.Bool("json", false, "print JSON instead of text")
+	fs.SetOutput(io.Discard)
+	g.register(fs) // after the command too, overriding what came before it
 	runCmd := cmd.bind(fs)
-	fs.Usage = func() {
-		fmt.Fprintf(stderr, "usage: millrace [--config config.yaml] %s [flags] %s\n\n%s\n\nflags:\n", cmd.path, cmd.args, cmd.summary)
+	cmdUsage := func(w io.Writer) {
+		fmt.Fprintf(w, "usage: millrace [--config config.yaml] %s [flags] %s\n\n%s\n\nflags:\n", cmd.path, cmd.args, cmd.summary)
+		fs.SetOutput(w)
 		fs.PrintDefaults()
+		fs.SetOutput(io.Discard)
 	}
 	positional, err := parseInterleaved(fs, rest)
 	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
+			cmdUsage(stdout)
 			return exitOK
 		}
+		fmt.Fprintf(stderr, "millrace %s: %v\n", cmd.path, err)
+		cmdUsage(stderr)
 		return exitUsage
 	}
-	cfg, err := bus.LoadConfig(*configPath)
+	var cfg bus.Config
+	if !cmd.noConfig {
+		cfg, err = bus.LoadConfig(g.config)
+		if !cmd.broker {
+			err = withoutBrokerProblems(err)
+		}
+	}
 	redacted := &redactingWriter{w: stderr, secrets: secretsOf(cfg)}
 	if err != nil {
 		fmt.Fprintln(redacted, "millrace:", err)
 		return exitUsage
 	}
-	e := env{cfg: cfg, out: stdout, errOut: redacted, asJSON: *asJSON}
+	e := env{cfg: cfg, in: stdin, out: stdout, errOut: redacted, asJSON: g.asJSON}
 	if err := runCmd(ctx, e, positional); err != nil {
 		fmt.Fprintf(redacted, "millrace %s: %v\n", cmd.path, err)
 		if errors.As(err, new(usageError)) {
-			fs.Usage()
+			cmdUsage(redacted)
 			return exitUsage
 		}
 		return exitFailed
 	}
 	return exitOK
+}
+
+// withoutBrokerProblems drops the problems of the broker section from a
+// config error, for commands that never connect to the broker: an
+// operator's machine may lack the broker's secrets or certificates.
+func withoutBrokerProblems(err error) error {
+	var ce *bus.ConfigError
+	if !errors.As(err, &ce) {
+		return err
+	}
+	kept := *ce
+	kept.Problems = nil
+	for _, p := range ce.Problems {
+		var fe *bus.FieldError
+		if errors.As(p, &fe) && (fe.Path == "broker" || strings.HasPrefix(fe.Path, "broker.")) {
+			continue
+		}
+		kept.Problems = append(kept.Problems, p)
+	}
+	if len(kept.Problems) == 0 {
+		return nil
+	}
+	return &kept
 }
 
 // parseInterleaved parses flags that may come before, between or after the
@@ -164,8 +223,8 @@ func find(args []string) (*command, []string) {
 }
 
 // noCommand explains a missing or unknown command; "millrace dlq --help"
-// lists the dlq commands.
-func noCommand(global *flag.FlagSet, stderr io.Writer) int {
+// lists the dlq commands on stdout.
+func noCommand(global *flag.FlagSet, stdout, stderr io.Writer) int {
 	args := global.Args()
 	if len(args) == 0 {
 		fmt.Fprintln(stderr, "millrace: missing command")
@@ -181,7 +240,7 @@ func noCommand(global *flag.FlagSet, stderr io.Writer) int {
 	}
 	switch {
 	case len(subs) > 0 && len(args) > 1 && slices.Contains([]string{"-h", "-help", "--help"}, args[1]):
-		usage(global, stderr, group)
+		usage(global, stdout, group)
 		return exitOK
 	case len(subs) > 0 && len(args) == 1:
 		fmt.Fprintf(stderr, "millrace: %s needs a subcommand: %s\n", group, strings.Join(subs, ", "))
@@ -195,6 +254,8 @@ func noCommand(global *flag.FlagSet, stderr io.Writer) int {
 
 // usage prints the usage line and the commands (those of group when it is set).
 func usage(fs *flag.FlagSet, w io.Writer, group string) {
+	fs.SetOutput(w)
+	defer fs.SetOutput(io.Discard)
 	if group == "" {
 		fmt.Fprintln(w, "usage: millrace [--config config.yaml] <command> [flags]")
 	} else {
@@ -213,7 +274,7 @@ func usage(fs *flag.FlagSet, w io.Writer, group string) {
 
 // sortedCommands returns the commands in the order an operator meets them.
 func sortedCommands() []command {
-	order := []string{"migrate", "outbox", "relay", "dlq", "quarantine", "inbox"}
+	order := []string{"migrate", "outbox", "relay", "dlq", "quarantine", "inbox", "grants", "ui", "version"}
 	rank := func(c command) int {
 		first, _, _ := strings.Cut(c.path, " ")
 		if i := slices.Index(order, first); i >= 0 {

@@ -52,7 +52,7 @@ func TestBadUsageExitsTwoWithUsageLine(t *testing.T) {
 		"extra argument":            {"--config", good, "migrate", "now"},
 		"unknown flag of a command": {"--config", good, "outbox", "status", "--nope"},
 		"group without subcommand":  {"--config", good, "outbox"},
-		"bad config":                {"--config", bad, "migrate"},
+		"bad config":                {"--config", bad, "relay"},
 	}
 	for name, args := range cases {
 		var out, errOut bytes.Buffer
@@ -61,7 +61,7 @@ func TestBadUsageExitsTwoWithUsageLine(t *testing.T) {
 		require.NotEmpty(t, errOut.String(), name)
 	}
 	var out, errOut bytes.Buffer
-	require.Equal(t, exitUsage, run(context.Background(), []string{"--config", bad, "migrate"}, &out, &errOut))
+	require.Equal(t, exitUsage, run(context.Background(), []string{"--config", bad, "relay"}, &out, &errOut))
 	require.Contains(t, errOut.String(), `broker.kind: must be one of kafka, rabbitmq, nats; got "kafak"`)
 	errOut.Reset()
 	run(context.Background(), []string{"--config", good, "migrat"}, &out, &errOut)
@@ -95,7 +95,7 @@ func TestOutboxStatusCommand(t *testing.T) {
 
 	out.Reset()
 	require.Equal(t, exitOK, run(context.Background(), []string{"outbox", "status", "--help"}, &out, &errOut))
-	require.Contains(t, errOut.String(), "usage: millrace [--config config.yaml] outbox status")
+	require.Contains(t, out.String(), "usage: millrace [--config config.yaml] outbox status")
 }
 
 func TestRelayCommandForwardsAndStopsOnSignal(t *testing.T) {

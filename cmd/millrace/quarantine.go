@@ -127,7 +127,11 @@ func bindQuarantineReplay(fs *flag.FlagSet) runFunc {
 					fmt.Fprintln(e.errOut, "warning:", w)
 				}
 			}
-			return e.print(res, func(w io.Writer) {
+			out, err := dryRunJSON(res, res.DryRun, map[string]string{"replayed": "would_replay", "skipped": "would_skip", "messages": "would_write"})
+			if err != nil {
+				return err
+			}
+			return e.print(out, func(w io.Writer) {
 				verb := "replayed"
 				if res.DryRun {
 					verb = "would replay"
@@ -155,16 +159,32 @@ func bindQuarantinePurge(fs *flag.FlagSet) runFunc {
 	var sel selection
 	sel.registerQuarantine(fs)
 	dryRun := fs.Bool("dry-run", false, "show what would be deleted; change nothing")
+	yes := fs.Bool("yes", false, "purge --all without asking for confirmation")
 	return func(ctx context.Context, e env, args []string) error {
 		if err := sel.resolve(args, "purge"); err != nil {
 			return err
 		}
 		return withOps(ctx, e, func(ops *bus.Ops) error {
-			res, err := ops.PurgeQuarantined(ctx, sel.quarantineSelection(), *dryRun)
+			selected := sel.quarantineSelection()
+			if sel.all && !*dryRun && !*yes {
+				dry, err := ops.PurgeQuarantined(ctx, selected, true)
+				if err != nil {
+					return err
+				}
+				if err := confirm(e, fmt.Sprintf("purge all %d quarantined row(s) for good?", len(dry.Purged))); err != nil {
+					return err
+				}
+				selected.Expect = dry.Selection
+			}
+			res, err := ops.PurgeQuarantined(ctx, selected, *dryRun)
 			if err != nil {
 				return err
 			}
-			return e.print(res, func(w io.Writer) {
+			out, err := dryRunJSON(res, res.DryRun, map[string]string{"purged": "would_purge"})
+			if err != nil {
+				return err
+			}
+			return e.print(out, func(w io.Writer) {
 				if len(res.Purged) == 0 {
 					fmt.Fprintln(w, "no quarantined rows match")
 					return

@@ -12,6 +12,7 @@ import (
 func init() {
 	commands = append(commands, command{
 		path:    "relay",
+		broker:  true,
 		summary: "run the relay (outbox -> broker) until SIGTERM/SIGINT; relays of one outbox elect one active, the rest are hot standbys",
 		bind: func(fs *flag.FlagSet) runFunc {
 			metrics := fs.String("metrics", "", "serve Prometheus metrics at http://ADDR/metrics (overrides metrics.listen)")

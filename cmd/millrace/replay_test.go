@@ -132,11 +132,11 @@ func testReplayAfterFix(t *testing.T, kind string) {
 
 	// Fixed: a dry run changes nothing, the replay is processed exactly once.
 	broken.Store(false)
-	res = bus.ReplayResult{}
-	cliJSON(t, path, &res, "dlq", "replay", "--dry-run", id)
-	require.True(t, res.DryRun)
-	require.Equal(t, []bus.ReplayedEntry{{ID: row.ID, ConsumerGroup: billing, Handler: billing, Topic: topic, EventID: bad, EventType: "OrderPlaced"}}, res.Replayed)
-	require.Equal(t, 1, res.Messages)
+	var dry dryReplay
+	cliJSON(t, path, &dry, "dlq", "replay", "--dry-run", id)
+	require.True(t, dry.DryRun)
+	require.Equal(t, []bus.ReplayedEntry{{ID: row.ID, ConsumerGroup: billing, Handler: billing, Topic: topic, EventID: bad, EventType: "OrderPlaced"}}, dry.WouldReplay)
+	require.Equal(t, 1, dry.WouldWrite)
 	require.Equal(t, 1, show().ReplayCount, "a dry run records no replay")
 	require.Nil(t, show().ReplayedAt)
 

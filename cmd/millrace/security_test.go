@@ -30,7 +30,7 @@ func TestCommandsNeverPrintSecrets(t *testing.T) {
 	for _, args := range [][]string{{"--help"}, {"migrate", "--help"}, {"relay", "--help"}, {"outbox", "status", "--help"}} {
 		require.Equal(t, exitOK, run(context.Background(), args, &out, &errOut), args)
 	}
-	require.Contains(t, errOut.String(), "usage: millrace")
+	require.Contains(t, out.String(), "usage: millrace")
 	require.NotContains(t, out.String()+errOut.String(), secret)
 	for k, v := range orig {
 		t.Setenv(k, v) // the real services again, for what follows

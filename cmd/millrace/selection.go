@@ -13,6 +13,7 @@ import (
 // filter selects rows of the poison table; list, replay and purge share it.
 type filter struct {
 	topic, handler, group, reason string
+	fingerprint                   string
 	since, until                  timeFlag
 	replayed, notReplayed         bool
 	limit                         int
@@ -23,11 +24,14 @@ func (f *filter) register(fs *flag.FlagSet, limit int, limitUsage string) {
 	fs.StringVar(&f.handler, "handler", "", "only messages of this `handler`")
 	fs.StringVar(&f.group, "group", "", "only messages of this consumer `group`")
 	fs.StringVar(&f.reason, "reason", "", "only messages whose failure reason contains `text` (case-insensitive)")
+	fs.StringVar(&f.fingerprint, "fingerprint", "", "only messages of the failure group `FP` (12 hex digits, as `millrace dlq groups` shows)")
 	fs.Var(&f.since, "since", "only messages poisoned at or after `TIME`: RFC 3339 (2025-05-01T12:00:00Z) or a duration ago (90m, 2h, 7d)")
 	fs.Var(&f.until, "until", "only messages poisoned before `TIME`: RFC 3339 or a duration ago")
 	fs.BoolVar(&f.replayed, "replayed", false, "only messages replayed since they were last poisoned")
 	fs.BoolVar(&f.notReplayed, "not-replayed", false, "only messages not replayed since they were last poisoned")
-	fs.IntVar(&f.limit, "limit", limit, limitUsage)
+	if limitUsage != "" { // "": a command without --limit
+		fs.IntVar(&f.limit, "limit", limit, limitUsage)
+	}
 }
 
 // registerQuarantine registers the flags that apply to the relay
@@ -50,19 +54,34 @@ func (f *filter) check() error {
 	if f.limit < 0 {
 		return usagef("--limit must not be negative; got %d", f.limit)
 	}
+	if f.fingerprint != "" && !isFingerprint(f.fingerprint) {
+		return usagef("--fingerprint %q: want 12 lowercase hex digits, as `millrace dlq groups` shows", f.fingerprint)
+	}
 	return nil
+}
+
+func isFingerprint(s string) bool {
+	if len(s) != 12 {
+		return false
+	}
+	for _, r := range s {
+		if (r < '0' || r > '9') && (r < 'a' || r > 'f') {
+			return false
+		}
+	}
+	return true
 }
 
 // selects reports whether any criterion (not --limit) is set.
 func (f *filter) selects() bool {
-	return f.topic != "" || f.handler != "" || f.group != "" || f.reason != "" ||
+	return f.topic != "" || f.handler != "" || f.group != "" || f.reason != "" || f.fingerprint != "" ||
 		f.since.set || f.until.set || f.replayed || f.notReplayed
 }
 
 // poisonFilter is the filter as the operations API takes it.
 func (f *filter) poisonFilter() bus.PoisonFilter {
 	pf := bus.PoisonFilter{Topic: f.topic, Handler: f.handler, Group: f.group, Reason: f.reason,
-		Since: f.since.bound(), Until: f.until.bound()}
+		Fingerprint: f.fingerprint, Since: f.since.bound(), Until: f.until.bound()}
 	switch {
 	case f.replayed:
 		pf.Replayed = new(true)
@@ -131,7 +150,7 @@ func (s *selection) resolve(args []string, verb string) error {
 	case kinds == 0 && s.quarantine:
 		return usagef("choose what to %s: row IDs, filters (--topic, --reason, --since, --until, --replayed, --not-replayed) or --all", verb)
 	case kinds == 0:
-		return usagef("choose what to %s: message IDs, filters (--topic, --handler, --group, --reason, --since, --until, --replayed, --not-replayed) or --all", verb)
+		return usagef("choose what to %s: message IDs, filters (--topic, --handler, --group, --reason, --fingerprint, --since, --until, --replayed, --not-replayed) or --all", verb)
 	case kinds > 1:
 		return usagef("give message IDs, filters or --all, not several of them")
 	case len(s.ids) > 0 && s.limit > 0:

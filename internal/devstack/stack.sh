@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Local stack for millrace's tests and demo: PostgreSQL, RabbitMQ and NATS
-# (JetStream) on their standard local ports.
+# (JetStream) on their standard local ports, and a headless chromium for
+# the web console's browser tests.
 #
 #   stack.sh up      reuse running servers, start installed ones, install
-#                    missing ones with apt-get (Debian/Ubuntu); print what it did
+#                    missing ones (and chromium) with apt-get (Debian/Ubuntu);
+#                    print what it did
 #   stack.sh down    stop what `up` started, and nothing else
 #   stack.sh status  show what answers on each port
 #
@@ -103,6 +105,18 @@ up_nats() {
 	say nats "started nats-server with JetStream on 127.0.0.1:4222 (data in $STATE_DIR/nats)"
 }
 
+# The console's browser tests (bus/console) drive chromium headless; they
+# fail, naming this target, when it is missing.
+up_chromium() {
+	local b
+	for b in chromium chromium-browser google-chrome google-chrome-stable; do
+		if command -v "$b" >/dev/null; then say chromium "found $(command -v "$b")"; return; fi
+	done
+	apt_install chromium
+	command -v chromium >/dev/null || die "chromium was installed but is not on PATH"
+	say chromium "installed $(chromium --version 2>/dev/null | head -n1)"
+}
+
 down() {
 	local line
 	while read -r line; do
@@ -126,10 +140,11 @@ status() {
 	for p in postgresql:5432 rabbitmq:5672 nats:4222; do
 		if port_open "${p#*:}"; then say "${p%:*}" "up on 127.0.0.1:${p#*:}"; else say "${p%:*}" "down"; fi
 	done
+	if command -v chromium >/dev/null; then say chromium "installed"; else say chromium "missing (make up installs it)"; fi
 }
 
 case "${1:-}" in
-up) up_postgres; up_rabbitmq; up_nats ;;
+up) up_postgres; up_rabbitmq; up_nats; up_chromium ;;
 down) down ;;
 status) status ;;
 *) die "usage: stack.sh up|down|status" ;;

@@ -21,6 +21,7 @@ const (
 	CausationIDKey      = "causation-id"
 	TraceparentKey      = "traceparent"
 	TracestateKey       = "tracestate"
+	BaggageKey          = "baggage"
 	ContentTypeKey      = "content-type"
 )
 

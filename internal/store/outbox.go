@@ -218,3 +218,22 @@ func (t Tables) WrittenInTx(ctx context.Context, tx DBTX) ([][]byte, error) {
 	}
 	return out, rows.Err()
 }
+
+// RelayGroups lists the relay consumer groups that have an offsets row,
+// sorted.
+func (t Tables) RelayGroups(ctx context.Context, db DBTX) ([]string, error) {
+	rows, err := db.QueryContext(ctx, `SELECT consumer_group FROM `+t.OffsetsTable()+` ORDER BY consumer_group`)
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", t.OffsetsTable(), err)
+	}
+	defer rows.Close()
+	groups := []string{}
+	for rows.Next() {
+		var g string
+		if err := rows.Scan(&g); err != nil {
+			return nil, fmt.Errorf("read %s: %w", t.OffsetsTable(), err)
+		}
+		groups = append(groups, g)
+	}
+	return groups, rows.Err()
+}

@@ -88,10 +88,27 @@ func (b TimeBound) sql(arg func(any) string) string {
 	return "now() - make_interval(secs => " + arg(b.Ago.Seconds()) + ")"
 }
 
+// reasonNormalised is the SQL of a poison row's (alias p) failure reason
+// reduced to what messages failing the same way share: its first line,
+// with UUIDs, hexadecimal and decimal numbers replaced by placeholders and
+// runs of white space by one space, at most 300 characters.
+const reasonNormalised = `left(regexp_replace(regexp_replace(regexp_replace(split_part(p.reason, E'\n', 1),
+	'[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}', '<uuid>', 'g'),
+	'0x[0-9a-fA-F]+|[0-9a-fA-F]{16,}|[0-9]+', '<n>', 'g'), '\s+', ' ', 'g'), 300)`
+
+// fingerprint is the SQL of a poison row's failure fingerprint: the first
+// 12 hex digits of the MD5 of its error class and normalised reason.
+const fingerprint = `left(md5(p.error_class || E'\x1f' || ` + reasonNormalised + `), 12)`
+
+// FingerprintLength is the length of a failure fingerprint in hex digits.
+const FingerprintLength = 12
+
 // PoisonFilter selects rows of the poison table; the zero filter selects all.
 type PoisonFilter struct {
 	IDs                   []int64
 	Topic, Handler, Group string
+	// Fingerprint matches rows of one failure group (PoisonGroups).
+	Fingerprint string
 	// Reason matches rows whose failure reason contains it, case-insensitively.
 	Reason string
 	// Since and Until bound poisoned_at: Since <= poisoned_at < Until.
@@ -109,6 +126,7 @@ func (f PoisonFilter) where(args *[]any) []string {
 	c.equal("p.source_topic", f.Topic)
 	c.equal("p.handler", f.Handler)
 	c.equal("p.consumer_group", f.Group)
+	c.equal(fingerprint, f.Fingerprint)
 	c.contains("p.reason", f.Reason)
 	c.between("p.poisoned_at", f.Since, f.Until)
 	c.isSet("p.replayed_at", f.Replayed)
@@ -217,6 +235,7 @@ type PoisonRow struct {
 	ReplayCount    int
 	ProcessedAt    *time.Time
 	PayloadBytes   int
+	Fingerprint    string
 
 	// With PoisonQuery.Full only.
 	Traceparent string
@@ -229,7 +248,7 @@ func (t Tables) Poison(ctx context.Context, db DBTX, q PoisonQuery) ([]PoisonRow
 	cols := `p.id, p.consumer_group, p.handler, p.source_topic, p.message_id, p.event_id, p.event_type,
 	p.error_class, p.reason, p.attempts, p.times_poisoned, p.first_failure_at, p.last_failure_at,
 	p.poisoned_at, p.replayed_at, (SELECT count(*) FROM ` + t.PoisonReplaysTable() + ` r WHERE r.poison_id = p.id),
-	i.processed_at, length(p.payload), coalesce(p.metadata->>'aggregate-id', '')`
+	i.processed_at, length(p.payload), coalesce(p.metadata->>'aggregate-id', ''), ` + fingerprint
 	if q.Full {
 		cols += `, p.traceparent, p.payload, p.metadata`
 	}
@@ -254,7 +273,7 @@ func (t Tables) Poison(ctx context.Context, db DBTX, q PoisonQuery) ([]PoisonRow
 		var metadata []byte
 		dest := []any{&r.ID, &r.ConsumerGroup, &r.Handler, &r.Topic, &r.MessageID, &r.EventID, &r.EventType,
 			&r.ErrorClass, &r.Reason, &r.Attempts, &r.TimesPoisoned, &r.FirstFailureAt, &r.LastFailureAt,
-			&r.PoisonedAt, &replayed, &r.ReplayCount, &processed, &r.PayloadBytes, &r.AggregateID}
+			&r.PoisonedAt, &replayed, &r.ReplayCount, &processed, &r.PayloadBytes, &r.AggregateID, &r.Fingerprint}
 		if q.Full {
 			dest = append(dest, &r.Traceparent, &r.Payload, &metadata)
 		}
@@ -349,4 +368,57 @@ func (t Tables) LastPoisonReason(ctx context.Context, db DBTX, group, handler, e
 		return "", false, fmt.Errorf("read %s: %w", t.PoisonTable(), err)
 	}
 	return reason, true, nil
+}
+
+// PoisonGroup is one failure group of the poison table: the rows of one
+// error class whose reasons normalise to the same text.
+type PoisonGroup struct {
+	Fingerprint string
+	ErrorClass  string
+	// Reason is the normalised reason; Example the newest row's own.
+	Reason, Example string
+	// Messages counts the group's rows; Waiting those not replayed since
+	// they were last poisoned.
+	Messages, Waiting int64
+	// Handlers and Topics are those of the group's rows, sorted.
+	Handlers, Topics []string
+	FirstPoisonedAt  time.Time
+	LastPoisonedAt   time.Time
+}
+
+// PoisonGroups reads the failure groups of the rows f selects, the largest
+// first.
+func (t Tables) PoisonGroups(ctx context.Context, db DBTX, f PoisonFilter) ([]PoisonGroup, error) {
+	var args []any
+	where := f.where(&args)
+	cond := ""
+	if len(where) > 0 {
+		cond = "\nWHERE " + strings.Join(where, " AND ")
+	}
+	rows, err := db.QueryContext(ctx, `SELECT fp, error_class, norm, (array_agg(reason ORDER BY poisoned_at DESC, id DESC))[1],
+	count(*), count(*) FILTER (WHERE replayed_at IS NULL),
+	string_agg(DISTINCT handler, ',' ORDER BY handler), string_agg(DISTINCT source_topic, ',' ORDER BY source_topic),
+	min(poisoned_at), max(poisoned_at)
+FROM (SELECT p.id, p.error_class, p.reason, p.replayed_at, p.handler, p.source_topic, p.poisoned_at,
+	`+reasonNormalised+` AS norm, `+fingerprint+` AS fp
+	FROM `+t.PoisonTable()+` p`+cond+`) g
+GROUP BY fp, error_class, norm
+ORDER BY count(*) DESC, max(poisoned_at) DESC, fp`, args...)
+	if err != nil {
+		return nil, fmt.Errorf("group %s: %w", t.PoisonTable(), err)
+	}
+	defer rows.Close()
+	out := []PoisonGroup{}
+	for rows.Next() {
+		var g PoisonGroup
+		var handlers, topics string
+		if err := rows.Scan(&g.Fingerprint, &g.ErrorClass, &g.Reason, &g.Example, &g.Messages, &g.Waiting,
+			&handlers, &topics, &g.FirstPoisonedAt, &g.LastPoisonedAt); err != nil {
+			return nil, fmt.Errorf("group %s: %w", t.PoisonTable(), err)
+		}
+		g.Handlers, g.Topics = strings.Split(handlers, ","), strings.Split(topics, ",")
+		g.FirstPoisonedAt, g.LastPoisonedAt = g.FirstPoisonedAt.UTC(), g.LastPoisonedAt.UTC()
+		out = append(out, g)
+	}
+	return out, rows.Err()
 }

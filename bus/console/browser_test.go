@@ -1,0 +1,234 @@
+package console_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"image/png"
+	"net/http/httptest"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/chromedp/chromedp"
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/bus/console"
+	"github.com/millrace-io/millrace/internal/brokertest"
+	"github.com/millrace-io/millrace/internal/testdb"
+)
+
+// chromium finds Debian's chromium (or another Chrome) and fails the test
+// when there is none: `make up` installs it.
+func chromium(t *testing.T) string {
+	for _, name := range []string{"chromium", "chromium-browser", "google-chrome", "google-chrome-stable"} {
+		if p, err := exec.LookPath(name); err == nil {
+			return p
+		}
+	}
+	t.Fatal("no chromium on PATH: run `make up`, which installs Debian's chromium package")
+	return ""
+}
+
+// browser starts a headless chromium with a fresh profile and returns its
+// context.
+func browser(t *testing.T) context.Context {
+	opts := append(chromedp.DefaultExecAllocatorOptions[:],
+		chromedp.ExecPath(chromium(t)),
+		chromedp.Headless, chromedp.NoSandbox, chromedp.DisableGPU, chromedp.NoFirstRun,
+		chromedp.Flag("disable-quic", true),
+		chromedp.Flag("disable-background-networking", true),
+		chromedp.Flag("disable-component-update", true),
+		chromedp.Flag("disable-sync", true),
+		chromedp.UserDataDir(t.TempDir()),
+		chromedp.WindowSize(1280, 900),
+	)
+	alloc, cancelAlloc := chromedp.NewExecAllocator(context.Background(), opts...)
+	ctx, cancel := chromedp.NewContext(alloc)
+	t.Cleanup(func() { cancel(); cancelAlloc() })
+	require.NoError(t, chromedp.Do(ctx), "start chromium") // the first call, without a timeout: it owns the browser
+	return ctx
+}
+
+// do runs steps in the browser, each call bounded by a minute.
+func do(t *testing.T, ctx context.Context, steps ...chromedp.Action[chromedp.Void]) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	require.NoError(t, chromedp.Do(ctx, steps...))
+}
+
+// get runs one action that returns a value, bounded by a minute.
+func get[T any](t *testing.T, ctx context.Context, a chromedp.Action[T]) T {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	v, err := chromedp.Run(ctx, a)
+	require.NoError(t, err)
+	return v
+}
+
+// shoot saves a screenshot of the page as name.png under dir and checks it
+// is a picture of something: a PNG of a fair size with many colours.
+func shoot(t *testing.T, ctx context.Context, dir, name string) {
+	t.Helper()
+	buf := get(t, ctx, chromedp.CaptureScreenshot())
+	path := filepath.Join(dir, name+".png")
+	require.NoError(t, os.WriteFile(path, buf, 0o600))
+	info, err := os.Stat(path)
+	require.NoError(t, err)
+	require.Greater(t, info.Size(), int64(10_000), "%s is too small to show a page", path)
+	img, err := png.Decode(bytes.NewReader(buf))
+	require.NoError(t, err)
+	colours := map[uint32]bool{}
+	b := img.Bounds()
+	for y := b.Min.Y; y < b.Max.Y; y += 4 {
+		for x := b.Min.X; x < b.Max.X; x += 4 {
+			r, g, bl, _ := img.At(x, y).RGBA()
+			colours[r>>8<<16|g>>8<<8|bl>>8] = true
+		}
+	}
+	require.Greater(t, len(colours), 20, "%s is blank", path)
+	t.Logf("screenshot %s: %d bytes, %dx%d", path, info.Size(), b.Dx(), b.Dy())
+}
+
+// The console in a real browser: the outbox page, the DLQ filtered, one
+// message, its failure group replayed after the dry run, and the consumer
+// processing each replayed event once; a screenshot of each page.
+func TestConsoleInABrowser(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.Open(t)
+	var cfg bus.Config
+	cfg.Database.Schema = testdb.Schema(t, db)
+	brokertest.Apply(t, bus.KindNATS, &cfg)
+	cfg.Relay.PollInterval = 100 * time.Millisecond
+	require.NoError(t, bus.Migrate(ctx, db, cfg))
+	b, err := bus.Open(ctx, cfg, db)
+	require.NoError(t, err)
+	defer b.Close()
+	topic := "console-" + cfg.Database.Schema[len(cfg.Database.Schema)-8:]
+	brokertest.Cleanup(t, bus.KindNATS, topic, "stock")
+
+	var mu sync.Mutex
+	broken := true
+	effects := map[string]int{}
+	require.NoError(t, b.Handle(topic, "stock", func(_ context.Context, ev bus.Event) error {
+		mu.Lock()
+		defer mu.Unlock()
+		if broken || ev.Type == "Unknown" {
+			return bus.Permanent(fmt.Errorf("stock for sku %s unavailable", ev.AggregateID))
+		}
+		effects[ev.ID]++
+		return nil
+	}))
+	runCtx, stop := context.WithCancel(ctx)
+	runDone := make(chan error, 1)
+	go func() { runDone <- b.Run(runCtx) }()
+	defer func() { stop(); require.NoError(t, <-runDone) }()
+	events := map[string]bool{}
+	for i := range 3 {
+		id := fmt.Sprintf("evt-%d-%s", i, cfg.Database.Schema[len(cfg.Database.Schema)-8:])
+		events[id] = true
+		require.NoError(t, b.PublishInOwnTx(ctx, topic, bus.Event{ID: id, Type: "StockReserved", AggregateType: "sku",
+			AggregateID: fmt.Sprint(1000 + i), Payload: []byte(fmt.Sprintf(`{"sku":%d,"quantity":2}`, 1000+i))}))
+	}
+	require.NoError(t, b.PublishInOwnTx(ctx, topic, bus.Event{Type: "Unknown", AggregateType: "sku", AggregateID: "a-b-c", Payload: []byte(`{}`)}))
+	ops, err := bus.NewOps(ctx, db, cfg)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		l, err := ops.ListPoisoned(ctx, bus.PoisonFilter{}, 0)
+		return err == nil && len(l.Messages) == 4
+	}, time.Minute, 20*time.Millisecond, "four messages poisoned")
+	groups, err := ops.PoisonGroups(ctx, bus.PoisonFilter{})
+	require.NoError(t, err)
+	require.Len(t, groups, 2)
+	fp := groups[0].Fingerprint
+	require.Equal(t, int64(3), groups[0].Messages)
+	mu.Lock()
+	broken = false
+	mu.Unlock()
+
+	h, err := console.New(ops, console.Options{})
+	require.NoError(t, err)
+	srv := httptest.NewServer(h)
+	defer srv.Close()
+	shots := t.TempDir()
+	bctx := browser(t)
+
+	count := func(sel string) int {
+		return get(t, bctx, chromedp.Evaluate[int](`document.querySelectorAll(`+"`"+sel+"`"+`).length`))
+	}
+	do(t, bctx, chromedp.Navigate(srv.URL+"/"), chromedp.WaitVisible("#outbox"))
+	require.Equal(t, "4", get(t, bctx, chromedp.Text("#waiting-poisoned")))
+	shoot(t, bctx, shots, "outbox")
+
+	do(t, bctx, chromedp.Navigate(srv.URL+"/dlq"), chromedp.WaitVisible("#messages"))
+	require.Equal(t, 4, count("#messages input[name=id]"))
+	disabled := func() bool {
+		return get(t, bctx, chromedp.Evaluate[bool](`document.querySelector("#replay-selected").disabled`))
+	}
+	require.True(t, disabled(), "the console's script disables the selection's actions while nothing is ticked")
+	do(t, bctx, chromedp.Click("input[data-select-all]"))
+	require.False(t, disabled())
+	require.Equal(t, 4, count("#messages input[name=id]:checked"), "select all")
+	do(t, bctx, chromedp.Click("input[data-select-all]"))
+	shoot(t, bctx, shots, "dlq")
+
+	do(t, bctx, chromedp.SendKeys(`input[name=reason]`, "sku 10"), chromedp.Click("#apply"), chromedp.WaitVisible(`#messages`))
+	require.Contains(t, get(t, bctx, chromedp.Location()), "reason=sku+10")
+	require.Equal(t, 3, count("#messages input[name=id]"), "the filter keeps the three sku 10xx messages")
+	shoot(t, bctx, shots, "dlq-filtered")
+
+	do(t, bctx, chromedp.Click(`#messages tr:nth-child(2) td:nth-child(2) a`), chromedp.WaitVisible("#payload"))
+	require.Contains(t, get(t, bctx, chromedp.Text("#payload")), `"quantity": 2`)
+	require.Contains(t, get(t, bctx, chromedp.Text("#reason")), "unavailable")
+	require.Contains(t, get(t, bctx, chromedp.Text("#metadata")), "aggregate-id")
+	shoot(t, bctx, shots, "message")
+
+	do(t, bctx, chromedp.Navigate(srv.URL+"/dlq/groups"), chromedp.WaitVisible("#groups"))
+	require.Equal(t, 3, count("#groups tr"), "a header and two groups")
+	shoot(t, bctx, shots, "groups")
+	do(t, bctx, chromedp.Click(`button[data-group="`+fp+`"]`), chromedp.WaitVisible("#dry-run"))
+	require.Contains(t, get(t, bctx, chromedp.Text("#dry-run")), "3 selected would be replayed as 3 outbox message(s)")
+	l, err := ops.ListPoisoned(ctx, bus.PoisonFilter{Replayed: new(true)}, 0)
+	require.NoError(t, err)
+	require.Empty(t, l.Messages, "the dry run replayed nothing")
+	shoot(t, bctx, shots, "confirm")
+	do(t, bctx, chromedp.Click("#confirm"), chromedp.WaitVisible("#done"))
+	require.Contains(t, get(t, bctx, chromedp.Text("#done")), "3 replayed as 3 outbox message(s)")
+	shoot(t, bctx, shots, "replayed")
+
+	require.Eventually(t, func() bool {
+		l, err := ops.ListPoisoned(ctx, bus.PoisonFilter{Fingerprint: fp}, 0)
+		if err != nil || len(l.Messages) != 3 {
+			return false
+		}
+		for _, m := range l.Messages {
+			if m.State != bus.PoisonStateProcessed {
+				return false
+			}
+		}
+		return true
+	}, time.Minute, 50*time.Millisecond, "the group's events processed")
+	mu.Lock()
+	for id := range events {
+		require.Equal(t, 1, effects[id], "event %s processed once", id)
+	}
+	require.Len(t, effects, 3)
+	mu.Unlock()
+	do(t, bctx, chromedp.Navigate(srv.URL+"/dlq?fingerprint="+fp), chromedp.WaitVisible("#messages"))
+	require.Equal(t, 3, count("#messages td.state-processed"), "the list shows them processed")
+	shoot(t, bctx, shots, "dlq-processed")
+
+	do(t, bctx, chromedp.Navigate(srv.URL+"/quarantine"), chromedp.WaitVisible("#empty"))
+	shoot(t, bctx, shots, "quarantine")
+
+	// A bad filter typed into the address bar is answered with its reason.
+	do(t, bctx, chromedp.Navigate(srv.URL+"/dlq?since=tomorrow"), chromedp.WaitVisible("#error"))
+	require.Contains(t, get(t, bctx, chromedp.Text("#error")), `since "tomorrow"`)
+}

@@ -1,0 +1,396 @@
+package console_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/cookiejar"
+	"net/http/httptest"
+	"net/url"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/bus/console"
+	"github.com/millrace-io/millrace/internal/store"
+	"github.com/millrace-io/millrace/internal/testdb"
+)
+
+// fixture is a migrated schema with poisoned messages and quarantined
+// rows, and the operations API over it.
+type fixture struct {
+	db   *sql.DB
+	cfg  bus.Config
+	ops  *bus.Ops
+	ids  []int64 // poison row ids
+	qids []int64 // quarantine row ids
+}
+
+// newFixture stores n poisoned messages (reason "card 40<i> declined")
+// and one quarantined row; cfg, when given, adds to the default config.
+func newFixture(t *testing.T, n int, cfg bus.Config) *fixture {
+	t.Helper()
+	ctx := context.Background()
+	db := testdb.Open(t)
+	cfg.Database.Schema = testdb.Schema(t, db)
+	require.NoError(t, bus.Migrate(ctx, db, cfg))
+	ops, err := bus.NewOps(ctx, db, cfg)
+	require.NoError(t, err)
+	f := &fixture{db: db, cfg: cfg, ops: ops}
+	tables := store.Tables{Schema: cfg.Database.Schema, OutboxTopic: "millrace_outbox"}
+	now := time.Now().UTC()
+	for i := range n {
+		require.NoError(t, tables.StorePoisoned(ctx, db, store.Poisoned{
+			ConsumerGroup: "billing", Handler: "billing", SourceTopic: "orders.events",
+			MessageID: fmt.Sprintf("m-%d", i), EventID: fmt.Sprintf("e-%d", i), EventType: "OrderPlaced",
+			Payload: []byte(fmt.Sprintf(`{"order":%d}`, i)), Metadata: map[string]string{"event-id": fmt.Sprintf("e-%d", i), "aggregate-id": fmt.Sprintf("o-%d", i)},
+			Reason: fmt.Sprintf("card 40%d declined", i), ErrorClass: "permanent", Attempts: 1,
+			FirstFailureAt: now, LastFailureAt: now, PoisonedAt: now,
+		}))
+	}
+	list, err := ops.ListPoisoned(ctx, bus.PoisonFilter{}, 0)
+	require.NoError(t, err)
+	for _, m := range list.Messages {
+		f.ids = append(f.ids, m.ID)
+	}
+	tx, err := db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	require.NoError(t, tables.Quarantine(ctx, tx, store.OutboxRow{Offset: 7, UUID: []byte("u-7"), Payload: []byte("not an envelope"), Metadata: []byte("{}")},
+		"", "", "unreadable envelope"))
+	require.NoError(t, tx.Commit())
+	q, err := ops.ListQuarantined(ctx, bus.QuarantineFilter{}, 0)
+	require.NoError(t, err)
+	for _, r := range q.Rows {
+		f.qids = append(f.qids, r.ID)
+	}
+	return f
+}
+
+// serve starts the console over f with opts, under prefix ("" for the root).
+func (f *fixture) serve(t *testing.T, opts console.Options, prefix string) *httptest.Server {
+	t.Helper()
+	h, err := console.New(f.ops, opts)
+	require.NoError(t, err)
+	if prefix != "" {
+		mux := http.NewServeMux()
+		mux.Handle(prefix+"/", http.StripPrefix(prefix, h))
+		h = mux
+	}
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+// client is a browser-like client: it keeps cookies and does not follow
+// redirects.
+type client struct {
+	t    *testing.T
+	base string
+	http *http.Client
+	auth func(*http.Request)
+}
+
+func newClient(t *testing.T, base string) *client {
+	jar, err := cookiejar.New(nil)
+	require.NoError(t, err)
+	return &client{t: t, base: base, http: &http.Client{Jar: jar, CheckRedirect: func(*http.Request, []*http.Request) error {
+		return http.ErrUseLastResponse
+	}}}
+}
+
+func (c *client) do(req *http.Request) (int, string) {
+	c.t.Helper()
+	if c.auth != nil {
+		c.auth(req)
+	}
+	resp, err := c.http.Do(req)
+	require.NoError(c.t, err)
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(c.t, err)
+	return resp.StatusCode, string(body)
+}
+
+func (c *client) get(path string) (int, string) {
+	c.t.Helper()
+	req, err := http.NewRequest(http.MethodGet, c.base+path, nil)
+	require.NoError(c.t, err)
+	return c.do(req)
+}
+
+func (c *client) post(path string, form url.Values, header ...string) (int, string) {
+	c.t.Helper()
+	req, err := http.NewRequest(http.MethodPost, c.base+path, strings.NewReader(form.Encode()))
+	require.NoError(c.t, err)
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	for i := 0; i+1 < len(header); i += 2 {
+		req.Header.Set(header[i], header[i+1])
+	}
+	return c.do(req)
+}
+
+var csrfField = regexp.MustCompile(`name="csrf" value="([0-9a-f]{64})"`)
+var expectField = regexp.MustCompile(`name="expect" value="([0-9a-f]{16})"`)
+
+// csrf loads path and returns the CSRF token its forms carry.
+func (c *client) csrf(path string) string {
+	c.t.Helper()
+	code, body := c.get(path)
+	require.Equal(c.t, http.StatusOK, code, body)
+	m := csrfField.FindStringSubmatch(body)
+	require.NotNil(c.t, m, "the page has a form with a CSRF token")
+	return m[1]
+}
+
+func (f *fixture) pages() []string {
+	return []string{"/", "/dlq", "/dlq/groups", fmt.Sprintf("/dlq/%d", f.ids[0]), "/quarantine", fmt.Sprintf("/quarantine/%d", f.qids[0]),
+		"/dlq?reason=declined&state=waiting", "/dlq/groups?handler=billing"}
+}
+
+func (f *fixture) remaining(t *testing.T) int {
+	list, err := f.ops.ListPoisoned(context.Background(), bus.PoisonFilter{}, 0)
+	require.NoError(t, err)
+	return len(list.Messages)
+}
+
+// Every action needs its session's CSRF token, and a browser's
+// cross-origin request is refused even with one.
+func TestActionsNeedTheCSRFToken(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, 2, bus.Config{})
+	srv := f.serve(t, console.Options{}, "")
+	c := newClient(t, srv.URL)
+	token := c.csrf("/dlq")
+	id := fmt.Sprint(f.ids[0])
+	for name, form := range map[string]url.Values{
+		"no token":    {"id": {id}},
+		"wrong token": {"id": {id}, "csrf": {strings.Repeat("0", 64)}},
+	} {
+		for _, path := range []string{"/dlq/purge", "/dlq/replay", "/quarantine/purge", "/quarantine/replay", "/login"} {
+			code, body := c.post(path, form)
+			require.Equal(t, http.StatusForbidden, code, "%s %s", name, path)
+			require.Contains(t, body, "CSRF token")
+		}
+	}
+	code, _ := c.post("/dlq/purge", url.Values{"id": {id}, "csrf": {token}}, "Sec-Fetch-Site", "cross-site")
+	require.Equal(t, http.StatusForbidden, code, "a cross-origin request")
+	other := newClient(t, srv.URL)
+	code, _ = other.post("/dlq/purge", url.Values{"id": {id}, "csrf": {token}})
+	require.Equal(t, http.StatusForbidden, code, "another session's token")
+	require.Equal(t, 2, f.remaining(t), "nothing was purged")
+
+	code, body := c.post("/dlq/purge", url.Values{"id": {id}, "csrf": {token}})
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, "1 would be purged")
+	require.Equal(t, 2, f.remaining(t), "a dry run first")
+	expect := expectField.FindStringSubmatch(body)
+	require.NotNil(t, expect)
+	code, body = c.post("/dlq/purge", url.Values{"id": {id}, "csrf": {token}, "expect": {expect[1]}})
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, "1 purged")
+	require.Equal(t, 1, f.remaining(t))
+}
+
+// With a token or basic authentication configured, no page answers
+// without it, and what it shows never includes the token.
+func TestAuthenticationGuardsEveryPage(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, 2, bus.Config{})
+	const secret = "tok-3f9a-very-secret"
+	srv := f.serve(t, console.Options{Token: secret}, "")
+	anon := newClient(t, srv.URL)
+	for _, p := range f.pages() {
+		code, body := anon.get(p)
+		require.Equal(t, http.StatusUnauthorized, code, p)
+		require.NotContains(t, body, "declined", "%s shows no data without the token", p)
+		require.Contains(t, body, "Access token")
+	}
+	code, _ := anon.post("/dlq/purge", url.Values{"id": {fmt.Sprint(f.ids[0])}, "scope": {"filter"}})
+	require.Equal(t, http.StatusUnauthorized, code)
+	anon.auth = func(r *http.Request) { r.Header.Set("Authorization", "Bearer wrong") }
+	code, _ = anon.get("/dlq")
+	require.Equal(t, http.StatusUnauthorized, code)
+
+	bearer := newClient(t, srv.URL)
+	bearer.auth = func(r *http.Request) { r.Header.Set("Authorization", "Bearer "+secret) }
+	for _, p := range f.pages() {
+		code, body := bearer.get(p)
+		require.Equal(t, http.StatusOK, code, p)
+		require.NotContains(t, body, secret, p)
+	}
+
+	// The login form sets a cookie holding a MAC of the token, not the token.
+	browser := newClient(t, srv.URL)
+	token := browser.csrf("/login")
+	code, _ = browser.post("/login", url.Values{"csrf": {token}, "token": {"wrong"}})
+	require.Equal(t, http.StatusUnauthorized, code)
+	code, _ = browser.post("/login", url.Values{"csrf": {token}, "token": {secret}})
+	require.Equal(t, http.StatusSeeOther, code)
+	u, _ := url.Parse(srv.URL)
+	for _, ck := range browser.http.Jar.Cookies(u) {
+		require.NotContains(t, ck.Value, secret)
+	}
+	code, body := browser.get("/dlq")
+	require.Equal(t, http.StatusOK, code)
+	require.Contains(t, body, "declined")
+
+	basic := f.serve(t, console.Options{BasicUser: "ops", BasicPassword: "pw-8c1e"}, "")
+	anon = newClient(t, basic.URL)
+	code, _ = anon.get("/")
+	require.Equal(t, http.StatusUnauthorized, code)
+	anon.auth = func(r *http.Request) { r.SetBasicAuth("ops", "nope") }
+	code, _ = anon.get("/dlq")
+	require.Equal(t, http.StatusUnauthorized, code)
+	anon.auth = func(r *http.Request) { r.SetBasicAuth("ops", "pw-8c1e") }
+	for _, p := range f.pages() {
+		code, body := anon.get(p)
+		require.Equal(t, http.StatusOK, code, p)
+		require.NotContains(t, body, "pw-8c1e", p)
+	}
+	_, err := console.New(f.ops, console.Options{BasicUser: "ops"})
+	require.Error(t, err, "a user without a password")
+}
+
+// Read-only mode shows no action and refuses every one.
+func TestReadOnlyRefusesEveryAction(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, 2, bus.Config{})
+	srv := f.serve(t, console.Options{ReadOnly: true}, "")
+	c := newClient(t, srv.URL)
+	for _, p := range f.pages() {
+		code, body := c.get(p)
+		require.Equal(t, http.StatusOK, code, p)
+		require.NotContains(t, body, "Purge", p)
+		require.NotContains(t, body, "Replay selected", p)
+	}
+	for _, form := range []url.Values{
+		{"id": {fmt.Sprint(f.ids[0])}}, {"scope": {"filter"}, "state": {"waiting"}}, {"id": {fmt.Sprint(f.qids[0])}},
+	} {
+		for _, action := range []string{"/dlq/replay", "/dlq/purge", "/quarantine/replay", "/quarantine/purge"} {
+			code, body := c.post(action, form)
+			require.Equal(t, http.StatusForbidden, code, action)
+			require.Contains(t, body, "read-only")
+		}
+	}
+	require.Equal(t, 2, f.remaining(t))
+}
+
+// No secret of the configuration is rendered on any page.
+func TestNoSecretIsRendered(t *testing.T) {
+	t.Parallel()
+	var cfg bus.Config
+	u, err := url.Parse(testdb.URL())
+	require.NoError(t, err)
+	u.User = url.UserPassword(u.User.Username(), "db-pw-71ab") // trust authentication ignores it
+	cfg.Database.URL = u.String()
+	cfg.Broker.NATS.URL = "nats://svc:nats-pw-19cd@127.0.0.1:4222"
+	cfg.Broker.RabbitMQ.URL = "amqp://svc:amqp-pw-55ee@127.0.0.1:5672/"
+	f := newFixture(t, 1, cfg)
+	srv := f.serve(t, console.Options{}, "")
+	c := newClient(t, srv.URL)
+	for _, p := range f.pages() {
+		code, body := c.get(p)
+		require.Equal(t, http.StatusOK, code, p)
+		for _, secret := range []string{"db-pw-71ab", "nats-pw-19cd", "amqp-pw-55ee"} {
+			require.NotContains(t, body, secret, p)
+		}
+	}
+}
+
+// Unknown filters, malformed ids and times are a 400 naming what is wrong.
+func TestBadInputIsA400WithTheReason(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, 1, bus.Config{})
+	srv := f.serve(t, console.Options{}, "")
+	c := newClient(t, srv.URL)
+	for path, reason := range map[string]string{
+		"/dlq?colour=red":             `unknown filter "colour"`,
+		"/dlq?since=yesterday":        `since "yesterday"`,
+		"/dlq?until=2025-13-01":       `until "2025-13-01"`,
+		"/dlq?limit=0":                `limit "0"`,
+		"/dlq?state=lost":             `state "lost"`,
+		"/dlq?fingerprint=zz":         `fingerprint "zz"`,
+		"/dlq?topic=a&topic=b":        `filter "topic" is given 2 times`,
+		"/dlq/groups?limit=5":         `unknown filter "limit"`,
+		"/dlq/abc":                    `"abc" is not an id`,
+		"/dlq/0":                      `"0" is not an id`,
+		"/dlq/1?x=1":                  "this page takes no filters",
+		"/quarantine?handler=billing": `unknown filter "handler"`,
+		"/quarantine/-3":              `"-3" is not an id`,
+		"/?page=2":                    "this page takes no filters",
+	} {
+		code, body := c.get(path)
+		require.Equal(t, http.StatusBadRequest, code, path)
+		require.Contains(t, body, strings.ReplaceAll(reason, `"`, "&#34;"), path)
+	}
+	code, _ := c.get("/dlq/987654321")
+	require.Equal(t, http.StatusNotFound, code)
+
+	token := c.csrf("/dlq")
+	for reason, form := range map[string]url.Values{
+		`id &#34;abc&#34;`:                {"id": {"abc"}},
+		"nothing selected":                {},
+		"give ids or scope=filter":        {"id": {"1"}, "scope": {"filter"}, "state": {"waiting"}},
+		"scope=filter needs":              {"scope": {"filter"}},
+		`unknown filter &#34;colour&#34;`: {"scope": {"filter"}, "colour": {"red"}},
+		`since &#34;soon&#34;`:            {"scope": {"filter"}, "since": {"soon"}},
+		"filters apply with scope=filter": {"handler": {"billing"}},
+		`expect &#34;x&#34;`:              {"id": {"1"}, "expect": {"x"}},
+		`scope &#34;everything&#34;`:      {"scope": {"everything"}},
+	} {
+		form.Set("csrf", token)
+		code, body := c.post("/dlq/replay", form)
+		require.Equal(t, http.StatusBadRequest, code, reason)
+		require.Contains(t, body, reason)
+	}
+	code, body := c.post("/quarantine/purge", url.Values{"csrf": {token}, "scope": {"filter"}, "fingerprint": {"0123456789ab"}})
+	require.Equal(t, http.StatusBadRequest, code)
+	require.Contains(t, body, "unknown filter &#34;fingerprint&#34;", "the quarantine has no failure groups")
+	code, _ = c.post("/dlq/archive", url.Values{"csrf": {token}, "id": {"1"}})
+	require.Equal(t, http.StatusNotFound, code)
+	require.Equal(t, 1, f.remaining(t))
+}
+
+// An action confirmed after its rows changed (replayed or purged by
+// someone else) reports it and does nothing.
+func TestAChangedSelectionIsReported(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newFixture(t, 3, bus.Config{})
+	srv := f.serve(t, console.Options{}, "/ops")
+	c := newClient(t, srv.URL+"/ops")
+	token := c.csrf("/dlq")
+	_, body := c.get("/dlq/groups")
+	require.Contains(t, body, `href="/ops/dlq?fingerprint=`, "links keep the mount prefix")
+
+	group := url.Values{"csrf": {token}, "scope": {"filter"}, "reason": {"declined"}}
+	code, body := c.post("/dlq/replay", group)
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, "3 selected would be replayed as 3 outbox message(s)")
+	expect := expectField.FindStringSubmatch(body)[1]
+
+	_, err := f.ops.ReplayPoisoned(ctx, bus.PoisonSelection{IDs: f.ids[:1]}, bus.ReplayOptions{By: "cli"})
+	require.NoError(t, err)
+	group.Set("expect", expect)
+	code, body = c.post("/dlq/replay", group)
+	require.Equal(t, http.StatusConflict, code)
+	require.Contains(t, body, "changed since they were reviewed")
+	d, err := f.ops.Poisoned(ctx, f.ids[1])
+	require.NoError(t, err)
+	require.Empty(t, d.Replays, "nothing was replayed by the stale confirmation")
+
+	one := url.Values{"csrf": {token}, "id": {fmt.Sprint(f.ids[2])}}
+	_, body = c.post("/dlq/purge", one)
+	one.Set("expect", expectField.FindStringSubmatch(body)[1])
+	_, err = f.ops.PurgePoisoned(ctx, bus.PoisonSelection{IDs: f.ids[2:]}, false)
+	require.NoError(t, err)
+	code, body = c.post("/dlq/purge", one)
+	require.Equal(t, http.StatusConflict, code)
+	require.Contains(t, body, "purged meanwhile")
+}

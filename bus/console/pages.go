@@ -1,0 +1,390 @@
+package console
+
+import (
+	"bytes"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"html/template"
+	"maps"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/millrace-io/millrace/bus"
+)
+
+// funcs are the templates' helpers.
+var funcs = template.FuncMap{
+	"time": func(t any) string {
+		switch t := t.(type) {
+		case time.Time:
+			if t.IsZero() {
+				return "-"
+			}
+			return t.UTC().Format("2006-01-02 15:04:05Z")
+		case *time.Time:
+			if t == nil {
+				return "-"
+			}
+			return t.UTC().Format("2006-01-02 15:04:05Z")
+		}
+		return fmt.Sprint(t)
+	},
+	"age": func(d time.Duration) string {
+		if d <= 0 {
+			return "-"
+		}
+		return d.Round(time.Millisecond).String()
+	},
+	"short": func(s string, n int) string {
+		s, _, cut := strings.Cut(s, "\n")
+		if utf8.RuneCountInString(s) > n {
+			s, cut = string([]rune(s)[:n-1]), true
+		}
+		if cut {
+			s += "…"
+		}
+		return s
+	},
+	"join": strings.Join,
+	// dict builds the argument of a sub-template from key, value pairs.
+	"dict": func(kv ...any) (map[string]any, error) {
+		if len(kv)%2 != 0 {
+			return nil, errors.New("dict: odd number of arguments")
+		}
+		m := make(map[string]any, len(kv)/2)
+		for i := 0; i < len(kv); i += 2 {
+			k, ok := kv[i].(string)
+			if !ok {
+				return nil, fmt.Errorf("dict: key %v is not a string", kv[i])
+			}
+			m[k] = kv[i+1]
+		}
+		return m, nil
+	},
+}
+
+// overviewData is the outbox page's.
+type overviewData struct {
+	Schema, OutboxTopic, Broker string
+	Statuses                    []bus.OutboxStatus
+	Poisoned                    int
+	PoisonedMore                bool
+	Groups                      int
+	Quarantined                 int
+	QuarantinedMore             bool
+}
+
+// overview is the outbox status per relay group, with the DLQ and
+// quarantine at a glance.
+func (c *console) overview(w http.ResponseWriter, r *http.Request) {
+	if len(r.URL.Query()) > 0 {
+		c.fail(w, r, http.StatusBadRequest, "this page takes no filters")
+		return
+	}
+	cfg := c.ops.Config()
+	d := overviewData{Schema: cfg.Database.Schema, OutboxTopic: cfg.Outbox.Topic, Broker: cfg.Broker.Kind}
+	var err error
+	if d.Statuses, err = c.ops.OutboxStatuses(r.Context()); err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	poisoned, err := c.ops.ListPoisoned(r.Context(), bus.PoisonFilter{Replayed: new(false)}, maxLimit)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	d.Poisoned, d.PoisonedMore = len(poisoned.Messages), poisoned.Truncated
+	groups, err := c.ops.PoisonGroups(r.Context(), bus.PoisonFilter{Replayed: new(false)})
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	d.Groups = len(groups)
+	quarantined, err := c.ops.ListQuarantined(r.Context(), bus.QuarantineFilter{Replayed: new(false)}, maxLimit)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	d.Quarantined, d.QuarantinedMore = len(quarantined.Rows), quarantined.Truncated
+	c.render(w, r, "overview", page{Title: "Outbox", Nav: "outbox", Data: d})
+}
+
+// listData is a list page's.
+type listData struct {
+	Filter    filter
+	Poisoned  []bus.PoisonedMessage
+	Rows      []bus.QuarantinedRow
+	Truncated bool
+	Group     *bus.FailureGroup // the group a fingerprint filter selects
+}
+
+func (c *console) dlqList(w http.ResponseWriter, r *http.Request) {
+	f, err := parseFilter(r.URL.Query(), dlqKeys)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	list, err := c.ops.ListPoisoned(r.Context(), f.poison(), f.Limit)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	d := listData{Filter: f, Poisoned: list.Messages, Truncated: list.Truncated}
+	if f.Fingerprint != "" {
+		groups, err := c.ops.PoisonGroups(r.Context(), bus.PoisonFilter{Fingerprint: f.Fingerprint})
+		if err != nil {
+			c.failErr(w, r, err)
+			return
+		}
+		if len(groups) == 1 {
+			d.Group = &groups[0]
+		}
+	}
+	c.render(w, r, "dlq", page{Title: "Dead-letter queue", Nav: "dlq", Data: d})
+}
+
+// groupsData is the failure groups page's.
+type groupsData struct {
+	Filter filter
+	Groups []bus.FailureGroup
+}
+
+func (c *console) dlqGroups(w http.ResponseWriter, r *http.Request) {
+	f, err := parseFilter(r.URL.Query(), groupKeys)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	groups, err := c.ops.PoisonGroups(r.Context(), f.poison())
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	c.render(w, r, "groups", page{Title: "Failure groups", Nav: "groups", Data: groupsData{Filter: f, Groups: groups}})
+}
+
+// entry is one metadata entry, for a sorted table.
+type entry struct{ Key, Value string }
+
+func sortedEntries(m map[string]string) []entry {
+	out := make([]entry, 0, len(m))
+	for _, k := range slices.Sorted(maps.Keys(m)) {
+		out = append(out, entry{k, m[k]})
+	}
+	return out
+}
+
+// payloadView is a payload as it is shown: indented JSON, or a hex dump.
+type payloadView struct {
+	Bytes int
+	Kind  string // "JSON" or "binary"
+	Text  string
+}
+
+func viewPayload(p []byte) payloadView {
+	if len(p) > 0 && json.Valid(p) {
+		var b bytes.Buffer
+		if json.Indent(&b, p, "", "  ") == nil {
+			return payloadView{Bytes: len(p), Kind: "JSON", Text: b.String()}
+		}
+	}
+	return payloadView{Bytes: len(p), Kind: "binary", Text: hex.Dump(p)}
+}
+
+// detailData is a message's or row's page's.
+type detailData struct {
+	Poisoned   *bus.PoisonedDetail
+	Quarantine *bus.QuarantinedDetail
+	Metadata   []entry
+	Payload    payloadView
+	Envelope   payloadView
+}
+
+// pathID reads the {id} of the path.
+func pathID(r *http.Request) (int64, error) {
+	v := r.PathValue("id")
+	id, err := strconv.ParseInt(v, 10, 64)
+	if err != nil || id <= 0 {
+		return 0, badf("%q is not an id: want a positive whole number", v)
+	}
+	return id, nil
+}
+
+func (c *console) dlqShow(w http.ResponseWriter, r *http.Request) {
+	id, err := pathID(r)
+	if err == nil && len(r.URL.Query()) > 0 {
+		err = badf("this page takes no filters")
+	}
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	d, err := c.ops.Poisoned(r.Context(), id)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	c.render(w, r, "message", page{Title: fmt.Sprintf("Poisoned message %d", id), Nav: "dlq",
+		Data: detailData{Poisoned: &d, Metadata: sortedEntries(d.Metadata), Payload: viewPayload(d.Payload)}})
+}
+
+func (c *console) quarantineList(w http.ResponseWriter, r *http.Request) {
+	f, err := parseFilter(r.URL.Query(), quarantineKeys)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	list, err := c.ops.ListQuarantined(r.Context(), f.quarantine(), f.Limit)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	c.render(w, r, "quarantine", page{Title: "Relay quarantine", Nav: "quarantine",
+		Data: listData{Filter: f, Rows: list.Rows, Truncated: list.Truncated}})
+}
+
+func (c *console) quarantineShow(w http.ResponseWriter, r *http.Request) {
+	id, err := pathID(r)
+	if err == nil && len(r.URL.Query()) > 0 {
+		err = badf("this page takes no filters")
+	}
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	d, err := c.ops.Quarantined(r.Context(), id)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	c.render(w, r, "row", page{Title: fmt.Sprintf("Quarantined row %d", id), Nav: "quarantine",
+		Data: detailData{Quarantine: &d, Metadata: sortedEntries(d.Metadata), Payload: viewPayload(d.Payload), Envelope: viewPayload(d.Envelope)}})
+}
+
+// actionData is the page of a dry run (Confirm) or of the action done.
+type actionData struct {
+	What      string // "dlq" or "quarantine"
+	Action    string // "replay" or "purge"
+	Confirm   bool   // a dry run awaiting confirmation
+	Selection selection
+	Token     string
+	Count     int // messages or rows acted on (or that would be)
+	Skipped   int
+	Messages  int // outbox messages written (or that would be)
+	Rows      []row
+	Warnings  []string
+}
+
+// row is one line of an action's table.
+type row struct {
+	ID                    int64
+	Topic, Handler, Event string
+	Note                  string
+}
+
+// checkAction refuses unknown actions (serve refuses every action in
+// read-only mode).
+func (c *console) checkAction(w http.ResponseWriter, r *http.Request) (string, bool) {
+	action := r.PathValue("action")
+	if action != "replay" && action != "purge" {
+		c.fail(w, r, http.StatusNotFound, fmt.Sprintf("no action %q: replay or purge", action))
+		return "", false
+	}
+	return action, true
+}
+
+// dlqAction replays or purges poisoned messages: without expect a dry run
+// whose page asks for confirmation, with it the action itself.
+func (c *console) dlqAction(w http.ResponseWriter, r *http.Request) {
+	action, ok := c.checkAction(w, r)
+	if !ok {
+		return
+	}
+	sel, err := parseSelection(r.PostForm, dlqKeys)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	dryRun := sel.expect == ""
+	d := actionData{What: "dlq", Action: action, Confirm: dryRun, Selection: sel}
+	if action == "replay" {
+		res, err := c.ops.ReplayPoisoned(r.Context(), sel.poison(), bus.ReplayOptions{DryRun: dryRun, By: c.by(r)})
+		if err != nil {
+			c.failErr(w, r, err)
+			return
+		}
+		d.Token, d.Count, d.Skipped, d.Messages, d.Warnings = res.Selection, len(res.Replayed), len(res.Skipped), res.Messages, res.Warnings
+		for _, e := range res.Replayed {
+			d.Rows = append(d.Rows, row{ID: e.ID, Topic: e.Topic, Handler: e.Handler, Event: e.EventType, Note: "replay"})
+		}
+		for _, e := range res.Skipped {
+			d.Rows = append(d.Rows, row{ID: e.ID, Topic: e.Topic, Handler: e.Handler, Event: e.EventType,
+				Note: "skipped: its group's inbox recorded the event at " + e.ProcessedAt.UTC().Format(time.RFC3339)})
+		}
+	} else {
+		res, err := c.ops.PurgePoisoned(r.Context(), sel.poison(), dryRun)
+		if err != nil {
+			c.failErr(w, r, err)
+			return
+		}
+		d.Token, d.Count = res.Selection, len(res.Purged)
+		for _, m := range res.Purged {
+			d.Rows = append(d.Rows, row{ID: m.ID, Topic: m.Topic, Handler: m.Handler, Event: m.EventType, Note: m.State})
+		}
+	}
+	c.render(w, r, "action", page{Title: actionTitle(d), Nav: "dlq", Data: d})
+}
+
+func (c *console) quarantineAction(w http.ResponseWriter, r *http.Request) {
+	action, ok := c.checkAction(w, r)
+	if !ok {
+		return
+	}
+	sel, err := parseSelection(r.PostForm, quarantineKeys)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	dryRun := sel.expect == ""
+	d := actionData{What: "quarantine", Action: action, Confirm: dryRun, Selection: sel}
+	if action == "replay" {
+		res, err := c.ops.ReplayQuarantined(r.Context(), sel.quarantine(), bus.ReplayOptions{DryRun: dryRun, By: c.by(r)})
+		if err != nil {
+			c.failErr(w, r, err)
+			return
+		}
+		d.Token, d.Count, d.Skipped, d.Messages, d.Warnings = res.Selection, len(res.Replayed), len(res.Skipped), res.Messages, res.Warnings
+		for _, q := range res.Replayed {
+			d.Rows = append(d.Rows, row{ID: q.ID, Topic: q.Topic, Event: q.EventID, Note: "replay"})
+		}
+		for _, q := range res.Skipped {
+			d.Rows = append(d.Rows, row{ID: q.ID, Topic: q.Topic, Event: q.EventID, Note: "skipped (" + q.Skip + "): " + q.Detail})
+		}
+	} else {
+		res, err := c.ops.PurgeQuarantined(r.Context(), sel.quarantine(), dryRun)
+		if err != nil {
+			c.failErr(w, r, err)
+			return
+		}
+		d.Token, d.Count = res.Selection, len(res.Purged)
+		for _, q := range res.Purged {
+			d.Rows = append(d.Rows, row{ID: q.ID, Topic: q.Topic, Event: q.EventID, Note: q.Reason})
+		}
+	}
+	c.render(w, r, "action", page{Title: actionTitle(d), Nav: "quarantine", Data: d})
+}
+
+func actionTitle(d actionData) string {
+	what := map[string]string{"dlq": "poisoned messages", "quarantine": "quarantined rows"}[d.What]
+	if d.Confirm {
+		return fmt.Sprintf("Confirm: %s %d %s", d.Action, d.Count, what)
+	}
+	verb := map[string]string{"replay": "Replayed", "purge": "Purged"}[d.Action]
+	return fmt.Sprintf("%s %d %s", verb, d.Count, what)
+}

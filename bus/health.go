@@ -1,0 +1,304 @@
+package bus
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"path"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/forwarder"
+)
+
+// HealthCheck is one check of a health report.
+type HealthCheck struct {
+	// Name says what was checked: "run", "database", "broker", "relay",
+	// "handler:<name>".
+	Name string `json:"name"`
+	// OK is true when the check passed.
+	OK bool `json:"ok"`
+	// Detail says what was found, and why the check failed when it did.
+	Detail string `json:"detail"`
+}
+
+// HealthReport is the outcome of the liveness or the readiness checks.
+type HealthReport struct {
+	// OK is true when every check passed.
+	OK bool `json:"ok"`
+	// Status is "ok" or "failing".
+	Status string `json:"status"`
+	// Checks are the checks made, in a stable order.
+	Checks []HealthCheck `json:"checks"`
+}
+
+// Failed returns the checks that did not pass.
+func (r HealthReport) Failed() []HealthCheck {
+	var failed []HealthCheck
+	for _, c := range r.Checks {
+		if !c.OK {
+			failed = append(failed, c)
+		}
+	}
+	return failed
+}
+
+func report(checks []HealthCheck) HealthReport {
+	r := HealthReport{OK: true, Status: "ok", Checks: checks}
+	if r.Checks == nil {
+		r.Checks = []HealthCheck{}
+	}
+	if len(r.Failed()) > 0 {
+		r.OK, r.Status = false, "failing"
+	}
+	return r
+}
+
+// Health is a Bus's liveness and readiness at one moment.
+type Health struct {
+	Live  HealthReport `json:"live"`
+	Ready HealthReport `json:"ready"`
+}
+
+// Health runs the liveness and the readiness checks.
+func (b *Bus) Health(ctx context.Context) Health {
+	return Health{Live: b.Liveness(), Ready: b.Readiness(ctx)}
+}
+
+// Liveness reports whether the process is wedged: it fails when the relay
+// loop, or a handler that holds messages, has not moved on for
+// health.stall_timeout. A relay standing by for the leader lock and an
+// idle handler are live; so is a relay retrying through a database or
+// broker outage (each retry is a step). Restart a process whose liveness
+// fails. Before Run starts, and after it returns, there is nothing to
+// wedge: liveness passes.
+func (b *Bus) Liveness() HealthReport {
+	rs := b.run.Load()
+	if rs == nil {
+		return report([]HealthCheck{{Name: "run", OK: true, Detail: "not running"}})
+	}
+	stall := b.cfg.Health.StallTimeout
+	now := time.Now()
+	var checks []HealthCheck
+	if rs.relay != nil {
+		st := rs.relay.Status()
+		quiet := now.Sub(st.LastTick)
+		c := HealthCheck{Name: "relay", OK: true, Detail: fmt.Sprintf("%s, last step %s ago", st.Role, quiet.Round(time.Millisecond))}
+		if st.Role != forwarder.RoleStandby && quiet > stall {
+			c.OK = false
+			c.Detail = fmt.Sprintf("%s, no step for %s (health.stall_timeout is %s): the relay loop is blocked", st.Role, quiet.Round(time.Second), stall)
+		}
+		checks = append(checks, c)
+	}
+	for _, a := range rs.handlers {
+		inChain, last, _ := a.state(now)
+		quiet := now.Sub(last)
+		c := HealthCheck{Name: "handler:" + a.name, OK: true, Detail: "idle"}
+		switch {
+		case inChain > 0 && quiet > stall:
+			c.OK = false
+			c.Detail = fmt.Sprintf("%d message(s) in the chain and no step for %s (health.stall_timeout is %s): the consumer loop is blocked",
+				inChain, quiet.Round(time.Second), stall)
+		case inChain > 0:
+			c.Detail = fmt.Sprintf("%d message(s) in the chain, last step %s ago", inChain, quiet.Round(time.Millisecond))
+		}
+		checks = append(checks, c)
+	}
+	return report(checks)
+}
+
+// Readiness reports whether the Bus can do its work now: Run is running,
+// the database answers, the broker answers, the relay knows its role
+// (active or standby; not while it is still connecting), and no handler is
+// stuck (an attempt abandoned at handler_timeout whose handler has not
+// returned). Each probe is bounded by health.check_timeout. Take a process
+// whose readiness fails out of service; it becomes ready again by itself.
+func (b *Bus) Readiness(ctx context.Context) HealthReport {
+	rs := b.run.Load()
+	if rs == nil {
+		return report([]HealthCheck{{Name: "run", Detail: "Run is not running"}})
+	}
+	checks := []HealthCheck{{Name: "run", OK: true, Detail: "running"}}
+	probe := func(name, okDetail string, f func(context.Context) error) HealthCheck {
+		pctx, cancel := context.WithTimeout(ctx, b.cfg.Health.CheckTimeout)
+		defer cancel()
+		if err := bounded(pctx, f); err != nil {
+			return HealthCheck{Name: name, Detail: err.Error()}
+		}
+		return HealthCheck{Name: name, OK: true, Detail: okDetail}
+	}
+	checks = append(checks, probe("database", "answered", b.db.PingContext))
+	if p, ok := rs.broker.(adapters.Pinger); ok {
+		checks = append(checks, probe("broker", b.cfg.Broker.Kind+" answered", p.Ping))
+	} else {
+		checks = append(checks, HealthCheck{Name: "broker", OK: true, Detail: "connected (the adapter cannot be pinged)"})
+	}
+	if rs.relay != nil {
+		role := rs.relay.Status().Role
+		c := HealthCheck{Name: "relay", OK: role != forwarder.RoleStarting, Detail: role.String()}
+		if !c.OK {
+			c.Detail = "role not known yet: connecting to the database for the leader lock"
+		}
+		checks = append(checks, c)
+	}
+	now := time.Now()
+	var stuck []string
+	for _, a := range rs.handlers {
+		if _, _, n := a.state(now); n > 0 {
+			stuck = append(stuck, fmt.Sprintf("%s (%d)", a.name, n))
+		}
+	}
+	c := HealthCheck{Name: "handlers", OK: len(stuck) == 0, Detail: fmt.Sprintf("%d handler(s), none stuck", len(rs.handlers))}
+	if !c.OK {
+		c.Detail = "stuck past handler_timeout (abandoned attempts whose handler has not returned): " + strings.Join(stuck, ", ")
+	}
+	return report(append(checks, c))
+}
+
+// bounded runs f and returns its error, or ctx's error when ctx ends first:
+// a probe whose client does not honour its context cannot hold the check.
+func bounded(ctx context.Context, f func(context.Context) error) error {
+	done := make(chan error, 1)
+	go func() { done <- f(ctx) }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return fmt.Errorf("no answer within health.check_timeout: %w", ctx.Err())
+	}
+}
+
+// HealthHandler serves the health checks as JSON, for Kubernetes probes or
+// a load balancer: a path ending in /livez the liveness report, /readyz the
+// readiness report, /healthz both (passing when both pass). A passing
+// report answers 200, a failing one 503; other paths 404. Run serves it on
+// metrics.listen; a service with its own server mounts it there.
+func (b *Bus) HealthHandler() http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodGet && r.Method != http.MethodHead {
+			w.Header().Set("Allow", "GET, HEAD")
+			http.Error(w, "method not allowed", http.StatusMethodNotAllowed)
+			return
+		}
+		var body any
+		ok := false
+		switch path.Base(r.URL.Path) {
+		case "livez":
+			live := b.Liveness()
+			body, ok = live, live.OK
+		case "readyz":
+			ready := b.Readiness(r.Context())
+			body, ok = ready, ready.OK
+		case "healthz":
+			h := b.Health(r.Context())
+			body, ok = h, h.Live.OK && h.Ready.OK
+		default:
+			http.NotFound(w, r)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Cache-Control", "no-store")
+		if !ok {
+			w.WriteHeader(http.StatusServiceUnavailable)
+		}
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		_ = enc.Encode(body)
+	})
+}
+
+// runState is what the health checks look at while Run runs.
+type runState struct {
+	broker   adapters.Broker
+	relay    *forwarder.Forwarder // nil when relay.enabled is false
+	handlers []*activity
+}
+
+// activity follows one handler's messages through its chain for the
+// health checks: how many are in it, when the chain last moved on (a
+// message came in or left, the handler was called or returned), and the
+// handler calls still running.
+type activity struct {
+	name    string
+	timeout time.Duration       // the handler's handler_timeout
+	lag     prometheus.Observer // MetricConsumerLag of the handler
+
+	mu      sync.Mutex
+	inChain int
+	last    time.Time
+	calls   map[uint64]time.Time // running handler calls by id, with their start
+	nextID  uint64
+}
+
+func newActivity(name string, timeout time.Duration, lag prometheus.Observer) *activity {
+	return &activity{name: name, timeout: timeout, lag: lag, last: time.Now(), calls: map[uint64]time.Time{}}
+}
+
+// state returns the messages in the chain, when it last moved on, and
+// how many handler calls have run longer than handler_timeout.
+func (a *activity) state(now time.Time) (inChain int, last time.Time, stuck int) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for _, start := range a.calls {
+		if now.Sub(start) > a.timeout {
+			stuck++
+		}
+	}
+	return a.inChain, a.last, stuck
+}
+
+// chain wraps a handler's whole chain: a message entering and leaving it,
+// and the lag of each message it processed.
+func (a *activity) chain(h message.NoPublishHandlerFunc) message.NoPublishHandlerFunc {
+	return func(msg *message.Message) (err error) {
+		a.mu.Lock()
+		a.inChain++
+		a.last = time.Now()
+		a.mu.Unlock()
+		defer func() {
+			a.mu.Lock()
+			a.inChain--
+			a.last = time.Now()
+			a.mu.Unlock()
+			if err != nil {
+				return // given back to the broker: not processed
+			}
+			if at, perr := time.Parse(time.RFC3339Nano, msg.Metadata.Get(OccurredAtKey)); perr == nil {
+				a.lag.Observe(time.Since(at).Seconds())
+			}
+		}()
+		return h(msg)
+	}
+}
+
+// call records one call of the handler; the returned func ends it.
+func (a *activity) call() (done func()) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.nextID++
+	id, now := a.nextID, time.Now()
+	a.calls[id], a.last = now, now
+	return func() {
+		a.mu.Lock()
+		delete(a.calls, id)
+		a.last = time.Now()
+		a.mu.Unlock()
+	}
+}
+
+// sortedActivities returns the trackers by handler name.
+func sortedActivities(m map[string]*activity) []*activity {
+	out := make([]*activity, 0, len(m))
+	for _, a := range m {
+		out = append(out, a)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].name < out[j].name })
+	return out
+}

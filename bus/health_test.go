@@ -1,0 +1,255 @@
+package bus_test
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/internal/brokertest"
+	"github.com/millrace-io/millrace/internal/servers"
+	"github.com/millrace-io/millrace/internal/testdb"
+)
+
+// healthConfig is a config whose loops are quiet for at most about 2s, so
+// that a stall timeout of 3s tells a wedged loop from a waiting one.
+func healthConfig(cfg *bus.Config, listen string) {
+	cfg.Metrics.Listen = listen
+	cfg.Health.StallTimeout = 3 * time.Second
+	cfg.Health.CheckTimeout = time.Second
+	cfg.Relay.PollInterval = 200 * time.Millisecond
+	cfg.Relay.RetryMax = time.Second
+	cfg.Consumer.HandlerTimeout = time.Second
+	cfg.Consumer.Retry.MaxInterval = 200 * time.Millisecond
+	cfg.Consumer.Breaker.OpenTimeout = time.Second
+}
+
+// probe GETs a health endpoint and decodes its report.
+func probe(t *testing.T, url string) (int, map[string]bus.HealthCheck) {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		return 0, nil // not served yet
+	}
+	defer resp.Body.Close()
+	var r bus.HealthReport
+	require.NoError(t, json.NewDecoder(resp.Body).Decode(&r))
+	require.Equal(t, resp.StatusCode == http.StatusOK, r.OK, "the status code says what the body says")
+	checks := map[string]bus.HealthCheck{}
+	for _, c := range r.Checks {
+		checks[c.Name] = c
+	}
+	return resp.StatusCode, checks
+}
+
+// waitHealth polls url until its report passes (ok) or fails on the check
+// named failing, and returns that report's checks.
+func waitHealth(t *testing.T, url string, ok bool, failing string) map[string]bus.HealthCheck {
+	t.Helper()
+	var last map[string]bus.HealthCheck
+	require.Eventually(t, func() bool {
+		code, checks := probe(t, url)
+		last = checks
+		if ok {
+			return code == http.StatusOK
+		}
+		return code == http.StatusServiceUnavailable && checks[failing].Name != "" && !checks[failing].OK
+	}, 90*time.Second, 100*time.Millisecond, "%s: want ok=%v (failing %q); last checks %v", url, ok, failing, last)
+	return last
+}
+
+// stayLive samples liveness n times, 200ms apart, and requires every sample
+// to pass.
+func stayLive(t *testing.T, base string, n int) {
+	t.Helper()
+	for range n {
+		code, checks := probe(t, base+"/livez")
+		require.Equal(t, http.StatusOK, code, "liveness during an outage: %v", checks)
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// Readiness fails while the database or the broker is down and passes
+// again once it is back; liveness passes throughout: a relay and a
+// consumer retrying through an outage are not wedged.
+func TestReadinessFollowsTheDatabaseAndTheBroker(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg := servers.StartPostgreSQL(t)
+	nats := servers.StartNATS(t)
+	db, err := sql.Open("pgx", pg.URL)
+	require.NoError(t, err)
+	defer db.Close()
+	var cfg bus.Config
+	cfg.Database.URL = pg.URL
+	cfg.Broker.Kind = bus.KindNATS
+	cfg.Broker.NATS.URL = nats.URL
+	listen := fmt.Sprintf("127.0.0.1:%d", servers.FreePort(t))
+	healthConfig(&cfg, listen)
+	require.NoError(t, bus.Migrate(ctx, db, cfg))
+	b, err := bus.Open(ctx, cfg, db)
+	require.NoError(t, err)
+	defer b.Close()
+	require.NoError(t, b.Handle("health-ready", "ready-handler", func(context.Context, bus.Event) error { return nil }))
+
+	base := "http://" + listen
+	_, checks := probe(t, base+"/readyz")
+	require.Nil(t, checks, "nothing is served before Run")
+	require.False(t, b.Readiness(ctx).OK, "not ready before Run")
+	runCtx, stop := context.WithCancel(ctx)
+	runDone := make(chan error, 1)
+	go func() { runDone <- b.Run(runCtx) }()
+
+	checks = waitHealth(t, base+"/readyz", true, "")
+	for _, name := range []string{"run", "database", "broker", "relay", "handlers"} {
+		require.True(t, checks[name].OK, "%s: %v", name, checks[name])
+	}
+	code, live := probe(t, base+"/livez")
+	require.Equal(t, http.StatusOK, code)
+	require.True(t, live["relay"].OK && live["handler:ready-handler"].OK, "%v", live)
+	resp, err := http.Get(base + "/healthz")
+	require.NoError(t, err)
+	var both bus.Health
+	require.NoError(t, json.NewDecoder(resp.Body).Decode(&both))
+	resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	require.True(t, both.Live.OK && both.Ready.OK, "%+v", both)
+
+	pg.Stop()
+	checks = waitHealth(t, base+"/readyz", false, "database")
+	require.True(t, checks["broker"].OK, "only the database is down: %v", checks)
+	stayLive(t, base, 25) // 5s of outage, longer than health.stall_timeout
+	pg.Start()
+	waitHealth(t, base+"/readyz", true, "")
+
+	nats.Stop()
+	checks = waitHealth(t, base+"/readyz", false, "broker")
+	require.True(t, checks["database"].OK, "only the broker is down: %v", checks)
+	stayLive(t, base, 25)
+	nats.Start()
+	waitHealth(t, base+"/readyz", true, "")
+
+	stop()
+	require.NoError(t, <-runDone)
+	require.False(t, b.Readiness(ctx).OK, "not ready after Run returned")
+}
+
+// Liveness fails when the relay loop or a consumer loop is blocked (a
+// statement that never returns), and passes again once it moves on.
+// Readiness fails while a handler is stuck past handler_timeout.
+func TestLivenessFailsWhenALoopIsWedged(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.Open(t)
+	var cfg bus.Config
+	cfg.Database.Schema = testdb.Schema(t, db)
+	brokertest.Apply(t, bus.KindNATS, &cfg)
+	listen := fmt.Sprintf("127.0.0.1:%d", servers.FreePort(t))
+	healthConfig(&cfg, listen)
+	cfg.Consumer.Retry.MaxAttempts = 1
+	require.NoError(t, bus.Migrate(ctx, db, cfg))
+	b, err := bus.Open(ctx, cfg, db)
+	require.NoError(t, err)
+	defer b.Close()
+	topic := "health-" + cfg.Database.Schema[len(cfg.Database.Schema)-8:]
+	brokertest.Cleanup(t, bus.KindNATS, topic, "wedge-handler")
+	release, gate := make(chan struct{}), make(chan struct{})
+	handled := make(chan string, 10)
+	require.NoError(t, b.Handle(topic, "wedge-handler", func(ctx context.Context, ev bus.Event) error {
+		handled <- ev.Type
+		switch ev.Type {
+		case "Reject":
+			<-gate
+			return bus.Permanent(errors.New("rejected"))
+		case "Hang":
+			<-release // ignores its context
+		}
+		return nil
+	}))
+	runCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	go b.Run(runCtx)
+	base := "http://" + listen
+	waitHealth(t, base+"/readyz", true, "")
+	publish := func(typ string) {
+		require.NoError(t, b.PublishInOwnTx(ctx, topic, bus.Event{Type: typ, AggregateType: "a", AggregateID: typ, Payload: []byte(`{}`)}))
+	}
+	publish("Ok")
+	require.Equal(t, "Ok", <-handled)
+
+	// The relay blocks on its offsets row, which another transaction holds.
+	lock, err := db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	_, err = lock.Exec(`SELECT 1 FROM "` + cfg.Database.Schema + `"."watermill_offsets_millrace_outbox" FOR UPDATE`)
+	require.NoError(t, err)
+	checks := waitHealth(t, base+"/livez", false, "relay")
+	require.Contains(t, checks["relay"].Detail, "blocked")
+	require.True(t, checks["handler:wedge-handler"].OK, "the consumer is idle: %v", checks)
+	require.NoError(t, lock.Rollback())
+	waitHealth(t, base+"/livez", true, "")
+
+	// The consumer blocks storing a poisoned message in a locked poison
+	// table. The lock is taken once the relay has forwarded the message: its
+	// transaction would hide the outbox row from the relay until it ends.
+	publish("Reject")
+	require.Equal(t, "Reject", <-handled)
+	lock, err = db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	_, err = lock.Exec(`LOCK TABLE "` + cfg.Database.Schema + `"."millrace_poison" IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	close(gate)
+	checks = waitHealth(t, base+"/livez", false, "handler:wedge-handler")
+	require.Contains(t, checks["handler:wedge-handler"].Detail, "1 message(s) in the chain")
+	require.True(t, checks["relay"].OK, "the relay moves on: %v", checks)
+	require.NoError(t, lock.Rollback())
+	waitHealth(t, base+"/livez", true, "")
+
+	// A handler that ignores its context is stuck once handler_timeout passed.
+	publish("Hang")
+	require.Equal(t, "Hang", <-handled)
+	checks = waitHealth(t, base+"/readyz", false, "handlers")
+	require.Contains(t, checks["handlers"].Detail, "wedge-handler (1)")
+	close(release)
+	waitHealth(t, base+"/readyz", true, "")
+	code, _ := probe(t, base+"/livez")
+	require.Equal(t, http.StatusOK, code)
+}
+
+// HealthHandler answers on any prefix a service mounts it under, and only
+// for its three names.
+func TestHealthHandlerPaths(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.Open(t)
+	var cfg bus.Config
+	cfg.Database.Schema = testdb.Schema(t, db)
+	require.NoError(t, bus.Migrate(ctx, db, cfg))
+	b, err := bus.Open(ctx, cfg, db)
+	require.NoError(t, err)
+	defer b.Close()
+	mux := http.NewServeMux()
+	mux.Handle("/ops/", http.StripPrefix("/ops", b.HealthHandler()))
+	for path, want := range map[string]int{
+		"/ops/livez": http.StatusOK, "/ops/readyz": http.StatusServiceUnavailable,
+		"/ops/healthz": http.StatusServiceUnavailable, "/ops/other": http.StatusNotFound,
+	} {
+		rec := httptest.NewRecorder()
+		mux.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, path, nil))
+		require.Equal(t, want, rec.Code, path)
+		if want != http.StatusNotFound {
+			require.True(t, strings.HasPrefix(rec.Header().Get("Content-Type"), "application/json"), path)
+		}
+	}
+	rec := httptest.NewRecorder()
+	mux.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, "/ops/livez", nil))
+	require.Equal(t, http.StatusMethodNotAllowed, rec.Code)
+}

@@ -1,0 +1,137 @@
+package bus_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/middleware"
+)
+
+// Failures group by error class and normalised reason; a whole group is
+// replayed and purged after a dry run, and an action whose selection
+// changed since its dry run (a row replayed by someone else meanwhile)
+// reports it and changes nothing.
+func TestOpsFailureGroupsAndChangedSelections(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	w := newOpsWorld(t)
+	numbered := []string{"o-bad-1", "o-bad-2", "o-bad-33"}
+	other := uuid.NewString()
+	events := map[string]string{}
+	w.mu.Lock()
+	for _, agg := range append(numbered, other) {
+		w.bad[agg] = true
+	}
+	w.mu.Unlock()
+	for _, agg := range append(numbered, other) {
+		events[agg] = w.publish(t, agg)
+	}
+	eventuallyTrue(t, "four messages poisoned", func() bool {
+		l, err := w.ops.ListPoisoned(ctx, bus.PoisonFilter{}, 0)
+		return err == nil && len(l.Messages) == 4
+	})
+
+	groups, err := w.ops.PoisonGroups(ctx, bus.PoisonFilter{})
+	require.NoError(t, err)
+	require.Len(t, groups, 2, "%+v", groups)
+	g := groups[0]
+	require.Equal(t, int64(3), g.Messages, "the largest group first")
+	require.Equal(t, int64(3), g.Waiting)
+	require.Equal(t, middleware.ClassPermanent, g.ErrorClass)
+	require.Contains(t, g.Reason, "payment gateway refused o-bad-<n>")
+	require.Contains(t, g.Example, "payment gateway refused o-bad-")
+	require.Equal(t, []string{w.group}, g.Handlers)
+	require.Equal(t, []string{w.topic}, g.Topics)
+	require.Contains(t, groups[1].Reason, "payment gateway refused <uuid>")
+	require.Len(t, g.Fingerprint, 12)
+
+	list, err := w.ops.ListPoisoned(ctx, bus.PoisonFilter{Fingerprint: g.Fingerprint}, 0)
+	require.NoError(t, err)
+	require.Len(t, list.Messages, 3)
+	for _, m := range list.Messages {
+		require.Equal(t, g.Fingerprint, m.Fingerprint)
+		require.NotEqual(t, events[other], m.EventID)
+	}
+	_, err = w.ops.ListPoisoned(ctx, bus.PoisonFilter{Fingerprint: "not-hex"}, 0)
+	require.ErrorIs(t, err, bus.ErrInvalidFilter)
+	_, err = w.ops.PoisonGroups(ctx, bus.PoisonFilter{Fingerprint: "ABCDEF012345"})
+	require.ErrorIs(t, err, bus.ErrInvalidFilter)
+
+	// The dry run of the group says what a replay would do.
+	w.mu.Lock()
+	for _, agg := range numbered {
+		w.bad[agg] = false
+	}
+	w.mu.Unlock()
+	group := bus.PoisonSelection{Filter: bus.PoisonFilter{Fingerprint: g.Fingerprint}}
+	dry, err := w.ops.ReplayPoisoned(ctx, group, bus.ReplayOptions{DryRun: true})
+	require.NoError(t, err)
+	require.Equal(t, 3, dry.Messages)
+	require.NotEmpty(t, dry.Selection)
+
+	// Someone else replays one of them meanwhile.
+	first := list.Messages[0]
+	_, err = w.ops.ReplayPoisoned(ctx, bus.PoisonSelection{IDs: []int64{first.ID}}, bus.ReplayOptions{By: "someone else"})
+	require.NoError(t, err)
+	eventuallyTrue(t, "the other replay processed", func() bool { return w.effects(first.EventID) == 1 })
+
+	reviewed := group
+	reviewed.Expect = dry.Selection
+	_, err = w.ops.ReplayPoisoned(ctx, reviewed, bus.ReplayOptions{By: "console"})
+	var changed *bus.ChangedError
+	require.ErrorAs(t, err, &changed)
+	require.ErrorIs(t, err, bus.ErrChanged)
+	require.Equal(t, 3, changed.Rows)
+	again, err := w.ops.ListPoisoned(ctx, bus.PoisonFilter{Fingerprint: g.Fingerprint}, 0)
+	require.NoError(t, err)
+	for _, m := range again.Messages {
+		if m.ID != first.ID {
+			require.Zero(t, m.ReplayCount, "a changed selection replays nothing")
+		}
+	}
+
+	// Reviewed again, the replay goes ahead: the one processed meanwhile is
+	// skipped, the others are replayed once and processed once.
+	dry, err = w.ops.ReplayPoisoned(ctx, group, bus.ReplayOptions{DryRun: true})
+	require.NoError(t, err)
+	require.Equal(t, 2, dry.Messages)
+	reviewed.Expect = dry.Selection
+	res, err := w.ops.ReplayPoisoned(ctx, reviewed, bus.ReplayOptions{By: "console"})
+	require.NoError(t, err)
+	require.Len(t, res.Replayed, 2)
+	require.Len(t, res.Skipped, 1)
+	require.Equal(t, first.ID, res.Skipped[0].ID)
+	for _, agg := range numbered {
+		eventuallyTrue(t, "each numbered event processed", func() bool { return w.effects(events[agg]) == 1 })
+	}
+
+	// A purge reviewed before the group changed state changes nothing.
+	purgeReviewed := group
+	purgeReviewed.Expect = dry.Selection
+	_, err = w.ops.PurgePoisoned(ctx, purgeReviewed, false)
+	require.ErrorIs(t, err, bus.ErrChanged, "the rows were replayed and processed since")
+	dryPurge, err := w.ops.PurgePoisoned(ctx, group, true)
+	require.NoError(t, err)
+	require.Len(t, dryPurge.Purged, 3)
+	purgeReviewed.Expect = dryPurge.Selection
+	purged, err := w.ops.PurgePoisoned(ctx, purgeReviewed, false)
+	require.NoError(t, err)
+	require.Len(t, purged.Purged, 3)
+	// Purged meanwhile: acting on the ids again reports them missing.
+	_, err = w.ops.PurgePoisoned(ctx, bus.PoisonSelection{IDs: []int64{first.ID}}, false)
+	require.True(t, errors.Is(err, bus.ErrNotFound), "%v", err)
+
+	groups, err = w.ops.PoisonGroups(ctx, bus.PoisonFilter{})
+	require.NoError(t, err)
+	require.Len(t, groups, 1, "only the other group is left")
+
+	statuses, err := w.ops.OutboxStatuses(ctx)
+	require.NoError(t, err)
+	require.Len(t, statuses, 1)
+	require.Equal(t, w.ops.Config().Relay.ConsumerGroup, statuses[0].RelayGroup)
+}

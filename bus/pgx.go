@@ -39,6 +39,17 @@ func OpenPgx(ctx context.Context, cfg Config, pool *pgxpool.Pool, opts ...Option
 	return b, nil
 }
 
+// MigratePgx is Migrate for a service on pgxpool: it runs on one of pool's
+// connections, in one transaction.
+func MigratePgx(ctx context.Context, pool *pgxpool.Pool, cfg Config) error {
+	if pool == nil {
+		return errors.New("millrace: MigratePgx needs a *pgxpool.Pool; use Migrate for a *sql.DB")
+	}
+	db := stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+	return Migrate(ctx, db, cfg)
+}
+
 // PublishPgx is Publish in a pgx transaction (begun on a pgxpool.Pool or a
 // pgx.Conn), for any Bus. It writes exactly the rows Publish writes, with
 // the same checks: on any error nothing is written. A transaction already

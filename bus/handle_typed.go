@@ -9,6 +9,7 @@ import (
 	"strings"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/trace"
 
@@ -108,6 +109,18 @@ func (b *Bus) HandleTypes(name string, routes []Route, opts ...HandleOption) err
 		return err
 	}
 	return b.Handle(topic, name, dispatch, opts...)
+}
+
+// ConsumerChainTypes is ConsumerChain for a typed handler: the routes
+// wrapped exactly as Run wraps a handler registered with
+// HandleTypes(name, routes, opts...), for code that drives deliveries
+// itself.
+func (b *Bus) ConsumerChainTypes(ctx context.Context, name string, routes []Route, poison message.Publisher, opts ...HandleOption) (message.NoPublishHandlerFunc, error) {
+	topic, dispatch, err := b.typedHandler(name, routes, opts)
+	if err != nil {
+		return nil, err
+	}
+	return b.ConsumerChain(ctx, topic, name, dispatch, poison, opts...)
 }
 
 // typedHandler checks routes and returns their topic and the HandlerFunc

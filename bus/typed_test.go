@@ -239,9 +239,7 @@ func newChainWorld(t *testing.T, change ...func(*bus.Config)) chainWorld {
 // chain returns the chain of the typed handler name over routes.
 func (w chainWorld) chain(t *testing.T, name string, routes []bus.Route, opts ...bus.HandleOption) message.NoPublishHandlerFunc {
 	t.Helper()
-	topic, fn, err := bus.TypedHandler(w.tb.bus, name, routes, opts...)
-	require.NoError(t, err)
-	handle, err := w.tb.bus.ConsumerChain(context.Background(), topic, name, fn, nil, opts...)
+	handle, err := w.tb.bus.ConsumerChainTypes(context.Background(), name, routes, nil, opts...)
 	require.NoError(t, err)
 	return handle
 }

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"net/url"
+	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -45,4 +47,21 @@ func TestQuickstartRuns(t *testing.T) {
 	require.NoError(t, db.QueryRow(`SELECT count(*) FROM "`+schema+`".millrace_inbox WHERE consumer_group = 'billing'`).Scan(&inbox))
 	require.Equal(t, 3, invoices)
 	require.Equal(t, 3, inbox)
+}
+
+// The README's Quick start shows this program's code, as it is.
+func TestReadmeShowsTheQuickstart(t *testing.T) {
+	t.Parallel()
+	readme, err := os.ReadFile("../../README.md")
+	require.NoError(t, err)
+	program, err := os.ReadFile("main.go")
+	require.NoError(t, err)
+	_, section, found := strings.Cut(string(readme), "\n## Quick start\n")
+	require.True(t, found, "README has a Quick start section")
+	_, block, found := strings.Cut(section, "```go\n")
+	require.True(t, found, "the Quick start has a Go block")
+	block, _, found = strings.Cut(block, "```\n")
+	require.True(t, found)
+	require.Contains(t, block, "func run(", "the block is the program's, not a sketch")
+	require.Contains(t, string(program), block, "the README's Quick start block is a part of main.go word for word")
 }

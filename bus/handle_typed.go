@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/millrace-io/millrace/internal/names"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -169,7 +170,7 @@ func (b *Bus) typedHandler(name string, routes []Route, opts []HandleOption) (st
 		if r, ok := byType[ev.Type]; ok {
 			return r.call(ctx, ev)
 		}
-		unknown.WithLabelValues(name, ev.Type).Inc()
+		unknown.WithLabelValues(name, typeLabel(ev.Type)).Inc()
 		if spec.unknown == AckUnknown {
 			b.logger.Info("Event of a type this handler has no route for acked (WithUnknownTypes(AckUnknown))",
 				watermill.LogFields{"handler": name, "topic": topic, "event_type": ev.Type, "event_id": ev.ID})
@@ -256,6 +257,15 @@ func invalidPayload(err error, t *eventType, version int) error {
 	}
 	return &middleware.InvalidError{Field: field,
 		Problem: fmt.Sprintf("event type %s version %d does not decode with codec %s: %s", t.name, version, t.codec.Name(), problem), Err: err}
+}
+
+// typeLabel is an event type as a metric label: a header of any length
+// and content is no label value, and would make series without bound.
+func typeLabel(eventType string) string {
+	if len(eventType) > 128 || names.Text(eventType) != nil {
+		return "invalid"
+	}
+	return eventType
 }
 
 // remoteSpanKey carries the publishing span's context into a handler.

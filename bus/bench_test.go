@@ -79,7 +79,9 @@ func BenchmarkPublish(b *testing.B) {
 		})},
 		{"pgx-raw-1", pgxTx(func(b *testing.B, t txs) error { return tb.pgx.PublishPgx(ctx, t.pgx, "orders.events", raw(one)...) })},
 		{"pgx-typed-1", pgxTx(func(b *testing.B, t txs) error { return topic.PublishPgx(ctx, tb.pgx, t.pgx, one...) })},
-		{"pgx-raw-100", pgxTx(func(b *testing.B, t txs) error { return tb.pgx.PublishPgx(ctx, t.pgx, "orders.events", raw(hundred)...) })},
+		{"pgx-raw-100", pgxTx(func(b *testing.B, t txs) error {
+			return tb.pgx.PublishPgx(ctx, t.pgx, "orders.events", raw(hundred)...)
+		})},
 		{"pgx-typed-100", pgxTx(func(b *testing.B, t txs) error { return topic.PublishPgx(ctx, tb.pgx, t.pgx, hundred...) })},
 	}
 	spent := make([][]time.Duration, len(variants))

@@ -69,6 +69,9 @@ func On[T any](t *Topic[T], fn func(ctx context.Context, m Message[T]) error) Ro
 // Handle registers fn to consume the topic under handler name name, like
 // Bus.Handle: HandleTypes with one route.
 func (t *Topic[T]) Handle(b *Bus, name string, fn func(ctx context.Context, m Message[T]) error, opts ...HandleOption) error {
+	if b == nil {
+		return fmt.Errorf("millrace: Handle(%q): the Bus is nil", name)
+	}
 	return b.HandleTypes(name, []Route{On(t, fn)}, opts...)
 }
 

@@ -94,10 +94,10 @@ func WithCodec(name string) TopicOption {
 func Upcast[From, To any](fromVersion int, fn func(From) (To, error)) TopicOption {
 	return func(o *topicOptions) {
 		o.upcasters = append(o.upcasters, upcaster{
-			from: fromVersion,
-			in:   reflect.TypeFor[From](),
-			out:  reflect.TypeFor[To](),
-			nil:  fn == nil,
+			from:    fromVersion,
+			in:      reflect.TypeFor[From](),
+			out:     reflect.TypeFor[To](),
+			missing: fn == nil,
 			decode: func(c Codec, data []byte) (any, error) {
 				return decodeValue[From](c, data)
 			},
@@ -111,7 +111,7 @@ func Upcast[From, To any](fromVersion int, fn func(From) (To, error)) TopicOptio
 type upcaster struct {
 	from    int
 	in, out reflect.Type
-	nil     bool
+	missing bool // fn was nil
 	decode  func(c Codec, data []byte) (any, error)
 	apply   func(v any) (any, error)
 	check   func(c Codec) error
@@ -197,7 +197,7 @@ func (t *eventType) chain(ups []upcaster) error {
 	var errs []error
 	for _, u := range ups {
 		switch {
-		case u.nil:
+		case u.missing:
 			errs = append(errs, fmt.Errorf("upcaster from version %d is nil", u.from))
 		case u.from < 1 || u.from >= t.version:
 			errs = append(errs, fmt.Errorf("upcaster from version %d: must read a version from 1 to %d (the topic's version is %d)", u.from, t.version-1, t.version))
@@ -249,6 +249,9 @@ func (t *Topic[T]) Version() int { return t.typ.version }
 // checked (and encoded) before anything is written; on any error nothing
 // is written. The error of a refused value is an *EventError with its Index.
 func (t *Topic[T]) Publish(ctx context.Context, b *Bus, tx *sql.Tx, values ...T) error {
+	if b == nil {
+		return errNilBus
+	}
 	events, err := t.events(values)
 	if err != nil {
 		return err
@@ -258,12 +261,18 @@ func (t *Topic[T]) Publish(ctx context.Context, b *Bus, tx *sql.Tx, values ...T)
 
 // PublishPgx is Publish in a pgx transaction.
 func (t *Topic[T]) PublishPgx(ctx context.Context, b *Bus, tx pgx.Tx, values ...T) error {
+	if b == nil {
+		return errNilBus
+	}
 	events, err := t.events(values)
 	if err != nil {
 		return err
 	}
 	return b.PublishPgx(ctx, tx, t.name, events...)
 }
+
+// errNilBus is a typed Publish given no Bus.
+var errNilBus = errors.New("millrace: a typed Publish needs the Bus to publish through; it is nil")
 
 // Event returns the event Publish would write for v, for a caller that sets
 // more of the envelope (ID, AggregateVersion, CorrelationID, Metadata, a

@@ -2,8 +2,11 @@ package store_test
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
+	"slices"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
@@ -70,9 +73,12 @@ func TestWriteOutboxPgxStoresWhatWriteOutboxStores(t *testing.T) {
 	require.Equal(t, viaSQL, viaPgx)
 }
 
-// BenchmarkOutboxPgxInsert compares the two ways to write 100 outbox rows
-// in one round trip on a pgx transaction: one multi-row INSERT (what
-// WriteOutboxPgx does) and a pgx.Batch of single-row INSERTs.
+// BenchmarkOutboxPgxInsert compares ways to write 100 outbox rows in one
+// transaction: on pgx, one multi-row INSERT (what WriteOutboxPgx does) and
+// a pgx.Batch of single-row INSERTs, both one round trip; on database/sql,
+// one multi-row INSERT (WriteOutbox) and 100 single-row INSERTs. Each
+// variant runs once per iteration in turn; it reports their median times
+// and ratios.
 func BenchmarkOutboxPgxInsert(b *testing.B) {
 	ctx := context.Background()
 	db := testdb.Open(b)
@@ -82,19 +88,28 @@ func BenchmarkOutboxPgxInsert(b *testing.B) {
 	rows := outboxRows("bench", 100)
 	schema := tables.SchemaAdapter()
 
-	inTx := func(b *testing.B, write func(pgx.Tx) error) {
-		for b.Loop() {
+	pgxTx := func(write func(pgx.Tx) error) func() {
+		return func() {
 			tx, err := pool.Begin(ctx)
 			require.NoError(b, err)
 			require.NoError(b, write(tx))
 			require.NoError(b, tx.Commit(ctx))
 		}
 	}
-	b.Run("multi-row-insert", func(b *testing.B) {
-		inTx(b, func(tx pgx.Tx) error { return tables.WriteOutboxPgx(ctx, tx, rows) })
-	})
-	b.Run("batch-of-single-row-inserts", func(b *testing.B) {
-		inTx(b, func(tx pgx.Tx) error {
+	sqlTx := func(write func(*sql.Tx) error) func() {
+		return func() {
+			tx, err := db.BeginTx(ctx, nil)
+			require.NoError(b, err)
+			require.NoError(b, write(tx))
+			require.NoError(b, tx.Commit())
+		}
+	}
+	variants := []struct {
+		name string
+		run  func()
+	}{
+		{"pgx-multi-row-insert", pgxTx(func(tx pgx.Tx) error { return tables.WriteOutboxPgx(ctx, tx, rows) })},
+		{"pgx-batch-of-single-row-inserts", pgxTx(func(tx pgx.Tx) error {
 			batch := &pgx.Batch{}
 			for _, r := range rows {
 				q, err := schema.InsertQuery(tables.OutboxTopic, message.Messages{r})
@@ -104,6 +119,35 @@ func BenchmarkOutboxPgxInsert(b *testing.B) {
 				batch.Queue(q.Query, q.Args...)
 			}
 			return tx.SendBatch(ctx, batch).Close()
-		})
-	})
+		})},
+		{"sql-multi-row-insert", sqlTx(func(tx *sql.Tx) error { return tables.WriteOutbox(ctx, tx, rows) })},
+		{"sql-100-single-row-inserts", sqlTx(func(tx *sql.Tx) error {
+			for _, r := range rows {
+				if err := tables.WriteOutbox(ctx, tx, []*message.Message{r}); err != nil {
+					return err
+				}
+			}
+			return nil
+		})},
+	}
+	spent := make([][]time.Duration, len(variants))
+	round := 0
+	for b.Loop() {
+		for k := range variants {
+			i := (k + round) % len(variants)
+			start := time.Now()
+			variants[i].run()
+			spent[i] = append(spent[i], time.Since(start))
+		}
+		round++
+	}
+	median := map[string]float64{}
+	for i, v := range variants {
+		slices.Sort(spent[i])
+		median[v.name] = float64(spent[i][len(spent[i])/2].Microseconds())
+		b.ReportMetric(median[v.name], "µs/tx-"+v.name)
+	}
+	b.ReportMetric(median["pgx-batch-of-single-row-inserts"]/median["pgx-multi-row-insert"], "x-pgx-batch/multi-row")
+	b.ReportMetric(median["sql-100-single-row-inserts"]/median["pgx-multi-row-insert"], "x-sql-100-single/pgx-multi-row")
+	b.ReportMetric(median["sql-multi-row-insert"]/median["pgx-multi-row-insert"], "x-sql/pgx-multi-row")
 }

@@ -54,3 +54,19 @@ func (c BrokerConfig) Rules() adapters.Rules {
 	}
 	return c.NATS.Rules()
 }
+
+// cloudEventsPrefix is the header prefix of the CloudEvents binding of
+// broker.kind, "" when outbox.cloudevents is off.
+func (c Config) cloudEventsPrefix() string {
+	if !c.Outbox.CloudEvents.Enabled {
+		return ""
+	}
+	switch c.Broker.Kind {
+	case KindKafka:
+		return "ce_" // Kafka protocol binding
+	case KindRabbitMQ:
+		return "cloudEvents_" // AMQP protocol binding
+	default:
+		return "ce-" // NATS protocol binding
+	}
+}

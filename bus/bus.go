@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib" // registers the "pgx" database/sql driver
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -36,12 +37,17 @@ type Bus struct {
 	cfg    Config
 	db     *sql.DB
 	ownsDB bool
+	// pool is the pgxpool of a Bus opened with OpenPgx: handlers' inbox
+	// transactions are begun on it.
+	pool   *pgxpool.Pool
 	tables store.Tables
 	// rules are what the configured broker carries unchanged.
-	rules  adapters.Rules
-	logger watermill.LoggerAdapter
-	now    func() time.Time
-	closed atomic.Bool
+	rules adapters.Rules
+	// cePrefix is the CloudEvents header prefix, "" when they are off.
+	cePrefix string
+	logger   watermill.LoggerAdapter
+	now      func() time.Time
+	closed   atomic.Bool
 
 	registerer prometheus.Registerer
 	gatherer   prometheus.Gatherer
@@ -60,6 +66,8 @@ type Bus struct {
 	mu       sync.Mutex
 	handlers []handlerSpec
 	running  bool
+	// unknownTypes counts events typed handlers have no route for.
+	unknownTypes *prometheus.CounterVec
 }
 
 // Option changes how Open builds a Bus.
@@ -105,20 +113,35 @@ const tracerName = "github.com/millrace-io/millrace"
 
 // Open validates cfg (after WithDefaults), checks that the database answers
 // and that the outbox table exists, and returns a Bus. db is the service's
-// own pool; when it is nil, Open connects to database.url and Close closes
-// that pool.
+// own pool, opened with pgx/v5's stdlib driver (Open refuses another
+// driver, naming it); when it is nil, Open connects to database.url and
+// Close closes that pool. A service on pgxpool uses OpenPgx.
 func Open(ctx context.Context, cfg Config, db *sql.DB, opts ...Option) (*Bus, error) {
 	cfg, err := cfg.check()
 	if err != nil {
 		return nil, err
 	}
+	if db != nil {
+		return open(ctx, cfg, db, false, opts)
+	}
+	if db, err = OpenDB(cfg.Database); err != nil {
+		return nil, err
+	}
+	return open(ctx, cfg, db, true, opts)
+}
+
+// open is Open and OpenPgx with cfg checked, on db; Close closes db when
+// ownsDB is set, and so does a failed open.
+func open(ctx context.Context, cfg Config, db *sql.DB, ownsDB bool, opts []Option) (*Bus, error) {
 	b := &Bus{
-		cfg:    cfg,
-		db:     db,
-		tables: tablesOf(cfg),
-		rules:  cfg.Broker.Rules(),
-		logger: watermill.NewSlogLogger(slog.Default()),
-		now:    time.Now,
+		cfg:      cfg,
+		db:       db,
+		ownsDB:   ownsDB,
+		tables:   tablesOf(cfg),
+		rules:    cfg.Broker.Rules(),
+		cePrefix: cfg.cloudEventsPrefix(),
+		logger:   watermill.NewSlogLogger(slog.Default()),
+		now:      time.Now,
 	}
 	reg := prometheus.NewRegistry()
 	b.registerer, b.gatherer, b.ownRegistry = reg, reg, true
@@ -128,13 +151,6 @@ func Open(ctx context.Context, cfg Config, db *sql.DB, opts ...Option) (*Bus, er
 	}
 	if b.ownRegistry {
 		reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	}
-	if db == nil {
-		var err error
-		if b.db, err = OpenDB(cfg.Database); err != nil {
-			return nil, err
-		}
-		b.ownsDB = true
 	}
 	if err := b.checkDatabase(ctx); err != nil {
 		b.Close() //nolint:errcheck // reporting the first error
@@ -150,6 +166,9 @@ func tablesOf(cfg Config) store.Tables {
 func (b *Bus) checkDatabase(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, b.cfg.Database.ConnectTimeout)
 	defer cancel()
+	if err := checkDriver(ctx, b.db); err != nil {
+		return err
+	}
 	missing, err := store.Missing(ctx, b.db, b.tables.OutboxTable())
 	if pgErr := (*pgconn.PgError)(nil); errors.As(err, &pgErr) {
 		// The server answered: a missing privilege, not a network problem.
@@ -284,7 +303,7 @@ func (b *Bus) outboxRows(ctx context.Context, topic string, events []Event) ([]*
 	prop := forwarder.Propagator(b.propagator)
 	rows := make([]*message.Message, len(events))
 	for i, e := range events {
-		msg, err := e.toMessage(ctx, b.cfg.Outbox, now, prop)
+		msg, err := e.toMessage(ctx, b.cfg.Outbox, now, prop, b.cePrefix)
 		if err == nil {
 			err = refusedByBroker(b.rules.CheckMessage(topic, msg))
 		}
@@ -353,5 +372,5 @@ func refusedByBroker(err error) error {
 var envelopeFields = map[string]string{
 	EventIDKey: "ID", EventTypeKey: "Type", AggregateTypeKey: "AggregateType", AggregateIDKey: "AggregateID",
 	AggregateVersionKey: "AggregateVersion", SchemaVersionKey: "SchemaVersion", OccurredAtKey: "OccurredAt",
-	CorrelationIDKey: "CorrelationID", CausationIDKey: "CausationID",
+	CorrelationIDKey: "CorrelationID", CausationIDKey: "CausationID", ContentTypeKey: "ContentType",
 }

@@ -108,8 +108,10 @@ type OutboxConfig struct {
 	// "watermill_<topic>", the same name Watermill's forwarder.Publisher with
 	// ForwarderTopic=<topic> writes to. Defaults to "millrace_outbox".
 	Topic string `yaml:"topic"`
-	// Codec is how payloads are checked before they are written: "json" (each
-	// payload must be valid JSON) or "bytes" (anything). Defaults to "json".
+	// Codec is how the payloads of events without a ContentType are checked
+	// and labelled: "json" (valid JSON, application/json) or "bytes"
+	// (anything, application/octet-stream). An event's own ContentType (a
+	// typed topic's codec sets it) takes precedence. Defaults to "json".
 	Codec string `yaml:"codec"`
 	// MaxPayloadBytes is the largest payload Publish accepts. Defaults to
 	// 1000000, under the 1 MiB message limit of Kafka and NATS with room for headers.
@@ -117,6 +119,26 @@ type OutboxConfig struct {
 	// MaxMetadataBytes is the largest total size of an event's metadata keys
 	// and values. Defaults to 16384.
 	MaxMetadataBytes int `yaml:"max_metadata_bytes"`
+	// CloudEvents also writes every event's CloudEvents binary-mode
+	// attributes as broker headers.
+	CloudEvents CloudEventsConfig `yaml:"cloudevents"`
+}
+
+// CloudEventsConfig is the outbox.cloudevents section: with it on, a
+// CloudEvents consumer (Dapr, Knative, a CloudEvents SDK) reads millrace's
+// events in binary content mode without millrace. The attributes are
+// headers with the prefix of the broker's CloudEvents binding: ce_ on Kafka,
+// ce- on NATS, cloudEvents_ on RabbitMQ (the AMQP binding); content-type is
+// datacontenttype, as the bindings have it.
+type CloudEventsConfig struct {
+	// Enabled writes id (the event id), type (the event type), source,
+	// specversion ("1.0") and time (occurred-at). Metadata keys with the
+	// broker's prefix are then refused at Publish. Defaults to false.
+	Enabled bool `yaml:"enabled"`
+	// Source is the source attribute, a URI reference naming the producing
+	// service, e.g. "/services/orders" or "urn:example:orders". Required when
+	// Enabled.
+	Source string `yaml:"source"`
 }
 
 // BrokerConfig is the broker section.
@@ -210,6 +232,15 @@ func (c Config) validate(broker bool) error {
 	chk.OneOf("outbox.codec", c.Outbox.Codec, CodecJSON, CodecBytes)
 	chk.Positive("outbox.max_payload_bytes", c.Outbox.MaxPayloadBytes)
 	chk.Positive("outbox.max_metadata_bytes", c.Outbox.MaxMetadataBytes)
+	if ce := c.Outbox.CloudEvents; ce.Enabled {
+		if ce.Source == "" {
+			chk.Add("outbox.cloudevents.source", "required when outbox.cloudevents.enabled is true: a URI reference naming this service, such as \"/services/orders\"")
+		} else if _, err := url.Parse(ce.Source); err != nil || names.Text(ce.Source) != nil || strings.ContainsAny(ce.Source, " ") {
+			chk.Add("outbox.cloudevents.source", "must be a URI reference, such as \"/services/orders\"; got %q", ce.Source)
+		}
+	} else if ce.Source != "" {
+		chk.Add("outbox.cloudevents.source", "set while outbox.cloudevents.enabled is false: turn it on, or remove the source")
+	}
 
 	if broker {
 		chk.OneOf("broker.kind", c.Broker.Kind, KindKafka, KindRabbitMQ, KindNATS)

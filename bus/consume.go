@@ -40,6 +40,8 @@ func WithConsumerGroup(group string) HandleOption {
 type handlerSpec struct {
 	topic, name, group string
 	fn                 HandlerFunc
+	// unknown is a typed handler's rule for event types it has no route for.
+	unknown UnknownTypes
 }
 
 // Handle registers fn to consume topic under the handler name name (the key
@@ -274,10 +276,14 @@ func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []han
 // consumerStack builds the middleware stack of the consumer config and
 // checks that its tables exist.
 func (b *Bus) consumerStack(ctx context.Context, poison message.Publisher) (*middleware.Stack, error) {
-	stack, err := middleware.New(b.cfg.Consumer, middleware.Deps{
+	deps := middleware.Deps{
 		DB: b.db, Schema: b.cfg.Database.Schema, PoisonPublisher: poison,
 		Registerer: b.registerer, Logger: b.logger,
-	})
+	}
+	if b.pool != nil {
+		deps.BeginTx = b.beginPgx
+	}
+	stack, err := middleware.New(b.cfg.Consumer, deps)
 	if err != nil {
 		return nil, err
 	}
@@ -312,6 +318,7 @@ func (b *Bus) adapt(h handlerSpec, act *activity) message.NoPublishHandlerFunc {
 			return middleware.Permanent(fmt.Errorf("invalid event envelope: %w", err))
 		}
 		ctx := forwarder.Propagator(b.propagator).Extract(msg.Context(), propagation.MapCarrier(msg.Metadata))
+		ctx = context.WithValue(ctx, remoteSpanKey{}, trace.SpanContextFromContext(ctx))
 		ctx, span := b.tracer.Start(ctx, h.topic+" process", trace.WithSpanKind(trace.SpanKindConsumer),
 			trace.WithAttributes(
 				attribute.String("messaging.operation.type", "process"),
@@ -322,13 +329,19 @@ func (b *Bus) adapt(h handlerSpec, act *activity) message.NoPublishHandlerFunc {
 				attribute.String("millrace.event_type", ev.Type),
 			))
 		defer span.End()
-		if err := h.fn(context.WithValue(ctx, incomingKey{}, ev), ev); err != nil {
+		if err := callHandler(h.fn, context.WithValue(ctx, incomingKey{}, ev), ev); err != nil {
 			span.RecordError(err)
 			span.SetStatus(codes.Error, err.Error())
 			return err
 		}
 		return nil
 	}
+}
+
+// callHandler calls fn; Tx and PgxTx panicking in it make a permanent error.
+func callHandler(fn HandlerFunc, ctx context.Context, ev Event) (err error) {
+	defer noTxPanic(&err)
+	return fn(ctx, ev)
 }
 
 // incomingKey carries the event being handled, for causation of follow-ups.

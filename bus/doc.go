@@ -16,7 +16,8 @@
 // Migrate creates the tables once (or run `millrace migrate`). Open returns a
 // Bus; Publish writes events into the outbox table on the caller's *sql.Tx
 // with the INSERT of watermill-sql's schema adapter (what Watermill's SQL
-// publisher runs), each wrapped in Watermill's forwarder envelope:
+// publisher runs), each wrapped in Watermill's forwarder envelope (typed
+// topics, below, build these events from Go values):
 //
 //	tx, _ := db.BeginTx(ctx, nil)
 //	tx.ExecContext(ctx, `INSERT INTO orders ...`)
@@ -30,6 +31,53 @@
 // configured broker would refuse or alter: BrokerConfig.Rules) and a
 // refused call writes nothing. PublishInOwnTx is the explicit way to publish without
 // a business transaction.
+//
+// # Typed events
+//
+// A Topic[T] declares a topic with the Go type of its events once, with its
+// wire name (T's EventType method, or TypeName), schema version (Version),
+// codec (WithCodec: CodecJSON, CodecProtobuf, or one of RegisterCodec's)
+// and upcasters from older versions (Upcast). NewTopic checks all of it:
+//
+//	var OrderPlaced = bus.Must(bus.NewTopic[orders.Placed]("orders.events",
+//		bus.Version(2), bus.Upcast(1, orders.PlacedFromV1)))
+//
+//	err := OrderPlaced.Publish(ctx, b, tx, orders.Placed{ID: id, TotalCents: 4200})
+//	err = OrderPlaced.Handle(b, "billing", func(ctx context.Context, m bus.Message[orders.Placed]) error {
+//		_, err := bus.Tx(ctx).ExecContext(ctx, `INSERT INTO invoices ...`, m.Value.ID, m.ID)
+//		return err
+//	})
+//
+// Publish accepts only T; the aggregate comes from T's Aggregate method.
+// A handler gets the value at its Topic's version: older events arrive
+// upcast, newer ones, payloads that do not decode and content types of
+// another codec are poisoned at once with a reason naming the versions or
+// the field. Several types on one topic are several Topics of one name, and
+// HandleTypes routes them by event-type within one handler and consumer
+// group; what happens to a type no route names is WithUnknownTypes'
+// choice, counted by millrace_consumer_unknown_types_total.
+//
+// outbox.codec checks and labels only events without a ContentType; a
+// typed topic sets ContentType from its codec, so protobuf topics publish
+// under outbox.codec "json" too (a JSON content type is always checked to
+// be JSON).
+//
+// # pgx
+//
+// PublishPgx publishes on a pgx.Tx (from a pgxpool.Pool or a pgx.Conn) and
+// writes exactly the rows Publish writes on a *sql.Tx. OpenPgx opens a Bus
+// on a *pgxpool.Pool whose handlers get their inbox transaction as a pgx.Tx
+// from PgxTx, for pgx and sqlc in pgx mode; Open keeps database/sql for
+// everyone else, and refuses a *sql.DB whose driver is not pgx/v5's stdlib.
+// Tx and PgxTx panic, naming the cause, where ctx holds no inbox
+// transaction of their kind; a handler that does so is poisoned at once
+// with that reason.
+//
+// # CloudEvents
+//
+// With outbox.cloudevents.enabled, every event also carries the
+// CloudEvents binary-mode attributes (id, type, source, specversion, time)
+// as headers under the prefix of the broker's CloudEvents binding.
 //
 // # The event envelope
 //

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"mime"
 	"slices"
 	"strconv"
 	"strings"
@@ -47,7 +48,8 @@ const (
 	TracestateKey = envelope.TracestateKey
 	// BaggageKey holds the W3C baggage of the publishing context.
 	BaggageKey = envelope.BaggageKey
-	// ContentTypeKey holds the payload's media type, from outbox.codec.
+	// ContentTypeKey holds the payload's media type: Event.ContentType, or
+	// outbox.codec's.
 	ContentTypeKey = envelope.ContentTypeKey
 )
 
@@ -72,8 +74,15 @@ type Event struct {
 	CorrelationID string
 	// CausationID is the id of the message that caused this event. Optional.
 	CausationID string
-	// Payload is the event body, checked against outbox.codec.
+	// Payload is the event body, checked against ContentType.
 	Payload []byte
+	// ContentType is the payload's media type, written in content-type.
+	// Empty means outbox.codec's: application/json (the payload must be
+	// valid JSON) for "json", application/octet-stream for "bytes". A JSON
+	// type (application/json, or one ending in +json) must hold valid JSON
+	// whatever outbox.codec says; any other type is carried as it is. Typed
+	// topics set it from their codec.
+	ContentType string
 	// Metadata holds extra headers. Keys must not collide with the envelope keys.
 	Metadata map[string]string
 }
@@ -90,8 +99,9 @@ var reservedKeys = map[string]bool{
 
 // toMessage checks e and turns it into the Watermill message that goes inside
 // the outbox envelope. now is the time of Publish; prop writes ctx's trace
-// context and baggage into the metadata.
-func (e Event) toMessage(ctx context.Context, cfg OutboxConfig, now time.Time, prop propagation.TextMapPropagator) (*message.Message, error) {
+// context and baggage into the metadata; cePrefix, when not empty, is the
+// broker's CloudEvents header prefix (outbox.cloudevents).
+func (e Event) toMessage(ctx context.Context, cfg OutboxConfig, now time.Time, prop propagation.TextMapPropagator, cePrefix string) (*message.Message, error) {
 	switch {
 	case e.Type == "":
 		return nil, fieldErr("Type", ErrMissingField, "event type is required")
@@ -122,9 +132,9 @@ func (e Event) toMessage(ctx context.Context, cfg OutboxConfig, now time.Time, p
 		return nil, fieldErr("Payload", ErrPayloadTooLarge,
 			fmt.Sprintf("%d bytes, the limit (outbox.max_payload_bytes) is %d", len(e.Payload), cfg.MaxPayloadBytes))
 	}
-	contentType, err := checkPayload(cfg.Codec, e.Payload)
+	contentType, err := checkPayload(cfg.Codec, e.ContentType, e.Payload)
 	if err != nil {
-		return nil, fieldErr("Payload", ErrInvalidPayload, err.Error())
+		return nil, err
 	}
 
 	id := e.ID
@@ -146,6 +156,10 @@ func (e Event) toMessage(ctx context.Context, cfg OutboxConfig, now time.Time, p
 			return nil, &EventError{Field: "Metadata", Key: k, Kind: ErrInvalidField,
 				Detail: fmt.Sprintf("key %q is set by the trace propagator", k)}
 		}
+		if cePrefix != "" && len(k) >= len(cePrefix) && strings.EqualFold(k[:len(cePrefix)], cePrefix) {
+			return nil, &EventError{Field: "Metadata", Key: k, Kind: ErrInvalidField,
+				Detail: fmt.Sprintf("keys starting with %q hold CloudEvents attributes, which millrace writes (outbox.cloudevents.enabled)", cePrefix)}
+		}
 		meta[k] = v
 	}
 	meta[EventIDKey] = id
@@ -166,6 +180,13 @@ func (e Event) toMessage(ctx context.Context, cfg OutboxConfig, now time.Time, p
 	}
 	if e.CausationID != "" {
 		meta[CausationIDKey] = e.CausationID
+	}
+	if cePrefix != "" {
+		meta[cePrefix+"id"] = id
+		meta[cePrefix+"type"] = e.Type
+		meta[cePrefix+"source"] = cfg.CloudEvents.Source
+		meta[cePrefix+"specversion"] = "1.0"
+		meta[cePrefix+"time"] = meta[OccurredAtKey]
 	}
 	prop.Inject(ctx, propagation.MapCarrier(meta))
 	for k, v := range meta {
@@ -206,16 +227,31 @@ func reservedKey(k string) bool {
 	return k == middleware.ReplayOfKey || strings.HasPrefix(k, "poison-") || k == middleware.PoisonedAtKey
 }
 
-func checkPayload(codec string, payload []byte) (contentType string, err error) {
-	switch codec {
-	case CodecBytes:
-		return "application/octet-stream", nil
-	default:
-		if !json.Valid(payload) {
-			return "", fmt.Errorf("not valid JSON (outbox.codec is %q)", CodecJSON)
+// checkPayload returns the content type of a payload: contentType, or
+// outbox.codec's when it is empty; a JSON type's payload must be JSON.
+func checkPayload(codec, contentType string, payload []byte) (string, error) {
+	if contentType == "" {
+		switch codec {
+		case CodecBytes:
+			return "application/octet-stream", nil
+		default:
+			if !json.Valid(payload) {
+				return "", fieldErr("Payload", ErrInvalidPayload, fmt.Sprintf("not valid JSON (outbox.codec is %q)", CodecJSON))
+			}
+			return "application/json", nil
 		}
-		return "application/json", nil
 	}
+	if err := names.Text(contentType); err != nil {
+		return "", fieldErr("ContentType", ErrInvalidField, err.Error())
+	}
+	mt, _, err := mime.ParseMediaType(contentType)
+	if err != nil {
+		return "", fieldErr("ContentType", ErrInvalidField, fmt.Sprintf("not a media type: %v", err))
+	}
+	if (mt == "application/json" || strings.HasSuffix(mt, "+json")) && !json.Valid(payload) {
+		return "", fieldErr("Payload", ErrInvalidPayload, fmt.Sprintf("not valid JSON (ContentType is %q)", contentType))
+	}
+	return contentType, nil
 }
 
 // EventFromMessage reads the envelope fields of a consumed (or unwrapped)
@@ -231,6 +267,7 @@ func EventFromMessage(msg *message.Message) (Event, error) {
 		CorrelationID: msg.Metadata.Get(CorrelationIDKey),
 		CausationID:   msg.Metadata.Get(CausationIDKey),
 		Payload:       msg.Payload,
+		ContentType:   msg.Metadata.Get(ContentTypeKey),
 	}
 	var err error
 	if v := msg.Metadata.Get(AggregateVersionKey); v != "" {

@@ -45,7 +45,7 @@ func (c *Chain) transaction(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) (_ []*message.Message, err error) {
 		ctx := msg.Context()
 		a := attemptFrom(ctx)
-		tx, err := c.stack.db.BeginTx(ctx, nil)
+		tx, err := c.stack.begin(ctx)
 		if err != nil {
 			return nil, ownStatement(fmt.Errorf("inbox: begin transaction: %w", err))
 		}

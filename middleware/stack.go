@@ -38,6 +38,10 @@ type Deps struct {
 	Registerer prometheus.Registerer
 	// Logger receives the chain's logs. Defaults to no logging.
 	Logger watermill.LoggerAdapter
+	// BeginTx begins the inbox transaction of one attempt on the attempt's
+	// context (see Transaction), when it is not to be a database/sql one.
+	// DB is still required for the tables. Defaults to DB.BeginTx(ctx, nil).
+	BeginTx func(ctx context.Context) (Transaction, error)
 }
 
 // Handler identifies one consumer handler.
@@ -58,6 +62,7 @@ type Handler struct {
 type Stack struct {
 	cfg     Config
 	db      *sql.DB
+	beginTx func(ctx context.Context) (Transaction, error)
 	tables  store.Tables
 	poison  message.Publisher
 	logger  watermill.LoggerAdapter
@@ -91,6 +96,7 @@ func New(cfg Config, deps Deps) (*Stack, error) {
 	s := &Stack{
 		cfg:     cfg,
 		db:      deps.DB,
+		beginTx: deps.BeginTx,
 		tables:  store.Tables{Schema: schema},
 		poison:  deps.PoisonPublisher,
 		logger:  deps.Logger,

@@ -10,7 +10,9 @@
 // written by plain Watermill land in, and are relayed from, the same table.
 //
 // Functions take a DBTX: a *sql.DB, *sql.Tx or *sql.Conn, so each runs in
-// the transaction its caller holds, if any.
+// the transaction its caller holds, if any. The inbox statements need only
+// an Execer, which the consumer chain's pgx transactions provide too; the
+// outbox write has a pgx twin (WriteOutboxPgx) for callers holding a pgx.Tx.
 package store
 
 import (
@@ -20,7 +22,13 @@ import (
 
 // DBTX is what queries run on: a pool, a transaction or a connection.
 type DBTX interface {
-	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
+	Execer
 	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
 	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+}
+
+// Execer runs statements that return no rows: a DBTX, or the consumer
+// chain's inbox transaction whatever its driver.
+type Execer interface {
+	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
 }

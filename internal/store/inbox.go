@@ -12,7 +12,7 @@ import (
 // transaction tx and reports whether it was new: false means the event was
 // processed before (a duplicate). A concurrent duplicate waits on the row
 // lock and then sees the row.
-func (t Tables) MarkProcessed(ctx context.Context, tx DBTX, group, eventID string) (bool, error) {
+func (t Tables) MarkProcessed(ctx context.Context, tx Execer, group, eventID string) (bool, error) {
 	res, err := tx.ExecContext(ctx, `INSERT INTO `+t.InboxTable()+` (consumer_group, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING`,
 		group, eventID)
 	if err != nil {
@@ -25,7 +25,7 @@ func (t Tables) MarkProcessed(ctx context.Context, tx DBTX, group, eventID strin
 // ApplyVersion records version as the latest applied to the aggregate for
 // group, in tx, unless an equal or newer one was applied already; it
 // reports whether version was newer (false: the event is stale).
-func (t Tables) ApplyVersion(ctx context.Context, tx DBTX, group, aggregateType, aggregateID string, version int64, eventID string) (bool, error) {
+func (t Tables) ApplyVersion(ctx context.Context, tx Execer, group, aggregateType, aggregateID string, version int64, eventID string) (bool, error) {
 	res, err := tx.ExecContext(ctx, `INSERT INTO `+t.AggregateVersionsTable()+` AS v (consumer_group, aggregate_type, aggregate_id, version, event_id)
 VALUES ($1, $2, $3, $4, $5)
 ON CONFLICT (consumer_group, aggregate_type, aggregate_id) DO UPDATE

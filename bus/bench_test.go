@@ -1,0 +1,149 @@
+package bus_test
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"fmt"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/internal/testdb"
+)
+
+// BenchmarkPublish publishes 1 and 100 events per transaction, typed and
+// raw, on pgx and on database/sql, every variant once per iteration in
+// turn (so that the machine's load weighs on each alike), and reports each
+// variant's median time per transaction and the ratios the design promises:
+// typed over raw (raw includes the caller's json.Marshal, which typed does
+// for it), and 100 single-row Publish calls on database/sql over one call
+// of 100 events on pgx.
+func BenchmarkPublish(b *testing.B) {
+	tb := setupBench(b)
+	ctx := context.Background()
+	topic := bus.Must(bus.NewTopic[placedV2]("orders.events", bus.Version(2)))
+	values := func(n int) []placedV2 {
+		vs := make([]placedV2, n)
+		for i := range vs {
+			vs[i] = placedV2{OrderID: fmt.Sprintf("ord-%d", i), TotalCents: int64(i)}
+		}
+		return vs
+	}
+	raw := func(vs []placedV2) []bus.Event {
+		evs := make([]bus.Event, len(vs))
+		for i, v := range vs {
+			payload, err := json.Marshal(v)
+			require.NoError(b, err)
+			evs[i] = bus.Event{Type: "OrderPlaced", SchemaVersion: 2, AggregateType: "order", AggregateID: v.OrderID, Payload: payload}
+		}
+		return evs
+	}
+	sqlTx := func(publish func(*testing.B, txs) error) func(*testing.B) {
+		return func(b *testing.B) {
+			tx, err := tb.db.BeginTx(ctx, nil)
+			require.NoError(b, err)
+			require.NoError(b, publish(b, txs{sql: tx}))
+			require.NoError(b, tx.Commit())
+		}
+	}
+	pgxTx := func(publish func(*testing.B, txs) error) func(*testing.B) {
+		return func(b *testing.B) {
+			tx, err := tb.pool.Begin(ctx)
+			require.NoError(b, err)
+			require.NoError(b, publish(b, txs{pgx: tx}))
+			require.NoError(b, tx.Commit(ctx))
+		}
+	}
+	one, hundred := values(1), values(100)
+	variants := []struct {
+		name string
+		run  func(*testing.B)
+	}{
+		{"sql-raw-1", sqlTx(func(b *testing.B, t txs) error { return tb.bus.Publish(ctx, t.sql, "orders.events", raw(one)...) })},
+		{"sql-typed-1", sqlTx(func(b *testing.B, t txs) error { return topic.Publish(ctx, tb.bus, t.sql, one...) })},
+		{"sql-raw-100", sqlTx(func(b *testing.B, t txs) error { return tb.bus.Publish(ctx, t.sql, "orders.events", raw(hundred)...) })},
+		{"sql-typed-100", sqlTx(func(b *testing.B, t txs) error { return topic.Publish(ctx, tb.bus, t.sql, hundred...) })},
+		{"sql-100-single-row-calls", sqlTx(func(b *testing.B, t txs) error {
+			for _, v := range hundred {
+				if err := topic.Publish(ctx, tb.bus, t.sql, v); err != nil {
+					return err
+				}
+			}
+			return nil
+		})},
+		{"pgx-raw-1", pgxTx(func(b *testing.B, t txs) error { return tb.pgx.PublishPgx(ctx, t.pgx, "orders.events", raw(one)...) })},
+		{"pgx-typed-1", pgxTx(func(b *testing.B, t txs) error { return topic.PublishPgx(ctx, tb.pgx, t.pgx, one...) })},
+		{"pgx-raw-100", pgxTx(func(b *testing.B, t txs) error {
+			return tb.pgx.PublishPgx(ctx, t.pgx, "orders.events", raw(hundred)...)
+		})},
+		{"pgx-typed-100", pgxTx(func(b *testing.B, t txs) error { return topic.PublishPgx(ctx, tb.pgx, t.pgx, hundred...) })},
+	}
+	spent := make([][]time.Duration, len(variants))
+	round := 0
+	for b.Loop() {
+		for k := range variants {
+			i := (k + round) % len(variants) // each variant in every position in turn
+			start := time.Now()
+			variants[i].run(b)
+			spent[i] = append(spent[i], time.Since(start))
+		}
+		round++
+		if round%20 == 0 {
+			_, err := tb.db.Exec(`TRUNCATE "` + tb.schema + `".watermill_millrace_outbox`)
+			require.NoError(b, err)
+		}
+	}
+	per := map[string]float64{}
+	for i, v := range variants {
+		// The median: a shared machine's stalls land on a few iterations.
+		slices.Sort(spent[i])
+		per[v.name] = float64(spent[i][len(spent[i])/2].Microseconds())
+		b.ReportMetric(per[v.name], "µs/tx-"+v.name)
+	}
+	b.ReportMetric(per["sql-typed-1"]/per["sql-raw-1"], "x-typed/raw-sql-1")
+	b.ReportMetric(per["sql-typed-100"]/per["sql-raw-100"], "x-typed/raw-sql-100")
+	b.ReportMetric(per["pgx-typed-1"]/per["pgx-raw-1"], "x-typed/raw-pgx-1")
+	b.ReportMetric(per["pgx-typed-100"]/per["pgx-raw-100"], "x-typed/raw-pgx-100")
+	b.ReportMetric(per["sql-typed-1"]/per["pgx-typed-1"], "x-sql/pgx-1")
+	b.ReportMetric(per["sql-typed-100"]/per["pgx-typed-100"], "x-sql/pgx-100")
+	b.ReportMetric(per["sql-100-single-row-calls"]/per["pgx-typed-100"], "x-100-single-sql/100-pgx")
+}
+
+// txs is the transaction of one benchmark variant.
+type txs struct {
+	sql *sql.Tx
+	pgx pgx.Tx
+}
+
+// benchBundle is a migrated schema with a Bus on database/sql and one on
+// pgxpool.
+type benchBundle struct {
+	db     *sql.DB
+	schema string
+	bus    *bus.Bus
+	pool   *pgxpool.Pool
+	pgx    *bus.Bus
+}
+
+func setupBench(b *testing.B) benchBundle {
+	ctx := context.Background()
+	db := testdb.Open(b)
+	var cfg bus.Config
+	cfg.Database.Schema = testdb.Schema(b, db)
+	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
+	require.NoError(b, bus.Migrate(ctx, db, cfg))
+	sqlBus, err := bus.Open(ctx, cfg, db)
+	require.NoError(b, err)
+	b.Cleanup(func() { sqlBus.Close() })
+	pool := newPool(b)
+	pgxBus, err := bus.OpenPgx(ctx, cfg, pool)
+	require.NoError(b, err)
+	b.Cleanup(func() { pgxBus.Close() })
+	return benchBundle{db: db, schema: cfg.Database.Schema, bus: sqlBus, pool: pool, pgx: pgxBus}
+}

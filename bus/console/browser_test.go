@@ -62,6 +62,18 @@ func do(t *testing.T, ctx context.Context, steps ...chromedp.Action[chromedp.Voi
 	require.NoError(t, chromedp.Do(ctx, steps...))
 }
 
+// follow runs steps that load a new page (a form's submit, a link's click)
+// and waits until that page has loaded, so a later wait cannot be answered by
+// the page the steps left.
+func follow(t *testing.T, ctx context.Context, steps ...chromedp.Action[chromedp.Void]) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	resp, err := chromedp.RunResponse(ctx, steps...)
+	require.NoError(t, err)
+	require.Equal(t, int64(200), resp.Status, "%s", resp.URL)
+}
+
 // get runs one action that returns a value, bounded by a minute.
 func get[T any](t *testing.T, ctx context.Context, a chromedp.Action[T]) T {
 	t.Helper()
@@ -179,12 +191,15 @@ func TestConsoleInABrowser(t *testing.T) {
 	do(t, bctx, chromedp.Click("input[data-select-all]"))
 	shoot(t, bctx, shots, "dlq")
 
-	do(t, bctx, chromedp.SendKeys(`input[name=reason]`, "sku 10"), chromedp.Click("#apply"), chromedp.WaitVisible(`#messages`))
+	do(t, bctx, chromedp.SendKeys(`input[name=reason]`, "sku 10"))
+	follow(t, bctx, chromedp.Click("#apply"))
+	do(t, bctx, chromedp.WaitVisible(`#messages`))
 	require.Contains(t, get(t, bctx, chromedp.Location()), "reason=sku+10")
 	require.Equal(t, 3, count("#messages input[name=id]"), "the filter keeps the three sku 10xx messages")
 	shoot(t, bctx, shots, "dlq-filtered")
 
-	do(t, bctx, chromedp.Click(`#messages tr:nth-child(2) td:nth-child(2) a`), chromedp.WaitVisible("#payload"))
+	follow(t, bctx, chromedp.Click(`#messages tr:nth-child(2) td:nth-child(2) a`))
+	do(t, bctx, chromedp.WaitVisible("#payload"))
 	require.Contains(t, get(t, bctx, chromedp.Text("#payload")), `"quantity": 2`)
 	require.Contains(t, get(t, bctx, chromedp.Text("#reason")), "unavailable")
 	require.Contains(t, get(t, bctx, chromedp.Text("#metadata")), "aggregate-id")
@@ -193,13 +208,15 @@ func TestConsoleInABrowser(t *testing.T) {
 	do(t, bctx, chromedp.Navigate(srv.URL+"/dlq/groups"), chromedp.WaitVisible("#groups"))
 	require.Equal(t, 3, count("#groups tr"), "a header and two groups")
 	shoot(t, bctx, shots, "groups")
-	do(t, bctx, chromedp.Click(`button[data-group="`+fp+`"]`), chromedp.WaitVisible("#dry-run"))
+	follow(t, bctx, chromedp.Click(`button[data-group="`+fp+`"]`))
+	do(t, bctx, chromedp.WaitVisible("#dry-run"))
 	require.Contains(t, get(t, bctx, chromedp.Text("#dry-run")), "3 selected would be replayed as 3 outbox message(s)")
 	l, err := ops.ListPoisoned(ctx, bus.PoisonFilter{Replayed: new(true)}, 0)
 	require.NoError(t, err)
 	require.Empty(t, l.Messages, "the dry run replayed nothing")
 	shoot(t, bctx, shots, "confirm")
-	do(t, bctx, chromedp.Click("#confirm"), chromedp.WaitVisible("#done"))
+	follow(t, bctx, chromedp.Click("#confirm"))
+	do(t, bctx, chromedp.WaitVisible("#done"))
 	require.Contains(t, get(t, bctx, chromedp.Text("#done")), "3 replayed as 3 outbox message(s)")
 	shoot(t, bctx, shots, "replayed")
 

@@ -80,6 +80,15 @@ func encodeValue(v string) string {
 	return encodedPrefix + base64.StdEncoding.EncodeToString([]byte(v)) + encodedSuffix
 }
 
+// encodedLen is len(encodeValue(v)) without building the encoded string:
+// the rules size every message at Publish and must not marshal it to do so.
+func encodedLen(v string) int {
+	if !needsEncoding(v) {
+		return len(v)
+	}
+	return len(encodedPrefix) + base64.StdEncoding.EncodedLen(len(v)) + len(encodedSuffix)
+}
+
 // decodeValue reverses encodeValue.
 func decodeValue(v string) string {
 	if s, ok := strings.CutPrefix(v, encodedPrefix); ok {

@@ -55,6 +55,7 @@ func FuzzHeadersRoundTrip(f *testing.F) {
 		nm, err := marshaler{}.Marshal(subject, msg)
 		require.NoError(t, err, "what the Rules accept marshals")
 		nm.Header.Set(nats.MsgIdHdr, mid)
+		require.Equal(t, nm.Size()-len(nm.Subject)-len(nm.Data), headerSize(msg), "the rules size the headers as NATS does")
 		require.NoError(t, nc.PublishMsg(nm))
 		got, err := sub.NextMsg(10 * time.Second)
 		require.NoError(t, err)

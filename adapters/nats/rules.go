@@ -1,6 +1,7 @@
 package nats
 
 import (
+	wmnats "github.com/ThreeDotsLabs/watermill-nats/v2/pkg/nats"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/nats-io/nats.go"
 
@@ -44,21 +45,30 @@ func (r rules) CheckMessage(topic string, msg *message.Message) error {
 			return adapters.Refused(brokerKind, adapters.PartHeaderName, k, "%v", err)
 		}
 	}
-	nm, err := marshaler{}.Marshal(topic, msg)
-	if err != nil {
-		return err
-	}
-	// PublishBatch adds the Nats-Msg-Id header: "Nats-Msg-Id: <id>\r\n".
-	headers := nm.Size() - len(nm.Subject) - len(nm.Reply) - len(nm.Data) + len(nats.MsgIdHdr) + len(msgID(msg.UUID)) + 4
+	headers := headerSize(msg)
 	if headers > maxHeaderBytes {
 		return adapters.Refused(brokerKind, adapters.PartSize, "",
 			"%d bytes of headers (encoded), over JetStream's limit of %d bytes", headers, maxHeaderBytes)
 	}
-	if r.maxMsgSize > 0 && len(nm.Data)+headers > r.maxMsgSize {
+	if r.maxMsgSize > 0 && len(msg.Payload)+headers > r.maxMsgSize {
 		return adapters.Refused(brokerKind, adapters.PartSize, "",
-			"%d bytes with headers, over the stream's max_msg_size limit of %d bytes (broker.nats.stream.max_msg_size)", len(nm.Data)+headers, r.maxMsgSize)
+			"%d bytes with headers, over the stream's max_msg_size limit of %d bytes (broker.nats.stream.max_msg_size)", len(msg.Payload)+headers, r.maxMsgSize)
 	}
 	return nil
+}
+
+// headerSize is the size of msg's headers as PublishBatch sends them: the
+// marshaler's headers plus Nats-Msg-Id, counted the way nats.Msg sizes
+// them, without marshaling (the rules run on every Publish).
+func headerSize(msg *message.Message) int {
+	const line = len(": \r\n")
+	size := len("NATS/1.0\r\n") + len("\r\n") +
+		len(wmnats.WatermillUUIDHdr) + encodedLen(msg.UUID) + line +
+		len(nats.MsgIdHdr) + encodedLen(msg.UUID) + line // msgID is encodeValue
+	for k, v := range msg.Metadata {
+		size += len(k) + encodedLen(v) + line
+	}
+	return size
 }
 
 // Rules returns the rules of the Broker's configuration (Config.Rules).

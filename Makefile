@@ -47,12 +47,15 @@ fuzz: up ## run every fuzz target for FUZZTIME each (make test runs them for 5s 
 		done; \
 	done
 
-migrate: up ## create millrace's tables in the database config.yaml names
+migrate: ## create millrace's tables in the database config.yaml names
+	@$(STACK) up postgres
 	$(GO) run ./cmd/millrace --config $(CONFIG) migrate
 
 BROKER  ?=
 
-demo: up ## the seed scenario end to end (BROKER=nats|rabbitmq|kafka; default: config.yaml, in-process NATS)
+demo: ## the seed scenario end to end (BROKER=nats|rabbitmq|kafka; default: config.yaml, in-process NATS)
+	@# PostgreSQL always; a broker server only for BROKER=rabbitmq (NATS and Kafka run in process).
+	@$(STACK) up postgres $(if $(filter rabbitmq,$(BROKER)),rabbitmq)
 	$(if $(BROKER),MILLRACE_BROKER_KIND=$(BROKER)) $(GO) run ./examples/demo --config $(CONFIG)
 
 bench: up ## benchmarks, millrace side by side with stock Watermill

@@ -30,7 +30,12 @@ func chromium(t *testing.T) string {
 			return p
 		}
 	}
-	t.Fatal("no chromium on PATH: run `make up`, which installs Debian's chromium package")
+	for _, app := range []string{"/Applications/Chromium.app/Contents/MacOS/Chromium", "/Applications/Google Chrome.app/Contents/MacOS/Google Chrome"} {
+		if _, err := os.Stat(app); err == nil {
+			return app // macOS: Homebrew's cask installs an app, not a command
+		}
+	}
+	t.Fatal("no chromium on PATH: run `make up`, which installs chromium (apt-get or Homebrew)")
 	return ""
 }
 

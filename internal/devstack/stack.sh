@@ -3,16 +3,23 @@
 # (JetStream) on their standard local ports, and a headless chromium for
 # the web console's browser tests.
 #
-#   stack.sh up      reuse running servers, start installed ones, install
-#                    missing ones (and chromium) with apt-get (Debian/Ubuntu);
-#                    print what it did
+#   stack.sh up [service...]  reuse running servers, start installed ones,
+#                    install missing ones with apt-get (Debian/Ubuntu) or
+#                    Homebrew (macOS); print what it did. Services:
+#                    postgres rabbitmq nats chromium (default: all four)
 #   stack.sh down    stop what `up` started, and nothing else
 #   stack.sh status  show what answers on each port
 #
 # A service whose URL points elsewhere (DATABASE_URL, AMQP_URL, NATS_URL set to
 # a non-local host) is left alone. State lives in $MILLRACE_STACK_DIR (.stack).
+# MILLRACE_STACK_{PG,AMQP,NATS}_PORT move the ports the script looks at (its
+# own tests use them; millrace's default URLs name the standard ports).
+# Docker users can run compose.yaml instead; the tests do not need Docker.
 set -euo pipefail
 
+PG_PORT=${MILLRACE_STACK_PG_PORT:-5432}
+AMQP_PORT=${MILLRACE_STACK_AMQP_PORT:-5672}
+NATS_PORT=${MILLRACE_STACK_NATS_PORT:-4222}
 STATE_DIR=${MILLRACE_STACK_DIR:-.stack}
 STARTED="$STATE_DIR/started"
 mkdir -p "$STATE_DIR"
@@ -27,7 +34,23 @@ as_root() {
 	"${SUDO[@]}" "$@"
 }
 
-port_open() { timeout 1 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; }
+# A closed loopback port refuses at once, so the probe needs no timeout;
+# GNU timeout (absent on macOS) only guards against a port that never answers.
+port_open() {
+	if command -v timeout >/dev/null; then
+		timeout 2 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null
+	else
+		bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null
+	fi
+}
+
+# nats_info prints the INFO line a NATS server sends on connect to port $1.
+nats_info() {
+	bash -c 'exec 3<>/dev/tcp/127.0.0.1/'"$1"' && IFS= read -r -t 3 line <&3 && printf "%s\n" "$line"' 2>/dev/null || true
+}
+
+# jetstream_on: the NATS server on port $1 has JetStream enabled.
+jetstream_on() { nats_info "$1" | grep -q '"jetstream":true'; }
 
 wait_port() { # port seconds name
 	local i
@@ -46,63 +69,111 @@ remote() { # true when the URL in $1 names a host other than localhost
 
 record() { grep -qx "$1" "$STARTED" || echo "$1" >>"$STARTED"; }
 
-apt_install() {
+macos() { [ "$(uname -s)" = Darwin ]; }
+
+# brew_formula maps a Debian package name to its Homebrew formula.
+brew_formula() {
+	case "$1" in
+	postgresql) echo postgresql@16 ;;
+	rabbitmq-server) echo rabbitmq ;;
+	chromium) echo --cask chromium ;;
+	*) echo "$1" ;;
+	esac
+}
+
+# install $1 (a Debian package name) with apt-get or, on macOS, Homebrew.
+install() {
+	if macos; then
+		command -v brew >/dev/null || die "$1 is not installed and Homebrew is not available: install Homebrew (https://brew.sh) or $1 yourself (see README)"
+		say "$1" "installing with Homebrew"
+		# shellcheck disable=SC2046 # the formula may carry --cask
+		brew install -q $(brew_formula "$1") >/dev/null
+		return
+	fi
 	command -v apt-get >/dev/null || die "$1 is not installed and apt-get is not available: install $1 yourself (see README)"
 	say "$1" "installing with apt-get"
 	as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
 	as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$1" >/dev/null
 }
 
+# brew_start starts a Homebrew service and records it for `down`.
+brew_start() { # formula name port
+	brew services start "$1" >/dev/null
+	record "brew $1"
+	wait_port "$3" 60 "$2"
+}
+
 pg_version() { ls /etc/postgresql 2>/dev/null | sort -V | tail -n1; }
 
 up_postgres() {
 	if remote "${DATABASE_URL:-}"; then say postgresql "DATABASE_URL points elsewhere; not managed"; return; fi
-	if port_open 5432; then say postgresql "reused the server on 127.0.0.1:5432"; return; fi
+	if port_open "$PG_PORT"; then say postgresql "reused the server on 127.0.0.1:$PG_PORT"; return; fi
+	if macos; then
+		command -v pg_ctl >/dev/null || install postgresql
+		brew_start postgresql@16 postgresql "$PG_PORT"
+		# Homebrew's superuser is the login user; the default URL logs in as postgres/postgres.
+		psql -q -d postgres -c "DO \$\$BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'postgres') THEN CREATE ROLE postgres SUPERUSER LOGIN PASSWORD 'postgres'; END IF; END\$\$" >/dev/null
+		say postgresql "started PostgreSQL (Homebrew) on 127.0.0.1:$PG_PORT"
+		return
+	fi
 	local fresh=0
 	if [ -z "$(pg_version)" ] || ! command -v pg_ctlcluster >/dev/null; then
-		apt_install postgresql
+		install postgresql
 		fresh=1
 	fi
 	local v
 	v=$(pg_version)
 	[ -n "$v" ] || die "postgresql is installed but has no cluster in /etc/postgresql"
-	if ! port_open 5432; then
+	if ! port_open "$PG_PORT"; then
 		as_root pg_ctlcluster --skip-systemctl-redirect "$v" main start
 		record "postgresql $v"
 	fi
-	wait_port 5432 60 postgresql
+	wait_port "$PG_PORT" 60 postgresql
 	if [ "$fresh" = 1 ]; then
 		# The default URL logs in as postgres/postgres over TCP.
 		as_root su -s /bin/sh postgres -c "psql -q -c \"ALTER USER postgres PASSWORD 'postgres'\""
 	fi
-	say postgresql "started PostgreSQL $v on 127.0.0.1:5432"
+	say postgresql "started PostgreSQL $v on 127.0.0.1:$PG_PORT"
 }
 
 up_rabbitmq() {
 	if remote "${AMQP_URL:-}"; then say rabbitmq "AMQP_URL points elsewhere; not managed"; return; fi
-	if port_open 5672; then say rabbitmq "reused the server on 127.0.0.1:5672"; return; fi
-	command -v rabbitmq-server >/dev/null || apt_install rabbitmq-server
-	if ! port_open 5672; then
+	if port_open "$AMQP_PORT"; then say rabbitmq "reused the server on 127.0.0.1:$AMQP_PORT"; return; fi
+	if macos; then
+		command -v rabbitmq-server >/dev/null || install rabbitmq-server
+		brew_start rabbitmq rabbitmq "$AMQP_PORT"
+		say rabbitmq "started RabbitMQ (Homebrew) on 127.0.0.1:$AMQP_PORT (guest/guest)"
+		return
+	fi
+	command -v rabbitmq-server >/dev/null || install rabbitmq-server
+	if ! port_open "$AMQP_PORT"; then
 		as_root rabbitmq-server -detached
 		record rabbitmq
 	fi
-	as_root rabbitmqctl -q await_startup --timeout 120 >/dev/null 2>&1 || wait_port 5672 120 rabbitmq
-	wait_port 5672 60 rabbitmq
-	say rabbitmq "started RabbitMQ on 127.0.0.1:5672 (guest/guest)"
+	as_root rabbitmqctl -q await_startup --timeout 120 >/dev/null 2>&1 || wait_port "$AMQP_PORT" 120 rabbitmq
+	wait_port "$AMQP_PORT" 60 rabbitmq
+	say rabbitmq "started RabbitMQ on 127.0.0.1:$AMQP_PORT (guest/guest)"
 }
 
 up_nats() {
 	if remote "${NATS_URL:-}"; then say nats "NATS_URL points elsewhere; not managed"; return; fi
-	if port_open 4222; then say nats "reused the server on 127.0.0.1:4222"; return; fi
-	command -v nats-server >/dev/null || [ -x /usr/sbin/nats-server ] || apt_install nats-server
+	if port_open "$NATS_PORT"; then
+		# A distribution's nats-server service (Debian's starts one) runs
+		# without JetStream on the standard port; millrace cannot use it.
+		jetstream_on "$NATS_PORT" || die "the NATS server on 127.0.0.1:$NATS_PORT has no JetStream: stop it (e.g. systemctl disable --now nats-server) and run make up again, or point NATS_URL at a server started with -js"
+		say nats "reused the server on 127.0.0.1:$NATS_PORT (JetStream on)"
+		return
+	fi
+	command -v nats-server >/dev/null || [ -x /usr/sbin/nats-server ] || install nats-server
 	local bin
 	bin=$(command -v nats-server || echo /usr/sbin/nats-server)
 	mkdir -p "$STATE_DIR/nats"
-	nohup "$bin" -a 127.0.0.1 -p 4222 -js -sd "$(cd "$STATE_DIR" && pwd)/nats" >"$STATE_DIR/nats.log" 2>&1 &
+	nohup "$bin" -a 127.0.0.1 -p "$NATS_PORT" -js -sd "$(cd "$STATE_DIR" && pwd)/nats" >"$STATE_DIR/nats.log" 2>&1 &
 	echo $! >"$STATE_DIR/nats.pid"
 	record nats
-	wait_port 4222 30 nats-server
-	say nats "started nats-server with JetStream on 127.0.0.1:4222 (data in $STATE_DIR/nats)"
+	wait_port "$NATS_PORT" 30 nats-server
+	jetstream_on "$NATS_PORT" || die "nats-server started on 127.0.0.1:$NATS_PORT but reports no JetStream (see $STATE_DIR/nats.log)"
+	say nats "started nats-server with JetStream on 127.0.0.1:$NATS_PORT (data in $STATE_DIR/nats)"
 }
 
 # The console's browser tests (bus/console) drive chromium headless; they
@@ -112,7 +183,11 @@ up_chromium() {
 	for b in chromium chromium-browser google-chrome google-chrome-stable; do
 		if command -v "$b" >/dev/null; then say chromium "found $(command -v "$b")"; return; fi
 	done
-	apt_install chromium
+	for b in /Applications/Chromium.app/Contents/MacOS/Chromium "/Applications/Google Chrome.app/Contents/MacOS/Google Chrome"; do
+		if [ -x "$b" ]; then say chromium "found $b"; return; fi
+	done
+	install chromium
+	if macos; then say chromium "installed /Applications/Chromium.app"; return; fi
 	command -v chromium >/dev/null || die "chromium was installed but is not on PATH"
 	say chromium "installed $(chromium --version 2>/dev/null | head -n1)"
 }
@@ -126,6 +201,8 @@ down() {
 		rabbitmq)
 			as_root rabbitmqctl -q shutdown >/dev/null 2>&1 || as_root rabbitmqctl -q stop >/dev/null 2>&1 || true
 			say rabbitmq "stopped" ;;
+		"brew "*)
+			brew services stop "${line#brew }" >/dev/null && say "${line#brew }" "stopped" ;;
 		nats)
 			if [ -f "$STATE_DIR/nats.pid" ]; then kill "$(cat "$STATE_DIR/nats.pid")" 2>/dev/null || true; rm -f "$STATE_DIR/nats.pid"; fi
 			say nats "stopped" ;;
@@ -137,14 +214,26 @@ down() {
 
 status() {
 	local p
-	for p in postgresql:5432 rabbitmq:5672 nats:4222; do
+	for p in postgresql:$PG_PORT rabbitmq:$AMQP_PORT nats:$NATS_PORT; do
 		if port_open "${p#*:}"; then say "${p%:*}" "up on 127.0.0.1:${p#*:}"; else say "${p%:*}" "down"; fi
 	done
-	if command -v chromium >/dev/null; then say chromium "installed"; else say chromium "missing (make up installs it)"; fi
+	if command -v chromium >/dev/null || [ -x /Applications/Chromium.app/Contents/MacOS/Chromium ]; then say chromium "installed"; else say chromium "missing (make up installs it)"; fi
 }
 
 case "${1:-}" in
-up) up_postgres; up_rabbitmq; up_nats; up_chromium ;;
+up)
+	shift
+	[ $# -gt 0 ] || set -- postgres rabbitmq nats chromium
+	for svc in "$@"; do
+		case "$svc" in
+		postgres) up_postgres ;;
+		rabbitmq) up_rabbitmq ;;
+		nats) up_nats ;;
+		chromium) up_chromium ;;
+		*) die "unknown service $svc (postgres, rabbitmq, nats, chromium)" ;;
+		esac
+	done
+	;;
 down) down ;;
 status) status ;;
 *) die "usage: stack.sh up|down|status" ;;

@@ -1,0 +1,267 @@
+package devstack
+
+import (
+	"bufio"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// fakeListenEnv makes the test binary a fake server instead of running
+// tests: it listens on the address and greets every connection with a NATS
+// INFO line (JetStream on when fakeJetStreamEnv is "true").
+const fakeListenEnv, fakeJetStreamEnv = "MILLRACE_FAKE_LISTEN", "MILLRACE_FAKE_JETSTREAM"
+
+func TestMain(m *testing.M) {
+	if addr := os.Getenv(fakeListenEnv); addr != "" {
+		l, err := net.Listen("tcp", addr)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		serve(l, os.Getenv(fakeJetStreamEnv) == "true")
+	}
+	os.Exit(m.Run())
+}
+
+// serve greets each connection with an INFO line, as nats-server does.
+func serve(l net.Listener, jetstream bool) {
+	info := `INFO {"server_id":"fake","version":"2.9.11","proto":1}` + "\r\n"
+	if jetstream {
+		info = `INFO {"server_id":"fake","version":"2.11.0","proto":1,"jetstream":true}` + "\r\n"
+	}
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		go func() {
+			defer c.Close()
+			_, _ = c.Write([]byte(info))
+			_, _ = bufio.NewReader(c).ReadString('\n')
+		}()
+	}
+}
+
+// listen starts an in-test fake server and returns its port.
+func listen(t *testing.T, jetstream bool) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	go serve(l, jetstream)
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// closedPort returns a loopback port nothing listens on.
+func closedPort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	port := l.Addr().(*net.TCPAddr).Port
+	require.NoError(t, l.Close())
+	return port
+}
+
+// stack is one run environment for stack.sh: a PATH of only the basic
+// tools the script needs (no GNU timeout, no servers, no installers) plus
+// the fakes a test writes into bin.
+type stack struct {
+	t        *testing.T
+	bin, dir string
+	env      []string
+}
+
+func newStack(t *testing.T, ports map[string]int) *stack {
+	t.Helper()
+	s := &stack{t: t, bin: t.TempDir(), dir: t.TempDir()}
+	for _, tool := range []string{"bash", "env", "mkdir", "touch", "grep", "cat", "id", "sleep", "nohup", "ls", "sort", "tail", "head", "kill", "pwd", "rm"} {
+		p, err := exec.LookPath(tool)
+		if err != nil {
+			continue // a shell builtin on this system
+		}
+		require.NoError(t, os.Symlink(p, filepath.Join(s.bin, tool)))
+	}
+	s.env = []string{"PATH=" + s.bin, "HOME=" + s.dir, "MILLRACE_STACK_DIR=" + filepath.Join(s.dir, "state"),
+		"FAKE_LOG=" + filepath.Join(s.dir, "calls.log")}
+	for name, port := range ports {
+		s.env = append(s.env, "MILLRACE_STACK_"+name+"_PORT="+strconv.Itoa(port))
+	}
+	return s
+}
+
+// fake writes an executable script named name into the stack's PATH.
+func (s *stack) fake(name, body string) {
+	s.t.Helper()
+	bash, err := exec.LookPath("bash")
+	require.NoError(s.t, err)
+	path := filepath.Join(s.bin, name)
+	require.NoError(s.t, os.RemoveAll(path)) // never write through a symlink to a real tool
+	script := "#!" + bash + "\necho \"" + name + " $*\" >>\"$FAKE_LOG\"\n" + body + "\n"
+	require.NoError(s.t, os.WriteFile(path, []byte(script), 0o755))
+}
+
+// run runs stack.sh with args and returns its combined output and error.
+func (s *stack) run(args ...string) (string, error) {
+	s.t.Helper()
+	cmd := exec.Command("./stack.sh", args...)
+	cmd.Env = s.env
+	out, err := cmd.CombinedOutput()
+	return string(out), err
+}
+
+// calls returns what the fakes were called with, one call per line.
+func (s *stack) calls() string {
+	b, err := os.ReadFile(filepath.Join(s.dir, "calls.log"))
+	if os.IsNotExist(err) {
+		return ""
+	}
+	require.NoError(s.t, err)
+	return string(b)
+}
+
+func TestReusedNATSWithoutJetStreamIsRefused(t *testing.T) {
+	t.Parallel()
+	s := newStack(t, map[string]int{"NATS": listen(t, false)})
+	out, err := s.run("up", "nats")
+	require.Error(t, err, out)
+	require.Contains(t, out, "has no JetStream")
+	require.Contains(t, out, "systemctl disable --now nats-server", "the message says how to get the port back")
+	require.NotContains(t, out, "reused")
+}
+
+func TestReusedNATSWithJetStreamNeedsNoTimeoutCommand(t *testing.T) {
+	t.Parallel()
+	s := newStack(t, map[string]int{"NATS": listen(t, true), "PG": closedPort(t), "AMQP": listen(t, false)})
+	_, err := exec.Command("env", "PATH="+s.bin, "bash", "-c", "command -v timeout").Output()
+	require.Error(t, err, "the test's PATH has no timeout command")
+
+	out, err := s.run("up", "nats")
+	require.NoError(t, err, out)
+	require.Contains(t, out, "reused the server on 127.0.0.1:")
+	require.Contains(t, out, "(JetStream on)")
+
+	out, err = s.run("status")
+	require.NoError(t, err, out)
+	require.Regexp(t, `postgresql +down`, out)
+	require.Regexp(t, `rabbitmq +up on 127\.0\.0\.1:\d+`, out)
+	require.Regexp(t, `nats +up on 127\.0\.0\.1:\d+`, out)
+}
+
+func TestMacOSInstallsAndStartsWithHomebrew(t *testing.T) {
+	t.Parallel()
+	pg, amqp := closedPort(t), closedPort(t)
+	s := newStack(t, map[string]int{"PG": pg, "AMQP": amqp})
+	self, err := os.Executable()
+	require.NoError(t, err)
+	s.fake("uname", `echo Darwin`)
+	s.fake("psql", ``)
+	// brew: install does nothing; services start runs a fake server on
+	// the formula's port (this test binary), services stop kills it.
+	s.fake("brew", fmt.Sprintf(`
+case "$1 $2" in
+"services start")
+	case "$3" in postgresql@16) port=%d ;; rabbitmq) port=%d ;; *) exit 1 ;; esac
+	%s=127.0.0.1:$port nohup %q >/dev/null 2>&1 &
+	echo $! >"$FAKE_LOG.$3.pid" ;;
+"services stop")
+	kill "$(cat "$FAKE_LOG.$3.pid")" ;;
+esac`, pg, amqp, fakeListenEnv, self))
+	t.Cleanup(func() {
+		for _, f := range []string{"postgresql@16", "rabbitmq"} {
+			if b, err := os.ReadFile(filepath.Join(s.dir, "calls.log."+f+".pid")); err == nil {
+				if pid, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil {
+					if p, err := os.FindProcess(pid); err == nil {
+						_ = p.Kill()
+					}
+				}
+			}
+		}
+	})
+
+	out, err := s.run("up", "postgres", "rabbitmq")
+	require.NoError(t, err, out)
+	require.Contains(t, out, "started PostgreSQL (Homebrew) on 127.0.0.1:"+strconv.Itoa(pg))
+	require.Contains(t, out, "started RabbitMQ (Homebrew) on 127.0.0.1:"+strconv.Itoa(amqp))
+	calls := s.calls()
+	for _, want := range []string{"brew install -q postgresql@16", "brew services start postgresql@16",
+		"brew install -q rabbitmq", "brew services start rabbitmq", "CREATE ROLE postgres SUPERUSER LOGIN PASSWORD 'postgres'"} {
+		require.Contains(t, calls, want)
+	}
+	require.NotContains(t, calls, "apt-get")
+
+	out, err = s.run("down")
+	require.NoError(t, err, out)
+	calls = s.calls()
+	require.Contains(t, calls, "brew services stop postgresql@16")
+	require.Contains(t, calls, "brew services stop rabbitmq")
+	require.Eventually(t, func() bool {
+		c, err := net.DialTimeout("tcp", "127.0.0.1:"+strconv.Itoa(amqp), time.Second)
+		if err == nil {
+			_ = c.Close()
+		}
+		return err != nil
+	}, 10*time.Second, 50*time.Millisecond, "down stopped the service it started")
+}
+
+func TestLinuxWithoutInstallerNamesWhatToInstall(t *testing.T) {
+	t.Parallel()
+	s := newStack(t, map[string]int{"AMQP": closedPort(t)})
+	s.fake("uname", `echo Linux`)
+	out, err := s.run("up", "rabbitmq")
+	require.Error(t, err, out)
+	require.Contains(t, out, "rabbitmq-server is not installed and apt-get is not available")
+}
+
+// A nats-server that starts but has no JetStream (an old or odd build) is
+// an error, not "started with JetStream"; one that has it is stopped by down.
+func TestStartedNATSIsCheckedForJetStream(t *testing.T) {
+	t.Parallel()
+	self, err := os.Executable()
+	require.NoError(t, err)
+	for _, jetstream := range []bool{false, true} {
+		t.Run(fmt.Sprintf("jetstream=%v", jetstream), func(t *testing.T) {
+			t.Parallel()
+			port := closedPort(t)
+			s := newStack(t, map[string]int{"NATS": port})
+			s.fake("uname", `echo Linux`)
+			s.fake("nats-server", fmt.Sprintf(`%s=127.0.0.1:%d %s=%v exec %q`, fakeListenEnv, port, fakeJetStreamEnv, jetstream, self))
+			out, err := s.run("up", "nats")
+			t.Cleanup(func() { _, _ = s.run("down") })
+			require.Contains(t, s.calls(), "nats-server -a 127.0.0.1 -p "+strconv.Itoa(port)+" -js")
+			if !jetstream {
+				require.Error(t, err, out)
+				require.Contains(t, out, "reports no JetStream")
+				return
+			}
+			require.NoError(t, err, out)
+			require.Contains(t, out, "started nats-server with JetStream")
+			out, err = s.run("down")
+			require.NoError(t, err, out)
+			require.Contains(t, out, "nats        stopped")
+			require.Eventually(t, func() bool {
+				c, err := net.DialTimeout("tcp", "127.0.0.1:"+strconv.Itoa(port), time.Second)
+				if err == nil {
+					_ = c.Close()
+				}
+				return err != nil
+			}, 10*time.Second, 50*time.Millisecond, "down stopped the nats-server it started")
+		})
+	}
+}
+
+func TestUnknownServiceIsAnError(t *testing.T) {
+	t.Parallel()
+	s := newStack(t, nil)
+	out, err := s.run("up", "kafka")
+	require.Error(t, err)
+	require.Contains(t, out, "unknown service kafka")
+}

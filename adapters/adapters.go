@@ -44,6 +44,13 @@ type Broker interface {
 	Close() error
 }
 
+// Deprovisioner is a Broker that can remove what Provision made for a topic
+// and its consumer groups, messages included. Demos and tests clean up with
+// it; millrace's relay and consumers never call it.
+type Deprovisioner interface {
+	Deprovision(ctx context.Context, topic string, consumerGroups ...string) error
+}
+
 // Capabilities are what a broker guarantees beyond the contract. Consumers
 // decide from them, never from the broker's name.
 type Capabilities struct {

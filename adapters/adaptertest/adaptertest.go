@@ -43,6 +43,7 @@ func Run(t *testing.T, h Harness) {
 	t.Run("CompetingConsumers", func(t *testing.T) { t.Parallel(); testCompeting(t, h) })
 	t.Run("RedeliveryAfterNack", func(t *testing.T) { t.Parallel(); testRedelivery(t, h) })
 	t.Run("UnusualMessagesIntactOrRefused", func(t *testing.T) { t.Parallel(); testUnusual(t, h) })
+	t.Run("DeprovisionRemovesTopology", func(t *testing.T) { t.Parallel(); testDeprovision(t, h) })
 	t.Run("MessageTooLarge", func(t *testing.T) {
 		if h.MaxMessageBytes == 0 {
 			t.Skip("the harness sets no MaxMessageBytes for this broker")
@@ -215,6 +216,28 @@ func testFanOut(t *testing.T, h Harness) {
 		}
 		require.Len(t, ids, len(msgs), "each group gets every message once")
 	}
+}
+
+// testDeprovision: Deprovision removes a topic's topology with its
+// messages, is idempotent, and a later Provision starts afresh.
+func testDeprovision(t *testing.T, h Harness) {
+	ctx := context.Background()
+	b := newBroker(t, h)
+	d, ok := b.(adapters.Deprovisioner)
+	require.True(t, ok, "%T implements adapters.Deprovisioner", b)
+	topic, group := Name("deprovision"), Name("g")
+	require.NoError(t, b.Provision(ctx, topic, group))
+	publishBatch(t, b, topic, []*message.Message{event("old", 1), event("old", 2)})
+	require.NoError(t, d.Deprovision(ctx, topic, group))
+	require.NoError(t, d.Deprovision(ctx, topic, group), "what is already gone is not an error")
+
+	require.NoError(t, b.Provision(ctx, topic, group))
+	fresh := event("new", 1)
+	publishBatch(t, b, topic, []*message.Message{fresh})
+	ch := subscribe(t, b, topic, group)
+	got := receive(t, ch, 1, h.Timeout)
+	require.Equal(t, fresh.UUID, got[0].UUID, "the deprovisioned topic's messages are gone")
+	quiet(t, ch, time.Second)
 }
 
 func testCompeting(t *testing.T, h Harness) {

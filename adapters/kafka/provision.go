@@ -60,6 +60,40 @@ func (b *Broker) Provision(ctx context.Context, topic string, consumerGroups ...
 	return nil
 }
 
+// Deprovision deletes topic, with its records, and consumerGroups' committed
+// offsets. A topic or group already gone is not an error; a group with
+// live members is. See adapters.Deprovisioner.
+func (b *Broker) Deprovision(ctx context.Context, topic string, consumerGroups ...string) error {
+	if err := names.Topic(topic); err != nil {
+		return adapters.Permanent(fmt.Errorf("kafka: topic %q: %w", topic, err))
+	}
+	if b.closed.Load() {
+		return errClosed
+	}
+	b.provisioned.Delete(topic)
+	topics, err := b.admin.DeleteTopics(ctx, topic)
+	if err != nil {
+		return fmt.Errorf("kafka: delete topic %q: %w", topic, err)
+	}
+	if r, ok := topics[topic]; ok && r.Err != nil && !errors.Is(r.Err, kerr.UnknownTopicOrPartition) {
+		return fmt.Errorf("kafka: delete topic %q: %w", topic, r.Err)
+	}
+	b.client.PurgeTopicsFromClient(topic) // a topic created again gets a new id
+	if len(consumerGroups) == 0 {
+		return nil
+	}
+	groups, err := b.admin.DeleteGroups(ctx, consumerGroups...)
+	if err != nil {
+		return fmt.Errorf("kafka: delete consumer groups of topic %q: %w", topic, err)
+	}
+	for _, g := range consumerGroups {
+		if r, ok := groups[g]; ok && r.Err != nil && !errors.Is(r.Err, kerr.GroupIDNotFound) {
+			return fmt.Errorf("kafka: delete consumer group %q: %w", g, r.Err)
+		}
+	}
+	return nil
+}
+
 // ensureTopic makes sure topic exists before its first publish or subscribe
 // (broker.kafka.auto_provision): it creates a missing topic with the
 // configured settings, and does not check an existing one (Provision does).

@@ -252,3 +252,24 @@ func (d *diffs) check(field string, got, want any, key string) {
 		d.add(field, got, want, key)
 	}
 }
+
+// Deprovision deletes topic's stream, and with it the consumers of every
+// group and the messages it holds. A stream already gone is not an error.
+// See adapters.Deprovisioner.
+func (b *Broker) Deprovision(ctx context.Context, topic string, _ ...string) error {
+	if err := checkTopic(topic); err != nil {
+		return adapters.Permanent(err)
+	}
+	b.mu.Lock()
+	delete(b.streams, topic)
+	for key := range b.consumers {
+		if strings.HasPrefix(key, topic+"\x00") {
+			delete(b.consumers, key)
+		}
+	}
+	b.mu.Unlock()
+	if err := b.js.DeleteStream(ctx, StreamName(topic)); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
+		return fmt.Errorf("nats: delete stream %q of topic %q: %w", StreamName(topic), topic, err)
+	}
+	return nil
+}

@@ -1,6 +1,7 @@
 package rabbit
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"strings"
@@ -239,4 +240,43 @@ func conflictError(kind, name, what, reason, want string) error {
 		"rabbitmq: %s %q %s: %w: the broker says %q; millrace declares a %s. "+
 			"Delete the %s (its messages go with it) or change the configuration to match",
 		kind, name, what, adapters.ErrTopologyConflict, reason, want, kind))
+}
+
+// Deprovision deletes what Provision declared for topic and consumerGroups:
+// the groups' queues and dead-letter queues, the parking queue and the
+// topic's three exchanges, with the messages they hold. Objects already gone
+// are not an error. See adapters.Deprovisioner.
+func (b *Broker) Deprovision(ctx context.Context, topic string, consumerGroups ...string) error {
+	if err := checkNames(topic, consumerGroups...); err != nil {
+		return err
+	}
+	conn, err := b.connection(ctx)
+	if err != nil {
+		return err
+	}
+	defer b.dropOnCancel(ctx, conn)()
+	b.mu.Lock()
+	delete(b.declared, topic)
+	b.mu.Unlock()
+	ch, err := conn.Channel()
+	if err != nil {
+		return fmt.Errorf("rabbitmq: open channel: %w", err)
+	}
+	defer ch.Close()
+	// Deleting a missing queue or exchange succeeds in RabbitMQ 3.x.
+	queues := []string{UnroutedQueueName(topic)}
+	for _, g := range consumerGroups {
+		queues = append(queues, QueueName(topic, g), DeadLetterQueueName(topic, g))
+	}
+	for _, q := range queues {
+		if _, err := ch.QueueDelete(q, false, false, false); err != nil {
+			return fmt.Errorf("rabbitmq: delete queue %q: %w", q, err)
+		}
+	}
+	for _, x := range []string{topic, unroutedExchangeName(topic), deadLetterExchangeName(topic)} {
+		if err := ch.ExchangeDelete(x, false, false); err != nil {
+			return fmt.Errorf("rabbitmq: delete exchange %q: %w", x, err)
+		}
+	}
+	return nil
 }

@@ -7,7 +7,14 @@ import (
 	"path/filepath"
 	"testing"
 
+	natsgo "github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/adapters/nats"
+	"github.com/millrace-io/millrace/adapters/rabbit"
+	"github.com/millrace-io/millrace/examples/billing"
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/brokertest"
@@ -51,7 +58,38 @@ func TestDemoScenarioOnEveryBroker(t *testing.T) {
 				require.GreaterOrEqual(t, c.DuplicatesSkipped, firstBatch)
 			}
 			require.Contains(t, out.String(), "Every committed order reached the broker and was billed exactly once.")
+			require.NotContains(t, out.String(), "cleanup:")
+			requireGone(t, kind, c.Topic)
 		})
+	}
+}
+
+// requireGone checks on the shared servers that the demo removed its
+// topic's topology (Kafka runs in the demo's process and goes with it).
+func requireGone(t *testing.T, kind, topic string) {
+	t.Helper()
+	ctx := context.Background()
+	switch kind {
+	case bus.KindRabbitMQ:
+		conn, err := amqp.Dial("amqp://guest:guest@127.0.0.1:5672/")
+		require.NoError(t, err)
+		defer conn.Close()
+		for _, q := range []string{rabbit.QueueName(topic, billing.HandlerName), rabbit.QueueName(topic, tapGroup), rabbit.UnroutedQueueName(topic)} {
+			ch, err := conn.Channel()
+			require.NoError(t, err)
+			_, err = ch.QueueDeclarePassive(q, true, false, false, false, nil)
+			var amqpErr *amqp.Error
+			require.ErrorAs(t, err, &amqpErr, "queue %s is gone", q)
+			require.Equal(t, amqp.NotFound, amqpErr.Code, "queue %s is gone", q)
+		}
+	case bus.KindNATS:
+		nc, err := natsgo.Connect("nats://127.0.0.1:4222")
+		require.NoError(t, err)
+		defer nc.Close()
+		js, err := jetstream.New(nc)
+		require.NoError(t, err)
+		_, err = js.Stream(ctx, nats.StreamName(topic))
+		require.ErrorIs(t, err, jetstream.ErrStreamNotFound)
 	}
 }
 

@@ -68,6 +68,7 @@ var quiet = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: 
 // Counts are what the demo prints at the end.
 type Counts struct {
 	Broker            string
+	Topic             string // the run's own topic, deprovisioned when run returns
 	Orders            int
 	OutboxPending     int64
 	PublishedByRelays int // confirmed by the broker, counting the batch sent twice
@@ -138,6 +139,14 @@ func run(ctx context.Context, configPath, schema string, count int, out io.Write
 	if err := broker.Provision(ctx, topic, billing.HandlerName, tapGroup); err != nil {
 		return Counts{}, err
 	}
+	// The per-run topic's streams, queues and exchanges go when the demo ends.
+	defer func() {
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		defer cancel()
+		if err := broker.(adapters.Deprovisioner).Deprovision(ctx, topic, billing.HandlerName, tapGroup); err != nil {
+			fmt.Fprintf(out, "cleanup: %v\n", err)
+		}
+	}()
 	fmt.Fprintf(out, "[1/5] schema %s migrated; topic %s with consumer groups %s and %s\n", cfg.Database.Schema, topic, billing.HandlerName, tapGroup)
 
 	// 1. Orders and their events, one transaction each.
@@ -191,7 +200,7 @@ func run(ctx context.Context, configPath, schema string, count int, out io.Write
 	if err != nil {
 		return Counts{}, err
 	}
-	c.Broker, c.OutboxPending = cfg.Broker.Kind, st.Pending
+	c.Broker, c.Topic, c.OutboxPending = cfg.Broker.Kind, topic, st.Pending
 	c.PublishedByRelays = count + confirmed
 	if c.Orders, err = orders.Count(ctx, db, cfg.Database.Schema); err != nil {
 		return Counts{}, err

@@ -12,13 +12,8 @@ import (
 	"testing"
 	"time"
 
-	natsgo "github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
-	amqp "github.com/rabbitmq/amqp091-go"
-
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/kafka"
-	"github.com/millrace-io/millrace/adapters/nats"
-	"github.com/millrace-io/millrace/adapters/rabbit"
 	"github.com/millrace-io/millrace/bus"
 )
 
@@ -85,40 +80,22 @@ func Apply(t testing.TB, kind string, cfg *bus.Config) {
 // exchanges and queues. Kafka topics live in the per-process dev cluster.
 func Cleanup(t testing.TB, kind, topic string, groups ...string) {
 	t.Helper()
+	if kind == bus.KindKafka {
+		return
+	}
+	var cfg bus.Config
+	Apply(t, kind, &cfg)
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		switch kind {
-		case bus.KindNATS:
-			nc, err := natsgo.Connect(natsURL())
-			if err != nil {
-				t.Logf("cleanup: %v", err)
-				return
-			}
-			defer nc.Close()
-			js, err := jetstream.New(nc)
-			if err == nil {
-				_ = js.DeleteStream(ctx, nats.StreamName(topic))
-			}
-		case bus.KindRabbitMQ:
-			conn, err := amqp.Dial(amqpURL())
-			if err != nil {
-				t.Logf("cleanup: %v", err)
-				return
-			}
-			defer conn.Close()
-			ch, err := conn.Channel()
-			if err != nil {
-				return
-			}
-			for _, g := range groups {
-				_, _ = ch.QueueDelete(rabbit.QueueName(topic, g), false, false, false)
-				_, _ = ch.QueueDelete(rabbit.DeadLetterQueueName(topic, g), false, false, false)
-			}
-			_, _ = ch.QueueDelete(rabbit.UnroutedQueueName(topic), false, false, false)
-			for _, x := range []string{topic, topic + ":unrouted", topic + ":dlx"} {
-				_ = ch.ExchangeDelete(x, false, false)
-			}
+		b, err := bus.OpenBroker(ctx, cfg, nil)
+		if err != nil {
+			t.Logf("cleanup: %v", err)
+			return
+		}
+		defer b.Close()
+		if err := b.(adapters.Deprovisioner).Deprovision(ctx, topic, groups...); err != nil {
+			t.Logf("cleanup: %v", err)
 		}
 	})
 }

@@ -334,18 +334,26 @@ func (b *Broker) securityOptions() ([]nats.Option, error) {
 
 // redact returns rawURL without its password, or its token (a NATS URL
 // with a user and no password, nats://token@host, carries a token).
-func redact(rawURL string) string { return confload.RedactURL(rawURL) }
+func redact(rawURL string) string {
+	urls := strings.Split(rawURL, ",")
+	for i, u := range urls {
+		urls[i] = confload.RedactURL(strings.TrimSpace(u))
+	}
+	return strings.Join(urls, ",")
+}
 
 // scrub returns err's text without any secret of the configuration: the
 // URL's password or token, broker.nats.password and broker.nats.token.
 func (b *Broker) scrub(err error) string {
 	text := err.Error()
 	secrets := []string{b.cfg.Password, b.cfg.Token}
-	if u, perr := url.Parse(b.url); perr == nil && u.User != nil {
-		if pw, ok := u.User.Password(); ok {
-			secrets = append(secrets, pw)
-		} else {
-			secrets = append(secrets, u.User.Username())
+	for _, raw := range strings.Split(b.url, ",") {
+		if u, perr := url.Parse(strings.TrimSpace(raw)); perr == nil && u.User != nil {
+			if pw, ok := u.User.Password(); ok {
+				secrets = append(secrets, pw)
+			} else {
+				secrets = append(secrets, u.User.Username())
+			}
 		}
 	}
 	for _, s := range secrets {

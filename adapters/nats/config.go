@@ -21,7 +21,9 @@ import (
 
 // Config is the broker.nats section of config.yaml.
 type Config struct {
-	// URL is the NATS server URL. NATS_URL overrides it. With
+	// URL is the NATS server URL, or a comma-separated list of a cluster's
+	// seed servers (the client also learns the others from the cluster and
+	// fails over between them). NATS_URL overrides it. With
 	// Embedded.Enabled it is the address the in-process server listens on
 	// (port 0 picks a free one). Defaults to nats://127.0.0.1:4222.
 	URL string `yaml:"url"`
@@ -196,7 +198,9 @@ func (c Config) Validate(path string) []error {
 		}
 		return p
 	}
-	chk.URL(at("url"), c.URL, "nats", "tls")
+	for _, u := range c.urls() {
+		chk.URL(at("url"), u, "nats", "tls")
+	}
 
 	if c.Stream.Replicas < 1 || c.Stream.Replicas > 5 {
 		chk.Add(at("stream", "replicas"), "must be between 1 and 5; got %d", c.Stream.Replicas)
@@ -228,7 +232,9 @@ func (c Config) Validate(path string) []error {
 		if c.Embedded.StoreDir == "" {
 			chk.Add(at("embedded", "store_dir"), "required when embedded.enabled is true")
 		}
-		if _, _, err := listenAddr(c.URL); err != nil && c.URL != "" {
+		if len(c.urls()) > 1 {
+			chk.Add(at("url"), "the embedded server listens on one URL, not a list")
+		} else if _, _, err := listenAddr(c.URL); err != nil && c.URL != "" {
 			chk.Add(at("url"), "the embedded server listens on this URL: %v", err)
 		}
 	}
@@ -239,17 +245,33 @@ func (c Config) Validate(path string) []error {
 	return chk.Problems
 }
 
+// urls splits URL into its servers.
+func (c Config) urls() []string {
+	var urls []string
+	for u := range strings.SplitSeq(c.URL, ",") {
+		urls = append(urls, strings.TrimSpace(u))
+	}
+	return urls
+}
+
 // tlsOn reports whether connections use TLS: tls.enabled or a tls:// URL.
 func (c Config) tlsOn() bool {
-	u, err := url.Parse(c.URL)
-	return c.TLS.Enabled || (err == nil && u.Scheme == "tls")
+	for _, raw := range c.urls() {
+		if u, err := url.Parse(raw); err == nil && u.Scheme == "tls" {
+			return true
+		}
+	}
+	return c.TLS.Enabled
 }
 
 // authMethods lists the credentials configured, by YAML key.
 func (c Config) authMethods() []string {
 	var m []string
-	if u, err := url.Parse(c.URL); err == nil && u.User != nil {
-		m = append(m, "url")
+	for _, raw := range c.urls() {
+		if u, err := url.Parse(raw); err == nil && u.User != nil {
+			m = append(m, "url")
+			break
+		}
 	}
 	if c.User != "" || c.Password != "" {
 		m = append(m, "user")

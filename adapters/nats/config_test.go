@@ -61,6 +61,15 @@ func TestConfigYAMLStatesDefaults(t *testing.T) {
 	require.True(t, on.Embedded.Enabled)
 }
 
+func TestConfigTakesAClusterSeedList(t *testing.T) {
+	t.Parallel()
+	c := Config{URL: "nats://a.example:4222, tls://user:secret@b.example:4222"}.WithDefaults()
+	require.Empty(t, c.Validate("broker.nats"))
+	require.True(t, c.tlsOn(), "a tls:// server in the list turns TLS on")
+	require.Equal(t, []string{"url"}, c.authMethods())
+	require.Equal(t, "nats://a.example:4222,tls://user:xxxxx@b.example:4222", redact(c.URL))
+}
+
 func TestConfigValidate(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
@@ -83,6 +92,10 @@ func TestConfigValidate(t *testing.T) {
 		{"publish timeout", func(c *Config) { c.Publish.Timeout = -1 }, "broker.nats.publish.timeout: must be a positive duration"},
 		{"max_pending", func(c *Config) { c.Publish.MaxPending = -1 }, "broker.nats.publish.max_pending: must be greater than 0"},
 		{"sync", func(c *Config) { c.Embedded.Sync = "never" }, `broker.nats.embedded.sync: must be "always" or a positive duration such as "2m"; got "never"`},
+		{"cluster list with a bad server", func(c *Config) { c.URL = "nats://127.0.0.1:4222, http://127.0.0.1:4223" },
+			`broker.nats.url: `},
+		{"embedded on a list", func(c *Config) { c.Embedded.Enabled = true; c.URL = "nats://127.0.0.1:4222,nats://127.0.0.1:4223" },
+			`broker.nats.url: the embedded server listens on one URL, not a list`},
 		{"embedded port", func(c *Config) { c.Embedded.Enabled = true; c.URL = "nats://127.0.0.1:99999" },
 			`broker.nats.url: the embedded server listens on this URL: invalid port "99999"`},
 	} {

@@ -14,6 +14,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/millrace-io/millrace/adapters/nats"
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/servers"
@@ -30,10 +31,11 @@ const (
 	poisonStorm      = "poison storm: 1% malformed"
 	dependencyOutage = "dependency outage behind the circuit breaker"
 	relayOutage      = "relay outage, then a rate-limited drain"
+	clusterFaults    = "3-node cluster: stream leader SIGKILLed, leader SIGSTOPped 15 s, rolling restart"
 )
 
 var scenarioOrder = []string{relayKilled, consumerKilled, brokerRestarted, postgresCrashed, terminated,
-	twoOfEach, poisonStorm, dependencyOutage, relayOutage}
+	twoOfEach, poisonStorm, dependencyOutage, relayOutage, clusterFaults}
 
 func scenarioRank(name string) int { return slices.Index(scenarioOrder, name) }
 
@@ -306,5 +308,73 @@ func TestDependencyOutage(t *testing.T) {
 		record(result{scenario: dependencyOutage, broker: kind, faults: fmt.Sprintf("%s of HTTP 503", outage), o: o, ordered: true,
 			recovery: recovery, note: fmt.Sprintf("%d calls failed during the outage (the open breaker holds messages between trials); %d poisoned; retry.max_attempts 20",
 				failed.Load(), o.poisoned)})
+	})
+}
+
+// TestNATSClusterFaults runs the flow on a private 3-node JetStream cluster
+// with streams at 3 replicas and hits the node that leads the topic's
+// stream: SIGKILL (and a restart), then SIGSTOP past the cluster's failure
+// detection (and SIGCONT), then every node restarted one after another.
+func TestNATSClusterFaults(t *testing.T) {
+	eachBroker(t, []string{bus.KindNATS}, func(t *testing.T, kind string) {
+		c := servers.StartNATSCluster(t, 3)
+		w := newWorld(t, kind, worldOptions{brokerURL: c.URLs(), tune: func(cfg *bus.Config) { cfg.Broker.NATS.Stream.Replicas = 3 }})
+		w.start("relay", nodeSpec{Relay: true})
+		w.start("consumer", nodeSpec{Consume: true})
+		stop := w.writer.start(rate)
+		w.flowing(200)
+		ctx := context.Background()
+		stream := nats.StreamName(w.topic)
+		leader := func() int {
+			t.Helper()
+			var i int
+			waitFor(t, time.Minute, "the stream has a leader", func() bool {
+				var err error
+				i, err = c.StreamLeader(ctx, stream)
+				return err == nil
+			})
+			return i
+		}
+		// progress waits for 200 effects more than there are now.
+		progress := func() {
+			t.Helper()
+			var effects int
+			require.NoError(t, w.db.QueryRow(`SELECT count(*) FROM `+w.table("effects")).Scan(&effects))
+			w.flowing(effects + 200)
+		}
+
+		killed := leader()
+		c.Nodes[killed].Kill()
+		w.fault()
+		waitFor(t, time.Minute, "another node leads the stream", func() bool {
+			i, err := c.StreamLeader(ctx, stream)
+			return err == nil && i != killed
+		})
+		progress()
+		c.Nodes[killed].Start()
+		c.WaitJetStream()
+
+		paused := leader()
+		c.Nodes[paused].Pause()
+		w.fault()
+		time.Sleep(15 * time.Second)
+		c.Nodes[paused].Resume()
+		c.WaitJetStream()
+		progress()
+
+		for _, n := range c.Nodes {
+			c.WaitStreamCurrent(ctx, stream)
+			n.Restart()
+			w.fault()
+			c.WaitJetStream()
+		}
+		progress()
+		stop()
+		recovery := w.settle(settleTimeout)
+		// A publish that failed during a failover is retried after later
+		// events of its batch went out (as on a broker restart): order is
+		// not promised.
+		record(result{scenario: clusterFaults, broker: kind, faults: "1 leader SIGKILL, 1 leader SIGSTOP, 3 restarts",
+			o: w.check(false), recovery: recovery, note: "streams at replicas 3; the clients were given all three URLs"})
 	})
 }

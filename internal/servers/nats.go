@@ -24,12 +24,14 @@ type NATS struct {
 	// URL is the server's client URL, the same across restarts.
 	URL string
 
-	t       testing.TB
-	bin     string
-	dir     string
-	port    int
-	pidFile string
-	logFile string
+	t         testing.TB
+	bin       string
+	dir       string
+	port      int
+	pidFile   string
+	logFile   string
+	args      []string // more nats-server flags (a cluster node's name and routes)
+	clustered bool     // a cluster node: JetStream answers only once the cluster has quorum
 
 	mu   sync.Mutex
 	cmd  *exec.Cmd     // the running server, nil when stopped
@@ -54,6 +56,15 @@ func natsServerBin() (string, bool) {
 // test fails when nats-server is not installed.
 func StartNATS(t testing.TB) *NATS {
 	t.Helper()
+	s := newNATS(t)
+	s.Start()
+	return s
+}
+
+// newNATS prepares a private server (port, directory, cleanup) without
+// starting it.
+func newNATS(t testing.TB) *NATS {
+	t.Helper()
 	bin, ok := natsServerBin()
 	if !ok {
 		t.Fatalf("nats-server is not installed (on PATH or in /usr/sbin): run `make up`, which installs it")
@@ -72,7 +83,6 @@ func StartNATS(t testing.TB) *NATS {
 	}
 	s.URL = fmt.Sprintf("nats://127.0.0.1:%d", s.port)
 	watch(t, "private NATS server", dir, killByPIDFile("KILL", s.pidFile), s.Stop)
-	s.Start()
 	return s
 }
 
@@ -90,8 +100,8 @@ func (s *NATS) Start() {
 	if err != nil {
 		s.t.Fatalf("open the private NATS server's log: %v", err)
 	}
-	cmd := exec.Command(s.bin, "-js", "-sd", filepath.Join(s.dir, "store"),
-		"-a", "127.0.0.1", "-p", strconv.Itoa(s.port), "-P", s.pidFile)
+	cmd := exec.Command(s.bin, append([]string{"-js", "-sd", filepath.Join(s.dir, "store"),
+		"-a", "127.0.0.1", "-p", strconv.Itoa(s.port), "-P", s.pidFile}, s.args...)...)
 	cmd.Stdout, cmd.Stderr = logs, logs
 	if err := cmd.Start(); err != nil {
 		logs.Close()
@@ -107,7 +117,7 @@ func (s *NATS) Start() {
 
 	deadline := time.Now().Add(time.Minute)
 	for {
-		err := s.ping()
+		err := s.ping(!s.clustered) // a cluster node has JetStream only once the cluster has quorum
 		if err == nil {
 			s.t.Logf("private NATS server on port %d up after %s", s.port, time.Since(began).Round(time.Millisecond))
 			return
@@ -125,13 +135,17 @@ func (s *NATS) Start() {
 	}
 }
 
-// ping connects to the server and asks JetStream for the account's info.
-func (s *NATS) ping() error {
+// ping connects to the server and, with jetStream, asks JetStream for the
+// account's info.
+func (s *NATS) ping(jetStream bool) error {
 	nc, err := nats.Connect(s.URL, nats.Timeout(time.Second), nats.NoReconnect())
 	if err != nil {
 		return err
 	}
 	defer nc.Close()
+	if !jetStream {
+		return nil
+	}
 	js, err := jetstream.New(nc)
 	if err != nil {
 		return err
@@ -156,6 +170,26 @@ func (s *NATS) Kill() {
 	s.signal(syscall.SIGKILL, "killed")
 }
 
+// Pause freezes the server (SIGSTOP): its sockets stay open but it answers
+// nothing, as a hung node does. Resume wakes it.
+func (s *NATS) Pause() { s.t.Helper(); s.freeze(syscall.SIGSTOP, "paused") }
+
+// Resume wakes a paused server (SIGCONT).
+func (s *NATS) Resume() { s.t.Helper(); s.freeze(syscall.SIGCONT, "resumed") }
+
+func (s *NATS) freeze(sig syscall.Signal, what string) {
+	s.t.Helper()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cmd == nil {
+		s.t.Fatalf("private NATS server on port %d: %s while it is not running", s.port, what)
+	}
+	if err := s.cmd.Process.Signal(sig); err != nil {
+		s.t.Fatalf("signal the private NATS server: %v", err)
+	}
+	s.t.Logf("private NATS server on port %d %s", s.port, what)
+}
+
 // Restart stops the server and starts it again on the same port and store
 // directory.
 func (s *NATS) Restart() {
@@ -176,6 +210,7 @@ func (s *NATS) signal(sig syscall.Signal, what string) {
 		return
 	}
 	began := time.Now()
+	_ = s.cmd.Process.Signal(syscall.SIGCONT) // a paused server handles nothing else
 	if err := s.cmd.Process.Signal(sig); err != nil && !errors.Is(err, os.ErrProcessDone) {
 		s.t.Errorf("signal the private NATS server: %v", err)
 	}

@@ -128,3 +128,51 @@ func TestPostgreSQL(t *testing.T) {
 	pg.Start()
 	require.Equal(t, []string{"before the crash", "after the crash"}, rows(open()))
 }
+
+// A 3-node JetStream cluster keeps a replicated stream through a SIGKILL of
+// its leader (another node takes over, publishing goes on and nothing
+// stored is lost), the killed node's rejoining, and a pause of a follower.
+func TestNATSCluster(t *testing.T) {
+	t.Parallel()
+	c := StartNATSCluster(t, 3)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	nc, err := nats.Connect(c.URLs(), nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
+	require.NoError(t, err)
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+	_, err = js.CreateStream(ctx, jetstream.StreamConfig{Name: "R3", Subjects: []string{"r3.>"}, Replicas: 3, Storage: jetstream.FileStorage})
+	require.NoError(t, err)
+	publish := func(n int) {
+		t.Helper()
+		for i := range n {
+			require.Eventually(t, func() bool {
+				_, err := js.Publish(ctx, "r3.x", []byte{byte(i)})
+				return err == nil
+			}, time.Minute, 100*time.Millisecond, "publish during failover")
+		}
+	}
+	publish(10)
+	leader, err := c.StreamLeader(ctx, "R3")
+	require.NoError(t, err)
+	c.Nodes[leader].Kill()
+	publish(10)
+	var next int
+	require.Eventually(t, func() bool {
+		next, err = c.StreamLeader(ctx, "R3")
+		return err == nil && next != leader
+	}, time.Minute, 100*time.Millisecond, "a new leader")
+
+	c.Nodes[leader].Start()
+	c.WaitJetStream()
+	other := 3 - leader - next // a follower
+	c.Nodes[other].Pause()
+	publish(10) // the leader and the restarted node are a quorum
+	c.Nodes[other].Resume()
+	c.WaitStreamCurrent(ctx, "R3")
+	require.Eventually(t, func() bool {
+		s, err := js.Stream(ctx, "R3")
+		return err == nil && s.CachedInfo().State.Msgs == 30 && len(s.CachedInfo().Cluster.Replicas) == 2
+	}, time.Minute, 200*time.Millisecond, "30 messages on the stream, replicated again")
+}

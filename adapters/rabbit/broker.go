@@ -6,7 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -26,8 +28,9 @@ type Broker struct {
 	cfg      Config
 	rules    adapters.Rules
 	opts     adapters.Options
-	redacted string      // cfg.URL without its password, for errors and logs
-	tls      *tls.Config // broker.rabbitmq.tls for an amqps:// URL; nil leaves TLS to the URL
+	redacted string       // cfg.URL without its password, for errors and logs
+	lastNode atomic.Int32 // index in cfg.urls() of the node that answered last
+	tls      *tls.Config  // broker.rabbitmq.tls for an amqps:// URL; nil leaves TLS to the URL
 	declarer declarer
 
 	mu       sync.Mutex
@@ -67,7 +70,7 @@ func open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, erro
 		cfg:      cfg,
 		rules:    cfg.Rules(),
 		opts:     opts.WithDefaults(),
-		redacted: confload.RedactURL(cfg.URL),
+		redacted: redactList(cfg.urls()),
 		declarer: declarer{deliveryLimit: cfg.DeliveryLimit},
 		declared: map[string]bool{},
 		subs:     map[*subscriber]struct{}{},
@@ -142,7 +145,7 @@ func (b *Broker) connection(ctx context.Context) (*amqp.Connection, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, fmt.Errorf("rabbitmq: connect to %s: %w", b.redacted, err)
 	}
-	conn, err := amqp.DialConfig(b.cfg.URL, b.amqpConfig(ctx, "publisher"))
+	conn, err := b.dial(ctx, "publisher")
 	if err != nil {
 		return nil, fmt.Errorf("rabbitmq: connect to %s: %w", b.redacted, err)
 	}
@@ -152,6 +155,40 @@ func (b *Broker) connection(ctx context.Context) (*amqp.Connection, error) {
 	b.watchers.Add(1)
 	go b.watchBlocked(conn, blocks)
 	return conn, nil
+}
+
+// dial connects to the first node of broker.rabbitmq.url that answers,
+// starting with the one that answered last: with a cluster's list, a node
+// that went down sends new connections to the next.
+func (b *Broker) dial(ctx context.Context, role string) (*amqp.Connection, error) {
+	urls := b.cfg.urls()
+	start := int(b.lastNode.Load())
+	var errs []error
+	for i := range urls {
+		n := (start + i) % len(urls)
+		conn, err := amqp.DialConfig(urls[n], b.amqpConfig(ctx, role))
+		if err == nil {
+			b.lastNode.Store(int32(n))
+			return conn, nil
+		}
+		if len(urls) > 1 {
+			err = fmt.Errorf("%s: %w", confload.RedactURL(urls[n]), err)
+		}
+		errs = append(errs, err)
+		if ctx.Err() != nil {
+			break
+		}
+	}
+	return nil, errors.Join(errs...)
+}
+
+// redactList is the URLs without their passwords, comma separated.
+func redactList(urls []string) string {
+	out := make([]string, len(urls))
+	for i, u := range urls {
+		out[i] = confload.RedactURL(u)
+	}
+	return strings.Join(out, ",")
 }
 
 // watchBlocked records connection.blocked / unblocked notifications (a

@@ -3,6 +3,7 @@ package rabbit
 import (
 	"cmp"
 	"net/url"
+	"slices"
 	"strings"
 	"time"
 
@@ -23,7 +24,9 @@ const maxMessageBytesCeiling = 512 << 20
 
 // Config is the broker.rabbitmq section of config.yaml.
 type Config struct {
-	// URL is the AMQP URL. AMQP_URL overrides it. Defaults to
+	// URL is the AMQP URL, or a comma-separated list of a cluster's nodes
+	// (connections go to the first that answers, the next on a failure).
+	// AMQP_URL overrides it. Defaults to
 	// amqp://127.0.0.1:5672/ (a local server, as guest/guest, which RabbitMQ
 	// allows from localhost only).
 	URL string `yaml:"url"`
@@ -96,7 +99,17 @@ func (c Config) WithDefaults() Config {
 // Call it on a Config that has had WithDefaults applied.
 func (c Config) Validate(path string) []error {
 	var chk confload.Checker
-	chk.URL(confload.Join(path, "url"), c.URL, "amqp", "amqps")
+	urls := c.urls()
+	for _, u := range urls {
+		chk.URL(confload.Join(path, "url"), u, "amqp", "amqps")
+	}
+	for _, u := range urls[1:] {
+		amqpScheme := func(s string) bool { return s == "amqp" || s == "amqps" } // others are reported above
+		if a, b := scheme(urls[0]), scheme(u); a != b && amqpScheme(a) && amqpScheme(b) {
+			chk.Add(confload.Join(path, "url"), "every node of the list uses one scheme; got %s:// and %s://", a, b)
+			break
+		}
+	}
 	chk.Positive(confload.Join(path, "prefetch"), c.Prefetch)
 	if c.Prefetch > 65535 {
 		chk.Add(confload.Join(path, "prefetch"), "must be at most 65535 (an AMQP short); got %d", c.Prefetch)
@@ -115,25 +128,53 @@ func (c Config) Validate(path string) []error {
 	return chk.Problems
 }
 
-// tlsOn reports whether the URL is amqps://.
-func (c Config) tlsOn() bool {
-	u, err := url.Parse(c.URL)
-	return err == nil && u.Scheme == "amqps"
+// urls splits URL into its nodes.
+func (c Config) urls() []string {
+	var urls []string
+	for u := range strings.SplitSeq(c.URL, ",") {
+		urls = append(urls, strings.TrimSpace(u))
+	}
+	return urls
 }
 
-// urlTLS lists the TLS settings the URL's query carries.
-func (c Config) urlTLS() []string {
-	u, err := url.Parse(c.URL)
+// scheme is rawURL's scheme, or "" when it does not parse.
+func scheme(rawURL string) string {
+	u, err := url.Parse(rawURL)
 	if err != nil {
-		return nil
+		return ""
 	}
+	return u.Scheme
+}
+
+// tlsOn reports whether the URL is amqps:// (Validate checks that every
+// node of a list uses one scheme).
+func (c Config) tlsOn() bool { return scheme(c.urls()[0]) == "amqps" }
+
+// urlTLS lists the TLS settings the URLs' queries carry.
+func (c Config) urlTLS() []string {
 	var set []string
-	for _, p := range urlTLSParams {
-		if u.Query().Has(p) {
-			set = append(set, p)
+	for _, raw := range c.urls() {
+		u, err := url.Parse(raw)
+		if err != nil {
+			continue
+		}
+		for _, p := range urlTLSParams {
+			if u.Query().Has(p) && !slices.Contains(set, p) {
+				set = append(set, p)
+			}
 		}
 	}
 	return set
+}
+
+// urlCredentials reports whether any URL of the list carries credentials.
+func (c Config) urlCredentials() bool {
+	for _, raw := range c.urls() {
+		if u, err := url.Parse(raw); err == nil && u.User != nil {
+			return true
+		}
+	}
+	return false
 }
 
 func (c Config) validateSecurity(chk *confload.Checker, path string) {
@@ -145,7 +186,7 @@ func (c Config) validateSecurity(chk *confload.Checker, path string) {
 		chk.Add(at("tls"), "TLS is set both here and in the URL (%s); set it in one place", strings.Join(params, ", "))
 	}
 	chk.Merge(c.TLS.Validate(at("tls"), c.tlsOn()))
-	if u, err := url.Parse(c.URL); err == nil && u.User != nil && (c.User != "" || c.Password != "") {
+	if c.urlCredentials() && (c.User != "" || c.Password != "") {
 		chk.Add(at("user"), "the URL has credentials too; set them in one place")
 	}
 	if c.Password != "" && c.User == "" {

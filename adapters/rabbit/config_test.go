@@ -61,6 +61,29 @@ func TestConfigValidate(t *testing.T) {
 	require.Equal(t, DefaultURL, Config{}.WithDefaults().URL)
 }
 
+// broker.rabbitmq.url takes a cluster's nodes as a list; each is checked,
+// one scheme for all, and the broker's errors name them without passwords.
+func TestConfigClusterList(t *testing.T) {
+	t.Parallel()
+	c := Config{URL: "amqp://u:hunter2@a:5672/, amqp://u:hunter2@b:5672/"}.WithDefaults()
+	require.Empty(t, c.Validate("broker.rabbitmq"))
+	require.Equal(t, []string{"amqp://u:hunter2@a:5672/", "amqp://u:hunter2@b:5672/"}, c.urls())
+	require.True(t, c.urlCredentials())
+	require.NotContains(t, redactList(c.urls()), "hunter2")
+
+	for _, tc := range []struct{ url, want string }{
+		{"amqp://a/,http://b/", "scheme"},
+		{"amqp://a/,amqps://b/", "every node of the list uses one scheme; got amqp:// and amqps://"},
+	} {
+		errs := Config{URL: tc.url}.WithDefaults().Validate("broker.rabbitmq")
+		require.Len(t, errs, 1, "%s: %v", tc.url, errs)
+		var fe *confload.FieldError
+		require.ErrorAs(t, errs[0], &fe)
+		require.Equal(t, "broker.rabbitmq.url", fe.Path)
+		require.Contains(t, fe.Problem, tc.want)
+	}
+}
+
 // The shipped config.yaml states this section's defaults.
 func TestShippedConfigStatesDefaults(t *testing.T) {
 	t.Parallel()

@@ -318,6 +318,10 @@ func (b *Broker) publishOn(ctx context.Context, cc *confirmChannel, msgs []adapt
 			healthy = false
 			errs[s.idx] = fmt.Errorf("rabbitmq: channel to %s closed before the broker confirmed the message: %w", b.redacted, reason)
 		default:
+			// A channel's queue clients can keep a quorum queue's old leader
+			// after a failover and nack every later publish: a nacked
+			// channel is not used again.
+			healthy = false
 			errs[s.idx] = fmt.Errorf("rabbitmq: message %s to %q: %w", msgs[s.idx].Msg.UUID, msgs[s.idx].Topic, ErrNacked)
 		}
 	}

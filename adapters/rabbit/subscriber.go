@@ -85,7 +85,7 @@ func (s *subscriber) connection(ctx context.Context) (*amqp.Connection, error) {
 	if s.conn != nil && !s.conn.IsClosed() {
 		return s.conn, nil
 	}
-	conn, err := amqp.DialConfig(s.b.cfg.URL, s.b.amqpConfig(ctx, "subscriber "+s.group))
+	conn, err := s.b.dial(ctx, "subscriber "+s.group)
 	if err != nil {
 		return nil, fmt.Errorf("rabbitmq: subscriber for group %q: connect to %s: %w", s.group, s.b.redacted, err)
 	}

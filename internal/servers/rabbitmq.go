@@ -1,6 +1,7 @@
 package servers
 
 import (
+	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
@@ -52,6 +53,16 @@ func rabbitBinDir() (string, bool) {
 // RabbitMQ installation is there to start one from.
 func StartRabbitMQ(t testing.TB, rabbitmqConf, advancedConfig string) *RabbitMQ {
 	t.Helper()
+	n := newRabbitMQ(t, rabbitmqConf, advancedConfig, "")
+	n.Start()
+	return n
+}
+
+// newRabbitMQ prepares a private node without starting it. home holds the
+// Erlang cookie; nodes of one cluster share it (default: the node's own
+// directory).
+func newRabbitMQ(t testing.TB, rabbitmqConf, advancedConfig, home string) *RabbitMQ {
+	t.Helper()
 	bin, ok := rabbitBinDir()
 	if !ok {
 		t.Skip("no rabbitmq-server installed here to start a private node from (the test restarts its broker, so it never uses a shared one)")
@@ -83,8 +94,11 @@ func StartRabbitMQ(t testing.TB, rabbitmqConf, advancedConfig string) *RabbitMQ 
 	for name, content := range files {
 		require.NoError(t, os.WriteFile(filepath.Join(dir, name), []byte(content), 0o600))
 	}
+	if home == "" {
+		home = dir
+	}
 	n.own = []string{
-		"HOME=" + dir, // the Erlang cookie of the node and of rabbitmqctl
+		"HOME=" + home, // the Erlang cookie of the node and of rabbitmqctl
 		"RABBITMQ_NODENAME=" + n.name,
 		"RABBITMQ_DIST_PORT=" + strconv.Itoa(distPort),
 		"RABBITMQ_CONF_ENV_FILE=" + filepath.Join(dir, "env.conf"),
@@ -96,8 +110,7 @@ func StartRabbitMQ(t testing.TB, rabbitmqConf, advancedConfig string) *RabbitMQ 
 		"RABBITMQ_PID_FILE=" + n.pidFile,
 	}
 	n.env = append(os.Environ(), n.own...)
-	watch(t, "private RabbitMQ node", dir, killByPIDFile("TERM", n.pidFile), n.Stop)
-	n.Start()
+	watch(t, "private RabbitMQ node", dir, killByPIDFile("KILL", n.pidFile), n.Stop)
 	return n
 }
 
@@ -129,15 +142,12 @@ func (n *RabbitMQ) Start() {
 // to end. It does nothing when the node is not running.
 func (n *RabbitMQ) Stop() {
 	n.t.Helper()
-	raw, err := os.ReadFile(n.pidFile)
-	if err != nil {
-		return
-	}
-	pid, err := strconv.Atoi(strings.TrimSpace(string(raw)))
-	if err != nil || pid <= 0 {
+	pid := n.pid()
+	if pid == 0 {
 		return
 	}
 	began := time.Now()
+	_ = syscall.Kill(pid, syscall.SIGCONT) // a paused node handles nothing else
 	if err := syscall.Kill(pid, syscall.SIGTERM); err != nil {
 		_ = os.Remove(n.pidFile)
 		return
@@ -153,6 +163,53 @@ func (n *RabbitMQ) Stop() {
 	_ = syscall.Kill(pid, syscall.SIGKILL)
 	_ = os.Remove(n.pidFile)
 }
+
+// pid is the node's operating-system process, 0 when it is not running.
+func (n *RabbitMQ) pid() int {
+	raw, err := os.ReadFile(n.pidFile)
+	if err != nil {
+		return 0
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(raw)))
+	if err != nil || pid <= 0 {
+		return 0
+	}
+	return pid
+}
+
+// Kill kills the node (SIGKILL: no shutdown) and waits for it to be gone.
+func (n *RabbitMQ) Kill() {
+	n.t.Helper()
+	pid := n.pid()
+	if pid == 0 {
+		return
+	}
+	_ = syscall.Kill(pid, syscall.SIGKILL)
+	for syscall.Kill(pid, 0) == nil {
+		time.Sleep(20 * time.Millisecond)
+	}
+	_ = os.Remove(n.pidFile)
+	n.t.Logf("private RabbitMQ node %s killed", n.name)
+}
+
+// Pause freezes the node (SIGSTOP), as a hung node; Resume wakes it.
+func (n *RabbitMQ) Pause() { n.t.Helper(); n.freeze(syscall.SIGSTOP, "paused") }
+
+// Resume wakes a paused node (SIGCONT).
+func (n *RabbitMQ) Resume() { n.t.Helper(); n.freeze(syscall.SIGCONT, "resumed") }
+
+func (n *RabbitMQ) freeze(sig syscall.Signal, what string) {
+	n.t.Helper()
+	pid := n.pid()
+	if pid == 0 {
+		n.t.Fatalf("private RabbitMQ node %s: %s while it is not running", n.name, what)
+	}
+	require.NoError(n.t, syscall.Kill(pid, sig))
+	n.t.Logf("private RabbitMQ node %s %s", n.name, what)
+}
+
+// Name is the node's Erlang node name.
+func (n *RabbitMQ) Name() string { return n.name }
 
 // Restart stops the node and starts it again on the same data directory.
 func (n *RabbitMQ) Restart() {
@@ -189,12 +246,24 @@ done
 	return path
 }
 
-// Ctl runs rabbitmqctl against the node.
+// Ctl runs rabbitmqctl against the node; the test fails when it does.
 func (n *RabbitMQ) Ctl(args ...string) string {
 	n.t.Helper()
-	cmd := exec.Command(filepath.Join(n.bin, "rabbitmqctl"), append([]string{"-n", n.name}, args...)...)
+	out, err := n.ctl(args...)
+	require.NoError(n.t, err, "rabbitmqctl %s: %s", strings.Join(args, " "), out)
+	return out
+}
+
+// ctl runs rabbitmqctl against the node, bounded by a minute.
+func (n *RabbitMQ) ctl(args ...string) (string, error) { return n.tool("rabbitmqctl", args...) }
+
+// tool runs one of RabbitMQ's command-line tools against the node, bounded
+// by two minutes.
+func (n *RabbitMQ) tool(name string, args ...string) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, filepath.Join(n.bin, name), append([]string{"-n", n.name}, args...)...)
 	cmd.Env = n.env
 	out, err := cmd.CombinedOutput()
-	require.NoError(n.t, err, "rabbitmqctl %s: %s", strings.Join(args, " "), out)
-	return string(out)
+	return string(out), err
 }

@@ -4,11 +4,13 @@ import (
 	"context"
 	"database/sql"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/require"
 )
 
@@ -175,4 +177,45 @@ func TestNATSCluster(t *testing.T) {
 		s, err := js.Stream(ctx, "R3")
 		return err == nil && s.CachedInfo().State.Msgs == 30 && len(s.CachedInfo().Cluster.Replicas) == 2
 	}, time.Minute, 200*time.Millisecond, "30 messages on the stream, replicated again")
+}
+
+// A 3-node RabbitMQ cluster keeps a quorum queue through a SIGKILL of its
+// leader: another member leads, publishing with confirms goes on through
+// another node, and every confirmed message is there after the killed node
+// rejoins.
+func TestRabbitMQCluster(t *testing.T) {
+	t.Parallel()
+	c := StartRabbitMQCluster(t, 3)
+	publish := func(node, n int) {
+		t.Helper()
+		conn, err := amqp.Dial(c.Nodes[node].URL)
+		require.NoError(t, err)
+		defer conn.Close()
+		ch, err := conn.Channel()
+		require.NoError(t, err)
+		require.NoError(t, ch.Confirm(false))
+		_, err = ch.QueueDeclare("r3", true, false, false, false, amqp.Table{"x-queue-type": "quorum"})
+		require.NoError(t, err)
+		for range n {
+			dc, err := ch.PublishWithDeferredConfirm("", "r3", true, false, amqp.Publishing{Body: []byte("x"), DeliveryMode: amqp.Persistent})
+			require.NoError(t, err)
+			require.True(t, dc.Wait(), "confirmed")
+		}
+	}
+	publish(0, 10)
+	leader := c.QueueLeader("r3", 0, 1, 2)
+	require.GreaterOrEqual(t, leader, 0, "the queue has a leader")
+	c.Nodes[leader].Kill()
+	alive := (leader + 1) % 3
+	publish(alive, 10)
+	var next int
+	require.Eventually(t, func() bool {
+		next = c.QueueLeader("r3", alive)
+		return next >= 0 && next != leader
+	}, time.Minute, 200*time.Millisecond, "another member leads the queue")
+	c.Nodes[leader].Start()
+	require.Eventually(t, func() bool {
+		out, err := c.Nodes[leader].ctl("list_queues", "-q", "--no-table-headers", "name", "messages")
+		return err == nil && strings.Contains(out, "r3\t20")
+	}, time.Minute, 200*time.Millisecond, "20 messages on the rejoined node's view")
 }

@@ -40,16 +40,18 @@ func (f *Forwarder) forwardBatch(ctx context.Context) (handled int, hidden bool,
 	})
 	defer stop()
 
+	began := time.Now()
 	tx, err := f.db.BeginTx(work, &sql.TxOptions{Isolation: f.tables.RelayIsolation()})
 	if err != nil {
+		f.recordRead(began, 0, false, err)
 		return 0, false, fmt.Errorf("begin batch: %w", err)
 	}
 	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
 
 	rows, hidden, err := f.readBatch(work, tx)
+	f.recordRead(began, len(rows), hidden, err)
 	if err != nil || len(rows) == 0 {
 		if err == nil {
-			f.recordIdle()
 			err = tx.Commit()
 		}
 		return 0, hidden, err
@@ -65,7 +67,7 @@ func (f *Forwarder) forwardBatch(ctx context.Context) (handled int, hidden bool,
 	if err := tx.Commit(); err != nil {
 		return 0, hidden, fmt.Errorf("commit batch: %w", err)
 	}
-	f.recordBatch(ctx, rows[:confirmed], len(rows))
+	f.recordBatch(rows[:confirmed])
 	return confirmed, hidden, publishErr
 }
 

@@ -44,6 +44,12 @@ type Config struct {
 	// CleanupBatch bounds the rows one cleanup DELETE removes, so cleanup never
 	// holds a long transaction. Defaults to 5000.
 	CleanupBatch int `yaml:"cleanup_batch"`
+	// BacklogInterval is how often the active relay counts its backlog in the
+	// database for the pending-rows and oldest-age gauges, on a timer of its
+	// own, so that they rise while batches fail (a broker outage). It skips
+	// the count when its last read found nothing pending within the
+	// interval, so an idle relay adds no statement. Defaults to 5s.
+	BacklogInterval time.Duration `yaml:"backlog_interval"`
 	// ShutdownTimeout bounds how long a stopping relay waits for the batch in
 	// flight to be confirmed; after it, the batch is abandoned unacked (and
 	// published again by the next relay). Defaults to 10s.
@@ -66,6 +72,7 @@ func (c Config) WithDefaults() Config {
 	}
 	c.CleanupInterval = cmp.Or(c.CleanupInterval, time.Minute)
 	c.CleanupBatch = cmp.Or(c.CleanupBatch, 5000)
+	c.BacklogInterval = cmp.Or(c.BacklogInterval, 5*time.Second)
 	c.ShutdownTimeout = cmp.Or(c.ShutdownTimeout, 10*time.Second)
 	return c
 }
@@ -89,6 +96,7 @@ func (c Config) Validate(path string) []error {
 	}
 	chk.PositiveDuration(at("cleanup_interval"), c.CleanupInterval)
 	chk.Positive(at("cleanup_batch"), c.CleanupBatch)
+	chk.PositiveDuration(at("backlog_interval"), c.BacklogInterval)
 	chk.PositiveDuration(at("shutdown_timeout"), c.ShutdownTimeout)
 	return chk.Problems
 }

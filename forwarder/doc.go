@@ -64,4 +64,11 @@
 // (by class), millrace_relay_quarantined_total,
 // millrace_relay_cleanup_deleted_total and
 // millrace_relay_commit_to_publish_seconds.
+//
+// The pending-rows and oldest-age gauges are measured in the database by the
+// active relay on a timer of its own (backlog_interval, 5s), whatever its
+// batches are doing, so they rise while the broker is down; they count what
+// `millrace outbox status` counts. A read that finds nothing pending sets
+// them to 0 and makes the next count unnecessary, so an idle relay still
+// makes one query per poll interval.
 package forwarder

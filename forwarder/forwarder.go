@@ -64,7 +64,7 @@ type Forwarder struct {
 	slice   int // messages per PublishBatch call
 
 	provisioned map[string]bool
-	lastStats   time.Time
+	backlog     backlog
 	health      health
 	tracing     tracing
 
@@ -173,6 +173,9 @@ func (f *Forwarder) lead(ctx context.Context) error {
 	if err := <-ready; err != nil {
 		return err
 	}
+	refresherDone := make(chan struct{})
+	go func() { defer close(refresherDone); f.refreshBacklog(listenCtx) }()
+	defer func() { stopListening(); <-refresherDone }()
 	return f.forwardLoop(ctx, wake, listenerDone)
 }
 

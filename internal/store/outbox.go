@@ -181,6 +181,26 @@ func (t Tables) Status(ctx context.Context, db DBTX, group string) (OutboxStatus
 	return st, nil
 }
 
+// Backlog counts the committed outbox rows past group's position (all of
+// them when group has no offsets row yet) and the age of the oldest of them:
+// the rows Status counts as pending, found by a range scan of the primary key
+// from the position instead of a scan of the whole table, so that it stays
+// cheap with a long retention.
+func (t Tables) Backlog(ctx context.Context, db DBTX, group string) (pending int64, oldest time.Duration, err error) {
+	var age sql.NullFloat64
+	err = db.QueryRowContext(ctx, `
+		WITH o AS (SELECT
+			coalesce((SELECT last_processed_transaction_id FROM `+t.OffsetsTable()+` WHERE consumer_group = $1), '0'::xid8) AS txid,
+			coalesce((SELECT offset_acked FROM `+t.OffsetsTable()+` WHERE consumer_group = $1), 0) AS offset_acked)
+		SELECT count(*), EXTRACT(EPOCH FROM LOCALTIMESTAMP - min(m.created_at))::float8
+		FROM `+t.OutboxTable()+` m, o
+		WHERE (m.transaction_id, m."offset") > (o.txid, o.offset_acked)`, group).Scan(&pending, &age)
+	if err != nil {
+		return 0, 0, fmt.Errorf("count the backlog of %s: %w", t.OutboxTable(), err)
+	}
+	return pending, time.Duration(age.Float64 * float64(time.Second)), nil
+}
+
 // DeleteForwarded deletes up to limit outbox rows that group has forwarded
 // and that are older than olderThan, oldest first, and returns how many.
 func (t Tables) DeleteForwarded(ctx context.Context, db DBTX, group string, olderThan time.Duration, limit int) (int64, error) {

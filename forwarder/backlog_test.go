@@ -2,6 +2,8 @@ package forwarder_test
 
 import (
 	"context"
+	"errors"
+	"strconv"
 	"testing"
 	"time"
 
@@ -82,4 +84,49 @@ func TestBacklogGaugesRiseWhileTheBrokerIsDown(t *testing.T) {
 		return pending == 0 && age == 0 && forwarded == 7
 	})
 	require.Zero(t, status().Pending)
+}
+
+// The next batch is read while a full one is published, after the position
+// that batch would ack. When the broker confirms only a prefix, that read is
+// from the wrong place: it is dropped and the batch after the prefix is read
+// again, so nothing is skipped and the order holds.
+func TestReadAheadIsDroppedWhenTheBatchBeforeItIsPartial(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	broker := newMemoryBroker()
+	failed := map[string]bool{}
+	broker.fail = func(call int, m adapters.Outgoing) error {
+		// Once each, the 10th and the 35th event fail, retryably.
+		if v := m.Msg.Metadata.Get(bus.AggregateVersionKey); (v == "10" || v == "35") && !failed[m.Msg.UUID] {
+			failed[m.Msg.UUID] = true
+			return errors.New("broker hiccup")
+		}
+		return nil
+	}
+	var events []bus.Event
+	for v := 1; v <= 100; v++ {
+		events = append(events, event("a", v))
+	}
+	publish(t, tb, "things", events, 100)
+	cfg := testConfig()
+	cfg.BatchSize, cfg.MaxInFlight = 20, 20 // full batches: each one reads the next ahead
+	f, _ := start(t, tb, broker, cfg, nil)
+	waitFor(t, "nothing pending", func() bool { return pending(t, f) == 0 })
+
+	// The last delivery of each version, in delivery order, is 1..100: every
+	// event arrived, and the re-sent ones came back in order.
+	last := map[int]int{}
+	got := broker.snapshot()
+	for i, o := range got {
+		v, err := strconv.Atoi(o.Msg.Metadata.Get(bus.AggregateVersionKey))
+		require.NoError(t, err)
+		last[v] = i
+	}
+	require.Len(t, last, 100)
+	for v := 2; v <= 100; v++ {
+		require.Less(t, last[v-1], last[v], "version %d after %d", v, v-1)
+	}
+	// Sent twice: 11..20 (after 10 failed in the batch 1..20) and 36..49
+	// (after 35 failed in the batch 30..49).
+	require.Len(t, got, 100+10+14)
 }

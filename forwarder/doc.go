@@ -21,6 +21,13 @@
 // down. Nothing the broker did not confirm is ever acked, so a crash anywhere
 // means duplicates (which the consumer's inbox removes), never loss.
 //
+// After reading a full batch the relay reads the next one at once, outside
+// the transaction, after the position the current batch acks when the broker
+// confirms all of it, under the same xid8 rule; so PostgreSQL reads while the
+// broker confirms. The next transaction locks the offsets row and uses that
+// read only if the position there is the one it was read after; after a
+// partial batch (or another relay's ack) it reads again under the lock.
+//
 // A row that can never be published (an envelope that is not valid, a
 // message over the broker's size limit) is moved to the relay quarantine
 // table with the reason, counted and logged, and the rows behind it go on.

@@ -65,6 +65,7 @@ type Forwarder struct {
 
 	provisioned map[string]bool
 	backlog     backlog
+	ahead       *ahead // the next batch, read while the current one is published
 	health      health
 	tracing     tracing
 
@@ -175,8 +176,10 @@ func (f *Forwarder) lead(ctx context.Context) error {
 	}
 	refresherDone := make(chan struct{})
 	go func() { defer close(refresherDone); f.refreshBacklog(listenCtx) }()
-	defer func() { stopListening(); <-refresherDone }()
-	return f.forwardLoop(ctx, wake, listenerDone)
+	defer func() { stopListening(); <-refresherDone; f.dropAhead() }()
+	// listenCtx ends with ctx or when lead returns, which also ends a read
+	// ahead that forwardLoop left.
+	return f.forwardLoop(listenCtx, wake, listenerDone)
 }
 
 // acquireLeadership blocks until this relay holds the outbox's session-level

@@ -17,4 +17,7 @@
 // DELETE of the published rows. It keeps none of the relay's guarantees
 // beyond not losing a row, and it polls every 5ms when empty, so its idle
 // statements per second are not a target.
+//
+// With RELAYBENCH_PROFILE_DIR set, each relay process writes its CPU profile
+// and its allocations there (<broker>-<relay>.cpu.pprof, .allocs.pprof).
 package relaybench

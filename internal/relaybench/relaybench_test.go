@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -375,6 +376,14 @@ func runChild() int {
 			time.Sleep(100 * time.Millisecond)
 		}
 	}()
+	if dir := os.Getenv("RELAYBENCH_PROFILE_DIR"); dir != "" {
+		stopProfiles, err := profile(dir, os.Getenv("RELAYBENCH_KIND")+"-"+os.Getenv("RELAYBENCH_CHILD"))
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		defer stopProfiles()
+	}
 	cc, err := pgx.ParseConfig(os.Getenv("RELAYBENCH_DB"))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -432,6 +441,27 @@ func runChild() int {
 		}
 	}
 	return 0
+}
+
+// profile writes the child's CPU profile, and on stop its allocations, to
+// dir as <name>.cpu.pprof and <name>.allocs.pprof (RELAYBENCH_PROFILE_DIR).
+func profile(dir, name string) (stop func(), err error) {
+	cpu, err := os.Create(filepath.Join(dir, name+".cpu.pprof"))
+	if err != nil {
+		return nil, err
+	}
+	if err := pprof.StartCPUProfile(cpu); err != nil {
+		cpu.Close()
+		return nil, err
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		cpu.Close()
+		if f, err := os.Create(filepath.Join(dir, name+".allocs.pprof")); err == nil {
+			_ = pprof.Lookup("allocs").WriteTo(f, 0)
+			f.Close()
+		}
+	}, nil
 }
 
 // countingConnector counts the statements a relay sends (queries and execs,

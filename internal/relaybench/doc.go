@@ -13,8 +13,8 @@
 //
 // The reference (reference_test.go) is the simplest loop that moves the same
 // rows with the same payloads and headers to the same broker: a batched
-// select on one pgx connection, the adapter's pipelined PublishBatch, one
-// DELETE of the published rows. It keeps none of the relay's guarantees
+// select on one pgx connection, overlapping the adapter's pipelined
+// PublishBatch of the batch before and one DELETE of it on another. It keeps none of the relay's guarantees
 // beyond not losing a row, and it polls every 5ms when empty, so its idle
 // statements per second are not a target.
 //

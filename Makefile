@@ -58,7 +58,7 @@ demo: ## the seed scenario end to end (BROKER=nats|rabbitmq|kafka; default: conf
 	@$(STACK) up postgres $(if $(filter rabbitmq,$(BROKER)),rabbitmq)
 	$(if $(BROKER),MILLRACE_BROKER_KIND=$(BROKER)) $(GO) run ./examples/demo --config $(CONFIG)
 
-bench: up ## benchmarks, millrace side by side with stock Watermill
+bench: up ## benchmarks, millrace side by side with stock Watermill and a hand-written reference
 	$(GO) test -run '^$$' -bench . -benchmem $(PKGS)
 
 reliability: up ## the fault-injection suite on every broker; rewrites docs/RELIABILITY.md from its results

@@ -221,3 +221,14 @@ func TestConfigIsCheckedOncePerStart(t *testing.T) {
 	_, err = Config{Database: cfg.Database}.check()
 	require.ErrorContains(t, err, "sslrootcert", "built in code: checked")
 }
+
+// relay.shards from the YAML is checked with its path: 0 is refused, not
+// taken as unset.
+func TestRelayShardsFromYAMLAreChecked(t *testing.T) {
+	t.Parallel()
+	_, err := parseConfig([]byte("relay: {shards: 0}\n"), noEnv)
+	require.ErrorContains(t, err, "relay.shards: must be at least 1")
+	cfg, err := parseConfig([]byte("relay: {shards: 1}\n"), noEnv)
+	require.NoError(t, err)
+	require.Equal(t, 1, *cfg.Relay.Shards)
+}

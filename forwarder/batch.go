@@ -40,19 +40,29 @@ func (f *Forwarder) forwardBatch(ctx context.Context) (handled int, hidden bool,
 	})
 	defer stop()
 
+	began := time.Now()
 	tx, err := f.db.BeginTx(work, &sql.TxOptions{Isolation: f.tables.RelayIsolation()})
 	if err != nil {
+		f.recordRead(began, 0, false, err)
 		return 0, false, fmt.Errorf("begin batch: %w", err)
 	}
 	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
 
-	rows, hidden, err := f.readBatch(work, tx)
+	rows, hidden, ok, err := f.takeAhead(work, tx)
+	if err == nil && !ok {
+		rows, hidden, err = f.readBatch(work, tx)
+	}
+	f.recordRead(began, len(rows), hidden, err)
 	if err != nil || len(rows) == 0 {
 		if err == nil {
-			f.recordIdle()
 			err = tx.Commit()
 		}
 		return 0, hidden, err
+	}
+	if len(rows) == f.cfg.BatchSize {
+		// A full batch: more is likely pending, so read it while this one
+		// is published and acked.
+		f.readAhead(ctx, store.PositionOf(rows[len(rows)-1].row))
 	}
 
 	confirmed, publishErr := f.publish(work, rows)
@@ -65,20 +75,24 @@ func (f *Forwarder) forwardBatch(ctx context.Context) (handled int, hidden bool,
 	if err := tx.Commit(); err != nil {
 		return 0, hidden, fmt.Errorf("commit batch: %w", err)
 	}
-	f.recordBatch(ctx, rows[:confirmed], len(rows))
+	f.recordBatch(rows[:confirmed])
 	return confirmed, hidden, publishErr
 }
 
 // readBatch reads the next batch (store.ReadBatch: the FOR UPDATE lock on
-// the offsets row and the xid8 visibility rule) and unwraps each row's
-// forwarder envelope; a row whose envelope is unreadable is marked for the
-// quarantine.
+// the offsets row and the xid8 visibility rule) and unwraps it.
 func (f *Forwarder) readBatch(ctx context.Context, tx *sql.Tx) (rows []outboxRow, hidden bool, err error) {
 	read, hidden, err := f.tables.ReadBatch(ctx, tx, f.cfg.ConsumerGroup, f.cfg.BatchSize)
 	if err != nil {
 		return nil, false, err
 	}
-	rows = make([]outboxRow, len(read))
+	return f.unwrap(read), hidden, nil
+}
+
+// unwrap unwraps each row's forwarder envelope; a row whose envelope is
+// unreadable is marked for the quarantine.
+func (f *Forwarder) unwrap(read []store.OutboxRow) []outboxRow {
+	rows := make([]outboxRow, len(read))
 	for i, row := range read {
 		r := outboxRow{row: row}
 		topic, msg, err := envelope.Unwrap(row.Payload)
@@ -93,7 +107,62 @@ func (f *Forwarder) readBatch(ctx context.Context, tx *sql.Tx) (rows []outboxRow
 		}
 		rows[i] = r
 	}
-	return rows, hidden, nil
+	return rows
+}
+
+// ahead is the next batch, read (store.ReadAfter) while the batch in flight
+// is published, from the position that batch acks once all of it is handled.
+type ahead struct {
+	after  store.Position
+	done   chan struct{} // closed once the rows, hidden and err are set
+	rows   []outboxRow
+	hidden bool
+	err    error
+}
+
+// readAhead starts reading the batch after pos.
+func (f *Forwarder) readAhead(ctx context.Context, after store.Position) {
+	a := &ahead{after: after, done: make(chan struct{})}
+	f.ahead = a
+	go func() {
+		defer close(a.done)
+		read, hidden, err := f.tables.ReadAfter(ctx, f.db, after, f.cfg.BatchSize)
+		if err == nil {
+			a.rows, a.hidden = f.unwrap(read), hidden
+		}
+		a.err = err
+	}()
+}
+
+// takeAhead locks the offsets row in tx and returns the batch read ahead if
+// it was read after the position found there: only then is it the batch
+// ReadBatch would read now (the rows before the xid8 horizon at its read are
+// final, and the horizon never moves back). Otherwise (a partial or failed
+// batch before it, a failed read, another relay's ack) ok is false and the
+// caller reads under the lock it now holds.
+func (f *Forwarder) takeAhead(ctx context.Context, tx *sql.Tx) (rows []outboxRow, hidden, ok bool, err error) {
+	a := f.ahead
+	if a == nil {
+		return nil, false, false, nil
+	}
+	f.ahead = nil
+	<-a.done
+	if a.err != nil {
+		return nil, false, false, nil
+	}
+	pos, err := f.tables.LockPosition(ctx, tx, f.cfg.ConsumerGroup)
+	if err != nil || pos != a.after {
+		return nil, false, false, err
+	}
+	return a.rows, a.hidden, true, nil
+}
+
+// dropAhead waits for a read ahead to end and forgets it.
+func (f *Forwarder) dropAhead() {
+	if f.ahead != nil {
+		<-f.ahead.done
+		f.ahead = nil
+	}
 }
 
 // publish sends the good rows in slices of max_in_flight and returns how

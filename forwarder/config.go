@@ -44,6 +44,17 @@ type Config struct {
 	// CleanupBatch bounds the rows one cleanup DELETE removes, so cleanup never
 	// holds a long transaction. Defaults to 5000.
 	CleanupBatch int `yaml:"cleanup_batch"`
+	// Shards is how many shards the outbox is split into, each owned by one
+	// relay at a time. Only 1 is supported so far: one active relay per
+	// outbox and consumer group, the others hot standbys (see
+	// docs/SHARDS.md for the design of more). Defaults to 1.
+	Shards *int `yaml:"shards"`
+	// BacklogInterval is how often the active relay counts its backlog in the
+	// database for the pending-rows and oldest-age gauges, on a timer of its
+	// own, so that they rise while batches fail (a broker outage). It skips
+	// the count when its last read found nothing pending within the
+	// interval, so an idle relay adds no statement. Defaults to 5s.
+	BacklogInterval time.Duration `yaml:"backlog_interval"`
 	// ShutdownTimeout bounds how long a stopping relay waits for the batch in
 	// flight to be confirmed; after it, the batch is abandoned unacked (and
 	// published again by the next relay). Defaults to 10s.
@@ -66,6 +77,10 @@ func (c Config) WithDefaults() Config {
 	}
 	c.CleanupInterval = cmp.Or(c.CleanupInterval, time.Minute)
 	c.CleanupBatch = cmp.Or(c.CleanupBatch, 5000)
+	if c.Shards == nil {
+		c.Shards = ptr(1)
+	}
+	c.BacklogInterval = cmp.Or(c.BacklogInterval, 5*time.Second)
 	c.ShutdownTimeout = cmp.Or(c.ShutdownTimeout, 10*time.Second)
 	return c
 }
@@ -89,6 +104,16 @@ func (c Config) Validate(path string) []error {
 	}
 	chk.PositiveDuration(at("cleanup_interval"), c.CleanupInterval)
 	chk.Positive(at("cleanup_batch"), c.CleanupBatch)
+	if c.Shards != nil {
+		switch n := *c.Shards; {
+		case n < 1:
+			chk.Add(at("shards"), "must be at least 1 (1 is one active relay for the whole outbox); got %d", n)
+		case n > 1:
+			chk.Add(at("shards"), "%d shards: sharding the outbox is not supported yet, only 1 is; "+
+				"a future version changes the count by the procedure in docs/SHARDS.md (drain the outbox with the relays stopped, then restart them with the new count)", n)
+		}
+	}
+	chk.PositiveDuration(at("backlog_interval"), c.BacklogInterval)
 	chk.PositiveDuration(at("shutdown_timeout"), c.ShutdownTimeout)
 	return chk.Problems
 }

@@ -21,6 +21,13 @@
 // down. Nothing the broker did not confirm is ever acked, so a crash anywhere
 // means duplicates (which the consumer's inbox removes), never loss.
 //
+// After reading a full batch the relay reads the next one at once, outside
+// the transaction, after the position the current batch acks when the broker
+// confirms all of it, under the same xid8 rule; so PostgreSQL reads while the
+// broker confirms. The next transaction locks the offsets row and uses that
+// read only if the position there is the one it was read after; after a
+// partial batch (or another relay's ack) it reads again under the lock.
+//
 // A row that can never be published (an envelope that is not valid, a
 // message over the broker's size limit) is moved to the relay quarantine
 // table with the reason, counted and logged, and the rows behind it go on.
@@ -64,4 +71,11 @@
 // (by class), millrace_relay_quarantined_total,
 // millrace_relay_cleanup_deleted_total and
 // millrace_relay_commit_to_publish_seconds.
+//
+// The pending-rows and oldest-age gauges are measured in the database by the
+// active relay on a timer of its own (backlog_interval, 5s), whatever its
+// batches are doing, so they rise while the broker is down; they count what
+// `millrace outbox status` counts. A read that finds nothing pending sets
+// them to 0 and makes the next count unnecessary, so an idle relay still
+// makes one query per poll interval.
 package forwarder

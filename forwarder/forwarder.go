@@ -64,7 +64,8 @@ type Forwarder struct {
 	slice   int // messages per PublishBatch call
 
 	provisioned map[string]bool
-	lastStats   time.Time
+	backlog     backlog
+	ahead       *ahead // the next batch, read while the current one is published
 	health      health
 	tracing     tracing
 
@@ -173,7 +174,12 @@ func (f *Forwarder) lead(ctx context.Context) error {
 	if err := <-ready; err != nil {
 		return err
 	}
-	return f.forwardLoop(ctx, wake, listenerDone)
+	refresherDone := make(chan struct{})
+	go func() { defer close(refresherDone); f.refreshBacklog(listenCtx) }()
+	defer func() { stopListening(); <-refresherDone; f.dropAhead() }()
+	// listenCtx ends with ctx or when lead returns, which also ends a read
+	// ahead that forwardLoop left.
+	return f.forwardLoop(listenCtx, wake, listenerDone)
 }
 
 // acquireLeadership blocks until this relay holds the outbox's session-level

@@ -33,11 +33,11 @@ func newMetrics(reg prometheus.Registerer, outbox string) (*metrics, error) {
 		}),
 		pending: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "millrace_relay_pending_rows", ConstLabels: labels,
-			Help: "Committed outbox rows not yet forwarded, as last measured by the active relay.",
+			Help: "Committed outbox rows not yet forwarded, as last measured by the active relay (every relay.backlog_interval, also while batches fail).",
 		}),
 		oldestAge: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "millrace_relay_oldest_pending_age_seconds", ConstLabels: labels,
-			Help: "Age of the oldest committed outbox row not yet forwarded.",
+			Help: "Age of the oldest committed outbox row not yet forwarded, as last measured by the active relay.",
 		}),
 		batches: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "millrace_relay_batches_total", ConstLabels: labels,

@@ -2,20 +2,85 @@ package forwarder
 
 import (
 	"context"
+	"sync"
 	"time"
 )
 
-// statsEvery bounds how often a busy relay counts its backlog; an idle relay
-// never does (an empty batch already says nothing is pending), which keeps
-// it at one query per poll interval.
-const statsEvery = 5 * time.Second
-
-func (f *Forwarder) recordIdle() {
-	f.metrics.pending.Set(0)
-	f.metrics.oldestAge.Set(0)
+// backlog is what the pending-rows and oldest-age gauges last showed and
+// when it was measured. Two writers set them: the batch loop after a read
+// that found nothing pending, and the refresher's count on its own timer;
+// the later measurement wins.
+type backlog struct {
+	mu         sync.Mutex
+	measuredAt time.Time // when the shown values were measured (the query's start)
+	// idleAt is when the last read found nothing pending and nothing hidden;
+	// zero once a read found rows or failed, until a read finds none again.
+	idleAt time.Time
 }
 
-func (f *Forwarder) recordBatch(ctx context.Context, handled []outboxRow, read int) {
+// setBacklog shows pending and oldest, measured at at, unless a later measurement
+// is already shown.
+func (f *Forwarder) setBacklog(at time.Time, pending int64, oldest time.Duration) {
+	f.backlog.mu.Lock()
+	defer f.backlog.mu.Unlock()
+	if at.Before(f.backlog.measuredAt) {
+		return
+	}
+	f.backlog.measuredAt = at
+	f.metrics.pending.Set(float64(pending))
+	f.metrics.oldestAge.Set(oldest.Seconds())
+}
+
+// recordRead notes what the batch read that began at at found. A read that
+// found nothing pending (no rows, none hidden by an older transaction) is a
+// measurement of zero; anything else leaves the count to the refresher.
+func (f *Forwarder) recordRead(at time.Time, rows int, hidden bool, err error) {
+	if err == nil && rows == 0 && !hidden {
+		f.setBacklog(at, 0, 0)
+		f.backlog.mu.Lock()
+		f.backlog.idleAt = at
+		f.backlog.mu.Unlock()
+		return
+	}
+	f.backlog.mu.Lock()
+	f.backlog.idleAt = time.Time{}
+	f.backlog.mu.Unlock()
+}
+
+// recentlyIdle says whether the last read found nothing pending less than
+// backlog_interval ago, so that counting again would only repeat it.
+func (f *Forwarder) recentlyIdle(now time.Time) bool {
+	f.backlog.mu.Lock()
+	defer f.backlog.mu.Unlock()
+	return !f.backlog.idleAt.IsZero() && now.Sub(f.backlog.idleAt) < f.cfg.BacklogInterval
+}
+
+// refreshBacklog counts the backlog in the database at once and then every
+// backlog_interval until ctx ends, whatever the batch loop is doing (a
+// failing broker, a publish that hangs), so the gauges rise during an
+// outage.
+func (f *Forwarder) refreshBacklog(ctx context.Context) {
+	t := time.NewTicker(f.cfg.BacklogInterval)
+	defer t.Stop()
+	for {
+		if now := time.Now(); !f.recentlyIdle(now) {
+			pending, oldest, err := f.Pending(ctx)
+			switch {
+			case err == nil:
+				f.setBacklog(now, pending, oldest)
+			case ctx.Err() == nil:
+				f.logger.Error("Could not measure the outbox backlog", err, nil)
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+func (f *Forwarder) recordBatch(handled []outboxRow) {
 	now := time.Now()
 	f.metrics.batches.Inc()
 	forwarded := 0
@@ -29,28 +94,13 @@ func (f *Forwarder) recordBatch(ctx context.Context, handled []outboxRow, read i
 		}
 	}
 	f.metrics.forwarded.Add(float64(forwarded))
-	if read < f.cfg.BatchSize && len(handled) == read {
-		f.recordIdle()
-		return
-	}
-	if now.Sub(f.lastStats) < statsEvery {
-		return
-	}
-	f.lastStats = now
-	pending, oldest, err := f.Pending(ctx)
-	if err != nil {
-		f.logger.Error("Could not measure the outbox backlog", err, nil)
-		return
-	}
-	f.metrics.pending.Set(float64(pending))
-	f.metrics.oldestAge.Set(oldest.Seconds())
 }
 
 // Pending counts the committed outbox rows this relay's group has not
-// forwarded yet and the age of the oldest of them.
+// forwarded yet and the age of the oldest of them, as `millrace outbox
+// status` counts them.
 func (f *Forwarder) Pending(ctx context.Context) (rows int64, oldest time.Duration, err error) {
-	st, err := f.tables.Status(ctx, f.db, f.cfg.ConsumerGroup)
-	return st.Pending, st.OldestPendingAge, err
+	return f.tables.Backlog(ctx, f.db, f.cfg.ConsumerGroup)
 }
 
 // cleanup deletes forwarded rows older than the retention in bounded

@@ -1,10 +1,23 @@
 // Package relaybench measures millrace's relay against Watermill's stock
-// forwarder on every broker, in one run: `make bench` runs BenchmarkRelay.
+// forwarder and against a hand-written reference relay, the ceiling, on
+// every broker, in one run: `make bench` runs BenchmarkRelay.
 //
 // Each relay runs in a child process (the test binary re-executed) so its
 // peak RSS and its SQL statements are its own. For each broker and relay the
 // benchmark commits a backlog of 50,000 events, starts the relay and times
-// the drain (until nothing is pending), counts the relay's SQL statements
-// per second while idle, then commits a trickle of 200 events/s and measures
-// commit-to-consumer latency. The results print as one table with ratios.
+// the drain (until nothing is pending) while a consumer receives, counts the
+// relay's SQL statements per second while idle, then commits a trickle of
+// 200 events/s and measures commit-to-consumer latency. The results print as
+// one table, each relay's drain as a percentage of the reference's, with
+// millrace's ratios to stock Watermill.
+//
+// The reference (reference_test.go) is the simplest loop that moves the same
+// rows with the same payloads and headers to the same broker: a batched
+// select on one pgx connection, overlapping the adapter's pipelined
+// PublishBatch of the batch before and one DELETE of it on another. It keeps none of the relay's guarantees
+// beyond not losing a row, and it polls every 5ms when empty, so its idle
+// statements per second are not a target.
+//
+// With RELAYBENCH_PROFILE_DIR set, each relay process writes its CPU profile
+// and its allocations there (<broker>-<relay>.cpu.pprof, .allocs.pprof).
 package relaybench

@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -52,6 +53,11 @@ type brokerKit struct {
 	start func(b *testing.B) map[string]string
 }
 
+// relays are measured in this order for each broker: stock Watermill,
+// millrace, and the hand-written reference (reference_test.go) as the
+// ceiling.
+var relays = []string{"watermill", "millrace", "reference"}
+
 // brokers is filled by brokers_test.go, one entry per adapter.
 var brokers = map[string]brokerKit{}
 
@@ -85,7 +91,7 @@ func BenchmarkRelay(b *testing.B) {
 	}
 	slices.Sort(kinds)
 	for _, kind := range kinds {
-		for _, relay := range []string{"watermill", "millrace"} {
+		for _, relay := range relays {
 			b.Run(kind+"/"+relay, func(b *testing.B) {
 				r := measure(b, kind, relay)
 				b.ReportMetric(r.drainRate, "msg/s")
@@ -233,9 +239,14 @@ func measure(b *testing.B, kind, relay string) result {
 	}
 }
 
+// relayGroup is the offsets row of relay; the reference has none and
+// deletes what it sent, so everything left in its outbox is pending.
 func relayGroup(relay string) string {
-	if relay == "watermill" {
+	switch relay {
+	case "watermill":
 		return "watermill_forwarder"
+	case "reference":
+		return "reference_relay"
 	}
 	return "millrace_relay"
 }
@@ -365,6 +376,14 @@ func runChild() int {
 			time.Sleep(100 * time.Millisecond)
 		}
 	}()
+	if dir := os.Getenv("RELAYBENCH_PROFILE_DIR"); dir != "" {
+		stopProfiles, err := profile(dir, os.Getenv("RELAYBENCH_KIND")+"-"+os.Getenv("RELAYBENCH_CHILD"))
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		defer stopProfiles()
+	}
 	cc, err := pgx.ParseConfig(os.Getenv("RELAYBENCH_DB"))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -415,8 +434,34 @@ func runChild() int {
 		}
 		go func() { <-ctx.Done(); _ = fwd.Close() }()
 		_ = fwd.Run(ctx)
+	case "reference":
+		if err := runReference(ctx, os.Getenv("RELAYBENCH_DB"), outbox.Schema, outbox.Topic, broker, &statements); err != nil && ctx.Err() == nil {
+			fmt.Fprintln(os.Stderr, "reference relay:", err)
+			return 1
+		}
 	}
 	return 0
+}
+
+// profile writes the child's CPU profile, and on stop its allocations, to
+// dir as <name>.cpu.pprof and <name>.allocs.pprof (RELAYBENCH_PROFILE_DIR).
+func profile(dir, name string) (stop func(), err error) {
+	cpu, err := os.Create(filepath.Join(dir, name+".cpu.pprof"))
+	if err != nil {
+		return nil, err
+	}
+	if err := pprof.StartCPUProfile(cpu); err != nil {
+		cpu.Close()
+		return nil, err
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		cpu.Close()
+		if f, err := os.Create(filepath.Join(dir, name+".allocs.pprof")); err == nil {
+			_ = pprof.Lookup("allocs").WriteTo(f, 0)
+			f.Close()
+		}
+	}, nil
 }
 
 // countingConnector counts the statements a relay sends (queries and execs,
@@ -464,8 +509,8 @@ func printTable() {
 		byKey[r.kind+"/"+r.relay] = r
 	}
 	fmt.Println()
-	fmt.Printf("Relay: stock Watermill forwarder vs millrace, %d-event backlog, %d events/s trickle\n", backlogEvents, trickleRate)
-	fmt.Printf("%-9s %-10s %12s %10s %10s %10s %10s %10s\n", "broker", "relay", "drain msg/s", "p50", "p99", "idle q/s", "peak RSS", "dups")
+	fmt.Printf("Relay: stock Watermill forwarder, millrace and the reference ceiling, %d-event backlog, %d events/s trickle\n", backlogEvents, trickleRate)
+	fmt.Printf("%-9s %-10s %12s %10s %10s %10s %10s %10s %10s\n", "broker", "relay", "drain msg/s", "% ceiling", "p50", "p99", "idle q/s", "peak RSS", "dups")
 	var kinds []string
 	for _, r := range results {
 		if !slices.Contains(kinds, r.kind) {
@@ -473,18 +518,23 @@ func printTable() {
 		}
 	}
 	for _, k := range kinds {
-		for _, relay := range []string{"watermill", "millrace"} {
+		ceiling, okC := byKey[k+"/reference"]
+		for _, relay := range relays {
 			r, ok := byKey[k+"/"+relay]
 			if !ok {
 				continue
 			}
-			fmt.Printf("%-9s %-10s %12.0f %10s %10s %10.2f %8.1fMB %10d\n", r.kind, r.relay, r.drainRate,
+			pct := "-"
+			if okC {
+				pct = fmt.Sprintf("%.1f%%", 100*r.drainRate/ceiling.drainRate)
+			}
+			fmt.Printf("%-9s %-10s %12.0f %10s %10s %10s %10.2f %8.1fMB %10d\n", r.kind, r.relay, r.drainRate, pct,
 				r.p50.Round(10*time.Microsecond), r.p99.Round(10*time.Microsecond), r.idleQueries, r.peakRSSMB, r.duplicates)
 		}
 		s, okS := byKey[k+"/watermill"]
 		m, okM := byKey[k+"/millrace"]
 		if okS && okM {
-			fmt.Printf("%-9s %-10s %11.1fx %9.1fx %9.1fx\n", k, "ratio", m.drainRate/s.drainRate,
+			fmt.Printf("%-9s %-10s %11.1fx %10s %9.1fx %9.1fx\n", k, "ratio", m.drainRate/s.drainRate, "",
 				float64(s.p50)/float64(m.p50), float64(s.p99)/float64(m.p99))
 		}
 	}

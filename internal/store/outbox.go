@@ -93,13 +93,53 @@ type OutboxRow = watermillsql.Row
 // metadata instead of letting the relay move that one row aside.
 func (t Tables) ReadBatch(ctx context.Context, tx DBTX, group string, limit int) (rows []OutboxRow, hidden bool, err error) {
 	next := t.OffsetsAdapter().NextOffsetQuery(t.OutboxTopic, group)
+	return t.readBatch(ctx, tx, `last_processed AS (`+next.Query+`),`,
+		`(SELECT last_processed_transaction_id FROM last_processed), (SELECT offset_acked FROM last_processed)`,
+		next.Args, limit)
+}
+
+// Position is a place in the outbox: a row's transaction id and offset.
+type Position struct {
+	TxID, Offset int64
+}
+
+// PositionOf is the position of row, a row ReadBatch or ReadAfter returned.
+func PositionOf(row OutboxRow) Position {
+	txID, _ := row.ExtraData["transaction_id"].(int64)
+	return Position{TxID: txID, Offset: row.Offset}
+}
+
+// ReadAfter reads the next limit outbox rows after pos, under the same xid8
+// rule as ReadBatch and with the same hidden flag, but without the offsets
+// row: it lets a relay read its next batch while the current one is still
+// being published, from the position that batch will ack. Whoever uses the
+// rows must first lock the offsets row (LockPosition) and find pos there.
+func (t Tables) ReadAfter(ctx context.Context, db DBTX, pos Position, limit int) (rows []OutboxRow, hidden bool, err error) {
+	return t.readBatch(ctx, db, ``, `$1::text::xid8, $2::bigint`, []any{strconv.FormatInt(pos.TxID, 10), pos.Offset}, limit)
+}
+
+// LockPosition locks group's offsets row FOR UPDATE in tx, as ReadBatch
+// does, and returns the position recorded there.
+func (t Tables) LockPosition(ctx context.Context, tx DBTX, group string) (Position, error) {
+	next := t.OffsetsAdapter().NextOffsetQuery(t.OutboxTopic, group)
+	var pos Position
+	var offset sql.NullInt64
+	if err := tx.QueryRowContext(ctx, next.Query, next.Args...).Scan(&offset, &pos.TxID); err != nil {
+		return Position{}, fmt.Errorf("lock the offsets row of %s: %w", group, err)
+	}
+	pos.Offset = offset.Int64
+	return pos, nil
+}
+
+// readBatch runs the batch query: ctes are common table expressions ahead of
+// the batch (each followed by a comma), after the position as two SQL
+// expressions.
+func (t Tables) readBatch(ctx context.Context, db DBTX, ctes, after string, args []any, limit int) (rows []OutboxRow, hidden bool, err error) {
 	table := t.OutboxTable()
-	query := `WITH last_processed AS (` + next.Query + `),
+	query := `WITH ` + ctes + `
 			batch AS (
 				SELECT "offset", transaction_id, uuid, payload, metadata FROM ` + table + `
-				WHERE (transaction_id, "offset") > (
-					(SELECT last_processed_transaction_id FROM last_processed),
-					(SELECT offset_acked FROM last_processed))
+				WHERE (transaction_id, "offset") > (` + after + `)
 				  AND transaction_id < pg_snapshot_xmin(pg_current_snapshot())
 				ORDER BY transaction_id, "offset"
 				LIMIT ` + strconv.Itoa(limit) + `),
@@ -109,7 +149,7 @@ func (t Tables) ReadBatch(ctx context.Context, tx DBTX, group string, limit int)
 			SELECT batch."offset", batch.transaction_id, batch.uuid, batch.payload, batch.metadata, hidden.rows
 			FROM hidden LEFT JOIN batch ON true
 			ORDER BY batch.transaction_id, batch."offset"`
-	res, err := tx.QueryContext(ctx, query, next.Args...)
+	res, err := db.QueryContext(ctx, query, args...)
 	if err != nil {
 		return nil, false, fmt.Errorf("read batch: %w", err)
 	}
@@ -179,6 +219,26 @@ func (t Tables) Status(ctx context.Context, db DBTX, group string) (OutboxStatus
 	st.OldestPendingAge = time.Duration(age.Float64 * float64(time.Second))
 	st.LastForwardedAt = last.Time
 	return st, nil
+}
+
+// Backlog counts the committed outbox rows past group's position (all of
+// them when group has no offsets row yet) and the age of the oldest of them:
+// the rows Status counts as pending, found by a range scan of the primary key
+// from the position instead of a scan of the whole table, so that it stays
+// cheap with a long retention.
+func (t Tables) Backlog(ctx context.Context, db DBTX, group string) (pending int64, oldest time.Duration, err error) {
+	var age sql.NullFloat64
+	err = db.QueryRowContext(ctx, `
+		WITH o AS (SELECT
+			coalesce((SELECT last_processed_transaction_id FROM `+t.OffsetsTable()+` WHERE consumer_group = $1), '0'::xid8) AS txid,
+			coalesce((SELECT offset_acked FROM `+t.OffsetsTable()+` WHERE consumer_group = $1), 0) AS offset_acked)
+		SELECT count(*), EXTRACT(EPOCH FROM LOCALTIMESTAMP - min(m.created_at))::float8
+		FROM `+t.OutboxTable()+` m, o
+		WHERE (m.transaction_id, m."offset") > (o.txid, o.offset_acked)`, group).Scan(&pending, &age)
+	if err != nil {
+		return 0, 0, fmt.Errorf("count the backlog of %s: %w", t.OutboxTable(), err)
+	}
+	return pending, time.Duration(age.Float64 * float64(time.Second)), nil
 }
 
 // DeleteForwarded deletes up to limit outbox rows that group has forwarded

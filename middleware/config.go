@@ -165,14 +165,18 @@ const (
 	DefaultCleanupInterval     = time.Hour
 	DefaultCleanupBatch        = 10000
 	// DefaultBatchMaxMessages is 1, batching off, as measured: a batch runs
-	// its messages one after another on one connection, so it saves only
-	// COMMITs (and the BEGIN), at the price of the parallelism of separate
-	// transactions. Where a COMMIT costs no more than a statement's round
-	// trip (a local PostgreSQL on a disk with a write cache: ~0.4ms for
-	// either on the 2-core test machine), BenchmarkConsumerThroughput ran
-	// batched at 0.5-1.1x the batch-size-1 chain. Where a COMMIT waits for a
-	// disk flush or a synchronous standby (milliseconds), batching pays:
-	// set max_messages to workers there.
+	// its messages one after another on one connection, so it saves COMMITs
+	// (and BEGINs) at the price of the parallelism of separate transactions,
+	// and a batch can only hold messages in flight. On the 2-core test
+	// machine, whose local PostgreSQL commits about as fast as it runs a
+	// statement (~0.4ms), BenchmarkConsumerThroughput ran batches of 8 (with
+	// 8 workers: 2-4 messages per transaction) at 0.5-1.6x the batch-size-1
+	// chain, and still at 0.6-0.8x with a COMMIT made 2ms slower; 32 workers
+	// with batches of 32 (~11 per transaction; ~2.4 on Kafka, one message in
+	// flight per partition) reached 0.8-2.0x, and 0.7-2.4x with the slow
+	// COMMIT. So batching pays only with many more messages in
+	// flight than transactions and a COMMIT that waits for a flush or a
+	// synchronous standby: raise workers and max_messages together there.
 	DefaultBatchMaxMessages = 1
 	// DefaultBatchMaxWait is a few milliseconds: above the time the brokers
 	// take to hand over the next messages once a batch is acked (under 1ms

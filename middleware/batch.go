@@ -246,10 +246,9 @@ func (b *batcher) execute(members []*member) {
 		return
 	}
 	var kept []*member // members whose effects wait for the COMMIT
-	// abort ends the transaction without its COMMIT: kept and rest are
-	// sent their verdict.
-	abort := func(rest []*member, cause error) {
-		_ = tx.Rollback()
+	// release sends kept and rest their verdict once the transaction will
+	// not commit; abort rolls it back first.
+	release := func(rest []*member, cause error) {
 		if unreachable(cause) {
 			down := &unavailableError{err: cause}
 			for _, m := range append(kept, rest...) {
@@ -264,6 +263,10 @@ func (b *batcher) execute(members []*member) {
 			m.done <- errBatchAborted
 		}
 	}
+	abort := func(rest []*member, cause error) {
+		_ = tx.Rollback()
+		release(rest, cause)
+	}
 	for i := 0; i < len(members); i++ {
 		m := members[i]
 		if err := store.Savepoint(ctx, tx); err != nil {
@@ -273,9 +276,15 @@ func (b *batcher) execute(members []*member) {
 		m.turn <- tx
 		r, ok := b.await(ctx, m, &members, i)
 		if !ok {
-			// A handler still running at the deadline may still use tx:
-			// end the whole transaction, so nothing it does lands.
-			abort(members[i:], ctx.Err())
+			// A handler still running at the deadline may still use tx,
+			// which a pgx transaction does not allow concurrently with a
+			// Rollback: the others go now, nothing of the batch commits,
+			// and tx is rolled back once the handler returns (database/sql
+			// has rolled it back already with its context; pgx's server
+			// ends it at idle_in_transaction_session_timeout).
+			release(members[i:], ctx.Err())
+			<-m.result
+			_ = tx.Rollback()
 			return
 		}
 		if r.err == nil {

@@ -228,3 +228,30 @@ func TestBatchKeepsAggregateOrder(t *testing.T) {
 	require.Equal(t, len(msgs), e.count(t, `SELECT count(DISTINCT event_id) FROM `+e.table("business")))
 	require.Positive(t, c.metric(t, middleware.MetricBatchSize, map[string]string{"handler": "billing"}))
 }
+
+// TestBatchOffOnASingleOrderedSubscription: an ordered handler on RabbitMQ
+// has one subscription, so one message in flight; with batching on, each
+// message still gets a transaction of its own at once instead of a batch
+// waiting for messages that cannot come.
+func TestBatchOffOnASingleOrderedSubscription(t *testing.T) {
+	t.Parallel()
+	const events = 10
+	e := newEnv(t)
+	k := newKit(t, bus.KindRabbitMQ, kitOptions{})
+	topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
+	k.provision(t, topic, group)
+	cfg := middleware.Config{Workers: 8, Ordered: ptr(true), Batch: middleware.BatchConfig{MaxMessages: 8, MaxWait: time.Second}}
+	c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group,
+		handle: func(msg *message.Message) error { return e.write(msg.Context(), group, msg) }})
+	msgs := make([]*message.Message, events)
+	for i := range msgs {
+		msgs[i] = event(fmt.Sprintf("evt-%d", i), "o-1", int64(i+1), `{}`)
+	}
+	publish(t, k.pub, topic, msgs...)
+	eventually(t, time.Minute, "every event applied", func() bool {
+		return e.count(t, `SELECT count(*) FROM `+e.table("business")) == events
+	})
+	require.Zero(t, c.metric(t, middleware.MetricBatchSize, map[string]string{"handler": "billing"}), "no batched transaction")
+	require.Zero(t, e.count(t, `SELECT count(*) FROM (SELECT version < lag(version) OVER (ORDER BY seq) AS back FROM `+
+		e.table("business")+`) s WHERE back`), "in order")
+}

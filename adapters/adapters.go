@@ -177,3 +177,15 @@ func (e *BatchError) Unwrap() []error {
 	}
 	return out
 }
+
+// BacklogReporter is a Broker that can tell how far a consumer group is
+// behind on a topic. bus.Run reports it as the millrace_consumer_backlog
+// gauge.
+type BacklogReporter interface {
+	// Backlog returns, per partition ("" for a broker without partitions),
+	// the messages of topic that consumerGroup has not consumed yet: the
+	// JetStream consumer's NumPending (not yet delivered), the RabbitMQ
+	// queue's ready messages, Kafka's high watermark minus the group's
+	// committed offset.
+	Backlog(ctx context.Context, topic, consumerGroup string) (map[string]int64, error)
+}

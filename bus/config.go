@@ -167,6 +167,9 @@ type MetricsConfig struct {
 	// consumer group for millrace_inbox_rows (one index-only scan of the
 	// inbox table). Defaults to 30s.
 	InboxRowsInterval time.Duration `yaml:"inbox_rows_interval"`
+	// BacklogInterval is how often Run asks the broker for each handler's
+	// backlog for millrace_consumer_backlog. Defaults to 15s.
+	BacklogInterval time.Duration `yaml:"backlog_interval"`
 }
 
 // HealthConfig is the health section.
@@ -209,6 +212,7 @@ func (c Config) WithDefaults() Config {
 	c.Relay = c.Relay.WithDefaults()
 	c.Consumer = c.Consumer.WithDefaults()
 	c.Metrics.InboxRowsInterval = cmp.Or(c.Metrics.InboxRowsInterval, 30*time.Second)
+	c.Metrics.BacklogInterval = cmp.Or(c.Metrics.BacklogInterval, 15*time.Second)
 	c.Health.StallTimeout = cmp.Or(c.Health.StallTimeout, 5*time.Minute)
 	c.Health.CheckTimeout = cmp.Or(c.Health.CheckTimeout, 2*time.Second)
 	return c
@@ -254,6 +258,7 @@ func (c Config) validate(broker bool) error {
 		chk.Add("metrics.listen", "must be host:port such as \":9464\" or \"127.0.0.1:9464\"; got %q", c.Metrics.Listen)
 	}
 	chk.PositiveDuration("metrics.inbox_rows_interval", c.Metrics.InboxRowsInterval)
+	chk.PositiveDuration("metrics.backlog_interval", c.Metrics.BacklogInterval)
 	chk.Merge(c.Consumer.Validate("consumer"))
 	c.validateHealth(&chk)
 	if len(chk.Problems) == 0 {

@@ -8,7 +8,9 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
@@ -187,14 +189,24 @@ func (b *Bus) Run(ctx context.Context) error {
 		defer stopMetrics()
 	}
 
+	var backlog *prometheus.GaugeVec
+	if _, ok := broker.(adapters.BacklogReporter); ok && router != nil {
+		if backlog, err = newBacklogMetric(b.registerer); err != nil {
+			return err
+		}
+	}
+
 	var wg sync.WaitGroup
-	errs := make(chan error, 4)
+	errs := make(chan error, 5)
 	if rs.relay != nil {
 		wg.Go(func() { errs <- rs.relay.Run(runCtx) })
 	}
 	if router != nil {
 		wg.Go(func() { errs <- stack.RunRetention(runCtx) })
 		wg.Go(func() { errs <- b.refreshInboxRows(runCtx, stack) })
+		if reporter, ok := broker.(adapters.BacklogReporter); ok && backlog != nil {
+			wg.Go(func() { errs <- b.refreshBacklog(runCtx, reporter, backlog, handlers) })
+		}
 		wg.Go(func() { errs <- router.Run(runCtx) })
 	}
 	var first error
@@ -221,6 +233,32 @@ func (b *Bus) refreshInboxRows(ctx context.Context, stack *middleware.Stack) err
 		}
 		if err := stack.RefreshInboxRows(ctx); err != nil && ctx.Err() == nil {
 			b.logger.Error("Could not count the inbox rows", err, nil)
+		}
+	}
+}
+
+// refreshBacklog sets millrace_consumer_backlog of every handler now and
+// then every metrics.backlog_interval until ctx ends.
+func (b *Bus) refreshBacklog(ctx context.Context, reporter adapters.BacklogReporter, gauge *prometheus.GaugeVec, handlers []handlerSpec) error {
+	t := time.NewTicker(b.cfg.Metrics.BacklogInterval)
+	defer t.Stop()
+	for {
+		for _, h := range handlers {
+			partitions, err := reporter.Backlog(ctx, h.topic, h.group)
+			if err != nil {
+				if ctx.Err() == nil {
+					b.logger.Error("Could not read a consumer group's backlog", err, watermill.LogFields{"handler": h.name, "topic": h.topic})
+				}
+				continue
+			}
+			for partition, n := range partitions {
+				gauge.WithLabelValues(h.name, h.group, partition).Set(float64(n))
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
 		}
 	}
 }

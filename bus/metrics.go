@@ -17,6 +17,23 @@ import (
 // committed, before the ack), per handler.
 const MetricConsumerLag = "millrace_consumer_lag_seconds"
 
+// MetricConsumerBacklog is the gauge of the messages a handler's consumer
+// group has not consumed yet, per partition (empty on brokers without
+// partitions), as the broker tells it every metrics.backlog_interval.
+const MetricConsumerBacklog = "millrace_consumer_backlog"
+
+// newBacklogMetric registers the consumer backlog gauge on reg.
+func newBacklogMetric(reg prometheus.Registerer) (*prometheus.GaugeVec, error) {
+	backlog := prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: MetricConsumerBacklog,
+		Help: "Messages of the topic the handler's consumer group has not consumed yet, per partition, as the broker reports it.",
+	}, []string{"handler", "consumer_group", "partition"})
+	if err := reg.Register(backlog); err != nil {
+		return nil, fmt.Errorf("millrace: register %s: %w", MetricConsumerBacklog, err)
+	}
+	return backlog, nil
+}
+
 // newLagMetric registers the consumer lag histogram on reg.
 func newLagMetric(reg prometheus.Registerer) (*prometheus.HistogramVec, error) {
 	lag := prometheus.NewHistogramVec(prometheus.HistogramOpts{

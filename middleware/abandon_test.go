@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -30,6 +31,17 @@ func chainOn(t *testing.T, e *env, cfg middleware.Config, handle message.NoPubli
 	return chain.Wrap(handle), &consumer{reg: reg}
 }
 
+// forEachBatchSize runs test with one transaction per message and with
+// batched inbox transactions (batch.max_messages 8).
+func forEachBatchSize(t *testing.T, test func(*testing.T, middleware.Config)) {
+	for _, size := range []int{1, 8} {
+		t.Run(fmt.Sprintf("batch%d", size), func(t *testing.T) {
+			t.Parallel()
+			test(t, middleware.Config{Batch: middleware.BatchConfig{MaxMessages: size}})
+		})
+	}
+}
+
 func (c *consumer) abandoned(t testing.TB) (total, running float64) {
 	labels := map[string]string{"handler": "billing"}
 	return c.metric(t, middleware.MetricAbandoned, labels), c.metric(t, middleware.MetricAbandonedActive, labels)
@@ -44,8 +56,11 @@ func (c *consumer) abandoned(t testing.TB) (total, running float64) {
 // detector checks that they share nothing, and their writes never commit.
 func TestAbandonedAttemptsArePoisonedAndNeverCommit(t *testing.T) {
 	t.Parallel()
+	forEachBatchSize(t, abandonedAttemptsArePoisonedAndNeverCommit)
+}
+
+func abandonedAttemptsArePoisonedAndNeverCommit(t *testing.T, cfg middleware.Config) {
 	e := newEnv(t)
-	var cfg middleware.Config
 	cfg.HandlerTimeout = 300 * time.Millisecond
 	fastRetry(&cfg, 3)
 
@@ -195,8 +210,11 @@ func TestAbandonedAttemptDuringAStopIsNacked(t *testing.T) {
 // adding a stuck goroutine at every trial) for as long as the hang lasts.
 func TestAbandonedAttemptsOpenTheBreakerButAreNoOutage(t *testing.T) {
 	t.Parallel()
+	forEachBatchSize(t, abandonedAttemptsOpenTheBreakerButAreNoOutage)
+}
+
+func abandonedAttemptsOpenTheBreakerButAreNoOutage(t *testing.T, cfg middleware.Config) {
 	e := newEnv(t)
-	var cfg middleware.Config
 	cfg.HandlerTimeout = 200 * time.Millisecond
 	fastRetry(&cfg, 3)
 	cfg.Breaker = middleware.BreakerConfig{ConsecutiveFailures: 2, OpenTimeout: 50 * time.Millisecond}

@@ -2,6 +2,7 @@ package middleware_test
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"os"
 	"strings"
@@ -17,19 +18,29 @@ import (
 	"github.com/millrace-io/millrace/middleware"
 )
 
-// BenchmarkConsumerThroughput consumes b.N events three times over one
-// broker, 8 workers each time, and reports the three rates side by side:
+// BenchmarkConsumerThroughput consumes b.N events over one broker with each
+// of these consumers, all on the same Dispatcher (so only the handler
+// differs), and reports their rates in effects/s (one business row per
+// event) side by side:
 //
-//   - noop_msgs/s: a bare Watermill handler that only acks (the broker's ceiling);
-//   - bare_msgs/s: a bare Watermill handler doing the business write in its
-//     own transaction, without inbox or middleware;
-//   - chain_msgs/s: the same write through millrace's full chain with the
-//     inbox on (inbox insert in the same transaction, retry, breaker, poison
-//     queue, metrics);
+//   - noop: a bare Watermill handler that only acks (the broker's ceiling);
+//   - bare: a bare Watermill handler doing the business write in its own
+//     transaction, without inbox or middleware;
+//   - chain1: the same write through millrace's full chain with the inbox
+//     on, batch.max_messages 1 (one transaction and COMMIT per message);
+//   - batched: the chain with batch.max_messages 8 and 8 workers;
+//   - batched32: the chain with 32 workers and batch.max_messages 32;
 //
-// and chain/bare, the share of the bare rate the chain keeps (target >= 0.5).
-// All three run on the same Dispatcher, so only the chain differs.
-// MILLRACE_BENCH_BROKERS picks the brokers (default gochannel,nats,rabbitmq).
+// then bare, chain1, batched and batched32 again with every COMMIT taking 2ms more
+// (the *_flush2ms rates), as one that waits for a disk flush or a
+// synchronous standby does: the local PostgreSQL of the test machine
+// commits about as fast as it runs a statement, which hides what batching
+// saves. It reports the ratios batched/chain1, batched32/chain1,
+// batched/bare and, with the slow COMMIT, batched/chain1_flush2ms and
+// batched32/chain1_flush2ms, and the mean messages per batched transaction
+// (msgs/tx).
+// MILLRACE_BENCH_BROKERS picks the brokers (default gochannel, kafka, nats,
+// rabbitmq).
 func BenchmarkConsumerThroughput(b *testing.B) {
 	brokers := kitNames
 	if v := os.Getenv("MILLRACE_BENCH_BROKERS"); v != "" {
@@ -38,28 +49,49 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 	for _, name := range brokers {
 		b.Run(name, func(b *testing.B) {
 			e := newEnv(b)
-			e.db.SetMaxIdleConns(16) // 8 workers: keep their connections instead of reopening them
-			k := newKit(b, name, kitOptions{maxAckPending: 8})
-			cfg := middleware.Config{Workers: 8}
-			noopHandler := func(*message.Message) error { return nil }
-			bareHandler := func(msg *message.Message) error {
-				tx, err := e.db.BeginTx(msg.Context(), nil)
-				if err != nil {
-					return err
+			e.db.SetMaxIdleConns(32) // keep the workers' connections instead of reopening them
+			k := newKit(b, name, kitOptions{maxAckPending: 32})
+			noop := func(*message.Message) error { return nil }
+			bare := func(flush time.Duration) func(*message.Message) error {
+				return func(msg *message.Message) error {
+					tx, err := e.db.BeginTx(msg.Context(), nil)
+					if err != nil {
+						return err
+					}
+					defer tx.Rollback() //nolint:errcheck // a no-op after Commit
+					if _, err := tx.ExecContext(msg.Context(), `INSERT INTO `+e.table("business")+` (consumer_group, event_id, aggregate_id, version) VALUES ($1, $2, $3, 1)`,
+						"bare", msg.Metadata.Get(bus.EventIDKey), msg.Metadata.Get(bus.AggregateIDKey)); err != nil {
+						return err
+					}
+					return slowCommit{tx, flush}.Commit()
 				}
-				defer tx.Rollback() //nolint:errcheck // a no-op after Commit
-				if _, err := tx.ExecContext(msg.Context(), `INSERT INTO `+e.table("business")+` (consumer_group, event_id, aggregate_id, version) VALUES ($1, $2, $3, 1)`,
-					"bare", msg.Metadata.Get(bus.EventIDKey), msg.Metadata.Get(bus.AggregateIDKey)); err != nil {
-					return err
-				}
-				return tx.Commit()
 			}
-			chainHandler := func(msg *message.Message) error { return e.write(msg.Context(), "chain", msg) }
-			// The machine is shared: bare and chain run in alternating rounds
-			// so that a change of load affects both alike.
+			// The chain's write goes through CurrentTx: with a slow COMMIT
+			// the transaction is not a bare *sql.Tx.
+			chained := func(msg *message.Message) error {
+				ctx := msg.Context()
+				_, err := middleware.CurrentTx(ctx).ExecContext(ctx, `INSERT INTO `+e.table("business")+` (consumer_group, event_id, aggregate_id, version) VALUES ($1, $2, $3, 1)`,
+					"chain", msg.Metadata.Get(bus.EventIDKey), msg.Metadata.Get(bus.AggregateIDKey))
+				return err
+			}
+			const flush = 2 * time.Millisecond
+			batch := func(workers, size int) middleware.Config {
+				return middleware.Config{Workers: workers, Batch: middleware.BatchConfig{MaxMessages: size}}
+			}
+			variants := []benchVariant{
+				{name: "noop", cfg: batch(8, 1), handle: noop},
+				{name: "bare", cfg: batch(8, 1), handle: bare(0)},
+				{name: "chain1", cfg: batch(8, 1), chain: true, handle: chained},
+				{name: "batched", cfg: batch(8, 8), chain: true, handle: chained},
+				{name: "batched32", cfg: batch(32, 32), chain: true, handle: chained},
+				{name: "bare_flush2ms", cfg: batch(8, 1), handle: bare(flush)},
+				{name: "chain1_flush2ms", cfg: batch(8, 1), chain: true, flush: flush, handle: chained},
+				{name: "batched_flush2ms", cfg: batch(8, 8), chain: true, flush: flush, handle: chained},
+				{name: "batched32_flush2ms", cfg: batch(32, 32), chain: true, flush: flush, handle: chained},
+			}
+			// The machine is shared: the variants run in alternating rounds
+			// so that a change of load affects them alike.
 			const rounds = 3
-			var noopTime, bareTime, chainTime time.Duration
-			var noopN, bareN, chainN int
 			for r := range rounds {
 				n := b.N / rounds
 				if r == rounds-1 {
@@ -68,46 +100,86 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 				if n == 0 {
 					continue
 				}
-				noopTime += consumeTime(b, k, e, "noop", n, cfg, false, noopHandler)
-				bareTime += consumeTime(b, k, e, "bare", n, cfg, false, bareHandler)
-				chainTime += consumeTime(b, k, e, "chain", n, cfg, true, chainHandler)
-				noopN, bareN, chainN = noopN+n, bareN+n, chainN+n
+				for i := range variants {
+					variants[i].consume(b, k, e, n)
+				}
 			}
-			noop := float64(noopN) / noopTime.Seconds()
-			bare := float64(bareN) / bareTime.Seconds()
-			chain := float64(chainN) / chainTime.Seconds()
-			b.ReportMetric(noop, "noop_msgs/s")
-			b.ReportMetric(bare, "bare_msgs/s")
-			b.ReportMetric(chain, "chain_msgs/s")
-			b.ReportMetric(chain/bare, "chain/bare")
+			rate := map[string]float64{}
+			for _, v := range variants {
+				rate[v.name] = float64(v.count) / v.elapsed.Seconds()
+				b.ReportMetric(rate[v.name], v.name+"_effects/s")
+				if v.cfg.Batch.MaxMessages > 1 && v.transactions > 0 {
+					b.ReportMetric(float64(v.count)/v.transactions, v.name+"_msgs/tx")
+				}
+			}
+			b.ReportMetric(rate["batched"]/rate["chain1"], "batched/chain1")
+			b.ReportMetric(rate["batched32"]/rate["chain1"], "batched32/chain1")
+			b.ReportMetric(rate["batched"]/rate["bare"], "batched/bare")
+			b.ReportMetric(rate["batched_flush2ms"]/rate["chain1_flush2ms"], "batched/chain1_flush2ms")
+			b.ReportMetric(rate["batched32_flush2ms"]/rate["chain1_flush2ms"], "batched32/chain1_flush2ms")
 		})
 	}
 }
 
-// consumeTime publishes n events to a fresh topic and returns how long a
-// consumer took to process them, from the first handler call to the last
-// one. withChain wraps the handler in millrace's chain.
-func consumeTime(b *testing.B, k *kit, e *env, variant string, n int, cfg middleware.Config, withChain bool, handle func(*message.Message) error) time.Duration {
+// slowCommit is a transaction whose COMMIT takes flush longer, as one
+// waiting for a disk flush does (sleeping after it: the server is done,
+// the client still waits).
+type slowCommit struct {
+	*sql.Tx
+	flush time.Duration
+}
+
+func (t slowCommit) Commit() error {
+	err := t.Tx.Commit()
+	time.Sleep(t.flush)
+	return err
+}
+
+// benchVariant is one consumer of BenchmarkConsumerThroughput and what it
+// measured.
+type benchVariant struct {
+	name   string
+	cfg    middleware.Config
+	chain  bool          // wrap handle in millrace's chain
+	flush  time.Duration // added to every COMMIT of the chain
+	handle func(*message.Message) error
+
+	elapsed      time.Duration
+	count        int
+	transactions float64 // batched inbox transactions
+}
+
+// consume publishes n events to a fresh topic and adds how long a consumer
+// took to process them, from the first handler call to the last one.
+func (v *benchVariant) consume(b *testing.B, k *kit, e *env, n int) {
 	b.Helper()
 	b.StopTimer()
-	topic, group := uniqueName(b, variant), uniqueName(b, variant+"_g")
+	topic, group := uniqueName(b, v.name), uniqueName(b, v.name+"_g")
 	k.provision(b, topic, group)
 	msgs := make([]*message.Message, n)
 	for i := range msgs {
-		msgs[i] = event(fmt.Sprintf("%s-%s-%d", variant, topic, i), fmt.Sprintf("o-%d", i%64), 1, `{"amount":1}`)
+		msgs[i] = event(fmt.Sprintf("%s-%s-%d", v.name, topic, i), fmt.Sprintf("o-%d", i%64), 1, `{"amount":1}`)
 	}
 	publish(b, k.pub, topic, msgs...)
 
-	stack, err := middleware.New(cfg, middleware.Deps{DB: e.db, Schema: e.schema, Registerer: prometheus.NewRegistry()})
+	reg := prometheus.NewRegistry()
+	deps := middleware.Deps{DB: e.db, Schema: e.schema, Registerer: reg}
+	if v.flush > 0 {
+		deps.BeginTx = func(ctx context.Context) (middleware.Transaction, error) {
+			tx, err := e.db.BeginTx(ctx, nil)
+			return slowCommit{tx, v.flush}, err
+		}
+	}
+	stack, err := middleware.New(v.cfg, deps)
 	require.NoError(b, err)
-	chain, err := stack.Chain(middleware.Handler{Name: variant, Topic: topic, ConsumerGroup: group})
+	chain, err := stack.Chain(middleware.Handler{Name: v.name, Topic: topic, ConsumerGroup: group})
 	require.NoError(b, err)
 	var started atomic.Int64
 	var done atomic.Int64
 	finished := make(chan struct{})
 	counted := func(msg *message.Message) error {
 		started.CompareAndSwap(0, time.Now().UnixNano())
-		if err := handle(msg); err != nil {
+		if err := v.handle(msg); err != nil {
 			return err
 		}
 		if done.Add(1) == int64(n) {
@@ -116,22 +188,31 @@ func consumeTime(b *testing.B, k *kit, e *env, variant string, n int, cfg middle
 		return nil
 	}
 	h := counted
-	if withChain {
+	if v.chain {
 		h = chain.Wrap(counted)
 	}
 	router, err := message.NewRouter(message.RouterConfig{}, testLogger())
 	require.NoError(b, err)
-	router.AddConsumerHandler(variant, topic, chain.Subscriber(k.source(group)), h)
+	router.AddConsumerHandler(v.name, topic, chain.Subscriber(k.source(group)), h)
 	go func() { _ = router.Run(context.Background()) }()
 	b.StartTimer()
 	select {
 	case <-finished:
 	case <-time.After(5 * time.Minute):
-		b.Fatalf("%s: %d of %d processed", variant, done.Load(), n)
+		b.Fatalf("%s: %d of %d processed", v.name, done.Load(), n)
 	}
-	elapsed := time.Since(time.Unix(0, started.Load()))
+	v.elapsed += time.Since(time.Unix(0, started.Load()))
+	v.count += n
 	b.StopTimer()
 	require.NoError(b, router.Close())
+	families, err := reg.Gather()
+	require.NoError(b, err)
+	for _, f := range families {
+		if f.GetName() == middleware.MetricBatchSize {
+			for _, m := range f.GetMetric() {
+				v.transactions += float64(m.GetHistogram().GetSampleCount())
+			}
+		}
+	}
 	b.StartTimer()
-	return elapsed
 }

@@ -120,3 +120,35 @@ func TestValidateNamesYAMLPaths(t *testing.T) {
 	}, paths(errs))
 	require.Contains(t, errors.Join(errs...).Error(), "consumer.handlers.billing.prefetch: must be at least workers (8); got 2")
 }
+
+func TestBatchConfig(t *testing.T) {
+	t.Parallel()
+	c := Config{}.WithDefaults()
+	require.Equal(t, DefaultBatchMaxMessages, c.Batch.MaxMessages)
+	require.Equal(t, DefaultBatchMaxWait, c.Batch.MaxWait)
+
+	var fromYAML Config
+	require.Empty(t, confload.Decode([]byte(`
+batch: {max_messages: -2, max_wait: -1ms}
+handlers:
+  billing:
+    handler_timeout: 1s
+    batch: {max_wait: 1s}
+  shipping:
+    batch: {max_messages: 1}
+  audit:
+    batch: {max_messages: 65}
+`), &fromYAML, nil))
+	errs := fromYAML.WithDefaults().Validate("consumer")
+	msg := errors.Join(errs...).Error()
+	require.Contains(t, msg, "consumer.batch.max_messages: must be greater than 0; got -2")
+	require.Contains(t, msg, "consumer.batch.max_wait")
+
+	fromYAML.Batch = BatchConfig{}
+	errs = fromYAML.WithDefaults().Validate("consumer")
+	msg = errors.Join(errs...).Error()
+	require.Len(t, errs, 2, msg)
+	require.Contains(t, msg, "consumer.handlers.audit.batch.max_messages: must be at most 64; got 65")
+	require.Contains(t, msg, "consumer.handlers.billing.batch.max_wait: must be less than handler_timeout (1s); got 1s")
+	require.Equal(t, 1, fromYAML.WithDefaults().For("shipping").Batch.MaxMessages, "batch size 1 per handler")
+}

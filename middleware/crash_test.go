@@ -6,7 +6,10 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -25,31 +28,47 @@ import (
 // then run a clean consumer on the same consumer group: no event may be
 // lost and none may have two effects.
 const (
-	crashReady = "MILLRACE_CRASH_READY"
+	crashReady   = "MILLRACE_CRASH_READY"   // followed by the victim and its batch mates
+	crashStarted = "MILLRACE_CRASH_STARTED" // the child's subscriptions are open
 	// Points where the child is killed.
 	beforeCommit = "before-commit" // the victim's business row written, not committed
 	afterCommit  = "after-commit"  // the victim committed, not acked
 )
 
+// TestCrashRecovery kills the child with one transaction per message and,
+// under batched/, with batched inbox transactions (batch.max_messages 8):
+// there the victim is the first message run in a batch after another one
+// (found by the transaction it runs in), so the kill lands mid-batch, before
+// the COMMIT (the mates' writes are lost with it) or after it (the mates'
+// and the victim's writes are committed, their acks not all sent).
 func TestCrashRecovery(t *testing.T) {
 	if os.Getenv("MILLRACE_CRASH_MODE") != "" {
 		crashChild(t)
 		return
 	}
 	t.Parallel()
-	for _, broker := range []string{bus.KindKafka, bus.KindNATS, bus.KindRabbitMQ} {
-		for _, mode := range []string{beforeCommit, afterCommit} {
-			t.Run(broker+"/"+mode, func(t *testing.T) {
-				t.Parallel()
-				testCrash(t, broker, mode)
-			})
+	for _, batched := range []bool{false, true} {
+		for _, broker := range []string{bus.KindKafka, bus.KindNATS, bus.KindRabbitMQ} {
+			for _, mode := range []string{beforeCommit, afterCommit} {
+				name := broker + "/" + mode
+				if batched {
+					name = "batched/" + name
+				}
+				t.Run(name, func(t *testing.T) {
+					t.Parallel()
+					testCrash(t, broker, mode, batched)
+				})
+			}
 		}
 	}
 }
 
-func testCrash(t *testing.T, broker, mode string) {
+// crashBatch is the child's batch setting when batched. A batch waits for
+// its messages, up to 5s (see crashChild).
+var crashBatch = middleware.Config{Workers: 8, Batch: middleware.BatchConfig{MaxMessages: 8, MaxWait: 5 * time.Second}}
+
+func testCrash(t *testing.T, broker, mode string, batched bool) {
 	const events = 30
-	const victim = "evt-10"
 	e := newEnv(t)
 	opts := kitOptions{ackWait: 2 * time.Second} // NATS redelivers what the dead child held after this
 	k := newKit(t, broker, opts)
@@ -58,15 +77,17 @@ func testCrash(t *testing.T, broker, mode string) {
 	msgs := make([]*message.Message, events)
 	for i := range msgs {
 		msgs[i] = event(fmt.Sprintf("evt-%02d", i), fmt.Sprintf("o-%d", i%5), int64(i/5+1), `{"amount":1}`)
+		if batched { // an aggregate each: spread over every Kafka partition
+			msgs[i] = event(fmt.Sprintf("evt-%02d", i), fmt.Sprintf("o-%d", i), 1, `{"amount":1}`)
+		}
 	}
-	publish(t, k.pub, topic, msgs...)
 
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestCrashRecovery$", "-test.count=1")
 	cmd.Env = append(os.Environ(),
 		"MILLRACE_CRASH_MODE="+mode, "MILLRACE_CRASH_BROKER="+broker, "MILLRACE_CRASH_SCHEMA="+e.schema,
-		"MILLRACE_CRASH_TOPIC="+topic, "MILLRACE_CRASH_GROUP="+group, "MILLRACE_CRASH_VICTIM="+victim)
+		"MILLRACE_CRASH_TOPIC="+topic, "MILLRACE_CRASH_GROUP="+group, "MILLRACE_CRASH_BATCHED="+strconv.FormatBool(batched))
 	if broker == bus.KindKafka { // the child reaches the parent's in-process cluster
 		cmd.Env = append(cmd.Env, "KAFKA_BROKERS="+strings.Join(brokertest.KafkaBrokers(t), ","))
 	}
@@ -74,22 +95,46 @@ func testCrash(t *testing.T, broker, mode string) {
 	require.NoError(t, err)
 	cmd.Stderr = os.Stderr
 	require.NoError(t, cmd.Start())
-	ready := make(chan struct{})
+	started, ready := make(chan struct{}), make(chan []string, 1)
 	go func() {
 		scanner := bufio.NewScanner(stdout)
 		for scanner.Scan() {
-			if strings.TrimSpace(scanner.Text()) == crashReady {
-				close(ready)
-				break
+			fields := strings.Fields(scanner.Text())
+			switch {
+			case len(fields) == 1 && fields[0] == crashStarted:
+				close(started)
+				continue
+			case len(fields) >= 2 && fields[0] == crashReady:
+				ready <- fields[1:]
+			default:
+				continue
 			}
+			break
 		}
 		for scanner.Scan() { // keep the pipe drained
 		}
 	}()
 	select {
-	case <-ready:
+	case <-started:
+	case <-ctx.Done():
+		t.Fatal("the child consumer never started")
+	}
+	// Published once the child's subscriptions are open: a NATS push
+	// consumer gives a backlog waiting at the start to the first one.
+	publish(t, k.pub, topic, msgs...)
+	var victim string
+	var mates []string // run before the victim in its batch
+	select {
+	case got := <-ready:
+		victim, mates = got[0], got[1:]
 	case <-ctx.Done():
 		t.Fatal("the child consumer never reached the crash point")
+	}
+	if batched {
+		require.NotEmpty(t, mates, "the victim ran in a batch after other messages")
+	}
+	rowsOf := func(ids []string) int {
+		return e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = ANY($1)`, ids)
 	}
 
 	victimRows := func() int {
@@ -98,9 +143,11 @@ func testCrash(t *testing.T, broker, mode string) {
 	switch mode {
 	case beforeCommit:
 		require.Zero(t, victimRows(), "the victim's write is not committed yet")
+		require.Zero(t, rowsOf(mates), "nor are those of its batch mates")
 	case afterCommit:
 		require.Equal(t, 1, victimRows(), "the victim's write is committed")
 		require.Equal(t, 1, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")+` WHERE event_id = $1`, victim))
+		require.Equal(t, len(mates), rowsOf(mates), "and so are those of its batch mates")
 	}
 	require.NoError(t, cmd.Process.Signal(syscall.SIGKILL))
 	_ = cmd.Wait()
@@ -109,7 +156,11 @@ func testCrash(t *testing.T, broker, mode string) {
 	// server received may still land after this count, and the clean
 	// consumer then finds that event as a duplicate rather than ok.
 	committedByChild := e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox"))
-	c := startConsumer(t, k, e, middleware.Config{}, handlerSpec{name: "billing", topic: topic, group: group,
+	cfg := middleware.Config{}
+	if batched {
+		cfg = crashBatch
+	}
+	c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group,
 		handle: func(msg *message.Message) error { return e.write(msg.Context(), group, msg) }})
 	eventually(t, 2*time.Minute, "every event committed once, by the child or the clean consumer", func() bool {
 		return e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")) == events &&
@@ -129,36 +180,85 @@ func testCrash(t *testing.T, broker, mode string) {
 
 // crashChild is the consumer the parent kills.
 func crashChild(t *testing.T) {
-	mode, victim := os.Getenv("MILLRACE_CRASH_MODE"), os.Getenv("MILLRACE_CRASH_VICTIM")
+	mode, batched := os.Getenv("MILLRACE_CRASH_MODE"), os.Getenv("MILLRACE_CRASH_BATCHED") == "true"
 	group, topic := os.Getenv("MILLRACE_CRASH_GROUP"), os.Getenv("MILLRACE_CRASH_TOPIC")
 	e := &env{db: testdb.Open(t), schema: os.Getenv("MILLRACE_CRASH_SCHEMA")}
 	k := newKit(t, os.Getenv("MILLRACE_CRASH_BROKER"), kitOptions{ackWait: 2 * time.Second})
-	crash := func() {
-		fmt.Println(crashReady)
+	crash := func(victim string, mates []string) {
+		fmt.Println(strings.Join(append([]string{crashReady, victim}, mates...), " "))
 		select {} // wait for SIGKILL
 	}
+	// isVictim picks the victim among the handler's calls: evt-10, or,
+	// batched, the first message run in a transaction after another one.
+	var mu sync.Mutex
+	txOf := map[string]int64{}
+	victim, chosen := "", false
+	var mates []string
+	isVictim := func(msg *message.Message) bool {
+		id := msg.Metadata.Get(bus.EventIDKey)
+		mu.Lock()
+		defer mu.Unlock()
+		if chosen {
+			return id == victim
+		}
+		if !batched {
+			chosen, victim = id == "evt-10", id
+			return chosen
+		}
+		ctx := msg.Context()
+		var txid int64
+		require.NoError(t, middleware.Tx(ctx).QueryRowContext(ctx, `SELECT txid_current()`).Scan(&txid))
+		for other, tx := range txOf {
+			if tx == txid {
+				mates = append(mates, other)
+			}
+		}
+		txOf[id] = txid
+		chosen, victim = len(mates) > 0, id
+		return chosen
+	}
+	// Batched, the first call waits until two more messages have entered the
+	// chain: they gather in the next batch, which runs as soon as the first
+	// call's batch is done and they have joined, so a victim is found there.
+	var entered atomic.Int64
+	gathered := make(chan struct{})
+	var firstCall, gatheredOnce sync.Once
 	spec := handlerSpec{name: "billing", topic: topic, group: group, handle: func(msg *message.Message) error {
+		if batched {
+			firstCall.Do(func() { <-gathered })
+		}
 		if err := e.write(msg.Context(), group, msg); err != nil {
 			return err
 		}
-		if mode == beforeCommit && msg.Metadata.Get(bus.EventIDKey) == victim {
-			crash()
+		if isVictim(msg) && mode == beforeCommit {
+			crash(victim, mates)
 		}
 		return nil
 	}}
-	if mode == afterCommit {
-		// Outside the chain: the chain has committed and returned; the
-		// router has not acked yet.
-		spec.outer = func(h message.HandlerFunc) message.HandlerFunc {
-			return func(msg *message.Message) ([]*message.Message, error) {
-				out, err := h(msg)
-				if err == nil && msg.Metadata.Get(bus.EventIDKey) == victim {
-					crash()
-				}
-				return out, err
+	// Outside the chain: it counts the messages entering it and, after
+	// the commit, the router has not acked yet.
+	spec.outer = func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			if entered.Add(1) == 3 {
+				gatheredOnce.Do(func() { close(gathered) })
 			}
+			out, err := h(msg)
+			if mode == afterCommit {
+				mu.Lock()
+				hit := chosen && msg.Metadata.Get(bus.EventIDKey) == victim
+				mu.Unlock()
+				if err == nil && hit {
+					crash(victim, mates)
+				}
+			}
+			return out, err
 		}
 	}
-	startConsumer(t, k, e, middleware.Config{}, spec)
+	cfg := middleware.Config{}
+	if batched {
+		cfg = crashBatch
+	}
+	startConsumer(t, k, e, cfg, spec)
+	fmt.Println(crashStarted)
 	select {}
 }

@@ -99,13 +99,19 @@ type DispatchConfig struct {
 // and acks to reach the broker). Pass it to the router as the handler's
 // subscriber; the router's CloseTimeout should exceed that drain.
 func (c *Chain) Subscriber(src Source) *Dispatcher {
-	return NewDispatcher(src, DispatchConfig{
+	d := NewDispatcher(src, DispatchConfig{
 		Workers:      c.cfg.Workers,
 		Prefetch:     c.cfg.EffectivePrefetch(),
 		Ordered:      *c.cfg.Ordered,
 		DrainTimeout: c.cfg.HandlerTimeout + 5*time.Second,
 		Logger:       c.stack.logger,
 	})
+	if c.batcher != nil && d.subs == 1 && src.Competing && !src.KeyPartitioned {
+		// One subscription of a stock subscriber holds one message at a
+		// time: a batch would only wait for messages that cannot come.
+		c.batcher.limit.Store(1)
+	}
+	return d
 }
 
 // NewDispatcher returns a Dispatcher over src. Chain.Subscriber is the usual

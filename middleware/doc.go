@@ -75,7 +75,10 @@
 //     ordering guard when on, runs the handler with the transaction in its
 //     context, and commits; the router acks only after the commit. A
 //     duplicate is acked without calling the handler; an error rolls back
-//     the inbox row with everything else.
+//     the inbox row with everything else. With consumer.batch.max_messages
+//     above 1 (group commit), messages in flight share one transaction, each
+//     in a savepoint of its own that a failure or panic rolls back alone;
+//     each is acked after the one COMMIT (see README.md).
 //  9. Watermill's Recoverer again, around the handler: a panic in the
 //     handler becomes a retryable error and the transaction rolls back.
 //

@@ -156,3 +156,23 @@ func ExampleDecodeJSON() {
 	// invalid payload.amount: expected int, got JSON string
 	// true
 }
+
+// Batched inbox transactions for one handler: up to 32 of its messages in
+// flight share a transaction and a COMMIT. Batch settings are checked like
+// any other, under their YAML path.
+func ExampleBatchConfig() {
+	cfg := middleware.Config{
+		Handlers: map[string]middleware.Config{
+			"billing": {Workers: 32, Batch: middleware.BatchConfig{MaxMessages: 32, MaxWait: 5 * time.Millisecond}},
+			"audit":   {Batch: middleware.BatchConfig{MaxMessages: 100}},
+		},
+	}.WithDefaults()
+	billing := cfg.For("billing")
+	fmt.Println(billing.Batch.MaxMessages, billing.Batch.MaxWait, cfg.For("shipping").Batch.MaxMessages)
+	for _, err := range cfg.Validate("consumer") {
+		fmt.Println(err)
+	}
+	// Output:
+	// 32 5ms 1
+	// consumer.handlers.audit.batch.max_messages: must be at most 64; got 100
+}

@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/store"
@@ -48,6 +49,8 @@ type kit struct {
 	// provision makes topic and the groups' subscriptions exist before
 	// anything is published, so that nothing published is dropped.
 	provision func(t testing.TB, topic string, groups ...string)
+	// broker is the adapter; nil for gochannel.
+	broker adapters.Broker
 }
 
 // kitOptions tune a kit for one test.
@@ -108,8 +111,9 @@ func adapterKit(t testing.TB, kind string, opts kitOptions) *kit {
 	require.NoError(t, err)
 	t.Cleanup(func() { broker.Close() })
 	return &kit{
-		name: kind,
-		pub:  broker.Publisher(),
+		name:   kind,
+		broker: broker,
+		pub:    broker.Publisher(),
 		source: func(group string) middleware.Source {
 			return middleware.Source{
 				Competing:      true,

@@ -37,11 +37,6 @@ var errTxEnded = errors.New("the handler committed or rolled back the transactio
 // acked without calling the handler: the next attempt's insert waits on
 // that row's lock until the server has decided.
 func (c *Chain) transaction(h message.HandlerFunc) message.HandlerFunc {
-	inbox := *c.cfg.Inbox.Enabled
-	guard := *c.cfg.OrderingGuard
-	group := c.spec.ConsumerGroup
-	tables := c.stack.tables
-
 	return func(msg *message.Message) (_ []*message.Message, err error) {
 		ctx := msg.Context()
 		a := attemptFrom(ctx)
@@ -55,67 +50,104 @@ func (c *Chain) transaction(h message.HandlerFunc) message.HandlerFunc {
 				_ = tx.Rollback()
 			}
 		}()
-
-		if inbox {
-			first, err := tables.MarkProcessed(ctx, tx, group, a.eventID)
-			if err != nil {
-				return nil, ownStatement(err)
-			}
-			if !first {
-				a.outcome = OutcomeDuplicate
-				return nil, nil
-			}
-		}
-		if guard {
-			version, _ := aggregateVersion(msg) // checked by the validate stage
-			aggregateID := msg.Metadata.Get(envelope.AggregateIDKey)
-			if version > 0 && aggregateID != "" {
-				newer, err := tables.ApplyVersion(ctx, tx, group, msg.Metadata.Get(envelope.AggregateTypeKey), aggregateID, version, a.eventID)
-				if err != nil {
-					return nil, err
-				}
-				if !newer {
-					// An equal or newer version was applied: keep the inbox
-					// row, so a redelivery is a plain duplicate, and skip.
-					done = true
-					if err := tx.Commit(); err != nil {
-						return nil, fmt.Errorf("ordering guard: commit: %w", err)
-					}
-					a.outcome = OutcomeStale
-					return nil, nil
-				}
-			}
-		}
-
-		msg.SetContext(context.WithValue(ctx, txKey, tx))
-		out, err := h(msg)
-		msg.SetContext(ctx)
-		if err != nil {
-			if IsRetryable(err) {
+		r := c.step(msg, tx, h)
+		switch {
+		case r.err != nil:
+			if r.byHandler && IsRetryable(r.err) {
 				// Did the handler fail because the database went away? Its
 				// transaction answers unless the connection is gone.
 				if _, probe := tx.ExecContext(ctx, "SELECT 1"); unreachable(probe) {
-					return nil, &unavailableError{err: err}
+					return nil, &unavailableError{err: r.err}
 				}
 			}
-			return nil, err
+			return nil, r.err
+		case r.outcome == OutcomeDuplicate:
+			a.outcome = OutcomeDuplicate
+			return nil, nil
+		case r.outcome == OutcomeStale:
+			// Keep the inbox row, so a redelivery is a plain duplicate.
+			done = true
+			if err := tx.Commit(); err != nil {
+				return nil, fmt.Errorf("ordering guard: commit: %w", err)
+			}
+			a.outcome = OutcomeStale
+			return nil, nil
 		}
 		done = true
 		if err := tx.Commit(); err != nil {
-			if ctx.Err() != nil {
-				// handler_timeout passed before or during the commit (see
-				// above): not committed, or a COMMIT already sent lands and
-				// the retry is a duplicate.
-				return nil, fmt.Errorf("inbox: commit failed, handler_timeout passed: %w", err)
-			}
-			if errors.Is(err, sql.ErrTxDone) {
-				return nil, Permanent(errTxEnded)
-			}
-			return nil, ownStatement(fmt.Errorf("inbox: commit: %w", err))
+			return nil, commitError(ctx, err)
 		}
 		a.outcome = OutcomeOK
-		return out, nil
+		return r.out, nil
 	}
+}
+
+// commitError classifies a failed COMMIT of the inbox transaction begun on
+// ctx.
+func commitError(ctx context.Context, err error) error {
+	switch {
+	case ctx.Err() != nil:
+		// handler_timeout passed before or during the commit (see
+		// transaction): not committed, or a COMMIT already sent lands and
+		// the retry is a duplicate.
+		return fmt.Errorf("inbox: commit failed, handler_timeout passed: %w", err)
+	case errors.Is(err, sql.ErrTxDone):
+		return Permanent(errTxEnded)
+	default:
+		return ownStatement(fmt.Errorf("inbox: commit: %w", err))
+	}
+}
+
+// stepResult is what one message did in its inbox transaction.
+type stepResult struct {
+	out []*message.Message
+	// outcome is OutcomeOK, OutcomeDuplicate (the handler was not called)
+	// or OutcomeStale (the ordering guard skipped the handler) when err is nil.
+	outcome string
+	err     error
+	// byHandler says err is the handler's, not one of the inbox statements'.
+	byHandler bool
+}
+
+// step is one message's part of an inbox transaction tx: the inbox insert
+// first, so that a concurrent duplicate waits on the row lock and then sees
+// the row; the ordering guard; the handler h with tx in its context (Tx).
+// It neither commits nor rolls back.
+func (c *Chain) step(msg *message.Message, tx Transaction, h message.HandlerFunc) stepResult {
+	ctx := msg.Context()
+	a := attemptFrom(ctx)
+	group, tables := c.spec.ConsumerGroup, c.stack.tables
+	if *c.cfg.Inbox.Enabled {
+		first, err := tables.MarkProcessed(ctx, tx, group, a.eventID)
+		if err != nil {
+			return stepResult{err: ownStatement(err)}
+		}
+		if !first {
+			return stepResult{outcome: OutcomeDuplicate}
+		}
+	}
+	if *c.cfg.OrderingGuard {
+		version, _ := aggregateVersion(msg) // checked by the validate stage
+		aggregateID := msg.Metadata.Get(envelope.AggregateIDKey)
+		if version > 0 && aggregateID != "" {
+			newer, err := tables.ApplyVersion(ctx, tx, group, msg.Metadata.Get(envelope.AggregateTypeKey), aggregateID, version, a.eventID)
+			if err != nil {
+				return stepResult{err: err}
+			}
+			if !newer {
+				// An equal or newer version was applied: keep the inbox
+				// row and skip the handler.
+				return stepResult{outcome: OutcomeStale}
+			}
+		}
+	}
+	msg.SetContext(context.WithValue(ctx, txKey, tx))
+	out, err := h(msg)
+	msg.SetContext(ctx)
+	if err != nil {
+		return stepResult{err: err, byHandler: true}
+	}
+	return stepResult{out: out, outcome: OutcomeOK}
 }
 
 // ownStatement classifies a failure of one of the inbox transaction's own

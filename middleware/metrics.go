@@ -14,6 +14,7 @@ const (
 	MetricBreakerState    = "millrace_consumer_breaker_state"
 	MetricAbandoned       = "millrace_consumer_abandoned_attempts_total"
 	MetricAbandonedActive = "millrace_consumer_abandoned_attempts_running"
+	MetricBatchSize       = "millrace_consumer_batch_size"
 	MetricInboxRows       = "millrace_inbox_rows"
 	MetricInboxPruned     = "millrace_inbox_pruned_total"
 )
@@ -33,6 +34,7 @@ type metrics struct {
 	breaker   *prometheus.GaugeVec
 	abandoned *prometheus.CounterVec
 	running   *prometheus.GaugeVec
+	batchSize *prometheus.HistogramVec
 	inboxRows *prometheus.GaugeVec
 	pruned    prometheus.Counter
 }
@@ -60,6 +62,11 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: MetricAbandonedActive,
 			Help: "Abandoned attempts whose goroutine has not returned yet (a handler stuck regardless of its context).",
 		}, []string{"handler"}),
+		batchSize: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    MetricBatchSize,
+			Help:    "Messages per batched inbox transaction (consumer.batch), one observation per transaction.",
+			Buckets: prometheus.ExponentialBuckets(1, 2, 9), // 1 .. 256
+		}, []string{"handler"}),
 		inboxRows: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: MetricInboxRows,
 			Help: "Rows in the inbox table per consumer group, as of the last retention run.",
@@ -78,6 +85,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m.breaker = register(reg, m.breaker, &err)
 	m.abandoned = register(reg, m.abandoned, &err)
 	m.running = register(reg, m.running, &err)
+	m.batchSize = register(reg, m.batchSize, &err)
 	m.inboxRows = register(reg, m.inboxRows, &err)
 	m.pruned = register(reg, m.pruned, &err)
 	return m, err

@@ -144,6 +144,9 @@ type Chain struct {
 	// gauges those whose goroutine has not returned yet.
 	abandoned prometheus.Counter
 	running   prometheus.Gauge
+	// batcher groups inbox transactions; nil with batch.max_messages 1.
+	batcher   *batcher
+	batchSize prometheus.Observer
 }
 
 // Chain builds the chain of one handler with its configuration
@@ -193,6 +196,10 @@ func (s *Stack) Chain(h Handler) (*Chain, error) {
 		timer:     s.metrics.duration.WithLabelValues(h.Name),
 		abandoned: s.metrics.abandoned.WithLabelValues(h.Name),
 		running:   s.metrics.running.WithLabelValues(h.Name),
+		batchSize: s.metrics.batchSize.WithLabelValues(h.Name),
+	}
+	if (*cfg.Inbox.Enabled || *cfg.OrderingGuard) && cfg.Batch.MaxMessages > 1 {
+		c.batcher = newBatcher(c)
 	}
 	// Every outcome's series exists from the start, so dashboards and
 	// alerts see zeros rather than nothing before the first message.
@@ -233,7 +240,10 @@ func (c *Chain) stages() []message.HandlerMiddleware {
 		mws = append(mws, c.breaker.middleware)
 	}
 	mws = append(mws, c.attempt)
-	if *c.cfg.Inbox.Enabled || *c.cfg.OrderingGuard {
+	switch {
+	case c.batcher != nil:
+		mws = append(mws, c.transactionBatched)
+	case *c.cfg.Inbox.Enabled || *c.cfg.OrderingGuard:
 		mws = append(mws, c.transaction)
 	}
 	return append(mws, wmw.Recoverer) // a panic in the handler: a retryable error, the transaction rolls back
@@ -259,6 +269,10 @@ func (c *Chain) Wrap(h message.NoPublishHandlerFunc) message.NoPublishHandlerFun
 // and counts the outcome.
 func (c *Chain) observe(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
+		if c.batcher != nil {
+			c.batcher.enter()
+			defer c.batcher.leave()
+		}
 		d := &delivery{eventID: eventIDOf(msg)}
 		orig := msg.Context()
 		msg.SetContext(context.WithValue(orig, deliveryKey, d))

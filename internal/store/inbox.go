@@ -111,3 +111,29 @@ func (t Tables) InboxRows(ctx context.Context, db DBTX) (map[string]int64, error
 	}
 	return out, rows.Err()
 }
+
+// The savepoint each message of a batched inbox transaction runs in. One
+// name serves every message: a batch runs its messages one after another,
+// each savepoint set on top of the previous one, and ROLLBACK TO undoes the
+// latest. A savepoint is not released, which would cost a round trip and
+// free nothing: every subtransaction that wrote counts against the 64 that
+// PostgreSQL caches per transaction either way.
+const batchSavepoint = "millrace_message"
+
+// Savepoint sets the savepoint of the next message of a batched inbox
+// transaction tx.
+func Savepoint(ctx context.Context, tx Execer) error {
+	if _, err := tx.ExecContext(ctx, `SAVEPOINT `+batchSavepoint); err != nil {
+		return fmt.Errorf("inbox: savepoint: %w", err)
+	}
+	return nil
+}
+
+// RollbackToSavepoint undoes what the message since Savepoint did, its
+// inbox row included, and leaves the rest of tx as it was.
+func RollbackToSavepoint(ctx context.Context, tx Execer) error {
+	if _, err := tx.ExecContext(ctx, `ROLLBACK TO SAVEPOINT `+batchSavepoint); err != nil {
+		return fmt.Errorf("inbox: rollback to savepoint: %w", err)
+	}
+	return nil
+}

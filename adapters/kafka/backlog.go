@@ -1,0 +1,61 @@
+package kafka
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kerr"
+
+	"github.com/millrace-io/millrace/adapters"
+)
+
+var _ adapters.BacklogReporter = (*Broker)(nil)
+
+// Backlog returns, per partition of topic, its high watermark minus the
+// group's committed offset (the whole partition when the group committed
+// nothing there); messages processed but not committed yet (see
+// broker.kafka.commit_interval) still count.
+func (b *Broker) Backlog(ctx context.Context, topic, consumerGroup string) (map[string]int64, error) {
+	lags, err := b.admin.Lag(ctx, consumerGroup)
+	if err != nil {
+		return nil, fmt.Errorf("kafka: backlog of group %q on topic %q: %w", consumerGroup, topic, err)
+	}
+	group, ok := lags[consumerGroup]
+	if !ok {
+		return nil, fmt.Errorf("kafka: backlog of group %q on topic %q: no answer for the group", consumerGroup, topic)
+	}
+	out := map[string]int64{}
+	// A group that has neither members nor commits yet does not exist for
+	// the cluster (GROUP_ID_NOT_FOUND): it is behind by all of topic.
+	if err := group.Error(); err != nil && !errors.Is(err, kerr.GroupIDNotFound) {
+		return nil, fmt.Errorf("kafka: backlog of group %q on topic %q: %w", consumerGroup, topic, err)
+	}
+	for partition, l := range group.Lag[topic] {
+		if l.Err != nil {
+			return nil, fmt.Errorf("kafka: backlog of group %q on topic %q partition %d: %w", consumerGroup, topic, partition, l.Err)
+		}
+		out[strconv.Itoa(int(partition))] = l.Lag
+	}
+	if len(out) > 0 {
+		return out, nil
+	}
+	starts, err := b.admin.ListStartOffsets(ctx, topic)
+	if err != nil {
+		return nil, fmt.Errorf("kafka: backlog of group %q on topic %q: %w", consumerGroup, topic, err)
+	}
+	ends, err := b.admin.ListEndOffsets(ctx, topic)
+	if err != nil {
+		return nil, fmt.Errorf("kafka: backlog of group %q on topic %q: %w", consumerGroup, topic, err)
+	}
+	if err := ends.Error(); err != nil {
+		return nil, fmt.Errorf("kafka: backlog of group %q on topic %q: %w", consumerGroup, topic, err)
+	}
+	ends.Each(func(end kadm.ListedOffset) {
+		start, _ := starts.Lookup(topic, end.Partition)
+		out[strconv.Itoa(int(end.Partition))] = end.Offset - start.Offset
+	})
+	return out, nil
+}

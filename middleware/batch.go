@@ -1,0 +1,350 @@
+package middleware
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/millrace-io/millrace/internal/store"
+)
+
+// errBatchAborted is what a message of a batch gets when the batch's
+// transaction ended for another message's sake (or at the earliest
+// handler_timeout of its messages) before the message's effect was
+// committed: it was never judged, and joins the next batch. Retryable, in
+// case its own handler_timeout has passed too.
+var errBatchAborted = errors.New("inbox: the message's batch ended before its effect was committed, through no fault of the message")
+
+// errRunAlone is what the messages whose savepoints were kept get when the
+// batch fails in a way no single message can be blamed for (a statement
+// after theirs finds the transaction failed, the COMMIT fails): one of them
+// may have left the transaction failed, so each is tried again in a
+// transaction of its own, which tells.
+var errRunAlone = fmt.Errorf("%w; trying it again in a transaction of its own", errBatchAborted)
+
+// batcher is the group commit of one chain's inbox transactions. The
+// messages that reach the transaction stage within batch.max_wait of each
+// other (up to the batch limit) form a batch, which runs at once when every
+// message in the chain is in it (none other can come before one of them is
+// acked: at a trickle, and on a single ordered subscription, nothing waits).
+// A goroutine of the batch
+// begins one transaction and gives each message its turn in a savepoint of
+// its own, in the order they joined, then commits once. Each message's
+// effect runs in the message's own goroutine (its attempt), which waits for
+// the COMMIT before it returns and so before the message is acked.
+//
+// Per-aggregate order: an ordered handler has one message per aggregate in
+// flight (the Dispatcher), so a batch holds at most one message of each
+// aggregate, and the next is released only after the batch's COMMIT and ack.
+type batcher struct {
+	c    *Chain
+	wait time.Duration
+	// limit is the most messages in one batch: batch.max_messages, lowered
+	// to what can be in flight at once (workers; 1 for an ordered handler
+	// on a single subscription).
+	limit atomic.Int64
+
+	mu      sync.Mutex
+	forming *batch // the batch messages join now; nil when none is open
+	// inChain counts the messages in the chain (between the observe
+	// stage's start and end): a batch holding all of them waits no longer,
+	// as no other message can come before one of them is acked.
+	inChain int
+}
+
+// enter and leave count a message into and out of the chain.
+func (b *batcher) enter() {
+	b.mu.Lock()
+	b.inChain++
+	b.mu.Unlock()
+}
+
+func (b *batcher) leave() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.inChain--
+	b.closeIfComplete()
+}
+
+// closeIfComplete closes the forming batch when it is full or holds every
+// message in the chain. b.mu is held.
+func (b *batcher) closeIfComplete() {
+	bt := b.forming
+	if bt == nil {
+		return
+	}
+	if n := len(bt.members); int64(n) >= b.limit.Load() || n >= b.inChain {
+		close(bt.full)
+		b.forming = nil
+	}
+}
+
+func newBatcher(c *Chain) *batcher {
+	b := &batcher{c: c, wait: c.cfg.Batch.MaxWait}
+	b.limit.Store(int64(min(c.cfg.Batch.MaxMessages, c.cfg.Workers)))
+	return b
+}
+
+// batch is one group of messages sharing a transaction.
+type batch struct {
+	members []*member
+	full    chan struct{} // closed when it is to run without waiting longer
+}
+
+// member is one message of a batch as the batch's goroutine sees it. The
+// channels have room for one value, so the batch never blocks on a member.
+type member struct {
+	eventID  string
+	deadline time.Time        // the end of its attempt
+	turn     chan Transaction // its savepoint is set: run
+	result   chan stepResult  // what it did in its turn
+	done     chan error       // nil: committed; or why not
+}
+
+// join adds m to the batch being formed, opening one (and starting its
+// goroutine) when none is.
+func (b *batcher) join(m *member) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	bt := b.forming
+	if bt == nil {
+		bt = &batch{full: make(chan struct{})}
+		b.forming = bt
+		go b.run(bt)
+	}
+	bt.members = append(bt.members, m)
+	b.closeIfComplete()
+}
+
+// transactionBatched is the inbox stage with batch.max_messages above 1: the
+// transaction stage's work (see transaction) in the savepoint of a batch.
+func (c *Chain) transactionBatched(h message.HandlerFunc) message.HandlerFunc {
+	single := c.transaction(h)
+	b := c.batcher
+	return func(msg *message.Message) ([]*message.Message, error) {
+		if b.limit.Load() <= 1 {
+			return single(msg)
+		}
+		ctx := msg.Context()
+		a := attemptFrom(ctx)
+		deadline, _ := ctx.Deadline() // the attempt stage set handler_timeout
+		for {
+			m := &member{
+				eventID:  a.eventID,
+				deadline: deadline,
+				turn:     make(chan Transaction, 1),
+				result:   make(chan stepResult, 1),
+				done:     make(chan error, 1),
+			}
+			b.join(m)
+			var err error
+			select {
+			case tx := <-m.turn:
+				r := c.runStep(msg, tx, h)
+				m.result <- r
+				err = <-m.done
+				if err == nil {
+					a.outcome = r.outcome
+					return r.out, nil
+				}
+			case err = <-m.done:
+			}
+			switch {
+			case !errors.Is(err, errBatchAborted):
+				return nil, err
+			case ctx.Err() != nil:
+				return nil, fmt.Errorf("%w, and handler_timeout has passed", err)
+			case errors.Is(err, errRunAlone):
+				return single(msg)
+			}
+		}
+	}
+}
+
+// runStep is step that reports a runtime.Goexit in the handler (a test
+// simulating a dead process) as a failure, so the batch goes on without it.
+func (c *Chain) runStep(msg *message.Message, tx Transaction, h message.HandlerFunc) (r stepResult) {
+	returned := false
+	defer func() {
+		if !returned {
+			r = stepResult{err: errors.New("the handler ended its goroutine"), byHandler: true}
+		}
+	}()
+	r = c.step(msg, tx, h)
+	returned = true
+	return r
+}
+
+// run waits until bt is full, holds every message in the chain, or
+// batch.max_wait has passed since its first message, then runs it.
+func (b *batcher) run(bt *batch) {
+	timer := time.NewTimer(b.wait)
+	select {
+	case <-bt.full:
+	case <-timer.C:
+	}
+	timer.Stop()
+	b.mu.Lock()
+	if b.forming == bt {
+		b.forming = nil
+	}
+	members := bt.members
+	b.mu.Unlock()
+	b.c.batchSize.Observe(float64(len(members)))
+	b.execute(members)
+}
+
+// await returns what members[i] did in its turn; false when ctx ended
+// first. When the turn takes longer than a tenth of handler_timeout, the
+// members after it, not run yet, leave the batch for another one, so that
+// a slow or stuck handler delays only the messages whose effects already
+// wait for this batch's COMMIT.
+func (b *batcher) await(ctx context.Context, m *member, members *[]*member, i int) (stepResult, bool) {
+	slow := time.NewTimer(b.c.cfg.HandlerTimeout / 10)
+	defer slow.Stop()
+	for {
+		select {
+		case r := <-m.result:
+			return r, true
+		case <-slow.C:
+			for _, later := range (*members)[i+1:] {
+				later.done <- errBatchAborted
+			}
+			*members = (*members)[:i+1]
+		case <-ctx.Done():
+			return stepResult{}, false
+		}
+	}
+}
+
+// execute runs members in one transaction. The transaction's context ends
+// at the earliest deadline of their attempts: after it, nothing of the batch
+// commits (see transaction).
+func (b *batcher) execute(members []*member) {
+	members = b.leaveDuplicates(members)
+	deadline := members[0].deadline
+	for _, m := range members[1:] {
+		if m.deadline.Before(deadline) {
+			deadline = m.deadline
+		}
+	}
+	ctx, cancel := context.WithDeadline(context.Background(), deadline)
+	defer cancel()
+	c := b.c
+	tx, err := c.stack.begin(ctx)
+	if err != nil {
+		err = ownStatement(fmt.Errorf("inbox: begin transaction: %w", err))
+		for _, m := range members {
+			m.done <- err
+		}
+		return
+	}
+	var kept []*member // members whose effects wait for the COMMIT
+	// release sends kept and rest their verdict once the transaction will
+	// not commit; abort rolls it back first.
+	release := func(rest []*member, cause error) {
+		if unreachable(cause) {
+			down := &unavailableError{err: cause}
+			for _, m := range append(kept, rest...) {
+				m.done <- down
+			}
+			return
+		}
+		for _, m := range kept {
+			m.done <- errRunAlone
+		}
+		for _, m := range rest {
+			m.done <- errBatchAborted
+		}
+	}
+	abort := func(rest []*member, cause error) {
+		_ = tx.Rollback()
+		release(rest, cause)
+	}
+	for i := 0; i < len(members); i++ {
+		m := members[i]
+		if err := store.Savepoint(ctx, tx); err != nil {
+			abort(members[i:], err)
+			return
+		}
+		m.turn <- tx
+		r, ok := b.await(ctx, m, &members, i)
+		if !ok {
+			// A handler still running at the deadline may still use tx,
+			// which a pgx transaction does not allow concurrently with a
+			// Rollback: the others go now, nothing of the batch commits,
+			// and tx is rolled back once the handler returns (database/sql
+			// has rolled it back already with its context; pgx's server
+			// ends it at idle_in_transaction_session_timeout).
+			release(members[i:], ctx.Err())
+			<-m.result
+			_ = tx.Rollback()
+			return
+		}
+		if r.err == nil {
+			kept = append(kept, m)
+			continue
+		}
+		if undo := store.RollbackToSavepoint(ctx, tx); undo != nil {
+			switch {
+			case errors.Is(undo, sql.ErrTxDone) && r.byHandler:
+				// The handler ended the transaction itself.
+				m.done <- Permanent(errTxEnded)
+			case unreachable(undo) && r.byHandler && IsRetryable(r.err):
+				m.done <- &unavailableError{err: r.err}
+			default:
+				m.done <- r.err
+			}
+			abort(members[i+1:], undo)
+			return
+		}
+		m.done <- r.err // its effect is undone; the others go on
+	}
+	if len(kept) == 0 {
+		_ = tx.Rollback()
+		return
+	}
+	if err := tx.Commit(); err != nil {
+		if ctx.Err() != nil || unreachable(err) {
+			err = commitError(ctx, err)
+			for _, m := range kept {
+				m.done <- err
+			}
+			return
+		}
+		// A handler ended or failed the transaction: which of the kept
+		// messages landed is unknown; each tries again alone, and the
+		// inbox tells those that did.
+		for _, m := range kept {
+			m.done <- errRunAlone
+		}
+		return
+	}
+	for _, m := range kept {
+		m.done <- nil
+	}
+}
+
+// leaveDuplicates sends away the members whose event id an earlier member
+// of the batch has (a redelivery while the first delivery is in flight):
+// they join another batch, where the inbox tells whether the first
+// committed.
+func (b *batcher) leaveDuplicates(members []*member) []*member {
+	seen := make(map[string]bool, len(members))
+	kept := members[:0:0]
+	for _, m := range members {
+		if seen[m.eventID] {
+			m.done <- errBatchAborted
+			continue
+		}
+		seen[m.eventID] = true
+		kept = append(kept, m)
+	}
+	return kept
+}

@@ -1,0 +1,257 @@
+package middleware_test
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/middleware"
+)
+
+// batchBrokers are the brokers the batching tests run on.
+var batchBrokers = []string{bus.KindKafka, bus.KindNATS, bus.KindRabbitMQ}
+
+// txLog records, per handler call, the event and the database transaction
+// the call ran in, so that a test sees which messages shared a batch.
+type txLog struct {
+	mu    sync.Mutex
+	calls []txCall
+}
+
+type txCall struct {
+	eventID string
+	txid    int64
+}
+
+// record notes the call of msg and returns the calls made before it.
+func (l *txLog) record(t testing.TB, msg *message.Message) (txCall, []txCall) {
+	ctx := msg.Context()
+	var txid int64
+	require.NoError(t, middleware.Tx(ctx).QueryRowContext(ctx, `SELECT txid_current()`).Scan(&txid))
+	c := txCall{eventID: msg.Metadata.Get(bus.EventIDKey), txid: txid}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	before := append([]txCall(nil), l.calls...)
+	l.calls = append(l.calls, c)
+	return c, before
+}
+
+func (l *txLog) of(eventID string) []txCall {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []txCall
+	for _, c := range l.calls {
+		if c.eventID == eventID {
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
+func (l *txLog) inTx(txid int64) []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []string
+	for _, c := range l.calls {
+		if c.txid == txid {
+			out = append(out, c.eventID)
+		}
+	}
+	return out
+}
+
+// TestBatchPoisonsOnlyTheBadMessage runs a backlog through batched inbox
+// transactions. The first message whose batch already ran another message
+// fails permanently, and the next message of that batch panics once: the
+// first is poisoned alone, the panicking one is retried, and every other
+// message of the batch commits once, in that batch's transaction.
+func TestBatchPoisonsOnlyTheBadMessage(t *testing.T) {
+	t.Parallel()
+	for _, broker := range batchBrokers {
+		t.Run(broker, func(t *testing.T) {
+			t.Parallel()
+			const events = 8
+			e := newEnv(t)
+			k := newKit(t, broker, kitOptions{maxAckPending: events})
+			topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
+			k.provision(t, topic, group)
+			msgs := make([]*message.Message, events)
+			for i := range msgs {
+				msgs[i] = event(fmt.Sprintf("evt-%d", i), fmt.Sprintf("o-%d", i), 1, `{"amount":1}`)
+			}
+			cfg := middleware.Config{Workers: events, Batch: middleware.BatchConfig{MaxMessages: events, MaxWait: 500 * time.Millisecond}}
+			fastRetry(&cfg, 3)
+			var log txLog
+			var mu sync.Mutex
+			var poisoned, panicked string
+			var poisonTx int64
+			c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group, handle: func(msg *message.Message) error {
+				call, before := log.record(t, msg)
+				mu.Lock()
+				shared := false
+				for _, b := range before {
+					shared = shared || b.txid == call.txid
+				}
+				switch {
+				case poisoned == "" && shared:
+					poisoned, poisonTx = call.eventID, call.txid
+				case poisoned == call.eventID:
+				case panicked == "" && poisoned != "" && call.txid == poisonTx:
+					panicked = call.eventID
+					mu.Unlock()
+					panic("a handler bug hit once")
+				}
+				bad := poisoned == call.eventID
+				mu.Unlock()
+				if err := e.write(msg.Context(), group, msg); err != nil {
+					return err
+				}
+				if bad {
+					return middleware.Permanent(errors.New("this message can never be processed"))
+				}
+				return nil
+			}})
+			// Published once every subscription is open: a NATS push
+			// consumer gives a backlog waiting at the start to the first
+			// subscription, which holds one message at a time.
+			publish(t, k.pub, topic, msgs...)
+
+			eventually(t, 2*time.Minute, "every message settled", func() bool {
+				return e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")) == events-1 &&
+					e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")) == 1
+			})
+			mu.Lock()
+			defer mu.Unlock()
+			require.NotEmpty(t, poisoned, "some batch held more than one message")
+			require.Equal(t, 1, e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")+` WHERE event_id = $1`, poisoned))
+			require.Zero(t, e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = $1`, poisoned),
+				"the poisoned message's write was rolled back with its savepoint")
+			require.Equal(t, events-1, e.count(t, `SELECT count(*) FROM `+e.table("business")), "one effect per other message")
+			require.Equal(t, events-1, e.count(t, `SELECT count(DISTINCT event_id) FROM `+e.table("business")))
+
+			mates := log.inTx(poisonTx)
+			t.Logf("the poisoned message %s shared its batch with %v; %q panicked once", poisoned, mates, panicked)
+			var committedMates int
+			for _, id := range mates {
+				if id == poisoned || id == panicked {
+					continue
+				}
+				committedMates++
+				require.Len(t, log.of(id), 1, "%s, in the poisoned message's batch, committed there at its first call", id)
+			}
+			require.Positive(t, committedMates, "the poisoned message's batch committed the others: %v", mates)
+			if panicked != "" {
+				calls := log.of(panicked)
+				require.Len(t, calls, 2, "the panicking message was retried once")
+				require.NotEqual(t, poisonTx, calls[1].txid, "and committed in a later transaction")
+			}
+			require.Equal(t, 1.0, c.messages(t, "billing", middleware.OutcomePoisoned))
+			require.Equal(t, float64(events-1), c.messages(t, "billing", middleware.OutcomeOK))
+			require.Positive(t, c.metric(t, middleware.MetricBatchSize, map[string]string{"handler": "billing"}))
+		})
+	}
+}
+
+// TestBatchTrickleRunsAfterMaxWait: a message arriving while the only other
+// message in flight waits out a long retry backoff is committed alone once
+// batch.max_wait has passed, without waiting for the batch to fill or for
+// the other message to come back.
+func TestBatchTrickleRunsAfterMaxWait(t *testing.T) {
+	t.Parallel()
+	for _, broker := range batchBrokers {
+		t.Run(broker, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			k := newKit(t, broker, kitOptions{})
+			topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
+			k.provision(t, topic, group)
+
+			cfg := middleware.Config{Workers: 8, Batch: middleware.BatchConfig{MaxMessages: 8, MaxWait: 20 * time.Millisecond}}
+			// The retry waits less than NATS's ack_wait (30s), which would
+			// send the blocker again.
+			cfg.Retry = middleware.RetryConfig{MaxAttempts: 3, InitialInterval: 20 * time.Second, MaxInterval: 20 * time.Second,
+				MaxElapsed: 10 * time.Minute, Jitter: ptr(false)}
+			var log txLog
+			startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group, handle: func(msg *message.Message) error {
+				call, _ := log.record(t, msg)
+				if call.eventID == "blocker" {
+					return errors.New("not yet") // retried after 20s
+				}
+				return e.write(msg.Context(), group, msg)
+			}})
+
+			publish(t, k.pub, topic, event("blocker", "o-1", 1, `{}`))
+			eventually(t, time.Minute, "the blocker failed once and waits for its retry", func() bool { return len(log.of("blocker")) == 1 })
+			publish(t, k.pub, topic, event("trickle", "o-2", 1, `{}`))
+			eventually(t, time.Minute, "the trickle message committed", func() bool {
+				return e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = 'trickle'`) == 1
+			})
+			require.Len(t, log.of("blocker"), 1, "the trickle message did not wait for the blocker's retry")
+			calls := log.of("trickle")
+			require.Len(t, calls, 1)
+			require.Equal(t, []string{"trickle"}, log.inTx(calls[0].txid), "it ran in a batch of its own, not a full one")
+		})
+	}
+}
+
+// TestBatchKeepsAggregateOrder: an ordered handler with batching on applies
+// every aggregate's events in order, each once (on Kafka, where one
+// subscription has a message of each partition in flight, so batches form).
+func TestBatchKeepsAggregateOrder(t *testing.T) {
+	t.Parallel()
+	const aggregates, perAggregate = 8, 10
+	e := newEnv(t)
+	k := newKit(t, bus.KindKafka, kitOptions{})
+	topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
+	k.provision(t, topic, group)
+	var msgs []*message.Message
+	for v := 1; v <= perAggregate; v++ {
+		for a := range aggregates {
+			msgs = append(msgs, event(fmt.Sprintf("evt-%d-%d", a, v), fmt.Sprintf("o-%d", a), int64(v), `{}`))
+		}
+	}
+	publish(t, k.pub, topic, msgs...)
+	cfg := middleware.Config{Workers: 8, Ordered: ptr(true), Batch: middleware.BatchConfig{MaxMessages: 8, MaxWait: 5 * time.Millisecond}}
+	c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group,
+		handle: func(msg *message.Message) error { return e.write(msg.Context(), group, msg) }})
+	eventually(t, time.Minute, "every event applied", func() bool {
+		return e.count(t, `SELECT count(*) FROM `+e.table("business")) == len(msgs)
+	})
+	require.Zero(t, e.count(t, `SELECT count(*) FROM (SELECT version < lag(version) OVER (PARTITION BY aggregate_id ORDER BY seq) AS back FROM `+
+		e.table("business")+`) s WHERE back`), "no aggregate's version went back")
+	require.Equal(t, len(msgs), e.count(t, `SELECT count(DISTINCT event_id) FROM `+e.table("business")))
+	require.Positive(t, c.metric(t, middleware.MetricBatchSize, map[string]string{"handler": "billing"}))
+}
+
+// TestBatchOffOnASingleOrderedSubscription: an ordered handler on RabbitMQ
+// has one subscription, so one message in flight; with batching on, each
+// message still gets a transaction of its own at once instead of a batch
+// waiting for messages that cannot come.
+func TestBatchOffOnASingleOrderedSubscription(t *testing.T) {
+	t.Parallel()
+	const events = 10
+	e := newEnv(t)
+	k := newKit(t, bus.KindRabbitMQ, kitOptions{})
+	topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
+	k.provision(t, topic, group)
+	cfg := middleware.Config{Workers: 8, Ordered: ptr(true), Batch: middleware.BatchConfig{MaxMessages: 8, MaxWait: time.Second}}
+	c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group,
+		handle: func(msg *message.Message) error { return e.write(msg.Context(), group, msg) }})
+	msgs := make([]*message.Message, events)
+	for i := range msgs {
+		msgs[i] = event(fmt.Sprintf("evt-%d", i), "o-1", int64(i+1), `{}`)
+	}
+	publish(t, k.pub, topic, msgs...)
+	eventually(t, time.Minute, "every event applied", func() bool {
+		return e.count(t, `SELECT count(*) FROM `+e.table("business")) == events
+	})
+	require.Zero(t, c.metric(t, middleware.MetricBatchSize, map[string]string{"handler": "billing"}), "no batched transaction")
+	require.Zero(t, e.count(t, `SELECT count(*) FROM (SELECT version < lag(version) OVER (ORDER BY seq) AS back FROM `+
+		e.table("business")+`) s WHERE back`), "in order")
+}

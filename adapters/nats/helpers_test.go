@@ -19,6 +19,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/adapters/nats/natsdev"
 )
 
 // sharedURL is the NATS server the tests share with everyone else: NATS_URL,
@@ -47,9 +48,9 @@ const embeddedSync = SyncAlways
 
 // startEmbedded starts an in-process server on a free port with its own
 // store directory; it stops with the test.
-func startEmbedded(t testing.TB) *EmbeddedServer {
+func startEmbedded(t testing.TB) *natsdev.Server {
 	t.Helper()
-	srv, err := StartEmbedded("nats://127.0.0.1:0", EmbeddedConfig{StoreDir: t.TempDir(), Sync: embeddedSync}, nil)
+	srv, err := natsdev.Start("nats://127.0.0.1:0", natsdev.Options{StoreDir: t.TempDir(), Sync: embeddedSync})
 	require.NoError(t, err)
 	t.Cleanup(srv.Shutdown)
 	return srv
@@ -59,7 +60,7 @@ func startEmbedded(t testing.TB) *EmbeddedServer {
 // again on the same port and store directory.
 type restartableEmbedded struct {
 	mu   sync.Mutex
-	srv  *EmbeddedServer
+	srv  *natsdev.Server
 	port int
 	dir  string
 }
@@ -74,7 +75,7 @@ func newRestartableEmbedded(t testing.TB) *restartableEmbedded {
 
 func (r *restartableEmbedded) start(t testing.TB) {
 	t.Helper()
-	srv, err := StartEmbedded(fmt.Sprintf("nats://127.0.0.1:%d", r.port), EmbeddedConfig{StoreDir: r.dir, Sync: embeddedSync}, nil)
+	srv, err := natsdev.Start(fmt.Sprintf("nats://127.0.0.1:%d", r.port), natsdev.Options{StoreDir: r.dir, Sync: embeddedSync})
 	require.NoError(t, err, "start the embedded server on port %d", r.port)
 	r.srv = srv
 }

@@ -38,8 +38,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/millrace-io/millrace/adapters"
-	"github.com/millrace-io/millrace/adapters/kafka"
-	"github.com/millrace-io/millrace/adapters/nats"
+	"github.com/millrace-io/millrace/adapters/kafka/kafkadev"
+	"github.com/millrace-io/millrace/adapters/nats/natsdev"
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/examples/billing"
 	"github.com/millrace-io/millrace/examples/orders"
@@ -438,7 +438,7 @@ func brokerFor(ctx context.Context, cfg *bus.Config, out io.Writer) (stop func()
 		if os.Getenv("KAFKA_BROKERS") != "" {
 			return func() {}, "Kafka " + strings.Join(cfg.Broker.Kafka.Brokers, ","), nil
 		}
-		dev, err := kafka.StartDevCluster(kafka.DevClusterOptions{})
+		dev, err := kafkadev.Start(kafkadev.Options{})
 		if err != nil {
 			return nil, "", err
 		}
@@ -453,7 +453,7 @@ func brokerFor(ctx context.Context, cfg *bus.Config, out io.Writer) (stop func()
 		if err != nil {
 			return nil, "", err
 		}
-		srv, err := nats.StartEmbedded("nats://127.0.0.1:0", nats.EmbeddedConfig{StoreDir: dir}, nil)
+		srv, err := natsdev.Start("nats://127.0.0.1:0", natsdev.Options{StoreDir: dir})
 		if err != nil {
 			return nil, "", err
 		}

@@ -16,7 +16,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/millrace-io/millrace/adapters/kafka"
+	"github.com/millrace-io/millrace/adapters/kafka/kafkadev"
 	"github.com/millrace-io/millrace/adapters/nats"
 	"github.com/millrace-io/millrace/adapters/rabbit"
 	"github.com/millrace-io/millrace/bus"
@@ -49,8 +49,8 @@ func KafkaBrokers(t testing.TB) []string {
 		return strings.Split(v, ",")
 	}
 	devOnce.Do(func() {
-		var dev *kafka.DevCluster
-		dev, devErr = kafka.StartDevCluster(kafka.DevClusterOptions{})
+		var dev *kafkadev.Cluster
+		dev, devErr = kafkadev.Start(kafkadev.Options{})
 		if devErr == nil {
 			devAddrs = dev.Addrs()
 		}

@@ -24,6 +24,7 @@ import (
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testkit"
 )
 
 // Environment of a relay child process.
@@ -290,10 +291,10 @@ func testRelayCrashes(t *testing.T, kind string) {
 	clean := startRelayProcess(t, cfg, "")
 	f, err := forwarder.New(db, broker, forwarder.Outbox{Schema: cfg.Database.Schema, Topic: cfg.Outbox.Topic}, crashConfig(), forwarder.Options{})
 	require.NoError(t, err)
-	waitFor(t, "the clean relay to finish", func() bool { return pending(t, f) == 0 })
+	testkit.Eventually(t, waitLimit, "the clean relay to finish", func() bool { return pending(t, f) == 0 })
 	require.NoError(t, clean.Process.Signal(syscall.SIGTERM))
 	require.NoError(t, clean.Wait(), "the clean relay stops gracefully")
-	waitFor(t, "every committed event on the broker", func() bool { return got.distinct() >= len(w.committed) })
+	testkit.Eventually(t, waitLimit, "every committed event on the broker", func() bool { return got.distinct() >= len(w.committed) })
 
 	got.mu.Lock()
 	defer got.mu.Unlock()
@@ -347,23 +348,23 @@ func testTakeover(t *testing.T, kind string) {
 		relays[name] = startNamedRelayProcess(t, cfg, "", name)
 	}
 	var first string
-	waitFor(t, "a relay to become active", func() bool { first = activeRelay(t, db, prefix); return first != "" })
+	testkit.Eventually(t, waitLimit, "a relay to become active", func() bool { first = activeRelay(t, db, prefix); return first != "" })
 
 	w := newWriter()
 	w.write(t, b, db, topic, 2000)
-	waitFor(t, "some events forwarded", func() bool { return got.distinct() > 500 })
+	testkit.Eventually(t, waitLimit, "some events forwarded", func() bool { return got.distinct() > 500 })
 	require.Equal(t, first, activeRelay(t, db, prefix), "only one relay is active; the other waits")
 	require.NoError(t, relays[first].Process.Signal(syscall.SIGKILL))
 	_ = relays[first].Wait()
 
 	var second string
 	// PostgreSQL releases the lock once it sees the killed relay's connection close.
-	waitFor(t, "the standby to take over", func() bool {
+	testkit.Eventually(t, waitLimit, "the standby to take over", func() bool {
 		second = activeRelay(t, db, prefix)
 		return second != "" && second != first
 	})
 	w.write(t, b, db, topic, 2000)
-	waitFor(t, "every committed event", func() bool { return got.distinct() >= len(w.committed) })
+	testkit.Eventually(t, waitLimit, "every committed event", func() bool { return got.distinct() >= len(w.committed) })
 
 	got.mu.Lock()
 	defer got.mu.Unlock()

@@ -17,6 +17,7 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testkit"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -111,7 +112,7 @@ func testCrash(t *testing.T, broker, mode string) {
 	committedByChild := e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox"))
 	c := startConsumer(t, k, e, middleware.Config{}, handlerSpec{name: "billing", topic: topic, group: group,
 		handle: func(msg *message.Message) error { return e.write(msg.Context(), group, msg) }})
-	eventually(t, 2*time.Minute, "every event committed once, by the child or the clean consumer", func() bool {
+	testkit.Eventually(t, 2*time.Minute, "every event committed once, by the child or the clean consumer", func() bool {
 		return e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")) == events &&
 			(mode != afterCommit || c.messages(t, "billing", middleware.OutcomeDuplicate) >= 1)
 	})

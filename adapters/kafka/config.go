@@ -176,7 +176,7 @@ func (c Config) WithDefaults() Config {
 		c.MinInsyncReplicas = min(2, c.ReplicationFactor)
 	}
 	if c.AutoProvision == nil {
-		c.AutoProvision = ptr(true)
+		c.AutoProvision = new(true)
 	}
 	c.MaxMessageBytes = cmp.Or(c.MaxMessageBytes, DefaultMaxMessageBytes)
 	c.Compression = cmp.Or(c.Compression, CompressionLZ4)
@@ -188,7 +188,7 @@ func (c Config) WithDefaults() Config {
 	c.RebalanceTimeout = cmp.Or(c.RebalanceTimeout, 60*time.Second)
 	c.JoinWait = cmp.Or(c.JoinWait, 5*time.Second)
 	if c.CommitInterval == nil {
-		c.CommitInterval = ptr(time.Second)
+		c.CommitInterval = new(time.Second)
 	}
 	c.NackRedeliveryDelay = cmp.Or(c.NackRedeliveryDelay, 100*time.Millisecond)
 	c.ReconnectDelay = cmp.Or(c.ReconnectDelay, time.Second)
@@ -289,5 +289,3 @@ func (s SASLConfig) validate(chk *confload.Checker, path string) {
 		chk.Add(at("password"), "required with mechanism %s", s.Mechanism)
 	}
 }
-
-func ptr[T any](v T) *T { return &v }

@@ -28,8 +28,7 @@ func TestDemoScenarioOnEveryBroker(t *testing.T) {
 		t.Run(kind, func(t *testing.T) {
 			t.Parallel()
 			db := testdb.Open(t)
-			schema := testdb.UniqueName("demo_" + kind)
-			t.Cleanup(func() { db.Exec(`DROP SCHEMA IF EXISTS "` + schema + `" CASCADE`) })
+			schema := testdb.SchemaName(t, db, "demo_"+kind)
 			config := "database:\n  url: " + testdb.URL() + "\nbroker:\n  kind: " + kind +
 				"\n  rabbitmq:\n    url: amqp://guest:guest@127.0.0.1:5672/\n  nats:\n    url: nats://127.0.0.1:4222\n  kafka:\n    brokers: [127.0.0.1:9092]\n"
 			path := filepath.Join(t.TempDir(), "config.yaml")

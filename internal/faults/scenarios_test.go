@@ -17,6 +17,7 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/servers"
+	"github.com/millrace-io/millrace/internal/testkit"
 )
 
 // The scenarios, in the order docs/RELIABILITY.md lists them.
@@ -87,7 +88,7 @@ func TestRelayOutageThenDrain(t *testing.T) {
 		ops, err := bus.NewOps(context.Background(), w.db, w.cfg)
 		require.NoError(t, err)
 		var relayed time.Duration
-		waitFor(t, settleTimeout+outage, "the relay to drain the outbox", func() bool {
+		testkit.Eventually(t, settleTimeout+outage, "the relay to drain the outbox", func() bool {
 			st, err := ops.OutboxStatus(context.Background(), w.cfg.Relay.ConsumerGroup)
 			relayed = time.Since(began)
 			return err == nil && st.Pending == 0
@@ -215,7 +216,7 @@ func TestSIGTERMMidBatch(t *testing.T) {
 		w := newWorld(t, kind, worldOptions{tune: func(c *bus.Config) { c.Relay.RateLimit = 500; c.Relay.BatchSize = 500 }})
 		w.writer.commit(3000)
 		n := w.start("node", nodeSpec{Relay: true, Consume: true})
-		waitFor(t, time.Minute, "the node to be busy", func() bool {
+		testkit.Eventually(t, time.Minute, "the node to be busy", func() bool {
 			var effects int
 			return w.db.QueryRow(`SELECT count(*) FROM `+w.table("effects")).Scan(&effects) == nil && effects >= 300
 		})

@@ -67,10 +67,10 @@ func newWorld(t *testing.T, kind string, opts worldOptions) *world {
 	}
 	cfg.Relay = forwarder.Config{BatchSize: 200, MaxInFlight: 200, PollInterval: 200 * time.Millisecond,
 		RetryInitial: 50 * time.Millisecond, RetryMax: time.Second, ShutdownTimeout: 5 * time.Second}
-	cfg.Consumer.Ordered = ptr(true)
+	cfg.Consumer.Ordered = new(true)
 	cfg.Consumer.Retry = middleware.RetryConfig{MaxAttempts: 5, InitialInterval: 50 * time.Millisecond,
 		MaxInterval: 500 * time.Millisecond, MaxElapsed: time.Minute}
-	cfg.Consumer.Breaker = middleware.BreakerConfig{Enabled: ptr(true), ConsecutiveFailures: 5,
+	cfg.Consumer.Breaker = middleware.BreakerConfig{Enabled: new(true), ConsecutiveFailures: 5,
 		OpenTimeout: time.Second, HalfOpenRequests: 1}
 	// A killed consumer's messages come back after these.
 	cfg.Broker.NATS.Consumer.AckWait = 5 * time.Second
@@ -235,18 +235,4 @@ func tail(s string, n int) string {
 		return s
 	}
 	return s[len(s)-n:]
-}
-
-func ptr[T any](v T) *T { return &v }
-
-// waitFor polls cond until it holds or timeout passes.
-func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", timeout, what)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
 }

@@ -31,6 +31,7 @@ import (
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testkit"
 )
 
 // Workload sizes, as the relay's targets are stated.
@@ -140,8 +141,7 @@ func measure(b *testing.B, kind, relay string) result {
 		childEnv = kit.start(b)
 	}
 	db, dbURL := benchDB(b)
-	schema := testdb.UniqueName("bench_" + kind + "_" + relay)
-	b.Cleanup(func() { db.Exec(`DROP SCHEMA IF EXISTS "` + schema + `" CASCADE`) })
+	schema := testdb.SchemaName(b, db, "bench_"+kind+"_"+relay)
 	var cfg bus.Config
 	cfg.Database.URL = dbURL
 	cfg.Database.Schema = schema
@@ -187,12 +187,12 @@ func measure(b *testing.B, kind, relay string) result {
 	if err != nil {
 		b.Fatal(err)
 	}
-	waitUntil(b, 10*time.Minute, "the backlog to drain", func() bool {
+	testkit.Eventually(b, 10*time.Minute, "the backlog to drain", func() bool {
 		st, err := ops.OutboxStatus(ctx, relayGroup(relay))
 		return err == nil && st.Pending == 0
 	})
 	drain := time.Since(began)
-	waitUntil(b, 10*time.Minute, "the consumer to get the backlog", func() bool { return c.distinct() >= backlogEvents })
+	testkit.Eventually(b, 10*time.Minute, "the consumer to get the backlog", func() bool { return c.distinct() >= backlogEvents })
 
 	time.Sleep(2 * time.Second) // let the relay settle into idle
 	q0 := child.statements()
@@ -212,7 +212,7 @@ func measure(b *testing.B, kind, relay string) result {
 		committed[id] = time.Now()
 	}
 	tick.Stop()
-	waitUntil(b, 5*time.Minute, "the trickle to arrive", func() bool { return c.distinct() >= backlogEvents+len(committed) })
+	testkit.Eventually(b, 5*time.Minute, "the trickle to arrive", func() bool { return c.distinct() >= backlogEvents+len(committed) })
 	var lat []time.Duration
 	for id, at := range committed {
 		lat = append(lat, c.firstSeen(id).Sub(at))
@@ -238,16 +238,6 @@ func relayGroup(relay string) string {
 		return "watermill_forwarder"
 	}
 	return "millrace_relay"
-}
-
-func waitUntil(b *testing.B, limit time.Duration, what string, cond func() bool) {
-	deadline := time.Now().Add(limit)
-	for !cond() {
-		if time.Now().After(deadline) {
-			b.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
 }
 
 // consumer records when each event id first arrived.

@@ -1,13 +1,9 @@
 package middleware_test
 
 import (
-	"bufio"
-	"context"
 	"fmt"
 	"os"
-	"os/exec"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -18,22 +14,23 @@ import (
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/testdb"
 	"github.com/millrace-io/millrace/internal/testkit"
+	"github.com/millrace-io/millrace/internal/testkit/child"
 	"github.com/millrace-io/millrace/middleware"
 )
 
 // The crash tests run a consumer in a child process (this test binary run
-// again with MILLRACE_CRASH_* set), kill it with SIGKILL at a chosen point,
-// then run a clean consumer on the same consumer group: no event may be
-// lost and none may have two effects.
+// again as child role crashRole, with MILLRACE_CRASH_* set), kill it with
+// SIGKILL at a chosen point, then run a clean consumer on the same consumer
+// group: no event may be lost and none may have two effects.
 const (
-	crashReady = "MILLRACE_CRASH_READY"
+	crashRole = "crash-consumer"
 	// Points where the child is killed.
 	beforeCommit = "before-commit" // the victim's business row written, not committed
 	afterCommit  = "after-commit"  // the victim committed, not acked
 )
 
 func TestCrashRecovery(t *testing.T) {
-	if os.Getenv("MILLRACE_CRASH_MODE") != "" {
+	if child.Role() == crashRole {
 		crashChild(t)
 		return
 	}
@@ -62,36 +59,13 @@ func testCrash(t *testing.T, broker, mode string) {
 	}
 	publish(t, k.pub, topic, msgs...)
 
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestCrashRecovery$", "-test.count=1")
-	cmd.Env = append(os.Environ(),
-		"MILLRACE_CRASH_MODE="+mode, "MILLRACE_CRASH_BROKER="+broker, "MILLRACE_CRASH_SCHEMA="+e.schema,
-		"MILLRACE_CRASH_TOPIC="+topic, "MILLRACE_CRASH_GROUP="+group, "MILLRACE_CRASH_VICTIM="+victim)
+	env := []string{"MILLRACE_CRASH_MODE=" + mode, "MILLRACE_CRASH_BROKER=" + broker, "MILLRACE_CRASH_SCHEMA=" + e.schema,
+		"MILLRACE_CRASH_TOPIC=" + topic, "MILLRACE_CRASH_GROUP=" + group, "MILLRACE_CRASH_VICTIM=" + victim}
 	if broker == bus.KindKafka { // the child reaches the parent's in-process cluster
-		cmd.Env = append(cmd.Env, "KAFKA_BROKERS="+strings.Join(brokertest.KafkaBrokers(t), ","))
+		env = append(env, "KAFKA_BROKERS="+strings.Join(brokertest.KafkaBrokers(t), ","))
 	}
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	cmd.Stderr = os.Stderr
-	require.NoError(t, cmd.Start())
-	ready := make(chan struct{})
-	go func() {
-		scanner := bufio.NewScanner(stdout)
-		for scanner.Scan() {
-			if strings.TrimSpace(scanner.Text()) == crashReady {
-				close(ready)
-				break
-			}
-		}
-		for scanner.Scan() { // keep the pipe drained
-		}
-	}()
-	select {
-	case <-ready:
-	case <-ctx.Done():
-		t.Fatal("the child consumer never reached the crash point")
-	}
+	proc := child.Start(t, child.Options{Role: crashRole, Run: "^TestCrashRecovery$", Env: env})
+	proc.WaitReady(2 * time.Minute)
 
 	victimRows := func() int {
 		return e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = $1`, victim)
@@ -103,8 +77,7 @@ func testCrash(t *testing.T, broker, mode string) {
 		require.Equal(t, 1, victimRows(), "the victim's write is committed")
 		require.Equal(t, 1, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")+` WHERE event_id = $1`, victim))
 	}
-	require.NoError(t, cmd.Process.Signal(syscall.SIGKILL))
-	_ = cmd.Wait()
+	proc.Kill()
 
 	// The child's other workers kept going until the kill: a COMMIT the
 	// server received may still land after this count, and the clean
@@ -135,7 +108,7 @@ func crashChild(t *testing.T) {
 	e := &env{db: testdb.Open(t), schema: os.Getenv("MILLRACE_CRASH_SCHEMA")}
 	k := newKit(t, os.Getenv("MILLRACE_CRASH_BROKER"), kitOptions{ackWait: 2 * time.Second})
 	crash := func() {
-		fmt.Println(crashReady)
+		child.Ready()
 		select {} // wait for SIGKILL
 	}
 	spec := handlerSpec{name: "billing", topic: topic, group: group, handle: func(msg *message.Message) error {

@@ -139,11 +139,11 @@ func TestConsumerSIGKILLAfterEffect(t *testing.T) {
 		for i := range kills {
 			c := w.start(fmt.Sprint("consumer-", i), nodeSpec{Consume: true, KillAfterEffect: 50 + rng.IntN(250)})
 			select {
-			case <-c.done:
+			case <-c.proc.Done():
 			case <-time.After(2 * time.Minute):
 				t.Fatalf("consumer %d never reached its kill point", i)
 			}
-			require.True(t, c.killedBySIGKILL(), "consumer %d died by its own SIGKILL, not %v:\n%s", i, c.err, tail(c.stderr.String(), 2000))
+			require.True(t, c.proc.KilledBySIGKILL(), "consumer %d died by its own SIGKILL, not %v:\n%s", i, c.proc.Err(), tail(c.stderr.String(), 2000))
 			c.stopped.Store(true)
 			w.fault()
 		}

@@ -14,6 +14,7 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testkit"
 	"github.com/millrace-io/millrace/internal/testlog"
 	"github.com/millrace-io/millrace/middleware"
 )
@@ -78,7 +79,7 @@ func testBlockedHandlers(t *testing.T, kind string) {
 	suffix := testdb.UniqueName("")[2:]
 	poolTopic, pool := "pool-"+suffix, "pool-h-"+suffix
 	ledgerTopic, ledger := "ledger-"+suffix, "ledger-h-"+suffix
-	cfg.Consumer.Handlers = map[string]middleware.Config{ledger: {Ordered: ptr(true)}}
+	cfg.Consumer.Handlers = map[string]middleware.Config{ledger: {Ordered: new(true)}}
 	brokertest.Cleanup(t, kind, poolTopic, pool)
 	brokertest.Cleanup(t, kind, ledgerTopic, ledger)
 	require.NoError(t, bus.Migrate(ctx, db, cfg))
@@ -261,7 +262,7 @@ func testBlockedHandlers(t *testing.T, kind string) {
 	for _, p := range []struct{ topic, id string }{{poolTopic, "pool-stop"}, {ledgerTopic, "ledger-stop"}} {
 		require.NoError(t, b.PublishInOwnTx(ctx, p.topic, bus.Event{ID: p.id, Type: blockedEvent, AggregateType: "order",
 			AggregateID: p.id, Payload: []byte(`{}`)}))
-		eventually(t, 2*time.Minute, p.id+" is in an attempt", func() bool { return stuck.callsOf(p.id) > 0 })
+		testkit.Eventually(t, 2*time.Minute, p.id+" is in an attempt", func() bool { return stuck.callsOf(p.id) > 0 })
 	}
 	stopped := time.Now()
 	stop()
@@ -285,7 +286,7 @@ func testBlockedHandlers(t *testing.T, kind string) {
 	// The blocked handlers return long after their attempts were abandoned:
 	// nothing they wrote commits.
 	release()
-	eventually(t, time.Minute, "every abandoned attempt finished", func() bool {
+	testkit.Eventually(t, time.Minute, "every abandoned attempt finished", func() bool {
 		return metric(middleware.MetricAbandonedActive, pool, "")+metric(middleware.MetricAbandonedActive, ledger, "") == 0
 	})
 	require.Zero(t, count(`SELECT count(*) FROM `+schema+`.handled WHERE event_id = ANY($1) OR event_id IN ('pool-stop', 'ledger-stop')`, blocked))
@@ -294,16 +295,3 @@ func testBlockedHandlers(t *testing.T, kind string) {
 	require.EqualValues(t, abandoned, strings.Count(logs.String(), "An abandoned attempt finished; its result is dropped"),
 		"every abandoned attempt's goroutine returned, and its result was dropped")
 }
-
-func eventually(t *testing.T, timeout time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting until %s", timeout, what)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-}
-
-func ptr[T any](v T) *T { return &v }

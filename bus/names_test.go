@@ -17,7 +17,9 @@ import (
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/kafka"
+	"github.com/millrace-io/millrace/adapters/kafka/kafkadev"
 	"github.com/millrace-io/millrace/adapters/nats"
+	_ "github.com/millrace-io/millrace/adapters/nats/natsdev" // broker.nats.embedded
 	"github.com/millrace-io/millrace/adapters/rabbit"
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/forwarder"
@@ -272,7 +274,7 @@ func hostileBroker(t *testing.T, kind string) (adapters.Broker, func(*testing.T)
 		// A private server: its stream list is ours alone.
 		cfg.Broker.NATS = nats.Config{URL: "nats://127.0.0.1:0", Embedded: nats.EmbeddedConfig{Enabled: true, StoreDir: t.TempDir()}}
 	case bus.KindKafka:
-		dev, err := kafka.StartDevCluster(kafka.DevClusterOptions{Brokers: 1})
+		dev, err := kafkadev.Start(kafkadev.Options{Brokers: 1})
 		require.NoError(t, err)
 		t.Cleanup(dev.Close)
 		// auto_provision off: Subscribe must check the topic itself.

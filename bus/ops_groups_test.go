@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/internal/testkit"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -31,7 +33,7 @@ func TestOpsFailureGroupsAndChangedSelections(t *testing.T) {
 	for _, agg := range append(numbered, other) {
 		events[agg] = w.publish(t, agg)
 	}
-	eventuallyTrue(t, "four messages poisoned", func() bool {
+	testkit.Eventually(t, time.Minute, "four messages poisoned", func() bool {
 		l, err := w.ops.ListPoisoned(ctx, bus.PoisonFilter{}, 0)
 		return err == nil && len(l.Messages) == 4
 	})
@@ -78,7 +80,7 @@ func TestOpsFailureGroupsAndChangedSelections(t *testing.T) {
 	first := list.Messages[0]
 	_, err = w.ops.ReplayPoisoned(ctx, bus.PoisonSelection{IDs: []int64{first.ID}}, bus.ReplayOptions{By: "someone else"})
 	require.NoError(t, err)
-	eventuallyTrue(t, "the other replay processed", func() bool { return w.effects(first.EventID) == 1 })
+	testkit.Eventually(t, time.Minute, "the other replay processed", func() bool { return w.effects(first.EventID) == 1 })
 
 	reviewed := group
 	reviewed.Expect = dry.Selection
@@ -107,7 +109,7 @@ func TestOpsFailureGroupsAndChangedSelections(t *testing.T) {
 	require.Len(t, res.Skipped, 1)
 	require.Equal(t, first.ID, res.Skipped[0].ID)
 	for _, agg := range numbered {
-		eventuallyTrue(t, "each numbered event processed", func() bool { return w.effects(events[agg]) == 1 })
+		testkit.Eventually(t, time.Minute, "each numbered event processed", func() bool { return w.effects(events[agg]) == 1 })
 	}
 
 	// A purge reviewed before the group changed state changes nothing.

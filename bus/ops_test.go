@@ -20,6 +20,7 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testkit"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -85,11 +86,6 @@ func (w *opsWorld) effects(id string) int {
 	return w.handled[id]
 }
 
-func eventuallyTrue(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	require.Eventually(t, cond, time.Minute, 20*time.Millisecond, what)
-}
-
 // The DLQ through the operations API: list with filters, show, replay (dry
 // run first, then for real, then again: skipped as processed), purge.
 func TestOpsDLQListShowReplayPurge(t *testing.T) {
@@ -99,11 +95,11 @@ func TestOpsDLQListShowReplayPurge(t *testing.T) {
 	w.bad["o-bad-1"], w.bad["o-bad-2"] = true, true
 	bad1, bad2 := w.publish(t, "o-bad-1"), w.publish(t, "o-bad-2")
 	good := w.publish(t, "o-good")
-	eventuallyTrue(t, "two messages poisoned", func() bool {
+	testkit.Eventually(t, time.Minute, "two messages poisoned", func() bool {
 		l, err := w.ops.ListPoisoned(ctx, bus.PoisonFilter{}, 0)
 		return err == nil && len(l.Messages) == 2
 	})
-	eventuallyTrue(t, "the good event handled", func() bool { return w.effects(good) == 1 })
+	testkit.Eventually(t, time.Minute, "the good event handled", func() bool { return w.effects(good) == 1 })
 
 	list, err := w.ops.ListPoisoned(ctx, bus.PoisonFilter{Reason: "O-BAD-2"}, 0)
 	require.NoError(t, err)
@@ -156,12 +152,12 @@ func TestOpsDLQListShowReplayPurge(t *testing.T) {
 	for _, r := range res.Replayed {
 		require.NotEmpty(t, r.MessageID, "a replay has a message id of its own")
 	}
-	eventuallyTrue(t, "both replays handled once", func() bool { return w.effects(bad1) == 1 && w.effects(bad2) == 1 })
+	testkit.Eventually(t, time.Minute, "both replays handled once", func() bool { return w.effects(bad1) == 1 && w.effects(bad2) == 1 })
 	d, err = w.ops.Poisoned(ctx, m.ID)
 	require.NoError(t, err)
 	require.Len(t, d.Replays, 1)
 	require.Equal(t, "tester@host", d.Replays[0].ReplayedBy)
-	eventuallyTrue(t, "the inbox records the replayed event", func() bool {
+	testkit.Eventually(t, time.Minute, "the inbox records the replayed event", func() bool {
 		d, err := w.ops.Poisoned(ctx, m.ID)
 		return err == nil && d.State == bus.PoisonStateProcessed
 	})
@@ -208,7 +204,7 @@ func TestOpsQuarantineListShowReplayPurge(t *testing.T) {
 	reserved := message.NewMessage(watermill.NewUUID(), []byte(`{}`))
 	reserved.Metadata.Set("Nats-Rollup", "all") // written by plain Watermill: nothing checked it
 	writeOutboxWithWatermill(t, w, w.topic, reserved)
-	eventuallyTrue(t, "three rows quarantined", func() bool {
+	testkit.Eventually(t, time.Minute, "three rows quarantined", func() bool {
 		st, err := w.ops.OutboxStatus(ctx, "")
 		return err == nil && st.Quarantined == 3 && st.Pending == 0
 	})
@@ -271,7 +267,7 @@ func TestOpsPruneInbox(t *testing.T) {
 	for i := range 3 {
 		ids = append(ids, w.publish(t, fmt.Sprintf("o-%d", i)))
 	}
-	eventuallyTrue(t, "three events handled", func() bool {
+	testkit.Eventually(t, time.Minute, "three events handled", func() bool {
 		rows, err := w.ops.InboxRows(ctx)
 		return err == nil && rows[w.group] == 3
 	})

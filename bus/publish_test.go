@@ -353,9 +353,8 @@ func TestMigrateIsIdempotentAndConcurrent(t *testing.T) {
 	t.Parallel()
 	db := testdb.Open(t)
 	cfg := bus.Config{}
-	cfg.Database.Schema = testdb.UniqueName(t.Name())
+	cfg.Database.Schema = testdb.SchemaName(t, db, t.Name())
 	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
-	t.Cleanup(func() { db.Exec(`DROP SCHEMA IF EXISTS "` + cfg.Database.Schema + `" CASCADE`) })
 	var wg sync.WaitGroup
 	errs := make(chan error, 8)
 	for range 8 {

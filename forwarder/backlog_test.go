@@ -14,6 +14,7 @@ import (
 	"github.com/millrace-io/millrace/adapters/nats"
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/servers"
+	"github.com/millrace-io/millrace/internal/testkit"
 )
 
 // gauges reads the relay's backlog gauges and forwarded counter from reg.
@@ -60,7 +61,7 @@ func TestBacklogGaugesRiseWhileTheBrokerIsDown(t *testing.T) {
 	cfg.BacklogInterval = 100 * time.Millisecond
 	start(t, tb, broker, cfg, reg)
 	publish(t, tb, "things", []bus.Event{event("a", 1)}, 1)
-	waitFor(t, "the first event forwarded", func() bool {
+	testkit.Eventually(t, waitLimit, "the first event forwarded", func() bool {
 		_, _, forwarded := gauges(t, reg)
 		return forwarded == 1 && status().Pending == 0
 	})
@@ -68,7 +69,7 @@ func TestBacklogGaugesRiseWhileTheBrokerIsDown(t *testing.T) {
 	srv.Stop()
 	publish(t, tb, "things", interleaved(3, 2), 2)
 	require.EqualValues(t, 6, status().Pending)
-	waitFor(t, "the gauges to show the rows pending during the outage", func() bool {
+	testkit.Eventually(t, waitLimit, "the gauges to show the rows pending during the outage", func() bool {
 		pending, age, _ := gauges(t, reg)
 		return pending == 6 && age > 0
 	})
@@ -79,7 +80,7 @@ func TestBacklogGaugesRiseWhileTheBrokerIsDown(t *testing.T) {
 	require.Equal(t, 1.0, forwarded, "no batch succeeded while the broker was down")
 
 	srv.Start()
-	waitFor(t, "the gauges back to 0 after recovery", func() bool {
+	testkit.Eventually(t, waitLimit, "the gauges back to 0 after recovery", func() bool {
 		pending, age, forwarded := gauges(t, reg)
 		return pending == 0 && age == 0 && forwarded == 7
 	})
@@ -111,7 +112,7 @@ func TestReadAheadIsDroppedWhenTheBatchBeforeItIsPartial(t *testing.T) {
 	cfg := testConfig()
 	cfg.BatchSize, cfg.MaxInFlight = 20, 20 // full batches: each one reads the next ahead
 	f, _ := start(t, tb, broker, cfg, nil)
-	waitFor(t, "nothing pending", func() bool { return pending(t, f) == 0 })
+	testkit.Eventually(t, waitLimit, "nothing pending", func() bool { return pending(t, f) == 0 })
 
 	// The last delivery of each version, in delivery order, is 1..100: every
 	// event arrived, and the re-sent ones came back in order.

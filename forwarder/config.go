@@ -64,7 +64,7 @@ type Config struct {
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
 	if c.Enabled == nil {
-		c.Enabled = ptr(true)
+		c.Enabled = new(true)
 	}
 	c.ConsumerGroup = cmp.Or(c.ConsumerGroup, "millrace_relay")
 	c.BatchSize = cmp.Or(c.BatchSize, 2000)
@@ -73,12 +73,12 @@ func (c Config) WithDefaults() Config {
 	c.RetryInitial = cmp.Or(c.RetryInitial, 100*time.Millisecond)
 	c.RetryMax = cmp.Or(c.RetryMax, 10*time.Second)
 	if c.Retention == nil {
-		c.Retention = ptr(time.Hour)
+		c.Retention = new(time.Hour)
 	}
 	c.CleanupInterval = cmp.Or(c.CleanupInterval, time.Minute)
 	c.CleanupBatch = cmp.Or(c.CleanupBatch, 5000)
 	if c.Shards == nil {
-		c.Shards = ptr(1)
+		c.Shards = new(1)
 	}
 	c.BacklogInterval = cmp.Or(c.BacklogInterval, 5*time.Second)
 	c.ShutdownTimeout = cmp.Or(c.ShutdownTimeout, 10*time.Second)
@@ -117,5 +117,3 @@ func (c Config) Validate(path string) []error {
 	chk.PositiveDuration(at("shutdown_timeout"), c.ShutdownTimeout)
 	return chk.Problems
 }
-
-func ptr[T any](v T) *T { return &v }

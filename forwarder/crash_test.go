@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
-	"os/exec"
 	"os/signal"
 	"strconv"
 	"strings"
@@ -24,11 +23,13 @@ import (
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testkit"
+	"github.com/millrace-io/millrace/internal/testkit/child"
 )
 
 // Environment of a relay child process.
 const (
-	childEnv       = "MILLRACE_RELAY_CHILD"
+	relayRole      = "relay"
 	childKindEnv   = "MILLRACE_RELAY_KIND"
 	childSchemaEnv = "MILLRACE_RELAY_SCHEMA"
 	childKillEnv   = "MILLRACE_RELAY_KILL" // before-publish:N or after-publish:N
@@ -129,27 +130,19 @@ func crashConfig() forwarder.Config {
 		RetryInitial: 20 * time.Millisecond, RetryMax: 500 * time.Millisecond, ShutdownTimeout: 5 * time.Second}
 }
 
-func startRelayProcess(t *testing.T, cfg bus.Config, kill string) *exec.Cmd {
+func startRelayProcess(t *testing.T, cfg bus.Config, kill string) *child.Process {
 	return startNamedRelayProcess(t, cfg, kill, "")
 }
 
 // startNamedRelayProcess starts a relay child whose database sessions carry
 // application_name name, so a test can see which relay holds the lock.
-func startNamedRelayProcess(t *testing.T, cfg bus.Config, kill, name string) *exec.Cmd {
+func startNamedRelayProcess(t *testing.T, cfg bus.Config, kill, name string) *child.Process {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), childEnv+"=1", childAppEnv+"="+name, childKindEnv+"="+cfg.Broker.Kind, childSchemaEnv+"="+cfg.Database.Schema,
-		childKillEnv+"="+kill, "NATS_URL="+cfg.Broker.NATS.URL, "AMQP_URL="+cfg.Broker.RabbitMQ.URL,
-		"KAFKA_BROKERS="+strings.Join(cfg.Broker.Kafka.Brokers, ","))
-	cmd.Stderr = os.Stderr
-	require.NoError(t, cmd.Start())
-	t.Cleanup(func() {
-		if cmd.ProcessState == nil {
-			_ = cmd.Process.Kill()
-			_ = cmd.Wait()
-		}
-	})
-	return cmd
+	return child.Start(t, child.Options{Role: relayRole, Env: []string{
+		childAppEnv + "=" + name, childKindEnv + "=" + cfg.Broker.Kind, childSchemaEnv + "=" + cfg.Database.Schema,
+		childKillEnv + "=" + kill, "NATS_URL=" + cfg.Broker.NATS.URL, "AMQP_URL=" + cfg.Broker.RabbitMQ.URL,
+		"KAFKA_BROKERS=" + strings.Join(cfg.Broker.Kafka.Brokers, ","),
+	}})
 }
 
 // collector records every delivery of a consumer group.
@@ -267,19 +260,14 @@ func testRelayCrashes(t *testing.T, kind string) {
 		if point != "random" {
 			kill = fmt.Sprintf("%s:%d", point, 1+rng.IntN(5))
 		}
-		cmd := startRelayProcess(t, cfg, kill)
-		exited := make(chan error, 1)
-		go func() { exited <- cmd.Wait() }()
+		proc := startRelayProcess(t, cfg, kill)
 		if point == "random" {
 			time.Sleep(time.Duration(50+rng.IntN(400)) * time.Millisecond)
-			_ = cmd.Process.Signal(syscall.SIGKILL)
+			proc.Kill()
 		}
 		select {
-		case err := <-exited:
-			var ee *exec.ExitError
-			require.True(t, errors.As(err, &ee), "relay %d exited with %v", i, err)
-			ws, _ := ee.Sys().(syscall.WaitStatus)
-			require.Equal(t, syscall.SIGKILL, ws.Signal(), "relay %d was killed by SIGKILL at %s", i, point)
+		case <-proc.Done():
+			require.True(t, proc.KilledBySIGKILL(), "relay %d was killed by SIGKILL at %s, not %v", i, point, proc.Err())
 		case <-time.After(2 * time.Minute):
 			t.Fatalf("relay %d (%s) never reached its kill point", i, kill)
 		}
@@ -290,10 +278,9 @@ func testRelayCrashes(t *testing.T, kind string) {
 	clean := startRelayProcess(t, cfg, "")
 	f, err := forwarder.New(db, broker, forwarder.Outbox{Schema: cfg.Database.Schema, Topic: cfg.Outbox.Topic}, crashConfig(), forwarder.Options{})
 	require.NoError(t, err)
-	waitFor(t, "the clean relay to finish", func() bool { return pending(t, f) == 0 })
-	require.NoError(t, clean.Process.Signal(syscall.SIGTERM))
-	require.NoError(t, clean.Wait(), "the clean relay stops gracefully")
-	waitFor(t, "every committed event on the broker", func() bool { return got.distinct() >= len(w.committed) })
+	testkit.Eventually(t, waitLimit, "the clean relay to finish", func() bool { return pending(t, f) == 0 })
+	require.NoError(t, clean.Stop(waitLimit), "the clean relay stops gracefully")
+	testkit.Eventually(t, waitLimit, "every committed event on the broker", func() bool { return got.distinct() >= len(w.committed) })
 
 	got.mu.Lock()
 	defer got.mu.Unlock()
@@ -342,28 +329,27 @@ func testTakeover(t *testing.T, kind string) {
 	db, b, cfg, topic, got := e.db, e.bus, e.cfg, e.topic, e.got
 
 	prefix := "relay" + cfg.Database.Schema[len(cfg.Database.Schema)-8:] // unique per test
-	relays := map[string]*exec.Cmd{}
+	relays := map[string]*child.Process{}
 	for _, name := range []string{prefix + "a", prefix + "b"} {
 		relays[name] = startNamedRelayProcess(t, cfg, "", name)
 	}
 	var first string
-	waitFor(t, "a relay to become active", func() bool { first = activeRelay(t, db, prefix); return first != "" })
+	testkit.Eventually(t, waitLimit, "a relay to become active", func() bool { first = activeRelay(t, db, prefix); return first != "" })
 
 	w := newWriter()
 	w.write(t, b, db, topic, 2000)
-	waitFor(t, "some events forwarded", func() bool { return got.distinct() > 500 })
+	testkit.Eventually(t, waitLimit, "some events forwarded", func() bool { return got.distinct() > 500 })
 	require.Equal(t, first, activeRelay(t, db, prefix), "only one relay is active; the other waits")
-	require.NoError(t, relays[first].Process.Signal(syscall.SIGKILL))
-	_ = relays[first].Wait()
+	relays[first].Kill()
 
 	var second string
 	// PostgreSQL releases the lock once it sees the killed relay's connection close.
-	waitFor(t, "the standby to take over", func() bool {
+	testkit.Eventually(t, waitLimit, "the standby to take over", func() bool {
 		second = activeRelay(t, db, prefix)
 		return second != "" && second != first
 	})
 	w.write(t, b, db, topic, 2000)
-	waitFor(t, "every committed event", func() bool { return got.distinct() >= len(w.committed) })
+	testkit.Eventually(t, waitLimit, "every committed event", func() bool { return got.distinct() >= len(w.committed) })
 
 	got.mu.Lock()
 	defer got.mu.Unlock()

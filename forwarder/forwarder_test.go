@@ -20,6 +20,7 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testkit"
 )
 
 // memoryBroker records what it is asked to publish; fail decides per message
@@ -143,14 +144,9 @@ func publish(t *testing.T, tb bundle, topic string, events []bus.Event, perTx in
 	}
 }
 
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(3 * time.Minute) // generous: the machine may be busy with other packages
-	for !cond() {
-		require.True(t, time.Now().Before(deadline), "timed out waiting for %s", what)
-		time.Sleep(10 * time.Millisecond)
-	}
-}
+// waitLimit bounds every wait in these tests: generous, the machine may be
+// busy with other packages.
+const waitLimit = 3 * time.Minute
 
 func pending(t *testing.T, f *forwarder.Forwarder) int64 {
 	n, _, err := f.Pending(context.Background())
@@ -201,7 +197,7 @@ func TestForwardsCommittedEventsInCommitOrder(t *testing.T) {
 	require.NoError(t, tb.bus.Publish(context.Background(), tx, "things", event("ghost", 1)))
 	require.NoError(t, tx.Rollback())
 
-	waitFor(t, "every event", func() bool { return len(broker.snapshot()) >= len(events) })
+	testkit.Eventually(t, waitLimit, "every event", func() bool { return len(broker.snapshot()) >= len(events) })
 	got := broker.snapshot()
 	require.Len(t, got, len(events), "each event exactly once when nothing fails")
 	checkOrder(t, got, 20, 50)
@@ -209,7 +205,7 @@ func TestForwardsCommittedEventsInCommitOrder(t *testing.T) {
 		require.Equal(t, "things", o.Topic)
 		require.Equal(t, o.Msg.UUID, o.Msg.Metadata.Get(bus.EventIDKey), "the message UUID is the event id")
 	}
-	waitFor(t, "nothing pending", func() bool { return pending(t, f) == 0 })
+	testkit.Eventually(t, waitLimit, "nothing pending", func() bool { return pending(t, f) == 0 })
 	require.Equal(t, float64(len(events)), metricValue(t, reg, "millrace_relay_messages_forwarded_total"))
 }
 
@@ -239,10 +235,10 @@ func TestWakesOnNotifyWithoutPolling(t *testing.T) {
 	cfg := testConfig()
 	cfg.PollInterval = time.Hour // only NOTIFY can wake it
 	start(t, tb, broker, cfg, nil)
-	waitFor(t, "the first empty poll", func() bool { return broker.callCount() == 0 && true })
+	testkit.Eventually(t, waitLimit, "the first empty poll", func() bool { return broker.callCount() == 0 && true })
 	time.Sleep(100 * time.Millisecond) // let the relay finish its start-up batch and go idle
 	publish(t, tb, "things", []bus.Event{event("a", 1)}, 1)
-	waitFor(t, "the event, woken by NOTIFY", func() bool { return len(broker.snapshot()) == 1 })
+	testkit.Eventually(t, waitLimit, "the event, woken by NOTIFY", func() bool { return len(broker.snapshot()) == 1 })
 }
 
 func TestPartialBatchAcksConfirmedPrefixAndRetriesTheRest(t *testing.T) {
@@ -264,7 +260,7 @@ func TestPartialBatchAcksConfirmedPrefixAndRetriesTheRest(t *testing.T) {
 	}
 	publish(t, tb, "things", events, 60)
 	f, _ := start(t, tb, broker, testConfig(), nil)
-	waitFor(t, "nothing pending", func() bool { return pending(t, f) == 0 })
+	testkit.Eventually(t, waitLimit, "nothing pending", func() bool { return pending(t, f) == 0 })
 
 	count := map[string]int{}
 	for _, o := range broker.snapshot() {
@@ -299,7 +295,7 @@ func TestUnreadableRowsAreQuarantinedAndDoNotBlock(t *testing.T) {
 	publish(t, tb, "things", []bus.Event{event("huge", 1), event("a", 2), event("a", 3)}, 3)
 
 	f, _ := start(t, tb, broker, testConfig(), nil)
-	waitFor(t, "nothing pending", func() bool { return pending(t, f) == 0 })
+	testkit.Eventually(t, waitLimit, "nothing pending", func() bool { return pending(t, f) == 0 })
 
 	var versions []string
 	for _, o := range broker.snapshot() {
@@ -341,7 +337,7 @@ func TestBrokerOutageBacksOffAndResumes(t *testing.T) {
 	cfg.RetryInitial = 50 * time.Millisecond
 	cfg.RetryMax = 400 * time.Millisecond
 	f, _ := start(t, tb, broker, cfg, nil)
-	waitFor(t, "a few failed attempts", func() bool { return broker.callCount() >= 4 })
+	testkit.Eventually(t, waitLimit, "a few failed attempts", func() bool { return broker.callCount() >= 4 })
 	time.Sleep(time.Second)
 	attempts := broker.callCount()
 	// Backing off from 50ms towards 400ms, one second of outage allows at most
@@ -352,7 +348,7 @@ func TestBrokerOutageBacksOffAndResumes(t *testing.T) {
 	mu.Lock()
 	down = false
 	mu.Unlock()
-	waitFor(t, "nothing pending", func() bool { return pending(t, f) == 0 })
+	testkit.Eventually(t, waitLimit, "nothing pending", func() bool { return pending(t, f) == 0 })
 	checkOrder(t, broker.snapshot(), 5, 10)
 }
 
@@ -380,7 +376,7 @@ func TestStopDoesNotAckUnconfirmedBatch(t *testing.T) {
 
 	broker := newMemoryBroker()
 	start(t, tb, broker, testConfig(), nil)
-	waitFor(t, "a new relay to forward all", func() bool { return len(broker.snapshot()) == 20 })
+	testkit.Eventually(t, waitLimit, "a new relay to forward all", func() bool { return len(broker.snapshot()) == 20 })
 	checkOrder(t, broker.snapshot(), 4, 5)
 }
 
@@ -404,19 +400,19 @@ func TestStandbyTakesOverWhenTheActiveRelayStops(t *testing.T) {
 	first, second := newMemoryBroker(), newMemoryBroker()
 	regA, regB := prometheus.NewRegistry(), prometheus.NewRegistry()
 	_, stopA := start(t, tb, first, testConfig(), regA)
-	waitFor(t, "relay A active", func() bool { return metricValue(t, regA, "millrace_relay_active") == 1 })
+	testkit.Eventually(t, waitLimit, "relay A active", func() bool { return metricValue(t, regA, "millrace_relay_active") == 1 })
 	start(t, tb, second, testConfig(), regB)
 
 	publish(t, tb, "things", interleaved(5, 20), 10)
-	waitFor(t, "relay A forwards", func() bool { return len(first.snapshot()) == 100 })
+	testkit.Eventually(t, waitLimit, "relay A forwards", func() bool { return len(first.snapshot()) == 100 })
 	require.Zero(t, second.callCount(), "the standby publishes nothing while A is active")
 	require.Zero(t, metricValue(t, regB, "millrace_relay_active"))
 
 	stopA()
-	waitFor(t, "relay B active", func() bool { return metricValue(t, regB, "millrace_relay_active") == 1 })
+	testkit.Eventually(t, waitLimit, "relay B active", func() bool { return metricValue(t, regB, "millrace_relay_active") == 1 })
 	more := interleaved(5, 40)[100:]
 	publish(t, tb, "things", more, 10)
-	waitFor(t, "relay B forwards", func() bool { return len(second.snapshot()) == len(more) })
+	testkit.Eventually(t, waitLimit, "relay B forwards", func() bool { return len(second.snapshot()) == len(more) })
 	checkOrder(t, append(first.snapshot(), second.snapshot()...), 5, 40)
 }
 
@@ -440,8 +436,8 @@ func TestRetentionDeletesForwardedRowsInBatches(t *testing.T) {
 	for round := range 10 {
 		publish(t, tb, "things", interleaved(10, 30)[:300], 30)
 		peak = max(peak, count())
-		waitFor(t, "round forwarded", func() bool { return len(broker.snapshot()) == 300*(round+1) })
-		waitFor(t, "round cleaned up", func() bool { return count() == 0 })
+		testkit.Eventually(t, waitLimit, "round forwarded", func() bool { return len(broker.snapshot()) == 300*(round+1) })
+		testkit.Eventually(t, waitLimit, "round cleaned up", func() bool { return count() == 0 })
 	}
 	require.LessOrEqual(t, peak, 300, "the table never holds more than one round")
 	n, err := f.DeleteForwarded(context.Background(), 0, 10)
@@ -470,7 +466,7 @@ func TestRateLimitBoundsTheDrain(t *testing.T) {
 	cfg.RateLimit = 200
 	began := time.Now()
 	f, _ := start(t, tb, broker, cfg, nil)
-	waitFor(t, "nothing pending", func() bool { return pending(t, f) == 0 })
+	testkit.Eventually(t, waitLimit, "nothing pending", func() bool { return pending(t, f) == 0 })
 	// 300 messages at 200/s with a burst of 20 cannot take less than 1.4s.
 	require.GreaterOrEqual(t, time.Since(began), 1400*time.Millisecond)
 	checkOrder(t, broker.snapshot(), 10, 30)
@@ -495,7 +491,7 @@ func TestRelaysRowsWrittenByPlainWatermill(t *testing.T) {
 
 	broker := newMemoryBroker()
 	start(t, tb, broker, testConfig(), nil)
-	waitFor(t, "the legacy row", func() bool { return len(broker.snapshot()) == 1 })
+	testkit.Eventually(t, waitLimit, "the legacy row", func() bool { return len(broker.snapshot()) == 1 })
 	got := broker.snapshot()[0]
 	require.Equal(t, "legacy.events", got.Topic)
 	require.Equal(t, msg.UUID, got.Msg.UUID)
@@ -548,7 +544,7 @@ func TestOutboxStatusReportsTheOutboxState(t *testing.T) {
 
 	broker := newMemoryBroker()
 	f, _ := start(t, tb, broker, testConfig(), nil)
-	waitFor(t, "nothing pending", func() bool { return pending(t, f) == 0 })
+	testkit.Eventually(t, waitLimit, "nothing pending", func() bool { return pending(t, f) == 0 })
 	st, err = ops.OutboxStatus(context.Background(), "")
 	require.NoError(t, err)
 	require.Zero(t, st.Pending)
@@ -578,7 +574,7 @@ func TestTopicTheBrokerRefusesIsQuarantinedNotRetriedForever(t *testing.T) {
 	publish(t, tb, "flaky", []bus.Event{event("f", 1)}, 1)
 	publish(t, tb, "things", []bus.Event{event("a", 2)}, 1)
 	f, _ := start(t, tb, broker, testConfig(), nil)
-	waitFor(t, "nothing pending", func() bool { return pending(t, f) == 0 })
+	testkit.Eventually(t, waitLimit, "nothing pending", func() bool { return pending(t, f) == 0 })
 
 	var got []string
 	for _, o := range broker.snapshot() {
@@ -612,5 +608,5 @@ func TestRowsHiddenByAnOlderTransactionAreChased(t *testing.T) {
 	time.Sleep(300 * time.Millisecond)
 	require.Empty(t, broker.snapshot(), "the row is hidden while the older transaction is open")
 	require.NoError(t, older.Rollback())
-	waitFor(t, "the hidden row, once the older transaction ended", func() bool { return len(broker.snapshot()) == 1 })
+	testkit.Eventually(t, waitLimit, "the hidden row, once the older transaction ended", func() bool { return len(broker.snapshot()) == 1 })
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/brokertest"
+	"github.com/millrace-io/millrace/internal/testkit"
 )
 
 // badRow is an outbox row no broker of a kind can take as it is, written by
@@ -94,8 +95,8 @@ func testQuarantine(t *testing.T, kind string) {
 	go func() { done <- f.Run(runCtx) }()
 	defer func() { stop(); require.NoError(t, <-done) }()
 
-	waitFor(t, "the good rows at the consumer", func() bool { return e.got.distinct() >= good })
-	waitFor(t, "nothing pending", func() bool { return pending(t, f) == 0 })
+	testkit.Eventually(t, waitLimit, "the good rows at the consumer", func() bool { return e.got.distinct() >= good })
+	testkit.Eventually(t, waitLimit, "nothing pending", func() bool { return pending(t, f) == 0 })
 	require.Equal(t, good, e.got.distinct(), "only the good rows reached the broker")
 
 	rows, err := e.db.Query(`SELECT destination_topic, reason FROM "` + e.cfg.Database.Schema + `".millrace_relay_quarantine ORDER BY id`)

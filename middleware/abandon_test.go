@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/internal/testkit"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -118,7 +119,7 @@ func abandonedAttemptsArePoisonedAndNeverCommit(t *testing.T, cfg middleware.Con
 		require.True(t, errors.Is(err, sql.ErrTxDone) || errors.Is(err, context.DeadlineExceeded),
 			"a woken handler finds its transaction gone: %v", err)
 	}
-	eventually(t, 30*time.Second, "the abandoned attempts reported their end", func() bool {
+	testkit.Eventually(t, 30*time.Second, "the abandoned attempts reported their end", func() bool {
 		_, running := c.abandoned(t)
 		return running == 0
 	})
@@ -159,7 +160,7 @@ CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON ` + e.table("business") + 
 	var cfg middleware.Config
 	cfg.HandlerTimeout = time.Second
 	fastRetry(&cfg, 5)
-	cfg.Breaker.Enabled = ptr(false)
+	cfg.Breaker.Enabled = new(false)
 	var calls atomic.Int32
 	handle, c := chainOn(t, e, cfg, func(msg *message.Message) error {
 		calls.Add(1)

@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/internal/testkit"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -43,14 +44,14 @@ func TestBrokerBacklog(t *testing.T) {
 				msgs[i] = event(fmt.Sprintf("evt-%d", i), fmt.Sprintf("o-%d", i), 1, `{}`)
 			}
 			publish(t, k.pub, topic, msgs...)
-			eventually(t, time.Minute, "a backlog of every event published", func() bool { return backlog() == events })
+			testkit.Eventually(t, time.Minute, "a backlog of every event published", func() bool { return backlog() == events })
 
 			startConsumer(t, k, e, middleware.Config{}, handlerSpec{name: "billing", topic: topic, group: group,
 				handle: func(msg *message.Message) error { return e.write(msg.Context(), group, msg) }})
-			eventually(t, time.Minute, "every event processed", func() bool {
+			testkit.Eventually(t, time.Minute, "every event processed", func() bool {
 				return e.count(t, `SELECT count(*) FROM `+e.table("business")) == events
 			})
-			eventually(t, time.Minute, "no backlog once processed (and, on Kafka, committed)", func() bool { return backlog() == 0 })
+			testkit.Eventually(t, time.Minute, "no backlog once processed (and, on Kafka, committed)", func() bool { return backlog() == 0 })
 		})
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/internal/testkit"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -122,7 +123,7 @@ func TestBatchPoisonsOnlyTheBadMessage(t *testing.T) {
 			// subscription, which holds one message at a time.
 			publish(t, k.pub, topic, msgs...)
 
-			eventually(t, 2*time.Minute, "every message settled", func() bool {
+			testkit.Eventually(t, 2*time.Minute, "every message settled", func() bool {
 				return e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")) == events-1 &&
 					e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")) == 1
 			})
@@ -176,7 +177,7 @@ func TestBatchTrickleRunsAfterMaxWait(t *testing.T) {
 			// The retry waits less than NATS's ack_wait (30s), which would
 			// send the blocker again.
 			cfg.Retry = middleware.RetryConfig{MaxAttempts: 3, InitialInterval: 20 * time.Second, MaxInterval: 20 * time.Second,
-				MaxElapsed: 10 * time.Minute, Jitter: ptr(false)}
+				MaxElapsed: 10 * time.Minute, Jitter: new(false)}
 			var log txLog
 			startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group, handle: func(msg *message.Message) error {
 				call, _ := log.record(t, msg)
@@ -187,9 +188,9 @@ func TestBatchTrickleRunsAfterMaxWait(t *testing.T) {
 			}})
 
 			publish(t, k.pub, topic, event("blocker", "o-1", 1, `{}`))
-			eventually(t, time.Minute, "the blocker failed once and waits for its retry", func() bool { return len(log.of("blocker")) == 1 })
+			testkit.Eventually(t, time.Minute, "the blocker failed once and waits for its retry", func() bool { return len(log.of("blocker")) == 1 })
 			publish(t, k.pub, topic, event("trickle", "o-2", 1, `{}`))
-			eventually(t, time.Minute, "the trickle message committed", func() bool {
+			testkit.Eventually(t, time.Minute, "the trickle message committed", func() bool {
 				return e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = 'trickle'`) == 1
 			})
 			require.Len(t, log.of("blocker"), 1, "the trickle message did not wait for the blocker's retry")
@@ -217,10 +218,10 @@ func TestBatchKeepsAggregateOrder(t *testing.T) {
 		}
 	}
 	publish(t, k.pub, topic, msgs...)
-	cfg := middleware.Config{Workers: 8, Ordered: ptr(true), Batch: middleware.BatchConfig{MaxMessages: 8, MaxWait: 5 * time.Millisecond}}
+	cfg := middleware.Config{Workers: 8, Ordered: new(true), Batch: middleware.BatchConfig{MaxMessages: 8, MaxWait: 5 * time.Millisecond}}
 	c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group,
 		handle: func(msg *message.Message) error { return e.write(msg.Context(), group, msg) }})
-	eventually(t, time.Minute, "every event applied", func() bool {
+	testkit.Eventually(t, time.Minute, "every event applied", func() bool {
 		return e.count(t, `SELECT count(*) FROM `+e.table("business")) == len(msgs)
 	})
 	require.Zero(t, e.count(t, `SELECT count(*) FROM (SELECT version < lag(version) OVER (PARTITION BY aggregate_id ORDER BY seq) AS back FROM `+
@@ -240,7 +241,7 @@ func TestBatchOffOnASingleOrderedSubscription(t *testing.T) {
 	k := newKit(t, bus.KindRabbitMQ, kitOptions{})
 	topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
 	k.provision(t, topic, group)
-	cfg := middleware.Config{Workers: 8, Ordered: ptr(true), Batch: middleware.BatchConfig{MaxMessages: 8, MaxWait: time.Second}}
+	cfg := middleware.Config{Workers: 8, Ordered: new(true), Batch: middleware.BatchConfig{MaxMessages: 8, MaxWait: time.Second}}
 	c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group,
 		handle: func(msg *message.Message) error { return e.write(msg.Context(), group, msg) }})
 	msgs := make([]*message.Message, events)
@@ -248,7 +249,7 @@ func TestBatchOffOnASingleOrderedSubscription(t *testing.T) {
 		msgs[i] = event(fmt.Sprintf("evt-%d", i), "o-1", int64(i+1), `{}`)
 	}
 	publish(t, k.pub, topic, msgs...)
-	eventually(t, time.Minute, "every event applied", func() bool {
+	testkit.Eventually(t, time.Minute, "every event applied", func() bool {
 		return e.count(t, `SELECT count(*) FROM `+e.table("business")) == events
 	})
 	require.Zero(t, c.metric(t, middleware.MetricBatchSize, map[string]string{"handler": "billing"}), "no batched transaction")

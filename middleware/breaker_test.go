@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/internal/testkit"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -93,13 +94,13 @@ func testOutage(t *testing.T, broker string) {
 	}
 	require.True(t, sawOpen, "the breaker opened during the outage")
 
-	eventually(t, time.Minute, "every event processed after recovery", func() bool {
+	testkit.Eventually(t, time.Minute, "every event processed after recovery", func() bool {
 		return e.count(t, `SELECT count(*) FROM `+e.table("business")) == events
 	})
 	require.Zero(t, c.messages(t, "billing", middleware.OutcomePoisoned))
 	require.Zero(t, e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")))
 	require.EqualValues(t, events, c.messages(t, "billing", middleware.OutcomeOK))
-	eventually(t, 10*time.Second, "the breaker closed", func() bool {
+	testkit.Eventually(t, 10*time.Second, "the breaker closed", func() bool {
 		return c.metric(t, middleware.MetricBreakerState, map[string]string{"handler": "billing"}) == middleware.BreakerClosed
 	})
 
@@ -121,7 +122,7 @@ func TestBreakerDoesNotShieldABadMessage(t *testing.T) {
 	k := gochannelKit(t)
 	topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
 	cfg := middleware.Config{
-		Workers: 1, Ordered: ptr(true),
+		Workers: 1, Ordered: new(true),
 		Breaker: middleware.BreakerConfig{ConsecutiveFailures: 2, OpenTimeout: 200 * time.Millisecond},
 	}
 	fastRetry(&cfg, 4)
@@ -132,13 +133,13 @@ func TestBreakerDoesNotShieldABadMessage(t *testing.T) {
 		return e.write(msg.Context(), group, msg)
 	}})
 	publish(t, k.pub, topic, event("bad", "o-1", 1, `{}`))
-	eventually(t, 30*time.Second, "the bad message poisoned", func() bool {
+	testkit.Eventually(t, 30*time.Second, "the bad message poisoned", func() bool {
 		return c.messages(t, "billing", middleware.OutcomePoisoned) == 1
 	})
 	for i := range 5 {
 		publish(t, k.pub, topic, event(fmt.Sprintf("good-%d", i), "o-1", int64(2+i), `{}`))
 	}
-	eventually(t, 30*time.Second, "the messages behind it processed", func() bool {
+	testkit.Eventually(t, 30*time.Second, "the messages behind it processed", func() bool {
 		return e.count(t, `SELECT count(*) FROM `+e.table("business")) == 5
 	})
 	var attempts int

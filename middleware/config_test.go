@@ -10,8 +10,6 @@ import (
 	"github.com/millrace-io/millrace/internal/confload"
 )
 
-func ptr[T any](v T) *T { return &v }
-
 func TestDefaults(t *testing.T) {
 	t.Parallel()
 	c := Config{}.WithDefaults()
@@ -35,9 +33,9 @@ func TestOverrideReplacesOnlyTheFieldsItSets(t *testing.T) {
 		Retry:   RetryConfig{MaxAttempts: 3, InitialInterval: time.Second, MaxInterval: 20 * time.Second},
 		Handlers: map[string]Config{
 			"billing": {
-				Ordered: ptr(true),
-				Retry:   RetryConfig{MaxAttempts: 10, Jitter: ptr(false)},
-				Inbox:   InboxConfig{Enabled: ptr(false)},
+				Ordered: new(true),
+				Retry:   RetryConfig{MaxAttempts: 10, Jitter: new(false)},
+				Inbox:   InboxConfig{Enabled: new(false)},
 			},
 		},
 	}.WithDefaults()

@@ -4,13 +4,12 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"io"
 	"os"
-	"os/exec"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
@@ -20,6 +19,8 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testkit"
+	"github.com/millrace-io/millrace/internal/testkit/child"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -28,6 +29,7 @@ import (
 // then run a clean consumer on the same consumer group: no event may be
 // lost and none may have two effects.
 const (
+	crashRole    = "crash-consumer"
 	crashReady   = "MILLRACE_CRASH_READY"   // followed by the victim and its batch mates
 	crashStarted = "MILLRACE_CRASH_STARTED" // the child's subscriptions are open
 	// Points where the child is killed.
@@ -42,7 +44,7 @@ const (
 // the COMMIT (the mates' writes are lost with it) or after it (the mates'
 // and the victim's writes are committed, their acks not all sent).
 func TestCrashRecovery(t *testing.T) {
-	if os.Getenv("MILLRACE_CRASH_MODE") != "" {
+	if child.Role() == crashRole {
 		crashChild(t)
 		return
 	}
@@ -84,17 +86,14 @@ func testCrash(t *testing.T, broker, mode string, batched bool) {
 
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestCrashRecovery$", "-test.count=1")
-	cmd.Env = append(os.Environ(),
-		"MILLRACE_CRASH_MODE="+mode, "MILLRACE_CRASH_BROKER="+broker, "MILLRACE_CRASH_SCHEMA="+e.schema,
-		"MILLRACE_CRASH_TOPIC="+topic, "MILLRACE_CRASH_GROUP="+group, "MILLRACE_CRASH_BATCHED="+strconv.FormatBool(batched))
+	env := []string{"MILLRACE_CRASH_MODE=" + mode, "MILLRACE_CRASH_BROKER=" + broker, "MILLRACE_CRASH_SCHEMA=" + e.schema,
+		"MILLRACE_CRASH_TOPIC=" + topic, "MILLRACE_CRASH_GROUP=" + group, "MILLRACE_CRASH_BATCHED=" + strconv.FormatBool(batched)}
 	if broker == bus.KindKafka { // the child reaches the parent's in-process cluster
-		cmd.Env = append(cmd.Env, "KAFKA_BROKERS="+strings.Join(brokertest.KafkaBrokers(t), ","))
+		env = append(env, "KAFKA_BROKERS="+strings.Join(brokertest.KafkaBrokers(t), ","))
 	}
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	cmd.Stderr = os.Stderr
-	require.NoError(t, cmd.Start())
+	stdout, childOut := io.Pipe()
+	proc := child.Start(t, child.Options{Role: crashRole, Run: "^TestCrashRecovery$", Env: env, Stdout: childOut})
+	go func() { <-proc.Done(); childOut.Close() }()
 	started, ready := make(chan struct{}), make(chan []string, 1)
 	go func() {
 		scanner := bufio.NewScanner(stdout)
@@ -149,8 +148,7 @@ func testCrash(t *testing.T, broker, mode string, batched bool) {
 		require.Equal(t, 1, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")+` WHERE event_id = $1`, victim))
 		require.Equal(t, len(mates), rowsOf(mates), "and so are those of its batch mates")
 	}
-	require.NoError(t, cmd.Process.Signal(syscall.SIGKILL))
-	_ = cmd.Wait()
+	proc.Kill()
 
 	// The child's other workers kept going until the kill: a COMMIT the
 	// server received may still land after this count, and the clean
@@ -162,7 +160,7 @@ func testCrash(t *testing.T, broker, mode string, batched bool) {
 	}
 	c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group,
 		handle: func(msg *message.Message) error { return e.write(msg.Context(), group, msg) }})
-	eventually(t, 2*time.Minute, "every event committed once, by the child or the clean consumer", func() bool {
+	testkit.Eventually(t, 2*time.Minute, "every event committed once, by the child or the clean consumer", func() bool {
 		return e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")) == events &&
 			(mode != afterCommit || c.messages(t, "billing", middleware.OutcomeDuplicate) >= 1)
 	})

@@ -70,7 +70,7 @@ func routerLike(t *testing.T, out <-chan *message.Message, handle func(*message.
 }
 
 func TestDispatcherKeepsAggregateOrderAndRunsKeysConcurrently(t *testing.T) {
-	defer goleak.VerifyNone(t)
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent()) // what runs already is not this test's (the process's Kafka dev cluster on a later -count)
 	const keys, perKey, workers = 4, 25, 4
 	var msgs []*message.Message
 	for i := range perKey {
@@ -142,7 +142,7 @@ func TestDispatcherKeepsAggregateOrderAndRunsKeysConcurrently(t *testing.T) {
 }
 
 func TestDispatcherUnorderedUsesEveryWorker(t *testing.T) {
-	defer goleak.VerifyNone(t)
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent()) // what runs already is not this test's (the process's Kafka dev cluster on a later -count)
 	const workers = 3
 	var msgs []*message.Message
 	for i := range 30 {
@@ -182,7 +182,7 @@ func TestDispatcherUnorderedUsesEveryWorker(t *testing.T) {
 }
 
 func TestDispatcherNacksTheTailOfANackedKey(t *testing.T) {
-	defer goleak.VerifyNone(t)
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent()) // what runs already is not this test's (the process's Kafka dev cluster on a later -count)
 	a1, a2, a3, b1 := keyed("a", 1), keyed("a", 2), keyed("a", 3), keyed("b", 1)
 	sub := newAhead(a1, a2, a3, b1)
 	d := NewDispatcher(Source{NewSubscriber: func() (message.Subscriber, error) { return sub, nil }},
@@ -211,7 +211,7 @@ func TestDispatcherNacksTheTailOfANackedKey(t *testing.T) {
 }
 
 func TestDispatcherCloseNacksHeldMessages(t *testing.T) {
-	defer goleak.VerifyNone(t)
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent()) // what runs already is not this test's (the process's Kafka dev cluster on a later -count)
 	var msgs []*message.Message
 	for i := range 6 {
 		msgs = append(msgs, keyed("a", i))

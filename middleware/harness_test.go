@@ -293,26 +293,12 @@ func (c *consumer) close(t testing.TB) {
 	require.NoError(t, c.router.Close())
 }
 
-// eventually polls cond until it holds or a generous timeout passes.
-func eventually(t testing.TB, timeout time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for: %s", timeout, what)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-}
-
 // fastRetry is a retry ladder short enough for tests.
 func fastRetry(cfg *middleware.Config, attempts int) {
 	cfg.Retry = middleware.RetryConfig{
 		MaxAttempts: attempts, InitialInterval: 20 * time.Millisecond, MaxInterval: 100 * time.Millisecond, MaxElapsed: time.Minute,
 	}
 }
-
-func ptr[T any](v T) *T { return &v }
 
 func uniqueName(t testing.TB, suffix string) string {
 	return testdb.UniqueName(t.Name() + "_" + suffix)

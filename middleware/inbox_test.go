@@ -9,6 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
+	"github.com/millrace-io/millrace/internal/testkit"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -49,7 +50,7 @@ func TestDuplicateDeliveriesHaveOneEffectPerGroup(t *testing.T) {
 			for _, g := range groups {
 				// A broker may redeliver more (an ack wait that expired under
 				// load); those are duplicates too, never a second effect.
-				eventually(t, 4*time.Minute, "every delivery of "+g+" acked", func() bool {
+				testkit.Eventually(t, 4*time.Minute, "every delivery of "+g+" acked", func() bool {
 					ok := c.messages(t, g, middleware.OutcomeOK)
 					dup := c.messages(t, g, middleware.OutcomeDuplicate)
 					return ok >= events && dup >= events
@@ -74,7 +75,7 @@ func TestOrderingGuardDropsStaleVersions(t *testing.T) {
 	e := newEnv(t)
 	k := gochannelKit(t)
 	topic, group := uniqueName(t, "orders"), uniqueName(t, "projection")
-	cfg := middleware.Config{Workers: 1, Ordered: ptr(true), OrderingGuard: ptr(true)}
+	cfg := middleware.Config{Workers: 1, Ordered: new(true), OrderingGuard: new(true)}
 	// Delivered in this order: version 3 arrives before 2 (a reordering
 	// upstream); 2 must be dropped, 4 applied, the unversioned one applied.
 	var order []*message.Message
@@ -87,7 +88,7 @@ func TestOrderingGuardDropsStaleVersions(t *testing.T) {
 	}})
 	for _, m := range order {
 		publish(t, k.pub, topic, m) // one at a time: gochannel keeps no order within a call
-		eventually(t, 30*time.Second, "event "+m.UUID+" handled", func() bool {
+		testkit.Eventually(t, 30*time.Second, "event "+m.UUID+" handled", func() bool {
 			return e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")+` WHERE event_id = $1`, m.UUID) == 1
 		})
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/internal/testkit"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -124,12 +125,12 @@ func TestPoisonQueue(t *testing.T) {
 				}
 				return e.write(msg.Context(), group, msg)
 			}
-			cfg := middleware.Config{Ordered: ptr(true), Breaker: middleware.BreakerConfig{ConsecutiveFailures: 50}}
+			cfg := middleware.Config{Ordered: new(true), Breaker: middleware.BreakerConfig{ConsecutiveFailures: 50}}
 			fastRetry(&cfg, 4)
 			publish(t, k.pub, topic, msgs...)
 			c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group, handle: handle})
 
-			eventually(t, time.Minute, "20 good events and flaky processed, 7 poisoned", func() bool {
+			testkit.Eventually(t, time.Minute, "20 good events and flaky processed, 7 poisoned", func() bool {
 				return c.messages(t, "billing", middleware.OutcomeOK) == 21 && c.messages(t, "billing", middleware.OutcomePoisoned) == 7
 			})
 			require.Equal(t, 21, e.count(t, `SELECT count(*) FROM `+e.table("business")))

@@ -37,8 +37,8 @@ func retryChain(t *testing.T, retry RetryConfig) (*Chain, *fakeClock) {
 	t.Cleanup(func() { gc.Close() })
 	s, err := New(Config{
 		Retry:   retry,
-		Breaker: BreakerConfig{Enabled: ptr(false)},
-		Inbox:   InboxConfig{Enabled: ptr(false)},
+		Breaker: BreakerConfig{Enabled: new(false)},
+		Inbox:   InboxConfig{Enabled: new(false)},
 		Poison:  PoisonConfig{Destination: PoisonToTopic, Topic: "poison"},
 	}, Deps{PoisonPublisher: gc})
 	require.NoError(t, err)
@@ -61,7 +61,7 @@ func TestRetryFollowsTheConfiguredLadder(t *testing.T) {
 	t.Parallel()
 	c, clock := retryChain(t, RetryConfig{
 		MaxAttempts: 6, InitialInterval: 100 * time.Millisecond, Multiplier: 2, MaxInterval: 500 * time.Millisecond,
-		MaxElapsed: time.Hour, Jitter: ptr(false),
+		MaxElapsed: time.Hour, Jitter: new(false),
 	})
 	calls := 0
 	d, err := runRetry(context.Background(), c, func(*message.Message) ([]*message.Message, error) {
@@ -107,7 +107,7 @@ func TestRetryStopsAtMaxElapsed(t *testing.T) {
 	t.Parallel()
 	c, clock := retryChain(t, RetryConfig{
 		MaxAttempts: 100, InitialInterval: time.Second, Multiplier: 2, MaxInterval: time.Minute,
-		MaxElapsed: 10 * time.Second, Jitter: ptr(false),
+		MaxElapsed: 10 * time.Second, Jitter: new(false),
 	})
 	d, err := runRetry(context.Background(), c, func(*message.Message) ([]*message.Message, error) {
 		return nil, errors.New("down")
@@ -120,7 +120,7 @@ func TestRetryStopsAtMaxElapsed(t *testing.T) {
 
 func TestRetrySkipsPermanentErrorsAndStopsOnShutdown(t *testing.T) {
 	t.Parallel()
-	c, clock := retryChain(t, RetryConfig{MaxAttempts: 5, Jitter: ptr(false)})
+	c, clock := retryChain(t, RetryConfig{MaxAttempts: 5, Jitter: new(false)})
 	calls := 0
 	_, err := runRetry(context.Background(), c, func(*message.Message) ([]*message.Message, error) {
 		calls++
@@ -146,7 +146,7 @@ func TestRetrySkipsPermanentErrorsAndStopsOnShutdown(t *testing.T) {
 
 func TestAttemptRestoresTheMessageContext(t *testing.T) {
 	t.Parallel()
-	c, _ := retryChain(t, RetryConfig{MaxAttempts: 3, Jitter: ptr(false)})
+	c, _ := retryChain(t, RetryConfig{MaxAttempts: 3, Jitter: new(false)})
 	var seen []context.Context
 	msg := message.NewMessage("evt-1", nil)
 	orig := context.WithValue(context.Background(), deliveryKey, &delivery{eventID: "evt-1"})

@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/internal/testkit"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -45,7 +46,7 @@ func TestShutdownNacksWaitingMessagesAndDrainsRunningOnes(t *testing.T) {
 			publish(t, k.pub, topic, event("slow", "o-1", 1, `{}`), event("failing", "o-2", 1, `{}`))
 			c1 := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group, handle: first})
 			<-slowStarted
-			eventually(t, 30*time.Second, "the failing message waits for its retry", func() bool {
+			testkit.Eventually(t, 30*time.Second, "the failing message waits for its retry", func() bool {
 				return c1.messages(t, "billing", middleware.OutcomeRetried) == 1
 			})
 			c1.close(t)
@@ -59,7 +60,7 @@ func TestShutdownNacksWaitingMessagesAndDrainsRunningOnes(t *testing.T) {
 
 			c2 := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group,
 				handle: func(msg *message.Message) error { return e.write(msg.Context(), group, msg) }})
-			eventually(t, 30*time.Second, "the nacked message processed by the next consumer", func() bool {
+			testkit.Eventually(t, 30*time.Second, "the nacked message processed by the next consumer", func() bool {
 				return c2.messages(t, "billing", middleware.OutcomeOK) == 1
 			})
 			// Had the slow message's ack been lost, it would come back within

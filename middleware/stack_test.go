@@ -38,7 +38,7 @@ func TestChainRefusesWhatCannotWork(t *testing.T) {
 	require.ErrorContains(t, err, "Deps.DB is required")
 
 	topicPoison, err := middleware.New(middleware.Config{
-		Inbox:  middleware.InboxConfig{Enabled: ptr(false)},
+		Inbox:  middleware.InboxConfig{Enabled: new(false)},
 		Poison: middleware.PoisonConfig{Destination: middleware.PoisonToTopic, Topic: "orders.poison"},
 	}, middleware.Deps{})
 	require.NoError(t, err)
@@ -107,7 +107,7 @@ func TestMetricsAreRegisteredOnTheCallersRegistry(t *testing.T) {
 	defer gc.Close()
 	deps := middleware.Deps{Registerer: reg, PoisonPublisher: gc}
 	cfg := middleware.Config{
-		Inbox:  middleware.InboxConfig{Enabled: ptr(false)},
+		Inbox:  middleware.InboxConfig{Enabled: new(false)},
 		Poison: middleware.PoisonConfig{Destination: middleware.PoisonToTopic, Topic: "poison"},
 	}
 	s1, err := middleware.New(cfg, deps)

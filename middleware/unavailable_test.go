@@ -32,7 +32,7 @@ func TestUnreachableDatabaseUsesNoRetries(t *testing.T) {
 
 	var cfg middleware.Config
 	fastRetry(&cfg, 2)
-	cfg.Breaker.Enabled = ptr(false)
+	cfg.Breaker.Enabled = new(false)
 	reg := prometheus.NewRegistry()
 	stack, err := middleware.New(cfg, middleware.Deps{DB: dead, Schema: e.schema, Registerer: reg, Logger: testLogger()})
 	require.NoError(t, err)

@@ -308,7 +308,7 @@ func TestReorderWithAndWithoutOrderingGuard(t *testing.T) {
 	s2 := newService(t)
 	s2.createStatus(t)
 	var cfg bus.Config
-	cfg.Consumer.OrderingGuard = ptr(true)
+	cfg.Consumer.OrderingGuard = new(true)
 	fake.run(func() {
 		h := millracetest.New(fake, millracetest.Options{DB: s2.db, Schema: s2.schema, Config: cfg, Topic: "orders.events", Group: "status", Handler: s2.setStatus})
 		evs := h.Reorder(statusEvent("o-1", "placed", 1), statusEvent("o-1", "paid", 2))
@@ -326,16 +326,14 @@ func TestReorderWithAndWithoutOrderingGuard(t *testing.T) {
 	require.Contains(t, errs[0], "The ordering guard dropped it as stale: version 1 of order o-1 is not newer than the version consumer group status had already applied.")
 }
 
-func ptr[T any](v T) *T { return &v }
-
 // With the inbox off nothing deduplicates: a duplicate delivery runs the
 // handler again, and AssertOnce says why.
 func TestInboxOffShowsDuplicateEffects(t *testing.T) {
 	t.Parallel()
 	s := newService(t)
 	var cfg bus.Config
-	cfg.Consumer.Inbox.Enabled = ptr(false)
-	cfg.Consumer.OrderingGuard = ptr(true) // keeps a transaction for bus.Tx
+	cfg.Consumer.Inbox.Enabled = new(false)
+	cfg.Consumer.OrderingGuard = new(true) // keeps a transaction for bus.Tx
 	fake := &fakeTB{t: t}
 	var ev bus.Event
 	fake.run(func() {

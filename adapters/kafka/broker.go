@@ -19,6 +19,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/adapters/kafka/internal/devcluster"
 )
 
 // Broker is a Kafka connection with millrace's reliable defaults: one
@@ -69,7 +70,8 @@ var _ adapters.Broker = (*Broker)(nil)
 
 // Open connects with the reliable defaults of this adapter (see Config) and
 // returns a *Broker that implements adapters.Broker. With cfg.DevCluster it
-// first starts an in-process dev cluster on cfg.Brokers. An unreachable
+// first starts an in-process dev cluster on cfg.Brokers, which needs package
+// kafkadev imported. An unreachable
 // cluster is an error within opts.ConnectTimeout naming the addresses.
 func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, error) {
 	cfg = cfg.WithDefaults()
@@ -102,7 +104,7 @@ func open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, erro
 			errPlainWithoutTLS, nil)
 	}
 	if cfg.DevCluster {
-		listening, release, err := acquireDevCluster(cfg.Brokers, cfg.ReplicationFactor)
+		listening, release, err := devcluster.Acquire(cfg.Brokers, cfg.ReplicationFactor)
 		if err != nil {
 			return nil, err
 		}

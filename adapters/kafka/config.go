@@ -10,8 +10,13 @@ import (
 	"github.com/IBM/sarama"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/adapters/kafka/internal/devcluster"
 	"github.com/millrace-io/millrace/internal/confload"
 )
+
+// KafkadevPackage is the package that links the dev cluster into a program
+// when imported.
+const KafkadevPackage = "github.com/millrace-io/millrace/adapters/kafka/kafkadev"
 
 // Compression codecs accepted by broker.kafka.compression.
 const (
@@ -39,7 +44,8 @@ type Config struct {
 	// DevCluster, when true, makes Open start an in-process Kafka-protocol
 	// cluster (kfake) listening on Brokers, for demos and tests only: it has
 	// no replication, keeps its data in memory and dies with the process.
-	// Defaults to false.
+	// It needs package kafkadev imported (KafkadevPackage). Defaults to
+	// false.
 	DevCluster bool `yaml:"dev_cluster"`
 
 	// Version is the Kafka protocol version the subscribers (Sarama, through
@@ -170,7 +176,7 @@ func (c Config) WithDefaults() Config {
 		c.MinInsyncReplicas = min(2, c.ReplicationFactor)
 	}
 	if c.AutoProvision == nil {
-		c.AutoProvision = ptr(true)
+		c.AutoProvision = new(true)
 	}
 	c.MaxMessageBytes = cmp.Or(c.MaxMessageBytes, DefaultMaxMessageBytes)
 	c.Compression = cmp.Or(c.Compression, CompressionLZ4)
@@ -182,7 +188,7 @@ func (c Config) WithDefaults() Config {
 	c.RebalanceTimeout = cmp.Or(c.RebalanceTimeout, 60*time.Second)
 	c.JoinWait = cmp.Or(c.JoinWait, 5*time.Second)
 	if c.CommitInterval == nil {
-		c.CommitInterval = ptr(time.Second)
+		c.CommitInterval = new(time.Second)
 	}
 	c.NackRedeliveryDelay = cmp.Or(c.NackRedeliveryDelay, 100*time.Millisecond)
 	c.ReconnectDelay = cmp.Or(c.ReconnectDelay, time.Second)
@@ -211,8 +217,12 @@ func (c Config) Validate(path string) []error {
 		}
 	}
 	if c.DevCluster {
+		if !devcluster.Linked() {
+			chk.Add(at("dev_cluster"), "%s: import _ %q in a development or test program to run it, or set it to false and point %s at Kafka",
+				devcluster.ErrNotLinked, KafkadevPackage, at("brokers"))
+		}
 		for i, b := range c.Brokers {
-			if host, _, err := net.SplitHostPort(b); err == nil && !isLoopback(host) {
+			if host, _, err := net.SplitHostPort(b); err == nil && !devcluster.IsLoopback(host) {
 				chk.Add(fmt.Sprintf("%s[%d]", at("brokers"), i),
 					"with dev_cluster: true the in-process cluster listens on 127.0.0.1 only; got %q", b)
 			}
@@ -279,13 +289,3 @@ func (s SASLConfig) validate(chk *confload.Checker, path string) {
 		chk.Add(at("password"), "required with mechanism %s", s.Mechanism)
 	}
 }
-
-func isLoopback(host string) bool {
-	if host == "localhost" {
-		return true
-	}
-	ip := net.ParseIP(host)
-	return ip != nil && ip.Equal(net.IPv4(127, 0, 0, 1))
-}
-
-func ptr[T any](v T) *T { return &v }

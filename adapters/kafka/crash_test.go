@@ -27,6 +27,7 @@ import (
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/adaptertest"
 	"github.com/millrace-io/millrace/adapters/kafka"
+	"github.com/millrace-io/millrace/adapters/kafka/kafkadev"
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/servers"
@@ -43,7 +44,7 @@ const (
 // its environment names, says "ready" on stdout, and runs until it is
 // killed or its parent goes away (stdin closes).
 func runClusterChild() int {
-	dc, err := kafka.StartDevCluster(kafka.DevClusterOptions{
+	dc, err := kafkadev.Start(kafkadev.Options{
 		Addrs:   strings.Split(os.Getenv(clusterChildAddrsEnv), ","),
 		DataDir: os.Getenv(clusterChildDirEnv),
 	})

@@ -56,8 +56,11 @@
 //
 // # Dev cluster
 //
-// StartDevCluster, and broker.kafka.dev_cluster: true, run an in-process
-// Kafka-protocol cluster (franz-go's kfake) for demos and tests, with no
-// Kafka install. It is not Kafka: see DevCluster and the package README for
-// what it does and does not do.
+// Package kafkadev runs an in-process Kafka-protocol cluster (franz-go's
+// kfake) for demos and tests, with no Kafka install; importing it also lets
+// broker.kafka.dev_cluster: true start one from config. This package does
+// not link kfake: a config asking for the dev cluster in a program that does
+// not import kafkadev is an error naming broker.kafka.dev_cluster. It is not
+// Kafka: see kafkadev.Cluster and the package README for what it does and
+// does not do.
 package kafka

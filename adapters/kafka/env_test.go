@@ -12,6 +12,7 @@ import (
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/kafka"
+	"github.com/millrace-io/millrace/adapters/kafka/kafkadev"
 )
 
 // Tests run against a real Kafka cluster when KAFKA_BROKERS is set (comma
@@ -39,7 +40,7 @@ type testEnv struct {
 	brokers []string
 	rf      int
 	// dev is the dev cluster, nil against a real cluster.
-	dev     *kafka.DevCluster
+	dev     *kafkadev.Cluster
 	dataDir string
 }
 
@@ -57,7 +58,7 @@ func newEnv(t *testing.T) *testEnv {
 		return &testEnv{brokers: brokers, rf: rf}
 	}
 	e := &testEnv{rf: kafka.DefaultReplicationFactor, dataDir: t.TempDir()}
-	dev, err := kafka.StartDevCluster(kafka.DevClusterOptions{Addrs: []string{"127.0.0.1:0"}, DataDir: e.dataDir})
+	dev, err := kafkadev.Start(kafkadev.Options{Addrs: []string{"127.0.0.1:0"}, DataDir: e.dataDir})
 	require.NoError(t, err)
 	e.dev = dev
 	e.brokers = dev.Addrs()[:1]
@@ -75,12 +76,12 @@ func (e *testEnv) stop() { e.dev.Close() }
 func (e *testEnv) start(t *testing.T) {
 	t.Helper()
 	addrs := e.dev.Addrs()
-	var dev *kafka.DevCluster
+	var dev *kafkadev.Cluster
 	// The old listeners are closed; retry briefly in case the kernel is
 	// still releasing a port.
 	require.Eventually(t, func() bool {
 		var err error
-		dev, err = kafka.StartDevCluster(kafka.DevClusterOptions{Addrs: addrs, DataDir: e.dataDir})
+		dev, err = kafkadev.Start(kafkadev.Options{Addrs: addrs, DataDir: e.dataDir})
 		return err == nil
 	}, 30*time.Second, 100*time.Millisecond, "restarting the dev cluster on %v", addrs)
 	e.dev = dev

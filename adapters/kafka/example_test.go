@@ -9,12 +9,14 @@ import (
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/kafka"
+	_ "github.com/millrace-io/millrace/adapters/kafka/kafkadev" // broker.kafka.dev_cluster needs it linked
 	"github.com/millrace-io/millrace/internal/envelope"
 )
 
 // Open a Broker on an in-process dev cluster, provision a topic and its
 // consumer group, publish a batch and consume it. With a real cluster, leave
-// DevCluster false and list its brokers.
+// DevCluster false and list its brokers; DevCluster needs package kafkadev
+// imported.
 func Example() {
 	ctx := context.Background()
 	b, err := kafka.Open(ctx, kafka.Config{

@@ -18,6 +18,7 @@ import (
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/adaptertest"
 	"github.com/millrace-io/millrace/adapters/kafka"
+	"github.com/millrace-io/millrace/adapters/kafka/kafkadev"
 	"github.com/millrace-io/millrace/internal/envelope"
 )
 
@@ -187,10 +188,10 @@ func TestClusterReplaced(t *testing.T) {
 
 	addrs := env.dev.Addrs()
 	env.stop()
-	var fresh *kafka.DevCluster
+	var fresh *kafkadev.Cluster
 	require.Eventually(t, func() bool {
 		var err error
-		fresh, err = kafka.StartDevCluster(kafka.DevClusterOptions{Addrs: addrs})
+		fresh, err = kafkadev.Start(kafkadev.Options{Addrs: addrs})
 		return err == nil
 	}, 30*time.Second, 100*time.Millisecond)
 	t.Cleanup(fresh.Close)

@@ -13,10 +13,12 @@ import (
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/adapters/kafka/kafkadev"
 	"github.com/millrace-io/millrace/internal/envelope"
 )
 
@@ -37,11 +39,11 @@ import (
 func TestPublishBatchConfirmsNothingOfAKeyAfterAFailure(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	dev, err := StartDevCluster(DevClusterOptions{})
+	cluster, err := kfake.NewCluster(kfake.NumBrokers(3)) // kfake itself: the test drives its control hooks
 	require.NoError(t, err)
-	defer dev.Close()
+	defer cluster.Close()
 	const retries = 2
-	b, err := Open(ctx, Config{Brokers: dev.Addrs(), ProducerRetries: retries, ProducerRetryBackoff: 500 * time.Millisecond},
+	b, err := Open(ctx, Config{Brokers: cluster.ListenAddrs(), ProducerRetries: retries, ProducerRetryBackoff: 500 * time.Millisecond},
 		adapters.Options{ConnectTimeout: 10 * time.Second})
 	require.NoError(t, err)
 	defer b.Close()
@@ -51,10 +53,10 @@ func TestPublishBatchConfirmsNothingOfAKeyAfterAFailure(t *testing.T) {
 	// The leader refuses the first record batch and each of its retries,
 	// then accepts everything.
 	var refused atomic.Int32
-	dev.cluster.ControlKey(kmsg.Produce.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
-		dev.cluster.KeepControl()
+	cluster.ControlKey(kmsg.Produce.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		cluster.KeepControl()
 		if refused.Load() > retries {
-			dev.cluster.DropControl()
+			cluster.DropControl()
 			return nil, nil, false
 		}
 		refused.Add(1)
@@ -98,7 +100,7 @@ func TestPublishBatchConfirmsNothingOfAKeyAfterAFailure(t *testing.T) {
 	// As the relay does: send again from the first failed message. The log
 	// then holds every message, each first copy in order.
 	require.NoError(t, b.PublishBatch(ctx, batch[first:]))
-	cl, err := kgo.NewClient(kgo.SeedBrokers(dev.Addrs()...), kgo.ConsumeTopics(topic),
+	cl, err := kgo.NewClient(kgo.SeedBrokers(cluster.ListenAddrs()...), kgo.ConsumeTopics(topic),
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
 	require.NoError(t, err)
 	defer cl.Close()
@@ -131,7 +133,7 @@ func TestPublishBatchConfirmsNothingOfAKeyAfterAFailure(t *testing.T) {
 func TestSendSendsNothingAfterAnEarlyFailure(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	dev, err := StartDevCluster(DevClusterOptions{})
+	dev, err := kafkadev.Start(kafkadev.Options{})
 	require.NoError(t, err)
 	defer dev.Close()
 	b, err := Open(ctx, Config{Brokers: dev.Addrs()}, adapters.Options{ConnectTimeout: 10 * time.Second})

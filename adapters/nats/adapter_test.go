@@ -6,6 +6,7 @@ import (
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/adaptertest"
+	"github.com/millrace-io/millrace/internal/servers"
 )
 
 // suiteConfig is what the contract suites change from the defaults: a short
@@ -22,16 +23,16 @@ func TestContract(t *testing.T) {
 	t.Parallel()
 	t.Run("Embedded", func(t *testing.T) {
 		t.Parallel()
-		srv := newRestartableEmbedded(t)
+		srv := servers.StartEmbeddedNATS(t)
 		const limit = 64 * 1024
 		adaptertest.Run(t, adaptertest.Harness{
 			NewBroker: func(t *testing.T) adapters.Broker {
-				return openBroker(t, srv.URL(), func(c *Config) {
+				return openBroker(t, srv.URL, func(c *Config) {
 					suiteConfig(c)
 					c.Stream.MaxMsgSize = limit // the server-side limit of the stream
 				})
 			},
-			RestartBroker:   func(t *testing.T) { srv.Restart(t) },
+			RestartBroker:   func(t *testing.T) { srv.Restart() },
 			MaxMessageBytes: limit,
 		})
 	})
@@ -49,16 +50,16 @@ func TestContract(t *testing.T) {
 	})
 	t.Run("ServerProcess", func(t *testing.T) {
 		t.Parallel()
-		proc := startServerProcess(t)
+		proc := servers.StartNATS(t)
 		const limit = 32 * 1024
 		adaptertest.Run(t, adaptertest.Harness{
 			NewBroker: func(t *testing.T) adapters.Broker {
-				return openBroker(t, proc.URL(), func(c *Config) {
+				return openBroker(t, proc.URL, func(c *Config) {
 					suiteConfig(c)
 					c.Stream.MaxMsgSize = limit
 				})
 			},
-			RestartBroker:   func(*testing.T) { proc.Restart() },
+			RestartBroker:   func(*testing.T) { proc.Kill(); proc.Start() },
 			MaxMessageBytes: limit,
 		})
 	})

@@ -13,6 +13,7 @@ import (
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/adaptertest"
+	"github.com/millrace-io/millrace/internal/servers"
 )
 
 // openWithin runs Open and fails the test if it has not returned after a
@@ -40,7 +41,7 @@ func TestOpenUnreachableServer(t *testing.T) {
 	t.Parallel()
 	t.Run("Refused", func(t *testing.T) {
 		t.Parallel()
-		port := freePort(t)
+		port := servers.FreePort(t)
 		err := openWithin(t, Config{URL: fmt.Sprintf("nats://app:s3cret-pw@127.0.0.1:%d", port)}, 2*time.Second)
 		require.ErrorContains(t, err, fmt.Sprintf("cannot connect to nats://app:xxxxx@127.0.0.1:%d within 2s", port))
 		require.NotContains(t, err.Error(), "s3cret-pw")
@@ -99,8 +100,8 @@ func TestOpenInvalidConfig(t *testing.T) {
 // the subscriber carries on.
 func TestServerGoneMidRun(t *testing.T) {
 	t.Parallel()
-	proc := startServerProcess(t)
-	b := openBroker(t, proc.URL(), func(c *Config) { c.Publish.Timeout = 2 * time.Second })
+	proc := servers.StartNATS(t)
+	b := openBroker(t, proc.URL, func(c *Config) { c.Publish.Timeout = 2 * time.Second })
 	topic, group := adaptertest.Name("gone"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
 	ch := subscribeGroup(t, b, topic, group)
@@ -118,7 +119,7 @@ func TestServerGoneMidRun(t *testing.T) {
 	require.Error(t, perr)
 	require.False(t, adapters.IsPermanent(perr), "%v", perr)
 
-	proc.start()
+	proc.Start()
 	deadline := time.Now().Add(60 * time.Second)
 	for {
 		err = b.PublishBatch(context.Background(), batch)
@@ -144,7 +145,7 @@ func TestServerGoneMidRun(t *testing.T) {
 // Calls on a closed broker fail clearly; Close is idempotent.
 func TestClosedBroker(t *testing.T) {
 	t.Parallel()
-	b, err := Open(context.Background(), Config{URL: startEmbedded(t).URL()}, adapters.Options{})
+	b, err := Open(context.Background(), Config{URL: servers.StartEmbeddedNATS(t).URL}, adapters.Options{})
 	require.NoError(t, err)
 	pub := b.Publisher()
 	require.NoError(t, b.Close())
@@ -154,7 +155,7 @@ func TestClosedBroker(t *testing.T) {
 	_, err = b.Subscriber("g")
 	require.ErrorIs(t, err, errBrokerClosed)
 
-	b2 := openBroker(t, startEmbedded(t).URL(), nil)
+	b2 := openBroker(t, servers.StartEmbeddedNATS(t).URL, nil)
 	sub, err := b2.Subscriber("g")
 	require.NoError(t, err)
 	require.NoError(t, sub.Close())

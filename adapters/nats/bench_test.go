@@ -10,6 +10,7 @@ import (
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/adaptertest"
+	"github.com/millrace-io/millrace/adapters/nats/natsdev"
 )
 
 // benchServers are the servers the benchmarks compare: the embedded server
@@ -17,7 +18,7 @@ import (
 func benchServers(b *testing.B, bench func(b *testing.B, url string)) {
 	for _, sync := range []string{SyncAlways, "2m"} {
 		b.Run("embedded-sync-"+sync, func(b *testing.B) {
-			srv, err := StartEmbedded("nats://127.0.0.1:0", EmbeddedConfig{StoreDir: b.TempDir(), Sync: sync}, nil)
+			srv, err := natsdev.Start("nats://127.0.0.1:0", natsdev.Options{StoreDir: b.TempDir(), Sync: sync})
 			require.NoError(b, err)
 			b.Cleanup(srv.Shutdown)
 			bench(b, srv.URL())

@@ -16,6 +16,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/adapters/nats/internal/embed"
 	"github.com/millrace-io/millrace/internal/confload"
 )
 
@@ -32,7 +33,7 @@ type Broker struct {
 	url    string // the URL clients connect to (the embedded server's actual one)
 	logger watermill.LoggerAdapter
 
-	embedded *EmbeddedServer
+	embedded embed.Server
 	nc       *nats.Conn          // publishing and management connection
 	js       jetstream.JetStream // management and PublishBatch
 	wmPub    *wmnats.Publisher   // Publisher's path: watermill-nats over nc
@@ -50,7 +51,7 @@ type Broker struct {
 // Open connects with the reliable defaults of this adapter and returns a
 // *Broker that implements adapters.Broker. cfg gets its defaults applied and
 // is validated first. With cfg.Embedded.Enabled it first starts an in-process
-// nats-server listening on cfg.URL. An unreachable server is an error within
+// nats-server listening on cfg.URL, which needs package natsdev imported. An unreachable server is an error within
 // opts.ConnectTimeout naming the URL (never its password); so is a server
 // without JetStream.
 func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, error) {
@@ -81,7 +82,7 @@ func open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, erro
 	}
 	cfg.TLS.WarnInsecure(opts.Logger, "broker.nats.tls")
 	if cfg.Embedded.Enabled {
-		srv, err := StartEmbedded(cfg.URL, cfg.Embedded, opts.Logger)
+		srv, err := embed.Start(cfg.URL, embed.Options{StoreDir: cfg.Embedded.StoreDir, Sync: cfg.Embedded.Sync, Logger: opts.Logger})
 		if err != nil {
 			return nil, err
 		}

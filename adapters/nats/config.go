@@ -3,12 +3,9 @@ package nats
 import (
 	"cmp"
 	"errors"
-	"fmt"
 	"net/url"
 	"os"
-	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"time"
 
@@ -16,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/adapters/nats/internal/embed"
 	"github.com/millrace-io/millrace/internal/confload"
 )
 
@@ -146,7 +144,7 @@ type EmbeddedConfig struct {
 }
 
 // SyncAlways is the EmbeddedConfig.Sync value that fsyncs every write.
-const SyncAlways = "always"
+const SyncAlways = embed.SyncAlways
 
 // Defaults, one place.
 const (
@@ -162,11 +160,15 @@ const (
 	defaultMaxPending      = 1024
 )
 
+// NatsdevPackage is the package that links the embedded server into a
+// program when imported.
+const NatsdevPackage = "github.com/millrace-io/millrace/adapters/nats/natsdev"
+
 // DefaultURL is broker.nats.url's default: a local nats-server.
 const DefaultURL = "nats://127.0.0.1:4222"
 
 // DefaultStoreDir is broker.nats.embedded.store_dir's default.
-func DefaultStoreDir() string { return filepath.Join(os.TempDir(), "millrace-nats") }
+func DefaultStoreDir() string { return embed.DefaultStoreDir() }
 
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
@@ -229,16 +231,20 @@ func (c Config) Validate(path string) []error {
 	chk.Positive(at("publish", "max_pending"), c.Publish.MaxPending)
 
 	if c.Embedded.Enabled {
+		if !embed.Linked() {
+			chk.Add(at("embedded", "enabled"), "%s: import _ %q in a development or test program to run it, or set it to false and point %s at a nats-server",
+				embed.ErrNotLinked, NatsdevPackage, at("url"))
+		}
 		if c.Embedded.StoreDir == "" {
 			chk.Add(at("embedded", "store_dir"), "required when embedded.enabled is true")
 		}
 		if len(c.urls()) > 1 {
 			chk.Add(at("url"), "the embedded server listens on one URL, not a list")
-		} else if _, _, err := listenAddr(c.URL); err != nil && c.URL != "" {
+		} else if _, _, err := embed.ListenAddr(c.URL); err != nil && c.URL != "" {
 			chk.Add(at("url"), "the embedded server listens on this URL: %v", err)
 		}
 	}
-	if _, err := parseSync(c.Embedded.Sync); err != nil {
+	if _, err := embed.ParseSync(c.Embedded.Sync); err != nil {
 		chk.Add(at("embedded", "sync"), "%v", err)
 	}
 	c.validateSecurity(&chk, path)
@@ -352,38 +358,4 @@ func checkCreds(path string) error {
 	}
 	kp.Wipe()
 	return nil
-}
-
-// parseSync turns embedded.sync into the server's sync-always flag or
-// interval.
-func parseSync(s string) (interval time.Duration, err error) {
-	if s == SyncAlways {
-		return 0, nil
-	}
-	d, err := time.ParseDuration(s)
-	if err != nil || d <= 0 {
-		return 0, fmt.Errorf(`must be "always" or a positive duration such as "2m"; got %q`, s)
-	}
-	return d, nil
-}
-
-// listenAddr returns the host and port the embedded server listens on for
-// rawURL. No port means NATS's 4222; port 0 asks for a free port.
-func listenAddr(rawURL string) (host string, port int, err error) {
-	u, err := url.Parse(rawURL)
-	if err != nil {
-		return "", 0, fmt.Errorf("not a valid URL")
-	}
-	host = u.Hostname()
-	if host == "" {
-		return "", 0, fmt.Errorf("no host in %s", u.Redacted())
-	}
-	port = 4222
-	if p := u.Port(); p != "" {
-		port, err = strconv.Atoi(p)
-		if err != nil || port < 0 || port > 65535 {
-			return "", 0, fmt.Errorf("invalid port %q", p)
-		}
-	}
-	return host, port, nil
 }

@@ -30,10 +30,13 @@
 //
 // # Embedded server
 //
-// StartEmbedded, or broker.nats.embedded.enabled, runs nats-server with
-// JetStream inside the process, for tests and demos on a machine without a
-// NATS server; embedded.sync chooses between fsync on every write and a
-// flush interval.
+// Package natsdev runs nats-server with JetStream inside the process, for
+// tests and demos on a machine without a NATS server; importing it also lets
+// broker.nats.embedded.enabled start one from config. This package does not
+// link nats-server: a config asking for the embedded server in a program
+// that does not import natsdev is an error naming
+// broker.nats.embedded.enabled. embedded.sync chooses between fsync on every
+// write and a flush interval.
 //
 // The README next to this file lists the settings, the traps handled and the
 // ordering guarantees.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"strings"
 	"testing"
 	"time"
 
@@ -13,33 +14,6 @@ import (
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/adaptertest"
 )
-
-// embedded.sync reaches the server: "always" fsyncs every write, a duration
-// sets the background flush interval.
-func TestEmbeddedSyncSetting(t *testing.T) {
-	t.Parallel()
-	for _, tc := range []struct {
-		sync         string
-		wantAlways   bool
-		wantInterval time.Duration
-	}{
-		{"always", true, 0},
-		{"", true, 0}, // the default
-		{"2m", false, 2 * time.Minute},
-		{"250ms", false, 250 * time.Millisecond},
-	} {
-		srv, err := StartEmbedded("nats://127.0.0.1:0", EmbeddedConfig{StoreDir: t.TempDir(), Sync: tc.sync}, nil)
-		require.NoError(t, err, tc.sync)
-		js := srv.srv.JetStreamConfig()
-		srv.Shutdown()
-		require.Equal(t, tc.wantAlways, js.SyncAlways, "sync %q", tc.sync)
-		if !tc.wantAlways {
-			require.Equal(t, tc.wantInterval, js.SyncInterval, "sync %q", tc.sync)
-		}
-	}
-	_, err := StartEmbedded("nats://127.0.0.1:0", EmbeddedConfig{StoreDir: t.TempDir(), Sync: "sometimes"}, nil)
-	require.ErrorContains(t, err, `must be "always" or a positive duration such as "2m"; got "sometimes"`)
-}
 
 // broker.nats.embedded.enabled runs the server inside Open; Close stops it;
 // the next Open on the same store directory finds the messages again.
@@ -52,7 +26,7 @@ func TestOpenWithEmbeddedServer(t *testing.T) {
 	require.NotEqual(t, "nats://127.0.0.1:0", b.URL(), "the URL has the port picked")
 	topic := adaptertest.Name("kept")
 	require.NoError(t, b.PublishBatch(context.Background(), batchOf(topic, newMsg("k1"), newMsg("k2"))))
-	addr := b.embedded.srv.Addr().String()
+	addr := strings.TrimPrefix(b.URL(), "nats://")
 	require.NoError(t, b.Close())
 	_, err = net.DialTimeout("tcp", addr, time.Second)
 	require.Error(t, err, "Close stopped the embedded server")

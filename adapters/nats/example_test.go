@@ -9,6 +9,7 @@ import (
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/nats"
+	_ "github.com/millrace-io/millrace/adapters/nats/natsdev" // broker.nats.embedded needs it linked
 )
 
 // Open with an in-process server, provision a topic and its consumer
@@ -67,21 +68,6 @@ func ExampleOpen() {
 	// event-1 order-1
 	// event-2 order-2
 	// event-3 order-1
-}
-
-// StartEmbedded runs a JetStream server in the process, e.g. for tests.
-func ExampleStartEmbedded() {
-	storeDir, _ := os.MkdirTemp("", "millrace-example")
-	defer os.RemoveAll(storeDir)
-
-	srv, err := nats.StartEmbedded("nats://127.0.0.1:0", nats.EmbeddedConfig{StoreDir: storeDir, Sync: "2m"}, nil)
-	if err != nil {
-		fmt.Println(err)
-		return
-	}
-	defer srv.Shutdown()
-	fmt.Println(srv.Port() > 0)
-	// Output: true
 }
 
 // Topics map to stream and consumer names one to one.

@@ -17,7 +17,7 @@ import (
 // Provision makes the configured stream and consumers, and again is a no-op.
 func TestProvisionCreatesConfiguredTopology(t *testing.T) {
 	t.Parallel()
-	servers(t, func(t *testing.T, url string) {
+	eachServer(t, func(t *testing.T, url string) {
 		b := openBroker(t, url, func(c *Config) {
 			c.Stream.MaxAge = 48 * time.Hour
 			c.Stream.DuplicateWindow = 5 * time.Minute
@@ -67,7 +67,7 @@ func TestProvisionCreatesConfiguredTopology(t *testing.T) {
 // difference, and left as it is.
 func TestProvisionReportsConflicts(t *testing.T) {
 	t.Parallel()
-	servers(t, func(t *testing.T, url string) {
+	eachServer(t, func(t *testing.T, url string) {
 		b := openBroker(t, url, nil)
 		ctx := context.Background()
 
@@ -127,7 +127,7 @@ func TestProvisionReportsConflicts(t *testing.T) {
 // fields 2.9 knows and compares the server's answer with what it asked.
 func TestServerDropsUnknownStreamFields(t *testing.T) {
 	t.Parallel()
-	servers(t, func(t *testing.T, url string) {
+	eachServer(t, func(t *testing.T, url string) {
 		b := openBroker(t, url, nil)
 		cfg := b.streamConfig(adaptertest.Name("ttl"))
 		cfg.AllowMsgTTL = true

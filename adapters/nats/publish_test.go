@@ -13,14 +13,16 @@ import (
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/adaptertest"
+	"github.com/millrace-io/millrace/internal/servers"
 )
 
-// servers are the servers most behaviour tests run against: the in-process
-// nats-server (v2.15) and the shared one at NATS_URL (here nats-server 2.9).
-func servers(t *testing.T, test func(t *testing.T, url string)) {
+// eachServer runs test on the servers most behaviour tests run against: the
+// in-process nats-server (v2.15) and the shared one at NATS_URL (here
+// nats-server 2.9).
+func eachServer(t *testing.T, test func(t *testing.T, url string)) {
 	t.Run("Embedded", func(t *testing.T) {
 		t.Parallel()
-		test(t, startEmbedded(t).URL())
+		test(t, servers.StartEmbeddedNATS(t).URL)
 	})
 	t.Run("Shared", func(t *testing.T) {
 		t.Parallel()
@@ -53,7 +55,7 @@ func streamMsgs(t *testing.T, b *Broker, topic string) uint64 {
 // id lets the server's duplicate window store each event once.
 func TestDuplicateWindowDropsRepublish(t *testing.T) {
 	t.Parallel()
-	servers(t, func(t *testing.T, url string) {
+	eachServer(t, func(t *testing.T, url string) {
 		b := openBroker(t, url, nil)
 		topic := adaptertest.Name("orders.dedup")
 		var msgs []*message.Message
@@ -79,7 +81,7 @@ func TestDuplicateWindowDropsRepublish(t *testing.T) {
 // replays them), and the rest of the batch is stored.
 func TestPublishBatchFailsAConflictingTopicAlone(t *testing.T) {
 	t.Parallel()
-	servers(t, func(t *testing.T, url string) {
+	eachServer(t, func(t *testing.T, url string) {
 		b := openBroker(t, url, nil)
 		good, bad := adaptertest.Name("stop.good"), adaptertest.Name("stop.bad")
 		// bad's stream exists with another max_age: provisioning it fails.
@@ -110,7 +112,7 @@ func TestPublishBatchFailsAConflictingTopicAlone(t *testing.T) {
 // none is sent after it.
 func TestPublishBatchStopsAtFirstRetryableFailure(t *testing.T) {
 	t.Parallel()
-	servers(t, func(t *testing.T, url string) {
+	eachServer(t, func(t *testing.T, url string) {
 		// Streams of at most 1000 bytes that refuse new messages when full:
 		// a full stream is retryable (messages age out of it).
 		b := openBroker(t, url, func(c *Config) { c.Stream.MaxBytes = 1000 })
@@ -149,7 +151,7 @@ func TestMessageTooLargeFailsAlone(t *testing.T) {
 	t.Parallel()
 	t.Run("StreamMaxMsgSize", func(t *testing.T) {
 		t.Parallel()
-		b := openBroker(t, startEmbedded(t).URL(), func(c *Config) { c.Stream.MaxMsgSize = 4096 })
+		b := openBroker(t, servers.StartEmbeddedNATS(t).URL, func(c *Config) { c.Stream.MaxMsgSize = 4096 })
 		checkTooLarge(t, b, 4096, "the stream's max_msg_size limit of 4096 bytes")
 	})
 	t.Run("ServerMaxPayload", func(t *testing.T) {
@@ -185,7 +187,7 @@ func checkTooLarge(t *testing.T, b *Broker, limit int, wantText string) {
 
 func TestPublishInvalidTopic(t *testing.T) {
 	t.Parallel()
-	b := openBroker(t, startEmbedded(t).URL(), nil)
+	b := openBroker(t, servers.StartEmbeddedNATS(t).URL, nil)
 	for _, topic := range []string{"orders..events", "orders.", "orders events", "orders.*", ""} {
 		err := b.PublishBatch(context.Background(), batchOf(topic, newMsg("x")))
 		require.Error(t, err, topic)
@@ -202,7 +204,7 @@ func TestPublishInvalidTopic(t *testing.T) {
 func TestPublishBatchBoundsInFlight(t *testing.T) {
 	t.Parallel()
 	const maxPending = 3
-	b := openBroker(t, startEmbedded(t).URL(), func(c *Config) {
+	b := openBroker(t, servers.StartEmbeddedNATS(t).URL, func(c *Config) {
 		c.Publish.MaxPending = maxPending
 		c.Publish.Timeout = 500 * time.Millisecond
 	})
@@ -242,7 +244,7 @@ func TestPublishBatchBoundsInFlight(t *testing.T) {
 // and keys millrace does not know.
 func TestMetadataRoundTrip(t *testing.T) {
 	t.Parallel()
-	servers(t, func(t *testing.T, url string) {
+	eachServer(t, func(t *testing.T, url string) {
 		b := openBroker(t, url, nil)
 		topic, group := adaptertest.Name("meta"), adaptertest.Name("g")
 		values := map[string]string{
@@ -285,7 +287,7 @@ func TestMetadataRoundTrip(t *testing.T) {
 // forever.
 func TestMultiValueHeaderIsDelivered(t *testing.T) {
 	t.Parallel()
-	b := openBroker(t, startEmbedded(t).URL(), nil)
+	b := openBroker(t, servers.StartEmbeddedNATS(t).URL, nil)
 	topic, group := adaptertest.Name("multi"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
 	nm := nats.NewMsg(topic)

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters/adaptertest"
+	"github.com/millrace-io/millrace/internal/servers"
 )
 
 func next(t *testing.T, ch <-chan *message.Message) *message.Message {
@@ -50,7 +51,7 @@ func consumerInfo(t *testing.T, b *Broker, topic, group string) *jetstream.Consu
 // delivers the message again after ack_wait.
 func TestUnackedMessageIsRedelivered(t *testing.T) {
 	t.Parallel()
-	servers(t, func(t *testing.T, url string) {
+	eachServer(t, func(t *testing.T, url string) {
 		b := openBroker(t, url, func(c *Config) { c.Consumer.AckWait = time.Second })
 		topic, group := adaptertest.Name("noack"), adaptertest.Name("g")
 		ch := subscribeGroup(t, b, topic, group)
@@ -73,7 +74,7 @@ func TestUnackedMessageIsRedelivered(t *testing.T) {
 // subscriber.go needs a look.
 func TestTrapWatermillNATSAutoAcksWithoutManualAck(t *testing.T) {
 	t.Parallel()
-	url := startEmbedded(t).URL()
+	url := servers.StartEmbeddedNATS(t).URL
 	b := openBroker(t, url, nil)
 	topic, group := adaptertest.Name("trap"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
@@ -110,7 +111,7 @@ func TestTrapWatermillNATSAutoAcksWithoutManualAck(t *testing.T) {
 // the unacked message goes to the group's next subscriber.
 func TestCloseNeverAcks(t *testing.T) {
 	t.Parallel()
-	servers(t, func(t *testing.T, url string) {
+	eachServer(t, func(t *testing.T, url string) {
 		b := openBroker(t, url, func(c *Config) { c.Consumer.AckWait = time.Second })
 		topic, group := adaptertest.Name("close"), adaptertest.Name("g")
 		m := newMsg(adaptertest.Name("ev"))
@@ -137,7 +138,7 @@ func TestCloseNeverAcks(t *testing.T) {
 // them alike).
 func TestGroupHasAPositionPerTopic(t *testing.T) {
 	t.Parallel()
-	servers(t, func(t *testing.T, url string) {
+	eachServer(t, func(t *testing.T, url string) {
 		b := openBroker(t, url, nil)
 		topicA, topicB, group := adaptertest.Name("orders.a"), adaptertest.Name("orders.b"), adaptertest.Name("billing")
 		sub, err := b.Subscriber(group)
@@ -175,7 +176,7 @@ func waitAcked(t *testing.T, b *Broker, topic, group string, seq uint64) *jetstr
 // A nacked message waits consumer.nak_delay instead of coming straight back.
 func TestNackWaitsNakDelay(t *testing.T) {
 	t.Parallel()
-	servers(t, func(t *testing.T, url string) {
+	eachServer(t, func(t *testing.T, url string) {
 		b := openBroker(t, url, func(c *Config) { c.Consumer.NakDelay = time.Hour })
 		topic, group := adaptertest.Name("nak"), adaptertest.Name("g")
 		ch := subscribeGroup(t, b, topic, group)
@@ -200,7 +201,7 @@ func TestOrderAcrossNack(t *testing.T) {
 	} {
 		t.Run(fmt.Sprint("max_ack_pending=", tc.maxAckPending), func(t *testing.T) {
 			t.Parallel()
-			servers(t, func(t *testing.T, url string) {
+			eachServer(t, func(t *testing.T, url string) {
 				b := openBroker(t, url, func(c *Config) {
 					c.Consumer.MaxAckPending = tc.maxAckPending
 					c.Consumer.NakDelay = 300 * time.Millisecond
@@ -233,7 +234,7 @@ func TestSubscribersSetsConcurrency(t *testing.T) {
 	for _, n := range []int{1, 3} {
 		t.Run(fmt.Sprint("subscribers=", n), func(t *testing.T) {
 			t.Parallel()
-			b := openBroker(t, startEmbedded(t).URL(), func(c *Config) { c.Consumer.Subscribers = n })
+			b := openBroker(t, servers.StartEmbeddedNATS(t).URL, func(c *Config) { c.Consumer.Subscribers = n })
 			topic, group := adaptertest.Name("conc"), adaptertest.Name("g")
 			ch := subscribeGroup(t, b, topic, group)
 			const total = 30
@@ -262,7 +263,7 @@ func TestSubscribersSetsConcurrency(t *testing.T) {
 // no panic, and nothing is lost.
 func TestCancelWhileMessagesArrive(t *testing.T) {
 	t.Parallel()
-	b := openBroker(t, startEmbedded(t).URL(), func(c *Config) {
+	b := openBroker(t, servers.StartEmbeddedNATS(t).URL, func(c *Config) {
 		c.Consumer.Subscribers = 4
 		c.Consumer.NakDelay = 10 * time.Millisecond
 		c.Consumer.AckWait = 2 * time.Second

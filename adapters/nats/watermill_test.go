@@ -7,6 +7,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
 	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/internal/servers"
 )
 
 // watermillFeatures are what this adapter honestly offers Watermill's
@@ -59,7 +61,7 @@ func TestWatermillSuite(t *testing.T) {
 	t.Parallel()
 	t.Run("Embedded", func(t *testing.T) {
 		t.Parallel()
-		runWatermillSuite(t, startEmbedded(t).URL(), watermillFeatures())
+		runWatermillSuite(t, servers.StartEmbeddedNATS(t).URL, watermillFeatures())
 	})
 	t.Run("Shared", func(t *testing.T) {
 		t.Parallel()
@@ -67,7 +69,7 @@ func TestWatermillSuite(t *testing.T) {
 	})
 	t.Run("ServerProcess", func(t *testing.T) {
 		t.Parallel()
-		proc := startServerProcess(t)
+		proc := servers.StartNATS(t)
 		f := watermillFeatures()
 		// Watermill's TestReconnect reads the list of published messages
 		// while its publishing goroutine may still append to it, a data race
@@ -76,6 +78,6 @@ func TestWatermillSuite(t *testing.T) {
 		if !raceEnabled {
 			f.RestartServiceCommand = proc.RestartCommand()
 		}
-		runWatermillSuite(t, proc.URL(), f)
+		runWatermillSuite(t, proc.URL, f)
 	})
 }

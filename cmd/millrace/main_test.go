@@ -26,8 +26,7 @@ func writeConfig(t *testing.T, body string) string {
 func TestMigrateCommand(t *testing.T) {
 	t.Parallel()
 	db := testdb.Open(t)
-	schema := testdb.UniqueName(t.Name())
-	t.Cleanup(func() { db.Exec(`DROP SCHEMA IF EXISTS "` + schema + `" CASCADE`) })
+	schema := testdb.SchemaName(t, db, t.Name())
 	path := writeConfig(t, "database:\n  url: "+testdb.URL()+"\n  schema: "+schema+"\nbroker:\n  nats:\n    url: nats://127.0.0.1:4222\n")
 
 	var out, errOut bytes.Buffer
@@ -71,8 +70,7 @@ func TestBadUsageExitsTwoWithUsageLine(t *testing.T) {
 func TestOutboxStatusCommand(t *testing.T) {
 	t.Parallel()
 	db := testdb.Open(t)
-	schema := testdb.UniqueName(t.Name())
-	t.Cleanup(func() { db.Exec(`DROP SCHEMA IF EXISTS "` + schema + `" CASCADE`) })
+	schema := testdb.SchemaName(t, db, t.Name())
 	path := writeConfig(t, "database:\n  url: "+testdb.URL()+"\n  schema: "+schema+"\nbroker:\n  nats:\n    url: nats://127.0.0.1:4222\n")
 	var out, errOut bytes.Buffer
 	require.Equal(t, exitOK, run(context.Background(), []string{"--config", path, "migrate"}, &out, &errOut), errOut.String())

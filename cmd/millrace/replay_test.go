@@ -15,6 +15,7 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testkit"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -97,7 +98,7 @@ func testReplayAfterFix(t *testing.T, kind string) {
 		cliJSON(t, path, &res, "dlq", "list", "--topic", topic)
 		return res.Messages
 	}
-	eventually(t, "billing's event poisoned, the rest processed", func() bool {
+	testkit.Eventually(t, 90*time.Second, "billing's event poisoned, the rest processed", func() bool {
 		return len(list()) == 1 && effects(billing, good) == 1 && effects(audit, good) == 1 && effects(audit, bad) == 1
 	})
 	row := list()[0]
@@ -123,7 +124,7 @@ func testReplayAfterFix(t *testing.T, kind string) {
 	require.Len(t, res.Replayed, 1)
 	require.NotEmpty(t, res.Replayed[0].MessageID)
 	require.NotEqual(t, row.MessageID, res.Replayed[0].MessageID, "a replay has a message id of its own")
-	eventually(t, "the replay poisoned again and the other group's duplicate acked", func() bool {
+	testkit.Eventually(t, 90*time.Second, "the replay poisoned again and the other group's duplicate acked", func() bool {
 		s := show()
 		return s.TimesPoisoned == 2 && s.ReplayedAt == nil && auditDuplicates() >= 1
 	})
@@ -143,11 +144,11 @@ func testReplayAfterFix(t *testing.T, kind string) {
 	res = bus.ReplayResult{}
 	cliJSON(t, path, &res, "dlq", "replay", "--topic", topic, "--not-replayed")
 	require.Len(t, res.Replayed, 1)
-	eventually(t, "the replay processed by billing", func() bool { return effects(billing, bad) == 1 })
+	testkit.Eventually(t, 90*time.Second, "the replay processed by billing", func() bool { return effects(billing, bad) == 1 })
 	var replayOf string
 	require.NoError(t, db.QueryRow(`SELECT replay_of FROM "`+schema+`".effects WHERE grp = $1 AND event_id = $2`, billing, bad).Scan(&replayOf))
 	require.Equal(t, row.MessageID, replayOf, "the handler sees which message the replay re-sends")
-	eventually(t, "the poison row shows the event processed", func() bool { return show().State == bus.PoisonStateProcessed })
+	testkit.Eventually(t, 90*time.Second, "the poison row shows the event processed", func() bool { return show().State == bus.PoisonStateProcessed })
 	s := show()
 	require.NotNil(t, s.ReplayedAt)
 	require.NotNil(t, s.ProcessedAt)
@@ -170,8 +171,8 @@ func testReplayAfterFix(t *testing.T, kind string) {
 	res = bus.ReplayResult{}
 	cliJSON(t, path, &res, "dlq", "replay", "--force", id)
 	require.Len(t, res.Replayed, 1)
-	eventually(t, "billing acked the forced replay as a duplicate", func() bool { return billingDuplicates() > before })
-	eventually(t, "audit acked all three replays as duplicates", func() bool { return auditDuplicates() >= 3 })
+	testkit.Eventually(t, 90*time.Second, "billing acked the forced replay as a duplicate", func() bool { return billingDuplicates() > before })
+	testkit.Eventually(t, 90*time.Second, "audit acked all three replays as duplicates", func() bool { return auditDuplicates() >= 3 })
 
 	require.Equal(t, 1, effects(billing, bad), "exactly one effect of the replayed event")
 	require.Equal(t, 1, effects(audit, bad), "the other group kept one effect")
@@ -182,18 +183,6 @@ func testReplayAfterFix(t *testing.T, kind string) {
 	require.Len(t, s.Replays, 3)
 	require.Equal(t, []int{1, 2, 2}, []int{s.Replays[0].TimesPoisoned, s.Replays[1].TimesPoisoned, s.Replays[2].TimesPoisoned})
 	require.NotEmpty(t, s.Replays[0].ReplayedBy)
-}
-
-// eventually polls cond until it holds; the timeout only catches what never happens.
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(90 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting: %s", what)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
 }
 
 var gatherMu sync.Mutex

@@ -37,8 +37,7 @@ func TestCommandsNeverPrintSecrets(t *testing.T) {
 	}
 
 	db := testdb.Open(t)
-	schema := testdb.UniqueName(t.Name())
-	t.Cleanup(func() { db.Exec(`DROP SCHEMA IF EXISTS "` + schema + `" CASCADE`) })
+	schema := testdb.SchemaName(t, db, t.Name())
 	var rabbit bus.Config
 	brokertest.Apply(t, bus.KindRabbitMQ, &rabbit)
 	u, err := url.Parse(rabbit.Broker.RabbitMQ.URL)

@@ -35,8 +35,7 @@ func TestDemoScenarioOnEveryBroker(t *testing.T) {
 		t.Run(kind, func(t *testing.T) {
 			t.Parallel()
 			db := testdb.Open(t)
-			schema := testdb.UniqueName("demo_" + kind)
-			t.Cleanup(func() { db.Exec(`DROP SCHEMA IF EXISTS "` + schema + `" CASCADE`) })
+			schema := testdb.SchemaName(t, db, "demo_"+kind)
 			config := "database:\n  url: " + testdb.URL() + "\nbroker:\n  kind: " + kind +
 				"\n  rabbitmq:\n    url: amqp://guest:guest@127.0.0.1:5672/\n  nats:\n    url: nats://127.0.0.1:4222\n  kafka:\n    brokers: [127.0.0.1:9092]\n"
 			path := filepath.Join(t.TempDir(), "config.yaml")
@@ -47,15 +46,19 @@ func TestDemoScenarioOnEveryBroker(t *testing.T) {
 			require.NoError(t, err, out.String())
 			require.Equal(t, 100, c.Orders)
 			require.Zero(t, c.OutboxPending)
-			require.Equal(t, 100+firstBatch, c.PublishedByRelays, "relay #1's batch was confirmed and sent again")
+			// How many rows relay #1 read depends on the other sessions of
+			// the shared server (a transaction still open holds back what the
+			// relay may read), so its batch is 1 to firstBatch events.
+			require.Positive(t, c.SentTwice, "relay #1 had a batch confirmed before it was killed")
+			require.LessOrEqual(t, c.SentTwice, firstBatch)
 			require.Equal(t, 100, c.InboxRows)
 			require.Equal(t, 100, c.BillingRows)
 			require.Equal(t, c.DeliveredBilling-100, c.DuplicatesSkipped, "every delivery beyond one per order was skipped by the inbox")
 			if kind == bus.KindNATS {
 				require.Equal(t, 100, c.OnBroker, "NATS drops the re-sent events by event id")
 			} else {
-				require.GreaterOrEqual(t, c.OnBroker, 100+firstBatch, "the crash's duplicates are on the broker")
-				require.GreaterOrEqual(t, c.DuplicatesSkipped, firstBatch)
+				require.GreaterOrEqual(t, c.OnBroker, 100+c.SentTwice, "the crash's duplicates are on the broker")
+				require.GreaterOrEqual(t, c.DuplicatesSkipped, c.SentTwice)
 			}
 			require.Contains(t, out.String(), "Every committed order reached the broker and was billed exactly once.")
 			require.NotContains(t, out.String(), "cleanup:")

@@ -13,7 +13,7 @@ import (
 	"time"
 
 	"github.com/millrace-io/millrace/adapters"
-	"github.com/millrace-io/millrace/adapters/kafka"
+	"github.com/millrace-io/millrace/adapters/kafka/kafkadev"
 	"github.com/millrace-io/millrace/bus"
 )
 
@@ -44,8 +44,8 @@ func KafkaBrokers(t testing.TB) []string {
 		return strings.Split(v, ",")
 	}
 	devOnce.Do(func() {
-		var dev *kafka.DevCluster
-		dev, devErr = kafka.StartDevCluster(kafka.DevClusterOptions{})
+		var dev *kafkadev.Cluster
+		dev, devErr = kafkadev.Start(kafkadev.Options{})
 		if devErr == nil {
 			devAddrs = dev.Addrs()
 		}

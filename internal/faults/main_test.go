@@ -11,14 +11,16 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/millrace-io/millrace/internal/testkit/child"
 )
 
 // reportEnv names the file `make reliability` has the results written to.
 const reportEnv = "MILLRACE_RELIABILITY_DOC"
 
 func TestMain(m *testing.M) {
-	if spec := os.Getenv(nodeEnv); spec != "" {
-		os.Exit(runNode(spec))
+	if child.Role() == nodeRole {
+		os.Exit(runNode(os.Getenv(nodeEnv)))
 	}
 	flag.Parse()
 	// A scenario spends most of its time waiting on its child processes and

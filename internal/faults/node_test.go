@@ -21,6 +21,9 @@ import (
 // binary run again.
 const nodeEnv = "MILLRACE_FAULTS_NODE"
 
+// nodeRole is a node's child.Role.
+const nodeRole = "faults-node"
+
 // nodeSpec is what one node process runs: the relay, the consumer, or both,
 // through bus.Run, as a service would.
 type nodeSpec struct {

@@ -19,6 +19,7 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/servers"
+	"github.com/millrace-io/millrace/internal/testkit"
 )
 
 // The scenarios, in the order docs/RELIABILITY.md lists them.
@@ -90,7 +91,7 @@ func TestRelayOutageThenDrain(t *testing.T) {
 		ops, err := bus.NewOps(context.Background(), w.db, w.cfg)
 		require.NoError(t, err)
 		var relayed time.Duration
-		waitFor(t, settleTimeout+outage, "the relay to drain the outbox", func() bool {
+		testkit.Eventually(t, settleTimeout+outage, "the relay to drain the outbox", func() bool {
 			st, err := ops.OutboxStatus(context.Background(), w.cfg.Relay.ConsumerGroup)
 			relayed = time.Since(began)
 			return err == nil && st.Pending == 0
@@ -141,11 +142,11 @@ func TestConsumerSIGKILLAfterEffect(t *testing.T) {
 		for i := range kills {
 			c := w.start(fmt.Sprint("consumer-", i), nodeSpec{Consume: true, KillAfterEffect: 50 + rng.IntN(250)})
 			select {
-			case <-c.done:
+			case <-c.proc.Done():
 			case <-time.After(2 * time.Minute):
 				t.Fatalf("consumer %d never reached its kill point", i)
 			}
-			require.True(t, c.killedBySIGKILL(), "consumer %d died by its own SIGKILL, not %v:\n%s", i, c.err, tail(c.stderr.String(), 2000))
+			require.True(t, c.proc.KilledBySIGKILL(), "consumer %d died by its own SIGKILL, not %v:\n%s", i, c.proc.Err(), tail(c.stderr.String(), 2000))
 			c.stopped.Store(true)
 			w.fault()
 		}
@@ -218,7 +219,7 @@ func TestSIGTERMMidBatch(t *testing.T) {
 		w := newWorld(t, kind, worldOptions{tune: func(c *bus.Config) { c.Relay.RateLimit = 500; c.Relay.BatchSize = 500 }})
 		w.writer.commit(3000)
 		n := w.start("node", nodeSpec{Relay: true, Consume: true})
-		waitFor(t, time.Minute, "the node to be busy", func() bool {
+		testkit.Eventually(t, time.Minute, "the node to be busy", func() bool {
 			var effects int
 			return w.db.QueryRow(`SELECT count(*) FROM `+w.table("effects")).Scan(&effects) == nil && effects >= 300
 		})
@@ -329,7 +330,7 @@ func TestNATSClusterFaults(t *testing.T) {
 		leader := func() int {
 			t.Helper()
 			var i int
-			waitFor(t, time.Minute, "the stream has a leader", func() bool {
+			testkit.Eventually(t, time.Minute, "the stream has a leader", func() bool {
 				var err error
 				i, err = c.StreamLeader(ctx, stream)
 				return err == nil
@@ -347,7 +348,7 @@ func TestNATSClusterFaults(t *testing.T) {
 		killed := leader()
 		c.Nodes[killed].Kill()
 		w.fault()
-		waitFor(t, time.Minute, "another node leads the stream", func() bool {
+		testkit.Eventually(t, time.Minute, "another node leads the stream", func() bool {
 			i, err := c.StreamLeader(ctx, stream)
 			return err == nil && i != killed
 		})
@@ -398,7 +399,7 @@ func TestRabbitMQClusterFaults(t *testing.T) {
 		leader := func(via ...int) int {
 			t.Helper()
 			var i int
-			waitFor(t, 2*time.Minute, "the queue has a leader", func() bool {
+			testkit.Eventually(t, 2*time.Minute, "the queue has a leader", func() bool {
 				i = c.QueueLeader(queue, via...)
 				return i >= 0
 			})
@@ -415,7 +416,7 @@ func TestRabbitMQClusterFaults(t *testing.T) {
 		killed := leader(all...)
 		c.Nodes[killed].Kill()
 		w.fault()
-		waitFor(t, 2*time.Minute, "another member leads the queue", func() bool {
+		testkit.Eventually(t, 2*time.Minute, "another member leads the queue", func() bool {
 			i := c.QueueLeader(queue, others(killed)...)
 			return i >= 0 && i != killed
 		})

@@ -4,14 +4,9 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
-	"errors"
-	"fmt"
-	"os"
-	"os/exec"
 	"slices"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
@@ -21,6 +16,7 @@ import (
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testkit/child"
 	"github.com/millrace-io/millrace/internal/testlog"
 	"github.com/millrace-io/millrace/middleware"
 )
@@ -67,10 +63,10 @@ func newWorld(t *testing.T, kind string, opts worldOptions) *world {
 	}
 	cfg.Relay = forwarder.Config{BatchSize: 200, MaxInFlight: 200, PollInterval: 200 * time.Millisecond,
 		RetryInitial: 50 * time.Millisecond, RetryMax: time.Second, ShutdownTimeout: 5 * time.Second}
-	cfg.Consumer.Ordered = ptr(true)
+	cfg.Consumer.Ordered = new(true)
 	cfg.Consumer.Retry = middleware.RetryConfig{MaxAttempts: 5, InitialInterval: 50 * time.Millisecond,
 		MaxInterval: 500 * time.Millisecond, MaxElapsed: time.Minute}
-	cfg.Consumer.Breaker = middleware.BreakerConfig{Enabled: ptr(true), ConsecutiveFailures: 5,
+	cfg.Consumer.Breaker = middleware.BreakerConfig{Enabled: new(true), ConsecutiveFailures: 5,
 		OpenTimeout: time.Second, HalfOpenRequests: 1}
 	// A killed consumer's messages come back after these.
 	cfg.Broker.NATS.Consumer.AckWait = 5 * time.Second
@@ -130,10 +126,8 @@ func (w *world) fault() {
 type node struct {
 	t      *testing.T
 	name   string
-	cmd    *exec.Cmd
+	proc   *child.Process
 	stderr *testlog.Buffer
-	done   chan struct{}
-	err    error
 	// stopped says the scenario ended the node (or the node's own kill
 	// point did): its exit is no failure.
 	stopped atomic.Bool
@@ -145,12 +139,8 @@ func (w *world) start(name string, spec nodeSpec) *node {
 	spec.Config, spec.Topic, spec.Handler = w.cfg, w.topic, w.handler
 	raw, err := json.Marshal(spec)
 	require.NoError(w.t, err)
-	n := &node{t: w.t, name: name, stderr: &testlog.Buffer{}, done: make(chan struct{})}
-	n.cmd = exec.Command(os.Args[0], "-test.run=^$")
-	n.cmd.Env = append(os.Environ(), nodeEnv+"="+string(raw))
-	n.cmd.Stderr = n.stderr
-	require.NoError(w.t, n.cmd.Start())
-	go func() { n.err = n.cmd.Wait(); close(n.done) }()
+	n := &node{t: w.t, name: name, stderr: &testlog.Buffer{}}
+	n.proc = child.Start(w.t, child.Options{Role: nodeRole, Env: []string{nodeEnv + "=" + string(raw)}, Stderr: n.stderr})
 	w.mu.Lock()
 	w.nodes = append(w.nodes, n)
 	w.mu.Unlock()
@@ -166,22 +156,16 @@ func (w *world) start(name string, spec nodeSpec) *node {
 // kill SIGKILLs the node and waits for it to end.
 func (n *node) kill() {
 	n.stopped.Store(true)
-	_ = n.cmd.Process.Signal(syscall.SIGKILL)
-	<-n.done
+	n.proc.Kill()
 }
 
-// term sends SIGTERM and returns how long the node took to exit and how.
+// term sends SIGTERM and returns how long the node took to exit and how;
+// a node still running after limit is killed.
 func (n *node) term(limit time.Duration) (time.Duration, error) {
 	began := time.Now()
 	n.stopped.Store(true)
-	require.NoError(n.t, n.cmd.Process.Signal(syscall.SIGTERM))
-	select {
-	case <-n.done:
-		return time.Since(began), n.err
-	case <-time.After(limit):
-		n.kill()
-		return time.Since(began), fmt.Errorf("node %s still running %s after SIGTERM", n.name, limit)
-	}
+	err := n.proc.Stop(limit)
+	return time.Since(began), err
 }
 
 // nodesAlive fails the test when a node the scenario did not stop has
@@ -193,9 +177,9 @@ func (w *world) nodesAlive() {
 	w.mu.Unlock()
 	for _, n := range nodes {
 		select {
-		case <-n.done:
+		case <-n.proc.Done():
 			if !n.stopped.Load() {
-				w.t.Fatalf("node %s exited by itself (%v):\n%s", n.name, n.err, tail(n.stderr.String(), 3000))
+				w.t.Fatalf("node %s exited by itself (%v):\n%s", n.name, n.proc.Err(), tail(n.stderr.String(), 3000))
 			}
 		default:
 		}
@@ -220,33 +204,9 @@ func (w *world) flowing(n int) {
 	}
 }
 
-// killedBySIGKILL reports whether the node ended by SIGKILL (its own or ours).
-func (n *node) killedBySIGKILL() bool {
-	var ee *exec.ExitError
-	if !errors.As(n.err, &ee) {
-		return false
-	}
-	ws, _ := ee.Sys().(syscall.WaitStatus)
-	return ws.Signaled() && ws.Signal() == syscall.SIGKILL
-}
-
 func tail(s string, n int) string {
 	if len(s) <= n {
 		return s
 	}
 	return s[len(s)-n:]
-}
-
-func ptr[T any](v T) *T { return &v }
-
-// waitFor polls cond until it holds or timeout passes.
-func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", timeout, what)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
 }

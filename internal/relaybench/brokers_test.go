@@ -8,6 +8,7 @@ import (
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/kafka"
+	"github.com/millrace-io/millrace/adapters/kafka/kafkadev"
 	"github.com/millrace-io/millrace/adapters/nats"
 	"github.com/millrace-io/millrace/adapters/rabbit"
 )
@@ -40,7 +41,7 @@ func init() {
 			if os.Getenv("KAFKA_BROKERS") != "" {
 				return nil
 			}
-			dev, err := kafka.StartDevCluster(kafka.DevClusterOptions{})
+			dev, err := kafkadev.Start(kafkadev.Options{})
 			if err != nil {
 				b.Fatal(err)
 			}

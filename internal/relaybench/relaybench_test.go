@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"net/url"
 	"os"
-	"os/exec"
 	"os/signal"
 	"path/filepath"
 	"runtime/pprof"
@@ -32,6 +31,8 @@ import (
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testkit"
+	"github.com/millrace-io/millrace/internal/testkit/child"
 )
 
 // Workload sizes, as the relay's targets are stated.
@@ -76,7 +77,7 @@ var (
 )
 
 func TestMain(m *testing.M) {
-	if os.Getenv("RELAYBENCH_CHILD") != "" {
+	if child.Role() == relayRole {
 		os.Exit(runChild())
 	}
 	code := m.Run()
@@ -146,8 +147,7 @@ func measure(b *testing.B, kind, relay string) result {
 		childEnv = kit.start(b)
 	}
 	db, dbURL := benchDB(b)
-	schema := testdb.UniqueName("bench_" + kind + "_" + relay)
-	b.Cleanup(func() { db.Exec(`DROP SCHEMA IF EXISTS "` + schema + `" CASCADE`) })
+	schema := testdb.SchemaName(b, db, "bench_"+kind+"_"+relay)
 	var cfg bus.Config
 	cfg.Database.URL = dbURL
 	cfg.Database.Schema = schema
@@ -187,23 +187,23 @@ func measure(b *testing.B, kind, relay string) result {
 	}
 
 	outbox := forwarder.Outbox{Schema: schema, Topic: cfg.Outbox.Topic}
-	child := startChild(b, relay, kind, dbURL, outbox, childEnv)
+	relayProc := startChild(b, relay, kind, dbURL, outbox, childEnv)
 	began := time.Now()
 	ops, err := bus.NewOps(ctx, db, cfg)
 	if err != nil {
 		b.Fatal(err)
 	}
-	waitUntil(b, 10*time.Minute, "the backlog to drain", func() bool {
+	testkit.Eventually(b, 10*time.Minute, "the backlog to drain", func() bool {
 		st, err := ops.OutboxStatus(ctx, relayGroup(relay))
 		return err == nil && st.Pending == 0
 	})
 	drain := time.Since(began)
-	waitUntil(b, 10*time.Minute, "the consumer to get the backlog", func() bool { return c.distinct() >= backlogEvents })
+	testkit.Eventually(b, 10*time.Minute, "the consumer to get the backlog", func() bool { return c.distinct() >= backlogEvents })
 
 	time.Sleep(2 * time.Second) // let the relay settle into idle
-	q0 := child.statements()
+	q0 := relayProc.statements()
 	time.Sleep(idleWindow)
-	idle := float64(child.statements()-q0) / idleWindow.Seconds()
+	idle := float64(relayProc.statements()-q0) / idleWindow.Seconds()
 
 	// The trickle: one event per transaction, 200 a second.
 	committed := map[string]time.Time{}
@@ -218,15 +218,15 @@ func measure(b *testing.B, kind, relay string) result {
 		committed[id] = time.Now()
 	}
 	tick.Stop()
-	waitUntil(b, 5*time.Minute, "the trickle to arrive", func() bool { return c.distinct() >= backlogEvents+len(committed) })
+	testkit.Eventually(b, 5*time.Minute, "the trickle to arrive", func() bool { return c.distinct() >= backlogEvents+len(committed) })
 	var lat []time.Duration
 	for id, at := range committed {
 		lat = append(lat, c.firstSeen(id).Sub(at))
 	}
 	slices.Sort(lat)
 
-	rss := child.peakRSS()
-	child.stop()
+	rss := relayProc.peakRSS()
+	relayProc.stop()
 	return result{
 		kind: kind, relay: relay,
 		drainRate:   backlogEvents / drain.Seconds(),
@@ -249,16 +249,6 @@ func relayGroup(relay string) string {
 		return "reference_relay"
 	}
 	return "millrace_relay"
-}
-
-func waitUntil(b *testing.B, limit time.Duration, what string, cond func() bool) {
-	deadline := time.Now().Add(limit)
-	for !cond() {
-		if time.Now().After(deadline) {
-			b.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
 }
 
 // consumer records when each event id first arrived.
@@ -302,27 +292,25 @@ func (c *consumer) firstSeen(id string) time.Time {
 	return c.seen[id]
 }
 
+// relayRole is the child.Role of a relay process; RELAYBENCH_CHILD names
+// which relay it runs.
+const relayRole = "relaybench-relay"
+
 // childProcess is a relay running in a re-executed test binary.
 type childProcess struct {
-	cmd       *exec.Cmd
+	proc      *child.Process
 	countFile string
 }
 
 func startChild(b *testing.B, relay, kind, dbURL string, outbox forwarder.Outbox, extra map[string]string) *childProcess {
 	dir := b.TempDir()
 	c := &childProcess{countFile: filepath.Join(dir, "statements")}
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(),
-		"RELAYBENCH_CHILD="+relay, "RELAYBENCH_KIND="+kind, "RELAYBENCH_DB="+dbURL,
-		"RELAYBENCH_SCHEMA="+outbox.Schema, "RELAYBENCH_OUTBOX="+outbox.Topic, "RELAYBENCH_COUNT_FILE="+c.countFile)
+	env := []string{"RELAYBENCH_CHILD=" + relay, "RELAYBENCH_KIND=" + kind, "RELAYBENCH_DB=" + dbURL,
+		"RELAYBENCH_SCHEMA=" + outbox.Schema, "RELAYBENCH_OUTBOX=" + outbox.Topic, "RELAYBENCH_COUNT_FILE=" + c.countFile}
 	for k, v := range extra {
-		cmd.Env = append(cmd.Env, k+"="+v)
+		env = append(env, k+"="+v)
 	}
-	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
-	if err := cmd.Start(); err != nil {
-		b.Fatal(err)
-	}
-	c.cmd = cmd
+	c.proc = child.Start(b, child.Options{Role: relayRole, Env: env, Stdout: os.Stderr})
 	b.Cleanup(c.stop)
 	return c
 }
@@ -335,7 +323,7 @@ func (c *childProcess) statements() int64 {
 
 // peakRSS reads the child's high-water mark of resident memory, in MB.
 func (c *childProcess) peakRSS() float64 {
-	f, err := os.Open(fmt.Sprintf("/proc/%d/status", c.cmd.Process.Pid))
+	f, err := os.Open(fmt.Sprintf("/proc/%d/status", c.proc.Pid()))
 	if err != nil {
 		return 0
 	}
@@ -350,20 +338,8 @@ func (c *childProcess) peakRSS() float64 {
 	return 0
 }
 
-func (c *childProcess) stop() {
-	if c.cmd.ProcessState != nil {
-		return
-	}
-	_ = c.cmd.Process.Signal(syscall.SIGTERM)
-	done := make(chan struct{})
-	go func() { _ = c.cmd.Wait(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(30 * time.Second):
-		_ = c.cmd.Process.Kill()
-		<-done
-	}
-}
+// stop stops the relay with SIGTERM, killing it after 30s.
+func (c *childProcess) stop() { _ = c.proc.Stop(30 * time.Second) }
 
 // runChild runs one relay until SIGTERM, counting its SQL statements.
 func runChild() int {

@@ -36,11 +36,18 @@ type NATS struct {
 	mu   sync.Mutex
 	cmd  *exec.Cmd     // the running server, nil when stopped
 	done chan struct{} // closed once cmd has exited
+	// supervise starts the server again whenever it exits on its own (it
+	// was killed from outside, see RestartCommand).
+	supervise bool
 }
 
-// natsServerBin finds the nats-server binary: on PATH, else where the
-// Debian/Ubuntu package puts it.
+// natsServerBin finds the nats-server binary: NATS_SERVER_BIN, else on
+// PATH, else where the Debian/Ubuntu package puts it.
 func natsServerBin() (string, bool) {
+	if p := os.Getenv("NATS_SERVER_BIN"); p != "" {
+		_, err := os.Stat(p)
+		return p, err == nil
+	}
 	if p, err := exec.LookPath("nats-server"); err == nil {
 		return p, true
 	}
@@ -95,23 +102,31 @@ func (s *NATS) Start() {
 	if s.cmd != nil {
 		s.t.Fatalf("private NATS server on port %d: Start while it runs", s.port)
 	}
+	if err := s.startLocked(); err != nil {
+		s.t.Fatalf("%v", err)
+	}
+}
+
+// startLocked starts the server and waits until it answers; s.mu is held.
+func (s *NATS) startLocked() error {
 	began := time.Now()
 	logs, err := os.OpenFile(s.logFile, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
-		s.t.Fatalf("open the private NATS server's log: %v", err)
+		return fmt.Errorf("open the private NATS server's log: %w", err)
 	}
 	cmd := exec.Command(s.bin, append([]string{"-js", "-sd", filepath.Join(s.dir, "store"),
 		"-a", "127.0.0.1", "-p", strconv.Itoa(s.port), "-P", s.pidFile}, s.args...)...)
 	cmd.Stdout, cmd.Stderr = logs, logs
 	if err := cmd.Start(); err != nil {
 		logs.Close()
-		s.t.Fatalf("start nats-server: %v", err)
+		return fmt.Errorf("start nats-server: %w", err)
 	}
 	done := make(chan struct{})
 	go func() {
 		_ = cmd.Wait()
 		logs.Close()
 		close(done)
+		s.restartIfSupervised(cmd)
 	}()
 	s.cmd, s.done = cmd, done
 
@@ -120,19 +135,45 @@ func (s *NATS) Start() {
 		err := s.ping(!s.clustered) // a cluster node has JetStream only once the cluster has quorum
 		if err == nil {
 			s.t.Logf("private NATS server on port %d up after %s", s.port, time.Since(began).Round(time.Millisecond))
-			return
+			return nil
 		}
 		select {
 		case <-done:
 			s.cmd, s.done = nil, nil
-			s.t.Fatalf("private NATS server on port %d exited while starting: %v\n%s", s.port, cmd.ProcessState, s.logTail())
+			return fmt.Errorf("private NATS server on port %d exited while starting: %v\n%s", s.port, cmd.ProcessState, s.logTail())
 		default:
 		}
 		if time.Now().After(deadline) {
-			s.t.Fatalf("private NATS server on port %d did not start: %v\n%s", s.port, err, s.logTail())
+			return fmt.Errorf("private NATS server on port %d did not start: %w\n%s", s.port, err, s.logTail())
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
+}
+
+// restartIfSupervised starts the server again when cmd, which has exited,
+// is still the running server (no Stop or Kill ended it) and RestartCommand
+// asked for supervision.
+func (s *NATS) restartIfSupervised(cmd *exec.Cmd) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.supervise || s.cmd != cmd {
+		return
+	}
+	s.cmd, s.done = nil, nil
+	if err := s.startLocked(); err != nil {
+		s.t.Errorf("supervised restart: %v", err)
+	}
+}
+
+// RestartCommand is a shell command that kills the server (SIGKILL); from
+// the first call on, the server is started again on the same port and
+// store directory whenever it exits other than by Stop or Kill. It is what
+// Watermill's suite runs to restart a service.
+func (s *NATS) RestartCommand() []string {
+	s.mu.Lock()
+	s.supervise = true
+	s.mu.Unlock()
+	return []string{"/bin/sh", "-c", fmt.Sprintf(`kill -9 "$(cat %s)"`, shellQuote(s.pidFile))}
 }
 
 // ping connects to the server and, with jetStream, asks JetStream for the

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"os"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -12,6 +13,8 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/internal/testkit"
 )
 
 // A stream and its message survive a restart and a kill of the private
@@ -74,6 +77,53 @@ func TestNATS(t *testing.T) {
 	srv.Start()
 	_, js = connect()
 	require.Equal(t, "third", stored(js, 3))
+
+	// RestartCommand kills the server from outside; supervision brings it
+	// back on the same URL and store.
+	restart := srv.RestartCommand()
+	require.NoError(t, exec.Command(restart[0], restart[1:]...).Run())
+	testkit.Eventually(t, time.Minute, "the supervised server answers again", func() bool {
+		nc, err := nats.Connect(srv.URL, nats.Timeout(time.Second))
+		if err != nil {
+			return false
+		}
+		defer nc.Close()
+		js, err := jetstream.New(nc)
+		require.NoError(t, err)
+		stream, err := js.Stream(ctx, "KEEP")
+		if err != nil {
+			return false
+		}
+		msg, err := stream.GetMsg(ctx, 3)
+		return err == nil && string(msg.Data) == "third"
+	})
+}
+
+// The embedded server keeps its port and its streams across Restart.
+func TestEmbeddedNATS(t *testing.T) {
+	t.Parallel()
+	srv := StartEmbeddedNATS(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	nc, err := nats.Connect(srv.URL, nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
+	require.NoError(t, err)
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+	_, err = js.CreateStream(ctx, jetstream.StreamConfig{Name: "KEEP", Subjects: []string{"keep.>"}, Storage: jetstream.FileStorage})
+	require.NoError(t, err)
+	_, err = js.Publish(ctx, "keep.one", []byte("first"))
+	require.NoError(t, err)
+
+	url := srv.URL
+	srv.Restart()
+	require.Equal(t, url, srv.URL)
+	testkit.Eventually(t, 30*time.Second, "the client reconnects", nc.IsConnected)
+	stream, err := js.Stream(ctx, "KEEP")
+	require.NoError(t, err)
+	msg, err := stream.GetMsg(ctx, 1)
+	require.NoError(t, err)
+	require.Equal(t, "first", string(msg.Data))
 }
 
 // A committed row survives a crash restart (with crash recovery) of the

@@ -46,12 +46,21 @@ func Open(t testing.TB) *sql.DB {
 // and returns its name.
 func Schema(t testing.TB, db *sql.DB) string {
 	t.Helper()
-	name := UniqueName(t.Name())
+	name := SchemaName(t, db, t.Name())
 	if _, err := db.Exec(`CREATE SCHEMA "` + name + `"`); err != nil {
 		t.Fatalf("create schema %s: %v", name, err)
 	}
+	return name
+}
+
+// SchemaName returns a fresh, unique schema name made from base, for code
+// under test that creates the schema itself (Migrate does); the schema is
+// dropped, if it exists, when the test ends.
+func SchemaName(t testing.TB, db *sql.DB, base string) string {
+	t.Helper()
+	name := UniqueName(base)
 	t.Cleanup(func() {
-		if _, err := db.Exec(`DROP SCHEMA "` + name + `" CASCADE`); err != nil {
+		if _, err := db.Exec(`DROP SCHEMA IF EXISTS "` + name + `" CASCADE`); err != nil {
 			t.Errorf("drop schema %s: %v", name, err)
 		}
 	})

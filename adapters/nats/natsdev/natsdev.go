@@ -1,4 +1,4 @@
-package nats
+package natsdev
 
 import (
 	"fmt"
@@ -11,36 +11,56 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/nats-io/nats-server/v2/server"
+
+	"github.com/millrace-io/millrace/adapters/nats/internal/embed"
 )
 
-// EmbeddedServer is a nats-server with JetStream and file storage running
-// inside this process: what tests and the demo use when no NATS server is
-// installed. Messages survive a Shutdown and a new StartEmbedded on the same
-// store directory.
-type EmbeddedServer struct {
+func init() {
+	embed.Register(func(listenURL string, o embed.Options) (embed.Server, error) {
+		return Start(listenURL, Options(o))
+	})
+}
+
+// Options configure Start.
+type Options struct {
+	// StoreDir is where the server keeps its streams. Defaults to
+	// millrace-nats in the system's temporary directory.
+	StoreDir string
+	// Sync is when the server flushes stream files to disk: "always" (fsync
+	// before confirming each message) or a duration such as "2m" (flush every
+	// interval). Defaults to "always".
+	Sync string
+	// Logger receives the server's log. Defaults to none.
+	Logger watermill.LoggerAdapter
+}
+
+// Server is a nats-server with JetStream and file storage running inside
+// this process: what tests and the demo use when no NATS server is
+// installed. Messages survive a Shutdown and a new Start on the same store
+// directory.
+type Server struct {
 	srv *server.Server
 	url string
 
 	once sync.Once
 }
 
-// StartEmbedded starts an in-process nats-server with JetStream, listening on
-// the host and port of listenURL (port 0 picks a free port; user and password
-// in the URL become the server's only credentials) and storing streams in
-// cfg.StoreDir with cfg.Sync. It returns once the server accepts connections.
-// logger may be nil.
-func StartEmbedded(listenURL string, cfg EmbeddedConfig, logger watermill.LoggerAdapter) (*EmbeddedServer, error) {
-	if cfg.StoreDir == "" {
-		cfg.StoreDir = DefaultStoreDir()
+// Start starts an in-process nats-server with JetStream, listening on the
+// host and port of listenURL (port 0 picks a free port; user and password in
+// the URL become the server's only credentials) and storing streams in
+// o.StoreDir with o.Sync. It returns once the server accepts connections.
+func Start(listenURL string, o Options) (*Server, error) {
+	if o.StoreDir == "" {
+		o.StoreDir = embed.DefaultStoreDir()
 	}
-	if cfg.Sync == "" {
-		cfg.Sync = SyncAlways
+	if o.Sync == "" {
+		o.Sync = embed.SyncAlways
 	}
-	interval, err := parseSync(cfg.Sync)
+	interval, err := embed.ParseSync(o.Sync)
 	if err != nil {
 		return nil, fmt.Errorf("nats: embedded server: sync: %w", err)
 	}
-	host, port, err := listenAddr(listenURL)
+	host, port, err := embed.ListenAddr(listenURL)
 	if err != nil {
 		return nil, fmt.Errorf("nats: embedded server: %w", err)
 	}
@@ -54,7 +74,7 @@ func StartEmbedded(listenURL string, cfg EmbeddedConfig, logger watermill.Logger
 		}
 		_ = l.Close()
 	}
-	if err := os.MkdirAll(cfg.StoreDir, 0o750); err != nil {
+	if err := os.MkdirAll(o.StoreDir, 0o750); err != nil {
 		return nil, fmt.Errorf("nats: embedded server: store_dir: %w", err)
 	}
 	opts := &server.Options{
@@ -62,9 +82,9 @@ func StartEmbedded(listenURL string, cfg EmbeddedConfig, logger watermill.Logger
 		Host:       host,
 		Port:       port,
 		JetStream:  true,
-		StoreDir:   cfg.StoreDir,
+		StoreDir:   o.StoreDir,
 		NoSigs:     true,
-		NoLog:      logger == nil,
+		NoLog:      o.Logger == nil,
 	}
 	if interval == 0 {
 		opts.SyncAlways = true
@@ -79,39 +99,42 @@ func StartEmbedded(listenURL string, cfg EmbeddedConfig, logger watermill.Logger
 	if err != nil {
 		return nil, fmt.Errorf("nats: embedded server on %s:%d: %w", host, port, err)
 	}
-	if logger != nil {
-		srv.SetLoggerV2(serverLogger{logger}, false, false, false)
+	if o.Logger != nil {
+		srv.SetLoggerV2(serverLogger{o.Logger}, false, false, false)
 	}
 	srv.Start()
 	if !srv.ReadyForConnections(30 * time.Second) {
 		srv.Shutdown()
 		srv.WaitForShutdown()
 		return nil, fmt.Errorf("nats: embedded server did not start on %s:%d (is the port in use? store_dir %s)",
-			host, port, cfg.StoreDir)
+			host, port, o.StoreDir)
 	}
 	addr := srv.Addr().String()
 	client := &url.URL{Scheme: "nats", Host: addr}
 	if opts.Username != "" {
 		client.User = url.UserPassword(opts.Username, opts.Password)
 	}
-	return &EmbeddedServer{srv: srv, url: client.String()}, nil
+	return &Server{srv: srv, url: client.String()}, nil
 }
 
 // URL is the nats:// URL clients connect to, with the actual port.
-func (e *EmbeddedServer) URL() string { return e.url }
+func (s *Server) URL() string { return s.url }
+
+// Addr is the host:port the server listens on.
+func (s *Server) Addr() string { return s.srv.Addr().String() }
 
 // Port is the port the server listens on.
-func (e *EmbeddedServer) Port() int {
-	u, _ := url.Parse(e.url)
+func (s *Server) Port() int {
+	u, _ := url.Parse(s.url)
 	p, _ := strconv.Atoi(u.Port())
 	return p
 }
 
 // Shutdown stops the server and waits until it has stopped. It is idempotent.
-func (e *EmbeddedServer) Shutdown() {
-	e.once.Do(func() {
-		e.srv.Shutdown()
-		e.srv.WaitForShutdown()
+func (s *Server) Shutdown() {
+	s.once.Do(func() {
+		s.srv.Shutdown()
+		s.srv.WaitForShutdown()
 	})
 }
 

@@ -1,4 +1,4 @@
-package kafka
+package kafkadev
 
 import (
 	"errors"
@@ -10,10 +10,14 @@ import (
 	"sync"
 
 	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/millrace-io/millrace/adapters/kafka/internal/devcluster"
 )
 
-// DevClusterOptions configure StartDevCluster.
-type DevClusterOptions struct {
+func init() { devcluster.Register(acquireDevCluster) }
+
+// Options configure Start.
+type Options struct {
 	// Addrs are the 127.0.0.1 host:port addresses the first brokers listen
 	// on; port 0 picks a free port. Defaults to one broker on a free port.
 	Addrs []string
@@ -31,26 +35,26 @@ type DevClusterOptions struct {
 	MaxMessageBytes int
 }
 
-// DevCluster is an in-process Kafka-protocol cluster for demos and tests
+// Cluster is an in-process Kafka-protocol cluster for demos and tests
 // (github.com/twmb/franz-go/pkg/kfake). It is not Kafka: it does not
 // replicate (acks=all is answered at once), keeps data in memory unless
 // DataDir is set, and listens on 127.0.0.1 only. Never use it in production.
-type DevCluster struct {
+type Cluster struct {
 	cluster *kfake.Cluster
 	addrs   []string
 	once    sync.Once
 }
 
-// StartDevCluster starts an in-process Kafka-protocol cluster for demos and
-// tests. Close stops it.
-func StartDevCluster(opts DevClusterOptions) (*DevCluster, error) {
+// Start starts an in-process Kafka-protocol cluster for demos and tests.
+// Close stops it.
+func Start(opts Options) (*Cluster, error) {
 	var ports []int
 	for _, a := range opts.Addrs {
 		host, portText, err := net.SplitHostPort(a)
 		if err != nil {
 			return nil, fmt.Errorf("kafka dev cluster: address %q is not host:port", a)
 		}
-		if !isLoopback(host) {
+		if !devcluster.IsLoopback(host) {
 			return nil, fmt.Errorf("kafka dev cluster: address %q: the dev cluster listens on 127.0.0.1 only", a)
 		}
 		port, err := strconv.Atoi(portText)
@@ -83,20 +87,20 @@ func StartDevCluster(opts DevClusterOptions) (*DevCluster, error) {
 		return nil, fmt.Errorf("kafka dev cluster: cannot start on %s: %w (another dev cluster or a Kafka broker may be listening there)",
 			strings.Join(opts.Addrs, ","), err)
 	}
-	return &DevCluster{cluster: c, addrs: c.ListenAddrs()}, nil
+	return &Cluster{cluster: c, addrs: c.ListenAddrs()}, nil
 }
 
 // Addrs returns the host:port of every broker, the bootstrap list for
 // broker.kafka.brokers. Starting a new cluster on these addresses with the
 // same DataDir brings the same cluster back.
-func (d *DevCluster) Addrs() []string { return slices.Clone(d.addrs) }
+func (d *Cluster) Addrs() []string { return slices.Clone(d.addrs) }
 
 // Close stops the cluster and drops every client connection. It is idempotent.
-func (d *DevCluster) Close() {
+func (d *Cluster) Close() {
 	d.once.Do(d.cluster.Close)
 }
 
-// devClusters are the dev clusters Open started in this process, by address
+// devClusters are the dev clusters kafka.Open started in this process, by address
 // list, so that several Brokers opened on one dev_cluster config share it.
 var devClusters = struct {
 	sync.Mutex
@@ -104,7 +108,7 @@ var devClusters = struct {
 }{m: map[string]*sharedDevCluster{}}
 
 type sharedDevCluster struct {
-	dc   *DevCluster
+	dc   *Cluster
 	refs int
 }
 
@@ -117,7 +121,7 @@ func acquireDevCluster(addrs []string, brokers int) (listening []string, release
 	defer devClusters.Unlock()
 	s := devClusters.m[key]
 	if s == nil {
-		dc, err := StartDevCluster(DevClusterOptions{Addrs: addrs, Brokers: max(brokers, len(addrs))})
+		dc, err := Start(Options{Addrs: addrs, Brokers: max(brokers, len(addrs))})
 		if err != nil {
 			return nil, nil, errors.Join(err, errors.New("set broker.kafka.dev_cluster: false to use the broker already there"))
 		}

@@ -153,6 +153,8 @@ func (b *Broker) connect(ctx context.Context, name string, extra ...nats.Option)
 		nats.Timeout(b.opts.ConnectTimeout),
 		nats.MaxReconnects(-1),
 		nats.ReconnectWait(250 * time.Millisecond),
+		nats.PingInterval(b.cfg.PingInterval),
+		nats.MaxPingsOutstanding(2),
 		nats.ReconnectJitter(250*time.Millisecond, time.Second),
 		nats.ReconnectBufSize(-1),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {

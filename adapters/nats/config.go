@@ -25,6 +25,11 @@ type Config struct {
 	// Embedded.Enabled it is the address the in-process server listens on
 	// (port 0 picks a free one). Defaults to nats://127.0.0.1:4222.
 	URL string `yaml:"url"`
+	// PingInterval is how often the client pings a server that sends it
+	// nothing; two unanswered pings mark the connection dead and it moves to
+	// another server. It bounds how long a hung (stopped, cut off) server
+	// holds up the relay and consumers. Defaults to 5s (nats.go: 2m).
+	PingInterval time.Duration `yaml:"ping_interval"`
 	// Stream configures the JetStream stream millrace creates for each topic.
 	Stream StreamConfig `yaml:"stream"`
 	// Consumer configures the durable consumer millrace creates for each
@@ -158,6 +163,7 @@ const (
 	defaultSubscribers     = 1
 	defaultPublishTimeout  = 30 * time.Second
 	defaultMaxPending      = 1024
+	defaultPingInterval    = 5 * time.Second
 )
 
 // NatsdevPackage is the package that links the embedded server into a
@@ -173,6 +179,7 @@ func DefaultStoreDir() string { return embed.DefaultStoreDir() }
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
 	c.URL = cmp.Or(c.URL, DefaultURL)
+	c.PingInterval = cmp.Or(c.PingInterval, defaultPingInterval)
 	c.Stream.Replicas = cmp.Or(c.Stream.Replicas, defaultReplicas)
 	c.Stream.MaxAge = cmp.Or(c.Stream.MaxAge, defaultMaxAge)
 	c.Stream.DuplicateWindow = cmp.Or(c.Stream.DuplicateWindow, defaultDuplicateWindow)
@@ -204,6 +211,7 @@ func (c Config) Validate(path string) []error {
 		chk.URL(at("url"), u, "nats", "tls")
 	}
 
+	chk.PositiveDuration(at("ping_interval"), c.PingInterval)
 	if c.Stream.Replicas < 1 || c.Stream.Replicas > 5 {
 		chk.Add(at("stream", "replicas"), "must be between 1 and 5; got %d", c.Stream.Replicas)
 	}

@@ -16,7 +16,7 @@ func TestConfigDefaults(t *testing.T) {
 	t.Parallel()
 	c := Config{URL: "nats://127.0.0.1:4222"}.WithDefaults()
 	require.Equal(t, Config{
-		URL: "nats://127.0.0.1:4222",
+		URL: "nats://127.0.0.1:4222", PingInterval: 5 * time.Second,
 		Stream: StreamConfig{
 			Replicas: 1, MaxAge: 168 * time.Hour, DuplicateWindow: 2 * time.Minute,
 		},
@@ -78,6 +78,7 @@ func TestConfigValidate(t *testing.T) {
 		want   string
 	}{
 		{"no url", func(c *Config) { c.URL = "" }, "broker.nats.url: required"},
+		{"ping_interval", func(c *Config) { c.PingInterval = -time.Second }, "broker.nats.ping_interval: must be a positive duration"},
 		{"replicas", func(c *Config) { c.Stream.Replicas = 7 }, "broker.nats.stream.replicas: must be between 1 and 5; got 7"},
 		{"max_age", func(c *Config) { c.Stream.MaxAge = -time.Second }, "broker.nats.stream.max_age: must be a positive duration"},
 		{"max_bytes", func(c *Config) { c.Stream.MaxBytes = -2 }, "broker.nats.stream.max_bytes: must not be negative"},

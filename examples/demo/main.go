@@ -318,11 +318,11 @@ func consume(ctx context.Context, cfg bus.Config, db *sql.DB, broker adapters.Br
 		return Counts{}, err
 	}
 	var tapped atomic.Int64
-	tapCtx, stopTap := context.WithCancel(ctx)
-	defer stopTap()
-	if err := tap(tapCtx, broker, topic, &tapped); err != nil {
+	stopTap, err := tap(ctx, broker, topic, &tapped)
+	if err != nil {
 		return Counts{}, err
 	}
+	defer stopTap()
 	runCtx, stop := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- b.Run(runCtx) }()
@@ -363,17 +363,21 @@ func consume(ctx context.Context, cfg bus.Config, db *sql.DB, broker adapters.Br
 
 // tap counts every message of topic for its own consumer group: what the
 // broker holds.
-func tap(ctx context.Context, broker adapters.Broker, topic string, n *atomic.Int64) error {
+func tap(ctx context.Context, broker adapters.Broker, topic string, n *atomic.Int64) (stop func(), err error) {
 	sub, err := broker.Subscriber(tapGroup)
 	if err != nil {
-		return err
+		return nil, err
 	}
+	ctx, cancel := context.WithCancel(ctx)
 	msgs, err := sub.Subscribe(ctx, topic)
 	if err != nil {
+		cancel()
 		_ = sub.Close()
-		return err
+		return nil, err
 	}
+	closed := make(chan struct{})
 	go func() {
+		defer close(closed)
 		defer sub.Close()
 		for {
 			select {
@@ -388,7 +392,8 @@ func tap(ctx context.Context, broker adapters.Broker, topic string, n *atomic.In
 			}
 		}
 	}()
-	return nil
+	// The group's member has left once stop returns, so the topology can go.
+	return func() { cancel(); <-closed }, nil
 }
 
 // outcomes reads the billing handler's ok and duplicate counts.

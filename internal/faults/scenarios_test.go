@@ -345,6 +345,7 @@ func TestNATSClusterFaults(t *testing.T) {
 			w.flowing(effects + 200)
 		}
 
+		c.WaitStreamCurrent(ctx, stream)
 		killed := leader()
 		c.Nodes[killed].Kill()
 		w.fault()
@@ -356,6 +357,7 @@ func TestNATSClusterFaults(t *testing.T) {
 		c.Nodes[killed].Start()
 		c.WaitJetStream()
 
+		c.WaitStreamCurrent(ctx, stream) // the restarted node has caught up
 		paused := leader()
 		c.Nodes[paused].Pause()
 		w.fault()

@@ -74,6 +74,14 @@ func (c *NATSCluster) WaitJetStream() {
 			time.Sleep(200 * time.Millisecond)
 		}
 	}
+	// JetStream answers before its meta group knows every peer; a stream
+	// placed on all nodes shows that it does.
+	for err := c.probePlacement(); err != nil; err = c.probePlacement() {
+		if time.Since(began) > 2*time.Minute {
+			c.t.Fatalf("JetStream cluster: a stream at %d replicas cannot be placed after %s: %v", len(c.Nodes), time.Since(began), err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
 	c.t.Logf("private NATS cluster of %d nodes has JetStream after %s", len(c.Nodes), time.Since(began).Round(time.Millisecond))
 }
 
@@ -128,6 +136,28 @@ func (c *NATSCluster) streamInfo(ctx context.Context, stream string) (*jetstream
 		return nil, err
 	}
 	return s.CachedInfo(), nil
+}
+
+// probePlacement creates and deletes a memory stream with a replica on
+// every node.
+func (c *NATSCluster) probePlacement() error {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	nc, err := nats.Connect(c.URLs(), nats.Timeout(2*time.Second))
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return err
+	}
+	const probe = "MILLRACE_PLACEMENT_PROBE"
+	if _, err := js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{Name: probe, Subjects: []string{"millrace.placement.probe"},
+		Replicas: len(c.Nodes), Storage: jetstream.MemoryStorage}); err != nil {
+		return err
+	}
+	return js.DeleteStream(ctx, probe)
 }
 
 // StreamLeader returns the index of the node that leads stream, asking

@@ -12,7 +12,6 @@ import (
 	"io"
 	"maps"
 	"slices"
-	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -140,12 +139,9 @@ type payloadView struct {
 func bindShow(fs *flag.FlagSet) runFunc {
 	asHex := fs.Bool("hex", false, "show a payload that is not JSON in hex instead of base64")
 	return func(ctx context.Context, e env, args []string) error {
-		if len(args) != 1 {
-			return usagef("want exactly one message ID; got %d arguments", len(args))
-		}
-		id, err := strconv.ParseInt(args[0], 10, 64)
-		if err != nil || id <= 0 {
-			return usagef("%q is not a poison message ID (a positive integer, as `millrace dlq list` shows)", args[0])
+		id, err := rowID(args, "poison message", "millrace dlq list")
+		if err != nil {
+			return err
 		}
 		return withOps(ctx, e, func(ops *bus.Ops) error {
 			d, err := ops.Poisoned(ctx, id)
@@ -308,19 +304,14 @@ func bindPurge(fs *flag.FlagSet) runFunc {
 		}
 		return withOps(ctx, e, func(ops *bus.Ops) error {
 			selected := sel.poisonSelection()
-			if sel.all && !*dryRun && !*yes {
-				// Asked with the count of a dry run; the purge then acts on
-				// exactly what was counted, or refuses if it changed.
-				dry, err := ops.PurgePoisoned(ctx, selected, true)
-				if err != nil {
-					return err
-				}
-				if err := confirm(e, fmt.Sprintf("purge all %d poisoned message(s) and their replay history for good?", len(dry.Purged))); err != nil {
-					return err
-				}
-				selected.Expect = dry.Selection
+			question := func(n int) string {
+				return fmt.Sprintf("purge all %d poisoned message(s) and their replay history for good?", n)
 			}
-			res, err := ops.PurgePoisoned(ctx, selected, *dryRun)
+			res, err := confirmedPurge(e, sel.all, *dryRun, *yes, question, func(expect string, dryRun bool) (bus.PurgeResult, int, string, error) {
+				selected.Expect = expect
+				res, err := ops.PurgePoisoned(ctx, selected, dryRun)
+				return res, len(res.Purged), res.Selection, err
+			})
 			if err != nil {
 				return err
 			}

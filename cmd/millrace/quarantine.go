@@ -5,7 +5,6 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"strconv"
 	"text/tabwriter"
 	"time"
 
@@ -72,12 +71,9 @@ type quarantineShowResult struct {
 func bindQuarantineShow(fs *flag.FlagSet) runFunc {
 	asHex := fs.Bool("hex", false, "show a payload that is not JSON in hex instead of base64")
 	return func(ctx context.Context, e env, args []string) error {
-		if len(args) != 1 {
-			return usagef("want exactly one row ID; got %d arguments", len(args))
-		}
-		id, err := strconv.ParseInt(args[0], 10, 64)
-		if err != nil || id <= 0 {
-			return usagef("%q is not a quarantined row ID (a positive integer, as `millrace quarantine list` shows)", args[0])
+		id, err := rowID(args, "quarantined row", "millrace quarantine list")
+		if err != nil {
+			return err
 		}
 		return withOps(ctx, e, func(ops *bus.Ops) error {
 			d, err := ops.Quarantined(ctx, id)
@@ -166,17 +162,12 @@ func bindQuarantinePurge(fs *flag.FlagSet) runFunc {
 		}
 		return withOps(ctx, e, func(ops *bus.Ops) error {
 			selected := sel.quarantineSelection()
-			if sel.all && !*dryRun && !*yes {
-				dry, err := ops.PurgeQuarantined(ctx, selected, true)
-				if err != nil {
-					return err
-				}
-				if err := confirm(e, fmt.Sprintf("purge all %d quarantined row(s) for good?", len(dry.Purged))); err != nil {
-					return err
-				}
-				selected.Expect = dry.Selection
-			}
-			res, err := ops.PurgeQuarantined(ctx, selected, *dryRun)
+			question := func(n int) string { return fmt.Sprintf("purge all %d quarantined row(s) for good?", n) }
+			res, err := confirmedPurge(e, sel.all, *dryRun, *yes, question, func(expect string, dryRun bool) (bus.QuarantinePurgeResult, int, string, error) {
+				selected.Expect = expect
+				res, err := ops.PurgeQuarantined(ctx, selected, dryRun)
+				return res, len(res.Purged), res.Selection, err
+			})
 			if err != nil {
 				return err
 			}

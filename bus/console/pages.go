@@ -299,85 +299,87 @@ func (c *console) checkAction(w http.ResponseWriter, r *http.Request) (string, b
 	return action, true
 }
 
-// dlqAction replays or purges poisoned messages: without expect a dry run
-// whose page asks for confirmation, with it the action itself.
-func (c *console) dlqAction(w http.ResponseWriter, r *http.Request) {
+// runAction is the frame of the replay and purge pages: it checks the action,
+// parses the selection from the form, lets fill run it (a dry run whose page
+// asks for confirmation when the form has no expect token, the action itself
+// when it has) and renders the result under nav.
+func (c *console) runAction(w http.ResponseWriter, r *http.Request, what string, keys []string,
+	fill func(d *actionData, dryRun bool) error) {
 	action, ok := c.checkAction(w, r)
 	if !ok {
 		return
 	}
-	sel, err := parseSelection(r.PostForm, dlqKeys)
+	sel, err := parseSelection(r.PostForm, keys)
 	if err != nil {
 		c.failErr(w, r, err)
 		return
 	}
 	dryRun := sel.expect == ""
-	d := actionData{What: "dlq", Action: action, Confirm: dryRun, Selection: sel}
-	if action == "replay" {
-		res, err := c.ops.ReplayPoisoned(r.Context(), sel.poison(), bus.ReplayOptions{DryRun: dryRun, By: c.by(r)})
+	d := actionData{What: what, Action: action, Confirm: dryRun, Selection: sel}
+	if err := fill(&d, dryRun); err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	c.render(w, r, "action", page{Title: actionTitle(d), Nav: what, Data: d})
+}
+
+// dlqAction replays or purges poisoned messages.
+func (c *console) dlqAction(w http.ResponseWriter, r *http.Request) {
+	c.runAction(w, r, "dlq", dlqKeys, func(d *actionData, dryRun bool) error {
+		if d.Action == "replay" {
+			res, err := c.ops.ReplayPoisoned(r.Context(), d.Selection.poison(), bus.ReplayOptions{DryRun: dryRun, By: c.by(r)})
+			if err != nil {
+				return err
+			}
+			d.Token, d.Count, d.Skipped, d.Messages, d.Warnings = res.Selection, len(res.Replayed), len(res.Skipped), res.Messages, res.Warnings
+			for _, e := range res.Replayed {
+				d.Rows = append(d.Rows, row{ID: e.ID, Topic: e.Topic, Handler: e.Handler, Event: e.EventType, Note: "replay"})
+			}
+			for _, e := range res.Skipped {
+				d.Rows = append(d.Rows, row{ID: e.ID, Topic: e.Topic, Handler: e.Handler, Event: e.EventType,
+					Note: "skipped: its group's inbox recorded the event at " + e.ProcessedAt.UTC().Format(time.RFC3339)})
+			}
+			return nil
+		}
+		res, err := c.ops.PurgePoisoned(r.Context(), d.Selection.poison(), dryRun)
 		if err != nil {
-			c.failErr(w, r, err)
-			return
-		}
-		d.Token, d.Count, d.Skipped, d.Messages, d.Warnings = res.Selection, len(res.Replayed), len(res.Skipped), res.Messages, res.Warnings
-		for _, e := range res.Replayed {
-			d.Rows = append(d.Rows, row{ID: e.ID, Topic: e.Topic, Handler: e.Handler, Event: e.EventType, Note: "replay"})
-		}
-		for _, e := range res.Skipped {
-			d.Rows = append(d.Rows, row{ID: e.ID, Topic: e.Topic, Handler: e.Handler, Event: e.EventType,
-				Note: "skipped: its group's inbox recorded the event at " + e.ProcessedAt.UTC().Format(time.RFC3339)})
-		}
-	} else {
-		res, err := c.ops.PurgePoisoned(r.Context(), sel.poison(), dryRun)
-		if err != nil {
-			c.failErr(w, r, err)
-			return
+			return err
 		}
 		d.Token, d.Count = res.Selection, len(res.Purged)
 		for _, m := range res.Purged {
 			d.Rows = append(d.Rows, row{ID: m.ID, Topic: m.Topic, Handler: m.Handler, Event: m.EventType, Note: m.State})
 		}
-	}
-	c.render(w, r, "action", page{Title: actionTitle(d), Nav: "dlq", Data: d})
+		return nil
+	})
 }
 
+// quarantineAction replays or purges quarantined outbox rows.
 func (c *console) quarantineAction(w http.ResponseWriter, r *http.Request) {
-	action, ok := c.checkAction(w, r)
-	if !ok {
-		return
-	}
-	sel, err := parseSelection(r.PostForm, quarantineKeys)
-	if err != nil {
-		c.failErr(w, r, err)
-		return
-	}
-	dryRun := sel.expect == ""
-	d := actionData{What: "quarantine", Action: action, Confirm: dryRun, Selection: sel}
-	if action == "replay" {
-		res, err := c.ops.ReplayQuarantined(r.Context(), sel.quarantine(), bus.ReplayOptions{DryRun: dryRun, By: c.by(r)})
+	c.runAction(w, r, "quarantine", quarantineKeys, func(d *actionData, dryRun bool) error {
+		if d.Action == "replay" {
+			res, err := c.ops.ReplayQuarantined(r.Context(), d.Selection.quarantine(), bus.ReplayOptions{DryRun: dryRun, By: c.by(r)})
+			if err != nil {
+				return err
+			}
+			d.Token, d.Count, d.Skipped, d.Messages, d.Warnings = res.Selection, len(res.Replayed), len(res.Skipped), res.Messages, res.Warnings
+			for _, q := range res.Replayed {
+				d.Rows = append(d.Rows, row{ID: q.ID, Topic: q.Topic, Event: q.EventID, Note: "replay"})
+			}
+			for _, q := range res.Skipped {
+				d.Rows = append(d.Rows, row{ID: q.ID, Topic: q.Topic, Event: q.EventID, Note: "skipped (" + q.Skip + "): " + q.Detail})
+			}
+			return nil
+		}
+		res, err := c.ops.PurgeQuarantined(r.Context(), d.Selection.quarantine(), dryRun)
 		if err != nil {
-			c.failErr(w, r, err)
-			return
-		}
-		d.Token, d.Count, d.Skipped, d.Messages, d.Warnings = res.Selection, len(res.Replayed), len(res.Skipped), res.Messages, res.Warnings
-		for _, q := range res.Replayed {
-			d.Rows = append(d.Rows, row{ID: q.ID, Topic: q.Topic, Event: q.EventID, Note: "replay"})
-		}
-		for _, q := range res.Skipped {
-			d.Rows = append(d.Rows, row{ID: q.ID, Topic: q.Topic, Event: q.EventID, Note: "skipped (" + q.Skip + "): " + q.Detail})
-		}
-	} else {
-		res, err := c.ops.PurgeQuarantined(r.Context(), sel.quarantine(), dryRun)
-		if err != nil {
-			c.failErr(w, r, err)
-			return
+			return err
 		}
 		d.Token, d.Count = res.Selection, len(res.Purged)
 		for _, q := range res.Purged {
 			d.Rows = append(d.Rows, row{ID: q.ID, Topic: q.Topic, Event: q.EventID, Note: q.Reason})
 		}
-	}
-	c.render(w, r, "action", page{Title: actionTitle(d), Nav: "quarantine", Data: d})
+		return nil
+	})
 }
 
 func actionTitle(d actionData) string {

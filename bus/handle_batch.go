@@ -70,6 +70,8 @@ func (t *Topic[T]) HandleBatch(b *Bus, name string, fn func(ctx context.Context,
 	switch {
 	case b == nil:
 		return fmt.Errorf("millrace: HandleBatch(%q): the Bus is nil", name)
+	case t == nil:
+		return fmt.Errorf("millrace: HandleBatch(%q): the Topic is nil", name)
 	case fn == nil:
 		return b.HandleBatch(t.name, name, nil, opts...)
 	}

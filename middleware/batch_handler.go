@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
@@ -135,9 +136,13 @@ type batchCall struct {
 // handler is reported, not raised: the batch's goroutine must settle every
 // message.
 func (b *batcher) callBatch(ctx context.Context, tx Transaction, todo []*member) (r batchCall) {
+	// The handler gets copies, with tx in their contexts as a handler's
+	// message has: a member released at the deadline may run alone while a
+	// handler that ignores its context still reads them.
 	msgs := make([]*message.Message, len(todo))
 	for i, m := range todo {
-		msgs[i] = m.msg
+		msgs[i] = m.msg.Copy()
+		msgs[i].SetContext(context.WithValue(m.msg.Context(), txKey, tx))
 	}
 	returned := false
 	defer func() {
@@ -150,12 +155,6 @@ func (b *batcher) callBatch(ctx context.Context, tx Transaction, todo []*member)
 			}
 		}
 	}()
-	// The messages' own contexts carry tx too, as a handler's does.
-	for _, msg := range msgs {
-		orig := msg.Context()
-		msg.SetContext(context.WithValue(orig, txKey, tx))
-		defer msg.SetContext(orig)
-	}
 	r.err = b.handler(context.WithValue(ctx, txKey, tx), msgs)
 	returned = true
 	return r
@@ -195,6 +194,8 @@ func (b *batcher) runHandler(ctx context.Context, tx Transaction, kept []*member
 	}
 	if r.panicked {
 		// Which message made it panic is unknown: each is tried alone.
+		b.c.stack.logger.Error("Batch handler panicked; its batch is rolled back and each message tried in a batch of its own", r.err,
+			watermill.LogFields{"handler": b.c.spec.Name, "topic": b.c.spec.Topic, "consumer_group": b.c.spec.ConsumerGroup, "batch_size": len(todo)})
 		_ = tx.Rollback()
 		for _, m := range kept {
 			m.done <- errRunAlone

@@ -131,3 +131,19 @@ func testTypedBatchHandler(t *testing.T, kind string) {
 	}
 	require.True(t, slices.ContainsFunc(batches, func(ids []string) bool { return len(ids) > 1 }), "some batch held several events: %v", batches)
 }
+
+// A batch handler is checked when it is registered, like any handler.
+func TestHandleBatchRefusesBadInput(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	placed := bus.Must(bus.NewTopic[placedV2]("orders.events", bus.Version(2)))
+	ok := func(context.Context, []bus.Event) error { return nil }
+	require.ErrorContains(t, tb.bus.HandleBatch("orders.events", "billing", nil), `HandleBatch("orders.events", "billing"): handler func is nil`)
+	require.ErrorContains(t, placed.HandleBatch(tb.bus, "billing", nil), "handler func is nil")
+	require.ErrorContains(t, (*bus.Topic[placedV2])(nil).HandleBatch(tb.bus, "billing",
+		func(context.Context, []bus.Message[placedV2]) error { return nil }), "the Topic is nil")
+	require.ErrorContains(t, tb.bus.HandleBatch("", "billing", ok), "topic")
+	require.NoError(t, tb.bus.HandleBatch("orders.events", "billing", ok))
+	require.ErrorContains(t, tb.bus.Handle("orders.events", "billing", func(context.Context, bus.Event) error { return nil }),
+		`handler "billing" is already registered`)
+}

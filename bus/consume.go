@@ -42,6 +42,9 @@ func WithConsumerGroup(group string) HandleOption {
 type handlerSpec struct {
 	topic, name, group string
 	fn                 HandlerFunc
+	// batch, for a batch handler, is called instead of fn with the events
+	// of a batch and the span contexts that published them.
+	batch func(ctx context.Context, evs []Event, remotes []trace.SpanContext) error
 	// unknown is a typed handler's rule for event types it has no route for.
 	unknown UnknownTypes
 }
@@ -50,7 +53,14 @@ type handlerSpec struct {
 // of its overrides under consumer.handlers, a metric label, and by default
 // its consumer group). Register every handler before Run.
 func (b *Bus) Handle(topic, name string, fn HandlerFunc, opts ...HandleOption) error {
-	spec, errs := newHandlerSpec(topic, name, fn, opts)
+	spec, errs := newHandlerSpec(handlerSpec{topic: topic, name: name, fn: fn}, opts)
+	return b.register(spec, errs, "Handle")
+}
+
+// register adds spec to the handlers Run starts, or reports errs and the
+// problems it finds, under the name of the registering call.
+func (b *Bus) register(spec handlerSpec, errs []error, call string) error {
+	topic, name := spec.topic, spec.name
 	if len(errs) == 0 {
 		if err := b.rules.CheckTopic(topic); err != nil {
 			errs = append(errs, fmt.Errorf("topic on broker.kind %s: %w", b.cfg.Broker.Kind, err))
@@ -69,15 +79,15 @@ func (b *Bus) Handle(topic, name string, fn HandlerFunc, opts ...HandleOption) e
 		}
 	}
 	if len(errs) > 0 {
-		return fmt.Errorf("millrace: Handle(%q, %q): %w", topic, name, errors.Join(errs...))
+		return fmt.Errorf("millrace: %s(%q, %q): %w", call, topic, name, errors.Join(errs...))
 	}
 	b.handlers = append(b.handlers, spec)
 	return nil
 }
 
-// newHandlerSpec applies opts and checks the names and fn.
-func newHandlerSpec(topic, name string, fn HandlerFunc, opts []HandleOption) (handlerSpec, []error) {
-	spec := handlerSpec{topic: topic, name: name, fn: fn}
+// newHandlerSpec applies opts to spec and checks the names and the func.
+func newHandlerSpec(spec handlerSpec, opts []HandleOption) (handlerSpec, []error) {
+	topic, name := spec.topic, spec.name
 	for _, o := range opts {
 		o(&spec)
 	}
@@ -92,7 +102,7 @@ func newHandlerSpec(topic, name string, fn HandlerFunc, opts []HandleOption) (ha
 	if err := names.Topic(spec.group); err != nil {
 		errs = append(errs, fmt.Errorf("consumer group: %w", err))
 	}
-	if fn == nil {
+	if spec.fn == nil && spec.batch == nil {
 		errs = append(errs, errors.New("handler func is nil"))
 	}
 	return spec, errs
@@ -113,7 +123,7 @@ func newHandlerSpec(topic, name string, fn HandlerFunc, opts []HandleOption) (ha
 // code that drives deliveries itself, such as package millracetest; a
 // service uses Handle and Run.
 func (b *Bus) ConsumerChain(ctx context.Context, topic, name string, fn HandlerFunc, poison message.Publisher, opts ...HandleOption) (message.NoPublishHandlerFunc, error) {
-	spec, errs := newHandlerSpec(topic, name, fn, opts)
+	spec, errs := newHandlerSpec(handlerSpec{topic: topic, name: name, fn: fn}, opts)
 	if len(errs) > 0 {
 		return nil, fmt.Errorf("millrace: ConsumerChain(%q, %q): %w", topic, name, errors.Join(errs...))
 	}
@@ -338,6 +348,9 @@ func (b *Bus) chain(stack *middleware.Stack, h handlerSpec, act *activity) (*mid
 	chain, err := stack.Chain(middleware.Handler{Name: h.name, Topic: h.topic, ConsumerGroup: h.group})
 	if err != nil {
 		return nil, nil, err
+	}
+	if h.batch != nil {
+		return chain, chain.WrapBatch(b.adaptBatch(h, act)), nil
 	}
 	return chain, chain.Wrap(b.adapt(h, act)), nil
 }

@@ -57,6 +57,15 @@
 // group; what happens to a type no route names is WithUnknownTypes'
 // choice, counted by millrace_consumer_unknown_types_total.
 //
+// # Batch handlers
+//
+// HandleBatch and Topic.HandleBatch register a handler that gets the
+// events of a batch (consumer.batch.max_messages, max_wait) at once, in one
+// inbox transaction, for a bulk insert or one call per batch: duplicates
+// never reach it, BatchFailures fails single events (retried or poisoned
+// alone, the others committed), any other error the whole batch, and a
+// panic splits the batch so that the event causing it is found alone.
+//
 // outbox.codec checks and labels only events without a ContentType; a
 // typed topic sets ContentType from its codec, so protobuf topics publish
 // under outbox.codec "json" too (a JSON content type is always checked to

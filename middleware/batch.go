@@ -49,6 +49,9 @@ type batcher struct {
 	// to what can be in flight at once (workers; 1 for an ordered handler
 	// on a single subscription).
 	limit atomic.Int64
+	// handler is the chain's batch handler (WrapBatch); nil when each
+	// message has its own handler call in its savepoint.
+	handler BatchHandlerFunc
 
 	mu      sync.Mutex
 	forming *batch // the batch messages join now; nil when none is open
@@ -105,6 +108,10 @@ type member struct {
 	turn     chan Transaction // its savepoint is set: run
 	result   chan stepResult  // what it did in its turn
 	done     chan error       // nil: committed; or why not
+	// msg is the message, for a batch handler; outcome is what its step
+	// did (OutcomeOK: it is for the batch handler).
+	msg     *message.Message
+	outcome string
 }
 
 // join adds m to the batch being formed, opening one (and starting its
@@ -127,6 +134,11 @@ func (b *batcher) join(m *member) {
 func (c *Chain) transactionBatched(h message.HandlerFunc) message.HandlerFunc {
 	single := c.transaction(h)
 	b := c.batcher
+	if b.handler != nil {
+		// Each message's turn is its inbox insert and ordering guard; the
+		// batch handler runs once for them all (see runHandler).
+		h = func(*message.Message) ([]*message.Message, error) { return nil, nil }
+	}
 	return func(msg *message.Message) ([]*message.Message, error) {
 		if b.limit.Load() <= 1 {
 			return single(msg)
@@ -141,6 +153,7 @@ func (c *Chain) transactionBatched(h message.HandlerFunc) message.HandlerFunc {
 				turn:     make(chan Transaction, 1),
 				result:   make(chan stepResult, 1),
 				done:     make(chan error, 1),
+				msg:      msg,
 			}
 			b.join(m)
 			var err error
@@ -288,6 +301,7 @@ func (b *batcher) execute(members []*member) {
 			return
 		}
 		if r.err == nil {
+			m.outcome = r.outcome
 			kept = append(kept, m)
 			continue
 		}
@@ -308,6 +322,9 @@ func (b *batcher) execute(members []*member) {
 	}
 	if len(kept) == 0 {
 		_ = tx.Rollback()
+		return
+	}
+	if b.handler != nil && !b.runHandler(ctx, tx, kept) {
 		return
 	}
 	if err := tx.Commit(); err != nil {

@@ -30,15 +30,18 @@ import (
 //     on, batch.max_messages 1 (one transaction and COMMIT per message);
 //   - batched: the chain with batch.max_messages 8 and 8 workers;
 //   - batched32: the chain with 32 workers and batch.max_messages 32;
+//   - batchhandler: the chain as batched, with a batch handler (WrapBatch)
+//     writing each batch with one INSERT;
 //
-// then bare, chain1, batched and batched32 again with every COMMIT taking 2ms more
+// then bare, chain1, batched, batched32 and batchhandler again with every COMMIT taking 2ms more
 // (the *_flush2ms rates), as one that waits for a disk flush or a
 // synchronous standby does: the local PostgreSQL of the test machine
 // commits about as fast as it runs a statement, which hides what batching
 // saves. It reports the ratios batched/chain1, batched32/chain1,
-// batched/bare and, with the slow COMMIT, batched/chain1_flush2ms and
-// batched32/chain1_flush2ms, and the mean messages per batched transaction
-// (msgs/tx).
+// batchhandler/chain1, batchhandler/batched, batched/bare and, with the
+// slow COMMIT, batched/chain1_flush2ms, batched32/chain1_flush2ms and
+// batchhandler/chain1_flush2ms, and the mean messages per batched
+// transaction (msgs/tx).
 // MILLRACE_BENCH_BROKERS picks the brokers (default gochannel, kafka, nats,
 // rabbitmq).
 func BenchmarkConsumerThroughput(b *testing.B) {
@@ -74,6 +77,16 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 					"chain", msg.Metadata.Get(bus.EventIDKey), msg.Metadata.Get(bus.AggregateIDKey))
 				return err
 			}
+			// The batch handler's write: one INSERT for the batch.
+			bulk := func(ctx context.Context, msgs []*message.Message) error {
+				ids, aggregates := make([]string, len(msgs)), make([]string, len(msgs))
+				for i, msg := range msgs {
+					ids[i], aggregates[i] = msg.Metadata.Get(bus.EventIDKey), msg.Metadata.Get(bus.AggregateIDKey)
+				}
+				_, err := middleware.CurrentTx(ctx).ExecContext(ctx, `INSERT INTO `+e.table("business")+` (consumer_group, event_id, aggregate_id, version) `+
+					`SELECT 'chain', id, aggregate, 1 FROM unnest($1::text[], $2::text[]) AS u(id, aggregate)`, ids, aggregates)
+				return err
+			}
 			const flush = 2 * time.Millisecond
 			batch := func(workers, size int) middleware.Config {
 				return middleware.Config{Workers: workers, Batch: middleware.BatchConfig{MaxMessages: size}}
@@ -84,10 +97,12 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 				{name: "chain1", cfg: batch(8, 1), chain: true, handle: chained},
 				{name: "batched", cfg: batch(8, 8), chain: true, handle: chained},
 				{name: "batched32", cfg: batch(32, 32), chain: true, handle: chained},
+				{name: "batchhandler", cfg: batch(8, 8), chain: true, batch: bulk},
 				{name: "bare_flush2ms", cfg: batch(8, 1), handle: bare(flush)},
 				{name: "chain1_flush2ms", cfg: batch(8, 1), chain: true, flush: flush, handle: chained},
 				{name: "batched_flush2ms", cfg: batch(8, 8), chain: true, flush: flush, handle: chained},
 				{name: "batched32_flush2ms", cfg: batch(32, 32), chain: true, flush: flush, handle: chained},
+				{name: "batchhandler_flush2ms", cfg: batch(8, 8), chain: true, flush: flush, batch: bulk},
 			}
 			// The machine is shared: the variants run in alternating rounds
 			// so that a change of load affects them alike.
@@ -114,9 +129,12 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 			}
 			b.ReportMetric(rate["batched"]/rate["chain1"], "batched/chain1")
 			b.ReportMetric(rate["batched32"]/rate["chain1"], "batched32/chain1")
+			b.ReportMetric(rate["batchhandler"]/rate["chain1"], "batchhandler/chain1")
+			b.ReportMetric(rate["batchhandler"]/rate["batched"], "batchhandler/batched")
 			b.ReportMetric(rate["batched"]/rate["bare"], "batched/bare")
 			b.ReportMetric(rate["batched_flush2ms"]/rate["chain1_flush2ms"], "batched/chain1_flush2ms")
 			b.ReportMetric(rate["batched32_flush2ms"]/rate["chain1_flush2ms"], "batched32/chain1_flush2ms")
+			b.ReportMetric(rate["batchhandler_flush2ms"]/rate["chain1_flush2ms"], "batchhandler/chain1_flush2ms")
 		})
 	}
 }
@@ -143,6 +161,8 @@ type benchVariant struct {
 	chain  bool          // wrap handle in millrace's chain
 	flush  time.Duration // added to every COMMIT of the chain
 	handle func(*message.Message) error
+	// batch, when set, is the handler instead of handle (a batch handler).
+	batch middleware.BatchHandlerFunc
 
 	elapsed      time.Duration
 	count        int
@@ -177,18 +197,31 @@ func (v *benchVariant) consume(b *testing.B, k *kit, e *env, n int) {
 	var started atomic.Int64
 	var done atomic.Int64
 	finished := make(chan struct{})
+	count := func(handled int) {
+		if now := done.Add(int64(handled)); now >= int64(n) && now-int64(handled) < int64(n) {
+			close(finished)
+		}
+	}
 	counted := func(msg *message.Message) error {
 		started.CompareAndSwap(0, time.Now().UnixNano())
 		if err := v.handle(msg); err != nil {
 			return err
 		}
-		if done.Add(1) == int64(n) {
-			close(finished)
-		}
+		count(1)
 		return nil
 	}
 	h := counted
-	if v.chain {
+	switch {
+	case v.batch != nil:
+		h = chain.WrapBatch(func(ctx context.Context, msgs []*message.Message) error {
+			started.CompareAndSwap(0, time.Now().UnixNano())
+			if err := v.batch(ctx, msgs); err != nil {
+				return err
+			}
+			count(len(msgs))
+			return nil
+		})
+	case v.chain:
 		h = chain.Wrap(counted)
 	}
 	router, err := message.NewRouter(message.RouterConfig{}, testLogger())

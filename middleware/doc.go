@@ -78,7 +78,10 @@
 //     the inbox row with everything else. With consumer.batch.max_messages
 //     above 1 (group commit), messages in flight share one transaction, each
 //     in a savepoint of its own that a failure or panic rolls back alone;
-//     each is acked after the one COMMIT (see README.md).
+//     each is acked after the one COMMIT (see README.md). Chain.WrapBatch
+//     takes a batch handler (BatchHandlerFunc) instead: each message's
+//     savepoint holds its inbox insert and ordering guard, and the handler
+//     runs once for the batch's new messages before the COMMIT.
 //  9. Watermill's Recoverer again, around the handler: a panic in the
 //     handler becomes a retryable error and the transaction rolls back.
 //

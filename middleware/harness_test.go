@@ -208,6 +208,8 @@ type consumer struct {
 type handlerSpec struct {
 	name, topic, group string
 	handle             func(msg *message.Message) error
+	// batch, when set, is the handler instead of handle (Chain.WrapBatch).
+	batch middleware.BatchHandlerFunc
 	// outer wraps the chain (a test hook outside millrace's middleware).
 	outer message.HandlerMiddleware
 }
@@ -227,7 +229,11 @@ func startConsumer(t testing.TB, k *kit, e *env, cfg middleware.Config, specs ..
 		chain, err := stack.Chain(middleware.Handler{Name: s.name, Topic: s.topic, ConsumerGroup: s.group})
 		require.NoError(t, err)
 		c.chains[s.name] = chain
-		h := router.AddConsumerHandler(s.name, s.topic, chain.Subscriber(k.source(s.group)), chain.Wrap(s.handle))
+		handle := chain.Wrap
+		if s.batch != nil {
+			handle = func(message.NoPublishHandlerFunc) message.NoPublishHandlerFunc { return chain.WrapBatch(s.batch) }
+		}
+		h := router.AddConsumerHandler(s.name, s.topic, chain.Subscriber(k.source(s.group)), handle(s.handle))
 		if s.outer != nil {
 			h.AddMiddleware(s.outer)
 		}

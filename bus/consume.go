@@ -288,7 +288,7 @@ func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []han
 	}
 	activities := map[string]*activity{}
 	for _, h := range handlers {
-		if err := broker.Provision(ctx, h.topic, h.group); err != nil {
+		if err := provision(ctx, broker, h.topic, h.group, *b.cfg.Consumer.For(h.name).Ordered); err != nil {
 			return nil, nil, nil, fmt.Errorf("millrace: provision %s for handler %s: %w", h.topic, h.name, err)
 		}
 		act := newActivity(h.name, b.cfg.Consumer.For(h.name).HandlerTimeout, lag.WithLabelValues(h.name, h.group))
@@ -309,6 +309,16 @@ func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []han
 		}
 	}
 	return router, stack, sortedActivities(activities), nil
+}
+
+// provision makes the topology of group on topic exist, with the settings
+// that keep per-aggregate order across redeliveries when ordered and the
+// broker needs them (adapters.OrderedProvisioner).
+func provision(ctx context.Context, broker adapters.Broker, topic, group string, ordered bool) error {
+	if op, ok := broker.(adapters.OrderedProvisioner); ok && ordered {
+		return op.ProvisionOrdered(ctx, topic, group)
+	}
+	return broker.Provision(ctx, topic, group)
 }
 
 // consumerStack builds the middleware stack of the consumer config and

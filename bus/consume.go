@@ -39,9 +39,26 @@ func WithConsumerGroup(group string) HandleOption {
 	return func(s *handlerSpec) { s.group = group }
 }
 
+// WithDependencyProbe gives the handler a check of the dependencies it
+// calls (a service's health endpoint, SELECT 1 on a database of its own):
+// nil when they answer, an error when they do not. After a retryable
+// failure the chain asks it before counting the attempt against the event:
+// when the probe fails too, the failure is the dependency's, the attempt is
+// not counted, and the handler's circuit breaker stays open, asking the
+// probe once per consumer.breaker.open_timeout, until it passes, so an
+// outage of any length poisons nothing; when it passes, the event is to
+// blame and is poisoned after consumer.retry.max_attempts. It needs
+// consumer.breaker.enabled (Run refuses the handler otherwise). See
+// middleware.ProbeFunc.
+func WithDependencyProbe(probe func(ctx context.Context) error) HandleOption {
+	return func(s *handlerSpec) { s.probe = probe }
+}
+
 type handlerSpec struct {
 	topic, name, group string
 	fn                 HandlerFunc
+	// probe checks the handler's dependencies; nil for none.
+	probe middleware.ProbeFunc
 	// unknown is a typed handler's rule for event types it has no route for.
 	unknown UnknownTypes
 }
@@ -345,7 +362,7 @@ func (b *Bus) consumerStack(ctx context.Context, poison message.Publisher) (*mid
 // place Run and ConsumerChain build a handler. act, when not nil, records
 // each call of the handler for the health checks.
 func (b *Bus) chain(stack *middleware.Stack, h handlerSpec, act *activity) (*middleware.Chain, message.NoPublishHandlerFunc, error) {
-	chain, err := stack.Chain(middleware.Handler{Name: h.name, Topic: h.topic, ConsumerGroup: h.group})
+	chain, err := stack.Chain(middleware.Handler{Name: h.name, Topic: h.topic, ConsumerGroup: h.group, Probe: h.probe})
 	if err != nil {
 		return nil, nil, err
 	}

@@ -210,6 +210,8 @@ type handlerSpec struct {
 	handle             func(msg *message.Message) error
 	// outer wraps the chain (a test hook outside millrace's middleware).
 	outer message.HandlerMiddleware
+	// probe is the handler's dependency probe.
+	probe middleware.ProbeFunc
 }
 
 func startConsumer(t testing.TB, k *kit, e *env, cfg middleware.Config, specs ...handlerSpec) *consumer {
@@ -224,7 +226,7 @@ func startConsumer(t testing.TB, k *kit, e *env, cfg middleware.Config, specs ..
 	require.NoError(t, err)
 	c := &consumer{stack: stack, router: router, reg: reg, chains: map[string]*middleware.Chain{}}
 	for _, s := range specs {
-		chain, err := stack.Chain(middleware.Handler{Name: s.name, Topic: s.topic, ConsumerGroup: s.group})
+		chain, err := stack.Chain(middleware.Handler{Name: s.name, Topic: s.topic, ConsumerGroup: s.group, Probe: s.probe})
 		require.NoError(t, err)
 		c.chains[s.name] = chain
 		h := router.AddConsumerHandler(s.name, s.topic, chain.Subscriber(k.source(s.group)), chain.Wrap(s.handle))

@@ -20,6 +20,7 @@ import (
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/servers"
 	"github.com/millrace-io/millrace/internal/testkit"
+	"github.com/millrace-io/millrace/middleware"
 )
 
 // The scenarios, in the order docs/RELIABILITY.md lists them.
@@ -283,17 +284,16 @@ func TestDependencyOutage(t *testing.T) {
 		}))
 		t.Cleanup(dep.Close)
 		// An ordered handler on RabbitMQ or NATS has one message in flight:
-		// its failures alone cannot tell an outage from a bad message, and
-		// it is poisoned once its retries run out (middleware/README.md). A
-		// consumer that must ride out outages gets a longer retry ladder, as
-		// the README advises: here about 15s against a 4s outage.
-		w := newWorld(t, kind, worldOptions{tune: func(c *bus.Config) {
-			c.Consumer.Retry.MaxAttempts, c.Consumer.Retry.MaxInterval = 20, time.Second
-		}})
-		w.start("node", nodeSpec{Relay: true, Consume: true, DependencyURL: dep.URL})
+		// its failures alone cannot tell an outage from a bad message
+		// (middleware/README.md). Its dependency probe can: with the default
+		// retry ladder (5 attempts, about 1.5s) it rides out an outage
+		// longer than that. (middleware's
+		// TestProbeRidesOutALongOutageBehindAnOrderedHandler holds one for 60s.)
+		w := newWorld(t, kind, worldOptions{tune: func(c *bus.Config) { c.Consumer.Retry = middleware.RetryConfig{} }})
+		w.start("node", nodeSpec{Relay: true, Consume: true, DependencyURL: dep.URL, Probe: true})
 		stop := w.writer.start(rate)
 		w.flowing(200)
-		const outage = 4 * time.Second
+		const outage = 5 * time.Second
 		down.Store(true)
 		time.Sleep(outage)
 		down.Store(false)
@@ -303,7 +303,7 @@ func TestDependencyOutage(t *testing.T) {
 		recovery := w.settle(settleTimeout)
 		o := w.check(true)
 		record(result{scenario: dependencyOutage, broker: kind, faults: fmt.Sprintf("%s of HTTP 503", outage), o: o, ordered: true,
-			recovery: recovery, note: fmt.Sprintf("%d calls failed during the outage (the open breaker holds messages between trials); %d poisoned; retry.max_attempts 20",
+			recovery: recovery, note: fmt.Sprintf("%d calls failed during the outage (handler and dependency probe; the open breaker holds messages between probes); %d poisoned; default retry ladder (max_attempts 5)",
 				failed.Load(), o.poisoned)})
 	})
 }

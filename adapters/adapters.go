@@ -189,3 +189,18 @@ type BacklogReporter interface {
 	// committed offset.
 	Backlog(ctx context.Context, topic, consumerGroup string) (map[string]int64, error)
 }
+
+// OrderedProvisioner is a Broker whose consumer groups need settings of
+// their own to keep per-key order across redeliveries (a consumer restarted,
+// crashed or stopped, a message nacked), not only while a consumer runs.
+// bus.Run provisions the group of a handler with consumer.ordered: true with
+// it instead of Provision. Brokers that keep that order anyway (Kafka
+// re-reads from the committed offset; a RabbitMQ queue returns an unacked
+// message to its head) do not implement it.
+type OrderedProvisioner interface {
+	// ProvisionOrdered is Provision for consumer groups whose messages of
+	// one key must be handled in order across redeliveries. The broker
+	// remembers the groups: later Provision and Subscribe calls for them
+	// keep the ordered settings.
+	ProvisionOrdered(ctx context.Context, topic string, consumerGroups ...string) error
+}

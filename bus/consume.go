@@ -39,12 +39,29 @@ func WithConsumerGroup(group string) HandleOption {
 	return func(s *handlerSpec) { s.group = group }
 }
 
+// WithDependencyProbe gives the handler a check of the dependencies it
+// calls (a service's health endpoint, SELECT 1 on a database of its own):
+// nil when they answer, an error when they do not. After a retryable
+// failure the chain asks it before counting the attempt against the event:
+// when the probe fails too, the failure is the dependency's, the attempt is
+// not counted, and the handler's circuit breaker stays open, asking the
+// probe once per consumer.breaker.open_timeout, until it passes, so an
+// outage of any length poisons nothing; when it passes, the event is to
+// blame and is poisoned after consumer.retry.max_attempts. It needs
+// consumer.breaker.enabled (Run refuses the handler otherwise). See
+// middleware.ProbeFunc.
+func WithDependencyProbe(probe func(ctx context.Context) error) HandleOption {
+	return func(s *handlerSpec) { s.probe = probe }
+}
+
 type handlerSpec struct {
 	topic, name, group string
 	fn                 HandlerFunc
 	// batch, for a batch handler, is called instead of fn with the events
 	// of a batch and the span contexts that published them.
 	batch func(ctx context.Context, evs []Event, remotes []trace.SpanContext) error
+	// probe checks the handler's dependencies; nil for none.
+	probe middleware.ProbeFunc
 	// unknown is a typed handler's rule for event types it has no route for.
 	unknown UnknownTypes
 }
@@ -298,7 +315,7 @@ func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []han
 	}
 	activities := map[string]*activity{}
 	for _, h := range handlers {
-		if err := broker.Provision(ctx, h.topic, h.group); err != nil {
+		if err := provision(ctx, broker, h.topic, h.group, *b.cfg.Consumer.For(h.name).Ordered); err != nil {
 			return nil, nil, nil, fmt.Errorf("millrace: provision %s for handler %s: %w", h.topic, h.name, err)
 		}
 		act := newActivity(h.name, b.cfg.Consumer.For(h.name).HandlerTimeout, lag.WithLabelValues(h.name, h.group))
@@ -319,6 +336,16 @@ func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []han
 		}
 	}
 	return router, stack, sortedActivities(activities), nil
+}
+
+// provision makes the topology of group on topic exist, with the settings
+// that keep per-aggregate order across redeliveries when ordered and the
+// broker needs them (adapters.OrderedProvisioner).
+func provision(ctx context.Context, broker adapters.Broker, topic, group string, ordered bool) error {
+	if op, ok := broker.(adapters.OrderedProvisioner); ok && ordered {
+		return op.ProvisionOrdered(ctx, topic, group)
+	}
+	return broker.Provision(ctx, topic, group)
 }
 
 // consumerStack builds the middleware stack of the consumer config and
@@ -345,7 +372,7 @@ func (b *Bus) consumerStack(ctx context.Context, poison message.Publisher) (*mid
 // place Run and ConsumerChain build a handler. act, when not nil, records
 // each call of the handler for the health checks.
 func (b *Bus) chain(stack *middleware.Stack, h handlerSpec, act *activity) (*middleware.Chain, message.NoPublishHandlerFunc, error) {
-	chain, err := stack.Chain(middleware.Handler{Name: h.name, Topic: h.topic, ConsumerGroup: h.group})
+	chain, err := stack.Chain(middleware.Handler{Name: h.name, Topic: h.topic, ConsumerGroup: h.group, Probe: h.probe})
 	if err != nil {
 		return nil, nil, err
 	}

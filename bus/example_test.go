@@ -2,9 +2,11 @@ package bus_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -178,4 +180,64 @@ func ExampleWithRouterMiddleware() {
 	if err := b.Run(ctx); err != nil {
 		log.Fatal(err)
 	}
+}
+
+// A handler whose dependency is down: the probe says so, so the event waits
+// (here until its delivery ends, as at a stop) and is handed back to the
+// broker, not poisoned; once the probe passes it is processed.
+func ExampleWithDependencyProbe() {
+	ctx := context.Background()
+	var cfg bus.Config
+	cfg.Database.URL = testdb.URL()
+	cfg.Database.Schema = testdb.UniqueName("example_probe")
+	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
+	cfg.Consumer.Breaker.OpenTimeout = 100 * time.Millisecond // how often the probe is asked while it fails
+
+	db, err := bus.OpenDB(cfg.Database)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer db.Close()
+	defer db.Exec(`DROP SCHEMA "` + cfg.Database.Schema + `" CASCADE`)
+	if err := bus.Migrate(ctx, db, cfg); err != nil {
+		log.Fatal(err)
+	}
+	b, err := bus.Open(ctx, cfg, db)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer b.Close()
+
+	var down atomic.Bool
+	down.Store(true)
+	inventory := func(context.Context) error { // a health check of the service the handler calls
+		if down.Load() {
+			return errors.New("inventory: connection refused")
+		}
+		return nil
+	}
+	handle, err := b.ConsumerChain(ctx, "orders.events", "billing", func(ctx context.Context, ev bus.Event) error {
+		return inventory(ctx) // the handler's call to the service
+	}, nil, bus.WithDependencyProbe(inventory))
+	if err != nil {
+		log.Fatal(err)
+	}
+	msg := message.NewMessage("evt-1", []byte(`{}`))
+	msg.Metadata = message.Metadata{
+		bus.EventIDKey: "evt-1", bus.EventTypeKey: "OrderPlaced",
+		bus.AggregateTypeKey: "order", bus.AggregateIDKey: "ord-1",
+	}
+	stopping, stop := context.WithTimeout(ctx, time.Second)
+	defer stop()
+	delivery := msg.Copy()
+	delivery.SetContext(stopping)
+	fmt.Println("inventory down, ack:", handle(delivery) == nil)
+
+	down.Store(false)
+	delivery = msg.Copy()
+	delivery.SetContext(ctx)
+	fmt.Println("inventory up, ack:", handle(delivery) == nil)
+	// Output:
+	// inventory down, ack: false
+	// inventory up, ack: true
 }

@@ -38,6 +38,14 @@ type breaker struct {
 	// point at a dependency; failures of one message only point at the message.
 	streakFirst string
 	streakMulti bool
+
+	// probe, when set, decides whether a failure is the dependency's (see
+	// ProbeFunc); each call is bounded by probeTimeout. down is set while
+	// it fails, probing while a waiter is asking it.
+	probe        ProbeFunc
+	probeTimeout time.Duration
+	down         bool
+	probing      bool
 }
 
 func newBreaker(name string, cfg BreakerConfig, gauge prometheus.Gauge, logger watermill.LoggerAdapter) *breaker {
@@ -76,12 +84,20 @@ func (b *breaker) onStateChange(_ string, from, to gobreaker.State) {
 	}
 	close(b.changed)
 	b.changed = make(chan struct{})
+	down := b.down
 	b.mu.Unlock()
 
-	b.gauge.Set(map[gobreaker.State]float64{
-		gobreaker.StateClosed: BreakerClosed, gobreaker.StateHalfOpen: BreakerHalfOpen, gobreaker.StateOpen: BreakerOpen,
-	}[to])
+	if !down { // a failing probe holds the breaker open
+		b.gauge.Set(gaugeOf(to))
+	}
 	b.logger.Info("Circuit breaker changed state", watermill.LogFields{"handler": b.name, "from": from.String(), "to": to.String()})
+}
+
+// gaugeOf is millrace_consumer_breaker_state's value for state.
+func gaugeOf(state gobreaker.State) float64 {
+	return map[gobreaker.State]float64{
+		gobreaker.StateClosed: BreakerClosed, gobreaker.StateHalfOpen: BreakerHalfOpen, gobreaker.StateOpen: BreakerOpen,
+	}[state]
 }
 
 // middleware is the breaker stage.
@@ -111,7 +127,14 @@ func (b *breaker) middleware(h message.HandlerFunc) message.HandlerFunc {
 			// dependency that hangs every call is then tried once per
 			// open_timeout rather than by every worker) but is never taken
 			// for an outage: it uses up one of its message's attempts.
-			if b.record(d.eventID, err) && !errors.As(err, new(*abandonedError)) {
+			outage := b.record(d.eventID, err) && !errors.As(err, new(*abandonedError))
+			if b.probes(ctx, err) { // the probe's verdict replaces the guess
+				var took time.Duration
+				err, took = b.judge(ctx, err)
+				d.held += took
+				return out, err
+			}
+			if outage {
 				return out, &outageError{err: err}
 			}
 			return out, err
@@ -124,6 +147,9 @@ func (b *breaker) middleware(h message.HandlerFunc) message.HandlerFunc {
 // it waited.
 func (b *breaker) admit(ctx context.Context, rejected bool) (time.Duration, error) {
 	start := time.Now()
+	if err := b.waitUp(ctx); err != nil {
+		return time.Since(start), err
+	}
 	for {
 		b.mu.Lock()
 		changed, openedAt := b.changed, b.openedAt

@@ -97,7 +97,11 @@
 // keeps failing (every other message in flight succeeds, or it is the only
 // one), it is a bad message: it is poisoned after retry.max_attempts even if
 // its own failures opened the breaker, and the messages behind it flow again.
-// With a single message in flight the two cannot be told apart; see README.md.
+// With a single message in flight the two cannot be told apart that way; a
+// handler with a dependency probe (Handler.Probe, a ProbeFunc) is told
+// instead: after a retryable failure the breaker asks the probe, and a
+// failing probe makes it an outage (not counted, the breaker held open until
+// the probe passes), a passing one a failure of the message. See README.md.
 //
 // An attempt abandoned at handler_timeout is a failure for the breaker too
 // (a dependency that hangs every call opens it, so it is tried once per

@@ -212,6 +212,8 @@ type handlerSpec struct {
 	batch middleware.BatchHandlerFunc
 	// outer wraps the chain (a test hook outside millrace's middleware).
 	outer message.HandlerMiddleware
+	// probe is the handler's dependency probe.
+	probe middleware.ProbeFunc
 }
 
 func startConsumer(t testing.TB, k *kit, e *env, cfg middleware.Config, specs ...handlerSpec) *consumer {
@@ -226,7 +228,7 @@ func startConsumer(t testing.TB, k *kit, e *env, cfg middleware.Config, specs ..
 	require.NoError(t, err)
 	c := &consumer{stack: stack, router: router, reg: reg, chains: map[string]*middleware.Chain{}}
 	for _, s := range specs {
-		chain, err := stack.Chain(middleware.Handler{Name: s.name, Topic: s.topic, ConsumerGroup: s.group})
+		chain, err := stack.Chain(middleware.Handler{Name: s.name, Topic: s.topic, ConsumerGroup: s.group, Probe: s.probe})
 		require.NoError(t, err)
 		c.chains[s.name] = chain
 		handle := chain.Wrap

@@ -54,6 +54,11 @@ type Handler struct {
 	// ConsumerGroup is the handler's consumer group; the inbox deduplicates
 	// per consumer group, so two handlers with the inbox on need two groups. Required.
 	ConsumerGroup string
+	// Probe checks the handler's dependencies, so that the breaker can tell
+	// a dependency outage (the failed attempt is not counted, the breaker
+	// waits until the probe passes) from a bad message (poisoned after its
+	// attempts); see ProbeFunc. It needs breaker.enabled. Defaults to none.
+	Probe ProbeFunc
 }
 
 // Stack builds the middleware chain of each handler of a service and owns
@@ -169,6 +174,8 @@ func (s *Stack) Chain(h Handler) (*Chain, error) {
 	switch {
 	case needsDB && s.db == nil:
 		return nil, fmt.Errorf("millrace consumer: handler %q: Deps.DB is required for the inbox, the ordering guard and the poison table", h.Name)
+	case h.Probe != nil && !*cfg.Breaker.Enabled:
+		return nil, fmt.Errorf("millrace consumer: handler %q: a dependency probe needs the circuit breaker, but %s is false", h.Name, breakerEnabledPath(s.cfg, h.Name))
 	case cfg.Poison.Destination == PoisonToTopic && s.poison == nil:
 		return nil, fmt.Errorf("millrace consumer: handler %q: poison.destination is topic but Deps.PoisonPublisher is nil", h.Name)
 	}
@@ -208,6 +215,7 @@ func (s *Stack) Chain(h Handler) (*Chain, error) {
 	}
 	if *cfg.Breaker.Enabled {
 		c.breaker = newBreaker(h.Name, cfg.Breaker, s.metrics.breaker.WithLabelValues(h.Name), s.logger)
+		c.breaker.probe, c.breaker.probeTimeout = h.Probe, cfg.HandlerTimeout
 	} else {
 		s.metrics.breaker.WithLabelValues(h.Name).Set(BreakerClosed)
 	}

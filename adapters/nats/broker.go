@@ -44,6 +44,7 @@ type Broker struct {
 	mu          sync.Mutex
 	streams     map[string]bool // topics whose stream is known to match the config
 	consumers   map[string]bool // topic + "\x00" + group whose consumer is known to match
+	ordered     map[string]bool // topic + "\x00" + group provisioned by ProvisionOrdered
 	subscribers []*subscriber
 	closed      bool
 }
@@ -78,6 +79,7 @@ func open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, erro
 		logger:    opts.Logger,
 		streams:   map[string]bool{},
 		consumers: map[string]bool{},
+		ordered:   map[string]bool{},
 		window:    make(chan struct{}, cfg.Publish.MaxPending),
 	}
 	cfg.TLS.WarnInsecure(opts.Logger, "broker.nats.tls")

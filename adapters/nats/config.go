@@ -105,8 +105,9 @@ type ConsumerConfig struct {
 	// subscription's buffer with their ack_wait running, so keep it below
 	// ack_wait divided by the slowest handler's time, and at least the number
 	// of the group's subscriptions. 1 keeps strict order even across
-	// redeliveries, but then the group handles one message at a time.
-	// Defaults to 32.
+	// redeliveries, but then the group handles one message at a time; the
+	// group of a handler with consumer.ordered: true always gets 1
+	// (Broker.ProvisionOrdered). Defaults to 32.
 	MaxAckPending int `yaml:"max_ack_pending"`
 	// NakDelay is how long the server waits before delivering a nacked
 	// message again, so a failing message does not spin. Defaults to 5s.

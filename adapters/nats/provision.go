@@ -86,7 +86,7 @@ func (b *Broker) consumerConfig(topic, group string) jetstream.ConsumerConfig {
 		AckPolicy:      jetstream.AckExplicitPolicy,
 		AckWait:        cc.AckWait,
 		MaxDeliver:     cc.MaxDeliver,
-		MaxAckPending:  cc.MaxAckPending,
+		MaxAckPending:  b.maxAckPending(topic, group),
 		ReplayPolicy:   jetstream.ReplayInstantPolicy,
 	}
 }
@@ -167,6 +167,9 @@ func (b *Broker) ensureConsumer(ctx context.Context, topic, group string) error 
 			c, err = b.js.PushConsumer(ctx, stream, want.Durable)
 		}
 	}
+	if err == nil && !created {
+		c, err = b.keepOrder(ctx, topic, group, c)
+	}
 	if err != nil {
 		if errors.Is(err, jetstream.ErrNotPushConsumer) {
 			return adapters.Permanent(fmt.Errorf("nats: consumer %q on stream %q (group %q, topic %q) is a pull consumer; millrace needs a push consumer: %w",
@@ -226,7 +229,7 @@ func diffConsumer(want, got jetstream.ConsumerConfig, topic string) []string {
 	d.check("ack_policy", got.AckPolicy, want.AckPolicy, "")
 	d.check("ack_wait", got.AckWait, want.AckWait, "consumer.ack_wait")
 	d.check("max_deliver", got.MaxDeliver, want.MaxDeliver, "consumer.max_deliver")
-	d.check("max_ack_pending", got.MaxAckPending, want.MaxAckPending, "consumer.max_ack_pending")
+	d.check("max_ack_pending", got.MaxAckPending, want.MaxAckPending, "consumer.max_ack_pending; a handler with consumer.ordered: true sets 1")
 	d.check("replay_policy", got.ReplayPolicy, want.ReplayPolicy, "")
 	if got.FilterSubject != "" && got.FilterSubject != topic {
 		d.add("filter_subject", got.FilterSubject, "none", "")

@@ -35,6 +35,8 @@ type nodeSpec struct {
 	// DependencyURL is called by the handler before its effect; a non-200
 	// answer fails the attempt (a dependency outage).
 	DependencyURL string
+	// Probe gives the handler a dependency probe that calls DependencyURL.
+	Probe bool
 	// KillAfterEffect makes the node SIGKILL itself once its n-th event's
 	// effect is committed, before the ack (0: never).
 	KillAfterEffect int
@@ -74,7 +76,11 @@ func runNode(raw string) int {
 	}
 	defer b.Close()
 	if spec.Consume {
-		if err := b.Handle(spec.Topic, spec.Handler, effectHandler(spec, cfg.Database.Schema)); err != nil {
+		var hopts []bus.HandleOption
+		if spec.Probe {
+			hopts = append(hopts, bus.WithDependencyProbe(func(ctx context.Context) error { return callDependency(ctx, spec.DependencyURL) }))
+		}
+		if err := b.Handle(spec.Topic, spec.Handler, effectHandler(spec, cfg.Database.Schema), hopts...); err != nil {
 			fmt.Fprintln(os.Stderr, "node:", err)
 			return 1
 		}
@@ -91,7 +97,6 @@ func runNode(raw string) int {
 // second row.
 func effectHandler(spec nodeSpec, schema string) bus.HandlerFunc {
 	insert := `INSERT INTO "` + schema + `".effects (event_id, aggregate_id, version, pid) VALUES ($1, $2, $3, $4)`
-	client := &http.Client{Timeout: 2 * time.Second}
 	pid := os.Getpid()
 	return func(ctx context.Context, ev bus.Event) error {
 		var p payload
@@ -99,18 +104,32 @@ func effectHandler(spec nodeSpec, schema string) bus.HandlerFunc {
 			return middleware.Invalid("payload", "not a counted event: %s", ev.Payload)
 		}
 		if spec.DependencyURL != "" {
-			resp, err := client.Get(spec.DependencyURL)
-			if err != nil {
-				return fmt.Errorf("dependency: %w", err)
-			}
-			resp.Body.Close()
-			if resp.StatusCode != http.StatusOK {
-				return fmt.Errorf("dependency: %s", resp.Status)
+			if err := callDependency(ctx, spec.DependencyURL); err != nil {
+				return err
 			}
 		}
 		_, err := bus.Tx(ctx).ExecContext(ctx, insert, ev.ID, ev.AggregateID, ev.AggregateVersion, pid)
 		return err
 	}
+}
+
+var dependencyClient = &http.Client{Timeout: 2 * time.Second}
+
+// callDependency fails unless url answers 200.
+func callDependency(ctx context.Context, url string) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return err
+	}
+	resp, err := dependencyClient.Do(req)
+	if err != nil {
+		return fmt.Errorf("dependency: %w", err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("dependency: %s", resp.Status)
+	}
+	return nil
 }
 
 // killAfterEffect SIGKILLs the process when the n-th message's chain has

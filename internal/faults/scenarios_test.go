@@ -20,6 +20,7 @@ import (
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/servers"
 	"github.com/millrace-io/millrace/internal/testkit"
+	"github.com/millrace-io/millrace/middleware"
 )
 
 // The scenarios, in the order docs/RELIABILITY.md lists them.
@@ -152,12 +153,10 @@ func TestConsumerSIGKILLAfterEffect(t *testing.T) {
 		}
 		w.start("consumer", nodeSpec{Consume: true})
 		recovery := w.settle(settleTimeout)
-		// JetStream gives the messages a dead consumer held to the next one
-		// only after ack_wait, behind newer events of their aggregates
-		// (README, "Guarantees").
-		ordered := kind != bus.KindNATS
+		// On NATS the ordered group's consumer has max_ack_pending 1: what a
+		// dead consumer held comes back after ack_wait, before anything newer.
 		record(result{scenario: consumerKilled, broker: kind, faults: fmt.Sprintf("%d SIGKILLs", kills),
-			o: w.check(ordered), ordered: ordered, recovery: recovery})
+			o: w.check(true), ordered: true, recovery: recovery})
 	})
 }
 
@@ -231,10 +230,7 @@ func TestSIGTERMMidBatch(t *testing.T) {
 		w.fault()
 		w.start("node-2", nodeSpec{Relay: true, Consume: true})
 		recovery := w.settle(settleTimeout)
-		// What the stopped node gave back reaches the next one on NATS after
-		// newer events of the same aggregates, as after a crash.
-		ordered := kind != bus.KindNATS
-		record(result{scenario: terminated, broker: kind, faults: "1 SIGTERM", o: w.check(ordered), ordered: ordered, recovery: recovery,
+		record(result{scenario: terminated, broker: kind, faults: "1 SIGTERM", o: w.check(true), ordered: true, recovery: recovery,
 			note: fmt.Sprintf("exit status 0 %s after SIGTERM (allowed: %s)", took.Round(10*time.Millisecond), limit)})
 	})
 }
@@ -288,17 +284,16 @@ func TestDependencyOutage(t *testing.T) {
 		}))
 		t.Cleanup(dep.Close)
 		// An ordered handler on RabbitMQ or NATS has one message in flight:
-		// its failures alone cannot tell an outage from a bad message, and
-		// it is poisoned once its retries run out (middleware/README.md). A
-		// consumer that must ride out outages gets a longer retry ladder, as
-		// the README advises: here about 15s against a 4s outage.
-		w := newWorld(t, kind, worldOptions{tune: func(c *bus.Config) {
-			c.Consumer.Retry.MaxAttempts, c.Consumer.Retry.MaxInterval = 20, time.Second
-		}})
-		w.start("node", nodeSpec{Relay: true, Consume: true, DependencyURL: dep.URL})
+		// its failures alone cannot tell an outage from a bad message
+		// (middleware/README.md). Its dependency probe can: with the default
+		// retry ladder (5 attempts, about 1.5s) it rides out an outage
+		// longer than that. (middleware's
+		// TestProbeRidesOutALongOutageBehindAnOrderedHandler holds one for 60s.)
+		w := newWorld(t, kind, worldOptions{tune: func(c *bus.Config) { c.Consumer.Retry = middleware.RetryConfig{} }})
+		w.start("node", nodeSpec{Relay: true, Consume: true, DependencyURL: dep.URL, Probe: true})
 		stop := w.writer.start(rate)
 		w.flowing(200)
-		const outage = 4 * time.Second
+		const outage = 5 * time.Second
 		down.Store(true)
 		time.Sleep(outage)
 		down.Store(false)
@@ -308,7 +303,7 @@ func TestDependencyOutage(t *testing.T) {
 		recovery := w.settle(settleTimeout)
 		o := w.check(true)
 		record(result{scenario: dependencyOutage, broker: kind, faults: fmt.Sprintf("%s of HTTP 503", outage), o: o, ordered: true,
-			recovery: recovery, note: fmt.Sprintf("%d calls failed during the outage (the open breaker holds messages between trials); %d poisoned; retry.max_attempts 20",
+			recovery: recovery, note: fmt.Sprintf("%d calls failed during the outage (handler and dependency probe; the open breaker holds messages between probes); %d poisoned; default retry ladder (max_attempts 5)",
 				failed.Load(), o.poisoned)})
 	})
 }

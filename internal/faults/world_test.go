@@ -12,6 +12,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/brokertest"
@@ -105,7 +106,11 @@ func newWorld(t *testing.T, kind string, opts worldOptions) *world {
 	// relayed, whichever node starts first.
 	broker, err := bus.OpenBroker(ctx, cfg, nil)
 	require.NoError(t, err)
-	require.NoError(t, broker.Provision(ctx, w.topic, w.handler))
+	if op, ok := broker.(adapters.OrderedProvisioner); ok {
+		require.NoError(t, op.ProvisionOrdered(ctx, w.topic, w.handler)) // as bus.Run does for an ordered handler
+	} else {
+		require.NoError(t, broker.Provision(ctx, w.topic, w.handler))
+	}
 	require.NoError(t, broker.Close())
 	if opts.brokerURL == "" {
 		brokertest.Cleanup(t, kind, w.topic, w.handler)

@@ -233,7 +233,7 @@ func (b *Bus) Publish(ctx context.Context, tx *sql.Tx, topic string, events ...E
 		return ErrNilTx
 	}
 	if len(events) == 0 {
-		_, err := b.outboxRows(ctx, topic, nil) // checks the topic; writes nothing
+		_, _, err := b.outboxRows(ctx, topic, nil) // checks the topic; writes nothing
 		return err
 	}
 	ctx, span := b.tracer.Start(ctx, topic+" publish", trace.WithSpanKind(trace.SpanKindProducer),
@@ -249,7 +249,7 @@ func (b *Bus) Publish(ctx context.Context, tx *sql.Tx, topic string, events ...E
 		}
 		span.End()
 	}()
-	rows, err := b.outboxRows(ctx, topic, events)
+	rows, _, err := b.outboxRows(ctx, topic, events)
 	if err != nil {
 		return err
 	}
@@ -285,23 +285,25 @@ func (b *Bus) PublishInOwnTx(ctx context.Context, topic string, events ...Event)
 	return nil
 }
 
-// outboxRows checks every event and wraps each in a forwarder envelope.
-func (b *Bus) outboxRows(ctx context.Context, topic string, events []Event) ([]*message.Message, error) {
+// outboxRows checks every event and wraps each in a forwarder envelope; ids
+// are the events' ids, generated where an event has none.
+func (b *Bus) outboxRows(ctx context.Context, topic string, events []Event) (rows []*message.Message, ids []string, err error) {
 	if err := b.checkOpen(); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if err := names.Topic(topic); err != nil {
-		return nil, fmt.Errorf("%w %q: %v", ErrInvalidTopic, topic, err)
+		return nil, nil, fmt.Errorf("%w %q: %v", ErrInvalidTopic, topic, err)
 	}
 	if err := b.rules.CheckTopic(topic); err != nil {
-		return nil, fmt.Errorf("%w %q on broker.kind %s: %w", ErrInvalidTopic, topic, b.cfg.Broker.Kind, err)
+		return nil, nil, fmt.Errorf("%w %q on broker.kind %s: %w", ErrInvalidTopic, topic, b.cfg.Broker.Kind, err)
 	}
 	if err := ctx.Err(); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	now := b.now()
 	prop := forwarder.Propagator(b.propagator)
-	rows := make([]*message.Message, len(events))
+	rows = make([]*message.Message, len(events))
+	ids = make([]string, len(events))
 	for i, e := range events {
 		msg, err := e.toMessage(ctx, b.cfg.Outbox, now, prop, b.cePrefix)
 		if err == nil {
@@ -312,19 +314,20 @@ func (b *Bus) outboxRows(ctx context.Context, topic string, events []Event) ([]*
 			if errors.As(err, &ee) {
 				ee.Index, ee.Type = i, e.Type
 			}
-			return nil, err
+			return nil, nil, err
 		}
 		payload, err := envelope.Wrap(topic, msg)
 		if err != nil {
-			return nil, fmt.Errorf("millrace: wrap event %d: %w", i, err)
+			return nil, nil, fmt.Errorf("millrace: wrap event %d: %w", i, err)
 		}
 		rowID := msg.UUID
 		if len(rowID) > 36 { // the outbox uuid column is VARCHAR(36)
 			rowID = watermill.NewUUID()
 		}
 		rows[i] = message.NewMessage(rowID, payload)
+		ids[i] = msg.UUID
 	}
-	return rows, nil
+	return rows, ids, nil
 }
 
 // Close releases what the Bus owns. It is idempotent.

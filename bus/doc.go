@@ -32,6 +32,15 @@
 // refused call writes nothing. PublishInOwnTx is the explicit way to publish without
 // a business transaction.
 //
+// # Scheduled events
+//
+// Schedule writes events in the caller's transaction to be published at a
+// due time (DueAt) or after a delay (DueIn); CancelScheduled deletes one
+// before it is due, in the caller's transaction too. They wait in a table of
+// their own; the relay moves each into the outbox when it is due, in one
+// transaction, and from then on it is ordered like an event published at
+// that moment. A bad due time is a *ScheduleError naming the field.
+//
 // # Typed events
 //
 // A Topic[T] declares a topic with the Go type of its events once, with its

@@ -241,3 +241,67 @@ func ExampleWithDependencyProbe() {
 	// inventory down, ack: false
 	// inventory up, ack: true
 }
+
+// An event scheduled for later, in the caller's transaction, and cancelled
+// before it is due: it is never published.
+func ExampleBus_Schedule() {
+	ctx := context.Background()
+	var cfg bus.Config
+	cfg.Database.URL = testdb.URL()
+	cfg.Database.Schema = testdb.UniqueName("example_schedule")
+	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
+
+	db, err := bus.OpenDB(cfg.Database)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer db.Close()
+	defer db.Exec(`DROP SCHEMA "` + cfg.Database.Schema + `" CASCADE`)
+	if err := bus.Migrate(ctx, db, cfg); err != nil {
+		log.Fatal(err)
+	}
+	b, err := bus.Open(ctx, cfg, db)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer b.Close()
+
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	ids, err := b.Schedule(ctx, tx, "orders.events", bus.DueIn(30*time.Minute), bus.Event{
+		ID:            "remind-ord-1",
+		Type:          "PaymentReminderDue",
+		AggregateType: "order",
+		AggregateID:   "ord-1",
+		Payload:       []byte(`{"order_id":"ord-1"}`),
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("scheduled:", ids[0])
+
+	// The order was paid: the reminder is no longer wanted.
+	tx, err = db.BeginTx(ctx, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := b.CancelScheduled(ctx, tx, ids[0]); err != nil {
+		log.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("cancelled")
+
+	_, err = b.Schedule(ctx, tx, "orders.events", bus.DueIn(-time.Minute), bus.Event{})
+	fmt.Println(err)
+	// Output:
+	// scheduled: remind-ord-1
+	// cancelled
+	// millrace: invalid schedule: Delay: must not be negative; got -1m0s
+}

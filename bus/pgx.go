@@ -58,7 +58,7 @@ func (b *Bus) PublishPgx(ctx context.Context, tx pgx.Tx, topic string, events ..
 	if tx == nil {
 		return ErrNilTx
 	}
-	rows, err := b.outboxRows(ctx, topic, events)
+	rows, _, err := b.outboxRows(ctx, topic, events)
 	if err != nil || len(rows) == 0 {
 		return err
 	}

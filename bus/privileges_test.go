@@ -129,7 +129,7 @@ func (e *evidence) text() string {
 }
 
 // serviceRun is a service running as the service role: it publishes two
-// good events and a bad one, relays them (with a corrupt outbox row to
+// good events and a bad one, schedules two and cancels one, relays them (with a corrupt outbox row to
 // quarantine and forwarded rows to clean up), handles them with the inbox,
 // the ordering guard and inbox retention on, and poisons the bad one.
 type serviceRun struct {
@@ -196,7 +196,38 @@ func startService(t *testing.T, revoke int) *serviceRun {
 		bus.Event{Type: "OrderPlaced", AggregateType: "order", AggregateID: "o-2", AggregateVersion: 1, Payload: []byte(`{}`)},
 		bus.Event{Type: "Bad", AggregateType: "order", AggregateID: "o-3", AggregateVersion: 1, Payload: []byte(`{}`)},
 	))
+	s.ev.add(s.schedule(ctx, b, topic))
 	return s
+}
+
+// schedule schedules one event due at once, which the relay moves into the
+// outbox, and one due in an hour, which it cancels.
+func (s *serviceRun) schedule(ctx context.Context, b *bus.Bus, topic string) error {
+	tx, err := s.r.service.BeginTx(ctx, nil)
+	if err != nil {
+		return err
+	}
+	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
+	if _, err := b.Schedule(ctx, tx, topic, bus.DueIn(0),
+		bus.Event{Type: "OrderPlaced", AggregateType: "order", AggregateID: "o-4", AggregateVersion: 1, Payload: []byte(`{}`)}); err != nil {
+		return err
+	}
+	later, err := b.Schedule(ctx, tx, topic, bus.DueIn(time.Hour),
+		bus.Event{Type: "OrderPlaced", AggregateType: "order", AggregateID: "o-5", AggregateVersion: 1, Payload: []byte(`{}`)})
+	if err != nil {
+		return err
+	}
+	if err := tx.Commit(); err != nil {
+		return err
+	}
+	tx, err = s.r.service.BeginTx(ctx, nil)
+	if err != nil {
+		return err
+	}
+	if err := b.CancelScheduled(ctx, tx, later[0]); err != nil {
+		return err
+	}
+	return tx.Commit()
 }
 
 func (s *serviceRun) count(t *testing.T, table string) int {
@@ -211,11 +242,15 @@ func (s *serviceRun) inspect() (bus.OutboxStatus, error) {
 	if err != nil {
 		return bus.OutboxStatus{}, err
 	}
+	if _, err := ops.ListScheduled(context.Background(), 10); err != nil {
+		return bus.OutboxStatus{}, err
+	}
 	return ops.OutboxStatus(context.Background(), "")
 }
 
 // The service role with exactly the listed privileges runs everything:
-// publish, relay (with quarantine and cleanup), a consumer with the inbox,
+// publish, schedule and cancel, relay (with quarantine, cleanup and the
+// move of due scheduled events), a consumer with the inbox,
 // the ordering guard, inbox retention and the poison table, and outbox
 // status; and it can do nothing else.
 func TestLeastPrivilegeRoleRunsEverything(t *testing.T) {
@@ -226,10 +261,11 @@ func TestLeastPrivilegeRoleRunsEverything(t *testing.T) {
 		s.mu.Lock()
 		handled := len(s.handled)
 		s.mu.Unlock()
-		return handled == 2 &&
+		return handled == 3 &&
+			s.count(t, "millrace_scheduled") == 0 && // one moved into the outbox when due, one cancelled
 			s.count(t, "millrace_poison") == 1 &&
 			s.count(t, "millrace_relay_quarantine") == 1 &&
-			s.count(t, "millrace_aggregate_versions") == 2 &&
+			s.count(t, "millrace_aggregate_versions") == 3 &&
 			s.count(t, "watermill_millrace_outbox") == 0 && // forwarded rows cleaned up
 			s.count(t, "millrace_inbox") == 0 // processed events pruned by retention
 	}, 90*time.Second, 20*time.Millisecond, "the service did not finish its work; it said:\n%s", s.ev.text())

@@ -55,6 +55,11 @@ type Config struct {
 	// the count when its last read found nothing pending within the
 	// interval, so an idle relay adds no statement. Defaults to 5s.
 	BacklogInterval time.Duration `yaml:"backlog_interval"`
+	// SchedulePollInterval is the longest the relay's scheduler sleeps
+	// between two looks at the scheduled messages, a fallback: it wakes at
+	// the next message's due time, and at once when a sooner one is
+	// scheduled (NOTIFY). Defaults to 1m.
+	SchedulePollInterval time.Duration `yaml:"schedule_poll_interval"`
 	// ShutdownTimeout bounds how long a stopping relay waits for the batch in
 	// flight to be confirmed; after it, the batch is abandoned unacked (and
 	// published again by the next relay). Defaults to 10s.
@@ -81,6 +86,7 @@ func (c Config) WithDefaults() Config {
 		c.Shards = new(1)
 	}
 	c.BacklogInterval = cmp.Or(c.BacklogInterval, 5*time.Second)
+	c.SchedulePollInterval = cmp.Or(c.SchedulePollInterval, time.Minute)
 	c.ShutdownTimeout = cmp.Or(c.ShutdownTimeout, 10*time.Second)
 	return c
 }
@@ -114,6 +120,7 @@ func (c Config) Validate(path string) []error {
 		}
 	}
 	chk.PositiveDuration(at("backlog_interval"), c.BacklogInterval)
+	chk.PositiveDuration(at("schedule_poll_interval"), c.SchedulePollInterval)
 	chk.PositiveDuration(at("shutdown_timeout"), c.ShutdownTimeout)
 	return chk.Problems
 }

@@ -32,7 +32,7 @@ const (
 	relayRole      = "relay"
 	childKindEnv   = "MILLRACE_RELAY_KIND"
 	childSchemaEnv = "MILLRACE_RELAY_SCHEMA"
-	childKillEnv   = "MILLRACE_RELAY_KILL" // before-publish:N or after-publish:N
+	childKillEnv   = "MILLRACE_RELAY_KILL" // before-publish:N, after-publish:N or after-move:N
 	childAppEnv    = "MILLRACE_RELAY_APP"  // application_name of its sessions
 )
 
@@ -85,6 +85,8 @@ func runRelayChild() int {
 			forwarder.SetBeforePublish(f, hook)
 		case "after-publish":
 			forwarder.SetAfterPublish(f, hook) // confirmed by the broker, not yet acked
+		case "after-move":
+			forwarder.SetAfterScheduledMove(f, hook) // due scheduled rows committed into the outbox
 		}
 	}
 	if err := f.Run(ctx); err != nil {

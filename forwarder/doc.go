@@ -56,6 +56,19 @@
 // topic and partition key). A message retried after a partial failure may
 // follow later messages of the same batch that were already confirmed.
 //
+// # Scheduled messages
+//
+// Every relay, active or standby, also moves scheduled messages (written by
+// bus.Schedule into a table of their own) into the outbox when they are due:
+// in one transaction it deletes the due rows, FOR UPDATE SKIP LOCKED so that
+// relays never wait on one another, and inserts them into the outbox in due
+// order, whose trigger wakes the active relay. A crash mid-move rolls the
+// whole move back. It then sleeps until the next due time, woken early by
+// the NOTIFY of a newly scheduled message (recomputing its wake-up) and at
+// most schedule_poll_interval (1m); rows held by another relay's move are
+// left to it for 10ms. Immediate events never wait for scheduled ones: those
+// are not in the outbox until due.
+//
 // # Backlog, retention, stop
 //
 // batch_size, max_in_flight and rate_limit bound a drain. Forwarded rows older
@@ -69,8 +82,9 @@
 // millrace_relay_oldest_pending_age_seconds, millrace_relay_batches_total,
 // millrace_relay_messages_forwarded_total, millrace_relay_publish_errors_total
 // (by class), millrace_relay_quarantined_total,
-// millrace_relay_cleanup_deleted_total and
-// millrace_relay_commit_to_publish_seconds.
+// millrace_relay_cleanup_deleted_total,
+// millrace_relay_commit_to_publish_seconds and
+// millrace_relay_scheduled_moved_total.
 //
 // The pending-rows and oldest-age gauges are measured in the database by the
 // active relay on a timer of its own (backlog_interval, 5s), whatever its

@@ -5,3 +5,5 @@ package forwarder
 func SetBeforePublish(f *Forwarder, hook func(batch int)) { f.beforePublish = hook }
 
 func SetAfterPublish(f *Forwarder, hook func(batch int)) { f.afterPublish = hook }
+
+func SetAfterScheduledMove(f *Forwarder, hook func(moved int)) { f.afterScheduledMove = hook }

@@ -6,6 +6,7 @@ import (
 	"database/sql/driver"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -72,6 +73,9 @@ type Forwarder struct {
 	// Test hooks, set only by this package's tests (see export_test.go).
 	beforePublish func(batch int)
 	afterPublish  func(batch int)
+	// afterScheduledMove runs once due scheduled messages were committed
+	// into the outbox.
+	afterScheduledMove func(moved int)
 }
 
 // New returns a relay for outbox on db (a pool opened with pgx/v5's stdlib
@@ -123,11 +127,16 @@ var ErrNotPgx = errors.New("forwarder: LISTEN/NOTIFY needs a database/sql pool o
 
 // Run forwards until ctx is cancelled. It first waits to become the active
 // relay (a hot standby until then), then drains the outbox, waking on NOTIFY
-// and on the fallback poll. On cancellation the batch in flight gets up to
+// and on the fallback poll. Alongside, active or standby, it moves scheduled
+// messages into the outbox when they are due. On cancellation the batch in flight gets up to
 // shutdown_timeout to be confirmed and acked; otherwise it is abandoned
 // unacked. Run returns nil after a clean stop, and ErrNotPgx at once when the
 // pool cannot LISTEN.
 func (f *Forwarder) Run(ctx context.Context) error {
+	scheduleCtx, stopScheduling := context.WithCancel(ctx)
+	var scheduling sync.WaitGroup
+	defer func() { stopScheduling(); scheduling.Wait() }()
+	scheduling.Go(func() { f.schedule(scheduleCtx) })
 	retry := f.newBackoff()
 	for ctx.Err() == nil {
 		f.health.set(RoleStarting)

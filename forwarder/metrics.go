@@ -22,6 +22,7 @@ type metrics struct {
 	quarantined     prometheus.Counter
 	deleted         prometheus.Counter
 	commitToPublish prometheus.Histogram
+	scheduledMoved  prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer, outbox string) (*metrics, error) {
@@ -64,6 +65,10 @@ func newMetrics(reg prometheus.Registerer, outbox string) (*metrics, error) {
 			Help:    "From the event's occurred-at to the broker's confirm.",
 			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60},
 		}),
+		scheduledMoved: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "millrace_relay_scheduled_moved_total", ConstLabels: labels,
+			Help: "Scheduled messages this relay moved into the outbox at their due time.",
+		}),
 	}
 	// Known label values start at zero, so rate() and alerts see the series
 	// before the first error.
@@ -74,7 +79,7 @@ func newMetrics(reg prometheus.Registerer, outbox string) (*metrics, error) {
 		return m, nil
 	}
 	for _, c := range []prometheus.Collector{m.leader, m.pending, m.oldestAge, m.batches, m.forwarded,
-		m.publishErrors, m.quarantined, m.deleted, m.commitToPublish} {
+		m.publishErrors, m.quarantined, m.deleted, m.commitToPublish, m.scheduledMoved} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

@@ -78,6 +78,12 @@ func Grants(t Tables) []Grant {
 	poison, poisonName := table("millrace_poison")
 	add("SELECT, INSERT, UPDATE", "TABLE", poison, poisonName, "consumers: store poisoned messages (again: update their row)")
 	add("USAGE", "SEQUENCE", t.qualify("millrace_poison_id_seq"), "millrace_poison_id_seq", "consumers: number poisoned messages")
+
+	scheduled, scheduledName := table("millrace_scheduled")
+	add("INSERT", "TABLE", scheduled, scheduledName, "publish: schedule events for later")
+	add("USAGE", "SEQUENCE", t.qualify("millrace_scheduled_seq_seq"), "millrace_scheduled_seq_seq", "publish: order scheduled events due at the same time")
+	add("SELECT, UPDATE, DELETE", "TABLE", scheduled, scheduledName,
+		"relay: move due events into the outbox (locking them, hence UPDATE); cancel a scheduled event; list them")
 	return g
 }
 

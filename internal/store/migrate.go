@@ -11,7 +11,8 @@ import (
 const migrateLockKey = 0x6d696c6c72616365 // "millrace"
 
 // Migrate creates every table, index and trigger millrace needs (outbox,
-// offsets, inbox, poison, poison-replay and aggregate-versions tables), idempotently,
+// offsets, inbox, poison, poison-replay, aggregate-versions and scheduled
+// tables), idempotently,
 // in one transaction under an advisory lock so that several instances may run
 // it at once.
 func Migrate(ctx context.Context, db *sql.DB, t Tables) error {
@@ -145,5 +146,5 @@ END $$`,
 	PRIMARY KEY (consumer_group, aggregate_type, aggregate_id)
 )`,
 	)
-	return stmts
+	return append(stmts, t.scheduledStatements()...)
 }

@@ -1,0 +1,68 @@
+package bus
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/millrace-io/millrace/internal/store"
+)
+
+// ScheduledEvent is an event waiting for its due time (Bus.Schedule).
+type ScheduledEvent struct {
+	// ID is the event id, what CancelScheduled takes.
+	ID string `json:"id"`
+	// Topic is the destination topic.
+	Topic         string    `json:"topic"`
+	Type          string    `json:"type"`
+	AggregateType string    `json:"aggregate_type"`
+	AggregateID   string    `json:"aggregate_id"`
+	DueAt         time.Time `json:"due_at"`
+	// ScheduledAt is when the transaction that scheduled it began.
+	ScheduledAt time.Time `json:"scheduled_at"`
+}
+
+// ScheduledList is a page of scheduled events.
+type ScheduledList struct {
+	Events []ScheduledEvent `json:"events"`
+	// Total counts every scheduled event.
+	Total int64 `json:"total"`
+	// Truncated says more events are scheduled than the limit.
+	Truncated bool `json:"truncated"`
+}
+
+// ListScheduled lists the scheduled events, the soonest due first, at most
+// limit of them (0: all).
+func (o *Ops) ListScheduled(ctx context.Context, limit int) (ScheduledList, error) {
+	read, err := listLimit(limit)
+	if err != nil {
+		return ScheduledList{}, err
+	}
+	if read == 0 {
+		read = -1
+	}
+	rows, total, err := o.tables.ListScheduled(ctx, o.db, read)
+	if err != nil {
+		return ScheduledList{}, err
+	}
+	res := ScheduledList{Total: total}
+	res.Events, res.Truncated = page(rows, func(r store.ScheduledRow) ScheduledEvent {
+		return ScheduledEvent{ID: r.ID, Topic: r.Topic, Type: r.Type, AggregateType: r.AggregateType,
+			AggregateID: r.AggregateID, DueAt: r.DueAt, ScheduledAt: r.ScheduledAt}
+	}, limit)
+	return res, nil
+}
+
+// CancelScheduled deletes the scheduled event id in a transaction of its
+// own, as Bus.CancelScheduled does in the caller's: it returns an error
+// matching ErrNotScheduled when there is no such event.
+func (o *Ops) CancelScheduled(ctx context.Context, id string) error {
+	found, err := o.tables.CancelScheduled(ctx, o.db, id)
+	switch {
+	case err != nil:
+		return fmt.Errorf("millrace: %w", err)
+	case !found:
+		return fmt.Errorf("%w: %q", ErrNotScheduled, id)
+	}
+	return nil
+}

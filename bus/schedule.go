@@ -1,0 +1,207 @@
+package bus
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/millrace-io/millrace/internal/store"
+)
+
+// When is when a scheduled event is due: DueAt a time, or DueIn a delay.
+// The zero When is refused.
+type When struct {
+	at    time.Time
+	delay time.Duration
+	kind  whenKind
+}
+
+type whenKind int
+
+const (
+	whenUnset whenKind = iota
+	whenAt
+	whenIn
+)
+
+// DueAt is due at t. t must not be zero; a t in the past is due at once.
+// The relay compares it with the database's clock.
+func DueAt(t time.Time) When { return When{at: t, kind: whenAt} }
+
+// DueIn is due d after the event is written, by the database's clock (so
+// a clock difference between the service and PostgreSQL does not move
+// it). d must not be negative; 0 is due at once.
+func DueIn(d time.Duration) When { return When{delay: d, kind: whenIn} }
+
+// ErrInvalidSchedule is matched (errors.Is) by the *ScheduleError of a
+// Schedule given a due time it cannot use.
+var ErrInvalidSchedule = errors.New("millrace: invalid schedule")
+
+// ErrNotScheduled: CancelScheduled found no such scheduled event. Its id is
+// unknown, it was cancelled already, or it was due and the relay moved it
+// into the outbox, from where it is published.
+var ErrNotScheduled = errors.New("millrace: no such scheduled event (unknown id, cancelled already, or already due and in the outbox)")
+
+// ScheduleError says which part of a When is wrong: "At" (a zero time),
+// "Delay" (a negative one) or "When" (the zero When). Nothing was written.
+type ScheduleError struct {
+	// Field is "At", "Delay" or "When".
+	Field string
+	// Detail says what was wrong.
+	Detail string
+}
+
+func (e *ScheduleError) Error() string {
+	return fmt.Sprintf("%v: %s: %s", ErrInvalidSchedule, e.Field, e.Detail)
+}
+
+// Unwrap returns ErrInvalidSchedule.
+func (e *ScheduleError) Unwrap() error { return ErrInvalidSchedule }
+
+// Permanent is true: the same When is refused again.
+func (e *ScheduleError) Permanent() bool { return true }
+
+func (w When) check() error {
+	switch w.kind {
+	case whenUnset:
+		return &ScheduleError{Field: "When", Detail: "no due time: use bus.DueAt(t) or bus.DueIn(d)"}
+	case whenIn:
+		if w.delay < 0 {
+			return &ScheduleError{Field: "Delay", Detail: fmt.Sprintf("must not be negative; got %s", w.delay)}
+		}
+	case whenAt:
+		if w.at.IsZero() {
+			return &ScheduleError{Field: "At", Detail: "the due time is the zero time.Time"}
+		}
+		if y := w.at.UTC().Year(); y < 1 || y > 9999 {
+			return &ScheduleError{Field: "At", Detail: fmt.Sprintf("year %d is outside 0001-9999", y)}
+		}
+	}
+	return nil
+}
+
+// Schedule writes events for topic within tx, the caller's transaction, to
+// be published when they are due: if tx commits, the relay moves them into
+// the outbox at their due time (events due at the same time in the order
+// given), and from there they are published like any other event. It
+// returns the events' ids, what CancelScheduled takes. Every event is
+// checked as Publish checks it, and when; on any error nothing is written.
+//
+// A scheduled event enters the outbox when it is due and is ordered from
+// then on: an event of the same aggregate published (committed) before that
+// moment leaves before it, one published after leaves after it. Events due
+// already never wait for scheduled ones, and scheduled ones never hold back
+// the outbox. With consumer.ordering_guard, give a scheduled event an
+// aggregate version of 0 (none), or one above every version published until
+// it is due: the guard drops an event older than what it applied.
+func (b *Bus) Schedule(ctx context.Context, tx *sql.Tx, topic string, when When, events ...Event) ([]string, error) {
+	if tx == nil {
+		return nil, ErrNilTx
+	}
+	return b.schedule(ctx, tx, topic, when, events)
+}
+
+// SchedulePgx is Schedule in a pgx transaction.
+func (b *Bus) SchedulePgx(ctx context.Context, tx pgx.Tx, topic string, when When, events ...Event) ([]string, error) {
+	if tx == nil {
+		return nil, ErrNilTx
+	}
+	return b.schedule(ctx, pgxExecer{tx}, topic, when, events)
+}
+
+// schedule is Schedule on any transaction that executes statements: a
+// *sql.Tx, a pgx.Tx, or a handler's inbox transaction.
+func (b *Bus) schedule(ctx context.Context, tx store.Execer, topic string, when When, events []Event) ([]string, error) {
+	if err := when.check(); err != nil {
+		return nil, err
+	}
+	rows, ids, err := b.outboxRows(ctx, topic, events)
+	if err != nil || len(rows) == 0 {
+		return nil, err
+	}
+	scheduled := make([]store.Scheduled, len(rows))
+	for i, row := range rows {
+		e := events[i]
+		scheduled[i] = store.Scheduled{ID: ids[i], At: when.at, Delay: when.delay, Row: row,
+			Topic: topic, Type: e.Type, AggregateType: e.AggregateType, AggregateID: e.AggregateID}
+	}
+	if err := b.tables.WriteScheduled(ctx, tx, scheduled); err != nil {
+		return nil, fmt.Errorf("millrace: %w", err)
+	}
+	return ids, nil
+}
+
+// CancelScheduled deletes the scheduled event id within tx, so that it is
+// never published if tx commits. It returns ErrNotScheduled when there is
+// no such event: the id is unknown, it was cancelled already, or it was
+// due and the relay has moved it into the outbox (it will be published).
+// An event whose due time has passed but which the relay has not moved yet
+// is still cancelled.
+func (b *Bus) CancelScheduled(ctx context.Context, tx *sql.Tx, id string) error {
+	if tx == nil {
+		return ErrNilTx
+	}
+	return b.cancelScheduled(ctx, tx, id)
+}
+
+// CancelScheduledPgx is CancelScheduled in a pgx transaction.
+func (b *Bus) CancelScheduledPgx(ctx context.Context, tx pgx.Tx, id string) error {
+	if tx == nil {
+		return ErrNilTx
+	}
+	return b.cancelScheduled(ctx, pgxExecer{tx}, id)
+}
+
+func (b *Bus) cancelScheduled(ctx context.Context, tx store.Execer, id string) error {
+	if err := b.checkOpen(); err != nil {
+		return err
+	}
+	found, err := b.tables.CancelScheduled(ctx, tx, id)
+	switch {
+	case err != nil:
+		return fmt.Errorf("millrace: %w", err)
+	case !found:
+		return fmt.Errorf("%w: %q", ErrNotScheduled, id)
+	}
+	return nil
+}
+
+// Schedule writes values within tx to be published when they are due, as
+// Bus.Schedule does with the events Publish would write for them.
+func (t *Topic[T]) Schedule(ctx context.Context, b *Bus, tx *sql.Tx, when When, values ...T) ([]string, error) {
+	if b == nil {
+		return nil, errNilBus
+	}
+	events, err := t.events(values)
+	if err != nil {
+		return nil, err
+	}
+	return b.Schedule(ctx, tx, t.name, when, events...)
+}
+
+// SchedulePgx is Schedule in a pgx transaction.
+func (t *Topic[T]) SchedulePgx(ctx context.Context, b *Bus, tx pgx.Tx, when When, values ...T) ([]string, error) {
+	if b == nil {
+		return nil, errNilBus
+	}
+	events, err := t.events(values)
+	if err != nil {
+		return nil, err
+	}
+	return b.SchedulePgx(ctx, tx, t.name, when, events...)
+}
+
+// pgxExecer runs the store's statements on a pgx transaction.
+type pgxExecer struct{ tx pgx.Tx }
+
+func (p pgxExecer) ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error) {
+	tag, err := p.tx.Exec(ctx, query, args...)
+	if err != nil {
+		return nil, err
+	}
+	return rowsAffected(tag.RowsAffected()), nil
+}

@@ -1,0 +1,52 @@
+package main
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/bus"
+)
+
+// scheduled list shows what waits, soonest first; scheduled cancel deletes
+// one and fails for an id that is no longer scheduled.
+func TestScheduledCommands(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, _, path := migrated(t)
+	cfg, err := bus.LoadConfig(path)
+	require.NoError(t, err)
+	b, err := bus.Open(ctx, cfg, db)
+	require.NoError(t, err)
+	defer b.Close()
+	tx, err := db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	for i, in := range []time.Duration{2 * time.Hour, time.Hour} {
+		_, err := b.Schedule(ctx, tx, "orders.events", bus.DueIn(in), bus.Event{ID: []string{"ev-late", "ev-soon"}[i],
+			Type: "PaymentReminderDue", AggregateType: "order", AggregateID: "o-1", Payload: []byte(`{}`)})
+		require.NoError(t, err)
+	}
+	require.NoError(t, tx.Commit())
+
+	var list bus.ScheduledList
+	cliJSON(t, path, &list, "scheduled", "list")
+	require.Equal(t, int64(2), list.Total)
+	require.Len(t, list.Events, 2)
+	require.Equal(t, "ev-soon", list.Events[0].ID, "soonest due first")
+	require.Equal(t, "orders.events", list.Events[0].Topic)
+
+	code, out, errOut := cli(t, path, "scheduled", "cancel", "ev-soon")
+	require.Equal(t, exitOK, code, errOut)
+	require.Contains(t, out, "cancelled scheduled event ev-soon")
+	code, _, errOut = cli(t, path, "scheduled", "cancel", "ev-soon")
+	require.Equal(t, exitFailed, code)
+	require.Contains(t, errOut, "no such scheduled event")
+	code, _, _ = cli(t, path, "scheduled", "cancel")
+	require.Equal(t, exitUsage, code)
+
+	code, out, errOut = cli(t, path, "scheduled", "list", "--limit", "1")
+	require.Equal(t, exitOK, code, errOut)
+	require.Contains(t, out, "ev-late")
+}

@@ -167,6 +167,10 @@ func (c *Chain) transactionBatched(h message.HandlerFunc) message.HandlerFunc {
 					return r.out, nil
 				}
 			case err = <-m.done:
+				if err == nil { // settled by the batch alone (executeBulk)
+					a.outcome = m.outcome
+					return nil, nil
+				}
 			}
 			switch {
 			case !errors.Is(err, errBatchAborted):
@@ -258,6 +262,9 @@ func (b *batcher) execute(members []*member) {
 		}
 		return
 	}
+	if b.handler != nil && b.executeBulk(ctx, tx, members) {
+		return
+	}
 	var kept []*member // members whose effects wait for the COMMIT
 	// release sends kept and rest their verdict once the transaction will
 	// not commit; abort rolls it back first.
@@ -327,6 +334,12 @@ func (b *batcher) execute(members []*member) {
 	if b.handler != nil && !b.runHandler(ctx, tx, kept) {
 		return
 	}
+	b.commit(ctx, tx, kept)
+}
+
+// commit commits tx, begun on ctx, and tells kept, the members whose
+// effects it holds, whether it did.
+func (b *batcher) commit(ctx context.Context, tx Transaction, kept []*member) {
 	if err := tx.Commit(); err != nil {
 		if ctx.Err() != nil || unreachable(err) {
 			err = commitError(ctx, err)

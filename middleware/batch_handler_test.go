@@ -172,8 +172,8 @@ func TestBatchHandlerNeverSeesDuplicates(t *testing.T) {
 }
 
 // TestBatchHandlerFailsOneMessage: the batch handler fails one message of
-// its first batch of several (transiently, once) and another one
-// permanently. The permanent one is poisoned alone, the transient one is
+// its first batch of several permanently and, when the batch holds more
+// than two, another one transiently, once. The permanent one is poisoned alone, the transient one is
 // retried alone and commits, and every other message of that batch commits
 // once, in a later transaction, without them.
 func TestBatchHandlerFailsOneMessage(t *testing.T) {
@@ -195,12 +195,14 @@ func TestBatchHandlerFailsOneMessage(t *testing.T) {
 				mu.Lock()
 				defer mu.Unlock()
 				switch {
-				case bad == "" && len(ids) > 2:
-					bad, flaky, failedCall = ids[0], ids[len(ids)-1], n
-					return middleware.BatchFailures{
-						bad:   middleware.Permanent(errors.New("this message can never be processed")),
-						flaky: errors.New("not yet"),
+				case bad == "" && len(ids) > 1:
+					bad, failedCall = ids[0], n
+					failures := middleware.BatchFailures{bad: middleware.Permanent(errors.New("this message can never be processed"))}
+					if len(ids) > 2 {
+						flaky = ids[len(ids)-1]
+						failures[flaky] = errors.New("not yet")
 					}
+					return failures
 				case slices.Contains(ids, bad):
 					t.Errorf("the poisoned message %s was given again: %v", bad, ids)
 				}
@@ -212,7 +214,7 @@ func TestBatchHandlerFailsOneMessage(t *testing.T) {
 			})
 			mu.Lock()
 			defer mu.Unlock()
-			require.NotEmpty(t, bad, "some batch held more than two messages")
+			require.NotEmpty(t, bad, "some batch held more than one message")
 			require.Equal(t, 1, r.e.count(t, `SELECT count(*) FROM `+r.e.table("millrace_poison")+` WHERE event_id = $1`, bad))
 			require.Zero(t, r.effects(t, bad), "the failed message's write was rolled back")
 			require.Equal(t, events-1, r.e.count(t, `SELECT count(*) FROM `+r.e.table("business")))
@@ -225,7 +227,11 @@ func TestBatchHandlerFailsOneMessage(t *testing.T) {
 				require.Equal(t, 1, r.effects(t, id), "%s committed once", id)
 				require.Equal(t, 2, r.calls.given(id), "%s was handed over once more and committed", id)
 			}
-			require.EqualValues(t, 1, r.c.messages(t, "billing", middleware.OutcomeRetried), "only the transient failure was retried")
+			wantRetried := 0
+			if flaky != "" {
+				wantRetried = 1
+			}
+			require.EqualValues(t, wantRetried, r.c.messages(t, "billing", middleware.OutcomeRetried), "only the transient failure was retried")
 		})
 	}
 }

@@ -22,6 +22,17 @@ func (t Tables) MarkProcessed(ctx context.Context, tx Execer, group, eventID str
 	return n > 0, err
 }
 
+// MarkProcessedAll inserts the inbox rows of eventIDs for group in tx in one
+// statement, skipping those that exist; it returns how many it added.
+func (t Tables) MarkProcessedAll(ctx context.Context, tx Execer, group string, eventIDs []string) (int64, error) {
+	res, err := tx.ExecContext(ctx, `INSERT INTO `+t.InboxTable()+` (consumer_group, event_id) SELECT $1, unnest($2::text[]) ON CONFLICT DO NOTHING`,
+		group, eventIDs)
+	if err != nil {
+		return 0, fmt.Errorf("inbox: insert event ids: %w", err)
+	}
+	return res.RowsAffected()
+}
+
 // ApplyVersion records version as the latest applied to the aggregate for
 // group, in tx, unless an equal or newer one was applied already; it
 // reports whether version was newer (false: the event is stale).

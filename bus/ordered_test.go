@@ -1,0 +1,64 @@
+package bus_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	natsgo "github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/adapters/nats"
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/internal/brokertest"
+	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testkit"
+	"github.com/millrace-io/millrace/middleware"
+)
+
+// Run provisions the NATS consumer of an ordered handler's group with
+// max_ack_pending 1 (so redeliveries come before newer messages), and leaves
+// the other handlers' at broker.nats.consumer.max_ack_pending.
+func TestRunProvisionsOrderedGroupsOnNATS(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.Open(t)
+	var cfg bus.Config
+	cfg.Database.Schema = testdb.Schema(t, db)
+	brokertest.Apply(t, bus.KindNATS, &cfg)
+	cfg.Relay.Enabled = new(bool)
+	cfg.Consumer.Handlers = map[string]middleware.Config{"ledger": {Ordered: new(true)}}
+	require.NoError(t, bus.Migrate(ctx, db, cfg))
+	b, err := bus.Open(ctx, cfg, db)
+	require.NoError(t, err)
+	defer b.Close()
+	topic := "orders-" + testdb.UniqueName("")[2:]
+	nop := func(context.Context, bus.Event) error { return nil }
+	require.NoError(t, b.Handle(topic, "ledger", nop, bus.WithConsumerGroup("ledger-"+topic)))
+	require.NoError(t, b.Handle(topic, "mailer", nop, bus.WithConsumerGroup("mailer-"+topic)))
+	brokertest.Cleanup(t, bus.KindNATS, topic, "ledger-"+topic, "mailer-"+topic)
+
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- b.Run(runCtx) }()
+	defer func() { stop(); require.NoError(t, <-done) }()
+
+	nc, err := natsgo.Connect(cfg.WithDefaults().Broker.NATS.URL)
+	require.NoError(t, err)
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+	maxAckPending := func(group string) int {
+		c, err := js.PushConsumer(ctx, nats.StreamName(topic), nats.ConsumerName(group))
+		if err != nil {
+			return 0
+		}
+		return c.CachedInfo().Config.MaxAckPending
+	}
+	testkit.Eventually(t, 30*time.Second, "both groups provisioned", func() bool {
+		return maxAckPending("ledger-"+topic) > 0 && maxAckPending("mailer-"+topic) > 0
+	})
+	require.Equal(t, 1, maxAckPending("ledger-"+topic), "the ordered handler's group")
+	require.Equal(t, 32, maxAckPending("mailer-"+topic), "broker.nats.consumer.max_ack_pending's default")
+}

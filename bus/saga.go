@@ -267,6 +267,7 @@ func (s *Saga[S]) Routes(b *Bus) (map[string][]Route, error) {
 		start, typ := st.start, st.typ
 		routes[st.topic] = append(routes[st.topic], st.route(func(ctx context.Context, id string, fn func(sc *SagaContext[S]) error) error {
 			err := b.runSagaStep(ctx, s.name, id, start, func(tx store.Execer, row *store.SagaRow, isNew bool) (bool, error) {
+				row.Step = typ
 				return s.step(ctx, b, tx, row, isNew, fn)
 			})
 			if errors.Is(err, errSagaUnmatched) {
@@ -401,10 +402,15 @@ func (b *Bus) trySagaStep(ctx context.Context, q store.RowQuerier, tx store.Exec
 	return b.tables.SaveSaga(ctx, tx, row, completed)
 }
 
-type sqlRowQuerier struct{ tx *sql.Tx }
+// sqlRowQuerier is a *sql.Tx or *sql.DB as a store.RowQuerier.
+type sqlRowQuerier struct {
+	db interface {
+		QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+	}
+}
 
 func (q sqlRowQuerier) QueryRow(ctx context.Context, query string, args ...any) store.Row {
-	return q.tx.QueryRowContext(ctx, query, args...)
+	return q.db.QueryRowContext(ctx, query, args...)
 }
 
 type pgxRowQuerier struct{ tx pgx.Tx }

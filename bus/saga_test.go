@@ -12,7 +12,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/store"
+	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testkit"
 )
 
 // The order saga of the tests: order placed -> charge payment (with a
@@ -41,21 +44,48 @@ func (e sagaStockFailed) Aggregate() (string, string)   { return "order", e.Orde
 func (sagaPaymentLate) EventType() string               { return "PaymentTimedOut" }
 func (e sagaPaymentLate) Aggregate() (string, string)   { return "order", e.OrderID }
 
-var (
-	sagaOrders    = bus.Must(bus.NewTopic[sagaOrderPlaced]("orders.events"))
-	sagaPayments  = bus.Must(bus.NewTopic[sagaCharged]("payments.events"))
-	sagaReserved  = bus.Must(bus.NewTopic[sagaStockReserved]("inventory.events"))
-	sagaNoStock   = bus.Must(bus.NewTopic[sagaStockFailed]("inventory.events"))
-	sagaTimeouts  = bus.Must(bus.NewTopic[sagaPaymentLate]("orders.saga-timeouts"))
-	sagaCommandTo = "orders.commands"
-)
-
-// command publishes a command of type typ for order id in the step's transaction.
-func command(ctx context.Context, b *bus.Bus, typ, id string) error {
-	return b.Publish(ctx, bus.Tx(ctx), sagaCommandTo, bus.Event{Type: typ, AggregateType: "order", AggregateID: id, Payload: []byte(`{}`)})
+// sagaTopics are the order saga's topics, with a suffix of the test's for
+// the tests on a broker.
+type sagaTopics struct {
+	orders   *bus.Topic[sagaOrderPlaced]
+	payments *bus.Topic[sagaCharged]
+	reserved *bus.Topic[sagaStockReserved]
+	noStock  *bus.Topic[sagaStockFailed]
+	timeouts *bus.Topic[sagaPaymentLate]
+	commands string
 }
 
+func newSagaTopics(suffix string) sagaTopics {
+	return sagaTopics{
+		orders:   bus.Must(bus.NewTopic[sagaOrderPlaced]("orders.events" + suffix)),
+		payments: bus.Must(bus.NewTopic[sagaCharged]("payments.events" + suffix)),
+		reserved: bus.Must(bus.NewTopic[sagaStockReserved]("inventory.events" + suffix)),
+		noStock:  bus.Must(bus.NewTopic[sagaStockFailed]("inventory.events" + suffix)),
+		timeouts: bus.Must(bus.NewTopic[sagaPaymentLate]("orders.saga-timeouts" + suffix)),
+		commands: "orders.commands" + suffix,
+	}
+}
+
+var (
+	sagaT         = newSagaTopics("")
+	sagaOrders    = sagaT.orders
+	sagaPayments  = sagaT.payments
+	sagaReserved  = sagaT.reserved
+	sagaNoStock   = sagaT.noStock
+	sagaTimeouts  = sagaT.timeouts
+	sagaCommandTo = sagaT.commands
+)
+
 func orderSaga(b *bus.Bus, paymentTimeout time.Duration, opts ...bus.SagaOption[orderSagaState]) *bus.Saga[orderSagaState] {
+	return orderSagaOn(b, sagaT, paymentTimeout, opts...)
+}
+
+func orderSagaOn(b *bus.Bus, tp sagaTopics, paymentTimeout time.Duration, opts ...bus.SagaOption[orderSagaState]) *bus.Saga[orderSagaState] {
+	sagaOrders, sagaPayments, sagaReserved, sagaNoStock, sagaTimeouts := tp.orders, tp.payments, tp.reserved, tp.noStock, tp.timeouts
+	// command publishes a command of type typ for order id in the step's transaction.
+	command := func(ctx context.Context, b *bus.Bus, typ, id string) error {
+		return b.Publish(ctx, bus.Tx(ctx), tp.commands, bus.Event{Type: typ, AggregateType: "order", AggregateID: id, Payload: []byte(`{}`)})
+	}
 	s := bus.NewSaga("order_fulfilment", opts...)
 	bus.StartWith(s, sagaOrders, func(m bus.Message[sagaOrderPlaced]) string { return m.Value.OrderID },
 		func(ctx context.Context, sc *bus.SagaContext[orderSagaState], m bus.Message[sagaOrderPlaced]) error {
@@ -344,4 +374,74 @@ func TestSagaRegistrationErrors(t *testing.T) {
 		})
 	_, err = noStart.Routes(w.tb.bus)
 	require.ErrorContains(t, err, "no StartWith step")
+}
+
+// The order saga on a real broker, with the payment and inventory services
+// as handlers that answer its commands: an order whose stock is missing is
+// refunded once, the other is notified once, and both sagas complete.
+func TestSagaEndToEnd(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	w := newChainWorld(t, func(c *bus.Config) {
+		brokertest.Apply(t, bus.KindNATS, c)
+		c.Relay.PollInterval = 50 * time.Millisecond
+	})
+	suffix := "-" + testdb.UniqueName("")[3:]
+	tp := newSagaTopics(suffix)
+	for _, topic := range []string{tp.orders.Name(), tp.payments.Name(), tp.reserved.Name(), tp.timeouts.Name(), tp.commands} {
+		brokertest.Cleanup(t, bus.KindNATS, topic, "saga"+suffix+"."+topic, "payments"+suffix, "inventory"+suffix)
+	}
+	b := w.tb.bus
+	require.NoError(t, orderSagaOn(b, tp, time.Hour).Handle(b, "saga"+suffix))
+	require.NoError(t, b.Handle(tp.commands, "payments"+suffix, func(ctx context.Context, ev bus.Event) error {
+		if ev.Type != "ChargePayment" {
+			return nil
+		}
+		return tp.payments.Publish(ctx, b, bus.Tx(ctx), sagaCharged{OrderID: ev.AggregateID})
+	}))
+	require.NoError(t, b.Handle(tp.commands, "inventory"+suffix, func(ctx context.Context, ev bus.Event) error {
+		switch {
+		case ev.Type != "ReserveStock":
+			return nil
+		case ev.AggregateID == "o-missing":
+			return tp.noStock.Publish(ctx, b, bus.Tx(ctx), sagaStockFailed{OrderID: ev.AggregateID})
+		}
+		return tp.reserved.Publish(ctx, b, bus.Tx(ctx), sagaStockReserved{OrderID: ev.AggregateID})
+	}))
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- b.Run(runCtx) }()
+	t.Cleanup(func() { stop(); require.NoError(t, <-done) })
+
+	tx, err := w.tb.db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	require.NoError(t, tp.orders.Publish(ctx, b, tx, sagaOrderPlaced{OrderID: "o-ok"}, sagaOrderPlaced{OrderID: "o-missing"}))
+	require.NoError(t, tx.Commit())
+
+	testkit.Eventually(t, 2*time.Minute, "both sagas completed", func() bool {
+		list, err := w.ops.ListSagas(ctx, bus.SagaFilter{Completed: true}, 0)
+		require.NoError(t, err)
+		completed := 0
+		for _, inst := range list.Instances {
+			if inst.CompletedAt != nil {
+				completed++
+			}
+		}
+		return completed == 2
+	})
+	commands := map[string]int{}
+	for _, r := range w.tb.outbox(t) {
+		if r.topic == tp.commands {
+			commands[r.event.AggregateID+" "+r.event.Type]++
+		}
+	}
+	require.Equal(t, map[string]int{
+		"o-ok ChargePayment": 1, "o-ok ReserveStock": 1, "o-ok NotifyCustomer": 1,
+		"o-missing ChargePayment": 1, "o-missing ReserveStock": 1, "o-missing RefundPayment": 1,
+	}, commands)
+	ok, err := w.ops.Saga(ctx, "order_fulfilment", "o-ok")
+	require.NoError(t, err)
+	require.JSONEq(t, `{"Step":"done","Charged":true}`, string(ok.State))
+	require.Empty(t, ok.Timeouts, "the payment timeout was cancelled")
+	require.Zero(t, w.tb.scheduledCount(t))
 }

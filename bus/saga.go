@@ -49,8 +49,9 @@ type sagaStep[S any] struct {
 	route func(run func(ctx context.Context, id string, fn func(sc *SagaContext[S]) error) error) Route
 }
 
-// Unmatched is what a saga does with an event of one of its Then steps
-// that finds no running instance (none was started, or it has completed).
+// Unmatched is what a saga does with an event that finds no running
+// instance: an event of a Then step when none was started, or any event of
+// the saga once the instance has completed.
 type Unmatched int
 
 const (
@@ -451,7 +452,16 @@ func (b *Bus) sagaUnmatchedCounter() (*prometheus.CounterVec, error) {
 		Help: "Saga events that found no running instance (none started, or completed), by saga and event type; ignored or poisoned as the saga's Unmatched rule says.",
 	}, []string{"saga", "event_type"})
 	if err := b.registerer.Register(c); err != nil {
-		return nil, fmt.Errorf("millrace: register %s: %w", MetricSagaUnmatched, err)
+		// Another Bus on the same registry registered it: share it.
+		are := prometheus.AlreadyRegisteredError{}
+		if !errors.As(err, &are) {
+			return nil, fmt.Errorf("millrace: register %s: %w", MetricSagaUnmatched, err)
+		}
+		existing, ok := are.ExistingCollector.(*prometheus.CounterVec)
+		if !ok {
+			return nil, fmt.Errorf("millrace: register %s: %w", MetricSagaUnmatched, err)
+		}
+		c = existing
 	}
 	b.sagaUnmatched = c
 	return c, nil

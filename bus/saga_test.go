@@ -445,3 +445,16 @@ func TestSagaEndToEnd(t *testing.T) {
 	require.Empty(t, ok.Timeouts, "the payment timeout was cancelled")
 	require.Zero(t, w.tb.scheduledCount(t))
 }
+
+// Two Buses on one registry share millrace_saga_unmatched_total.
+func TestSagaOnTwoBusesSharingARegistry(t *testing.T) {
+	t.Parallel()
+	w := newChainWorld(t)
+	other, err := bus.Open(context.Background(), w.tb.cfg, w.tb.db, bus.WithRegistry(w.reg))
+	require.NoError(t, err)
+	defer other.Close()
+	_, err = orderSaga(w.tb.bus, time.Hour).Routes(w.tb.bus)
+	require.NoError(t, err)
+	_, err = orderSaga(other, time.Hour).Routes(other)
+	require.NoError(t, err)
+}

@@ -4,7 +4,7 @@ PKGS    ?= ./...
 STACK   := internal/devstack/stack.sh
 CONFIG  ?= config.yaml
 
-.PHONY: help up down status test vet fmt-check lint demo migrate bench reliability fuzz
+.PHONY: help up down status test vet fmt-check lint demo saga migrate bench reliability fuzz
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -57,6 +57,9 @@ demo: ## the seed scenario end to end (BROKER=nats|rabbitmq|kafka; default: conf
 	@# PostgreSQL always; a broker server only for BROKER=rabbitmq (NATS and Kafka run in process).
 	@$(STACK) up postgres $(if $(filter rabbitmq,$(BROKER)),rabbitmq)
 	$(if $(BROKER),MILLRACE_BROKER_KIND=$(BROKER)) $(GO) run ./examples/demo --config $(CONFIG)
+
+saga: up ## the order saga example: payment, stock, notify, a refund and a timeout
+	$(GO) run ./examples/saga
 
 bench: up ## benchmarks, millrace side by side with stock Watermill and a hand-written reference
 	$(GO) test -run '^$$' -bench . -benchmem $(PKGS)

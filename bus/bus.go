@@ -68,6 +68,10 @@ type Bus struct {
 	running  bool
 	// unknownTypes counts events typed handlers have no route for.
 	unknownTypes *prometheus.CounterVec
+	// sagas are the registered sagas, for the cleanup of completed ones.
+	sagas []sagaRetention
+	// sagaUnmatched counts saga events that found no running instance.
+	sagaUnmatched *prometheus.CounterVec
 }
 
 // Option changes how Open builds a Bus.

@@ -169,6 +169,7 @@ func (b *Bus) Run(ctx context.Context) error {
 	}
 	b.running = true
 	handlers := append([]handlerSpec(nil), b.handlers...)
+	sagas := append([]sagaRetention(nil), b.sagas...)
 	b.mu.Unlock()
 	relayOn := *b.cfg.Relay.Enabled
 	if !relayOn && len(handlers) == 0 {
@@ -224,13 +225,16 @@ func (b *Bus) Run(ctx context.Context) error {
 	}
 
 	var wg sync.WaitGroup
-	errs := make(chan error, 5)
+	errs := make(chan error, 6)
 	if rs.relay != nil {
 		wg.Go(func() { errs <- rs.relay.Run(runCtx) })
 	}
 	if router != nil {
 		wg.Go(func() { errs <- stack.RunRetention(runCtx) })
 		wg.Go(func() { errs <- b.refreshInboxRows(runCtx, stack) })
+		if len(sagas) > 0 {
+			wg.Go(func() { errs <- b.pruneSagas(runCtx, sagas) })
+		}
 		if reporter, ok := broker.(adapters.BacklogReporter); ok && backlog != nil {
 			wg.Go(func() { errs <- b.refreshBacklog(runCtx, reporter, backlog, handlers) })
 		}

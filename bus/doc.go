@@ -41,6 +41,20 @@
 // transaction, and from then on it is ordered like an event published at
 // that moment. A bad due time is a *ScheduleError naming the field.
 //
+// # Sagas
+//
+// A Saga[S] (NewSaga) is an orchestration: its state S lives in a table of
+// its own, one row per instance; StartWith and Then add the typed events
+// that start an instance or move one on, with the correlation that finds
+// it; Handle registers it. A step runs in its handler's inbox transaction
+// and the state is saved with a version check, so the state change, the
+// commands the step publishes and the inbox mark commit together; a
+// version conflict reruns the step on the newer state. Timeouts are
+// scheduled events to the saga (SagaContext.ScheduleTimeout,
+// CancelTimeout); Complete ends an instance, deleted after its retention.
+// Choreography needs nothing of this: handlers that publish in their
+// inbox transaction are atomic already.
+//
 // # Typed events
 //
 // A Topic[T] declares a topic with the Go type of its events once, with its

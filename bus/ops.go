@@ -19,7 +19,8 @@ import (
 
 // Ops is the operations API of one millrace installation: outbox status,
 // the dead-letter queue (the poison table) and the relay quarantine with
-// list, show, replay and purge, and inbox pruning. It needs only the
+// list, show, replay and purge, inbox pruning, scheduled events (list,
+// cancel) and saga instances (list, show). It needs only the
 // database, never a broker. The millrace command-line tool and the web
 // console are thin layers over it; a service or an admin tool can call it
 // from Go. It is safe for concurrent use.
@@ -51,7 +52,7 @@ func NewOps(ctx context.Context, db *sql.DB, cfg Config) (*Ops, error) {
 	defer cancel()
 	t := o.tables
 	missing, err := store.Missing(cctx, db, t.OutboxTable(), t.OffsetsTable(), t.QuarantineTable(), t.InboxTable(),
-		t.PoisonTable(), t.PoisonReplaysTable(), t.AggregateVersionsTable(), t.ScheduledTable())
+		t.PoisonTable(), t.PoisonReplaysTable(), t.AggregateVersionsTable(), t.ScheduledTable(), t.SagasTable())
 	if err != nil {
 		return nil, fmt.Errorf("millrace: database %s not reachable within database.connect_timeout (%s): %w",
 			redactURL(cfg.Database.URL), cfg.Database.ConnectTimeout, err)

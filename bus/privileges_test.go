@@ -129,7 +129,8 @@ func (e *evidence) text() string {
 }
 
 // serviceRun is a service running as the service role: it publishes two
-// good events and a bad one, schedules two and cancels one, relays them (with a corrupt outbox row to
+// good events and a bad one, schedules two and cancels one, relays them,
+// runs a saga on them (with a corrupt outbox row to
 // quarantine and forwarded rows to clean up), handles them with the inbox,
 // the ordering guard and inbox retention on, and poisons the bad one.
 type serviceRun struct {
@@ -181,6 +182,17 @@ func startService(t *testing.T, revoke int) *serviceRun {
 		s.mu.Unlock()
 		return nil
 	}))
+	// A saga each OrderPlaced starts and completes, deleted at once by its
+	// retention.
+	placed := bus.Must(bus.NewTopic[privilegeOrderPlaced](topic))
+	saga := bus.NewSaga("fulfilment", bus.WithSagaRetention[struct{ Seen bool }](0))
+	bus.StartWith(saga, placed, func(m bus.Message[privilegeOrderPlaced]) string { return m.AggregateID },
+		func(ctx context.Context, sc *bus.SagaContext[struct{ Seen bool }], m bus.Message[privilegeOrderPlaced]) error {
+			sc.State.Seen = true
+			sc.Complete()
+			return nil
+		})
+	require.NoError(t, saga.Handle(b, "fulfilment"))
 	runCtx, cancel := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- b.Run(runCtx) }()
@@ -199,6 +211,10 @@ func startService(t *testing.T, revoke int) *serviceRun {
 	s.ev.add(s.schedule(ctx, b, topic))
 	return s
 }
+
+type privilegeOrderPlaced struct{}
+
+func (privilegeOrderPlaced) EventType() string { return "OrderPlaced" }
 
 // schedule schedules one event due at once, which the relay moves into the
 // outbox, and one due in an hour, which it cancels.
@@ -263,9 +279,10 @@ func TestLeastPrivilegeRoleRunsEverything(t *testing.T) {
 		s.mu.Unlock()
 		return handled == 3 &&
 			s.count(t, "millrace_scheduled") == 0 && // one moved into the outbox when due, one cancelled
+			s.count(t, "millrace_sagas") == 0 && // sagas started, completed and deleted
 			s.count(t, "millrace_poison") == 1 &&
 			s.count(t, "millrace_relay_quarantine") == 1 &&
-			s.count(t, "millrace_aggregate_versions") == 3 &&
+			s.count(t, "millrace_aggregate_versions") == 7 && // billing: o-1, o-2, o-4; fulfilment: o-1 to o-4
 			s.count(t, "watermill_millrace_outbox") == 0 && // forwarded rows cleaned up
 			s.count(t, "millrace_inbox") == 0 // processed events pruned by retention
 	}, 90*time.Second, 20*time.Millisecond, "the service did not finish its work; it said:\n%s", s.ev.text())

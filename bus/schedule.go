@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/millrace-io/millrace/internal/store"
 )
@@ -45,6 +46,14 @@ var ErrInvalidSchedule = errors.New("millrace: invalid schedule")
 // unknown, it was cancelled already, or it was due and the relay moved it
 // into the outbox, from where it is published.
 var ErrNotScheduled = errors.New("millrace: no such scheduled event (unknown id, cancelled already, or already due and in the outbox)")
+
+// uniqueViolation is PostgreSQL's SQLSTATE unique_violation.
+const uniqueViolation = "23505"
+
+// ErrAlreadyScheduled: Schedule was given the id of an event that is
+// scheduled already (and not yet due). The failed INSERT has aborted the
+// transaction, as any failed statement does in PostgreSQL: roll it back.
+var ErrAlreadyScheduled = errors.New("millrace: an event with this id is scheduled already")
 
 // ScheduleError says which part of a When is wrong: "At" (a zero time),
 // "Delay" (a negative one) or "When" (the zero When). Nothing was written.
@@ -124,12 +133,21 @@ func (b *Bus) schedule(ctx context.Context, tx store.Execer, topic string, when 
 		return nil, err
 	}
 	scheduled := make([]store.Scheduled, len(rows))
+	seen := make(map[string]bool, len(ids))
 	for i, row := range rows {
 		e := events[i]
+		if seen[ids[i]] {
+			return nil, &EventError{Index: i, Type: e.Type, Field: "ID", Kind: ErrInvalidField,
+				Detail: fmt.Sprintf("event id %q is given twice: a scheduled event is cancelled by its id, which must be unique", ids[i])}
+		}
+		seen[ids[i]] = true
 		scheduled[i] = store.Scheduled{ID: ids[i], At: when.at, Delay: when.delay, Row: row,
 			Topic: topic, Type: e.Type, AggregateType: e.AggregateType, AggregateID: e.AggregateID}
 	}
 	if err := b.tables.WriteScheduled(ctx, tx, scheduled); err != nil {
+		if pgErr := (*pgconn.PgError)(nil); errors.As(err, &pgErr) && pgErr.Code == uniqueViolation {
+			return nil, fmt.Errorf("%w: %w", ErrAlreadyScheduled, err)
+		}
 		return nil, fmt.Errorf("millrace: %w", err)
 	}
 	return ids, nil

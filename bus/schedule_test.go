@@ -58,8 +58,26 @@ func TestScheduleRefusesBadInput(t *testing.T) {
 	require.Equal(t, 1, ee.Index)
 	_, err = tb.bus.Schedule(ctx, nil, "orders.events", bus.DueIn(time.Minute), orderCreated("o-1"))
 	require.ErrorIs(t, err, bus.ErrNilTx)
+	twice := orderCreated("o-1")
+	twice.ID = "evt-twice"
+	_, err = tb.bus.Schedule(ctx, tx, "orders.events", bus.DueIn(time.Minute), twice, twice)
+	require.ErrorAs(t, err, &ee)
+	require.Equal(t, "ID", ee.Field)
+	require.Equal(t, 1, ee.Index)
 	require.NoError(t, tx.Commit())
 	require.Zero(t, tb.scheduledCount(t), "nothing is written on an error")
+
+	// The id of an event scheduled already.
+	tx, err = tb.db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	_, err = tb.bus.Schedule(ctx, tx, "orders.events", bus.DueIn(time.Minute), twice)
+	require.NoError(t, err)
+	require.NoError(t, tx.Commit())
+	tx, err = tb.db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer tx.Rollback()
+	_, err = tb.bus.Schedule(ctx, tx, "orders.events", bus.DueIn(time.Minute), twice)
+	require.ErrorIs(t, err, bus.ErrAlreadyScheduled)
 }
 
 // A scheduled event becomes, once due, exactly the outbox row Publish

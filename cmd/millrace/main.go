@@ -274,7 +274,7 @@ func usage(fs *flag.FlagSet, w io.Writer, group string) {
 
 // sortedCommands returns the commands in the order an operator meets them.
 func sortedCommands() []command {
-	order := []string{"migrate", "outbox", "relay", "dlq", "quarantine", "scheduled", "inbox", "grants", "ui", "version"}
+	order := []string{"migrate", "outbox", "relay", "dlq", "quarantine", "scheduled", "saga", "inbox", "grants", "ui", "version"}
 	rank := func(c command) int {
 		first, _, _ := strings.Cut(c.path, " ")
 		if i := slices.Index(order, first); i >= 0 {

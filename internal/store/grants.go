@@ -84,6 +84,10 @@ func Grants(t Tables) []Grant {
 	add("USAGE", "SEQUENCE", t.qualify("millrace_scheduled_seq_seq"), "millrace_scheduled_seq_seq", "publish: order scheduled events due at the same time")
 	add("SELECT, UPDATE, DELETE", "TABLE", scheduled, scheduledName,
 		"relay: move due events into the outbox (locking them, hence UPDATE); cancel a scheduled event; list them")
+
+	sagas, sagasName := table("millrace_sagas")
+	add("SELECT, INSERT, UPDATE, DELETE", "TABLE", sagas, sagasName,
+		"consumers with sagas: load and save saga state; delete completed sagas after their retention (locking them, hence UPDATE)")
 	return g
 }
 

@@ -11,8 +11,8 @@ import (
 const migrateLockKey = 0x6d696c6c72616365 // "millrace"
 
 // Migrate creates every table, index and trigger millrace needs (outbox,
-// offsets, inbox, poison, poison-replay, aggregate-versions and scheduled
-// tables), idempotently,
+// offsets, inbox, poison, poison-replay, aggregate-versions, scheduled
+// and saga tables), idempotently,
 // in one transaction under an advisory lock so that several instances may run
 // it at once.
 func Migrate(ctx context.Context, db *sql.DB, t Tables) error {
@@ -146,5 +146,6 @@ END $$`,
 	PRIMARY KEY (consumer_group, aggregate_type, aggregate_id)
 )`,
 	)
-	return append(stmts, t.scheduledStatements()...)
+	stmts = append(stmts, t.scheduledStatements()...)
+	return append(stmts, t.sagaStatements()...)
 }

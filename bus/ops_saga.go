@@ -1,0 +1,90 @@
+package bus
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"time"
+
+	"github.com/millrace-io/millrace/internal/store"
+)
+
+// SagaInstance is one saga instance as the operations API shows it.
+type SagaInstance struct {
+	// Saga is the saga type's name (NewSaga).
+	Saga string `json:"saga"`
+	// ID is the instance's correlation id.
+	ID string `json:"id"`
+	// Step is the event type of the step that last moved it on.
+	Step string `json:"step"`
+	// Version counts its saved changes.
+	Version int64 `json:"version"`
+	// State is its state, as JSON.
+	State json.RawMessage `json:"state"`
+	// Timeouts are its pending timeouts: name and scheduled event id.
+	Timeouts map[string]string `json:"timeouts"`
+	// CompletedAt is when it completed; nil while it runs.
+	CompletedAt *time.Time `json:"completed_at"`
+	CreatedAt   time.Time  `json:"created_at"`
+	UpdatedAt   time.Time  `json:"updated_at"`
+}
+
+// SagaFilter selects saga instances.
+type SagaFilter struct {
+	// Saga is a saga type's name; "" selects every type.
+	Saga string
+	// Completed includes completed instances (kept for their retention).
+	Completed bool
+}
+
+// SagaList is a page of saga instances.
+type SagaList struct {
+	Instances []SagaInstance `json:"instances"`
+	// Truncated says more instances match than the limit.
+	Truncated bool `json:"truncated"`
+}
+
+func sagaInstance(r store.SagaRow) SagaInstance {
+	inst := SagaInstance{Saga: r.Type, ID: r.ID, Step: r.Step, Version: r.Version, State: json.RawMessage(r.State),
+		Timeouts: r.Timeouts, CreatedAt: r.CreatedAt, UpdatedAt: r.UpdatedAt}
+	if inst.Timeouts == nil {
+		inst.Timeouts = map[string]string{}
+	}
+	if !r.Completed.IsZero() {
+		at := r.Completed
+		inst.CompletedAt = &at
+	}
+	return inst
+}
+
+// ListSagas lists the saga instances f selects, the most recently changed
+// first, at most limit of them (0: all).
+func (o *Ops) ListSagas(ctx context.Context, f SagaFilter, limit int) (SagaList, error) {
+	read, err := listLimit(limit)
+	if err != nil {
+		return SagaList{}, err
+	}
+	if read == 0 {
+		read = -1
+	}
+	rows, err := o.tables.ListSagas(ctx, o.db, f.Saga, f.Completed, read)
+	if err != nil {
+		return SagaList{}, err
+	}
+	var res SagaList
+	res.Instances, res.Truncated = page(rows, sagaInstance, limit)
+	return res, nil
+}
+
+// Saga returns the instance id of saga type saga, running or completed, or
+// an error matching ErrNotFound.
+func (o *Ops) Saga(ctx context.Context, saga, id string) (SagaInstance, error) {
+	row, found, err := o.tables.LoadSaga(ctx, sqlRowQuerier{o.db}, saga, id)
+	if err != nil {
+		return SagaInstance{}, err
+	}
+	if !found {
+		return SagaInstance{}, fmt.Errorf("%w: saga %s instance %q", ErrNotFound, saga, id)
+	}
+	return sagaInstance(row), nil
+}

@@ -1,0 +1,95 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"sort"
+	"text/tabwriter"
+	"time"
+
+	"github.com/millrace-io/millrace/bus"
+)
+
+func init() {
+	commands = append(commands,
+		command{path: "saga list", summary: "saga instances, the most recently changed first: step, version, pending timeouts", bind: bindSagaList},
+		command{path: "saga show", args: "SAGA ID", summary: "one saga instance: its state, step, version and pending timeouts", bind: noFlags(runSagaShow)},
+	)
+}
+
+func bindSagaList(fs *flag.FlagSet) runFunc {
+	saga := fs.String("saga", "", "only instances of the saga type `NAME`")
+	completed := fs.Bool("completed", false, "include completed instances (kept for their retention)")
+	limit := fs.Int("limit", 100, "show at most `N` instances (0: no limit)")
+	return func(ctx context.Context, e env, args []string) error {
+		if err := noArgs(args); err != nil {
+			return err
+		}
+		if *limit < 0 {
+			return usagef("--limit must not be negative; got %d", *limit)
+		}
+		return withOps(ctx, e, func(ops *bus.Ops) error {
+			res, err := ops.ListSagas(ctx, bus.SagaFilter{Saga: *saga, Completed: *completed}, *limit)
+			if err != nil {
+				return err
+			}
+			return e.print(res, func(w io.Writer) {
+				if len(res.Instances) == 0 {
+					fmt.Fprintln(w, "no saga instances match")
+					return
+				}
+				tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+				fmt.Fprintln(tw, "SAGA\tID\tSTEP\tVERSION\tTIMEOUTS\tUPDATED AT\tCOMPLETED")
+				for _, r := range res.Instances {
+					done := "-"
+					if r.CompletedAt != nil {
+						done = r.CompletedAt.Format(time.RFC3339)
+					}
+					fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%s\t%s\n", cell(r.Saga, 30), cell(r.ID, 36), cell(r.Step, 30), r.Version,
+						len(r.Timeouts), r.UpdatedAt.Format(time.RFC3339), done)
+				}
+				tw.Flush()
+				if res.Truncated {
+					fmt.Fprintf(w, "(more instances match; showing %d, raise --limit to see more)\n", *limit)
+				}
+			})
+		})
+	}
+}
+
+func runSagaShow(ctx context.Context, e env, args []string) error {
+	if len(args) != 2 {
+		return usagef("want a saga type and an instance id; got %d arguments", len(args))
+	}
+	return withOps(ctx, e, func(ops *bus.Ops) error {
+		inst, err := ops.Saga(ctx, args[0], args[1])
+		if err != nil {
+			return err
+		}
+		return e.print(inst, func(w io.Writer) {
+			fmt.Fprintf(w, "saga:       %s\n", inst.Saga)
+			fmt.Fprintf(w, "id:         %s\n", inst.ID)
+			fmt.Fprintf(w, "step:       %s\n", inst.Step)
+			fmt.Fprintf(w, "version:    %d\n", inst.Version)
+			fmt.Fprintf(w, "created at: %s\n", inst.CreatedAt.Format(time.RFC3339))
+			fmt.Fprintf(w, "updated at: %s\n", inst.UpdatedAt.Format(time.RFC3339))
+			if inst.CompletedAt != nil {
+				fmt.Fprintf(w, "completed:  %s\n", inst.CompletedAt.Format(time.RFC3339))
+			} else {
+				fmt.Fprintln(w, "completed:  no (running)")
+			}
+			names := make([]string, 0, len(inst.Timeouts))
+			for n := range inst.Timeouts {
+				names = append(names, n)
+			}
+			sort.Strings(names)
+			fmt.Fprintf(w, "timeouts:   %d pending\n", len(names))
+			for _, n := range names {
+				fmt.Fprintf(w, "  %s: scheduled event %s\n", n, inst.Timeouts[n])
+			}
+			fmt.Fprintf(w, "state:      %s\n", inst.State)
+		})
+	})
+}

@@ -1,0 +1,159 @@
+package store
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// SagasTable is the qualified table of saga instances: one row per saga
+// type and correlation id, with its state and version.
+func (t Tables) SagasTable() string { return t.qualify("millrace_sagas") }
+
+// Row is what a single-row query returns: a *sql.Row or a pgx.Row.
+type Row interface {
+	Scan(dest ...any) error
+}
+
+// RowQuerier runs a query that returns at most one row: a transaction of
+// database/sql or pgx, adapted (with sql.ErrNoRows for no row).
+type RowQuerier interface {
+	QueryRow(ctx context.Context, query string, args ...any) Row
+}
+
+// SagaRow is one saga instance.
+type SagaRow struct {
+	Type, ID string
+	// State is the saga's state, JSON.
+	State []byte
+	// Version counts the saved changes; 0 for an instance not saved yet.
+	Version int64
+	// Step is the step that last moved the saga on (its event type).
+	Step string
+	// Timeouts maps a pending timeout's name to its scheduled event id.
+	Timeouts map[string]string
+	// Completed is when the saga completed; zero while it runs.
+	Completed            time.Time
+	CreatedAt, UpdatedAt time.Time
+}
+
+// ErrSagaVersionConflict is SaveSaga's answer when the instance changed
+// since it was loaded (or was created by someone else meanwhile).
+var ErrSagaVersionConflict = errors.New("saga instance changed since it was loaded")
+
+// LoadSaga reads the saga instance (sagaType, id) in tx; found is false
+// when there is none.
+func (t Tables) LoadSaga(ctx context.Context, tx RowQuerier, sagaType, id string) (row SagaRow, found bool, err error) {
+	var timeouts []byte
+	var completed sql.NullTime
+	err = tx.QueryRow(ctx, `SELECT state::text, version, step, timeouts::text, completed_at, created_at, updated_at FROM `+t.SagasTable()+`
+		WHERE saga_type = $1 AND saga_id = $2`, sagaType, id).Scan(&row.State, &row.Version, &row.Step, &timeouts, &completed, &row.CreatedAt, &row.UpdatedAt)
+	if errors.Is(err, sql.ErrNoRows) {
+		return SagaRow{Type: sagaType, ID: id}, false, nil
+	}
+	if err != nil {
+		return SagaRow{}, false, fmt.Errorf("load saga %s %q: %w", sagaType, id, err)
+	}
+	row.Type, row.ID, row.Completed = sagaType, id, completed.Time
+	if err := json.Unmarshal(timeouts, &row.Timeouts); err != nil {
+		return SagaRow{}, false, fmt.Errorf("load saga %s %q: timeouts: %w", sagaType, id, err)
+	}
+	return row, true, nil
+}
+
+// SaveSaga writes row in tx: inserts it when row.Version is 0, else
+// updates it where its version is still row.Version, and increments the
+// version. ErrSagaVersionConflict means another transaction saved (or
+// created) the instance first: load it again and redo the step.
+func (t Tables) SaveSaga(ctx context.Context, tx Execer, row SagaRow, completed bool) error {
+	timeouts, err := json.Marshal(row.Timeouts)
+	if err != nil {
+		return err
+	}
+	if row.Timeouts == nil {
+		timeouts = []byte(`{}`)
+	}
+	var res sql.Result
+	if row.Version == 0 {
+		res, err = tx.ExecContext(ctx, `INSERT INTO `+t.SagasTable()+` (saga_type, saga_id, state, version, step, timeouts, completed_at)
+			VALUES ($1, $2, $3::jsonb, 1, $4, $5::jsonb, CASE WHEN $6 THEN now() END) ON CONFLICT DO NOTHING`,
+			row.Type, row.ID, string(row.State), row.Step, string(timeouts), completed)
+	} else {
+		res, err = tx.ExecContext(ctx, `UPDATE `+t.SagasTable()+` SET state = $3::jsonb, version = version + 1, step = $4,
+			timeouts = $5::jsonb, updated_at = now(), completed_at = CASE WHEN $6 THEN coalesce(completed_at, now()) END
+			WHERE saga_type = $1 AND saga_id = $2 AND version = $7`,
+			row.Type, row.ID, string(row.State), row.Step, string(timeouts), completed, row.Version)
+	}
+	if err != nil {
+		return fmt.Errorf("save saga %s %q: %w", row.Type, row.ID, err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return err
+	}
+	if n == 0 {
+		return fmt.Errorf("save saga %s %q at version %d: %w", row.Type, row.ID, row.Version, ErrSagaVersionConflict)
+	}
+	return nil
+}
+
+// ListSagas returns up to limit saga instances of sagaType (every type
+// when ""), the most recently changed first; running only unless
+// withCompleted.
+func (t Tables) ListSagas(ctx context.Context, db DBTX, sagaType string, withCompleted bool, limit int) ([]SagaRow, error) {
+	rows, err := db.QueryContext(ctx, `SELECT saga_type, saga_id, state::text, version, step, timeouts::text, completed_at, created_at, updated_at
+		FROM `+t.SagasTable()+` WHERE ($1 = '' OR saga_type = $1) AND ($2 OR completed_at IS NULL)
+		ORDER BY updated_at DESC, saga_type, saga_id LIMIT $3`, sagaType, withCompleted, sql.NullInt64{Int64: int64(limit), Valid: limit >= 0})
+	if err != nil {
+		return nil, fmt.Errorf("list %s: %w", t.SagasTable(), err)
+	}
+	defer rows.Close()
+	out := []SagaRow{}
+	for rows.Next() {
+		var r SagaRow
+		var timeouts []byte
+		var completed sql.NullTime
+		if err := rows.Scan(&r.Type, &r.ID, &r.State, &r.Version, &r.Step, &timeouts, &completed, &r.CreatedAt, &r.UpdatedAt); err != nil {
+			return nil, fmt.Errorf("list %s: %w", t.SagasTable(), err)
+		}
+		r.Completed = completed.Time
+		if err := json.Unmarshal(timeouts, &r.Timeouts); err != nil {
+			return nil, fmt.Errorf("list %s: timeouts of %s %q: %w", t.SagasTable(), r.Type, r.ID, err)
+		}
+		out = append(out, r)
+	}
+	return out, rows.Err()
+}
+
+// DeleteCompletedSagas deletes up to limit sagas of sagaType that completed
+// more than olderThan ago, and returns how many.
+func (t Tables) DeleteCompletedSagas(ctx context.Context, db Execer, sagaType string, olderThan time.Duration, limit int) (int64, error) {
+	res, err := db.ExecContext(ctx, `DELETE FROM `+t.SagasTable()+` WHERE ctid = ANY(ARRAY(
+		SELECT ctid FROM `+t.SagasTable()+` WHERE saga_type = $1 AND completed_at < now() - make_interval(secs => $2)
+		LIMIT $3 FOR UPDATE SKIP LOCKED))`, sagaType, olderThan.Seconds(), limit)
+	if err != nil {
+		return 0, fmt.Errorf("delete completed sagas of %s: %w", sagaType, err)
+	}
+	return res.RowsAffected()
+}
+
+func (t Tables) sagaStatements() []string {
+	return []string{
+		`CREATE TABLE IF NOT EXISTS ` + t.SagasTable() + ` (
+	saga_type TEXT NOT NULL,
+	saga_id TEXT NOT NULL,
+	state JSONB NOT NULL,
+	version BIGINT NOT NULL,
+	step TEXT NOT NULL,
+	timeouts JSONB NOT NULL DEFAULT '{}',
+	created_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+	updated_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+	completed_at TIMESTAMPTZ,
+	PRIMARY KEY (saga_type, saga_id)
+)`,
+		`CREATE INDEX IF NOT EXISTS millrace_sagas_completed_at ON ` + t.SagasTable() + ` (saga_type, completed_at) WHERE completed_at IS NOT NULL`,
+	}
+}

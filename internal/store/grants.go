@@ -64,6 +64,12 @@ func Grants(t Tables) []Grant {
 	offsets, offsetsName := table("watermill_offsets_" + t.OutboxTopic)
 	add("SELECT, INSERT, UPDATE", "TABLE", offsets, offsetsName, "relay: its position in the outbox, locked while a batch is in flight")
 
+	shards, shardsName := table("millrace_relay_shards")
+	add("SELECT", "TABLE", shards, shardsName, "publish: the outbox trigger reads the shard count")
+	add("INSERT, UPDATE", "TABLE", shards, shardsName, "relay: record a new relay.shards once the outbox is drained")
+	instances, instancesName := table("millrace_relay_instances")
+	add("SELECT, INSERT, UPDATE, DELETE", "TABLE", instances, instancesName, "relay with relay.shards > 1: register, heartbeat, drop dead instances")
+
 	quarantine, quarantineName := table("millrace_relay_quarantine")
 	add("SELECT, INSERT", "TABLE", quarantine, quarantineName, "relay: set aside rows no broker can take; outbox status counts them")
 	add("USAGE", "SEQUENCE", t.qualify("millrace_relay_quarantine_id_seq"), "millrace_relay_quarantine_id_seq", "relay: number quarantined rows")

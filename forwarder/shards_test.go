@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/store"
@@ -81,6 +82,53 @@ func TestShardedRelaysSpreadTheShardsAndTakeOverAStoppedOne(t *testing.T) {
 	require.NoError(t, err)
 	testkit.Eventually(t, waitLimit, "nothing pending", func() bool { return pending(t, f) == 0 })
 	require.Equal(t, 1.0, metricValue(t, regs[1], "millrace_relay_active"))
+
+	// The ops API (`millrace outbox status`) shows the shards, their owners
+	// (the two running relays) and their backlog.
+	ops, err := bus.NewOps(context.Background(), tb.db, tb.cfg)
+	require.NoError(t, err)
+	st, err := ops.OutboxStatus(context.Background(), "")
+	require.NoError(t, err)
+	require.Equal(t, 8, st.Shards)
+	require.Zero(t, st.Pending)
+	require.EqualValues(t, len(events)+1, st.Forwarded)
+	require.Len(t, st.ShardStates, 8)
+	owners := map[string]int{}
+	for i, s := range st.ShardStates {
+		require.Equal(t, i, s.Shard)
+		require.NotEmpty(t, s.Owner, "shard %d has an owner", i)
+		require.Zero(t, s.Pending)
+		owners[s.Owner]++
+	}
+	require.Len(t, owners, 2, "the two running relays own the shards: %v", owners)
+}
+
+// With eight shards and no relay running, the outbox status counts each
+// shard's backlog and shows no owner.
+func TestOutboxStatusShowsEachShardsBacklog(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	tables := store.Tables{Schema: tb.outbox.Schema, OutboxTopic: tb.outbox.Topic}
+	require.NoError(t, tables.RecordShards(context.Background(), tb.db, tb.cfg.Relay.ConsumerGroup, 8))
+	publish(t, tb, "things", interleaved(50, 2), 10)
+	ops, err := bus.NewOps(context.Background(), tb.db, tb.cfg)
+	require.NoError(t, err)
+	st, err := ops.OutboxStatus(context.Background(), "")
+	require.NoError(t, err)
+	require.Equal(t, 8, st.Shards)
+	require.EqualValues(t, 100, st.Pending)
+	require.Positive(t, st.OldestPendingAge)
+	total, busy := int64(0), 0
+	for _, s := range st.ShardStates {
+		require.Empty(t, s.Owner)
+		require.Zero(t, s.Pending%2, "shard %d: both versions of an aggregate are in one shard", s.Shard)
+		total += s.Pending
+		if s.Pending > 0 {
+			busy++
+		}
+	}
+	require.EqualValues(t, 100, total)
+	require.Greater(t, busy, 4, "50 aggregates spread over the shards")
 }
 
 // A relay started with another relay.shards over pending rows refuses to

@@ -361,3 +361,36 @@ func (t Tables) ShardStatuses(ctx context.Context, db DBTX, group string, n int)
 	}
 	return out, nil
 }
+
+// ShardedStatus is Status for a group whose outbox is split into n > 1
+// shards: a row is forwarded when its shard's offsets row is at or past it
+// (a row whose shard is n or more was written under a larger count and
+// forwarded before the change).
+func (t Tables) ShardedStatus(ctx context.Context, db DBTX, group string, n int) (OutboxStatus, error) {
+	var st OutboxStatus
+	var age sql.NullFloat64
+	var last sql.NullTime
+	err := db.QueryRowContext(ctx, `
+		WITH o AS (
+			SELECT i AS shard, r.offset_acked, r.last_processed_transaction_id AS txid
+			FROM generate_series(0, $2::int - 1) i
+			JOIN `+t.OffsetsTable()+` r ON r.consumer_group = $1 || '#' || i || '/' || $2),
+		m AS (
+			SELECT created_at,
+				m.shard >= $2 OR EXISTS (SELECT 1 FROM o WHERE o.shard = m.shard
+					AND (m.transaction_id < o.txid OR (m.transaction_id = o.txid AND m."offset" <= o.offset_acked))) AS done,
+				EXISTS (SELECT 1 FROM o WHERE o.shard = m.shard AND m.transaction_id = o.txid AND m."offset" = o.offset_acked) AS last
+			FROM `+t.OutboxTable()+` m)
+		SELECT count(*) FILTER (WHERE NOT done),
+			EXTRACT(EPOCH FROM LOCALTIMESTAMP - min(created_at) FILTER (WHERE NOT done))::float8,
+			count(*) FILTER (WHERE done),
+			(max(created_at) FILTER (WHERE last)) AT TIME ZONE current_setting('TimeZone'),
+			(SELECT count(*) FROM `+t.QuarantineTable()+`)
+		FROM m`, group, n).Scan(&st.Pending, &age, &st.Forwarded, &last, &st.Quarantined)
+	if err != nil {
+		return OutboxStatus{}, fmt.Errorf("inspect outbox %s: %w", t.OutboxTable(), err)
+	}
+	st.OldestPendingAge = time.Duration(age.Float64 * float64(time.Second))
+	st.LastForwardedAt = last.Time
+	return st, nil
+}

@@ -231,4 +231,9 @@ func TestRelayShardsFromYAMLAreChecked(t *testing.T) {
 	cfg, err := parseConfig([]byte("relay: {shards: 1}\n"), noEnv)
 	require.NoError(t, err)
 	require.Equal(t, 1, *cfg.Relay.Shards)
+	cfg, err = parseConfig([]byte("relay: {shards: 8}\n"), noEnv)
+	require.NoError(t, err)
+	require.Equal(t, 8, *cfg.Relay.Shards)
+	_, err = parseConfig([]byte("relay: {shards: 1000}\n"), noEnv)
+	require.ErrorContains(t, err, "relay.shards: must be at most 256")
 }

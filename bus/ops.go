@@ -264,6 +264,24 @@ type OutboxStatus struct {
 	Forwarded int64 `json:"forwarded_retained"`
 	// Quarantined counts rows in the relay quarantine.
 	Quarantined int64 `json:"quarantined"`
+	// Shards is the number of shards the outbox is split into (relay.shards,
+	// as the outbox recorded it).
+	Shards int `json:"shards"`
+	// ShardStates lists each shard's owner and backlog when Shards > 1.
+	ShardStates []ShardState `json:"shard_states,omitempty"`
+}
+
+// ShardState is one shard of the outbox as one relay consumer group sees it.
+type ShardState struct {
+	// Shard is the shard's number, from 0.
+	Shard int `json:"shard"`
+	// Owner is the instance id of the relay that owns the shard; "" when no
+	// relay does (none running, or a takeover under way).
+	Owner string `json:"owner"`
+	// Pending counts the shard's committed rows not forwarded yet.
+	Pending int64 `json:"pending"`
+	// OldestPendingAge is the age of the shard's oldest pending row.
+	OldestPendingAge time.Duration `json:"oldest_pending_age_ns"`
 }
 
 // OutboxStatus reads the outbox's state for the relay consumer group
@@ -273,12 +291,30 @@ func (o *Ops) OutboxStatus(ctx context.Context, relayGroup string) (OutboxStatus
 	if err := names.Topic(relayGroup); err != nil {
 		return OutboxStatus{}, fmt.Errorf("millrace: relay consumer group %q: %w", relayGroup, err)
 	}
-	st, err := o.tables.Status(ctx, o.db, relayGroup)
+	shards, err := o.tables.RecordedShards(ctx, o.db)
+	if err != nil {
+		return OutboxStatus{}, err
+	}
+	var st store.OutboxStatus
+	var states []ShardState
+	if shards == 1 {
+		st, err = o.tables.Status(ctx, o.db, relayGroup)
+	} else {
+		st, err = o.tables.ShardedStatus(ctx, o.db, relayGroup, shards)
+		if err == nil {
+			var list []store.ShardStatus
+			list, err = o.tables.ShardStatuses(ctx, o.db, relayGroup, shards)
+			for _, s := range list {
+				states = append(states, ShardState{Shard: s.Shard, Owner: s.Owner, Pending: s.Pending, OldestPendingAge: s.OldestPendingAge})
+			}
+		}
+	}
 	if err != nil {
 		return OutboxStatus{}, err
 	}
 	return OutboxStatus{RelayGroup: relayGroup, Pending: st.Pending, OldestPendingAge: st.OldestPendingAge,
-		LastForwardedAt: st.LastForwardedAt, Forwarded: st.Forwarded, Quarantined: st.Quarantined}, nil
+		LastForwardedAt: st.LastForwardedAt, Forwarded: st.Forwarded, Quarantined: st.Quarantined,
+		Shards: shards, ShardStates: states}, nil
 }
 
 // OutboxStatuses reads the outbox's state for every relay consumer group

@@ -15,9 +15,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testkit"
 	"github.com/millrace-io/millrace/internal/testlog"
 	"github.com/millrace-io/millrace/middleware"
 )
@@ -320,6 +322,9 @@ func TestEveryListedPrivilegeIsNeeded(t *testing.T) {
 	t.Parallel()
 	template := store.Tables{Schema: "schema", OutboxTopic: bus.Config{}.WithDefaults().Outbox.Topic}
 	for i, g := range store.Grants(template) {
+		if g.Sharding {
+			continue // the service runs one shard; TestShardingGrantsAreNeeded covers these
+		}
 		t.Run(g.Privilege+" "+g.Kind+" "+g.Name, func(t *testing.T) {
 			t.Parallel()
 			s := startService(t, i)
@@ -354,4 +359,56 @@ func TestReadmeListsTheGeneratedGrants(t *testing.T) {
 	want, err := bus.GrantSQL(bus.Config{}, "orders_app")
 	require.NoError(t, err)
 	require.Equal(t, want, block, "regenerate with: millrace grants --role orders_app")
+}
+
+// A relay with relay.shards: 2 runs as the service role with the listed
+// privileges (it records the count on a fresh outbox, registers, heartbeats
+// and takes the shards), and fails with "permission denied" for the object
+// of each sharding privilege revoked.
+func TestShardingGrantsAreNeeded(t *testing.T) {
+	t.Parallel()
+	template := store.Tables{Schema: "schema", OutboxTopic: bus.Config{}.WithDefaults().Outbox.Topic}
+	for i, g := range store.Grants(template) {
+		if !g.Sharding {
+			continue
+		}
+		t.Run(g.Privilege+" "+g.Kind+" "+g.Name, func(t *testing.T) {
+			t.Parallel()
+			f, ev := startShardedRelay(t, i)
+			want := "permission denied for table " + g.Name
+			testkit.Eventually(t, 90*time.Second, want, func() bool { return strings.Contains(ev.String(), want) })
+			require.NotEqual(t, forwarder.RoleActive, f.Status().Role)
+		})
+	}
+	t.Run("all granted", func(t *testing.T) {
+		t.Parallel()
+		f, ev := startShardedRelay(t, -1)
+		testkit.Eventually(t, 90*time.Second, "the relay to own its shards", func() bool { return f.Status().Role == forwarder.RoleActive })
+		require.NotContains(t, ev.String(), "permission denied")
+	})
+}
+
+// startShardedRelay runs a relay on two shards as the service role, without
+// grant number revoke, until the test ends.
+func startShardedRelay(t *testing.T, revoke int) (*forwarder.Forwarder, *testlog.Buffer) {
+	t.Helper()
+	var cfg bus.Config
+	brokertest.Apply(t, bus.KindNATS, &cfg)
+	r := newRoles(t, cfg, revoke)
+	cfg.Database.Schema = r.schema
+	cfg = cfg.WithDefaults()
+	broker, err := bus.OpenBroker(context.Background(), cfg, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { broker.Close() })
+	ev := &testlog.Buffer{}
+	shards := 2
+	f, err := forwarder.New(r.service, broker, forwarder.Outbox{Schema: r.schema, Topic: cfg.Outbox.Topic},
+		forwarder.Config{Shards: &shards, PollInterval: 50 * time.Millisecond, RetryInitial: 20 * time.Millisecond, RetryMax: 200 * time.Millisecond},
+		forwarder.Options{Logger: ev.Watermill()})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- f.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return f, ev
 }

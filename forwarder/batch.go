@@ -82,7 +82,7 @@ func (f *Forwarder) forwardBatch(ctx context.Context) (handled int, hidden bool,
 // readBatch reads the next batch (store.ReadBatch: the FOR UPDATE lock on
 // the offsets row and the xid8 visibility rule) and unwraps it.
 func (f *Forwarder) readBatch(ctx context.Context, tx *sql.Tx) (rows []outboxRow, hidden bool, err error) {
-	read, hidden, err := f.tables.ReadBatch(ctx, tx, f.cfg.ConsumerGroup, f.cfg.BatchSize)
+	read, hidden, err := f.tables.ReadBatch(ctx, tx, f.cursor, f.cfg.BatchSize)
 	if err != nil {
 		return nil, false, err
 	}
@@ -126,7 +126,7 @@ func (f *Forwarder) readAhead(ctx context.Context, after store.Position) {
 	f.ahead = a
 	go func() {
 		defer close(a.done)
-		read, hidden, err := f.tables.ReadAfter(ctx, f.db, after, f.cfg.BatchSize)
+		read, hidden, err := f.tables.ReadAfter(ctx, f.db, f.cursor, after, f.cfg.BatchSize)
 		if err == nil {
 			a.rows, a.hidden = f.unwrap(read), hidden
 		}
@@ -150,7 +150,7 @@ func (f *Forwarder) takeAhead(ctx context.Context, tx *sql.Tx) (rows []outboxRow
 	if a.err != nil {
 		return nil, false, false, nil
 	}
-	pos, err := f.tables.LockPosition(ctx, tx, f.cfg.ConsumerGroup)
+	pos, err := f.tables.LockPosition(ctx, tx, f.cursor)
 	if err != nil || pos != a.after {
 		return nil, false, false, err
 	}
@@ -280,7 +280,7 @@ func (f *Forwarder) ack(ctx context.Context, tx *sql.Tx, handled []outboxRow) er
 			return err
 		}
 	}
-	return f.tables.Ack(ctx, tx, f.cfg.ConsumerGroup, handled[len(handled)-1].row)
+	return f.tables.Ack(ctx, tx, f.cursor, handled[len(handled)-1].row)
 }
 
 func (f *Forwarder) quarantineRow(ctx context.Context, tx *sql.Tx, r outboxRow) error {

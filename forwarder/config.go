@@ -6,6 +6,7 @@ import (
 
 	"github.com/millrace-io/millrace/internal/confload"
 	"github.com/millrace-io/millrace/internal/names"
+	"github.com/millrace-io/millrace/internal/store"
 )
 
 // Config is the relay section of config.yaml.
@@ -44,10 +45,14 @@ type Config struct {
 	// CleanupBatch bounds the rows one cleanup DELETE removes, so cleanup never
 	// holds a long transaction. Defaults to 5000.
 	CleanupBatch int `yaml:"cleanup_batch"`
-	// Shards is how many shards the outbox is split into, each owned by one
-	// relay at a time. Only 1 is supported so far: one active relay per
-	// outbox and consumer group, the others hot standbys (see
-	// docs/SHARDS.md for the design of more). Defaults to 1.
+	// Shards is how many shards the outbox is split into by a hash of the
+	// aggregate id, each owned by one relay at a time; running relays
+	// spread the shards among themselves. 1 is one active relay per outbox
+	// and consumer group, the others hot standbys. A relay started with
+	// another count than the outbox's pending rows were written with
+	// refuses to start: change it by the procedure in docs/SHARDS.md
+	// (stop the relays, wait for 0 pending, start them with the new
+	// count). At most 256. Defaults to 1.
 	Shards *int `yaml:"shards"`
 	// BacklogInterval is how often the active relay counts its backlog in the
 	// database for the pending-rows and oldest-age gauges, on a timer of its
@@ -114,9 +119,8 @@ func (c Config) Validate(path string) []error {
 		switch n := *c.Shards; {
 		case n < 1:
 			chk.Add(at("shards"), "must be at least 1 (1 is one active relay for the whole outbox); got %d", n)
-		case n > 1:
-			chk.Add(at("shards"), "%d shards: sharding the outbox is not supported yet, only 1 is; "+
-				"a future version changes the count by the procedure in docs/SHARDS.md (drain the outbox with the relays stopped, then restart them with the new count)", n)
+		case n > store.MaxShards:
+			chk.Add(at("shards"), "must be at most %d; got %d", store.MaxShards, n)
 		}
 	}
 	chk.PositiveDuration(at("backlog_interval"), c.BacklogInterval)

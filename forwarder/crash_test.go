@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"net"
+	"net/http"
 	"os"
 	"os/signal"
 	"strconv"
@@ -16,6 +18,8 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters"
@@ -34,6 +38,8 @@ const (
 	childSchemaEnv = "MILLRACE_RELAY_SCHEMA"
 	childKillEnv   = "MILLRACE_RELAY_KILL" // before-publish:N, after-publish:N or after-move:N
 	childAppEnv    = "MILLRACE_RELAY_APP"  // application_name of its sessions
+	childShardsEnv = "MILLRACE_RELAY_SHARDS"
+	childMetrics   = "MILLRACE_RELAY_METRICS" // address to serve /metrics on
 )
 
 // runRelayChild runs a relay until SIGTERM, or kills itself with SIGKILL at
@@ -67,7 +73,22 @@ func runRelayChild() int {
 		return 1
 	}
 	defer broker.Close()
-	f, err := forwarder.New(db, broker, forwarder.Outbox{Schema: cfg.Database.Schema, Topic: cfg.Outbox.Topic}, crashConfig(), forwarder.Options{})
+	relayCfg := crashConfig()
+	if n, err := strconv.Atoi(os.Getenv(childShardsEnv)); err == nil {
+		relayCfg = shardCrashConfig(n)
+	}
+	var opts forwarder.Options
+	if addr := os.Getenv(childMetrics); addr != "" {
+		reg := prometheus.NewRegistry()
+		opts.Registerer = reg
+		l, err := net.Listen("tcp", addr)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		go func() { _ = http.Serve(l, promhttp.HandlerFor(reg, promhttp.HandlerOpts{})) }()
+	}
+	f, err := forwarder.New(db, broker, forwarder.Outbox{Schema: cfg.Database.Schema, Topic: cfg.Outbox.Topic}, relayCfg, opts)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
@@ -132,19 +153,29 @@ func crashConfig() forwarder.Config {
 		RetryInitial: 20 * time.Millisecond, RetryMax: 500 * time.Millisecond, ShutdownTimeout: 5 * time.Second}
 }
 
+// shardCrashConfig is crashConfig on n shards, with the backlog and
+// unowned-shard gauges measured often.
+func shardCrashConfig(n int) forwarder.Config {
+	cfg := crashConfig()
+	cfg.Shards = &n
+	cfg.BacklogInterval = 50 * time.Millisecond
+	return cfg
+}
+
 func startRelayProcess(t *testing.T, cfg bus.Config, kill string) *child.Process {
 	return startNamedRelayProcess(t, cfg, kill, "")
 }
 
 // startNamedRelayProcess starts a relay child whose database sessions carry
 // application_name name, so a test can see which relay holds the lock.
-func startNamedRelayProcess(t *testing.T, cfg bus.Config, kill, name string) *child.Process {
+// extra adds to its environment (childShardsEnv, childMetrics).
+func startNamedRelayProcess(t *testing.T, cfg bus.Config, kill, name string, extra ...string) *child.Process {
 	t.Helper()
-	return child.Start(t, child.Options{Role: relayRole, Env: []string{
+	return child.Start(t, child.Options{Role: relayRole, Env: append([]string{
 		childAppEnv + "=" + name, childKindEnv + "=" + cfg.Broker.Kind, childSchemaEnv + "=" + cfg.Database.Schema,
 		childKillEnv + "=" + kill, "NATS_URL=" + cfg.Broker.NATS.URL, "AMQP_URL=" + cfg.Broker.RabbitMQ.URL,
 		"KAFKA_BROKERS=" + strings.Join(cfg.Broker.Kafka.Brokers, ","),
-	}})
+	}, extra...)})
 }
 
 // collector records every delivery of a consumer group.
@@ -186,14 +217,18 @@ func collect(t *testing.T, broker adapters.Broker, topic, group string) *collect
 
 func (c *collector) distinct() int { c.mu.Lock(); defer c.mu.Unlock(); return len(c.count) }
 
-// writer commits events of aggregates agg-0..agg-19 with increasing
-// versions, ten per transaction, and every 25th transaction rolls back.
+// writer commits events of aggregates agg-0..agg-<aggregates-1> (20
+// unless set) with increasing versions, ten per transaction, and every 25th
+// transaction rolls back.
 type writer struct {
-	committed map[string]bool
-	version   map[string]int
+	committed  map[string]bool
+	version    map[string]int
+	aggregates int
 }
 
-func newWriter() *writer { return &writer{committed: map[string]bool{}, version: map[string]int{}} }
+func newWriter() *writer {
+	return &writer{committed: map[string]bool{}, version: map[string]int{}, aggregates: 20}
+}
 
 // write commits n more events.
 func (w *writer) write(t *testing.T, b *bus.Bus, db *sql.DB, topic string, n int) {
@@ -207,7 +242,7 @@ func (w *writer) write(t *testing.T, b *bus.Bus, db *sql.DB, topic string, n int
 		var ids []string
 		var events []bus.Event
 		for i := range 10 {
-			agg := fmt.Sprintf("agg-%d", (txn*10+i)%20)
+			agg := fmt.Sprintf("agg-%d", (txn*10+i)%w.aggregates)
 			if rollback {
 				agg = "ghost-" + agg
 			} else {

@@ -69,6 +69,20 @@
 // left to it for 10ms. Immediate events never wait for scheduled ones: those
 // are not in the outbox until due.
 //
+// # Shards
+//
+// With relay.shards N > 1 the outbox is split by PostgreSQL's hash of the
+// aggregate id (a trigger sets each row's shard; no aggregate id is shard
+// 0) and each shard has its own offsets row and advisory lock. Every relay
+// instance registers with a heartbeat, owns ceil(N / live instances)
+// shards, takes free ones at each poll_interval and releases those above
+// its share once their batch in flight is acked. A dead instance's shards
+// are taken within one poll_interval after PostgreSQL closes its session.
+// One aggregate stays in one shard, and one shard is forwarded by one relay
+// at a time, so events of one aggregate keep their order through takeovers.
+// A relay started with another N over rows pending under the recorded one
+// refuses to start (ErrShardsChanged); docs/SHARDS.md has the procedure.
+//
 // # Backlog, retention, stop
 //
 // batch_size, max_in_flight and rate_limit bound a drain. Forwarded rows older
@@ -83,8 +97,11 @@
 // millrace_relay_messages_forwarded_total, millrace_relay_publish_errors_total
 // (by class), millrace_relay_quarantined_total,
 // millrace_relay_cleanup_deleted_total,
-// millrace_relay_commit_to_publish_seconds and
-// millrace_relay_scheduled_moved_total.
+// millrace_relay_commit_to_publish_seconds,
+// millrace_relay_scheduled_moved_total, and for shards
+// millrace_relay_shard_owned{shard}, millrace_relay_unowned_shards,
+// millrace_relay_shard_pending_rows{shard} and
+// millrace_relay_shard_oldest_pending_age_seconds{shard}.
 //
 // The pending-rows and oldest-age gauges are measured in the database by the
 // active relay on a timer of its own (backlog_interval, 5s), whatever its

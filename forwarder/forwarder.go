@@ -59,6 +59,7 @@ type Forwarder struct {
 	broker  Broker
 	cfg     Config
 	tables  store.Tables
+	cursor  store.Cursor // the offsets row and shard this relay (or shard relay) reads
 	logger  watermill.LoggerAdapter
 	metrics *metrics
 	limiter *rate.Limiter
@@ -66,8 +67,8 @@ type Forwarder struct {
 
 	provisioned map[string]bool
 	backlog     backlog
-	ahead       *ahead // the next batch, read while the current one is published
-	health      health
+	ahead       *ahead  // the next batch, read while the current one is published
+	health      *health // shared by an instance's shard relays
 	tracing     tracing
 
 	// Test hooks, set only by this package's tests (see export_test.go).
@@ -95,7 +96,7 @@ func New(db *sql.DB, broker Broker, outbox Outbox, cfg Config, opts Options) (*F
 	if opts.Logger == nil {
 		opts.Logger = watermill.NopLogger{}
 	}
-	m, err := newMetrics(opts.Registerer, tables.OutboxNotifyPayload())
+	m, err := newMetrics(opts.Registerer, tables.OutboxNotifyPayload(), *cfg.Shards)
 	if err != nil {
 		return nil, fmt.Errorf("forwarder: register metrics: %w", err)
 	}
@@ -104,6 +105,8 @@ func New(db *sql.DB, broker Broker, outbox Outbox, cfg Config, opts Options) (*F
 		broker:      broker,
 		cfg:         cfg,
 		tables:      tables,
+		cursor:      store.Cursor{Group: cfg.ConsumerGroup},
+		health:      &health{},
 		logger:      opts.Logger.With(watermill.LogFields{"outbox": tables.OutboxNotifyPayload()}),
 		metrics:     m,
 		slice:       cfg.MaxInFlight,
@@ -130,8 +133,11 @@ var ErrNotPgx = errors.New("forwarder: LISTEN/NOTIFY needs a database/sql pool o
 // and on the fallback poll. Alongside, active or standby, it moves scheduled
 // messages into the outbox when they are due. On cancellation the batch in flight gets up to
 // shutdown_timeout to be confirmed and acked; otherwise it is abandoned
-// unacked. Run returns nil after a clean stop, and ErrNotPgx at once when the
-// pool cannot LISTEN.
+// unacked. Run returns nil after a clean stop, ErrNotPgx at once when the
+// pool cannot LISTEN, and ErrShardsChanged at once when relay.shards differs
+// from the count the outbox's pending rows were written with. With
+// relay.shards > 1 the relay owns a share of the shards instead of waiting
+// for the whole outbox (see shards.go).
 func (f *Forwarder) Run(ctx context.Context) error {
 	scheduleCtx, stopScheduling := context.WithCancel(ctx)
 	var scheduling sync.WaitGroup
@@ -140,12 +146,12 @@ func (f *Forwarder) Run(ctx context.Context) error {
 	retry := f.newBackoff()
 	for ctx.Err() == nil {
 		f.health.set(RoleStarting)
-		err := f.lead(ctx)
+		err := f.start(ctx)
 		f.health.set(RoleStarting)
 		if ctx.Err() != nil {
 			break
 		}
-		if errors.Is(err, ErrNotPgx) {
+		if errors.Is(err, ErrNotPgx) || errors.Is(err, ErrShardsChanged) {
 			return err
 		}
 		wait := retry.NextBackOff()
@@ -168,10 +174,11 @@ func (f *Forwarder) lead(ctx context.Context) error {
 	defer discard(conn)
 	f.health.set(RoleActive)
 	f.metrics.leader.Set(1)
-	defer f.metrics.leader.Set(0)
+	f.metrics.shardOwned.WithLabelValues("0").Set(1)
+	defer func() { f.metrics.leader.Set(0); f.metrics.shardOwned.WithLabelValues("0").Set(0) }()
 	f.logger.Info("Relay is active", nil)
 
-	if err := f.tables.PrepareOffsets(ctx, f.db, f.cfg.ConsumerGroup); err != nil {
+	if err := f.tables.PrepareOffsets(ctx, f.db, f.cursor); err != nil {
 		return fmt.Errorf("forwarder: %w", err)
 	}
 	listenCtx, stopListening := context.WithCancel(ctx)

@@ -511,20 +511,22 @@ func TestConfigValidationNamesFields(t *testing.T) {
 	require.Contains(t, text[0], "relay.batch_size")
 }
 
-// relay.shards below 1 is refused, and so is a count this version cannot
-// run, naming the key and the procedure that changes it.
-func TestShardsValidationNamesTheKeyAndTheProcedure(t *testing.T) {
+// relay.shards below 1 or above the limit is refused, naming the key;
+// counts in between are accepted.
+func TestShardsValidationNamesTheKey(t *testing.T) {
 	t.Parallel()
 	for _, n := range []int{0, -3} {
 		errs := forwarder.Config{Shards: &n}.WithDefaults().Validate("relay")
 		require.Len(t, errs, 1)
 		require.ErrorContains(t, errs[0], fmt.Sprintf("relay.shards: must be at least 1 (1 is one active relay for the whole outbox); got %d", n))
 	}
-	eight := 8
-	errs := forwarder.Config{Shards: &eight}.WithDefaults().Validate("relay")
+	tooMany := 257
+	errs := forwarder.Config{Shards: &tooMany}.WithDefaults().Validate("relay")
 	require.Len(t, errs, 1)
-	require.ErrorContains(t, errs[0], "relay.shards: 8 shards: sharding the outbox is not supported yet")
-	require.ErrorContains(t, errs[0], "docs/SHARDS.md")
+	require.ErrorContains(t, errs[0], "relay.shards: must be at most 256; got 257")
+	for _, n := range []int{2, 8, 256} {
+		require.Empty(t, forwarder.Config{Shards: &n}.WithDefaults().Validate("relay"), n)
+	}
 	require.Empty(t, forwarder.Config{}.WithDefaults().Validate("relay"), "unset is 1")
 	require.Equal(t, 1, *forwarder.Config{}.WithDefaults().Shards)
 }

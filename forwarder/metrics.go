@@ -1,6 +1,8 @@
 package forwarder
 
 import (
+	"strconv"
+
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -23,9 +25,13 @@ type metrics struct {
 	deleted         prometheus.Counter
 	commitToPublish prometheus.Histogram
 	scheduledMoved  prometheus.Counter
+	shardOwned      *prometheus.GaugeVec
+	unowned         prometheus.Gauge
+	shardPending    *prometheus.GaugeVec
+	shardOldestAge  *prometheus.GaugeVec
 }
 
-func newMetrics(reg prometheus.Registerer, outbox string) (*metrics, error) {
+func newMetrics(reg prometheus.Registerer, outbox string, shards int) (*metrics, error) {
 	labels := prometheus.Labels{"outbox": outbox}
 	m := &metrics{
 		leader: prometheus.NewGauge(prometheus.GaugeOpts{
@@ -69,6 +75,25 @@ func newMetrics(reg prometheus.Registerer, outbox string) (*metrics, error) {
 			Name: "millrace_relay_scheduled_moved_total", ConstLabels: labels,
 			Help: "Scheduled messages this relay moved into the outbox at their due time.",
 		}),
+		shardOwned: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "millrace_relay_shard_owned", ConstLabels: labels,
+			Help: "1 for each shard this relay holds the lock of and forwards, 0 for the others (with relay.shards: 1, shard 0 is the leader lock).",
+		}, []string{"shard"}),
+		unowned: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "millrace_relay_unowned_shards", ConstLabels: labels,
+			Help: "Shards whose lock no relay holds, as last measured by this relay (every relay.backlog_interval and before it takes shards; with relay.shards > 1).",
+		}),
+		shardPending: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "millrace_relay_shard_pending_rows", ConstLabels: labels,
+			Help: "Committed rows of a shard not yet forwarded, as last measured by the shard's owner (with relay.shards > 1).",
+		}, []string{"shard"}),
+		shardOldestAge: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "millrace_relay_shard_oldest_pending_age_seconds", ConstLabels: labels,
+			Help: "Age of a shard's oldest committed row not yet forwarded, as last measured by the shard's owner (with relay.shards > 1).",
+		}, []string{"shard"}),
+	}
+	for i := range shards {
+		m.shardOwned.WithLabelValues(strconv.Itoa(i))
 	}
 	// Known label values start at zero, so rate() and alerts see the series
 	// before the first error.
@@ -79,7 +104,7 @@ func newMetrics(reg prometheus.Registerer, outbox string) (*metrics, error) {
 		return m, nil
 	}
 	for _, c := range []prometheus.Collector{m.leader, m.pending, m.oldestAge, m.batches, m.forwarded,
-		m.publishErrors, m.quarantined, m.deleted, m.commitToPublish, m.scheduledMoved} {
+		m.publishErrors, m.quarantined, m.deleted, m.commitToPublish, m.scheduledMoved, m.shardOwned, m.unowned, m.shardPending, m.shardOldestAge} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

@@ -4,6 +4,8 @@ import (
 	"context"
 	"sync"
 	"time"
+
+	"github.com/millrace-io/millrace/internal/store"
 )
 
 // backlog is what the pending-rows and oldest-age gauges last showed and
@@ -98,9 +100,30 @@ func (f *Forwarder) recordBatch(handled []outboxRow) {
 
 // Pending counts the committed outbox rows this relay's group has not
 // forwarded yet and the age of the oldest of them, as `millrace outbox
-// status` counts them.
+// status` counts them; with relay.shards > 1, over every shard.
 func (f *Forwarder) Pending(ctx context.Context) (rows int64, oldest time.Duration, err error) {
-	return f.tables.Backlog(ctx, f.db, f.cfg.ConsumerGroup)
+	for _, c := range f.cursors() {
+		n, age, err := f.tables.Backlog(ctx, f.db, c)
+		if err != nil {
+			return 0, 0, err
+		}
+		rows, oldest = rows+n, max(oldest, age)
+	}
+	return rows, oldest, nil
+}
+
+// cursors are the offsets rows f reads: its own, or, for an instance with
+// relay.shards > 1, every shard's.
+func (f *Forwarder) cursors() []store.Cursor {
+	n := *f.cfg.Shards
+	if n <= 1 || f.cursor.Shards > 1 {
+		return []store.Cursor{f.cursor}
+	}
+	cs := make([]store.Cursor, n)
+	for i := range cs {
+		cs[i] = store.Cursor{Group: f.cfg.ConsumerGroup, Shard: i, Shards: n}
+	}
+	return cs
 }
 
 // cleanup deletes forwarded rows older than the retention in bounded
@@ -125,7 +148,16 @@ func (f *Forwarder) cleanup(ctx context.Context) {
 }
 
 // DeleteForwarded deletes up to limit outbox rows that this relay's group
-// has forwarded and that are older than olderThan, and returns how many.
+// has forwarded and that are older than olderThan (per shard, with
+// relay.shards > 1), and returns how many.
 func (f *Forwarder) DeleteForwarded(ctx context.Context, olderThan time.Duration, limit int) (int64, error) {
-	return f.tables.DeleteForwarded(ctx, f.db, f.cfg.ConsumerGroup, olderThan, limit)
+	total := int64(0)
+	for _, c := range f.cursors() {
+		n, err := f.tables.DeleteForwarded(ctx, f.db, c, olderThan, limit)
+		if err != nil {
+			return total, err
+		}
+		total += n
+	}
+	return total, nil
 }

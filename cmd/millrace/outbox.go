@@ -1,9 +1,11 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"io"
+	"text/tabwriter"
 	"time"
 
 	"github.com/millrace-io/millrace/bus"
@@ -12,7 +14,7 @@ import (
 func init() {
 	commands = append(commands,
 		command{path: "migrate", summary: "create or update millrace's tables and triggers (idempotent)", bind: noFlags(runMigrate)},
-		command{path: "outbox status", summary: "pending events, oldest pending age, last forwarded, quarantined rows", bind: noFlags(runOutboxStatus)},
+		command{path: "outbox status", summary: "pending events, oldest pending age, last forwarded, quarantined rows, shards with owners and backlog", bind: noFlags(runOutboxStatus)},
 	)
 }
 
@@ -53,6 +55,16 @@ func runOutboxStatus(ctx context.Context, e env, args []string) error {
 			fmt.Fprintf(w, "last forwarded:      %s\n", last)
 			fmt.Fprintf(w, "forwarded, retained: %d\n", st.Forwarded)
 			fmt.Fprintf(w, "quarantined:         %d\n", st.Quarantined)
+			fmt.Fprintf(w, "shards:              %d\n", st.Shards)
+			if len(st.ShardStates) > 0 {
+				tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+				fmt.Fprintln(tw, "SHARD\tOWNER\tPENDING\tOLDEST PENDING")
+				for _, s := range st.ShardStates {
+					owner := cmp.Or(s.Owner, "(none)")
+					fmt.Fprintf(tw, "%d\t%s\t%d\t%s\n", s.Shard, owner, s.Pending, s.OldestPendingAge.Round(time.Millisecond))
+				}
+				_ = tw.Flush()
+			}
 		})
 	})
 }

@@ -9,7 +9,9 @@
 // relay's SQL statements per second while idle, then commits a trickle of
 // 200 events/s and measures commit-to-consumer latency. The results print as
 // one table, each relay's drain as a percentage of the reference's, with
-// millrace's ratios to stock Watermill.
+// millrace's ratios to stock Watermill. millrace-3x8 is millrace as three
+// relay processes on relay.shards: 8 (its idle statements and peak RSS are
+// the three processes' sums), beside the single millrace relay.
 //
 // The reference (reference_test.go) is the simplest loop that moves the same
 // rows with the same payloads and headers to the same broker: a batched

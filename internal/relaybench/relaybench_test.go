@@ -55,9 +55,13 @@ type brokerKit struct {
 }
 
 // relays are measured in this order for each broker: stock Watermill,
-// millrace, and the hand-written reference (reference_test.go) as the
-// ceiling.
-var relays = []string{"watermill", "millrace", "reference"}
+// millrace, millrace as three processes on eight shards (millrace-3x8), and
+// the hand-written reference (reference_test.go) as the ceiling.
+var relays = []string{"watermill", "millrace", shardedRelay, "reference"}
+
+// shardedRelay is millrace with relay.shards: 8 in three relay processes;
+// its statements and peak RSS are the three processes' sums.
+const shardedRelay = "millrace-3x8"
 
 // brokers is filled by brokers_test.go, one entry per adapter.
 var brokers = map[string]brokerKit{}
@@ -173,6 +177,14 @@ func measure(b *testing.B, kind, relay string) result {
 		b.Fatal(err)
 	}
 	c := startConsumer(b, ctx, broker, topic, group)
+	if relay == shardedRelay {
+		// Recorded before the backlog is written, as the procedure for a
+		// change of relay.shards has it.
+		tables := store.Tables{Schema: schema, OutboxTopic: cfg.Outbox.Topic}
+		if err := tables.RecordShards(ctx, db, relayGroup(relay), 8); err != nil {
+			b.Fatal(err)
+		}
+	}
 
 	// The backlog, committed before the relay starts, 100 events a transaction.
 	events := make([]bus.Event, backlogEvents)
@@ -188,6 +200,16 @@ func measure(b *testing.B, kind, relay string) result {
 
 	outbox := forwarder.Outbox{Schema: schema, Topic: cfg.Outbox.Topic}
 	relayProc := startChild(b, relay, kind, dbURL, outbox, childEnv)
+	procs := []*childProcess{relayProc}
+	if relay == shardedRelay {
+		procs = append(procs, startChild(b, relay, kind, dbURL, outbox, childEnv), startChild(b, relay, kind, dbURL, outbox, childEnv))
+	}
+	statements := func() (n int64) {
+		for _, p := range procs {
+			n += p.statements()
+		}
+		return n
+	}
 	began := time.Now()
 	ops, err := bus.NewOps(ctx, db, cfg)
 	if err != nil {
@@ -201,9 +223,9 @@ func measure(b *testing.B, kind, relay string) result {
 	testkit.Eventually(b, 10*time.Minute, "the consumer to get the backlog", func() bool { return c.distinct() >= backlogEvents })
 
 	time.Sleep(2 * time.Second) // let the relay settle into idle
-	q0 := relayProc.statements()
+	q0 := statements()
 	time.Sleep(idleWindow)
-	idle := float64(relayProc.statements()-q0) / idleWindow.Seconds()
+	idle := float64(statements()-q0) / idleWindow.Seconds()
 
 	// The trickle: one event per transaction, 200 a second.
 	committed := map[string]time.Time{}
@@ -225,8 +247,11 @@ func measure(b *testing.B, kind, relay string) result {
 	}
 	slices.Sort(lat)
 
-	rss := relayProc.peakRSS()
-	relayProc.stop()
+	rss := 0.0
+	for _, p := range procs {
+		rss += p.peakRSS()
+		p.stop()
+	}
 	return result{
 		kind: kind, relay: relay,
 		drainRate:   backlogEvents / drain.Seconds(),
@@ -385,8 +410,12 @@ func runChild() int {
 		logger = watermill.NewStdLogger(false, false)
 	}
 	switch os.Getenv("RELAYBENCH_CHILD") {
-	case "millrace":
-		f, err := forwarder.New(db, broker, outbox, forwarder.Config{}, forwarder.Options{Logger: logger})
+	case "millrace", shardedRelay:
+		var cfg forwarder.Config
+		if os.Getenv("RELAYBENCH_CHILD") == shardedRelay {
+			cfg.Shards = new(8)
+		}
+		f, err := forwarder.New(db, broker, outbox, cfg, forwarder.Options{Logger: logger})
 		if err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			return 1
@@ -486,7 +515,7 @@ func printTable() {
 	}
 	fmt.Println()
 	fmt.Printf("Relay: stock Watermill forwarder, millrace and the reference ceiling, %d-event backlog, %d events/s trickle\n", backlogEvents, trickleRate)
-	fmt.Printf("%-9s %-10s %12s %10s %10s %10s %10s %10s %10s\n", "broker", "relay", "drain msg/s", "% ceiling", "p50", "p99", "idle q/s", "peak RSS", "dups")
+	fmt.Printf("%-9s %-12s %12s %10s %10s %10s %10s %10s %10s\n", "broker", "relay", "drain msg/s", "% ceiling", "p50", "p99", "idle q/s", "peak RSS", "dups")
 	var kinds []string
 	for _, r := range results {
 		if !slices.Contains(kinds, r.kind) {
@@ -504,13 +533,13 @@ func printTable() {
 			if okC {
 				pct = fmt.Sprintf("%.1f%%", 100*r.drainRate/ceiling.drainRate)
 			}
-			fmt.Printf("%-9s %-10s %12.0f %10s %10s %10s %10.2f %8.1fMB %10d\n", r.kind, r.relay, r.drainRate, pct,
+			fmt.Printf("%-9s %-12s %12.0f %10s %10s %10s %10.2f %8.1fMB %10d\n", r.kind, r.relay, r.drainRate, pct,
 				r.p50.Round(10*time.Microsecond), r.p99.Round(10*time.Microsecond), r.idleQueries, r.peakRSSMB, r.duplicates)
 		}
 		s, okS := byKey[k+"/watermill"]
 		m, okM := byKey[k+"/millrace"]
 		if okS && okM {
-			fmt.Printf("%-9s %-10s %11.1fx %10s %9.1fx %9.1fx\n", k, "ratio", m.drainRate/s.drainRate, "",
+			fmt.Printf("%-9s %-12s %11.1fx %10s %9.1fx %9.1fx\n", k, "ratio", m.drainRate/s.drainRate, "",
 				float64(s.p50)/float64(m.p50), float64(s.p99)/float64(m.p99))
 		}
 	}

@@ -23,6 +23,9 @@ type Grant struct {
 	Name string
 	// Use says what needs it.
 	Use string
+	// Sharding is true for a privilege only a relay with relay.shards > 1
+	// uses, or one that changes relay.shards.
+	Sharding bool
 
 	// serialOf is the qualified table whose serial column's sequence this
 	// is, when PostgreSQL had to shorten the sequence's name: GrantSQL
@@ -63,6 +66,16 @@ func Grants(t Tables) []Grant {
 
 	offsets, offsetsName := table("watermill_offsets_" + t.OutboxTopic)
 	add("SELECT, INSERT, UPDATE", "TABLE", offsets, offsetsName, "relay: its position in the outbox, locked while a batch is in flight")
+
+	shards, shardsName := table("millrace_relay_shards")
+	add("SELECT", "TABLE", shards, shardsName, "publish: the outbox trigger reads the shard count")
+	sharding := len(g)
+	add("INSERT, UPDATE", "TABLE", shards, shardsName, "relay: record a new relay.shards once the outbox is drained")
+	instances, instancesName := table("millrace_relay_instances")
+	add("SELECT, INSERT, UPDATE, DELETE", "TABLE", instances, instancesName, "relay with relay.shards > 1: register, heartbeat, drop dead instances")
+	for i := sharding; i < len(g); i++ {
+		g[i].Sharding = true
+	}
 
 	quarantine, quarantineName := table("millrace_relay_quarantine")
 	add("SELECT, INSERT", "TABLE", quarantine, quarantineName, "relay: set aside rows no broker can take; outbox status counts them")

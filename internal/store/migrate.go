@@ -10,9 +10,9 @@ import (
 // (CREATE ... IF NOT EXISTS alone still races on the catalog).
 const migrateLockKey = 0x6d696c6c72616365 // "millrace"
 
-// Migrate creates every table, index and trigger millrace needs (outbox,
-// offsets, inbox, poison, poison-replay, aggregate-versions, scheduled
-// and saga tables), idempotently,
+// Migrate creates every table, index and trigger millrace needs (outbox with
+// its shard column, offsets, shard count, relay registry, inbox, poison,
+// poison-replay, aggregate-versions, scheduled and saga tables), idempotently,
 // in one transaction under an advisory lock so that several instances may run
 // it at once.
 func Migrate(ctx context.Context, db *sql.DB, t Tables) error {
@@ -56,6 +56,7 @@ END $$`, t.Schema, t.Schema))
 	for _, q := range offsets.SchemaInitializingQueries(t.OutboxTopic) {
 		stmts = append(stmts, q.Query)
 	}
+	stmts = append(stmts, t.shardStatements()...)
 	notifyFunc := t.qualify("millrace_notify_outbox")
 	stmts = append(stmts,
 		// One notification per inserting statement (not per row); PostgreSQL

@@ -54,12 +54,12 @@ func (t Tables) RelayIsolation() sql.IsolationLevel {
 	return t.SchemaAdapter().SubscribeIsolationLevel()
 }
 
-// PrepareOffsets inserts the zero offsets row of the relay consumer group
-// group, which ReadBatch locks.
-func (t Tables) PrepareOffsets(ctx context.Context, db DBTX, group string) error {
-	for _, q := range t.OffsetsAdapter().BeforeSubscribingQueries(t.OutboxTopic, group) {
+// PrepareOffsets inserts the zero offsets row of cursor c, which ReadBatch
+// locks.
+func (t Tables) PrepareOffsets(ctx context.Context, db DBTX, c Cursor) error {
+	for _, q := range t.OffsetsAdapter().BeforeSubscribingQueries(t.OutboxTopic, c.Row()) {
 		if _, err := db.ExecContext(ctx, q.Query, q.Args...); err != nil {
-			return fmt.Errorf("prepare offsets row of %s: %w", group, err)
+			return fmt.Errorf("prepare offsets row of %s: %w", c.Row(), err)
 		}
 	}
 	return nil
@@ -69,7 +69,7 @@ func (t Tables) PrepareOffsets(ctx context.Context, db DBTX, group string) error
 type OutboxRow = watermillsql.Row
 
 // ReadBatch reads, in tx (begun with RelayIsolation), the next limit outbox
-// rows after group's position, locking group's offsets row, and reports
+// rows of c's shard after c's position, locking c's offsets row, and reports
 // whether committed rows exist that are hidden for now by an older open
 // transaction.
 //
@@ -91,9 +91,9 @@ type OutboxRow = watermillsql.Row
 // Rows are scanned here rather than by the schema adapter's
 // UnmarshalMessage, which fails the whole batch on one row with corrupt
 // metadata instead of letting the relay move that one row aside.
-func (t Tables) ReadBatch(ctx context.Context, tx DBTX, group string, limit int) (rows []OutboxRow, hidden bool, err error) {
-	next := t.OffsetsAdapter().NextOffsetQuery(t.OutboxTopic, group)
-	return t.readBatch(ctx, tx, `last_processed AS (`+next.Query+`),`,
+func (t Tables) ReadBatch(ctx context.Context, tx DBTX, c Cursor, limit int) (rows []OutboxRow, hidden bool, err error) {
+	next := t.OffsetsAdapter().NextOffsetQuery(t.OutboxTopic, c.Row())
+	return t.readBatch(ctx, tx, c, `last_processed AS (`+next.Query+`),`,
 		`(SELECT last_processed_transaction_id FROM last_processed), (SELECT offset_acked FROM last_processed)`,
 		next.Args, limit)
 }
@@ -114,37 +114,39 @@ func PositionOf(row OutboxRow) Position {
 // row: it lets a relay read its next batch while the current one is still
 // being published, from the position that batch will ack. Whoever uses the
 // rows must first lock the offsets row (LockPosition) and find pos there.
-func (t Tables) ReadAfter(ctx context.Context, db DBTX, pos Position, limit int) (rows []OutboxRow, hidden bool, err error) {
-	return t.readBatch(ctx, db, ``, `$1::text::xid8, $2::bigint`, []any{strconv.FormatInt(pos.TxID, 10), pos.Offset}, limit)
+func (t Tables) ReadAfter(ctx context.Context, db DBTX, c Cursor, pos Position, limit int) (rows []OutboxRow, hidden bool, err error) {
+	return t.readBatch(ctx, db, c, ``, `$1::text::xid8, $2::bigint`, []any{strconv.FormatInt(pos.TxID, 10), pos.Offset}, limit)
 }
 
-// LockPosition locks group's offsets row FOR UPDATE in tx, as ReadBatch
-// does, and returns the position recorded there.
-func (t Tables) LockPosition(ctx context.Context, tx DBTX, group string) (Position, error) {
-	next := t.OffsetsAdapter().NextOffsetQuery(t.OutboxTopic, group)
+// LockPosition locks c's offsets row FOR UPDATE in tx, as ReadBatch does,
+// and returns the position recorded there.
+func (t Tables) LockPosition(ctx context.Context, tx DBTX, c Cursor) (Position, error) {
+	next := t.OffsetsAdapter().NextOffsetQuery(t.OutboxTopic, c.Row())
 	var pos Position
 	var offset sql.NullInt64
 	if err := tx.QueryRowContext(ctx, next.Query, next.Args...).Scan(&offset, &pos.TxID); err != nil {
-		return Position{}, fmt.Errorf("lock the offsets row of %s: %w", group, err)
+		return Position{}, fmt.Errorf("lock the offsets row of %s: %w", c.Row(), err)
 	}
 	pos.Offset = offset.Int64
 	return pos, nil
 }
 
-// readBatch runs the batch query: ctes are common table expressions ahead of
-// the batch (each followed by a comma), after the position as two SQL
-// expressions.
-func (t Tables) readBatch(ctx context.Context, db DBTX, ctes, after string, args []any, limit int) (rows []OutboxRow, hidden bool, err error) {
+// readBatch runs the batch query on c's shard: ctes are common table
+// expressions ahead of the batch (each followed by a comma), after the
+// position as two SQL expressions. With more than one shard, both scans
+// are of the (shard, transaction_id, "offset") index.
+func (t Tables) readBatch(ctx context.Context, db DBTX, c Cursor, ctes, after string, args []any, limit int) (rows []OutboxRow, hidden bool, err error) {
 	table := t.OutboxTable()
+	inShard, ofShard := c.filter("AND "), c.filter("WHERE ")
 	query := `WITH ` + ctes + `
 			batch AS (
 				SELECT "offset", transaction_id, uuid, payload, metadata FROM ` + table + `
 				WHERE (transaction_id, "offset") > (` + after + `)
-				  AND transaction_id < pg_snapshot_xmin(pg_current_snapshot())
+				  AND transaction_id < pg_snapshot_xmin(pg_current_snapshot()) ` + inShard + `
 				ORDER BY transaction_id, "offset"
 				LIMIT ` + strconv.Itoa(limit) + `),
 			hidden AS (
-				SELECT coalesce((SELECT max(transaction_id) FROM ` + table + `)
+				SELECT coalesce((SELECT max(transaction_id) FROM ` + table + ` ` + ofShard + `)
 					>= pg_snapshot_xmin(pg_current_snapshot()), false) AS rows)
 			SELECT batch."offset", batch.transaction_id, batch.uuid, batch.payload, batch.metadata, hidden.rows
 			FROM hidden LEFT JOIN batch ON true
@@ -171,9 +173,9 @@ func (t Tables) readBatch(ctx context.Context, db DBTX, ctes, after string, args
 	return rows, hidden, res.Err()
 }
 
-// Ack records last as group's position, in the batch transaction tx.
-func (t Tables) Ack(ctx context.Context, tx DBTX, group string, last OutboxRow) error {
-	q := t.OffsetsAdapter().AckMessageQuery(t.OutboxTopic, last, group)
+// Ack records last as c's position, in the batch transaction tx.
+func (t Tables) Ack(ctx context.Context, tx DBTX, c Cursor, last OutboxRow) error {
+	q := t.OffsetsAdapter().AckMessageQuery(t.OutboxTopic, last, c.Row())
 	if _, err := tx.ExecContext(ctx, q.Query, q.Args...); err != nil {
 		return fmt.Errorf("ack batch: %w", err)
 	}
@@ -221,12 +223,12 @@ func (t Tables) Status(ctx context.Context, db DBTX, group string) (OutboxStatus
 	return st, nil
 }
 
-// Backlog counts the committed outbox rows past group's position (all of
-// them when group has no offsets row yet) and the age of the oldest of them:
+// Backlog counts the committed outbox rows of c's shard past c's position
+// (all of them when c has no offsets row yet) and the age of the oldest of them:
 // the rows Status counts as pending, found by a range scan of the primary key
 // from the position instead of a scan of the whole table, so that it stays
 // cheap with a long retention.
-func (t Tables) Backlog(ctx context.Context, db DBTX, group string) (pending int64, oldest time.Duration, err error) {
+func (t Tables) Backlog(ctx context.Context, db DBTX, c Cursor) (pending int64, oldest time.Duration, err error) {
 	var age sql.NullFloat64
 	err = db.QueryRowContext(ctx, `
 		WITH o AS (SELECT
@@ -234,28 +236,35 @@ func (t Tables) Backlog(ctx context.Context, db DBTX, group string) (pending int
 			coalesce((SELECT offset_acked FROM `+t.OffsetsTable()+` WHERE consumer_group = $1), 0) AS offset_acked)
 		SELECT count(*), EXTRACT(EPOCH FROM LOCALTIMESTAMP - min(m.created_at))::float8
 		FROM `+t.OutboxTable()+` m, o
-		WHERE (m.transaction_id, m."offset") > (o.txid, o.offset_acked)`, group).Scan(&pending, &age)
+		WHERE (m.transaction_id, m."offset") > (o.txid, o.offset_acked) `+c.filter("AND m."), c.Row()).Scan(&pending, &age)
 	if err != nil {
 		return 0, 0, fmt.Errorf("count the backlog of %s: %w", t.OutboxTable(), err)
 	}
 	return pending, time.Duration(age.Float64 * float64(time.Second)), nil
 }
 
-// DeleteForwarded deletes up to limit outbox rows that group has forwarded
-// and that are older than olderThan, oldest first, and returns how many.
-func (t Tables) DeleteForwarded(ctx context.Context, db DBTX, group string, olderThan time.Duration, limit int) (int64, error) {
+// DeleteForwarded deletes up to limit outbox rows of c's shard that c has
+// forwarded and that are older than olderThan, oldest first, and returns
+// how many. Shard 0 also deletes forwarded rows whose shard is beyond the
+// count (written before the count was lowered, all of them forwarded
+// before the change, which every shard's position starts past).
+func (t Tables) DeleteForwarded(ctx context.Context, db DBTX, c Cursor, olderThan time.Duration, limit int) (int64, error) {
+	inShard := c.filter("AND m.")
+	if c.Shards > 1 && c.Shard == 0 {
+		inShard = fmt.Sprintf("AND (m.shard = 0 OR m.shard >= %d)", c.Shards)
+	}
 	res, err := db.ExecContext(ctx, `
 		DELETE FROM `+t.OutboxTable()+` WHERE ctid = ANY(ARRAY(
 			SELECT m.ctid FROM `+t.OutboxTable()+` m
 			JOIN `+t.OffsetsTable()+` o ON o.consumer_group = $1
 			WHERE (m.transaction_id < o.last_processed_transaction_id
 			    OR (m.transaction_id = o.last_processed_transaction_id AND m."offset" <= o.offset_acked))
-			  AND m.created_at < LOCALTIMESTAMP - make_interval(secs => $2)
+			  AND m.created_at < LOCALTIMESTAMP - make_interval(secs => $2) `+inShard+`
 			ORDER BY m.transaction_id, m."offset"
 			LIMIT $3))`,
-		group, olderThan.Seconds(), limit)
+		c.Row(), olderThan.Seconds(), limit)
 	if err != nil {
-		return 0, fmt.Errorf("delete forwarded rows of %s: %w", t.OutboxTable(), err)
+		return 0, fmt.Errorf("delete forwarded rows of %s from %s: %w", c.Row(), t.OutboxTable(), err)
 	}
 	return res.RowsAffected()
 }
@@ -279,10 +288,10 @@ func (t Tables) WrittenInTx(ctx context.Context, tx DBTX) ([][]byte, error) {
 	return out, rows.Err()
 }
 
-// RelayGroups lists the relay consumer groups that have an offsets row,
-// sorted.
+// RelayGroups lists the relay consumer groups that have an offsets row
+// (one for the group, or one per shard), sorted.
 func (t Tables) RelayGroups(ctx context.Context, db DBTX) ([]string, error) {
-	rows, err := db.QueryContext(ctx, `SELECT consumer_group FROM `+t.OffsetsTable()+` ORDER BY consumer_group`)
+	rows, err := db.QueryContext(ctx, `SELECT DISTINCT split_part(consumer_group, '#', 1) AS g FROM `+t.OffsetsTable()+` ORDER BY g`)
 	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", t.OffsetsTable(), err)
 	}

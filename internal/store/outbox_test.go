@@ -25,7 +25,7 @@ func TestBacklogCountsWhatStatusCountsAsPending(t *testing.T) {
 		t.Helper()
 		st, err := tables.Status(ctx, db, group)
 		require.NoError(t, err)
-		n, oldest, err := tables.Backlog(ctx, db, group)
+		n, oldest, err := tables.Backlog(ctx, db, store.Cursor{Group: group})
 		require.NoError(t, err)
 		require.Equal(t, want, st.Pending)
 		require.Equal(t, st.Pending, n)
@@ -56,14 +56,14 @@ func TestBacklogCountsWhatStatusCountsAsPending(t *testing.T) {
 		require.NoError(t, db.QueryRowContext(ctx, `SELECT "offset", transaction_id::text::bigint FROM `+tables.OutboxTable()+
 			` ORDER BY transaction_id, "offset" OFFSET $1 LIMIT 1`, acked-1).Scan(&last.Offset, &txID))
 		last.ExtraData = map[string]any{"transaction_id": txID}
-		require.NoError(t, tables.Ack(ctx, db, group, last))
+		require.NoError(t, tables.Ack(ctx, db, store.Cursor{Group: group}, last))
 	}
 
 	agree(0)
 	write("a", 5)
 	write("b", 3)
 	agree(8) // no offsets row yet: everything is pending
-	require.NoError(t, tables.PrepareOffsets(ctx, db, group))
+	require.NoError(t, tables.PrepareOffsets(ctx, db, store.Cursor{Group: group}))
 	agree(8)
 	ackNext(4) // to the middle of the first transaction's rows
 	agree(4)

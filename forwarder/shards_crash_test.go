@@ -1,0 +1,199 @@
+package forwarder_test
+
+import (
+	"bufio"
+	"context"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/forwarder"
+	"github.com/millrace-io/millrace/internal/brokertest"
+	"github.com/millrace-io/millrace/internal/testkit"
+	"github.com/millrace-io/millrace/internal/testkit/child"
+)
+
+// shardRelay is a relay process of the shard test and where its metrics are.
+type shardRelay struct {
+	name, addr string
+	proc       *child.Process
+}
+
+// scrape sums the samples of each metric name the relay serves; nil when it
+// does not answer (not started yet, or killed).
+func (r *shardRelay) scrape() map[string]float64 {
+	c := http.Client{Timeout: time.Second}
+	resp, err := c.Get("http://" + r.addr + "/metrics")
+	if err != nil {
+		return nil
+	}
+	defer resp.Body.Close()
+	out := map[string]float64{}
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		line := sc.Text()
+		if strings.HasPrefix(line, "#") {
+			continue
+		}
+		name, rest, _ := strings.Cut(line, "{")
+		if i := strings.LastIndexByte(rest, ' '); i >= 0 {
+			if v, err := strconv.ParseFloat(rest[i+1:], 64); err == nil {
+				out[name] += v
+			}
+		}
+	}
+	return out
+}
+
+func freeAddr(t *testing.T) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer l.Close()
+	return l.Addr().String()
+}
+
+// Three relay processes on eight shards while 10,000 events of 200
+// aggregates are committed: one is killed with SIGKILL, then another, and
+// both are restarted. Every committed event reaches the broker, each
+// aggregate's events first arrive in commit order, the shards spread over
+// the three again, and the unowned-shards gauge rose and is back at 0.
+//
+// The brokers run one after the other: nine relay processes at once, each
+// with a connection per owned shard besides its lock and LISTEN sessions,
+// would take most of a default PostgreSQL's 100 connections from the
+// tests running beside them.
+func TestShardedRelaysSurviveKills(t *testing.T) {
+	t.Parallel()
+	for _, kind := range brokertest.Kinds {
+		t.Run(kind, func(t *testing.T) { testShardedRelaysSurviveKills(t, kind) })
+	}
+}
+
+func testShardedRelaysSurviveKills(t *testing.T, kind string) {
+	const shards, events, aggregates = 8, 10_000, 200
+	e := newEndToEnd(t, kind, "shards")
+	db, b, cfg, broker, topic, got := e.db, e.bus, e.cfg, e.broker, e.topic, e.got
+
+	prefix := "shard" + cfg.Database.Schema[len(cfg.Database.Schema)-8:]
+	relays := make([]*shardRelay, 3)
+	for i := range relays {
+		relays[i] = &shardRelay{name: prefix + strconv.Itoa(i), addr: freeAddr(t)}
+	}
+	launch := func(r *shardRelay) {
+		r.proc = startNamedRelayProcess(t, cfg, "", r.name, childShardsEnv+"="+strconv.Itoa(shards), childMetrics+"="+r.addr)
+	}
+	var mu sync.Mutex
+	live := map[*shardRelay]bool{}
+	maxUnowned := 0.0
+	sampleCtx, stopSampling := context.WithCancel(context.Background())
+	sampled := make(chan struct{})
+	go func() {
+		defer close(sampled)
+		for sampleCtx.Err() == nil {
+			mu.Lock()
+			rs := make([]*shardRelay, 0, len(live))
+			for r := range live {
+				rs = append(rs, r)
+			}
+			mu.Unlock()
+			for _, r := range rs {
+				if m := r.scrape(); m != nil {
+					mu.Lock()
+					maxUnowned = max(maxUnowned, m["millrace_relay_unowned_shards"])
+					mu.Unlock()
+				}
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}()
+	t.Cleanup(func() { stopSampling(); <-sampled })
+	setLive := func(r *shardRelay, up bool) { mu.Lock(); defer mu.Unlock(); live[r] = up }
+	// owners returns the shards each relay reports it owns, once every relay
+	// in want answers and their shards add up to all of them.
+	spread := func(want ...*shardRelay) bool {
+		total := 0
+		for _, r := range want {
+			m := r.scrape()
+			if m == nil || m["millrace_relay_unowned_shards"] != 0 {
+				return false
+			}
+			n := int(m["millrace_relay_shard_owned"])
+			if n < shards/len(want)-1 { // each owns its share, give or take one
+				return false
+			}
+			total += n
+		}
+		return total == shards
+	}
+
+	for _, r := range relays {
+		launch(r)
+		setLive(r, true)
+	}
+	testkit.Eventually(t, waitLimit, "three relays sharing the shards", func() bool { return spread(relays...) })
+
+	written := make(chan *writer, 1)
+	go func() {
+		w := newWriter()
+		w.aggregates = aggregates
+		w.write(t, b, db, topic, events)
+		written <- w
+	}()
+
+	kill := func(r *shardRelay) {
+		setLive(r, false)
+		r.proc.Kill()
+		<-r.proc.Done()
+		require.True(t, r.proc.KilledBySIGKILL(), "%s: %v", r.name, r.proc.Err())
+	}
+	testkit.Eventually(t, waitLimit, "a first part forwarded", func() bool { return got.distinct() > events/5 })
+	mu.Lock()
+	atStart := maxUnowned
+	maxUnowned = 0 // from here on, what the kills and restarts leave unowned
+	mu.Unlock()
+	kill(relays[0])
+	testkit.Eventually(t, waitLimit, "two relays own every shard", func() bool { return spread(relays[1], relays[2]) })
+	testkit.Eventually(t, waitLimit, "a second part forwarded", func() bool { return got.distinct() > events/2 })
+	kill(relays[1])
+	testkit.Eventually(t, waitLimit, "the last relay owns every shard", func() bool { return spread(relays[2]) })
+	for _, r := range relays[:2] {
+		launch(r)
+		setLive(r, true)
+	}
+	w := <-written
+	testkit.Eventually(t, waitLimit, "every committed event on the broker", func() bool { return got.distinct() >= len(w.committed) })
+	testkit.Eventually(t, waitLimit, "the restarted relays take their share again", func() bool { return spread(relays...) })
+
+	f, err := forwarder.New(db, broker, forwarder.Outbox{Schema: cfg.Database.Schema, Topic: cfg.Outbox.Topic}, shardCrashConfig(shards), forwarder.Options{})
+	require.NoError(t, err)
+	testkit.Eventually(t, waitLimit, "nothing pending in any shard", func() bool { return pending(t, f) == 0 })
+	for _, r := range relays {
+		require.NoError(t, r.proc.Stop(waitLimit), "%s stops gracefully", r.name)
+	}
+	mu.Lock()
+	require.Positive(t, maxUnowned, "the unowned-shards gauge rose while a killed relay's shards had no owner")
+	afterKills := maxUnowned
+	mu.Unlock()
+
+	got.mu.Lock()
+	defer got.mu.Unlock()
+	for id := range w.committed {
+		require.Positive(t, got.count[id], "committed event %s never reached the broker", id)
+	}
+	require.Len(t, got.count, len(w.committed), "only committed events reach the broker")
+	require.Zero(t, got.ghosts, "an event of a rolled-back transaction reached the broker")
+	require.Len(t, got.order, aggregates)
+	for agg, versions := range got.order {
+		for i := 1; i < len(versions); i++ {
+			require.Greater(t, versions[i], versions[i-1], "%s: versions first arrived out of order: %v", agg, versions)
+		}
+	}
+	t.Logf("%s: %d committed events, %d deliveries (%d duplicates), unowned shards peaked at %v at start, %v after the kills",
+		kind, len(w.committed), got.total, got.total-len(got.count), atStart, afterKills)
+}

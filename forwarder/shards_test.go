@@ -1,0 +1,164 @@
+package forwarder_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/forwarder"
+	"github.com/millrace-io/millrace/internal/envelope"
+	"github.com/millrace-io/millrace/internal/store"
+	"github.com/millrace-io/millrace/internal/testkit"
+)
+
+func shardedConfig(n int) forwarder.Config {
+	cfg := testConfig()
+	cfg.Shards = &n
+	cfg.BacklogInterval = 50 * time.Millisecond
+	return cfg
+}
+
+// owned sums the shard_owned gauges of a relay's registry.
+func owned(t *testing.T, reg *prometheus.Registry) int {
+	return int(metricValue(t, reg, "millrace_relay_shard_owned"))
+}
+
+// Three relays on eight shards spread them (3, 3, 2); when one stops, the
+// two others take its shards; every event arrives exactly once and in
+// order per aggregate, also one whose row has no aggregate id (shard 0).
+func TestShardedRelaysSpreadTheShardsAndTakeOverAStoppedOne(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	broker := newMemoryBroker()
+	regs := make([]*prometheus.Registry, 3)
+	stops := make([]context.CancelFunc, 3)
+	for i := range regs {
+		regs[i] = prometheus.NewRegistry()
+		_, stops[i] = start(t, tb, broker, shardedConfig(8), regs[i])
+	}
+	testkit.Eventually(t, waitLimit, "the shards spread over three relays", func() bool {
+		a, b, c := owned(t, regs[0]), owned(t, regs[1]), owned(t, regs[2])
+		return a+b+c == 8 && min(a, b, c) >= 2 && metricValue(t, regs[0], "millrace_relay_unowned_shards") == 0
+	})
+
+	events := interleaved(200, 5)
+	publish(t, tb, "things", events[:500], 10)
+	// A row written without an aggregate id goes to shard 0.
+	msg := message.NewMessage("no-aggregate", []byte(`{}`))
+	payload, err := envelope.Wrap("things", msg)
+	require.NoError(t, err)
+	tx, err := tb.db.Begin()
+	require.NoError(t, err)
+	tables := store.Tables{Schema: tb.outbox.Schema, OutboxTopic: tb.outbox.Topic}
+	require.NoError(t, tables.WriteOutbox(context.Background(), tx, []*message.Message{message.NewMessage(msg.UUID, payload)}))
+	require.NoError(t, tx.Commit())
+
+	testkit.Eventually(t, waitLimit, "the first events", func() bool { return len(broker.snapshot()) >= 501 })
+	stops[0]()
+	testkit.Eventually(t, waitLimit, "the two others own every shard", func() bool {
+		return owned(t, regs[0]) == 0 && owned(t, regs[1])+owned(t, regs[2]) == 8 &&
+			metricValue(t, regs[1], "millrace_relay_unowned_shards") == 0
+	})
+	publish(t, tb, "things", events[500:], 10)
+	testkit.Eventually(t, waitLimit, "every event", func() bool { return len(broker.snapshot()) >= len(events)+1 })
+
+	var got []adapters.Outgoing
+	for _, o := range broker.snapshot() {
+		if o.Msg.UUID == msg.UUID {
+			continue
+		}
+		got = append(got, o)
+	}
+	require.Len(t, got, len(events), "each event once: shards move only after their batch is acked")
+	checkOrder(t, got, 200, 5)
+	f, err := forwarder.New(tb.db, broker, tb.outbox, shardedConfig(8), forwarder.Options{})
+	require.NoError(t, err)
+	testkit.Eventually(t, waitLimit, "nothing pending", func() bool { return pending(t, f) == 0 })
+	require.Equal(t, 1.0, metricValue(t, regs[1], "millrace_relay_active"))
+
+	// The ops API (`millrace outbox status`) shows the shards, their owners
+	// (the two running relays) and their backlog.
+	ops, err := bus.NewOps(context.Background(), tb.db, tb.cfg)
+	require.NoError(t, err)
+	st, err := ops.OutboxStatus(context.Background(), "")
+	require.NoError(t, err)
+	require.Equal(t, 8, st.Shards)
+	require.Zero(t, st.Pending)
+	require.EqualValues(t, len(events)+1, st.Forwarded)
+	require.Len(t, st.ShardStates, 8)
+	owners := map[string]int{}
+	for i, s := range st.ShardStates {
+		require.Equal(t, i, s.Shard)
+		require.NotEmpty(t, s.Owner, "shard %d has an owner", i)
+		require.Zero(t, s.Pending)
+		owners[s.Owner]++
+	}
+	require.Len(t, owners, 2, "the two running relays own the shards: %v", owners)
+}
+
+// With eight shards and no relay running, the outbox status counts each
+// shard's backlog and shows no owner.
+func TestOutboxStatusShowsEachShardsBacklog(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	tables := store.Tables{Schema: tb.outbox.Schema, OutboxTopic: tb.outbox.Topic}
+	require.NoError(t, tables.RecordShards(context.Background(), tb.db, tb.cfg.Relay.ConsumerGroup, 8))
+	publish(t, tb, "things", interleaved(50, 2), 10)
+	ops, err := bus.NewOps(context.Background(), tb.db, tb.cfg)
+	require.NoError(t, err)
+	st, err := ops.OutboxStatus(context.Background(), "")
+	require.NoError(t, err)
+	require.Equal(t, 8, st.Shards)
+	require.EqualValues(t, 100, st.Pending)
+	require.Positive(t, st.OldestPendingAge)
+	total, busy := int64(0), 0
+	for _, s := range st.ShardStates {
+		require.Empty(t, s.Owner)
+		require.Zero(t, s.Pending%2, "shard %d: both versions of an aggregate are in one shard", s.Shard)
+		total += s.Pending
+		if s.Pending > 0 {
+			busy++
+		}
+	}
+	require.EqualValues(t, 100, total)
+	require.Greater(t, busy, 4, "50 aggregates spread over the shards")
+}
+
+// A relay started with another relay.shards over pending rows refuses to
+// start, naming the key and the procedure; after the rows are forwarded
+// under the old count, it starts and records the new one.
+func TestChangingShardsWithRowsPendingRefusesToStart(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	publish(t, tb, "things", interleaved(4, 3), 4)
+
+	f, err := forwarder.New(tb.db, newMemoryBroker(), tb.outbox, shardedConfig(4), forwarder.Options{})
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
+	defer cancel()
+	err = f.Run(ctx)
+	require.True(t, errors.Is(err, forwarder.ErrShardsChanged), "%v", err)
+	for _, want := range []string{"relay.shards: 4", "12 rows pending under 1 shards", "docs/SHARDS.md",
+		"stop every relay of the outbox", "0 pending", "start them with the new relay.shards"} {
+		require.ErrorContains(t, err, want)
+	}
+
+	broker := newMemoryBroker()
+	one, stopOne := start(t, tb, broker, testConfig(), nil)
+	testkit.Eventually(t, waitLimit, "drained under one shard", func() bool { return pending(t, one) == 0 })
+	stopOne()
+	four, _ := start(t, tb, broker, shardedConfig(4), nil)
+	// Rows written before the count is recorded would be pending under one
+	// shard again: the writers wait, as the procedure says.
+	testkit.Eventually(t, waitLimit, "four shards recorded and owned", func() bool { return four.Status().Role == forwarder.RoleActive })
+	publish(t, tb, "things", interleaved(4, 6)[12:], 4)
+	testkit.Eventually(t, waitLimit, "the rest under four shards", func() bool { return len(broker.snapshot()) >= 24 })
+	checkOrder(t, broker.snapshot(), 4, 6)
+}

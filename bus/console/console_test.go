@@ -543,4 +543,9 @@ func TestSagaPages(t *testing.T) {
 	require.Equal(t, http.StatusOK, code, body)
 	require.Contains(t, body, "1 event(s) scheduled")
 	require.Contains(t, body, fmt.Sprintf("<td>orders.saga-timeouts</td><td>%s</td><td>PaymentTimedOut</td>", timeout.ID))
+
+	require.NoError(t, f.ops.CancelScheduled(ctx, timeout.ID))
+	_, body = c.get("/sagas/order_fulfilment/o%2F1%20%C3%BC")
+	require.Contains(t, body, fmt.Sprintf("<tr><td>payment</td><td>%s</td><td>-</td><td>no longer scheduled", timeout.ID),
+		"a timeout the instance still names but that is not scheduled any more")
 }

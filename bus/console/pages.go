@@ -440,16 +440,14 @@ func (c *console) sagaShow(w http.ResponseWriter, r *http.Request) {
 	}
 	d := sagaData{Instance: inst, State: viewPayload(inst.State)}
 	if len(inst.Timeouts) > 0 {
-		// The operations API finds scheduled events by listing them: the
-		// instance's few timeouts are looked up in the whole list.
-		scheduled, err := c.ops.ListScheduled(r.Context(), 0)
+		scheduled, err := c.ops.ScheduledEvents(r.Context(), slices.Collect(maps.Values(inst.Timeouts))...)
 		if err != nil {
 			c.failErr(w, r, err)
 			return
 		}
-		byID := make(map[string]*bus.ScheduledEvent, len(scheduled.Events))
-		for i := range scheduled.Events {
-			byID[scheduled.Events[i].ID] = &scheduled.Events[i]
+		byID := make(map[string]*bus.ScheduledEvent, len(scheduled))
+		for i := range scheduled {
+			byID[scheduled[i].ID] = &scheduled[i]
 		}
 		for _, e := range sortedEntries(inst.Timeouts) {
 			d.Timeouts = append(d.Timeouts, sagaTimeout{Name: e.Key, EventID: e.Value, Event: byID[e.Value]})

@@ -305,3 +305,54 @@ func ExampleBus_Schedule() {
 	// cancelled
 	// millrace: invalid schedule: Delay: must not be negative; got -1m0s
 }
+
+// The scheduled events of some ids, such as a saga instance's timeouts:
+// those still waiting, with their due times.
+func ExampleOps_ScheduledEvents() {
+	ctx := context.Background()
+	var cfg bus.Config
+	cfg.Database.URL = testdb.URL()
+	cfg.Database.Schema = testdb.UniqueName("example_scheduled_events")
+	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
+
+	db, err := bus.OpenDB(cfg.Database)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer db.Close()
+	defer db.Exec(`DROP SCHEMA "` + cfg.Database.Schema + `" CASCADE`)
+	if err := bus.Migrate(ctx, db, cfg); err != nil {
+		log.Fatal(err)
+	}
+	b, err := bus.Open(ctx, cfg, db)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer b.Close()
+	due := time.Date(2099, 1, 2, 3, 4, 5, 0, time.UTC)
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if _, err := b.Schedule(ctx, tx, "orders.saga-timeouts", bus.DueAt(due), bus.Event{ID: "timeout-ord-1",
+		Type: "PaymentTimedOut", AggregateType: "order", AggregateID: "ord-1", Payload: []byte(`{}`)}); err != nil {
+		log.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		log.Fatal(err)
+	}
+
+	ops, err := bus.NewOps(ctx, db, cfg)
+	if err != nil {
+		log.Fatal(err)
+	}
+	events, err := ops.ScheduledEvents(ctx, "timeout-ord-1", "timeout-ord-2")
+	if err != nil {
+		log.Fatal(err)
+	}
+	for _, ev := range events {
+		fmt.Println(ev.ID, ev.Topic, ev.DueAt.UTC().Format(time.RFC3339))
+	}
+	// Output:
+	// timeout-ord-1 orders.saga-timeouts 2099-01-02T03:04:05Z
+}

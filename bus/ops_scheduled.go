@@ -46,11 +46,26 @@ func (o *Ops) ListScheduled(ctx context.Context, limit int) (ScheduledList, erro
 		return ScheduledList{}, err
 	}
 	res := ScheduledList{Total: total}
-	res.Events, res.Truncated = page(rows, func(r store.ScheduledRow) ScheduledEvent {
-		return ScheduledEvent{ID: r.ID, Topic: r.Topic, Type: r.Type, AggregateType: r.AggregateType,
-			AggregateID: r.AggregateID, DueAt: r.DueAt, ScheduledAt: r.ScheduledAt}
-	}, limit)
+	res.Events, res.Truncated = page(rows, scheduledEvent, limit)
 	return res, nil
+}
+
+// ScheduledEvents returns those of the events ids that are still
+// scheduled, the soonest due first: an id that is not (due and moved into
+// the outbox, or cancelled) is left out. A saga instance's Timeouts are
+// such ids.
+func (o *Ops) ScheduledEvents(ctx context.Context, ids ...string) ([]ScheduledEvent, error) {
+	rows, err := o.tables.ScheduledByID(ctx, o.db, ids)
+	if err != nil {
+		return nil, fmt.Errorf("millrace: %w", err)
+	}
+	events, _ := page(rows, scheduledEvent, 0)
+	return events, nil
+}
+
+func scheduledEvent(r store.ScheduledRow) ScheduledEvent {
+	return ScheduledEvent{ID: r.ID, Topic: r.Topic, Type: r.Type, AggregateType: r.AggregateType,
+		AggregateID: r.AggregateID, DueAt: r.DueAt, ScheduledAt: r.ScheduledAt}
 }
 
 // CancelScheduled deletes the scheduled event id in a transaction of its

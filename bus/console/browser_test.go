@@ -254,3 +254,38 @@ func TestConsoleInABrowser(t *testing.T) {
 	do(t, bctx, chromedp.Navigate(srv.URL+"/dlq?since=tomorrow"), chromedp.WaitVisible("#error"))
 	require.Contains(t, get(t, bctx, chromedp.Text("#error")), `since "tomorrow"`)
 }
+
+// The saga pages in a real browser: the nav leads to the saga list, whose
+// link opens the instance with its state and pending timeout; a screenshot
+// of each page.
+func TestSagaPagesInABrowser(t *testing.T) {
+	t.Parallel()
+	f := newSagaFixture(t)
+	orders := bus.Must(bus.NewTopic[orderPlaced]("orders.events"))
+	ev, err := orders.Event(orderPlaced{OrderID: "o/7"})
+	f.deliver(t, "orders.events", ev, err)
+	srv := f.serve(t, console.Options{}, "")
+	shots := t.TempDir()
+	bctx := browser(t)
+
+	do(t, bctx, chromedp.Navigate(srv.URL+"/"), chromedp.WaitVisible("#outbox"))
+	follow(t, bctx, chromedp.Click(`nav a[href="/sagas"]`))
+	do(t, bctx, chromedp.WaitVisible("#sagas"))
+	require.Contains(t, get(t, bctx, chromedp.Text("#sagas")), "o/7")
+	shoot(t, bctx, shots, "sagas")
+
+	follow(t, bctx, chromedp.Click(`#sagas a`))
+	do(t, bctx, chromedp.WaitVisible("#state"))
+	require.Contains(t, get(t, bctx, chromedp.Location()), "/sagas/order_fulfilment/o%2F7")
+	require.Contains(t, get(t, bctx, chromedp.Text("#state")), `"Step": "charging"`)
+	require.Contains(t, get(t, bctx, chromedp.Text("#timeouts")), "orders.saga-timeouts")
+	shoot(t, bctx, shots, "saga")
+
+	follow(t, bctx, chromedp.Click(`nav a[href="/scheduled"]`))
+	do(t, bctx, chromedp.WaitVisible("#scheduled"))
+	require.Contains(t, get(t, bctx, chromedp.Text("#scheduled")), "PaymentTimedOut")
+	shoot(t, bctx, shots, "scheduled")
+
+	do(t, bctx, chromedp.Navigate(srv.URL+"/sagas?state=over"), chromedp.WaitVisible("#error"))
+	require.Contains(t, get(t, bctx, chromedp.Text("#error")), `state "over"`)
+}

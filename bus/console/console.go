@@ -91,6 +91,9 @@ func New(ops *bus.Ops, opts Options) (http.Handler, error) {
 	c.mux.HandleFunc("GET /quarantine", c.quarantineList)
 	c.mux.HandleFunc("GET /quarantine/{id}", c.quarantineShow)
 	c.mux.HandleFunc("POST /quarantine/{action}", c.quarantineAction)
+	c.mux.HandleFunc("GET /sagas", c.sagaList)
+	c.mux.HandleFunc("GET /sagas/{saga}/{id}", c.sagaShow)
+	c.mux.HandleFunc("GET /scheduled", c.scheduledList)
 	protect := http.NewCrossOriginProtection()
 	protect.SetDenyHandler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		c.fail(w, r, http.StatusForbidden, "cross-origin request refused")
@@ -217,16 +220,18 @@ func (c *console) login(w http.ResponseWriter, r *http.Request) {
 }
 
 // base is the path prefix the console is mounted under ("" at the root):
-// what http.StripPrefix took off the request's path.
+// what http.StripPrefix took off the request's path. Both sides are
+// compared escaped, so that a path with an escaped segment (a saga's
+// correlation id holding a slash) keeps its prefix.
 func base(r *http.Request) string {
 	full, _, _ := strings.Cut(r.RequestURI, "?")
-	return strings.TrimSuffix(strings.TrimSuffix(full, r.URL.Path), "/")
+	return strings.TrimSuffix(strings.TrimSuffix(full, r.URL.EscapedPath()), "/")
 }
 
 // page is what every template gets.
 type page struct {
 	Title    string
-	Nav      string // the section: outbox, dlq, groups, quarantine
+	Nav      string // the section: outbox, dlq, groups, quarantine, sagas, scheduled
 	Base     string
 	CSRF     string
 	ReadOnly bool

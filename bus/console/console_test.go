@@ -14,10 +14,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/bus/console"
+	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/internal/testdb"
 )
@@ -150,7 +153,7 @@ func (c *client) csrf(path string) string {
 
 func (f *fixture) pages() []string {
 	return []string{"/", "/dlq", "/dlq/groups", fmt.Sprintf("/dlq/%d", f.ids[0]), "/quarantine", fmt.Sprintf("/quarantine/%d", f.qids[0]),
-		"/dlq?reason=declined&state=waiting", "/dlq/groups?handler=billing"}
+		"/dlq?reason=declined&state=waiting", "/dlq/groups?handler=billing", "/sagas", "/sagas?state=all", "/scheduled"}
 }
 
 func (f *fixture) remaining(t *testing.T) int {
@@ -310,20 +313,27 @@ func TestBadInputIsA400WithTheReason(t *testing.T) {
 	srv := f.serve(t, console.Options{}, "")
 	c := newClient(t, srv.URL)
 	for path, reason := range map[string]string{
-		"/dlq?colour=red":             `unknown filter "colour"`,
-		"/dlq?since=yesterday":        `since "yesterday"`,
-		"/dlq?until=2025-13-01":       `until "2025-13-01"`,
-		"/dlq?limit=0":                `limit "0"`,
-		"/dlq?state=lost":             `state "lost"`,
-		"/dlq?fingerprint=zz":         `fingerprint "zz"`,
-		"/dlq?topic=a&topic=b":        `filter "topic" is given 2 times`,
-		"/dlq/groups?limit=5":         `unknown filter "limit"`,
-		"/dlq/abc":                    `"abc" is not an id`,
-		"/dlq/0":                      `"0" is not an id`,
-		"/dlq/1?x=1":                  "this page takes no filters",
-		"/quarantine?handler=billing": `unknown filter "handler"`,
-		"/quarantine/-3":              `"-3" is not an id`,
-		"/?page=2":                    "this page takes no filters",
+		"/dlq?colour=red":                 `unknown filter "colour"`,
+		"/dlq?since=yesterday":            `since "yesterday"`,
+		"/dlq?until=2025-13-01":           `until "2025-13-01"`,
+		"/dlq?limit=0":                    `limit "0"`,
+		"/dlq?state=lost":                 `state "lost"`,
+		"/dlq?fingerprint=zz":             `fingerprint "zz"`,
+		"/dlq?topic=a&topic=b":            `filter "topic" is given 2 times`,
+		"/dlq/groups?limit=5":             `unknown filter "limit"`,
+		"/dlq/abc":                        `"abc" is not an id`,
+		"/dlq/0":                          `"0" is not an id`,
+		"/dlq/1?x=1":                      "this page takes no filters",
+		"/quarantine?handler=billing":     `unknown filter "handler"`,
+		"/quarantine/-3":                  `"-3" is not an id`,
+		"/?page=2":                        "this page takes no filters",
+		"/sagas?state=done":               `state "done"`,
+		"/sagas?limit=1001":               `limit "1001"`,
+		"/sagas?topic=orders":             `unknown filter "topic"`,
+		"/sagas?saga=a&saga=b":            `filter "saga" is given 2 times`,
+		"/sagas/order_fulfilment/o-1?x=1": "this page takes no filters",
+		"/scheduled?limit=abc":            `limit "abc"`,
+		"/scheduled?state=waiting":        `unknown filter "state"`,
 	} {
 		code, body := c.get(path)
 		require.Equal(t, http.StatusBadRequest, code, path)
@@ -393,4 +403,149 @@ func TestAChangedSelectionIsReported(t *testing.T) {
 	code, body = c.post("/dlq/purge", one)
 	require.Equal(t, http.StatusConflict, code)
 	require.Contains(t, body, "purged meanwhile")
+}
+
+// The order saga of the saga pages' tests: an order starts it with a
+// payment timeout; the payment completes it.
+type (
+	orderPlaced    struct{ OrderID string }
+	paymentCharged struct{ OrderID string }
+	paymentLate    struct{ OrderID string }
+	orderState     struct {
+		Step  string
+		Items []string
+	}
+)
+
+func (orderPlaced) EventType() string                { return "OrderPlaced" }
+func (e orderPlaced) Aggregate() (string, string)    { return "order", e.OrderID }
+func (paymentCharged) EventType() string             { return "PaymentCharged" }
+func (e paymentCharged) Aggregate() (string, string) { return "order", e.OrderID }
+func (paymentLate) EventType() string                { return "PaymentTimedOut" }
+func (e paymentLate) Aggregate() (string, string)    { return "order", e.OrderID }
+
+// sagaFixture is f with the order saga's consumer chains over a bus on
+// f's schema, driven by deliver.
+type sagaFixture struct {
+	*fixture
+	chains map[string]message.NoPublishHandlerFunc
+}
+
+func newSagaFixture(t *testing.T) sagaFixture {
+	t.Helper()
+	ctx := context.Background()
+	var cfg bus.Config
+	brokertest.Apply(t, bus.KindNATS, &cfg)
+	f := newFixture(t, 1, cfg)
+	b, err := bus.Open(ctx, f.cfg, f.db)
+	require.NoError(t, err)
+	t.Cleanup(func() { b.Close() })
+	orders := bus.Must(bus.NewTopic[orderPlaced]("orders.events"))
+	payments := bus.Must(bus.NewTopic[paymentCharged]("payments.events"))
+	timeouts := bus.Must(bus.NewTopic[paymentLate]("orders.saga-timeouts"))
+	saga := bus.NewSaga[orderState]("order_fulfilment")
+	bus.StartWith(saga, orders, func(m bus.Message[orderPlaced]) string { return m.Value.OrderID },
+		func(ctx context.Context, sc *bus.SagaContext[orderState], m bus.Message[orderPlaced]) error {
+			sc.State.Step, sc.State.Items = "charging", []string{"sku-1", "sku-2"}
+			late, err := timeouts.Event(paymentLate{OrderID: sc.ID})
+			if err != nil {
+				return err
+			}
+			return sc.ScheduleTimeout(ctx, "payment", timeouts.Name(), bus.DueIn(time.Hour), late)
+		})
+	bus.Then(saga, payments, func(m bus.Message[paymentCharged]) string { return m.Value.OrderID },
+		func(ctx context.Context, sc *bus.SagaContext[orderState], m bus.Message[paymentCharged]) error {
+			sc.State.Step = "paid"
+			sc.Complete()
+			return nil
+		})
+	routes, err := saga.Routes(b)
+	require.NoError(t, err)
+	sf := sagaFixture{fixture: f, chains: map[string]message.NoPublishHandlerFunc{}}
+	for topic, r := range routes {
+		sf.chains[topic], err = b.ConsumerChainTypes(ctx, "saga."+topic, r, nil, bus.WithUnknownTypes(bus.AckUnknown))
+		require.NoError(t, err)
+	}
+	return sf
+}
+
+// deliver hands ev to the saga's handler of topic as the broker would after
+// the relay: the envelope in the metadata.
+func (f sagaFixture) deliver(t *testing.T, topic string, ev bus.Event, err error) {
+	t.Helper()
+	require.NoError(t, err)
+	msg := message.NewMessage(watermill.NewUUID(), ev.Payload)
+	msg.Metadata = message.Metadata{bus.EventIDKey: msg.UUID, bus.EventTypeKey: ev.Type, bus.AggregateTypeKey: ev.AggregateType,
+		bus.AggregateIDKey: ev.AggregateID, bus.SchemaVersionKey: "1"}
+	msg.SetContext(context.Background())
+	require.NoError(t, f.chains[topic](msg))
+}
+
+// The saga pages list running instances (completed ones on request), show
+// one with its state indented and its pending timeout's due time, and the
+// scheduled events page lists that timeout.
+func TestSagaPages(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newSagaFixture(t)
+	orders := bus.Must(bus.NewTopic[orderPlaced]("orders.events"))
+	payments := bus.Must(bus.NewTopic[paymentCharged]("payments.events"))
+	const odd = "o/1 ü" // a correlation id that needs escaping in a path
+	for _, id := range []string{odd, "o-2"} {
+		ev, err := orders.Event(orderPlaced{OrderID: id})
+		f.deliver(t, "orders.events", ev, err)
+	}
+	ev, err := payments.Event(paymentCharged{OrderID: "o-2"})
+	f.deliver(t, "payments.events", ev, err)
+	scheduled, err := f.ops.ListScheduled(ctx, 0)
+	require.NoError(t, err)
+	require.Len(t, scheduled.Events, 1, "the running instance's payment timeout; the completed one's is cancelled")
+	timeout := scheduled.Events[0]
+
+	srv := f.serve(t, console.Options{}, "/ops")
+	c := newClient(t, srv.URL+"/ops")
+	link := `href="/ops/sagas/order_fulfilment/o%2F1%20%C3%BC"`
+	code, body := c.get("/sagas")
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, `href="/ops/sagas" class="on"`, "the nav marks the page")
+	require.Contains(t, body, link)
+	require.Contains(t, body, "<td>OrderPlaced</td>")
+	require.Regexp(t, `<td>running</td><td class="num">1</td>`, body, "running, with one pending timeout")
+	require.NotContains(t, body, "o-2", "a completed instance is listed on request only")
+
+	code, body = c.get("/sagas?state=all&saga=order_fulfilment&limit=1")
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, "o-2", "the most recently changed first")
+	require.Contains(t, body, "<td>completed</td>")
+	require.NotContains(t, body, link, "the limit")
+	require.Contains(t, body, "More instances match: showing 1")
+	require.Contains(t, body, `<option value="all" selected>`)
+	code, body = c.get("/sagas?saga=shipping")
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, "No saga instances match")
+
+	code, body = c.get("/sagas/order_fulfilment/o%2F1%20%C3%BC")
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, "Saga order_fulfilment "+odd)
+	require.Contains(t, body, `href="/ops/static/console.css"`, "an escaped path keeps the mount prefix")
+	require.Contains(t, body, `href="/ops/scheduled"`)
+	require.Contains(t, body, "\n  &#34;Step&#34;: &#34;charging&#34;,\n", "the state, indented")
+	require.Contains(t, body, fmt.Sprintf("<tr><td>payment</td><td>%s</td><td>orders.saga-timeouts</td><td>%s</td></tr>",
+		timeout.ID, timeout.DueAt.UTC().Format("2006-01-02 15:04:05Z")))
+	code, body = c.get("/sagas/order_fulfilment/o-2")
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, "completed at ")
+	require.Contains(t, body, "Pending timeouts (0)")
+	code, _ = c.get("/sagas/order_fulfilment/nobody")
+	require.Equal(t, http.StatusNotFound, code)
+
+	code, body = c.get("/scheduled")
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, "1 event(s) scheduled")
+	require.Contains(t, body, fmt.Sprintf("<td>orders.saga-timeouts</td><td>%s</td><td>PaymentTimedOut</td>", timeout.ID))
+
+	require.NoError(t, f.ops.CancelScheduled(ctx, timeout.ID))
+	_, body = c.get("/sagas/order_fulfilment/o%2F1%20%C3%BC")
+	require.Contains(t, body, fmt.Sprintf("<tr><td>payment</td><td>%s</td><td>-</td><td>no longer scheduled", timeout.ID),
+		"a timeout the instance still names but that is not scheduled any more")
 }

@@ -3,8 +3,9 @@
 // (filters, failure groups by fingerprint, one message's envelope,
 // metadata, payload and replay history) and the relay quarantine, with
 // replay and purge of a selection or a whole group, each shown as a dry
-// run with its count before an explicit confirmation. It runs no SQL of its
-// own.
+// run with its count before an explicit confirmation; and, read-only, saga
+// instances (state and pending timeouts with their due times) and
+// scheduled events. It runs no SQL of its own.
 //
 // New returns an http.Handler a service mounts behind its own
 // authentication (it works under any path prefix with http.StripPrefix);

@@ -16,6 +16,8 @@ var (
 	dlqKeys        = []string{"topic", "handler", "group", "reason", "since", "until", "state", "fingerprint", "limit"}
 	groupKeys      = []string{"topic", "handler", "group", "reason", "since", "until", "state"}
 	quarantineKeys = []string{"topic", "reason", "since", "until", "state", "limit"}
+	sagaKeys       = []string{"saga", "state", "limit"}
+	scheduledKeys  = []string{"limit"}
 	// actionKeys are a form's keys besides its filter's.
 	actionKeys = []string{"csrf", "id", "scope", "expect"}
 )
@@ -55,15 +57,8 @@ func badf(format string, args ...any) error { return badInput{fmt.Sprintf(format
 // values.
 func parseFilter(values url.Values, allowed []string, extra ...string) (filter, error) {
 	f := filter{Limit: defaultLimit}
-	for key, vs := range values {
-		switch {
-		case slices.Contains(extra, key):
-			continue
-		case !slices.Contains(allowed, key):
-			return f, badf("unknown filter %q; this page knows %s", key, strings.Join(allowed, ", "))
-		case len(vs) > 1:
-			return f, badf("filter %q is given %d times; give it once", key, len(vs))
-		}
+	if err := checkKeys(values, allowed, extra); err != nil {
+		return f, err
 	}
 	get := func(k string) string { return strings.TrimSpace(values.Get(k)) }
 	f.Topic, f.Handler, f.Group, f.Reason = get("topic"), get("handler"), get("group"), get("reason")
@@ -80,17 +75,73 @@ func parseFilter(values url.Values, allowed []string, extra ...string) (filter, 
 	default:
 		return f, badf("state %q: want %q, %q or nothing (all)", f.State, stateWaiting, stateReplayed)
 	}
-	if v := get("limit"); v != "" {
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 1 || n > maxLimit {
-			return f, badf("limit %q: want a whole number from 1 to %d", v, maxLimit)
-		}
-		f.Limit = n
+	if f.Limit, err = parseLimit(get("limit")); err != nil {
+		return f, err
 	}
 	if f.Fingerprint != "" && !isHex(f.Fingerprint, 12) {
 		return f, badf("fingerprint %q: want 12 lowercase hex digits, as the failure groups page shows", f.Fingerprint)
 	}
 	return f, nil
+}
+
+// checkKeys refuses keys neither allowed nor extra, and repeated keys.
+func checkKeys(values url.Values, allowed, extra []string) error {
+	for key, vs := range values {
+		switch {
+		case slices.Contains(extra, key):
+			continue
+		case !slices.Contains(allowed, key):
+			return badf("unknown filter %q; this page knows %s", key, strings.Join(allowed, ", "))
+		case len(vs) > 1:
+			return badf("filter %q is given %d times; give it once", key, len(vs))
+		}
+	}
+	return nil
+}
+
+// parseLimit reads a page's limit; "" is defaultLimit.
+func parseLimit(v string) (int, error) {
+	if v == "" {
+		return defaultLimit, nil
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil || n < 1 || n > maxLimit {
+		return 0, badf("limit %q: want a whole number from 1 to %d", v, maxLimit)
+	}
+	return n, nil
+}
+
+// sagaFilter is the saga list's filter, checked.
+type sagaFilter struct {
+	Saga  string // a saga type's name; "" for every type
+	State string // sagaRunning ("") or sagaAll
+	Limit int
+}
+
+// Saga list states: running instances only (the default), or completed ones
+// too (kept for their retention).
+const (
+	sagaRunning = ""
+	sagaAll     = "all"
+)
+
+// parseSagaFilter reads the saga list's query.
+func parseSagaFilter(values url.Values) (sagaFilter, error) {
+	f := sagaFilter{Limit: defaultLimit}
+	if err := checkKeys(values, sagaKeys, nil); err != nil {
+		return f, err
+	}
+	f.Saga, f.State = strings.TrimSpace(values.Get("saga")), strings.TrimSpace(values.Get("state"))
+	if f.State != sagaRunning && f.State != sagaAll {
+		return f, badf("state %q: want %q (completed ones too) or nothing (running only)", f.State, sagaAll)
+	}
+	var err error
+	f.Limit, err = parseLimit(strings.TrimSpace(values.Get("limit")))
+	return f, err
+}
+
+func (f sagaFilter) ops() bus.SagaFilter {
+	return bus.SagaFilter{Saga: f.Saga, Completed: f.State == sagaAll}
 }
 
 func isHex(s string, n int) bool {

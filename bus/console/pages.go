@@ -9,6 +9,7 @@ import (
 	"html/template"
 	"maps"
 	"net/http"
+	"net/url"
 	"slices"
 	"strconv"
 	"strings"
@@ -52,6 +53,8 @@ var funcs = template.FuncMap{
 		return s
 	},
 	"join": strings.Join,
+	// path escapes one segment of a link's path.
+	"path": url.PathEscape,
 	// dict builds the argument of a sub-template from key, value pairs.
 	"dict": func(kv ...any) (map[string]any, error) {
 		if len(kv)%2 != 0 {
@@ -389,4 +392,92 @@ func actionTitle(d actionData) string {
 	}
 	verb := map[string]string{"replay": "Replayed", "purge": "Purged"}[d.Action]
 	return fmt.Sprintf("%s %d %s", verb, d.Count, what)
+}
+
+// sagasData is the saga list's.
+type sagasData struct {
+	Filter    sagaFilter
+	Instances []bus.SagaInstance
+	Truncated bool
+}
+
+func (c *console) sagaList(w http.ResponseWriter, r *http.Request) {
+	f, err := parseSagaFilter(r.URL.Query())
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	list, err := c.ops.ListSagas(r.Context(), f.ops(), f.Limit)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	c.render(w, r, "sagas", page{Title: "Sagas", Nav: "sagas", Data: sagasData{Filter: f, Instances: list.Instances, Truncated: list.Truncated}})
+}
+
+// sagaTimeout is one pending timeout of a saga instance.
+type sagaTimeout struct {
+	Name, EventID string
+	Event         *bus.ScheduledEvent // nil when it is no longer scheduled (due and moved to the outbox, or cancelled)
+}
+
+// sagaData is a saga instance's page's.
+type sagaData struct {
+	Instance bus.SagaInstance
+	State    payloadView
+	Timeouts []sagaTimeout
+}
+
+func (c *console) sagaShow(w http.ResponseWriter, r *http.Request) {
+	if len(r.URL.Query()) > 0 {
+		c.fail(w, r, http.StatusBadRequest, "this page takes no filters")
+		return
+	}
+	inst, err := c.ops.Saga(r.Context(), r.PathValue("saga"), r.PathValue("id"))
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	d := sagaData{Instance: inst, State: viewPayload(inst.State)}
+	if len(inst.Timeouts) > 0 {
+		scheduled, err := c.ops.ScheduledEvents(r.Context(), slices.Collect(maps.Values(inst.Timeouts))...)
+		if err != nil {
+			c.failErr(w, r, err)
+			return
+		}
+		byID := make(map[string]*bus.ScheduledEvent, len(scheduled))
+		for i := range scheduled {
+			byID[scheduled[i].ID] = &scheduled[i]
+		}
+		for _, e := range sortedEntries(inst.Timeouts) {
+			d.Timeouts = append(d.Timeouts, sagaTimeout{Name: e.Key, EventID: e.Value, Event: byID[e.Value]})
+		}
+	}
+	c.render(w, r, "saga", page{Title: fmt.Sprintf("Saga %s %s", inst.Saga, inst.ID), Nav: "sagas", Data: d})
+}
+
+// scheduledData is the scheduled events page's.
+type scheduledData struct {
+	Events    []bus.ScheduledEvent
+	Total     int64
+	Truncated bool
+}
+
+func (c *console) scheduledList(w http.ResponseWriter, r *http.Request) {
+	err := checkKeys(r.URL.Query(), scheduledKeys, nil)
+	limit := defaultLimit
+	if err == nil {
+		limit, err = parseLimit(strings.TrimSpace(r.URL.Query().Get("limit")))
+	}
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	list, err := c.ops.ListScheduled(r.Context(), limit)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	c.render(w, r, "scheduled", page{Title: "Scheduled events", Nav: "scheduled",
+		Data: scheduledData{Events: list.Events, Total: list.Total, Truncated: list.Truncated}})
 }

@@ -159,21 +159,36 @@ func (t Tables) ListScheduled(ctx context.Context, db DBTX, limit int) ([]Schedu
 	if err := db.QueryRowContext(ctx, `SELECT count(*) FROM `+t.ScheduledTable()+` WHERE outbox_topic = $1`, t.OutboxTopic).Scan(&total); err != nil {
 		return nil, 0, fmt.Errorf("count %s: %w", t.ScheduledTable(), err)
 	}
+	out, err := t.scheduledRows(ctx, db, `WHERE outbox_topic = $1 ORDER BY due_at, seq LIMIT $2`,
+		t.OutboxTopic, sql.NullInt64{Int64: int64(limit), Valid: limit >= 0})
+	return out, total, err
+}
+
+// ScheduledByID returns the scheduled messages of ids that are still
+// scheduled, the soonest due first; an id not scheduled (moved into the
+// outbox, or cancelled) is left out.
+func (t Tables) ScheduledByID(ctx context.Context, db DBTX, ids []string) ([]ScheduledRow, error) {
+	return t.scheduledRows(ctx, db, `WHERE outbox_topic = $1 AND id = ANY($2) ORDER BY due_at, seq`, t.OutboxTopic, ids)
+}
+
+// scheduledRows reads the listing columns of the scheduled messages where
+// (a WHERE clause and its order) selects.
+func (t Tables) scheduledRows(ctx context.Context, db DBTX, where string, args ...any) ([]ScheduledRow, error) {
 	rows, err := db.QueryContext(ctx, `SELECT id, destination_topic, event_type, aggregate_type, aggregate_id, due_at, scheduled_at
-		FROM `+t.ScheduledTable()+` WHERE outbox_topic = $1 ORDER BY due_at, seq LIMIT $2`, t.OutboxTopic, sql.NullInt64{Int64: int64(limit), Valid: limit >= 0})
+		FROM `+t.ScheduledTable()+` `+where, args...)
 	if err != nil {
-		return nil, 0, fmt.Errorf("list %s: %w", t.ScheduledTable(), err)
+		return nil, fmt.Errorf("list %s: %w", t.ScheduledTable(), err)
 	}
 	defer rows.Close()
 	out := []ScheduledRow{}
 	for rows.Next() {
 		var r ScheduledRow
 		if err := rows.Scan(&r.ID, &r.Topic, &r.Type, &r.AggregateType, &r.AggregateID, &r.DueAt, &r.ScheduledAt); err != nil {
-			return nil, 0, fmt.Errorf("list %s: %w", t.ScheduledTable(), err)
+			return nil, fmt.Errorf("list %s: %w", t.ScheduledTable(), err)
 		}
 		out = append(out, r)
 	}
-	return out, total, rows.Err()
+	return out, rows.Err()
 }
 
 // scheduledStatements are the scheduled table's DDL.

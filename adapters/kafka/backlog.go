@@ -35,6 +35,13 @@ func (b *Broker) Backlog(ctx context.Context, topic, consumerGroup string) (map[
 	}
 	for partition, l := range group.Lag[topic] {
 		if l.Err != nil {
+			if kerr.IsRetriable(l.Err) {
+				// A leader moved (NOT_LEADER_FOR_PARTITION and friends):
+				// kadm does not refresh the client's metadata on a
+				// partition's error, so the next reading would ask the old
+				// leader again until the metadata's max age.
+				b.client.ForceMetadataRefresh()
+			}
 			return nil, fmt.Errorf("kafka: backlog of group %q on topic %q partition %d: %w", consumerGroup, topic, partition, l.Err)
 		}
 		out[strconv.Itoa(int(partition))] = l.Lag
@@ -51,6 +58,9 @@ func (b *Broker) Backlog(ctx context.Context, topic, consumerGroup string) (map[
 		return nil, fmt.Errorf("kafka: backlog of group %q on topic %q: %w", consumerGroup, topic, err)
 	}
 	if err := ends.Error(); err != nil {
+		if kerr.IsRetriable(err) {
+			b.client.ForceMetadataRefresh() // as above
+		}
 		return nil, fmt.Errorf("kafka: backlog of group %q on topic %q: %w", consumerGroup, topic, err)
 	}
 	ends.Each(func(end kadm.ListedOffset) {

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/millrace-io/millrace/adapters/nats"
 	"github.com/millrace-io/millrace/adapters/rabbit"
@@ -34,7 +35,7 @@ const (
 	poisonStorm      = "poison storm: 1% malformed"
 	dependencyOutage = "dependency outage behind the circuit breaker"
 	relayOutage      = "relay outage, then a rate-limited drain"
-	clusterFaults    = "3-node cluster: stream/queue leader SIGKILLed, leader SIGSTOPped 15 s, rolling restart"
+	clusterFaults    = "3-node cluster: leader killed, leader hung 15 s (NATS, RabbitMQ) or every leader moved (Kafka), rolling restart"
 )
 
 var scenarioOrder = []string{relayKilled, consumerKilled, brokerRestarted, postgresCrashed, terminated,
@@ -442,5 +443,54 @@ func TestRabbitMQClusterFaults(t *testing.T) {
 		// events of its batch went out: order is not promised.
 		record(result{scenario: clusterFaults, broker: kind, faults: "1 leader SIGKILL, 1 leader SIGSTOP, 3 restarts",
 			o: w.check(false), recovery: recovery, note: "a quorum queue with members on the three nodes; the clients were given all three URLs"})
+	})
+}
+
+// TestKafkaClusterFaults runs the flow on a private 3-broker kfake cluster
+// and moves what a Kafka cluster moves when a broker fails: the leader of
+// the topic's first partition moves to another broker, then every partition
+// gets a new leader and every group a new coordinator at once, three times.
+// kfake keeps one log in memory for all its brokers, so it cannot model
+// replication (acks=all and min.insync.replicas are answered at once, there
+// is no unclean election), and removing one of its brokers closes only its
+// listener while its open connections are still served, so a dead or hung
+// broker is not modelled either. What this scenario checks is the client side
+// of a failover: metadata refresh, NOT_LEADER and coordinator errors,
+// rejoining groups.
+func TestKafkaClusterFaults(t *testing.T) {
+	eachBroker(t, []string{bus.KindKafka}, func(t *testing.T, kind string) {
+		c, err := kfake.NewCluster(kfake.NumBrokers(3), kfake.ClusterID("millrace-faults"))
+		require.NoError(t, err)
+		t.Cleanup(c.Close)
+		addrs := c.ListenAddrs()
+		w := newWorld(t, kind, worldOptions{tune: func(cfg *bus.Config) { cfg.Broker.Kafka.Brokers = addrs }})
+		w.start("relay", nodeSpec{Relay: true})
+		w.start("consumer", nodeSpec{Consume: true})
+		stop := w.writer.start(rate)
+		w.flowing(200)
+		progress := func() {
+			t.Helper()
+			var effects int
+			require.NoError(t, w.db.QueryRow(`SELECT count(*) FROM `+w.table("effects")).Scan(&effects))
+			w.flowing(effects + 200)
+		}
+
+		leader := c.LeaderFor(w.topic, 0)
+		require.GreaterOrEqual(t, leader, int32(0), "the topic's first partition has a leader")
+		require.NoError(t, c.MoveTopicPartition(w.topic, 0, (leader+1)%3))
+		w.fault()
+		progress()
+		for range 3 {
+			c.ShufflePartitionLeaders()
+			c.RehashCoordinators()
+			w.fault()
+			progress()
+		}
+		stop()
+		recovery := w.settle(settleTimeout)
+		// A publish that failed during a leader move is retried after later
+		// events of its batch went out: order is not promised.
+		record(result{scenario: clusterFaults, broker: kind, faults: "1 leader moved, 3 elections of every leader and coordinator",
+			o: w.check(false), recovery: recovery, note: "a kfake cluster of 3 brokers: leader and coordinator moves as clients see them; kfake does not replicate and does not model a dead broker (see TestKafkaClusterFaults)"})
 	})
 }

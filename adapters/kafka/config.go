@@ -110,9 +110,10 @@ type Config struct {
 	// the other members of a group within about this time. Less than
 	// SessionTimeout. Defaults to 3s.
 	HeartbeatInterval time.Duration `yaml:"heartbeat_interval"`
-	// RebalanceTimeout is how long members get to finish their in-flight
-	// messages and rejoin during a rebalance; a member that takes longer is
-	// dropped from the group. Defaults to 60s.
+	// RebalanceTimeout is how long members get to let go of their in-flight
+	// messages (whose contexts end with the session, see Subscriber) and
+	// rejoin during a rebalance; a member that takes longer is dropped from
+	// the group until it rejoins. Defaults to 60s.
 	RebalanceTimeout time.Duration `yaml:"rebalance_timeout"`
 	// JoinWait is how long Subscribe waits for the consumer's first
 	// partition assignment, so consumers started together settle before

@@ -113,7 +113,8 @@ type Config struct {
 	// RebalanceTimeout is how long members get to let go of their in-flight
 	// messages (whose contexts end with the session, see Subscriber) and
 	// rejoin during a rebalance; a member that takes longer is dropped from
-	// the group until it rejoins. Defaults to 60s.
+	// the group until it rejoins. At least twice HeartbeatInterval (a member
+	// learns of a rebalance at its next heartbeat). Defaults to 60s.
 	RebalanceTimeout time.Duration `yaml:"rebalance_timeout"`
 	// JoinWait is how long Subscribe waits for the consumer's first
 	// partition assignment, so consumers started together settle before
@@ -260,6 +261,13 @@ func (c Config) Validate(path string) []error {
 			c.SessionTimeout, c.HeartbeatInterval)
 	}
 	chk.PositiveDuration(at("rebalance_timeout"), c.RebalanceTimeout)
+	// A member learns of a rebalance at its next heartbeat and must then let
+	// go of its messages and rejoin within rebalance_timeout; with less room
+	// members that hold messages keep dropping each other out of the group.
+	if c.RebalanceTimeout < 2*c.HeartbeatInterval {
+		chk.Add(at("rebalance_timeout"), "must be at least twice heartbeat_interval (%s); got %s",
+			c.HeartbeatInterval, c.RebalanceTimeout)
+	}
 	chk.PositiveDuration(at("join_wait"), c.JoinWait)
 	if c.CommitInterval != nil {
 		chk.NonNegativeDuration(at("commit_interval"), *c.CommitInterval)

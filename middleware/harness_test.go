@@ -61,6 +61,9 @@ type kitOptions struct {
 	// maxAckPending bounds the messages a NATS consumer hands out unacked.
 	// Defaults to 256.
 	maxAckPending int
+	// rebalanceTimeout is the Kafka group's rebalance timeout. Defaults to
+	// 10s.
+	rebalanceTimeout time.Duration
 }
 
 var kitNames = []string{"gochannel", bus.KindKafka, bus.KindNATS, bus.KindRabbitMQ}
@@ -106,7 +109,7 @@ func adapterKit(t testing.TB, kind string, opts kitOptions) *kit {
 	// its session times out; a rebalance waits for it at most this long.
 	cfg.Broker.Kafka.SessionTimeout = 6 * time.Second
 	cfg.Broker.Kafka.HeartbeatInterval = 2 * time.Second
-	cfg.Broker.Kafka.RebalanceTimeout = 10 * time.Second
+	cfg.Broker.Kafka.RebalanceTimeout = cmp.Or(opts.rebalanceTimeout, 10*time.Second)
 	broker, err := bus.OpenBroker(context.Background(), cfg, testLogger())
 	require.NoError(t, err)
 	t.Cleanup(func() { broker.Close() })

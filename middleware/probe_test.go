@@ -115,6 +115,57 @@ func TestProbeRidesOutALongOutageBehindAnOrderedHandler(t *testing.T) {
 	}
 }
 
+// On Kafka, a consumer whose breaker holds messages (the probe failing) for
+// longer than the group's rebalance timeout while a second consumer of the
+// group joins lets go of them when its session ends (their contexts end),
+// so it stays in the group, and once the dependency is back every event is
+// processed, in order per aggregate, and nothing is poisoned.
+func TestProbeHoldOutlastsAKafkaRebalance(t *testing.T) {
+	t.Parallel()
+	// Well above the kit's 2s heartbeat interval: a member learns of a
+	// rebalance at its next heartbeat, and has to rejoin within this.
+	const rebalanceTimeout = 5 * time.Second
+	e := newEnv(t)
+	k := newKit(t, bus.KindKafka, kitOptions{rebalanceTimeout: rebalanceTimeout})
+	topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
+	k.provision(t, topic, group)
+
+	var dep dependency
+	dep.down.Store(true)
+	handle := func(msg *message.Message) error {
+		if err := dep.call(); err != nil {
+			return err
+		}
+		return e.write(msg.Context(), group, msg)
+	}
+	var msgs []*message.Message
+	for v := range 5 {
+		for a := range 4 {
+			msgs = append(msgs, event(fmt.Sprintf("evt-%d-%d", a, v), fmt.Sprintf("o-%d", a), int64(v+1), `{}`))
+		}
+	}
+	publish(t, k.pub, topic, msgs...)
+	cfg := middleware.Config{Ordered: new(true)}
+	spec := handlerSpec{name: "billing", topic: topic, group: group, handle: handle, probe: dep.probe}
+	first := startConsumer(t, k, e, cfg, spec)
+	labels := map[string]string{"handler": "billing"}
+	testkit.Eventually(t, 30*time.Second, "the breaker open on the first failure", func() bool {
+		return first.metric(t, middleware.MetricBreakerState, labels) == middleware.BreakerOpen
+	})
+	second := startConsumer(t, k, e, cfg, spec)
+	time.Sleep(2 * rebalanceTimeout)
+	dep.down.Store(false)
+
+	testkit.Eventually(t, time.Minute, "every event processed after recovery", func() bool {
+		return e.count(t, `SELECT count(*) FROM `+e.table("business")) == len(msgs)
+	})
+	for _, c := range []*consumer{first, second} {
+		require.Zero(t, c.messages(t, "billing", middleware.OutcomePoisoned), "nothing is poisoned")
+	}
+	require.Zero(t, e.count(t, `SELECT count(*) FROM (SELECT version < lag(version) OVER (PARTITION BY aggregate_id ORDER BY seq) AS back FROM `+
+		e.table("business")+`) v WHERE back`), "events of an aggregate in version order")
+}
+
 // Two messages failing in a row with the breaker open look like an outage to
 // the breaker's guess (TestBreakerHoldsMessagesDuringAnOutage); with a probe
 // that passes they are bad messages: each is poisoned after its attempts and

@@ -110,9 +110,11 @@ type Config struct {
 	// the other members of a group within about this time. Less than
 	// SessionTimeout. Defaults to 3s.
 	HeartbeatInterval time.Duration `yaml:"heartbeat_interval"`
-	// RebalanceTimeout is how long members get to finish their in-flight
-	// messages and rejoin during a rebalance; a member that takes longer is
-	// dropped from the group. Defaults to 60s.
+	// RebalanceTimeout is how long members get to let go of their in-flight
+	// messages (whose contexts end with the session, see Subscriber) and
+	// rejoin during a rebalance; a member that takes longer is dropped from
+	// the group until it rejoins. At least twice HeartbeatInterval (a member
+	// learns of a rebalance at its next heartbeat). Defaults to 60s.
 	RebalanceTimeout time.Duration `yaml:"rebalance_timeout"`
 	// JoinWait is how long Subscribe waits for the consumer's first
 	// partition assignment, so consumers started together settle before
@@ -259,6 +261,13 @@ func (c Config) Validate(path string) []error {
 			c.SessionTimeout, c.HeartbeatInterval)
 	}
 	chk.PositiveDuration(at("rebalance_timeout"), c.RebalanceTimeout)
+	// A member learns of a rebalance at its next heartbeat and must then let
+	// go of its messages and rejoin within rebalance_timeout; with less room
+	// members that hold messages keep dropping each other out of the group.
+	if c.RebalanceTimeout < 2*c.HeartbeatInterval {
+		chk.Add(at("rebalance_timeout"), "must be at least twice heartbeat_interval (%s); got %s",
+			c.HeartbeatInterval, c.RebalanceTimeout)
+	}
 	chk.PositiveDuration(at("join_wait"), c.JoinWait)
 	if c.CommitInterval != nil {
 		chk.NonNegativeDuration(at("commit_interval"), *c.CommitInterval)

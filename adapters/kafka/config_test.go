@@ -42,6 +42,7 @@ func TestConfigValidate(t *testing.T) {
 		MaxMessageBytes:      10,
 		Compression:          "brotli",
 		HeartbeatInterval:    20 * time.Second,
+		RebalanceTimeout:     30 * time.Second,
 		ProducerRetries:      5,
 		ProducerRetryBackoff: 100 * time.Millisecond,
 	}.WithDefaults()
@@ -59,6 +60,7 @@ func TestConfigValidate(t *testing.T) {
 		"broker.kafka.max_message_bytes: must be from 1024 to",
 		`broker.kafka.compression: must be one of none, gzip, snappy, lz4, zstd; got "brotli"`,
 		"broker.kafka.heartbeat_interval: must be less than session_timeout (10s); got 20s",
+		"broker.kafka.rebalance_timeout: must be at least twice heartbeat_interval (20s); got 30s",
 		"broker.kafka.producer_retries: times producer_retry_backoff (100ms) must be at least 1s, the shortest delivery timeout of the producer; got 5 x 100ms",
 	} {
 		assert.Contains(t, all, want)

@@ -33,10 +33,15 @@ import (
 // partitions, or after broker.kafka.join_wait, so consumers started together
 // settle before messages flow.
 //
-// As in watermill-kafka, a rebalance waits until every message already handed
-// to a subscription's channel has been taken and acked or nacked (at most
-// broker.kafka.rebalance_timeout, after which the member is dropped and the
-// message redelivered elsewhere): keep reading the channel.
+// A message's context ends, with cause ErrRebalanced, when the consumer
+// group session it was delivered in ends (a rebalance: a member joined or
+// left). Its ack can no longer commit anything and the partition may
+// already be another member's, so a handler should give up and nack it
+// (the middleware's waits for a retry or for the breaker do); the message
+// is delivered again in the new session. The member rejoins the group once
+// every message of its old session has been acked or nacked, which has to
+// happen within broker.kafka.rebalance_timeout, else the member is dropped
+// from the new generation until it rejoins.
 func (b *Broker) Subscriber(consumerGroup string) (message.Subscriber, error) {
 	if err := names.Topic(consumerGroup); err != nil {
 		return nil, fmt.Errorf("kafka: consumer group %q: %w", consumerGroup, err)
@@ -60,6 +65,9 @@ type subscriber struct {
 	closing   chan struct{}
 	closeOnce sync.Once
 	closeErr  error
+	// relays are the running relay goroutines; Close waits for them, so
+	// every channel has closed when it returns.
+	relays sync.WaitGroup
 }
 
 var (
@@ -78,6 +86,7 @@ func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		return nil, err
 	}
 	joined := make(chan struct{})
+	sessions := &claimSessions{byPartition: map[int32]context.Context{}}
 	inner, err := wkafka.NewSubscriber(wkafka.SubscriberConfig{
 		Brokers:               s.b.cfg.Brokers,
 		Unmarshaler:           Marshaler{},
@@ -85,7 +94,7 @@ func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		ConsumerGroup:         s.group,
 		NackResendSleep:       s.b.cfg.NackRedeliveryDelay,
 		ReconnectRetrySleep:   s.b.cfg.ReconnectDelay,
-		Tracer:                joinSignal{joined: joined, once: &sync.Once{}},
+		Tracer:                joinSignal{joined: joined, once: &sync.Once{}, sessions: sessions},
 	}, s.b.logger)
 	if err != nil {
 		return nil, fmt.Errorf("kafka: cannot create subscriber for group %s: %w", s.group, err)
@@ -98,13 +107,17 @@ func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	default:
 	}
 	s.inner = append(s.inner, inner)
+	s.relays.Add(1) // under mu with closing open, so before Close waits
 	s.mu.Unlock()
 
 	out, err := inner.Subscribe(ctx, topic)
 	if err != nil {
+		s.relays.Done()
 		_ = inner.Close()
 		return nil, fmt.Errorf("kafka: cannot subscribe group %s to topic %s: %w", s.group, topic, err)
 	}
+	deliver := make(chan *message.Message)
+	go s.relay(ctx, out, deliver, sessions)
 	wait := time.NewTimer(s.b.cfg.JoinWait)
 	defer wait.Stop()
 	select {
@@ -118,7 +131,85 @@ func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 			"consumer_group": s.group, "topic": topic, "join_wait": s.b.cfg.JoinWait.String(),
 		})
 	}
-	return out, nil
+	return deliver, nil
+}
+
+// ErrRebalanced is the cause of a delivered message's context when the
+// consumer group session it was delivered in has ended: the message is
+// delivered again, and its ack commits nothing.
+var ErrRebalanced = errors.New("kafka: the consumer group rebalanced; the message is delivered again")
+
+// relay hands the messages of in to out, each with a context that also ends
+// when the session of its partition's claim ends. watermill-kafka derives a
+// message's context from the subscription's context only, so a handler
+// holding a message (the breaker during an outage) would keep the claim's
+// ConsumeClaim, and with it the member, from leaving the ended session:
+// the group drops the member after rebalance_timeout and the old session
+// keeps failing to commit with a stale generation until the hold ends.
+//
+// A message whose session has already ended is acked instead of handed out:
+// watermill-kafka marks nothing once the session's context has ended (it
+// checks before marking), and the ack ends its redelivery of the message
+// into the ended session, so the member can rejoin and receive it again.
+func (s *subscriber) relay(ctx context.Context, in <-chan *message.Message, out chan<- *message.Message, sessions *claimSessions) {
+	defer s.relays.Done()
+	defer close(out)
+	for msg := range in {
+		sess := sessions.of(msg)
+		if sess == nil { // not from a group session's claim: as delivered
+			sess = context.Background()
+		}
+		if sess.Err() != nil {
+			msg.Ack()
+			continue
+		}
+		mctx, cancel := context.WithCancelCause(msg.Context())
+		stop := context.AfterFunc(sess, func() { cancel(ErrRebalanced) })
+		context.AfterFunc(mctx, func() { stop() })
+		msg.SetContext(mctx)
+		select {
+		case out <- msg:
+		case <-sess.Done():
+			msg.Ack() // commits nothing, as above
+		case <-ctx.Done(): // watermill-kafka discards it, uncommitted
+		case <-s.closing:
+		}
+	}
+}
+
+// claimSessions are the contexts of the consumer group sessions whose claims
+// consume the partitions of one subscription, by partition. A message is
+// handed out while its claim's ConsumeClaim runs (it waits for the ack), and
+// a session starts only after every ConsumeClaim of the previous one has
+// returned, so a partition has at most one entry at a time.
+type claimSessions struct {
+	mu          sync.Mutex
+	byPartition map[int32]context.Context
+}
+
+func (c *claimSessions) set(partition int32, sess context.Context) {
+	c.mu.Lock()
+	c.byPartition[partition] = sess
+	c.mu.Unlock()
+}
+
+func (c *claimSessions) clear(partition int32, sess context.Context) {
+	c.mu.Lock()
+	if c.byPartition[partition] == sess {
+		delete(c.byPartition, partition)
+	}
+	c.mu.Unlock()
+}
+
+// of returns the session context msg was delivered in, or nil.
+func (c *claimSessions) of(msg *message.Message) context.Context {
+	partition, ok := wkafka.MessagePartitionFromCtx(msg.Context())
+	if !ok {
+		return nil
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.byPartition[partition]
 }
 
 // SubscribeInitialize provisions topic for the subscriber's group (Watermill
@@ -139,6 +230,7 @@ func (s *subscriber) Close() error {
 		for _, in := range inner {
 			errs = append(errs, in.Close())
 		}
+		s.relays.Wait()
 		s.closeErr = errors.Join(errs...)
 		s.b.mu.Lock()
 		delete(s.b.subscribers, s)
@@ -148,11 +240,13 @@ func (s *subscriber) Close() error {
 }
 
 // joinSignal is a watermill-kafka tracer that does no tracing: it closes
-// joined when the consumer group first hands this consumer its partitions,
-// which watermill-kafka has no other hook for.
+// joined when the consumer group first hands this consumer its partitions
+// and records the session of every claim in sessions, which watermill-kafka
+// has no other hooks for.
 type joinSignal struct {
-	joined chan struct{}
-	once   *sync.Once
+	joined   chan struct{}
+	once     *sync.Once
+	sessions *claimSessions
 }
 
 func (j joinSignal) WrapConsumer(c sarama.Consumer) sarama.Consumer { return c }
@@ -178,4 +272,10 @@ func (h joinHandler) Setup(sess sarama.ConsumerGroupSession) error {
 	err := h.ConsumerGroupHandler.Setup(sess)
 	h.signal.once.Do(func() { close(h.signal.joined) })
 	return err
+}
+
+func (h joinHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
+	h.signal.sessions.set(claim.Partition(), sess.Context())
+	defer h.signal.sessions.clear(claim.Partition(), sess.Context())
+	return h.ConsumerGroupHandler.ConsumeClaim(sess, claim)
 }

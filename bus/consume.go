@@ -325,8 +325,15 @@ func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []han
 			return nil, nil, nil, err
 		}
 		group := h.group
+		newSubscriber := func() (message.Subscriber, error) { return broker.Subscriber(group) }
+		// An unordered handler hands the waits between its attempts to a
+		// broker that can schedule redeliveries, freeing its workers; an
+		// ordered one keeps them in process, where nothing newer passes.
+		if rs, ok := broker.(adapters.RedeliveryScheduler); ok && !*b.cfg.Consumer.For(h.name).Ordered {
+			newSubscriber = func() (message.Subscriber, error) { return rs.RedeliverySubscriber(group, chain.RedeliveryWait) }
+		}
 		sub := chain.Subscriber(middleware.Source{
-			NewSubscriber:  func() (message.Subscriber, error) { return broker.Subscriber(group) },
+			NewSubscriber:  newSubscriber,
 			Competing:      true,
 			KeyPartitioned: broker.Capabilities().KeyPartitioned,
 		})

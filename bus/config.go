@@ -290,7 +290,7 @@ func (c Config) validateMaxDeliver(chk *confload.Checker) {
 		if name != "" {
 			h, path = c.Consumer.For(name), "consumer.handlers."+name
 		}
-		if h.Ordered != nil && *h.Ordered {
+		if (h.Ordered != nil && *h.Ordered) || h.Retry.Mode == middleware.RetryInProcess {
 			continue // its retries stay in one delivery
 		}
 		if h.Retry.MaxAttempts > limit {

@@ -176,6 +176,8 @@ func TestConfigMaxDeliverCoversUnorderedAttempts(t *testing.T) {
 	_, err = parseConfig([]byte(ok+"    billing: {retry: {max_attempts: 6}}\n"), noEnv)
 	require.ErrorContains(t, err, "broker.nats.consumer.max_deliver: must be -1 (no limit) or at least consumer.handlers.billing.retry.max_attempts (6)")
 	require.NotContains(t, err.Error(), "audit")
+	_, err = parseConfig([]byte(ok+"    billing: {retry: {max_attempts: 6, mode: process}}\n"), noEnv)
+	require.NoError(t, err, "retry.mode process retries within one delivery")
 }
 
 func TestConfigReportsEveryProblemAtOnce(t *testing.T) {

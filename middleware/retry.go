@@ -44,7 +44,7 @@ func newBackOff(cfg RetryConfig) *backoff.ExponentialBackOff {
 // after the backoff's next wait. An attempt abandoned at handler_timeout
 // (*abandonedError) is a failed attempt like any other.
 //
-// When the message came from a broker that schedules redeliveries
+// With retry.mode auto, when the message came from a broker that schedules redeliveries
 // (adapters.RedeliveryScheduler: its context carries a delivery number) and
 // the handler is not ordered, a failed attempt that will be retried is not
 // waited for here: the stage returns a *redeliverError, the message is
@@ -67,7 +67,7 @@ func (c *Chain) retry(h message.HandlerFunc) message.HandlerFunc {
 		ctx := msg.Context()
 		d := deliveryFrom(ctx)
 		delivery, scheduled := adapters.DeliveryNumber(ctx)
-		scheduled = scheduled && !*c.cfg.Ordered && delivery >= 1
+		scheduled = scheduled && !*c.cfg.Ordered && cfg.Mode == RetryAuto && delivery >= 1
 		if scheduled {
 			d.attempts = delivery - 1 // at least one attempt per earlier delivery
 		}

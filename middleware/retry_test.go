@@ -174,8 +174,8 @@ func TestAttemptRestoresTheMessageContext(t *testing.T) {
 // A message whose broker schedules redeliveries (its context carries a
 // delivery number) is not waited for in process: each failed delivery
 // before the max_attempts-th is handed back for redelivery, that one is
-// poisoned with the attempts of every delivery. An ordered handler keeps
-// its retries in process.
+// poisoned with the attempts of every delivery. An ordered handler, and
+// any with retry.mode process, keeps its retries in process.
 func TestRetryHandsTheWaitToTheBroker(t *testing.T) {
 	t.Parallel()
 	ladder := RetryConfig{
@@ -214,4 +214,11 @@ func TestRetryHandsTheWaitToTheBroker(t *testing.T) {
 	_, err = runRetry(adapters.WithDeliveryNumber(context.Background(), 1), ordered, fail)
 	require.True(t, shouldPoison(err))
 	require.Len(t, clock.sleeps, 2, "an ordered handler waits in process")
+
+	inProcess := ladder
+	inProcess.Mode = RetryInProcess
+	worker, clock := retryChain(t, inProcess)
+	_, err = runRetry(adapters.WithDeliveryNumber(context.Background(), 1), worker, fail)
+	require.True(t, shouldPoison(err))
+	require.Len(t, clock.sleeps, 2, "retry.mode process waits in process")
 }

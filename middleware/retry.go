@@ -44,12 +44,13 @@ func newBackOff(cfg RetryConfig) *backoff.ExponentialBackOff {
 // after the backoff's next wait. An attempt abandoned at handler_timeout
 // (*abandonedError) is a failed attempt like any other.
 //
-// With retry.mode auto, when the message came from a broker that schedules redeliveries
-// (adapters.RedeliveryScheduler: its context carries a delivery number) and
-// the handler is not ordered, a failed attempt that will be retried is not
-// waited for here: the stage returns a *redeliverError, the message is
-// nacked and the broker delivers it again after RedeliveryWait of its
-// delivery number, so the worker is free meanwhile. The attempt number is
+// With retry.mode auto, when the message came from a broker that
+// schedules redeliveries (adapters.RedeliveryScheduler: its context carries
+// a delivery number) and the handler is not ordered, a failed attempt that
+// will be retried is not waited for here: the stage returns a
+// *redeliverError, the message is nacked and the broker delivers it again
+// after RedeliveryWait of its delivery number, so the worker is free
+// meanwhile. The attempt number is
 // then the broker's delivery number, which survives consumer restarts, and
 // the message is poisoned when its max_attempts-th delivery fails;
 // max_elapsed is not applied (no process sees every wait). The outage and

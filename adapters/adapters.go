@@ -204,3 +204,35 @@ type OrderedProvisioner interface {
 	// keep the ordered settings.
 	ProvisionOrdered(ctx context.Context, topic string, consumerGroups ...string) error
 }
+
+// RedeliveryScheduler is a Broker that can wait before it delivers a nacked
+// message again, per message, and counts each message's deliveries itself,
+// across consumer restarts (JetStream's NakWithDelay and NumDelivered). A
+// consumer chain then hands the wait between the attempts of a failing
+// message to the broker instead of holding a worker for it, and takes the
+// attempt number from the broker's count (DeliveryNumber).
+type RedeliveryScheduler interface {
+	// RedeliverySubscriber is Subscriber for consumerGroup, except that a
+	// nacked message comes back after wait(n), n being the number of the
+	// delivery that was nacked (1 for the first), and that each message's
+	// context carries its delivery number (DeliveryNumber). Use it only for
+	// groups whose messages need no order across redeliveries: a message
+	// waiting for its next delivery lets newer ones pass it.
+	RedeliverySubscriber(consumerGroup string, wait func(delivery int) time.Duration) (message.Subscriber, error)
+}
+
+type deliveryKey struct{}
+
+// WithDeliveryNumber returns ctx carrying a message's delivery number n (1
+// for the first delivery), as a RedeliveryScheduler's subscriber sets it.
+func WithDeliveryNumber(ctx context.Context, n int) context.Context {
+	return context.WithValue(ctx, deliveryKey{}, n)
+}
+
+// DeliveryNumber returns the delivery number a RedeliveryScheduler's
+// subscriber gave the message whose context is ctx, and false for a message
+// of any other subscriber: its redeliveries are not scheduled by the broker.
+func DeliveryNumber(ctx context.Context) (int, bool) {
+	n, ok := ctx.Value(deliveryKey{}).(int)
+	return n, ok
+}

@@ -260,11 +260,45 @@ func (c Config) validate(broker bool) error {
 	chk.PositiveDuration("metrics.inbox_rows_interval", c.Metrics.InboxRowsInterval)
 	chk.PositiveDuration("metrics.backlog_interval", c.Metrics.BacklogInterval)
 	chk.Merge(c.Consumer.Validate("consumer"))
+	if broker && c.Broker.Kind == KindNATS {
+		c.validateMaxDeliver(&chk)
+	}
 	c.validateHealth(&chk)
 	if len(chk.Problems) == 0 {
 		return nil
 	}
 	return &ConfigError{Problems: c.annotate(chk.Problems)}
+}
+
+// validateMaxDeliver refuses a JetStream max_deliver below the
+// retry.max_attempts of an unordered handler: its attempts are deliveries
+// (the broker waits between them), and the server would stop delivering a
+// failing message before the chain poisons it, leaving it in the stream
+// unhandled, with only an advisory to tell.
+func (c Config) validateMaxDeliver(chk *confload.Checker) {
+	limit := c.Broker.NATS.Consumer.MaxDeliver
+	if limit < 1 {
+		return // -1: no limit
+	}
+	handlers := []string{""}
+	for name := range c.Consumer.Handlers {
+		handlers = append(handlers, name)
+	}
+	slices.Sort(handlers)
+	for _, name := range handlers {
+		h, path := c.Consumer, "consumer"
+		if name != "" {
+			h, path = c.Consumer.For(name), "consumer.handlers."+name
+		}
+		if (h.Ordered != nil && *h.Ordered) || h.Retry.Mode == middleware.RetryInProcess {
+			continue // its retries stay in one delivery
+		}
+		if h.Retry.MaxAttempts > limit {
+			chk.Add("broker.nats.consumer.max_deliver", "must be -1 (no limit) or at least %s.retry.max_attempts (%d): "+
+				"an unordered handler's attempts are JetStream deliveries, and the server would drop a failing message "+
+				"for the group before it is poisoned; got %d", path, h.Retry.MaxAttempts, limit)
+		}
+	}
 }
 
 // validateHealth checks the health section against the longest quiet

@@ -139,6 +139,8 @@ func TestBadConfigsNameTheirField(t *testing.T) {
 			paths: []string{"consumer.workers", "consumer.retry.max_attempts"}, text: "must be greater than 0"},
 		{name: "consumer handler override", yaml: "consumer:\n  handlers:\n    billing:\n      prefetch: 1\n      poison: {destination: topic}\n      inbox: {retention: 1h}\n",
 			paths: []string{"consumer.handlers.billing.prefetch", "consumer.handlers.billing.poison.topic", "consumer.handlers.billing.inbox.retention"}, text: "must be at least workers"},
+		{name: "max_deliver below max_attempts", yaml: "broker:\n  kind: nats\n  nats:\n    consumer: {max_deliver: 3}\nconsumer:\n  retry: {max_attempts: 4}\n  handlers:\n    audit: {ordered: true, retry: {max_attempts: 9}}\n",
+			paths: []string{"broker.nats.consumer.max_deliver"}, text: "at least consumer.retry.max_attempts (4)"},
 		{name: "bad url from environment", env: map[string]string{"AMQP_URL": "localhost"}, yaml: "broker:\n  kind: rabbitmq\n",
 			paths: []string{"broker.rabbitmq.url"}, text: "$AMQP_URL"},
 	}
@@ -162,6 +164,20 @@ func TestBadConfigsNameTheirField(t *testing.T) {
 			require.Contains(t, err.Error(), tc.text)
 		})
 	}
+}
+
+// JetStream's max_deliver only has to leave room for the attempts of
+// unordered handlers (an ordered handler retries within one delivery).
+func TestConfigMaxDeliverCoversUnorderedAttempts(t *testing.T) {
+	t.Parallel()
+	ok := "broker:\n  kind: nats\n  nats:\n    consumer: {max_deliver: 5}\nconsumer:\n  retry: {max_attempts: 5}\n  handlers:\n    audit: {ordered: true, retry: {max_attempts: 9}}\n"
+	_, err := parseConfig([]byte(ok), noEnv)
+	require.NoError(t, err)
+	_, err = parseConfig([]byte(ok+"    billing: {retry: {max_attempts: 6}}\n"), noEnv)
+	require.ErrorContains(t, err, "broker.nats.consumer.max_deliver: must be -1 (no limit) or at least consumer.handlers.billing.retry.max_attempts (6)")
+	require.NotContains(t, err.Error(), "audit")
+	_, err = parseConfig([]byte(ok+"    billing: {retry: {max_attempts: 6, mode: process}}\n"), noEnv)
+	require.NoError(t, err, "retry.mode process retries within one delivery")
 }
 
 func TestConfigReportsEveryProblemAtOnce(t *testing.T) {

@@ -329,8 +329,17 @@ func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []han
 			return nil, nil, nil, err
 		}
 		group := h.group
+		newSubscriber := func() (message.Subscriber, error) { return broker.Subscriber(group) }
+		// An unordered handler with retry.mode auto hands the waits between
+		// its attempts to a broker that can schedule redeliveries, freeing
+		// its workers; an ordered one keeps them in process, where nothing
+		// newer passes.
+		hc := b.cfg.Consumer.For(h.name)
+		if rs, ok := broker.(adapters.RedeliveryScheduler); ok && !*hc.Ordered && hc.Retry.Mode == middleware.RetryAuto {
+			newSubscriber = func() (message.Subscriber, error) { return rs.RedeliverySubscriber(group, chain.RedeliveryWait) }
+		}
 		sub := chain.Subscriber(middleware.Source{
-			NewSubscriber:  func() (message.Subscriber, error) { return broker.Subscriber(group) },
+			NewSubscriber:  newSubscriber,
 			Competing:      true,
 			KeyPartitioned: broker.Capabilities().KeyPartitioned,
 		})

@@ -87,7 +87,22 @@ type RetryConfig struct {
 	// Jitter spreads each wait uniformly over ±50% so that consumers that
 	// failed together do not retry together. Defaults to true.
 	Jitter *bool `yaml:"jitter"`
+	// Mode says who waits between attempts: RetryAuto (the broker, when it
+	// schedules redeliveries and the handler is unordered; in process
+	// otherwise) or RetryInProcess (always the worker). Defaults to RetryAuto.
+	Mode string `yaml:"mode"`
 }
+
+// Retry modes accepted by retry.mode.
+const (
+	// RetryAuto hands the waits of an unordered handler to a broker that
+	// schedules redeliveries (adapters.RedeliveryScheduler: NATS JetStream),
+	// freeing the worker; the attempt number is then the broker's delivery
+	// count and retry.max_elapsed is not applied. Elsewhere the worker waits.
+	RetryAuto = "auto"
+	// RetryInProcess always waits in the worker, within one delivery.
+	RetryInProcess = "process"
+)
 
 // BreakerConfig configures the per-handler circuit breaker (sony/gobreaker).
 type BreakerConfig struct {
@@ -206,6 +221,7 @@ func (c Config) WithDefaults() Config {
 	c.Retry.MaxInterval = cmp.Or(c.Retry.MaxInterval, DefaultMaxInterval)
 	c.Retry.MaxElapsed = cmp.Or(c.Retry.MaxElapsed, DefaultMaxElapsed)
 	c.Retry.Jitter = orDefault(c.Retry.Jitter, true)
+	c.Retry.Mode = cmp.Or(c.Retry.Mode, RetryAuto)
 
 	c.Breaker.Enabled = orDefault(c.Breaker.Enabled, true)
 	c.Breaker.ConsecutiveFailures = cmp.Or(c.Breaker.ConsecutiveFailures, DefaultConsecutiveFailures)
@@ -335,6 +351,7 @@ func (c Config) validateHandler(chk *confload.Checker, path string) {
 		chk.Add(at("retry.max_interval"), "must be at least retry.initial_interval (%s); got %s", c.Retry.InitialInterval, c.Retry.MaxInterval)
 	}
 	chk.PositiveDuration(at("retry.max_elapsed"), c.Retry.MaxElapsed)
+	chk.OneOf(at("retry.mode"), c.Retry.Mode, RetryAuto, RetryInProcess)
 
 	chk.Positive(at("breaker.consecutive_failures"), c.Breaker.ConsecutiveFailures)
 	chk.PositiveDuration(at("breaker.open_timeout"), c.Breaker.OpenTimeout)

@@ -91,14 +91,14 @@ func TestValidateNamesYAMLPaths(t *testing.T) {
 	bad := Config{
 		Workers:  -1,
 		Prefetch: -3,
-		Retry:    RetryConfig{MaxAttempts: -1, Multiplier: 0.5, InitialInterval: time.Second, MaxInterval: time.Millisecond},
+		Retry:    RetryConfig{MaxAttempts: -1, Multiplier: 0.5, InitialInterval: time.Second, MaxInterval: time.Millisecond, Mode: "broker"},
 		Breaker:  BreakerConfig{ConsecutiveFailures: -2, OpenTimeout: -time.Second},
 		Poison:   PoisonConfig{Destination: "dlq"},
 		Inbox:    InboxConfig{CleanupBatch: -1},
 	}.WithDefaults()
 	require.ElementsMatch(t, []string{
 		"consumer.workers", "consumer.prefetch", "consumer.retry.max_attempts", "consumer.retry.multiplier",
-		"consumer.retry.max_interval", "consumer.breaker.consecutive_failures", "consumer.breaker.open_timeout",
+		"consumer.retry.max_interval", "consumer.retry.mode", "consumer.breaker.consecutive_failures", "consumer.breaker.open_timeout",
 		"consumer.poison.destination", "consumer.inbox.cleanup_batch",
 	}, paths(bad.Validate("consumer")))
 

@@ -41,7 +41,11 @@
 //     *InvalidError naming the field. Inside the poison queue so that it is
 //     quarantined; outside the retry since retrying cannot fix it.
 //  5. retry: exponential backoff with jitter (cenkalti/backoff intervals).
-//     Permanent errors skip it; a stop ends its waits with a nack. Outside the
+//     Permanent errors skip it; a stop ends its waits with a nack. When the
+//     broker schedules redeliveries (adapters.RedeliveryScheduler, NATS) and
+//     the handler is unordered, the waits are the broker's: a failed
+//     attempt is nacked, redelivered after RedeliveryWait, and the attempt
+//     number is the broker's delivery count. Outside the
 //     breaker, so that waiting for the breaker is not mistaken for a failed
 //     attempt, and a failure the breaker attributes to an outage does not use
 //     up the message's attempts. Each attempt gets a fresh context (Watermill

@@ -149,6 +149,20 @@ func (e *shutdownError) Error() string {
 
 func (e *shutdownError) Unwrap() error { return e.cause }
 
+// redeliverError is returned by the retry stage when a failed attempt is to
+// be retried by the broker: the message is nacked, and the broker delivers
+// it again after the wait of its delivery number. It is never poisoned.
+type redeliverError struct {
+	delivery int
+	err      error
+}
+
+func (e *redeliverError) Error() string {
+	return fmt.Sprintf("attempt %d failed, the broker delivers the message again after its backoff: %v", e.delivery, e.err)
+}
+
+func (e *redeliverError) Unwrap() error { return e.err }
+
 // outageError marks a failure the breaker attributes to a dependency rather
 // than to the message: it does not use up the message's retries.
 type outageError struct{ err error }

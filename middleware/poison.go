@@ -21,7 +21,7 @@ import (
 const (
 	PoisonReasonKey        = "poison-reason"         // the error, truncated to MaxPoisonReasonBytes
 	PoisonErrorClassKey    = "poison-error-class"    // ClassPermanent or ClassTransient
-	PoisonAttemptsKey      = "poison-attempts"       // attempts made in the last delivery, decimal
+	PoisonAttemptsKey      = "poison-attempts"       // attempts made in the last delivery (in all deliveries when the broker schedules redeliveries), decimal
 	PoisonFirstFailureKey  = "poison-first-failure"  // RFC 3339 with nanoseconds, UTC
 	PoisonLastFailureKey   = "poison-last-failure"   // RFC 3339 with nanoseconds, UTC
 	PoisonSourceTopicKey   = "poison-source-topic"   // the topic the handler consumes

@@ -4,10 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/cenkalti/backoff/v5"
+
+	"github.com/millrace-io/millrace/adapters"
 )
 
 // jitterFactor spreads each wait over [wait*(1-f), wait*(1+f)] when
@@ -41,6 +44,19 @@ func newBackOff(cfg RetryConfig) *backoff.ExponentialBackOff {
 // after the backoff's next wait. An attempt abandoned at handler_timeout
 // (*abandonedError) is a failed attempt like any other.
 //
+// With retry.mode auto, when the message came from a broker that
+// schedules redeliveries (adapters.RedeliveryScheduler: its context carries
+// a delivery number) and the handler is not ordered, a failed attempt that
+// will be retried is not waited for here: the stage returns a
+// *redeliverError, the message is nacked and the broker delivers it again
+// after RedeliveryWait of its delivery number, so the worker is free
+// meanwhile. The attempt number is
+// then the broker's delivery number, which survives consumer restarts, and
+// the message is poisoned when its max_attempts-th delivery fails;
+// max_elapsed is not applied (no process sees every wait). The outage and
+// unavailable-database waits above stay in process: they do not use up
+// attempts, and the delivery count cannot be given back.
+//
 // Written here instead of using Watermill's Retry middleware, which advances
 // the backoff once more for every ShouldRetry and OnRetryHook call (the ladder
 // you get is not the one configured), cannot keep an outage from using up
@@ -51,6 +67,11 @@ func (c *Chain) retry(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		d := deliveryFrom(ctx)
+		delivery, scheduled := adapters.DeliveryNumber(ctx)
+		scheduled = scheduled && !*c.cfg.Ordered && cfg.Mode == RetryAuto && delivery >= 1
+		if scheduled {
+			d.attempts = delivery - 1 // at least one attempt per earlier delivery
+		}
 		bo := newBackOff(cfg)
 		start := c.stack.now()
 		counted := 0
@@ -96,6 +117,16 @@ func (c *Chain) retry(h message.HandlerFunc) message.HandlerFunc {
 				continue
 			}
 			counted++
+			if scheduled {
+				if delivery >= cfg.MaxAttempts {
+					return out, &exhaustedError{attempts: d.attempts, err: err}
+				}
+				d.outcome = OutcomeRetried
+				c.stack.logger.Info("Attempt failed; the broker delivers the message again after its backoff", c.logFields(d, watermill.LogFields{
+					"err": err.Error(), "delivery": delivery, "max_attempts": cfg.MaxAttempts,
+				}))
+				return nil, &redeliverError{delivery: delivery, err: err}
+			}
 			wait := bo.NextBackOff()
 			elapsed := now.Sub(start) - d.held
 			if counted >= cfg.MaxAttempts || elapsed+wait > cfg.MaxElapsed {
@@ -110,4 +141,22 @@ func (c *Chain) retry(h message.HandlerFunc) message.HandlerFunc {
 			}
 		}
 	}
+}
+
+// RedeliveryWait is the wait after the failed attempt number attempt (1 for
+// the first) on the retry ladder: retry.initial_interval times
+// retry.multiplier per further attempt, capped at retry.max_interval,
+// jittered when retry.jitter is on. A broker that schedules redeliveries
+// (adapters.RedeliveryScheduler) waits it before delivering a message
+// again, attempt being the number of the delivery that failed.
+func (c *Chain) RedeliveryWait(attempt int) time.Duration {
+	bo := newBackOff(c.cfg.Retry)
+	wait := bo.NextBackOff()
+	// Past maxLadderSteps every step is at max_interval for any multiplier
+	// that reaches it; the bound keeps a huge delivery count cheap.
+	const maxLadderSteps = 64
+	for i := 1; i < min(attempt, maxLadderSteps); i++ {
+		wait = bo.NextBackOff()
+	}
+	return wait
 }

@@ -9,6 +9,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/adapters"
 )
 
 // fakeClock replaces the Stack's clock: sleeps return at once and advance now.
@@ -167,4 +169,56 @@ func TestAttemptRestoresTheMessageContext(t *testing.T) {
 	for _, ctx := range seen {
 		require.Error(t, ctx.Err(), "the attempt's context ended with the attempt")
 	}
+}
+
+// A message whose broker schedules redeliveries (its context carries a
+// delivery number) is not waited for in process: each failed delivery
+// before the max_attempts-th is handed back for redelivery, that one is
+// poisoned with the attempts of every delivery. An ordered handler, and
+// any with retry.mode process, keeps its retries in process.
+func TestRetryHandsTheWaitToTheBroker(t *testing.T) {
+	t.Parallel()
+	ladder := RetryConfig{
+		MaxAttempts: 3, InitialInterval: 100 * time.Millisecond, Multiplier: 2, MaxInterval: 300 * time.Millisecond,
+		MaxElapsed: time.Hour, Jitter: new(false),
+	}
+	c, clock := retryChain(t, ladder)
+	fail := func(*message.Message) ([]*message.Message, error) { return nil, errors.New("down") }
+	for delivery := 1; delivery <= 3; delivery++ {
+		d, err := runRetry(adapters.WithDeliveryNumber(context.Background(), delivery), c, fail)
+		require.Empty(t, clock.sleeps, "no wait in process")
+		if delivery < 3 {
+			require.ErrorAs(t, err, new(*redeliverError))
+			require.False(t, shouldPoison(err))
+			require.Equal(t, OutcomeRetried, d.outcome)
+			continue
+		}
+		require.True(t, shouldPoison(err), "poisoned on delivery max_attempts: %v", err)
+		require.Equal(t, 3, d.attempts)
+	}
+	require.Equal(t, []time.Duration{100, 200, 300, 300}, scaled([]time.Duration{
+		c.RedeliveryWait(1), c.RedeliveryWait(2), c.RedeliveryWait(3), c.RedeliveryWait(1 << 30),
+	}, time.Millisecond), "the retry ladder by attempt number")
+
+	// A stop during an attempt is never a reason to poison, on any delivery.
+	ctx, cancel := context.WithCancel(adapters.WithDeliveryNumber(context.Background(), 3))
+	_, err := runRetry(ctx, c, func(*message.Message) ([]*message.Message, error) {
+		cancel()
+		return nil, errors.New("down")
+	})
+	require.ErrorAs(t, err, new(*shutdownError))
+	require.False(t, shouldPoison(err))
+
+	ordered, clock := retryChain(t, ladder)
+	ordered.cfg.Ordered = new(true)
+	_, err = runRetry(adapters.WithDeliveryNumber(context.Background(), 1), ordered, fail)
+	require.True(t, shouldPoison(err))
+	require.Len(t, clock.sleeps, 2, "an ordered handler waits in process")
+
+	inProcess := ladder
+	inProcess.Mode = RetryInProcess
+	worker, clock := retryChain(t, inProcess)
+	_, err = runRetry(adapters.WithDeliveryNumber(context.Background(), 1), worker, fail)
+	require.True(t, shouldPoison(err))
+	require.Len(t, clock.sleeps, 2, "retry.mode process waits in process")
 }

@@ -287,7 +287,7 @@ func (c *Chain) observe(h message.HandlerFunc) message.HandlerFunc {
 		out, err := h(msg)
 		msg.SetContext(orig)
 		outcome := cmp.Or(d.outcome, OutcomeOK)
-		if err != nil {
+		if err != nil && !errors.As(err, new(*redeliverError)) { // redelivered: counted as retried
 			outcome = OutcomeNacked
 			c.stack.logger.Info("Message returned to the broker for redelivery", c.logFields(d, watermill.LogFields{"reason": err.Error()}))
 		}

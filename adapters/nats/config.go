@@ -97,7 +97,9 @@ type ConsumerConfig struct {
 	// MaxDeliver is how many times the server delivers a message to a group
 	// before giving up on it; -1 means no limit. A message that reaches the
 	// limit is skipped for the group (it stays in the stream), so millrace
-	// relies on its poison queue instead. Defaults to -1.
+	// relies on its poison queue instead; bus refuses a limit below an
+	// unordered handler's retry.max_attempts, whose attempts are deliveries.
+	// Defaults to -1.
 	MaxDeliver int `yaml:"max_deliver"`
 	// MaxAckPending is how many messages a group may hold delivered but not
 	// acked, across all its subscriptions in all processes (its prefetch); the

@@ -26,7 +26,11 @@
 // nothing but msg.Ack acks a message (watermill-nats otherwise lets nats.go
 // ack on its own ack timeout, on close and on an unmarshal error). A Nack
 // comes back after consumer.nak_delay; an unacked message after
-// consumer.ack_wait.
+// consumer.ack_wait. RedeliverySubscriber(group, wait) is the same with a
+// nack delay of wait(n) for the message's n-th delivery, n (JetStream's
+// NumDelivered) carried in the message's context: consumer chains hand it
+// their retry ladder, so a failing message waits at the server, not in a
+// worker.
 //
 // # Embedded server
 //

@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
+	"strconv"
 	"sync"
 	"time"
 
@@ -12,6 +14,8 @@ import (
 	wmnats "github.com/ThreeDotsLabs/watermill-nats/v2/pkg/nats"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/nats-io/nats.go"
+
+	"github.com/millrace-io/millrace/adapters"
 )
 
 // subscriberCloseTimeout bounds how long closing waits for in-flight messages
@@ -24,6 +28,9 @@ const subscriberCloseTimeout = 30 * time.Second
 type subscriber struct {
 	b     *Broker
 	group string
+	// wait is the nak delay of a delivery by its number; nil for
+	// consumer.nak_delay (see RedeliverySubscriber).
+	wait func(delivery int) time.Duration
 
 	mu     sync.Mutex
 	subs   []*subscription
@@ -47,10 +54,29 @@ var errSubscriberClosed = errors.New("nats: subscriber closed")
 // again after consumer.ack_wait. Subscribe creates the topic's stream and the
 // group's consumer when they are missing.
 func (b *Broker) Subscriber(consumerGroup string) (message.Subscriber, error) {
+	return b.newSubscriber(consumerGroup, nil)
+}
+
+var _ adapters.RedeliveryScheduler = (*Broker)(nil)
+
+// RedeliverySubscriber is Subscriber, except that a nacked message comes
+// back after wait(n) instead of consumer.nak_delay, n being the message's
+// JetStream delivery count (NumDelivered, kept by the server across
+// consumer restarts), and that each message's context carries n
+// (adapters.DeliveryNumber). A wait of 0 or less redelivers at once. Use it
+// for unordered groups only: a nacked message lets newer ones pass it.
+func (b *Broker) RedeliverySubscriber(consumerGroup string, wait func(delivery int) time.Duration) (message.Subscriber, error) {
+	if wait == nil {
+		return nil, adapters.Permanent(errors.New("nats: RedeliverySubscriber: wait is nil"))
+	}
+	return b.newSubscriber(consumerGroup, wait)
+}
+
+func (b *Broker) newSubscriber(consumerGroup string, wait func(int) time.Duration) (message.Subscriber, error) {
 	if err := checkGroup(consumerGroup); err != nil {
 		return nil, fmt.Errorf("nats: %w", err)
 	}
-	s := &subscriber{b: b, group: consumerGroup}
+	s := &subscriber{b: b, group: consumerGroup, wait: wait}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.closed {
@@ -78,7 +104,7 @@ func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	if s.b.isClosed() {
 		return nil, errBrokerClosed
 	}
-	sub, err := s.b.subscribe(ctx, s.group, topic)
+	sub, err := s.b.subscribe(ctx, s.group, topic, s.wait)
 	if err != nil {
 		return nil, err
 	}
@@ -148,6 +174,8 @@ type subscription struct {
 	ncDone chan struct{} // closed when nc has closed
 	gate   *gate
 	out    chan *message.Message
+	// numbered is true when messages carry their delivery number.
+	numbered bool
 
 	stopReq  chan struct{} // closed to ask the goroutine to stop
 	stopOnce sync.Once
@@ -155,7 +183,7 @@ type subscription struct {
 	err      error
 }
 
-func (b *Broker) subscribe(ctx context.Context, group, topic string) (*subscription, error) {
+func (b *Broker) subscribe(ctx context.Context, group, topic string, wait func(int) time.Duration) (*subscription, error) {
 	ncDone := make(chan struct{})
 	nc, err := b.connect(context.Background(), "millrace-subscriber-"+group,
 		nats.ClosedHandler(func(*nats.Conn) { close(ncDone) }))
@@ -165,8 +193,12 @@ func (b *Broker) subscribe(ctx context.Context, group, topic string) (*subscript
 	g := &gate{idle: make(chan struct{})}
 	cc := b.cfg.Consumer
 	durable := ConsumerName(group)
+	var nakDelay wmnats.Delay = wmnats.NewStaticDelay(cc.NakDelay)
+	if wait != nil {
+		nakDelay = delayFunc(wait)
+	}
 	wm, err := wmnats.NewSubscriberWithNatsConn(nc, wmnats.SubscriberSubscriptionConfig{
-		Unmarshaler:      gatedUnmarshaler{g},
+		Unmarshaler:      gatedUnmarshaler{g: g, numbered: wait != nil},
 		SubscribersCount: cc.Subscribers,
 		AckWaitTimeout:   cc.AckWait,
 		CloseTimeout:     subscriberCloseTimeout,
@@ -177,7 +209,7 @@ func (b *Broker) subscribe(ctx context.Context, group, topic string) (*subscript
 		},
 		QueueGroupPrefix: durable,
 		// A nacked message comes back after a pause instead of at once.
-		NakDelay: wmnats.NewStaticDelay(cc.NakDelay),
+		NakDelay: nakDelay,
 		JetStream: wmnats.JetStreamConfig{
 			SubscribeOptions: []nats.SubOpt{
 				// Without ManualAck nats.go acks every message when
@@ -211,9 +243,10 @@ func (b *Broker) subscribe(ctx context.Context, group, topic string) (*subscript
 	}
 	sub := &subscription{
 		wm: wm, nc: nc, ncDone: ncDone, gate: g,
-		out:     make(chan *message.Message),
-		stopReq: make(chan struct{}),
-		done:    make(chan struct{}),
+		out:      make(chan *message.Message),
+		numbered: wait != nil,
+		stopReq:  make(chan struct{}),
+		done:     make(chan struct{}),
 	}
 	go sub.run(ctx, wmOut)
 	return sub, nil
@@ -229,6 +262,9 @@ func (s *subscription) run(ctx context.Context, wmOut <-chan *message.Message) {
 			select {
 			case m := <-wmOut:
 				s.gate.leave()
+				if s.numbered {
+					numberDelivery(m)
+				}
 				select {
 				case s.out <- m:
 				case <-ctx.Done():
@@ -321,18 +357,53 @@ func (g *gate) close() {
 // delivers it again after ack_wait.
 var errStopping = errors.New("nats: subscription stopping, message left unacked")
 
-// gatedUnmarshaler is the marshaler behind a gate.
-type gatedUnmarshaler struct{ g *gate }
+// gatedUnmarshaler is the marshaler behind a gate. When numbered, it
+// records each message's delivery count for numberDelivery.
+type gatedUnmarshaler struct {
+	g        *gate
+	numbered bool
+}
 
 func (u gatedUnmarshaler) Unmarshal(nm *nats.Msg) (*message.Message, error) {
 	if !u.g.enter() {
 		return nil, errStopping
 	}
 	m, err := marshaler{}.Unmarshal(nm)
+	if err == nil && u.numbered {
+		var md *nats.MsgMetadata
+		if md, err = nm.Metadata(); err == nil {
+			m.Metadata.Set(deliveryNumberKey, strconv.FormatUint(md.NumDelivered, 10))
+		} else {
+			err = fmt.Errorf("nats: reading the delivery count of a message: %w", err)
+		}
+	}
 	if err != nil {
 		u.g.leave() // watermill-nats drops it: it never reaches the channel
 	}
 	return m, err
+}
+
+// deliveryNumberKey carries a message's delivery count from the unmarshaler,
+// which sees the NATS message, to numberDelivery, which runs after
+// watermill-nats has given the message its context. A header name cannot
+// hold ":" (it ends the name on the wire), so no published header clashes.
+const deliveryNumberKey = "millrace:nats-delivery"
+
+// numberDelivery moves the delivery count recorded by the unmarshaler from
+// m's metadata into its context (adapters.DeliveryNumber).
+func numberDelivery(m *message.Message) {
+	n, err := strconv.Atoi(m.Metadata.Get(deliveryNumberKey))
+	delete(m.Metadata, deliveryNumberKey)
+	if err == nil {
+		m.SetContext(adapters.WithDeliveryNumber(m.Context(), n))
+	}
+}
+
+// delayFunc is a watermill-nats Delay computed from the delivery count.
+type delayFunc func(delivery int) time.Duration
+
+func (f delayFunc) WaitTime(numDelivered uint64) time.Duration {
+	return max(f(int(min(numDelivered, math.MaxInt32))), 0)
 }
 
 // quietStopLogger logs errStopping, which is expected while stopping, at

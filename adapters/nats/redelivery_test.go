@@ -1,0 +1,73 @@
+package nats
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/adapters/adaptertest"
+)
+
+// A RedeliverySubscriber's messages carry their JetStream delivery count,
+// also in a new subscriber after the first closed, and a nacked message
+// waits wait(n) of the delivery n that was nacked, not consumer.nak_delay.
+func TestRedeliverySubscriberNumbersDeliveries(t *testing.T) {
+	t.Parallel()
+	b := openBroker(t, sharedURL(), func(c *Config) { c.Consumer.NakDelay = time.Hour })
+	topic, group := adaptertest.Name("redeliver"), adaptertest.Name("g")
+	asked := make(chan int, 8)
+	wait := func(n int) time.Duration {
+		asked <- n
+		if n == 1 {
+			return 10 * time.Millisecond
+		}
+		return time.Hour
+	}
+	subscribe := func() (<-chan *struct{ n int }, func()) {
+		sub, err := b.RedeliverySubscriber(group, wait)
+		require.NoError(t, err)
+		ctx, cancel := context.WithCancel(context.Background())
+		ch, err := sub.Subscribe(ctx, topic)
+		require.NoError(t, err)
+		out := make(chan *struct{ n int }, 1)
+		go func() {
+			for m := range ch {
+				n, ok := adapters.DeliveryNumber(m.Context())
+				require.True(t, ok, "no delivery number")
+				require.Empty(t, m.Metadata.Get(deliveryNumberKey), "the count leaked into the metadata")
+				m.Nack()
+				out <- &struct{ n int }{n}
+			}
+		}()
+		return out, func() { cancel(); require.NoError(t, sub.Close()) }
+	}
+	require.NoError(t, b.PublishBatch(context.Background(), batchOf(topic, newMsg("r1"))))
+
+	first, closeFirst := subscribe()
+	require.Equal(t, 1, (<-first).n)
+	require.Equal(t, 1, <-asked)
+	closeFirst() // the nak of delivery 1 (10ms) is sent before Close returns
+
+	second, closeSecond := subscribe()
+	defer closeSecond()
+	select {
+	case got := <-second:
+		require.Equal(t, 2, got.n, "the count survives a new subscriber")
+	case <-time.After(30 * time.Second):
+		require.FailNow(t, "delivery 2 did not come after wait(1)")
+	}
+	require.Equal(t, 2, <-asked)
+	select {
+	case got := <-second:
+		require.FailNow(t, "delivery 3 came before wait(2)", "n=%d", got.n)
+	case <-time.After(time.Second):
+	}
+	info := consumerInfo(t, b, topic, group)
+	require.Equal(t, 1, info.NumAckPending, "held by the server for wait(2)")
+
+	_, err := b.RedeliverySubscriber(group, nil)
+	require.True(t, adapters.IsPermanent(err), "a nil wait is refused: %v", err)
+}

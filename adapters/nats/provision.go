@@ -263,14 +263,7 @@ func (b *Broker) Deprovision(ctx context.Context, topic string, _ ...string) err
 	if err := checkTopic(topic); err != nil {
 		return adapters.Permanent(err)
 	}
-	b.mu.Lock()
-	delete(b.streams, topic)
-	for key := range b.consumers {
-		if strings.HasPrefix(key, topic+"\x00") {
-			delete(b.consumers, key)
-		}
-	}
-	b.mu.Unlock()
+	b.forgetStream(topic)
 	if err := b.js.DeleteStream(ctx, StreamName(topic)); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
 		return fmt.Errorf("nats: delete stream %q of topic %q: %w", StreamName(topic), topic, err)
 	}

@@ -86,7 +86,11 @@ func TestBatchPoisonsOnlyTheBadMessage(t *testing.T) {
 			for i := range msgs {
 				msgs[i] = event(fmt.Sprintf("evt-%d", i), fmt.Sprintf("o-%d", i), 1, `{"amount":1}`)
 			}
-			cfg := middleware.Config{Workers: events, Batch: middleware.BatchConfig{MaxMessages: events, MaxWait: 500 * time.Millisecond}}
+			// The test needs a batch of more than one message: the events are
+			// published together, and a batch closes at MaxMessages, so a long
+			// MaxWait costs nothing when they arrive together and lets a batch
+			// form on a loaded machine, where 500ms between two arrivals was seen.
+			cfg := middleware.Config{Workers: events, Batch: middleware.BatchConfig{MaxMessages: events, MaxWait: 5 * time.Second}}
 			fastRetry(&cfg, 3)
 			var log txLog
 			var mu sync.Mutex

@@ -7,7 +7,13 @@
 // stock, one is never paid), waits until the three sagas have completed and
 // prints what happened to each.
 //
-//	go run ./examples/saga   # from the repository root, after `make up`
+// The broker is examples/saga/config.yaml's broker.kind, NATS
+// (MILLRACE_BROKER_KIND overrides it: kafka, rabbitmq or nats). NATS and
+// RabbitMQ are the local servers `make up` provides; Kafka is an in-process
+// dev cluster unless KAFKA_BROKERS names a real one. The streams, queues,
+// exchanges or topics the example created are deleted when it ends.
+//
+//	make saga BROKER=kafka   # or: make demo SAGA=1 BROKER=rabbitmq
 package main
 
 import (
@@ -24,6 +30,8 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/adapters/kafka/kafkadev"
 	"github.com/millrace-io/millrace/bus"
 )
 
@@ -79,8 +87,19 @@ func main() {
 	if err != nil {
 		log.Fatal(err)
 	}
+	if cfg.Broker.Kind == bus.KindKafka && os.Getenv("KAFKA_BROKERS") == "" {
+		dev, err := kafkadev.Start(kafkadev.Options{})
+		if err != nil {
+			log.Fatal(err)
+		}
+		defer dev.Close()
+		cfg.Broker.Kafka.Brokers = dev.Addrs()
+	}
+	fmt.Printf("order saga on %s\n", cfg.Broker.Kind)
 	if err := run(ctx, cfg, "shop", 2*time.Second, os.Stdout); err != nil {
-		log.Fatal(err)
+		log.Print(err)
+		stop()
+		os.Exit(1) // after the deferred calls above, so the dev cluster goes
 	}
 }
 
@@ -105,6 +124,8 @@ func run(ctx context.Context, cfg bus.Config, prefix string, paymentTimeout time
 	defer b.Close()
 	tp := topics{orders: prefix + ".orders", payments: prefix + ".payments", inventory: prefix + ".inventory",
 		timeouts: prefix + ".order-timeouts", commands: prefix + ".commands"}
+	// Registered before b.Close, so it runs after the consumers have left.
+	defer deprovision(ctx, cfg, tp, prefix, out)
 	placed := bus.Must(bus.NewTopic[OrderPlaced](tp.orders))
 	charged := bus.Must(bus.NewTopic[PaymentCharged](tp.payments))
 	reserved := bus.Must(bus.NewTopic[StockReserved](tp.inventory))
@@ -223,6 +244,29 @@ func run(ctx context.Context, cfg bus.Config, prefix string, paymentTimeout time
 	}
 	stopRun()
 	return <-ran
+}
+
+// deprovision deletes the topology the run created on the broker: each
+// topic with the consumer groups that read it (the saga's, named
+// <handler>.<topic>, and the two services').
+func deprovision(ctx context.Context, cfg bus.Config, tp topics, prefix string, out io.Writer) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer cancel()
+	broker, err := bus.OpenBroker(ctx, cfg, nil)
+	if err != nil {
+		fmt.Fprintf(out, "cleanup: %v\n", err)
+		return
+	}
+	defer broker.Close()
+	groups := map[string][]string{tp.commands: {prefix + "-payments", prefix + "-inventory"}}
+	for _, topic := range []string{tp.orders, tp.payments, tp.inventory, tp.timeouts} {
+		groups[topic] = []string{prefix + "-order-process." + topic}
+	}
+	for topic, gs := range groups {
+		if err := broker.(adapters.Deprovisioner).Deprovision(ctx, topic, gs...); err != nil {
+			fmt.Fprintf(out, "cleanup %s: %v\n", topic, err)
+		}
+	}
 }
 
 // waitForSagas polls until every order's saga has completed, Run fails, or

@@ -22,6 +22,7 @@ import (
 	"fmt"
 	"io"
 	"log"
+	"log/slog"
 	"os"
 	"os/signal"
 	"strings"
@@ -103,6 +104,10 @@ func main() {
 	}
 }
 
+// quiet keeps the output to what happened to each order: only warnings and
+// errors are logged (to stderr).
+var quiet = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+
 // topics are the example's topics, named after prefix.
 type topics struct {
 	orders, payments, inventory, timeouts, commands string
@@ -117,7 +122,7 @@ func run(ctx context.Context, cfg bus.Config, prefix string, paymentTimeout time
 	if err := bus.Migrate(ctx, db, cfg); err != nil {
 		return err
 	}
-	b, err := bus.Open(ctx, cfg, db)
+	b, err := bus.Open(ctx, cfg, db, bus.WithLogger(quiet))
 	if err != nil {
 		return err
 	}

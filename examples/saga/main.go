@@ -82,26 +82,30 @@ func (p *OrderProcess) note(step, what string) {
 }
 
 func main() {
+	if err := start(); err != nil {
+		log.Fatal(err)
+	}
+}
+
+// start runs the example on the configured broker, starting the Kafka dev
+// cluster for it when Kafka is the broker and KAFKA_BROKERS names none.
+func start() error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	cfg, err := bus.LoadConfig("examples/saga/config.yaml")
 	if err != nil {
-		log.Fatal(err)
+		return err
 	}
 	if cfg.Broker.Kind == bus.KindKafka && os.Getenv("KAFKA_BROKERS") == "" {
 		dev, err := kafkadev.Start(kafkadev.Options{})
 		if err != nil {
-			log.Fatal(err)
+			return err
 		}
 		defer dev.Close()
 		cfg.Broker.Kafka.Brokers = dev.Addrs()
 	}
 	fmt.Printf("order saga on %s\n", cfg.Broker.Kind)
-	if err := run(ctx, cfg, "shop", 2*time.Second, os.Stdout); err != nil {
-		log.Print(err)
-		stop()
-		os.Exit(1) // after the deferred calls above, so the dev cluster goes
-	}
+	return run(ctx, cfg, "shop", 2*time.Second, os.Stdout)
 }
 
 // quiet keeps the output to what happened to each order: only warnings and

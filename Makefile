@@ -53,13 +53,19 @@ migrate: ## create millrace's tables in the database config.yaml names
 
 BROKER  ?=
 
-demo: ## the seed scenario end to end (BROKER=nats|rabbitmq|kafka; default: config.yaml, in-process NATS)
+demo: ## the seed scenario end to end (BROKER=nats|rabbitmq|kafka; default: config.yaml, in-process NATS; SAGA=1: `make saga`)
+ifneq ($(SAGA),)
+	@$(MAKE) --no-print-directory saga BROKER=$(BROKER)
+else
 	@# PostgreSQL always; a broker server only for BROKER=rabbitmq (NATS and Kafka run in process).
 	@$(STACK) up postgres $(if $(filter rabbitmq,$(BROKER)),rabbitmq)
 	$(if $(BROKER),MILLRACE_BROKER_KIND=$(BROKER)) $(GO) run ./examples/demo --config $(CONFIG)
+endif
 
-saga: up ## the order saga example: payment, stock, notify, a refund and a timeout
-	$(GO) run ./examples/saga
+saga: ## the order saga example: payment, stock, notify, a refund and a timeout (BROKER=nats|rabbitmq|kafka; default nats)
+	@# PostgreSQL always; the local RabbitMQ or NATS server (Kafka runs in process).
+	@$(STACK) up postgres $(if $(filter kafka,$(BROKER)),,$(if $(filter rabbitmq,$(BROKER)),rabbitmq,nats))
+	$(if $(BROKER),MILLRACE_BROKER_KIND=$(BROKER)) $(GO) run ./examples/saga
 
 bench: up ## benchmarks, millrace side by side with stock Watermill and a hand-written reference
 	$(GO) test -run '^$$' -bench . -benchmem $(PKGS)

@@ -305,6 +305,9 @@ func (s *Saga[S]) Handle(b *Bus, name string, opts ...HandleOption) error {
 		if len(topics) > 1 {
 			handler = name + "." + topic
 		}
+		if err := checkSagaBatch(b.cfg.Consumer, s.name, handler); err != nil {
+			return err
+		}
 		if err := b.HandleTypes(handler, routes[topic], opts...); err != nil {
 			return err
 		}
@@ -344,6 +347,31 @@ func (s *Saga[S]) step(ctx context.Context, b *Bus, tx store.Execer, row *store.
 	}
 	row.State, row.Timeouts = data, sc.timeouts
 	return sc.complete, nil
+}
+
+// MaxSagaBatchMessages bounds consumer.batch.max_messages for a saga's
+// handlers, half of middleware.MaxBatchMessages: in a batch, a step runs in
+// a savepoint of its own (the one its rerun after a version conflict rolls
+// back to) inside its message's savepoint, so each message is two
+// subtransactions that wrote, and PostgreSQL caches the ids of 64 per
+// transaction.
+const MaxSagaBatchMessages = middleware.MaxBatchMessages / 2
+
+// checkSagaBatch refuses a saga handler whose batches would overflow
+// PostgreSQL's subtransaction cache (see MaxSagaBatchMessages), naming the
+// YAML path that sets the batch size.
+func checkSagaBatch(c middleware.Config, saga, handler string) error {
+	n := c.For(handler).Batch.MaxMessages
+	if n <= MaxSagaBatchMessages {
+		return nil
+	}
+	path := "consumer.batch.max_messages"
+	if h, ok := c.Handlers[handler]; ok && h.Batch.MaxMessages != 0 {
+		path = "consumer.handlers." + handler + ".batch.max_messages"
+	}
+	return &ConfigError{Problems: []error{&FieldError{Path: path, Problem: fmt.Sprintf(
+		"must be at most %d for handler %s of saga %q (each message of a batch is two subtransactions); got %d",
+		MaxSagaBatchMessages, handler, saga, n)}}}
 }
 
 // errSagaUnmatched: a Then step's event found no running instance.

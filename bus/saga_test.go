@@ -2,6 +2,7 @@ package bus_test
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -16,6 +17,7 @@ import (
 	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/internal/testdb"
 	"github.com/millrace-io/millrace/internal/testkit"
+	"github.com/millrace-io/millrace/middleware"
 )
 
 // The order saga of the tests: order placed -> charge payment (with a
@@ -374,6 +376,38 @@ func TestSagaRegistrationErrors(t *testing.T) {
 		})
 	_, err = noStart.Routes(w.tb.bus)
 	require.ErrorContains(t, err, "no StartWith step")
+}
+
+// A saga's handlers take batches of at most MaxSagaBatchMessages: Handle
+// names the YAML path that sets a larger one, the handler's own or the
+// consumer's.
+func TestSagaRefusesBatchesTooLarge(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name, path string
+		change     func(*bus.Config)
+	}{
+		{"consumer", "consumer.batch.max_messages", func(c *bus.Config) {
+			c.Consumer.Batch.MaxMessages = bus.MaxSagaBatchMessages + 1
+		}},
+		{"handler", "consumer.handlers.big.orders.events.batch.max_messages", func(c *bus.Config) {
+			var h middleware.Config
+			h.Batch.MaxMessages = bus.MaxSagaBatchMessages + 1
+			c.Consumer.Handlers = map[string]middleware.Config{"big.orders.events": h}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			w := newChainWorld(t, tc.change)
+			err := orderSaga(w.tb.bus, time.Hour).Handle(w.tb.bus, "big")
+			var fe *bus.FieldError
+			require.ErrorAs(t, err, &fe)
+			require.Equal(t, tc.path, fe.Path)
+			require.ErrorContains(t, err, fmt.Sprintf("must be at most %d", bus.MaxSagaBatchMessages))
+		})
+	}
+	w := newChainWorld(t, func(c *bus.Config) { c.Consumer.Batch.MaxMessages = bus.MaxSagaBatchMessages })
+	require.NoError(t, orderSaga(w.tb.bus, time.Hour).Handle(w.tb.bus, "big"))
 }
 
 // The order saga on a real broker, with the payment and inventory services

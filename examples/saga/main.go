@@ -7,7 +7,13 @@
 // stock, one is never paid), waits until the three sagas have completed and
 // prints what happened to each.
 //
-//	go run ./examples/saga   # from the repository root, after `make up`
+// The broker is examples/saga/config.yaml's broker.kind, NATS
+// (MILLRACE_BROKER_KIND overrides it: kafka, rabbitmq or nats). NATS and
+// RabbitMQ are the local servers `make up` provides; Kafka is an in-process
+// dev cluster unless KAFKA_BROKERS names a real one. The streams, queues,
+// exchanges or topics the example created are deleted when it ends.
+//
+//	make saga BROKER=kafka   # or: make demo SAGA=1 BROKER=rabbitmq
 package main
 
 import (
@@ -16,6 +22,7 @@ import (
 	"fmt"
 	"io"
 	"log"
+	"log/slog"
 	"os"
 	"os/signal"
 	"strings"
@@ -24,6 +31,8 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/adapters/kafka/kafkadev"
 	"github.com/millrace-io/millrace/bus"
 )
 
@@ -73,16 +82,35 @@ func (p *OrderProcess) note(step, what string) {
 }
 
 func main() {
+	if err := start(); err != nil {
+		log.Fatal(err)
+	}
+}
+
+// start runs the example on the configured broker, starting the Kafka dev
+// cluster for it when Kafka is the broker and KAFKA_BROKERS names none.
+func start() error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	cfg, err := bus.LoadConfig("examples/saga/config.yaml")
 	if err != nil {
-		log.Fatal(err)
+		return err
 	}
-	if err := run(ctx, cfg, "shop", 2*time.Second, os.Stdout); err != nil {
-		log.Fatal(err)
+	if cfg.Broker.Kind == bus.KindKafka && os.Getenv("KAFKA_BROKERS") == "" {
+		dev, err := kafkadev.Start(kafkadev.Options{})
+		if err != nil {
+			return err
+		}
+		defer dev.Close()
+		cfg.Broker.Kafka.Brokers = dev.Addrs()
 	}
+	fmt.Printf("order saga on %s\n", cfg.Broker.Kind)
+	return run(ctx, cfg, "shop", 2*time.Second, os.Stdout)
 }
+
+// quiet keeps the output to what happened to each order: only warnings and
+// errors are logged (to stderr).
+var quiet = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 
 // topics are the example's topics, named after prefix.
 type topics struct {
@@ -98,13 +126,15 @@ func run(ctx context.Context, cfg bus.Config, prefix string, paymentTimeout time
 	if err := bus.Migrate(ctx, db, cfg); err != nil {
 		return err
 	}
-	b, err := bus.Open(ctx, cfg, db)
+	b, err := bus.Open(ctx, cfg, db, bus.WithLogger(quiet))
 	if err != nil {
 		return err
 	}
 	defer b.Close()
 	tp := topics{orders: prefix + ".orders", payments: prefix + ".payments", inventory: prefix + ".inventory",
 		timeouts: prefix + ".order-timeouts", commands: prefix + ".commands"}
+	// Registered before b.Close, so it runs after the consumers have left.
+	defer deprovision(ctx, cfg, tp, prefix, out)
 	placed := bus.Must(bus.NewTopic[OrderPlaced](tp.orders))
 	charged := bus.Must(bus.NewTopic[PaymentCharged](tp.payments))
 	reserved := bus.Must(bus.NewTopic[StockReserved](tp.inventory))
@@ -223,6 +253,29 @@ func run(ctx context.Context, cfg bus.Config, prefix string, paymentTimeout time
 	}
 	stopRun()
 	return <-ran
+}
+
+// deprovision deletes the topology the run created on the broker: each
+// topic with the consumer groups that read it (the saga's, named
+// <handler>.<topic>, and the two services').
+func deprovision(ctx context.Context, cfg bus.Config, tp topics, prefix string, out io.Writer) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer cancel()
+	broker, err := bus.OpenBroker(ctx, cfg, nil)
+	if err != nil {
+		fmt.Fprintf(out, "cleanup: %v\n", err)
+		return
+	}
+	defer broker.Close()
+	groups := map[string][]string{tp.commands: {prefix + "-payments", prefix + "-inventory"}}
+	for _, topic := range []string{tp.orders, tp.payments, tp.inventory, tp.timeouts} {
+		groups[topic] = []string{prefix + "-order-process." + topic}
+	}
+	for topic, gs := range groups {
+		if err := broker.(adapters.Deprovisioner).Deprovision(ctx, topic, gs...); err != nil {
+			fmt.Fprintf(out, "cleanup %s: %v\n", topic, err)
+		}
+	}
 }
 
 // waitForSagas polls until every order's saga has completed, Run fails, or

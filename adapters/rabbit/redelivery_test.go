@@ -76,3 +76,32 @@ func TestRedeliverySubscriberParksInTheRetryQueue(t *testing.T) {
 	_, err = b.RedeliverySubscriber(group, nil)
 	require.True(t, adapters.IsPermanent(err), "a nil wait is refused: %v", err)
 }
+
+// A message the retry queue cannot take (here the queue was deleted, so the
+// broker returns the copy) is not acked: it is nacked and redelivered at
+// once, and the redelivery counts.
+func TestRedeliverySubscriberKeepsAMessageTheRetryQueueRefused(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := openBroker(t, testConfig(serverURL()))
+	topic, group := adaptertest.Name("refused"), adaptertest.Name("g")
+	require.NoError(t, b.Provision(ctx, topic, group))
+	msg := newMsg("r1")
+	require.NoError(t, b.PublishBatch(ctx, outgoing(topic, msg)))
+
+	sub, err := b.RedeliverySubscriber(group, func(int) time.Duration { return time.Hour })
+	require.NoError(t, err)
+	defer sub.Close()
+	ch, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	first := next(t, ch)
+	// Deleted once subscribed: subscribing declares it again.
+	_, err = rawChannel(t, serverURL()).QueueDelete(RetryQueueName(topic, group), false, false, false)
+	require.NoError(t, err)
+	first.Nack()
+	again := next(t, ch) // an hour early: the park failed and the message was requeued
+	n, _ := adapters.DeliveryNumber(again.Context())
+	require.Equal(t, 2, n)
+	require.Equal(t, msg.UUID, again.UUID)
+	again.Ack()
+}

@@ -207,7 +207,9 @@ type OrderedProvisioner interface {
 
 // RedeliveryScheduler is a Broker that can wait before it delivers a nacked
 // message again, per message, and counts each message's deliveries itself,
-// across consumer restarts (JetStream's NakWithDelay and NumDelivered). A
+// across consumer restarts (JetStream's NakWithDelay and NumDelivered;
+// RabbitMQ a retry queue with per-message expiration and a delivery
+// header). A
 // consumer chain then hands the wait between the attempts of a failing
 // message to the broker instead of holding a worker for it, and takes the
 // attempt number from the broker's count (DeliveryNumber).

@@ -16,19 +16,31 @@ import (
 	"github.com/millrace-io/millrace/internal/testkit"
 )
 
-// On NATS an unordered handler's failing message waits for its next attempt
-// at the broker (NakWithDelay), not in a worker: with one worker, other
-// messages are handled during its backoff. Its attempt number is the
-// JetStream delivery count, so a consumer restart between attempts does not
-// start it over, and it is poisoned on its max_attempts-th failed delivery.
-func TestNATSRetryFreesTheWorkerAndSurvivesARestart(t *testing.T) {
+// On NATS and RabbitMQ an unordered handler's failing message waits for its
+// next attempt at the broker (JetStream NakWithDelay; RabbitMQ the group's
+// retry queue with a per-message expiration), not in a worker: with one
+// worker, other messages are handled during its backoff. Its attempt number
+// is the broker's (the JetStream delivery count; RabbitMQ the delivery
+// header the retry queue carries), so a consumer restart between attempts
+// does not start it over, and it is poisoned on its max_attempts-th failed
+// delivery.
+func TestRetryFreesTheWorkerAndSurvivesARestart(t *testing.T) {
 	t.Parallel()
+	for _, kind := range []string{bus.KindNATS, bus.KindRabbitMQ} {
+		t.Run(kind, func(t *testing.T) {
+			t.Parallel()
+			testRetryFreesTheWorker(t, kind)
+		})
+	}
+}
+
+func testRetryFreesTheWorker(t *testing.T, kind string) {
 	const maxAttempts, goods = 3, 10
 	ctx := context.Background()
 	db := testdb.Open(t)
 	var cfg bus.Config
 	cfg.Database.Schema = testdb.Schema(t, db)
-	brokertest.Apply(t, bus.KindNATS, &cfg)
+	brokertest.Apply(t, kind, &cfg)
 	cfg.Relay.Enabled = new(bool)
 	cfg.Consumer.Workers = 1
 	cfg.Consumer.Retry.MaxAttempts = maxAttempts
@@ -36,7 +48,7 @@ func TestNATSRetryFreesTheWorkerAndSurvivesARestart(t *testing.T) {
 	cfg.Consumer.Retry.MaxInterval = 2 * time.Second
 	suffix := testdb.UniqueName("")[2:]
 	topic, group := "orders-"+suffix, "billing-"+suffix
-	brokertest.Cleanup(t, bus.KindNATS, topic, group)
+	brokertest.Cleanup(t, kind, topic, group)
 	require.NoError(t, bus.Migrate(ctx, db, cfg))
 
 	var mu sync.Mutex

@@ -96,7 +96,8 @@ type RetryConfig struct {
 // Retry modes accepted by retry.mode.
 const (
 	// RetryAuto hands the waits of an unordered handler to a broker that
-	// schedules redeliveries (adapters.RedeliveryScheduler: NATS JetStream),
+	// schedules redeliveries (adapters.RedeliveryScheduler: NATS JetStream,
+	// RabbitMQ),
 	// freeing the worker; the attempt number is then the broker's delivery
 	// count and retry.max_elapsed is not applied. Elsewhere the worker waits.
 	RetryAuto = "auto"

@@ -15,6 +15,7 @@
 //	exchange <topic>:dlx          direct: the topic's dead letters
 //	queue    <topic>:<group>      quorum, x-delivery-limit, dead letters to <topic>:dlx
 //	queue    <topic>:<group>:dlq  quorum: the group's dead letters
+//	queue    <topic>:<group>:retry  quorum: messages waiting for their next delivery
 //
 // Provision declares all of it, idempotently; Subscribe does it for its
 // group, and PublishBatch for a topic on first use. An existing object with
@@ -67,6 +68,14 @@
 // at-least-once (x-dead-letter-strategy at-least-once, which RabbitMQ honours
 // only with x-overflow reject-publish): a dead letter stays in the source
 // queue until the dead-letter queue has it.
+//
+// RedeliverySubscriber (adapters.RedeliveryScheduler, for unordered groups)
+// parks a nacked message in the group's retry queue with an expiration of
+// the wait before its next delivery and the delivery header
+// DeliveryNumberKey, acks it once the broker confirmed the copy, and
+// RabbitMQ dead-letters it back to the group's queue when it expires; each
+// delivery's number (adapters.DeliveryNumber) counts the parkings and the
+// quorum queue's redeliveries, across consumer restarts.
 //
 // Marshaler turns every AMQP header into string metadata, so those
 // non-string headers never make a delivery fail to unmarshal; it also works

@@ -77,14 +77,16 @@ func Example() {
 }
 
 // The queues behind a topic and a consumer group, e.g. to read dead
-// letters or parked messages.
+// letters, messages waiting for their next delivery, or parked messages.
 func ExampleQueueName() {
 	fmt.Println(rabbit.QueueName("orders.events", "billing"))
 	fmt.Println(rabbit.DeadLetterQueueName("orders.events", "billing"))
+	fmt.Println(rabbit.RetryQueueName("orders.events", "billing"))
 	fmt.Println(rabbit.UnroutedQueueName("orders.events"))
 	// Output:
 	// orders.events:billing
 	// orders.events:billing:dlq
+	// orders.events:billing:retry
 	// orders.events::unrouted
 }
 
@@ -113,7 +115,7 @@ func deleteTopology(url, topic string, groups ...string) {
 	}
 	queues := []string{rabbit.UnroutedQueueName(topic)}
 	for _, g := range groups {
-		queues = append(queues, rabbit.QueueName(topic, g), rabbit.DeadLetterQueueName(topic, g))
+		queues = append(queues, rabbit.QueueName(topic, g), rabbit.DeadLetterQueueName(topic, g), rabbit.RetryQueueName(topic, g))
 	}
 	for _, q := range queues {
 		_, _ = ch.QueueDelete(q, false, false, false)

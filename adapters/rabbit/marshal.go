@@ -34,7 +34,7 @@ const (
 // and, for x-death as a string, would trip RabbitMQ's own dead-lettering,
 // which expects an array there.
 func brokerHeader(key string) bool {
-	return key == DeliveryCountKey || key == DeathKey || key == receivedFromKey ||
+	return key == DeliveryCountKey || key == DeathKey || key == receivedFromKey || key == DeliveryNumberKey ||
 		strings.HasPrefix(key, "x-first-death-") || strings.HasPrefix(key, "x-last-death-")
 }
 

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
+	"strconv"
 	"sync"
 	"time"
 
@@ -11,6 +13,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/cenkalti/backoff/v5"
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/millrace-io/millrace/adapters"
 )
 
 // subscriber consumes one consumer group's queues. It is its own code rather
@@ -25,6 +29,13 @@ import (
 type subscriber struct {
 	b     *Broker
 	group string
+	// wait, when set, is the RedeliverySubscriber's wait before a nacked
+	// message's next delivery.
+	wait func(delivery int) time.Duration
+	// parking is held (read) while a nacked message is parked and acked;
+	// Close takes it before closing the connection, so a message being
+	// parked is acked, not left in both queues.
+	parking sync.RWMutex
 
 	closing   chan struct{}
 	closeOnce sync.Once
@@ -38,6 +49,7 @@ type subscriber struct {
 var (
 	_ message.Subscriber           = (*subscriber)(nil)
 	_ message.SubscribeInitializer = (*subscriber)(nil)
+	_ adapters.RedeliveryScheduler = (*Broker)(nil)
 )
 
 // Subscriber returns a subscriber for consumerGroup, on a connection of its
@@ -50,6 +62,37 @@ var (
 // connection loss each subscription reconnects by itself, with a backoff up
 // to Config.ReconnectMaxInterval.
 func (b *Broker) Subscriber(consumerGroup string) (message.Subscriber, error) {
+	return b.newSubscriber(consumerGroup, nil)
+}
+
+// RedeliverySubscriber is Subscriber, except that a nacked message waits
+// wait(n) before its next delivery, n being the number of the delivery that
+// was nacked (1 for the first), and that each message's context carries its
+// delivery number (adapters.DeliveryNumber). The wait is not spent in the
+// group's queue (a quorum queue delivers a nacked message again at once):
+// the message is published, with publisher confirms, to the group's retry
+// queue (RetryQueueName) with an expiration of wait(n) and the header
+// DeliveryNumberKey = n+1, and only then acked; RabbitMQ dead-letters it back
+// to the group's queue when it expires. A crash between the confirm and the
+// ack leaves both copies (the inbox drops the duplicate), never none. If the
+// retry queue cannot take it, the message is nacked as by Subscriber. The
+// delivery number is the header's (1 when absent) plus the queue's
+// x-delivery-count, so deliveries cut short by a consumer crash or restart
+// count too.
+//
+// A retry queue expires messages only at its head, so a message can wait
+// longer than wait(n), as long as the longest wait queued before it (at most
+// retry.max_interval); never shorter. A wait of 0 or less nacks the message
+// for an immediate redelivery. Use it for unordered groups only: a waiting
+// message lets newer ones pass it.
+func (b *Broker) RedeliverySubscriber(consumerGroup string, wait func(delivery int) time.Duration) (message.Subscriber, error) {
+	if wait == nil {
+		return nil, adapters.Permanent(errors.New("rabbitmq: RedeliverySubscriber: wait is nil"))
+	}
+	return b.newSubscriber(consumerGroup, wait)
+}
+
+func (b *Broker) newSubscriber(consumerGroup string, wait func(int) time.Duration) (message.Subscriber, error) {
 	if err := checkGroup(consumerGroup); err != nil {
 		return nil, err
 	}
@@ -59,7 +102,7 @@ func (b *Broker) Subscriber(consumerGroup string) (message.Subscriber, error) {
 	if closed {
 		return nil, errClosed
 	}
-	s := &subscriber{b: b, group: consumerGroup, closing: make(chan struct{})}
+	s := &subscriber{b: b, group: consumerGroup, wait: wait, closing: make(chan struct{})}
 	if _, err := s.connection(context.Background()); err != nil {
 		return nil, err
 	}
@@ -230,7 +273,7 @@ func (s *subscriber) consume(ctx context.Context, topic string, out chan<- *mess
 				}
 				return true, fmt.Errorf("rabbitmq: consumer of queue %q cancelled by the broker", queue)
 			}
-			if !s.deliver(ctx, d, out) {
+			if !s.deliver(ctx, topic, d, out) {
 				return true, nil
 			}
 		case e := <-closes:
@@ -246,10 +289,14 @@ func (s *subscriber) consume(ctx context.Context, topic string, out chan<- *mess
 // deliver hands d to the subscription's reader and settles it with the
 // broker as the reader decides. It reports false when the subscription is
 // stopping.
-func (s *subscriber) deliver(ctx context.Context, d amqp.Delivery, out chan<- *message.Message) bool {
+func (s *subscriber) deliver(ctx context.Context, topic string, d amqp.Delivery, out chan<- *message.Message) bool {
 	msg, _ := Marshaler{}.Unmarshal(d) // never fails; see Marshaler
 	msgCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	n := deliveryNumber(d)
+	if s.wait != nil {
+		msgCtx = adapters.WithDeliveryNumber(msgCtx, n)
+	}
 	msg.SetContext(msgCtx)
 
 	select {
@@ -270,6 +317,10 @@ func (s *subscriber) deliver(ctx context.Context, d amqp.Delivery, out chan<- *m
 		_ = d.Ack(false)
 		return true
 	case <-msg.Nacked():
+		if s.wait != nil {
+			s.retryLater(topic, d, n)
+			return true
+		}
 		_ = d.Nack(false, true)
 		return true
 	case <-s.closing:
@@ -278,12 +329,152 @@ func (s *subscriber) deliver(ctx context.Context, d amqp.Delivery, out chan<- *m
 	}
 }
 
+// DeliveryNumberKey is the header ("x-millrace-delivery") a
+// RedeliverySubscriber sets on a message it parks in the retry queue: the
+// number of the delivery that comes when the wait ends. It reaches the
+// handler as metadata and is never published with an event.
+const DeliveryNumberKey = "x-millrace-delivery"
+
+// deliveryNumber is d's delivery number: DeliveryNumberKey (1 when absent)
+// plus the quorum queue's redeliveries of this copy (x-delivery-count).
+func deliveryNumber(d amqp.Delivery) int {
+	n := max(headerInt(d.Headers[DeliveryNumberKey]), 1)
+	redelivered := headerInt(d.Headers[DeliveryCountKey])
+	if redelivered == 0 && d.Redelivered {
+		redelivered = 1
+	}
+	return n + redelivered
+}
+
+// headerInt reads an integer header as the broker returns it (a client may
+// have sent any integer type), 0 when absent or not an integer.
+func headerInt(v any) int {
+	switch v := v.(type) {
+	case int64:
+		return int(min(max(v, 0), math.MaxInt32))
+	case int32:
+		return int(max(v, 0))
+	case int16:
+		return int(max(v, 0))
+	case int8:
+		return int(max(v, 0))
+	case int:
+		return max(v, 0)
+	case uint8:
+		return int(v)
+	case uint16:
+		return int(v)
+	case uint32:
+		return int(min(v, math.MaxInt32))
+	default:
+		return 0
+	}
+}
+
+// retryLater settles the nacked delivery d, number n, of topic: parked in
+// the group's retry queue for s.wait(n), then acked; nacked for an
+// immediate redelivery when the wait is not positive or the retry queue did
+// not confirm the copy.
+func (s *subscriber) retryLater(topic string, d amqp.Delivery, n int) {
+	s.parking.RLock()
+	defer s.parking.RUnlock()
+	wait := s.wait(n)
+	if wait <= 0 {
+		_ = d.Nack(false, true)
+		return
+	}
+	if err := s.b.park(RetryQueueName(topic, s.group), d, n+1, wait); err != nil {
+		s.b.opts.Logger.Error("Could not park a message in the retry queue; redelivering it at once", err, watermill.LogFields{
+			"topic": topic, "consumer_group": s.group, "message_uuid": d.MessageId, "delivery": n,
+		})
+		_ = d.Nack(false, true)
+		return
+	}
+	_ = d.Ack(false)
+}
+
+// park publishes a copy of d to the retry queue queue, expiring after wait,
+// with DeliveryNumberKey next, and waits for the broker's confirm. It
+// publishes on the Broker's publishing connection, as RabbitMQ advises
+// (a resource alarm blocks publishing connections, and consumers apart
+// from them keep acking).
+func (b *Broker) park(queue string, d amqp.Delivery, next int, wait time.Duration) error {
+	ctx, cancel := context.WithTimeout(context.Background(), b.opts.ConnectTimeout)
+	defer cancel()
+	conn, err := b.connection(ctx)
+	if err != nil {
+		return err
+	}
+	cc, err := b.takeChannel(conn)
+	if err != nil {
+		return err
+	}
+	headers := make(amqp.Table, len(d.Headers)+1)
+	for k, v := range d.Headers {
+		// RabbitMQ's own headers describe the delivery, not the message.
+		if !brokerHeader(k) {
+			headers[k] = v
+		}
+	}
+	headers[DeliveryNumberKey] = int64(next)
+	ms := max((wait+time.Millisecond-1)/time.Millisecond, 1)
+	pub := amqp.Publishing{
+		Headers:         headers,
+		ContentType:     d.ContentType,
+		ContentEncoding: d.ContentEncoding,
+		DeliveryMode:    amqp.Persistent,
+		Priority:        d.Priority,
+		CorrelationId:   d.CorrelationId,
+		ReplyTo:         d.ReplyTo,
+		Expiration:      strconv.FormatInt(int64(ms), 10),
+		MessageId:       d.MessageId,
+		Timestamp:       d.Timestamp,
+		Type:            d.Type,
+		AppId:           d.AppId,
+		// UserId is left out: RabbitMQ refuses a user-id other than the
+		// publishing connection's user.
+		Body: d.Body,
+	}
+	dc, err := cc.ch.PublishWithDeferredConfirmWithContext(ctx, "", queue, true, false, pub)
+	if err != nil {
+		_ = cc.ch.Close()
+		return fmt.Errorf("rabbitmq: publish message %s to retry queue %q: %w", d.MessageId, queue, err)
+	}
+	select {
+	case <-dc.Done():
+	case <-ctx.Done():
+		_ = cc.ch.Close()
+		return fmt.Errorf("rabbitmq: retry queue %q did not confirm message %s: %w", queue, d.MessageId, ctx.Err())
+	}
+	if !dc.Acked() {
+		_ = cc.ch.Close()
+		return fmt.Errorf("rabbitmq: message %s to retry queue %q: %w", d.MessageId, queue, ErrNacked)
+	}
+	// Every basic.return precedes its message's confirm.
+	for {
+		select {
+		case r := <-cc.returns:
+			if r.RoutingKey == queue && r.MessageId == d.MessageId {
+				_ = cc.ch.Close()
+				return fmt.Errorf("rabbitmq: message %s came back from retry queue %q (%s): %w", d.MessageId, queue, r.ReplyText, ErrUnroutable)
+			}
+			continue
+		default:
+		}
+		break
+	}
+	b.putChannel(cc)
+	return nil
+}
+
 // Close stops every subscription (a message handed out but not acked is
 // redelivered, never acked) and closes the subscriber's connection. It is
 // idempotent.
 func (s *subscriber) Close() error {
 	var conn *amqp.Connection
 	s.closeOnce.Do(func() {
+		s.parking.Lock() // waits for a message being parked (bounded by its publish timeout)
+		defer s.parking.Unlock()
 		s.mu.Lock()
 		s.closed = true
 		close(s.closing)

@@ -22,6 +22,8 @@ import (
 //	exchange  <topic>:dlx          direct: dead letters of every group of the topic
 //	queue     <topic>:<group>      quorum: the consumer group's queue
 //	queue     <topic>:<group>:dlq  quorum: the group's dead letters (routing key <group>)
+//	queue     <topic>:<group>:retry  quorum: messages waiting for their next delivery
+//	                                 (RedeliverySubscriber); expired ones go back to <topic>:<group>
 
 // QueueName is the quorum queue consumer group group reads topic from.
 func QueueName(topic, group string) string { return topic + ":" + group }
@@ -29,6 +31,11 @@ func QueueName(topic, group string) string { return topic + ":" + group }
 // DeadLetterQueueName is the quorum queue that receives group's messages of
 // topic that exceeded Config.DeliveryLimit (or were rejected without requeue).
 func DeadLetterQueueName(topic, group string) string { return QueueName(topic, group) + ":dlq" }
+
+// RetryQueueName is the quorum queue where a RedeliverySubscriber of group
+// parks a nacked message of topic until its wait (the message's expiration)
+// ends; RabbitMQ then dead-letters it back to QueueName(topic, group).
+func RetryQueueName(topic, group string) string { return QueueName(topic, group) + ":retry" }
 
 // UnroutedQueueName is the quorum queue that parks messages published to
 // topic while no consumer group's queue was bound to it. The empty group
@@ -55,9 +62,9 @@ func checkNames(topic string, groups ...string) error {
 		if err := checkGroup(g); err != nil {
 			return err
 		}
-		if n := len(DeadLetterQueueName(topic, g)); n > maxNameBytes {
+		if n := len(RetryQueueName(topic, g)); n > maxNameBytes {
 			return adapters.Permanent(fmt.Errorf("rabbitmq: topic %q with consumer group %q is too long: queue %q would be %d bytes; RabbitMQ names are at most %d bytes",
-				topic, g, DeadLetterQueueName(topic, g), n, maxNameBytes))
+				topic, g, RetryQueueName(topic, g), n, maxNameBytes))
 		}
 	}
 	return nil
@@ -92,6 +99,22 @@ func (d declarer) groupQueueArgs(topic, group string) amqp.Table {
 	args["x-delivery-limit"] = int64(d.deliveryLimit)
 	args["x-dead-letter-exchange"] = deadLetterExchangeName(topic)
 	args["x-dead-letter-routing-key"] = group
+	args["x-dead-letter-strategy"] = "at-least-once"
+	args[amqp.QueueOverflowArg] = amqp.QueueOverflowRejectPublish
+	return args
+}
+
+// retryQueueArgs are the arguments of a consumer group's retry queue. It is
+// a quorum queue like the others: since RabbitMQ 3.10 quorum queues honour a
+// per-message expiration, and they dead-letter at least once (an expired
+// message leaves the retry queue only once the group's queue confirmed it),
+// which a classic queue cannot do. Its dead letters go through the default
+// exchange straight to the group's queue. It has no delivery limit: nothing
+// consumes it.
+func retryQueueArgs(topic, group string) amqp.Table {
+	args := quorum()
+	args["x-dead-letter-exchange"] = ""
+	args["x-dead-letter-routing-key"] = QueueName(topic, group)
 	args["x-dead-letter-strategy"] = "at-least-once"
 	args[amqp.QueueOverflowArg] = amqp.QueueOverflowRejectPublish
 	return args
@@ -143,10 +166,14 @@ func (d declarer) declareTopic(tc *topoChannel, topic string) error {
 }
 
 // declareGroup declares group's queue of topic, bound to the topic exchange,
-// and its dead-letter queue. declareTopic must have run first.
+// its dead-letter queue and its retry queue. declareTopic must have run first.
 func (d declarer) declareGroup(tc *topoChannel, topic, group string) error {
 	dlq, q := DeadLetterQueueName(topic, group), QueueName(topic, group)
 	if err := d.queue(tc, dlq, quorum(), "durable quorum queue"); err != nil {
+		return err
+	}
+	if err := d.queue(tc, RetryQueueName(topic, group), retryQueueArgs(topic, group),
+		fmt.Sprintf("durable quorum queue, dead letters to the default exchange with routing key %q, x-dead-letter-strategy at-least-once, x-overflow reject-publish", q)); err != nil {
 		return err
 	}
 	if err := d.bind(tc, dlq, group, deadLetterExchangeName(topic)); err != nil {
@@ -243,7 +270,7 @@ func conflictError(kind, name, what, reason, want string) error {
 }
 
 // Deprovision deletes what Provision declared for topic and consumerGroups:
-// the groups' queues and dead-letter queues, the parking queue and the
+// the groups' queues, dead-letter queues and retry queues, the parking queue and the
 // topic's three exchanges, with the messages they hold. Objects already gone
 // are not an error. See adapters.Deprovisioner.
 func (b *Broker) Deprovision(ctx context.Context, topic string, consumerGroups ...string) error {
@@ -266,7 +293,7 @@ func (b *Broker) Deprovision(ctx context.Context, topic string, consumerGroups .
 	// Deleting a missing queue or exchange succeeds in RabbitMQ 3.x.
 	queues := []string{UnroutedQueueName(topic)}
 	for _, g := range consumerGroups {
-		queues = append(queues, QueueName(topic, g), DeadLetterQueueName(topic, g))
+		queues = append(queues, QueueName(topic, g), DeadLetterQueueName(topic, g), RetryQueueName(topic, g))
 	}
 	for _, q := range queues {
 		if _, err := ch.QueueDelete(q, false, false, false); err != nil {

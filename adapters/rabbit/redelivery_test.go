@@ -1,0 +1,107 @@
+package rabbit
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/adapters/adaptertest"
+)
+
+// A RedeliverySubscriber parks a nacked message in the group's retry queue
+// for wait(n) and RabbitMQ dead-letters it back; its delivery number counts
+// the parkings and, from x-delivery-count, a delivery cut short by a closing
+// subscriber, so a new subscriber goes on counting.
+func TestRedeliverySubscriberParksInTheRetryQueue(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := openBroker(t, testConfig(serverURL()))
+	topic, group := adaptertest.Name("redeliver"), adaptertest.Name("g")
+	require.NoError(t, b.Provision(ctx, topic, group))
+	asked := make(chan int, 8)
+	wait := func(n int) time.Duration {
+		asked <- n
+		if n == 1 {
+			return 200 * time.Millisecond
+		}
+		return time.Hour
+	}
+	msg := newMsg("r1")
+	msg.Metadata.Set("tenant", "acme")
+	require.NoError(t, b.PublishBatch(ctx, outgoing(topic, msg)))
+
+	sub, err := b.RedeliverySubscriber(group, wait)
+	require.NoError(t, err)
+	ch, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	first := next(t, ch)
+	n, ok := adapters.DeliveryNumber(first.Context())
+	require.True(t, ok, "no delivery number")
+	require.Equal(t, 1, n)
+	first.Nack()
+	require.Equal(t, 1, <-asked)
+
+	second := next(t, ch) // back from the retry queue after wait(1)
+	n, _ = adapters.DeliveryNumber(second.Context())
+	require.Equal(t, 2, n)
+	require.Equal(t, msg.UUID, second.UUID)
+	require.Equal(t, "r1", string(second.Payload))
+	require.Equal(t, "acme", second.Metadata.Get("tenant"))
+	require.NoError(t, sub.Close()) // delivery 2 is never settled: it is redelivered
+
+	sub, err = b.RedeliverySubscriber(group, wait)
+	require.NoError(t, err)
+	defer sub.Close()
+	ch, err = sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	third := next(t, ch)
+	n, _ = adapters.DeliveryNumber(third.Context())
+	require.Equal(t, 3, n, "the delivery cut short by the close counts")
+	third.Nack()
+	require.Equal(t, 3, <-asked)
+
+	require.NoError(t, sub.Close()) // an unsettled delivery would go back to the group's queue
+	raw := rawChannel(t, serverURL())
+	parked := getOne(t, raw, RetryQueueName(topic, group), 30*time.Second)
+	require.Equal(t, "3600000", parked.Expiration, "parked for wait(3)")
+	require.EqualValues(t, 4, parked.Headers[DeliveryNumberKey])
+	require.Equal(t, msg.UUID, parked.MessageId)
+	q, err := raw.QueueDeclarePassive(QueueName(topic, group), true, false, false, false, nil)
+	require.NoError(t, err)
+	require.Zero(t, q.Messages, "acked on the group's queue once parked")
+
+	_, err = b.RedeliverySubscriber(group, nil)
+	require.True(t, adapters.IsPermanent(err), "a nil wait is refused: %v", err)
+}
+
+// A message the retry queue cannot take (here the queue was deleted, so the
+// broker returns the copy) is not acked: it is nacked and redelivered at
+// once, and the redelivery counts.
+func TestRedeliverySubscriberKeepsAMessageTheRetryQueueRefused(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := openBroker(t, testConfig(serverURL()))
+	topic, group := adaptertest.Name("refused"), adaptertest.Name("g")
+	require.NoError(t, b.Provision(ctx, topic, group))
+	msg := newMsg("r1")
+	require.NoError(t, b.PublishBatch(ctx, outgoing(topic, msg)))
+
+	sub, err := b.RedeliverySubscriber(group, func(int) time.Duration { return time.Hour })
+	require.NoError(t, err)
+	defer sub.Close()
+	ch, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	first := next(t, ch)
+	// Deleted once subscribed: subscribing declares it again.
+	_, err = rawChannel(t, serverURL()).QueueDelete(RetryQueueName(topic, group), false, false, false)
+	require.NoError(t, err)
+	first.Nack()
+	again := next(t, ch) // an hour early: the park failed and the message was requeued
+	n, _ := adapters.DeliveryNumber(again.Context())
+	require.Equal(t, 2, n)
+	require.Equal(t, msg.UUID, again.UUID)
+	again.Ack()
+}

@@ -13,6 +13,10 @@ import (
 // nak delay, so the redelivery tests do not wait 5s per nack.
 func suiteConfig(c *Config) {
 	c.Consumer.NakDelay = 100 * time.Millisecond
+	// What a killed server had delivered and not seen acked comes back after
+	// ack_wait: well inside the contract's 60s wait for messages, not at its
+	// edge as with the 60s default.
+	c.Consumer.AckWait = 10 * time.Second
 }
 
 // TestContract runs millrace's adapter contract against (a) an in-process

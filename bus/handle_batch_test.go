@@ -129,7 +129,14 @@ func testTypedBatchHandler(t *testing.T, kind string) {
 	for _, ids := range batches {
 		require.NotContains(t, ids, "o-garbled", "an event that does not decode never reaches the handler")
 	}
-	require.True(t, slices.ContainsFunc(batches, func(ids []string) bool { return len(ids) > 1 }), "some batch held several events: %v", batches)
+	// On NATS a backlog that is waiting when the subscriptions open can go
+	// to one push subscription, which hands out one message at a time and
+	// the next only after the ack, that is after the COMMIT: batches of one
+	// are what the handler gets then (seen in a full run). Kafka and
+	// RabbitMQ hand a subscription several unacked messages.
+	if kind != bus.KindNATS {
+		require.True(t, slices.ContainsFunc(batches, func(ids []string) bool { return len(ids) > 1 }), "some batch held several events: %v", batches)
+	}
 }
 
 // A batch handler is checked when it is registered, like any handler.

@@ -52,7 +52,7 @@ func NewOps(ctx context.Context, db *sql.DB, cfg Config) (*Ops, error) {
 	defer cancel()
 	t := o.tables
 	missing, err := store.Missing(cctx, db, t.OutboxTable(), t.OffsetsTable(), t.QuarantineTable(), t.InboxTable(),
-		t.PoisonTable(), t.PoisonReplaysTable(), t.AggregateVersionsTable(), t.ScheduledTable(), t.SagasTable())
+		t.PoisonTable(), t.PoisonReplaysTable(), t.AggregateVersionsTable(), t.ScheduledTable(), t.SagasTable(), t.SagaErrorsTable())
 	if err != nil {
 		return nil, fmt.Errorf("millrace: database %s not reachable within database.connect_timeout (%s): %w",
 			redactURL(cfg.Database.URL), cfg.Database.ConnectTimeout, err)

@@ -27,6 +27,24 @@ type SagaInstance struct {
 	CompletedAt *time.Time `json:"completed_at"`
 	CreatedAt   time.Time  `json:"created_at"`
 	UpdatedAt   time.Time  `json:"updated_at"`
+	// LastError is the last error of its steps, kept for the saga's
+	// retention; nil when no step failed (shown by Saga, not ListSagas).
+	LastError *SagaStepError `json:"last_error,omitempty"`
+}
+
+// SagaStepError is a failed attempt of a saga step. The attempt rolled back
+// (nothing of it was kept) and its event went the retry or poison way.
+type SagaStepError struct {
+	// Step is the event type of the step that failed.
+	Step string `json:"step"`
+	// Error is the step's error.
+	Error string `json:"error"`
+	// FailedAt is when it failed.
+	FailedAt time.Time `json:"failed_at"`
+	// Current is true when no step of the instance committed since: the
+	// saga has not moved on from it. A starting step that failed leaves an
+	// instance with Version 0 and Current true.
+	Current bool `json:"current"`
 }
 
 // SagaFilter selects saga instances.
@@ -76,15 +94,26 @@ func (o *Ops) ListSagas(ctx context.Context, f SagaFilter, limit int) (SagaList,
 	return res, nil
 }
 
-// Saga returns the instance id of saga type saga, running or completed, or
-// an error matching ErrNotFound.
+// Saga returns the instance id of saga type saga, running or completed,
+// with its steps' last error; an instance whose starting step failed and
+// never committed is returned with Version 0 and that error. Otherwise the
+// error matches ErrNotFound.
 func (o *Ops) Saga(ctx context.Context, saga, id string) (SagaInstance, error) {
 	row, found, err := o.tables.LoadSaga(ctx, sqlRowQuerier{o.db}, saga, id)
 	if err != nil {
 		return SagaInstance{}, err
 	}
-	if !found {
+	stepErr, failed, err := o.tables.LoadSagaError(ctx, sqlRowQuerier{o.db}, saga, id)
+	if err != nil {
+		return SagaInstance{}, err
+	}
+	if !found && !failed {
 		return SagaInstance{}, fmt.Errorf("%w: saga %s instance %q", ErrNotFound, saga, id)
 	}
-	return sagaInstance(row), nil
+	inst := sagaInstance(row)
+	if failed {
+		inst.LastError = &SagaStepError{Step: stepErr.Step, Error: stepErr.Message, FailedAt: stepErr.FailedAt,
+			Current: !found || !stepErr.FailedAt.Before(row.UpdatedAt)}
+	}
+	return inst, nil
 }

@@ -9,6 +9,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -157,6 +158,10 @@ func startService(t *testing.T, revoke int) *serviceRun {
 	cfg.Consumer.Retry.MaxAttempts = 1
 	cfg.Consumer.Inbox.Retention = time.Millisecond
 	cfg.Consumer.Inbox.CleanupInterval = 50 * time.Millisecond
+	// The saga's step fails twice for o-2 before it succeeds: its error is
+	// recorded, then replaced.
+	cfg.Consumer.Handlers = map[string]middleware.Config{"fulfilment": {Retry: middleware.RetryConfig{
+		MaxAttempts: 3, InitialInterval: 10 * time.Millisecond, MaxInterval: 10 * time.Millisecond, Mode: middleware.RetryInProcess}}}
 	s := &serviceRun{r: newRoles(t, cfg, revoke), ev: &evidence{}, handled: map[string]bool{}}
 	cfg.Database.Schema = s.r.schema
 	s.cfg = cfg
@@ -185,11 +190,15 @@ func startService(t *testing.T, revoke int) *serviceRun {
 		return nil
 	}))
 	// A saga each OrderPlaced starts and completes, deleted at once by its
-	// retention.
+	// retention, with its step errors.
 	placed := bus.Must(bus.NewTopic[privilegeOrderPlaced](topic))
 	saga := bus.NewSaga("fulfilment", bus.WithSagaRetention[struct{ Seen bool }](0))
+	var failures atomic.Int32
 	bus.StartWith(saga, placed, func(m bus.Message[privilegeOrderPlaced]) string { return m.AggregateID },
 		func(ctx context.Context, sc *bus.SagaContext[struct{ Seen bool }], m bus.Message[privilegeOrderPlaced]) error {
+			if sc.ID == "o-2" && failures.Add(1) <= 2 {
+				return errors.New("fails twice on purpose")
+			}
 			sc.State.Seen = true
 			sc.Complete()
 			return nil
@@ -282,6 +291,7 @@ func TestLeastPrivilegeRoleRunsEverything(t *testing.T) {
 		return handled == 3 &&
 			s.count(t, "millrace_scheduled") == 0 && // one moved into the outbox when due, one cancelled
 			s.count(t, "millrace_sagas") == 0 && // sagas started, completed and deleted
+			s.count(t, "millrace_saga_errors") == 0 && // o-2's step error, recorded twice, deleted by retention
 			s.count(t, "millrace_poison") == 1 &&
 			s.count(t, "millrace_relay_quarantine") == 1 &&
 			s.count(t, "millrace_aggregate_versions") == 7 && // billing: o-1, o-2, o-4; fulfilment: o-1 to o-4

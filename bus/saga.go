@@ -271,6 +271,9 @@ func (s *Saga[S]) Routes(b *Bus) (map[string][]Route, error) {
 				row.Step = typ
 				return s.step(ctx, b, tx, row, isNew, fn)
 			})
+			if err != nil && !errors.Is(err, errSagaUnmatched) && ctx.Err() == nil {
+				b.recordSagaError(ctx, s.name, id, typ, err)
+			}
 			if errors.Is(err, errSagaUnmatched) {
 				unmatched.WithLabelValues(s.name, typeLabel(typ)).Inc()
 				if s.unmatched == PoisonUnmatched {
@@ -431,6 +434,24 @@ func (b *Bus) trySagaStep(ctx context.Context, q store.RowQuerier, tx store.Exec
 	return b.tables.SaveSaga(ctx, tx, row, completed)
 }
 
+// sagaErrorWriteTimeout bounds recording a step's error: the write runs
+// on a connection of its own while the step's transaction is still open.
+const sagaErrorWriteTimeout = 2 * time.Second
+
+// recordSagaError stores err as the last error of the saga instance, for
+// `millrace saga show`. The step's transaction rolls back with the error,
+// so the write is a statement of its own on the Bus's database, on a table
+// no step's transaction touches (it cannot wait for a lock the batch
+// holds); failing to record is logged, never the message's fault.
+func (b *Bus) recordSagaError(ctx context.Context, saga, id, step string, err error) {
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), sagaErrorWriteTimeout)
+	defer cancel()
+	e := store.SagaError{Step: step, Message: err.Error(), FailedAt: time.Now()}
+	if werr := b.tables.RecordSagaError(wctx, b.db, saga, id, e); werr != nil {
+		b.logger.Error("Could not record a saga step's error", werr, watermill.LogFields{"saga": saga, "saga_id": id, "step": step})
+	}
+}
+
 // sqlRowQuerier is a *sql.Tx or *sql.DB as a store.RowQuerier.
 type sqlRowQuerier struct {
 	db interface {
@@ -495,8 +516,8 @@ func (b *Bus) sagaUnmatchedCounter() (*prometheus.CounterVec, error) {
 	return c, nil
 }
 
-// pruneSagas deletes completed sagas past their retention every
-// consumer.inbox.cleanup_interval until ctx ends.
+// pruneSagas deletes completed sagas past their retention, and step errors
+// older than it, every consumer.inbox.cleanup_interval until ctx ends.
 func (b *Bus) pruneSagas(ctx context.Context, sagas []sagaRetention) error {
 	t := time.NewTicker(b.cfg.Consumer.Inbox.CleanupInterval)
 	defer t.Stop()
@@ -518,6 +539,9 @@ func (b *Bus) pruneSagas(ctx context.Context, sagas []sagaRetention) error {
 				if n < 1000 {
 					break
 				}
+			}
+			if _, err := b.tables.DeleteSagaErrors(ctx, b.db, s.name, s.retention); err != nil && ctx.Err() == nil {
+				b.logger.Error("Could not delete old saga errors", err, watermill.LogFields{"saga": s.name})
 			}
 		}
 	}

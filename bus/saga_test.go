@@ -2,6 +2,7 @@ package bus_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -491,4 +492,63 @@ func TestSagaOnTwoBusesSharingARegistry(t *testing.T) {
 	require.NoError(t, err)
 	_, err = orderSaga(other, time.Hour).Routes(other)
 	require.NoError(t, err)
+}
+
+// A failing step's error is kept for `millrace saga show` although its
+// transaction rolled back: current while the saga has not moved on, marked
+// as earlier once a later step commits. A starting step that failed shows
+// an instance at version 0.
+func TestSagaShowsItsLastError(t *testing.T) {
+	t.Parallel()
+	w := newChainWorld(t)
+	opened := bus.Must(bus.NewTopic[counterOpened]("counters"))
+	added := bus.Must(bus.NewTopic[counterAdded]("counters"))
+	s := bus.NewSaga[counterState]("counter")
+	bus.StartWith(s, opened, func(m bus.Message[counterOpened]) string { return m.Value.ID },
+		func(ctx context.Context, sc *bus.SagaContext[counterState], m bus.Message[counterOpened]) error {
+			if m.Value.ID == "c-broken" {
+				return bus.Permanent(errors.New("cannot open c-broken"))
+			}
+			return nil
+		})
+	bus.Then(s, added, func(m bus.Message[counterAdded]) string { return m.Value.ID },
+		func(ctx context.Context, sc *bus.SagaContext[counterState], m bus.Message[counterAdded]) error {
+			if m.Value.N < 0 {
+				return bus.Permanent(fmt.Errorf("cannot add %d", m.Value.N))
+			}
+			sc.State.Sum += m.Value.N
+			return nil
+		})
+	sw := newSagaWorld(t, w, s)
+	ctx := context.Background()
+	sw.deliver(t, "counters", "open", mustEvent(t, opened, counterOpened{ID: "c-1"}))
+	shown, err := w.ops.Saga(ctx, "counter", "c-1")
+	require.NoError(t, err)
+	require.Nil(t, shown.LastError, "no step has failed")
+
+	sw.deliver(t, "counters", "bad-add", mustEvent(t, added, counterAdded{ID: "c-1", N: -1}))
+	require.Contains(t, w.poisonReasons(t, "saga.counters")["bad-add"], "cannot add -1")
+	shown, err = w.ops.Saga(ctx, "counter", "c-1")
+	require.NoError(t, err)
+	require.NotNil(t, shown.LastError)
+	require.Equal(t, "CounterAdded", shown.LastError.Step)
+	require.Contains(t, shown.LastError.Error, "cannot add -1")
+	require.True(t, shown.LastError.Current, "the saga has not moved on since")
+	require.Equal(t, int64(1), shown.Version, "the failed step kept nothing")
+
+	sw.deliver(t, "counters", "good-add", mustEvent(t, added, counterAdded{ID: "c-1", N: 2}))
+	shown, err = w.ops.Saga(ctx, "counter", "c-1")
+	require.NoError(t, err)
+	require.NotNil(t, shown.LastError)
+	require.False(t, shown.LastError.Current, "a later step committed")
+	require.JSONEq(t, `{"Sum":2}`, string(shown.State))
+
+	sw.deliver(t, "counters", "bad-open", mustEvent(t, opened, counterOpened{ID: "c-broken"}))
+	shown, err = w.ops.Saga(ctx, "counter", "c-broken")
+	require.NoError(t, err, "an instance whose start failed is shown with its error")
+	require.Zero(t, shown.Version)
+	require.NotNil(t, shown.LastError)
+	require.Equal(t, "CounterOpened", shown.LastError.Step)
+	require.True(t, shown.LastError.Current)
+	require.Contains(t, shown.LastError.Error, "cannot open c-broken")
 }

@@ -3,6 +3,7 @@ package console_test
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -455,6 +456,9 @@ func newSagaFixture(t *testing.T) sagaFixture {
 		})
 	bus.Then(saga, payments, func(m bus.Message[paymentCharged]) string { return m.Value.OrderID },
 		func(ctx context.Context, sc *bus.SagaContext[orderState], m bus.Message[paymentCharged]) error {
+			if sc.ID == "o-declined" {
+				return bus.Permanent(errors.New("card declined <for o-declined>"))
+			}
 			sc.State.Step = "paid"
 			sc.Complete()
 			return nil
@@ -479,6 +483,30 @@ func (f sagaFixture) deliver(t *testing.T, topic string, ev bus.Event, err error
 		bus.AggregateIDKey: ev.AggregateID, bus.SchemaVersionKey: "1"}
 	msg.SetContext(context.Background())
 	require.NoError(t, f.chains[topic](msg))
+}
+
+// A saga instance's page shows its last error, escaped, and none while no
+// step failed.
+func TestSagaPageShowsLastError(t *testing.T) {
+	t.Parallel()
+	f := newSagaFixture(t)
+	orders := bus.Must(bus.NewTopic[orderPlaced]("orders.events"))
+	payments := bus.Must(bus.NewTopic[paymentCharged]("payments.events"))
+	ev, err := orders.Event(orderPlaced{OrderID: "o-declined"})
+	f.deliver(t, "orders.events", ev, err)
+	c := newClient(t, f.serve(t, console.Options{}, "").URL)
+	code, body := c.get("/sagas/order_fulfilment/o-declined")
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, "No step has failed.")
+
+	ev, err = payments.Event(paymentCharged{OrderID: "o-declined"})
+	f.deliver(t, "payments.events", ev, err) // poisoned: the step's error is permanent
+	code, body = c.get("/sagas/order_fulfilment/o-declined")
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, `id="last-error"`)
+	require.Contains(t, body, "<dd>PaymentCharged</dd>")
+	require.Contains(t, body, "card declined &lt;for o-declined&gt;")
+	require.Contains(t, body, "the saga has not moved on since")
 }
 
 // The saga pages list running instances (completed ones on request), show

@@ -15,7 +15,7 @@ import (
 func init() {
 	commands = append(commands,
 		command{path: "saga list", summary: "saga instances, the most recently changed first: step, version, pending timeouts", bind: bindSagaList},
-		command{path: "saga show", args: "SAGA ID", summary: "one saga instance: its state, step, version and pending timeouts", bind: noFlags(runSagaShow)},
+		command{path: "saga show", args: "SAGA ID", summary: "one saga instance: its state, step, version, pending timeouts and last error", bind: noFlags(runSagaShow)},
 	)
 }
 
@@ -88,6 +88,19 @@ func runSagaShow(ctx context.Context, e env, args []string) error {
 			fmt.Fprintf(w, "timeouts:   %d pending\n", len(names))
 			for _, n := range names {
 				fmt.Fprintf(w, "  %s: scheduled event %s\n", n, inst.Timeouts[n])
+			}
+			if e := inst.LastError; e != nil {
+				when := "the saga has not moved on since"
+				if !e.Current {
+					when = "a later step committed since"
+				}
+				fmt.Fprintf(w, "last error: step %s at %s (%s): %s\n", e.Step, e.FailedAt.Format(time.RFC3339), when, e.Error)
+			} else {
+				fmt.Fprintln(w, "last error: none")
+			}
+			if inst.Version == 0 {
+				fmt.Fprintln(w, "state:      none (its starting step has not committed)")
+				return
 			}
 			fmt.Fprintf(w, "state:      %s\n", inst.State)
 		})

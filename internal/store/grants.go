@@ -101,6 +101,9 @@ func Grants(t Tables) []Grant {
 	sagas, sagasName := table("millrace_sagas")
 	add("SELECT, INSERT, UPDATE, DELETE", "TABLE", sagas, sagasName,
 		"consumers with sagas: load and save saga state; delete completed sagas after their retention (locking them, hence UPDATE)")
+	sagaErrors, sagaErrorsName := table("millrace_saga_errors")
+	add("SELECT, INSERT, UPDATE, DELETE", "TABLE", sagaErrors, sagaErrorsName,
+		"consumers with sagas: record a step's last error; delete old ones after the saga's retention")
 	return g
 }
 

@@ -13,6 +13,12 @@ import (
 // type and correlation id, with its state and version.
 func (t Tables) SagasTable() string { return t.qualify("millrace_sagas") }
 
+// SagaErrorsTable is the qualified table of the last error of each saga
+// instance's steps. It is written outside the step's transaction (which
+// rolls back when the step fails), and no step's transaction touches it, so
+// that recording an error can never wait for a lock a batch holds.
+func (t Tables) SagaErrorsTable() string { return t.qualify("millrace_saga_errors") }
+
 // Row is what a single-row query returns: a *sql.Row or a pgx.Row.
 type Row interface {
 	Scan(dest ...any) error
@@ -140,6 +146,54 @@ func (t Tables) DeleteCompletedSagas(ctx context.Context, db Execer, sagaType st
 	return res.RowsAffected()
 }
 
+// SagaError is the last error of a saga instance's steps.
+type SagaError struct {
+	// Step is the event type of the step that failed.
+	Step string
+	// Message is the error's text.
+	Message string
+	// FailedAt is when it failed.
+	FailedAt time.Time
+}
+
+// RecordSagaError stores e as the last error of the saga instance
+// (sagaType, id), unless a later one is stored already.
+func (t Tables) RecordSagaError(ctx context.Context, db Execer, sagaType, id string, e SagaError) error {
+	_, err := db.ExecContext(ctx, `INSERT INTO `+t.SagaErrorsTable()+` AS e (saga_type, saga_id, step, error, failed_at)
+		VALUES ($1, $2, $3, $4, $5) ON CONFLICT (saga_type, saga_id) DO UPDATE
+		SET step = excluded.step, error = excluded.error, failed_at = excluded.failed_at WHERE e.failed_at <= excluded.failed_at`,
+		sagaType, id, e.Step, e.Message, e.FailedAt)
+	if err != nil {
+		return fmt.Errorf("record the error of saga %s %q: %w", sagaType, id, err)
+	}
+	return nil
+}
+
+// LoadSagaError reads the last error of the saga instance (sagaType, id);
+// found is false when none is stored.
+func (t Tables) LoadSagaError(ctx context.Context, db RowQuerier, sagaType, id string) (e SagaError, found bool, err error) {
+	err = db.QueryRow(ctx, `SELECT step, error, failed_at FROM `+t.SagaErrorsTable()+` WHERE saga_type = $1 AND saga_id = $2`,
+		sagaType, id).Scan(&e.Step, &e.Message, &e.FailedAt)
+	if errors.Is(err, sql.ErrNoRows) {
+		return SagaError{}, false, nil
+	}
+	if err != nil {
+		return SagaError{}, false, fmt.Errorf("load the error of saga %s %q: %w", sagaType, id, err)
+	}
+	return e, true, nil
+}
+
+// DeleteSagaErrors deletes the stored errors of sagaType older than
+// olderThan (a saga's retention) and returns how many.
+func (t Tables) DeleteSagaErrors(ctx context.Context, db Execer, sagaType string, olderThan time.Duration) (int64, error) {
+	res, err := db.ExecContext(ctx, `DELETE FROM `+t.SagaErrorsTable()+` WHERE saga_type = $1 AND failed_at < now() - make_interval(secs => $2)`,
+		sagaType, olderThan.Seconds())
+	if err != nil {
+		return 0, fmt.Errorf("delete saga errors of %s: %w", sagaType, err)
+	}
+	return res.RowsAffected()
+}
+
 func (t Tables) sagaStatements() []string {
 	return []string{
 		`CREATE TABLE IF NOT EXISTS ` + t.SagasTable() + ` (
@@ -155,5 +209,13 @@ func (t Tables) sagaStatements() []string {
 	PRIMARY KEY (saga_type, saga_id)
 )`,
 		`CREATE INDEX IF NOT EXISTS millrace_sagas_completed_at ON ` + t.SagasTable() + ` (saga_type, completed_at) WHERE completed_at IS NOT NULL`,
+		`CREATE TABLE IF NOT EXISTS ` + t.SagaErrorsTable() + ` (
+	saga_type TEXT NOT NULL,
+	saga_id TEXT NOT NULL,
+	step TEXT NOT NULL,
+	error TEXT NOT NULL,
+	failed_at TIMESTAMPTZ NOT NULL,
+	PRIMARY KEY (saga_type, saga_id)
+)`,
 	}
 }

@@ -32,25 +32,32 @@ const (
 
 // sagaCrashConfig is the parent's and the child's config: NATS with a short
 // ack wait, so that an unacked delivery of a killed consumer comes back soon.
-func sagaCrashConfig(t testing.TB, schema string) bus.Config {
+func sagaCrashConfig(schema string) bus.Config {
 	var cfg bus.Config
+	cfg.Database.URL = testdb.URL()
 	cfg.Database.Schema = schema
-	brokertest.Apply(t, bus.KindNATS, &cfg)
+	cfg.Broker.Kind = bus.KindNATS
+	cfg.Broker.NATS.URL = brokertest.NATSURL()
 	cfg.Broker.NATS.Consumer.AckWait = 2 * time.Second
 	cfg.Relay.PollInterval = 50 * time.Millisecond
 	return cfg
 }
 
-// TestSagaConsumerChild is the consumer the crash test runs and kills; run
-// by go test itself it does nothing.
-func TestSagaConsumerChild(t *testing.T) {
-	if child.Role() != sagaChildRole {
-		t.Skip("the saga crash test's child process")
-	}
+// runSagaConsumerChild is the consumer the crash test runs and kills
+// (TestMain dispatches to it); it returns the process's exit code.
+func runSagaConsumerChild() int {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
 	defer stop()
-	db := testdb.Open(t)
-	cfg := sagaCrashConfig(t, os.Getenv(sagaChildSchema))
+	cfg := sagaCrashConfig(os.Getenv(sagaChildSchema)).WithDefaults()
+	fail := func(err error) int {
+		fmt.Fprintln(os.Stderr, "saga consumer child:", err)
+		return 1
+	}
+	db, err := bus.OpenDB(cfg.Database)
+	if err != nil {
+		return fail(err)
+	}
+	defer db.Close()
 	kill := os.Getenv(sagaChildKill)
 	// Outside the chain: the step's transaction has committed, the message
 	// is not acked yet.
@@ -69,11 +76,18 @@ func TestSagaConsumerChild(t *testing.T) {
 		}
 	}
 	b, err := bus.Open(ctx, cfg, db, bus.WithRouterMiddleware(report))
-	require.NoError(t, err)
+	if err != nil {
+		return fail(err)
+	}
 	defer b.Close()
 	suffix := os.Getenv(sagaChildSuffix)
-	require.NoError(t, orderSagaOn(b, newSagaTopics(suffix), time.Hour).Handle(b, "saga"+suffix))
-	require.NoError(t, b.Run(ctx))
+	if err := orderSagaOn(b, newSagaTopics(suffix), time.Hour).Handle(b, "saga"+suffix); err != nil {
+		return fail(err)
+	}
+	if err := b.Run(ctx); err != nil && ctx.Err() == nil {
+		return fail(err)
+	}
+	return 0
 }
 
 // syncBuffer is a child's stdout, read while it writes.
@@ -102,7 +116,7 @@ func TestSagaStepNotAppliedTwiceAfterConsumerKill(t *testing.T) {
 	ctx := context.Background()
 	db := testdb.Open(t)
 	schema := testdb.Schema(t, db)
-	cfg := sagaCrashConfig(t, schema)
+	cfg := sagaCrashConfig(schema)
 	require.NoError(t, bus.Migrate(ctx, db, cfg))
 	b, err := bus.Open(ctx, cfg, db)
 	require.NoError(t, err)
@@ -115,7 +129,7 @@ func TestSagaStepNotAppliedTwiceAfterConsumerKill(t *testing.T) {
 		brokertest.Cleanup(t, bus.KindNATS, topic, "saga"+suffix+"."+topic)
 	}
 	start := func(kill string, out *syncBuffer) *child.Process {
-		return child.Start(t, child.Options{Role: sagaChildRole, Run: "^TestSagaConsumerChild$", Stdout: out,
+		return child.Start(t, child.Options{Role: sagaChildRole, Stdout: out,
 			Env: []string{sagaChildSchema + "=" + schema, sagaChildSuffix + "=" + suffix, sagaChildKill + "=" + kill}})
 	}
 	commands := func() map[string]int {

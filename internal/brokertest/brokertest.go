@@ -20,8 +20,11 @@ import (
 // Kinds are the broker kinds every end-to-end test runs on.
 var Kinds = []string{bus.KindKafka, bus.KindNATS, bus.KindRabbitMQ}
 
-// URLs of the local servers; the environment overrides them.
-func natsURL() string { return envOr("NATS_URL", "nats://127.0.0.1:4222") }
+// NATSURL is the local NATS server's URL, or NATS_URL. It is for a child
+// process of a test, which has no testing.TB for Apply.
+func NATSURL() string { return envOr("NATS_URL", "nats://127.0.0.1:4222") }
+
+// amqpURL is the local RabbitMQ's URL, or AMQP_URL.
 func amqpURL() string { return envOr("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/") }
 
 func envOr(key, def string) string {
@@ -67,7 +70,7 @@ func Apply(t testing.TB, kind string, cfg *bus.Config) {
 			cfg.Broker.Kafka.ReplicationFactor = 3
 		}
 	case bus.KindNATS:
-		cfg.Broker.NATS.URL = natsURL()
+		cfg.Broker.NATS.URL = NATSURL()
 	case bus.KindRabbitMQ:
 		cfg.Broker.RabbitMQ.URL = amqpURL()
 	default:

@@ -86,8 +86,8 @@ type overviewData struct {
 // overview is the outbox status per relay group, with the DLQ and
 // quarantine at a glance.
 func (c *console) overview(w http.ResponseWriter, r *http.Request) {
-	if len(r.URL.Query()) > 0 {
-		c.fail(w, r, http.StatusBadRequest, "this page takes no filters")
+	if err := errNoFilters(r); err != nil {
+		c.failErr(w, r, err)
 		return
 	}
 	cfg := c.ops.Config()
@@ -209,8 +209,19 @@ type detailData struct {
 	Envelope   payloadView
 }
 
-// pathID reads the {id} of the path.
-func pathID(r *http.Request) (int64, error) {
+// errNoFilters answers a filter given to a page that takes none.
+func errNoFilters(r *http.Request) error {
+	if len(r.URL.Query()) > 0 {
+		return badf("this page takes no filters")
+	}
+	return nil
+}
+
+// detailID reads the {id} of a detail page's path, which takes no filters.
+func detailID(r *http.Request) (int64, error) {
+	if err := errNoFilters(r); err != nil {
+		return 0, err
+	}
 	v := r.PathValue("id")
 	id, err := strconv.ParseInt(v, 10, 64)
 	if err != nil || id <= 0 {
@@ -220,10 +231,7 @@ func pathID(r *http.Request) (int64, error) {
 }
 
 func (c *console) dlqShow(w http.ResponseWriter, r *http.Request) {
-	id, err := pathID(r)
-	if err == nil && len(r.URL.Query()) > 0 {
-		err = badf("this page takes no filters")
-	}
+	id, err := detailID(r)
 	if err != nil {
 		c.failErr(w, r, err)
 		return
@@ -253,10 +261,7 @@ func (c *console) quarantineList(w http.ResponseWriter, r *http.Request) {
 }
 
 func (c *console) quarantineShow(w http.ResponseWriter, r *http.Request) {
-	id, err := pathID(r)
-	if err == nil && len(r.URL.Query()) > 0 {
-		err = badf("this page takes no filters")
-	}
+	id, err := detailID(r)
 	if err != nil {
 		c.failErr(w, r, err)
 		return
@@ -429,8 +434,8 @@ type sagaData struct {
 }
 
 func (c *console) sagaShow(w http.ResponseWriter, r *http.Request) {
-	if len(r.URL.Query()) > 0 {
-		c.fail(w, r, http.StatusBadRequest, "this page takes no filters")
+	if err := errNoFilters(r); err != nil {
+		c.failErr(w, r, err)
 		return
 	}
 	inst, err := c.ops.Saga(r.Context(), r.PathValue("saga"), r.PathValue("id"))

@@ -301,6 +301,14 @@ func noArgs(args []string) error {
 	return nil
 }
 
+// checkLimit refuses a negative --limit of a list command.
+func checkLimit(limit int) error {
+	if limit < 0 {
+		return usagef("--limit must not be negative; got %d", limit)
+	}
+	return nil
+}
+
 // secretsOf returns, for every URL in cfg that holds a password, the
 // replacements that hide it: the whole URL by its redacted form, then
 // "user:password@" and "password=..." wherever they appear alone.

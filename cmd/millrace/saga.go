@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -24,11 +25,8 @@ func bindSagaList(fs *flag.FlagSet) runFunc {
 	completed := fs.Bool("completed", false, "include completed instances (kept for their retention)")
 	limit := fs.Int("limit", 100, "show at most `N` instances (0: no limit)")
 	return func(ctx context.Context, e env, args []string) error {
-		if err := noArgs(args); err != nil {
+		if err := errors.Join(noArgs(args), checkLimit(*limit)); err != nil {
 			return err
-		}
-		if *limit < 0 {
-			return usagef("--limit must not be negative; got %d", *limit)
 		}
 		return withOps(ctx, e, func(ops *bus.Ops) error {
 			res, err := ops.ListSagas(ctx, bus.SagaFilter{Saga: *saga, Completed: *completed}, *limit)

@@ -51,8 +51,8 @@ func (f *filter) check() error {
 	if f.replayed && f.notReplayed {
 		return usagef("--replayed and --not-replayed exclude each other; give one or neither")
 	}
-	if f.limit < 0 {
-		return usagef("--limit must not be negative; got %d", f.limit)
+	if err := checkLimit(f.limit); err != nil {
+		return err
 	}
 	if f.fingerprint != "" && !isFingerprint(f.fingerprint) {
 		return usagef("--fingerprint %q: want 12 lowercase hex digits, as `millrace dlq groups` shows", f.fingerprint)

@@ -41,26 +41,11 @@ type NATS struct {
 	supervise bool
 }
 
-// natsServerBin finds the nats-server binary: NATS_SERVER_BIN, else on
-// PATH, else where the Debian/Ubuntu package puts it.
-func natsServerBin() (string, bool) {
-	if p := os.Getenv("NATS_SERVER_BIN"); p != "" {
-		_, err := os.Stat(p)
-		return p, err == nil
-	}
-	if p, err := exec.LookPath("nats-server"); err == nil {
-		return p, true
-	}
-	if _, err := os.Stat("/usr/sbin/nats-server"); err == nil {
-		return "/usr/sbin/nats-server", true
-	}
-	return "", false
-}
-
 // StartNATS starts a private nats-server with JetStream on a free port of
 // 127.0.0.1 and returns once a client connects and JetStream answers. It is
-// stopped when t ends and its store directory removed unless t failed. The
-// test fails when nats-server is not installed.
+// stopped when t ends and its store directory removed unless t failed. Its
+// binary is built from the nats-server module at the version go.mod
+// requires (see natsServerBin); the test fails when that build fails.
 func StartNATS(t testing.TB) *NATS {
 	t.Helper()
 	s := newNATS(t)
@@ -72,10 +57,7 @@ func StartNATS(t testing.TB) *NATS {
 // starting it.
 func newNATS(t testing.TB) *NATS {
 	t.Helper()
-	bin, ok := natsServerBin()
-	if !ok {
-		t.Fatalf("nats-server is not installed (on PATH or in /usr/sbin): run `make up`, which installs it")
-	}
+	bin := natsServerBin(t)
 	dir, err := os.MkdirTemp("", "millrace-nats-")
 	if err != nil {
 		t.Fatalf("create the private NATS server's directory: %v", err)

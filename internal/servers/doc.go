@@ -16,5 +16,11 @@
 // go command, into the user cache directory under a name holding the
 // version, where later runs find it. NATS_SERVER_BIN names another binary.
 //
+// StartNetns makes a network namespace joined to the host by a veth pair
+// whose link Cut and Heal take down and up again; a cluster from
+// StartNATSClusterPartitionable runs one node in one, so that a test can
+// cut that node off the network while its process runs on (root and
+// iproute2 needed).
+//
 // The package is imported from tests only.
 package servers

@@ -402,7 +402,11 @@ func TestNATSClusterPartition(t *testing.T) {
 		w := newWorld(t, kind, worldOptions{brokerURL: c.URLs(), tune: func(cfg *bus.Config) { cfg.Broker.NATS.Stream.Replicas = 3 }})
 		w.start("relay", nodeSpec{Relay: true})
 		w.start("consumer", nodeSpec{Consume: true})
-		stop := w.writer.start(rate)
+		// Half the suite's rate: the ordered group (max_ack_pending 1) drains
+		// what piled up during the partition one message at a time, and at
+		// the full rate that took 1.5 to 3.5 minutes after the heal on a
+		// busy machine (load average 20).
+		stop := w.writer.start(rate / 2)
 		w.flowing(200)
 		ctx := context.Background()
 		stream := nats.StreamName(w.topic)

@@ -142,6 +142,18 @@ func TestServerGoneMidRun(t *testing.T) {
 	require.EqualValues(t, 4, streamMsgs(t, b, topic))
 }
 
+// A write blocked on a server cut off the network (the socket's buffer
+// full, the connection's lock held, so pings cannot fire) is bounded like
+// two unanswered pings and ends in a reconnect; nats.go's own default waits
+// a minute and then keeps the dead connection (the NATS partition scenario
+// of internal/faults showed a relay stalled so for over two minutes).
+func TestBlockedWriteIsBounded(t *testing.T) {
+	t.Parallel()
+	b := openBroker(t, sharedURL(), func(c *Config) { c.PingInterval = 3 * time.Second })
+	require.Equal(t, 6*time.Second, b.nc.Opts.FlusherTimeout)
+	require.True(t, b.nc.Opts.ReconnectOnFlusherError)
+}
+
 // Calls on a closed broker fail clearly; Close is idempotent.
 func TestClosedBroker(t *testing.T) {
 	t.Parallel()

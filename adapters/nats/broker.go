@@ -146,8 +146,10 @@ func (b *Broker) URL() string { return b.url }
 func (b *Broker) Config() Config { return b.cfg }
 
 // connect opens one connection with millrace's settings: bounded connect,
-// endless reconnects, and no reconnect buffer, so a publish while the server
-// is away fails at once (retryable) instead of waiting in a client buffer.
+// endless reconnects, a dead server left after two unanswered pings or a
+// write blocked for as long, and no reconnect buffer, so a publish while the
+// server is away fails at once (retryable) instead of waiting in a client
+// buffer.
 func (b *Broker) connect(ctx context.Context, name string, extra ...nats.Option) (*nats.Conn, error) {
 	logFields := watermill.LogFields{"connection": name, "url": redact(b.url)}
 	options := append([]nats.Option{
@@ -157,6 +159,12 @@ func (b *Broker) connect(ctx context.Context, name string, extra ...nats.Option)
 		nats.ReconnectWait(250 * time.Millisecond),
 		nats.PingInterval(b.cfg.PingInterval),
 		nats.MaxPingsOutstanding(2),
+		// A write to a server cut off the network blocks once the socket's
+		// buffer is full, holding the connection's lock, so pings cannot
+		// mark it dead: bound the write as the pings bound a silent server
+		// (nats.go: one minute, and no reconnect after it).
+		nats.FlusherTimeout(2 * b.cfg.PingInterval),
+		nats.ReconnectOnFlusherError(),
 		nats.ReconnectJitter(250*time.Millisecond, time.Second),
 		nats.ReconnectBufSize(-1),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {

@@ -27,8 +27,11 @@ type Config struct {
 	URL string `yaml:"url"`
 	// PingInterval is how often the client pings a server that sends it
 	// nothing; two unanswered pings mark the connection dead and it moves to
-	// another server. It bounds how long a hung (stopped, cut off) server
-	// holds up the relay and consumers. Defaults to 5s (nats.go: 2m).
+	// another server; a write to the server blocked for two intervals (a
+	// server cut off the network, the socket's buffer full) does the same.
+	// It bounds how long a hung (stopped, cut off) server holds up the
+	// relay and consumers. Defaults to 5s (nats.go: 2m, and a blocked write
+	// 1m).
 	PingInterval time.Duration `yaml:"ping_interval"`
 	// Stream configures the JetStream stream millrace creates for each topic.
 	Stream StreamConfig `yaml:"stream"`

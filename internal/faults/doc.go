@@ -7,6 +7,12 @@
 // that no rolled-back event had any, and that each aggregate's effects ran
 // in version order where millrace promises it.
 //
+// The cluster scenarios run private 3-node clusters (internal/servers) and
+// hit the node that leads the topic's stream or queue. One NATS scenario
+// cuts that node off the network instead of stopping it: the node runs in
+// a network namespace of its own joined by a veth pair whose link is taken
+// down, which needs root and iproute2 (`ip netns`).
+//
 // `make test` runs it. `make reliability` runs it and rewrites
 // docs/RELIABILITY.md from the results.
 package faults

@@ -36,10 +36,11 @@ const (
 	dependencyOutage = "dependency outage behind the circuit breaker"
 	relayOutage      = "relay outage, then a rate-limited drain"
 	clusterFaults    = "3-node cluster: leader killed, leader hung 15 s (NATS, RabbitMQ) or every leader moved (Kafka), rolling restart"
+	clusterPartition = "3-node cluster: stream leader cut off the network (20 s or more), then healed"
 )
 
 var scenarioOrder = []string{relayKilled, consumerKilled, brokerRestarted, postgresCrashed, terminated,
-	twoOfEach, poisonStorm, dependencyOutage, relayOutage, clusterFaults}
+	twoOfEach, poisonStorm, dependencyOutage, relayOutage, clusterFaults, clusterPartition}
 
 func scenarioRank(name string) int { return slices.Index(scenarioOrder, name) }
 
@@ -378,6 +379,73 @@ func TestNATSClusterFaults(t *testing.T) {
 		// not promised.
 		record(result{scenario: clusterFaults, broker: kind, faults: "1 leader SIGKILL, 1 leader SIGSTOP, 3 restarts",
 			o: w.check(false), recovery: recovery, note: "streams at replicas 3; the clients were given all three URLs"})
+	})
+}
+
+// partitionFor is how long TestNATSClusterPartition keeps the stream
+// leader cut off: past JetStream's failure detection (a Raft election
+// timeout of 4-9 s, a leader without quorum steps down after 10 s) and the
+// clients' (two unanswered pings at broker.nats.ping_interval, 5 s).
+const partitionFor = 20 * time.Second
+
+// TestNATSClusterPartition runs the flow on a private 3-node JetStream
+// cluster whose third node runs in a network namespace of its own, moves
+// the leadership of the topic's stream to that node, and cuts it off the
+// network mid-flow (the link of its namespace down: its process runs on,
+// its packets are dropped both ways), then heals it. The partition lasts
+// partitionFor, or longer: until the other two nodes have elected a leader
+// and 200 more effects were applied, so the flow is shown to go on during
+// the partition, not only after it.
+func TestNATSClusterPartition(t *testing.T) {
+	eachBroker(t, []string{bus.KindNATS}, func(t *testing.T, kind string) {
+		c := servers.StartNATSClusterPartitionable(t, 3)
+		w := newWorld(t, kind, worldOptions{brokerURL: c.URLs(), tune: func(cfg *bus.Config) { cfg.Broker.NATS.Stream.Replicas = 3 }})
+		w.start("relay", nodeSpec{Relay: true})
+		w.start("consumer", nodeSpec{Consume: true})
+		// Half the suite's rate: the ordered group (max_ack_pending 1) drains
+		// what piled up during the partition one message at a time, and at
+		// the full rate that took 1.5 to 3.5 minutes after the heal on a
+		// busy machine (load average 20).
+		stop := w.writer.start(rate / 2)
+		w.flowing(200)
+		ctx := context.Background()
+		stream := nats.StreamName(w.topic)
+		progress := func() {
+			t.Helper()
+			var effects int
+			require.NoError(t, w.db.QueryRow(`SELECT count(*) FROM `+w.table("effects")).Scan(&effects))
+			w.flowing(effects + 200)
+		}
+
+		c.WaitStreamCurrent(ctx, stream)
+		require.NoError(t, c.MoveStreamLeader(ctx, stream, c.Isolated))
+		progress() // the flow runs through the leader that is cut off next
+		c.Partition()
+		w.fault()
+		cut := time.Now()
+		var failover time.Duration
+		testkit.Eventually(t, time.Minute, "another node leads the stream", func() bool {
+			i, err := c.StreamLeader(ctx, stream)
+			failover = time.Since(cut)
+			return err == nil && i != c.Isolated
+		})
+		progress() // during the partition, however long that takes
+		flowed := time.Since(cut)
+		time.Sleep(partitionFor - flowed) // nothing when progress took longer
+		c.Heal()
+		cutFor := time.Since(cut)
+		w.fault()
+		c.WaitJetStream()
+		c.WaitStreamCurrent(ctx, stream) // the healed node has caught up
+		progress()
+		stop()
+		recovery := w.settle(settleTimeout)
+		// A publish that timed out on the cut-off leader is retried after
+		// later events of its batch went out: order is not promised.
+		record(result{scenario: clusterPartition, broker: kind, faults: fmt.Sprintf("stream leader cut off %s (network namespace, link down)", cutFor.Round(100*time.Millisecond)),
+			o: w.check(false), recovery: recovery, note: fmt.Sprintf("streams at replicas 3, the leader's node in a network namespace of its own "+
+				"joined by a veth pair whose link was taken down; another node led the stream %s after the cut and 200 more effects were applied %s after it, "+
+				"during the partition", failover.Round(100*time.Millisecond), flowed.Round(100*time.Millisecond))})
 	})
 }
 

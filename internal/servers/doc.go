@@ -9,5 +9,18 @@
 // watchdog process stops the server and removes its files when the test
 // binary dies without running its cleanups (a -timeout panic, a kill).
 //
+// Private NATS servers run a nats-server binary built from the
+// github.com/nats-io/nats-server/v2 module at the version go.mod requires
+// (the one package natsdev runs in process), not whatever nats-server the
+// system has: the first test of a process that needs one builds it with the
+// go command, into the user cache directory under a name holding the
+// version, where later runs find it. NATS_SERVER_BIN names another binary.
+//
+// StartNetns makes a network namespace joined to the host by a veth pair
+// whose link Cut and Heal take down and up again; a cluster from
+// StartNATSClusterPartitionable runs one node in one, so that a test can
+// cut that node off the network while its process runs on (root and
+// iproute2 needed).
+//
 // The package is imported from tests only.
 package servers

@@ -30,6 +30,8 @@ type NATS struct {
 	port      int
 	pidFile   string
 	logFile   string
+	host      string   // the address it listens on
+	netns     *Netns   // the network namespace it runs in, nil: the host's
 	args      []string // more nats-server flags (a cluster node's name and routes)
 	clustered bool     // a cluster node: JetStream answers only once the cluster has quorum
 
@@ -41,26 +43,11 @@ type NATS struct {
 	supervise bool
 }
 
-// natsServerBin finds the nats-server binary: NATS_SERVER_BIN, else on
-// PATH, else where the Debian/Ubuntu package puts it.
-func natsServerBin() (string, bool) {
-	if p := os.Getenv("NATS_SERVER_BIN"); p != "" {
-		_, err := os.Stat(p)
-		return p, err == nil
-	}
-	if p, err := exec.LookPath("nats-server"); err == nil {
-		return p, true
-	}
-	if _, err := os.Stat("/usr/sbin/nats-server"); err == nil {
-		return "/usr/sbin/nats-server", true
-	}
-	return "", false
-}
-
 // StartNATS starts a private nats-server with JetStream on a free port of
 // 127.0.0.1 and returns once a client connects and JetStream answers. It is
-// stopped when t ends and its store directory removed unless t failed. The
-// test fails when nats-server is not installed.
+// stopped when t ends and its store directory removed unless t failed. Its
+// binary is built from the nats-server module at the version go.mod
+// requires (see natsServerBin); the test fails when that build fails.
 func StartNATS(t testing.TB) *NATS {
 	t.Helper()
 	s := newNATS(t)
@@ -72,10 +59,14 @@ func StartNATS(t testing.TB) *NATS {
 // starting it.
 func newNATS(t testing.TB) *NATS {
 	t.Helper()
-	bin, ok := natsServerBin()
-	if !ok {
-		t.Fatalf("nats-server is not installed (on PATH or in /usr/sbin): run `make up`, which installs it")
-	}
+	return newNATSIn(t, nil)
+}
+
+// newNATSIn prepares a private server that runs in ns (listening on
+// ns.NodeIP), or on the host's 127.0.0.1 when ns is nil.
+func newNATSIn(t testing.TB, ns *Netns) *NATS {
+	t.Helper()
+	bin := natsServerBin(t)
 	dir, err := os.MkdirTemp("", "millrace-nats-")
 	if err != nil {
 		t.Fatalf("create the private NATS server's directory: %v", err)
@@ -84,11 +75,16 @@ func newNATS(t testing.TB) *NATS {
 		t:       t,
 		bin:     bin,
 		dir:     dir,
+		host:    "127.0.0.1",
+		netns:   ns,
 		port:    FreePort(t),
 		pidFile: filepath.Join(dir, "nats.pid"),
 		logFile: filepath.Join(dir, "nats.log"),
 	}
-	s.URL = fmt.Sprintf("nats://127.0.0.1:%d", s.port)
+	if ns != nil {
+		s.host = ns.NodeIP
+	}
+	s.URL = fmt.Sprintf("nats://%s:%d", s.host, s.port)
 	watch(t, "private NATS server", dir, killByPIDFile("KILL", s.pidFile), s.Stop)
 	return s
 }
@@ -114,8 +110,12 @@ func (s *NATS) startLocked() error {
 	if err != nil {
 		return fmt.Errorf("open the private NATS server's log: %w", err)
 	}
-	cmd := exec.Command(s.bin, append([]string{"-js", "-sd", filepath.Join(s.dir, "store"),
-		"-a", "127.0.0.1", "-p", strconv.Itoa(s.port), "-P", s.pidFile}, s.args...)...)
+	args := append([]string{"-js", "-sd", filepath.Join(s.dir, "store"),
+		"-a", s.host, "-p", strconv.Itoa(s.port), "-P", s.pidFile}, s.args...)
+	cmd := exec.Command(s.bin, args...)
+	if s.netns != nil {
+		cmd = s.netns.Command(s.bin, args...)
+	}
 	cmd.Stdout, cmd.Stderr = logs, logs
 	if err := cmd.Start(); err != nil {
 		logs.Close()

@@ -2,7 +2,10 @@ package servers
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -15,38 +18,138 @@ import (
 // NATSCluster is a private JetStream cluster: nats-server processes joined
 // by routes, each with its own ports and store directory, so that streams
 // can keep replicas on several nodes and a test can kill, pause and restart
-// the node that leads a stream.
+// the node that leads a stream, or, in a cluster from
+// StartNATSClusterPartitionable, cut one node off the network.
 type NATSCluster struct {
 	// Nodes are the cluster's servers, named node0, node1, ... in order.
 	Nodes []*NATS
+	// Isolated is the index of the node in a network namespace of its own
+	// (see StartNATSClusterPartitionable), -1 when every node runs on the
+	// host.
+	Isolated int
+
+	netns *Netns
 	t     testing.TB
 }
 
-// StartNATSCluster starts a cluster of n nodes and returns once JetStream
-// answers on every node (the cluster has elected its meta leader).
+// StartNATSCluster starts a cluster of n nodes on 127.0.0.1 and returns
+// once JetStream answers on every node (the cluster has elected its meta
+// leader).
 func StartNATSCluster(t testing.TB, n int) *NATSCluster {
 	t.Helper()
-	c := &NATSCluster{t: t}
-	routePorts := make([]int, n)
+	return startNATSCluster(t, n, nil)
+}
+
+// StartNATSClusterPartitionable starts a cluster of n nodes whose last node
+// (Isolated) runs in a network namespace of its own (StartNetns), joined to
+// the others by a veth pair: the host's nodes take clients on 127.0.0.1 and
+// routes on the pair's host address, the isolated node both on the
+// namespace's address. Partition cuts the isolated node off, Heal joins it
+// again. It needs root and iproute2.
+func StartNATSClusterPartitionable(t testing.TB, n int) *NATSCluster {
+	t.Helper()
+	return startNATSCluster(t, n, StartNetns(t))
+}
+
+func startNATSCluster(t testing.TB, n int, ns *Netns) *NATSCluster {
+	t.Helper()
+	c := &NATSCluster{t: t, Isolated: -1, netns: ns}
+	routes := make([]string, n)
 	for i := range n {
-		c.Nodes = append(c.Nodes, newNATS(t))
-		routePorts[i] = FreePort(t)
-	}
-	clusterName := "millrace" + strconv.Itoa(routePorts[0])
-	for i, node := range c.Nodes {
-		var routes []string
-		for j, p := range routePorts {
-			if j != i {
-				routes = append(routes, fmt.Sprintf("nats://127.0.0.1:%d", p))
-			}
+		routeHost := "127.0.0.1"
+		var node *NATS
+		switch {
+		case ns == nil:
+			node = newNATS(t)
+		case i == n-1:
+			node, routeHost, c.Isolated = newNATSIn(t, ns), ns.NodeIP, i
+		default:
+			node, routeHost = newNATS(t), ns.HostIP
 		}
+		c.Nodes = append(c.Nodes, node)
+		routes[i] = fmt.Sprintf("nats://%s:%d", routeHost, FreePort(t))
+	}
+	clusterName := "millrace" + strconv.Itoa(c.Nodes[0].port)
+	for i, node := range c.Nodes {
+		others := slices.Delete(slices.Clone(routes), i, i+1)
 		node.clustered = true
 		node.args = []string{"-n", NodeName(i), "--cluster_name", clusterName,
-			"--cluster", fmt.Sprintf("nats://127.0.0.1:%d", routePorts[i]), "--routes", strings.Join(routes, ",")}
+			"--cluster", routes[i], "--routes", strings.Join(others, ",")}
 		node.Start()
 	}
 	c.WaitJetStream()
 	return c
+}
+
+// Partition cuts the isolated node off the network: it keeps running, the
+// other nodes and the clients on the host no longer reach it, nor it them.
+func (c *NATSCluster) Partition() {
+	c.t.Helper()
+	if c.netns == nil {
+		c.t.Fatalf("JetStream cluster: Partition needs a cluster from StartNATSClusterPartitionable")
+	}
+	c.netns.Cut()
+}
+
+// Heal joins the isolated node to the network again after Partition.
+func (c *NATSCluster) Heal() {
+	c.t.Helper()
+	if c.netns == nil {
+		c.t.Fatalf("JetStream cluster: Heal needs a cluster from StartNATSClusterPartitionable")
+	}
+	c.netns.Heal()
+}
+
+// MoveStreamLeader asks the stream's leader to step down in favour of node
+// to (a stepdown with a preferred placement) and returns once to leads
+// the stream.
+func (c *NATSCluster) MoveStreamLeader(ctx context.Context, stream string, to int) error {
+	began := time.Now()
+	for {
+		leader, err := c.StreamLeader(ctx, stream)
+		if err == nil && leader == to {
+			c.t.Logf("JetStream cluster: %s leads stream %q after %s", NodeName(to), stream, time.Since(began).Round(time.Millisecond))
+			return nil
+		}
+		if time.Since(began) > time.Minute {
+			return fmt.Errorf("stream %q: %s does not lead it a minute after asking (leader %d, %v)", stream, NodeName(to), leader, err)
+		}
+		if err == nil {
+			if err := c.stepDown(ctx, stream, NodeName(to)); err != nil {
+				c.t.Logf("JetStream cluster: stream %q stepdown: %v", stream, err)
+			}
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+}
+
+// stepDown sends the stream's leader a stepdown request naming the node
+// preferred to lead it next (no client library call takes a placement).
+func (c *NATSCluster) stepDown(ctx context.Context, stream, preferred string) error {
+	nc, err := nats.Connect(c.URLs(), nats.Timeout(2*time.Second))
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	req := fmt.Sprintf(`{"placement":{"preferred":%q}}`, preferred)
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	msg, err := nc.RequestWithContext(ctx, "$JS.API.STREAM.LEADER.STEPDOWN."+stream, []byte(req))
+	if err != nil {
+		return err
+	}
+	var resp struct {
+		Error *struct {
+			Description string `json:"description"`
+		} `json:"error"`
+	}
+	if err := json.Unmarshal(msg.Data, &resp); err != nil {
+		return fmt.Errorf("stepdown answer %q: %w", msg.Data, err)
+	}
+	if resp.Error != nil {
+		return errors.New(resp.Error.Description)
+	}
+	return nil
 }
 
 // NodeName is the server name of the cluster's i-th node.

@@ -3,6 +3,7 @@ package servers
 import (
 	"context"
 	"database/sql"
+	"fmt"
 	"os"
 	"os/exec"
 	"strings"
@@ -242,6 +243,67 @@ func TestNATSCluster(t *testing.T) {
 		s, err := js.Stream(ctx, "R3")
 		return err == nil && s.CachedInfo().State.Msgs == 30 && len(s.CachedInfo().Cluster.Replicas) == 2
 	}, time.Minute, 200*time.Millisecond, "30 messages on the stream, replicated again")
+}
+
+// A 3-node JetStream cluster whose stream leader is cut off the network (its
+// process running, its link down) elects another leader among the two
+// nodes left and takes publishes there; the cut-off node neither answers
+// meanwhile nor keeps anything of its own once healed: the stream holds
+// exactly what was acknowledged, on all three replicas.
+func TestNATSClusterPartition(t *testing.T) {
+	t.Parallel()
+	c := StartNATSClusterPartitionable(t, 3)
+	require.Equal(t, 2, c.Isolated)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	nc, err := nats.Connect(c.URLs(), nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond),
+		nats.PingInterval(time.Second), nats.MaxPingsOutstanding(2))
+	require.NoError(t, err)
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+	_, err = js.CreateStream(ctx, jetstream.StreamConfig{Name: "R3", Subjects: []string{"r3.>"}, Replicas: 3, Storage: jetstream.FileStorage})
+	require.NoError(t, err)
+	acked := 0
+	publish := func(n int) {
+		t.Helper()
+		for i := range n {
+			require.Eventually(t, func() bool {
+				pubCtx, cancel := context.WithTimeout(ctx, 2*time.Second)
+				defer cancel()
+				_, err := js.Publish(pubCtx, "r3.x", []byte{byte(i)}, jetstream.WithMsgID(fmt.Sprintf("m%d", acked)))
+				return err == nil
+			}, time.Minute, 100*time.Millisecond, "publish")
+			acked++
+		}
+	}
+	publish(10)
+	c.WaitStreamCurrent(ctx, "R3")
+	require.NoError(t, c.MoveStreamLeader(ctx, "R3", c.Isolated))
+
+	c.Partition()
+	_, err = nats.Connect(c.Nodes[c.Isolated].URL, nats.Timeout(time.Second))
+	require.Error(t, err, "the cut-off node still answers")
+	publish(10) // through a new leader
+	leader, err := c.StreamLeader(ctx, "R3")
+	require.NoError(t, err)
+	require.NotEqual(t, c.Isolated, leader)
+	time.Sleep(10 * time.Second) // well past the Raft election timeout: the cut-off node has stepped down
+	publish(10)
+
+	c.Heal()
+	c.WaitJetStream()
+	c.WaitStreamCurrent(ctx, "R3")
+	// Asked through the healed node: every acknowledged message, once.
+	isolated, err := nats.Connect(c.Nodes[c.Isolated].URL)
+	require.NoError(t, err)
+	defer isolated.Close()
+	direct, err := jetstream.New(isolated)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		s, err := direct.Stream(ctx, "R3")
+		return err == nil && s.CachedInfo().State.Msgs == uint64(acked) && len(s.CachedInfo().Cluster.Replicas) == 2
+	}, time.Minute, 200*time.Millisecond, "%d messages on the stream, replicated on the healed node too", acked)
 }
 
 // A 3-node RabbitMQ cluster keeps a quorum queue through a SIGKILL of its

@@ -6,6 +6,8 @@ import (
 	"fmt"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	jsonv2 "github.com/go-json-experiment/json"
+	jsonv1 "github.com/go-json-experiment/json/v1"
 )
 
 // Metadata keys every millrace event carries. They travel as broker headers.
@@ -55,11 +57,19 @@ func Wrap(destinationTopic string, msg *message.Message) ([]byte, error) {
 	})
 }
 
+// v1Semantics makes the relay's decoder accept exactly what encoding/json
+// accepts (case-insensitive names, duplicate names, invalid UTF-8 replaced).
+// The decoder is go-json-experiment's, the code behind Go's encoding/json/v2,
+// rather than encoding/json's: on every outbox row it is the relay's largest
+// CPU cost, and it decodes the envelope in about a third of the time with a
+// sixth of the allocations (BenchmarkUnwrap).
+var v1Semantics = jsonv1.DefaultOptionsV1()
+
 // Unwrap decodes an outbox row payload written by Wrap or by Watermill's
 // forwarder.Publisher into the destination topic and the original message.
 func Unwrap(payload []byte) (destinationTopic string, msg *message.Message, err error) {
 	var e forwarderEnvelope
-	if err := json.Unmarshal(payload, &e); err != nil {
+	if err := jsonv2.Unmarshal(payload, &e, v1Semantics); err != nil {
 		return "", nil, fmt.Errorf("%w: %v", ErrCorrupt, err)
 	}
 	if e.DestinationTopic == "" {

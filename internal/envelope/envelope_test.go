@@ -1,7 +1,10 @@
 package envelope
 
 import (
+	"bytes"
+	"encoding/json"
 	"errors"
+	"maps"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -65,6 +68,46 @@ func FuzzUnwrap(f *testing.F) {
 		topic2, got2, err := Unwrap(again)
 		if err != nil || topic2 != topic || got2.UUID != got.UUID || string(got2.Payload) != string(got.Payload) {
 			t.Fatalf("round trip changed the envelope: %q", data)
+		}
+	})
+}
+
+// FuzzUnwrapAgreesWithEncodingJSON holds Unwrap's decoder to encoding/json's
+// semantics: the same envelopes accepted, with the same contents, so that
+// the faster decoder quarantines nothing encoding/json would have relayed.
+func FuzzUnwrapAgreesWithEncodingJSON(f *testing.F) {
+	for _, seed := range []string{
+		`{"destination_topic":"t","uuid":"u","payload":"eyJhIjoxfQ==","metadata":{"k":"v"}}`,
+		`{"DESTINATION_TOPIC":"t","Uuid":"u"}`,
+		`{"destination_topic":"a","destination_topic":"b"}`,
+		"{\"destination_topic\":\"t\",\"metadata\":{\"k\":\"\xff\"}}",
+		`{"destination_topic":"t","payload":"eyJh\nIjoxfQ=="}`,
+		`{"destination_topic":"t","payload":null,"metadata":null}`,
+		`{"destination_topic":"t","metadata":{"k":1}}`,
+		`{"destination_topic":"t","extra":[1,{"x":2}]}`,
+	} {
+		f.Add([]byte(seed))
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		var want forwarderEnvelope
+		v1Err := json.Unmarshal(data, &want)
+		topic, got, err := Unwrap(data)
+		switch {
+		case v1Err != nil:
+			if !errors.Is(err, ErrCorrupt) {
+				t.Fatalf("encoding/json refuses %q (%v), Unwrap: %v", data, v1Err, err)
+			}
+		case want.DestinationTopic == "":
+			if !errors.Is(err, ErrNoDestination) {
+				t.Fatalf("no destination in %q, Unwrap: %v", data, err)
+			}
+		case err != nil:
+			t.Fatalf("encoding/json accepts %q, Unwrap: %v", data, err)
+		default:
+			if topic != want.DestinationTopic || got.UUID != want.UUID || !bytes.Equal(got.Payload, want.Payload) ||
+				(want.Metadata != nil && !maps.Equal(map[string]string(got.Metadata), want.Metadata)) {
+				t.Fatalf("%q: Unwrap gives %q %q %q %v, encoding/json %+v", data, topic, got.UUID, got.Payload, got.Metadata, want)
+			}
 		}
 	})
 }

@@ -156,7 +156,10 @@ func (t Tables) readBatch(ctx context.Context, db DBTX, c Cursor, ctes, after st
 		return nil, false, fmt.Errorf("read batch: %w", err)
 	}
 	defer res.Close()
-	rows = make([]OutboxRow, 0, limit)
+	// Grown as rows come: most reads (a wake-up per commit at a trickle,
+	// an idle poll) find a few rows or none, and a slice of limit rows for
+	// each was most of the relay's allocations.
+	rows = make([]OutboxRow, 0, min(limit, 16))
 	for res.Next() {
 		var r OutboxRow
 		var offset, txID sql.NullInt64

@@ -31,8 +31,9 @@ var errRunAlone = fmt.Errorf("%w; trying it again in a transaction of its own", 
 // batcher is the group commit of one chain's inbox transactions. The
 // messages that reach the transaction stage within batch.max_wait of each
 // other (up to the batch limit) form a batch, which runs at once when every
-// message in the chain is in it (none other can come before one of them is
-// acked: at a trickle, and on a single ordered subscription, nothing waits).
+// message in the chain is in it and no message that just left the chain
+// may have a successor on its way (see freed: at a trickle, and on a
+// single ordered subscription, nothing waits).
 // A goroutine of the batch
 // begins one transaction and gives each message its turn in a savepoint of
 // its own, in the order they joined, then commits once. Each message's
@@ -56,15 +57,25 @@ type batcher struct {
 	mu      sync.Mutex
 	forming *batch // the batch messages join now; nil when none is open
 	// inChain counts the messages in the chain (between the observe
-	// stage's start and end): a batch holding all of them waits no longer,
-	// as no other message can come before one of them is acked.
+	// stage's start and end).
 	inChain int
+	// freed holds when messages left the chain, oldest first, one entry
+	// per message whose successor has not entered yet: a subscription
+	// hands over its next message a broker round trip after the ack, so
+	// for batch.max_wait after a message left, another is likely on its
+	// way. A batch holding every message in the chain, with none of those
+	// on their way, waits no longer: no other message can come before one
+	// of them is acked (at a trickle, nothing waits).
+	freed []time.Time
 }
 
 // enter and leave count a message into and out of the chain.
 func (b *batcher) enter() {
 	b.mu.Lock()
 	b.inChain++
+	if b.coming() > 0 { // the successor of the oldest message that left
+		b.freed = b.freed[1:]
+	}
 	b.mu.Unlock()
 }
 
@@ -72,20 +83,37 @@ func (b *batcher) leave() {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	b.inChain--
+	if int64(len(b.freed)) < b.limit.Load() {
+		b.freed = append(b.freed, time.Now())
+	}
 	b.closeIfComplete()
 }
 
-// closeIfComplete closes the forming batch when it is full or holds every
-// message in the chain. b.mu is held.
+// closeIfComplete closes the forming batch when it is full, or when it
+// holds every message in the chain and no message left the chain within
+// batch.max_wait without a successor. b.mu is held.
 func (b *batcher) closeIfComplete() {
 	bt := b.forming
 	if bt == nil {
 		return
 	}
-	if n := len(bt.members); int64(n) >= b.limit.Load() || n >= b.inChain {
+	n := len(bt.members)
+	if int64(n) >= b.limit.Load() || n >= b.inChain+b.coming() {
 		close(bt.full)
 		b.forming = nil
 	}
+}
+
+// coming is how many messages may be on their way: those that left the
+// chain within batch.max_wait and have no successor yet. b.mu is held.
+func (b *batcher) coming() int {
+	since := time.Now().Add(-b.wait)
+	i := 0
+	for i < len(b.freed) && b.freed[i].Before(since) {
+		i++
+	}
+	b.freed = b.freed[i:]
+	return len(b.freed)
 }
 
 func newBatcher(c *Chain) *batcher {

@@ -32,13 +32,16 @@ import (
 //   - batched32: the chain with 32 workers and batch.max_messages 32;
 //   - batchhandler: the chain as batched, with a batch handler (WrapBatch)
 //     writing each batch with one INSERT;
+//   - batchhandler32x8: the batch handler with 32 workers and
+//     batch.max_messages 8, so that batches fill while others commit;
 //
 // then bare, chain1, batched, batched32 and batchhandler again with every COMMIT taking 2ms more
 // (the *_flush2ms rates), as one that waits for a disk flush or a
 // synchronous standby does: the local PostgreSQL of the test machine
 // commits about as fast as it runs a statement, which hides what batching
 // saves. It reports the ratios batched/chain1, batched32/chain1,
-// batchhandler/chain1, batchhandler/batched, batched/bare and, with the
+// batchhandler/chain1, batchhandler/batched, batchhandler32x8/chain1,
+// batched/bare and, with the
 // slow COMMIT, batched/chain1_flush2ms, batched32/chain1_flush2ms and
 // batchhandler/chain1_flush2ms, and the mean messages per batched
 // transaction (msgs/tx).
@@ -98,6 +101,7 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 				{name: "batched", cfg: batch(8, 8), chain: true, handle: chained},
 				{name: "batched32", cfg: batch(32, 32), chain: true, handle: chained},
 				{name: "batchhandler", cfg: batch(8, 8), chain: true, batch: bulk},
+				{name: "batchhandler32x8", cfg: batch(32, 8), chain: true, batch: bulk},
 				{name: "bare_flush2ms", cfg: batch(8, 1), handle: bare(flush)},
 				{name: "chain1_flush2ms", cfg: batch(8, 1), chain: true, flush: flush, handle: chained},
 				{name: "batched_flush2ms", cfg: batch(8, 8), chain: true, flush: flush, handle: chained},
@@ -131,6 +135,7 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 			b.ReportMetric(rate["batched32"]/rate["chain1"], "batched32/chain1")
 			b.ReportMetric(rate["batchhandler"]/rate["chain1"], "batchhandler/chain1")
 			b.ReportMetric(rate["batchhandler"]/rate["batched"], "batchhandler/batched")
+			b.ReportMetric(rate["batchhandler32x8"]/rate["chain1"], "batchhandler32x8/chain1")
 			b.ReportMetric(rate["batched"]/rate["bare"], "batched/bare")
 			b.ReportMetric(rate["batched_flush2ms"]/rate["chain1_flush2ms"], "batched/chain1_flush2ms")
 			b.ReportMetric(rate["batched32_flush2ms"]/rate["chain1_flush2ms"], "batched32/chain1_flush2ms")

@@ -190,6 +190,17 @@ type outcome struct {
 	lost, duplicated, ghosts         int
 	outOfOrder                       int
 	poisoned, wronglyPoisoned        int
+	// transactions is how many inbox transactions committed effects, and
+	// largestBatch the most effects one of them committed.
+	transactions, largestBatch int
+}
+
+// perTransaction is the mean effects per inbox transaction.
+func (o outcome) perTransaction() float64 {
+	if o.transactions == 0 {
+		return 0
+	}
+	return float64(o.effects) / float64(o.transactions)
 }
 
 // settle waits until every committed well-formed event has an effect and
@@ -257,6 +268,8 @@ func (w *world) check(ordered bool) outcome {
 		last[agg] = version
 	}
 	require.NoError(t, rows.Err())
+	require.NoError(t, w.db.QueryRow(`SELECT count(*), coalesce(max(n), 0) FROM (SELECT count(*) AS n FROM `+
+		w.table("effects")+` GROUP BY xid) AS batches`).Scan(&o.transactions, &o.largestBatch))
 	for id := range wr.committed {
 		if seen[id] == 0 {
 			o.lost++
@@ -284,6 +297,7 @@ func (w *world) check(ordered bool) outcome {
 		}
 	}
 
+	t.Logf("%d effects in %d inbox transactions (%.1f per transaction, at most %d)", o.effects, o.transactions, o.perTransaction(), o.largestBatch)
 	require.Zero(t, o.lost, "committed events without an effect (or malformed ones not poisoned)")
 	require.Zero(t, o.duplicated, "events with more than one effect")
 	require.Zero(t, o.ghosts, "effects of rolled-back events")

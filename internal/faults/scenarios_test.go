@@ -26,20 +26,22 @@ import (
 
 // The scenarios, in the order docs/RELIABILITY.md lists them.
 const (
-	relayKilled      = "relay SIGKILLed at random points"
-	consumerKilled   = "consumer SIGKILLed after its effect committed, before the ack"
-	brokerRestarted  = "broker restarted mid-flow"
-	postgresCrashed  = "PostgreSQL crash-restarted mid-flow"
-	terminated       = "SIGTERM mid-batch"
-	twoOfEach        = "two relays and two consumer replicas, one SIGKILLed"
-	poisonStorm      = "poison storm: 1% malformed"
-	dependencyOutage = "dependency outage behind the circuit breaker"
-	relayOutage      = "relay outage, then a rate-limited drain"
-	clusterFaults    = "3-node cluster: leader killed, leader hung 15 s (NATS, RabbitMQ) or every leader moved (Kafka), rolling restart"
-	clusterPartition = "3-node cluster: stream leader cut off the network (20 s or more), then healed"
+	relayKilled    = "relay SIGKILLed at random points"
+	consumerKilled = "consumer SIGKILLed after its effect committed, before the ack"
+	// consumerKilledBatched is consumerKilled with unordered consumers.
+	consumerKilledBatched = "unordered consumer SIGKILLed after its batch committed, before the acks"
+	brokerRestarted       = "broker restarted mid-flow"
+	postgresCrashed       = "PostgreSQL crash-restarted mid-flow"
+	terminated            = "SIGTERM mid-batch"
+	twoOfEach             = "two relays and two consumer replicas, one SIGKILLed"
+	poisonStorm           = "poison storm: 1% malformed"
+	dependencyOutage      = "dependency outage behind the circuit breaker"
+	relayOutage           = "relay outage, then a rate-limited drain"
+	clusterFaults         = "3-node cluster: leader killed, leader hung 15 s (NATS, RabbitMQ) or every leader moved (Kafka), rolling restart"
+	clusterPartition      = "3-node cluster: stream leader cut off the network (20 s or more), then healed"
 )
 
-var scenarioOrder = []string{relayKilled, consumerKilled, brokerRestarted, postgresCrashed, terminated,
+var scenarioOrder = []string{relayKilled, consumerKilled, consumerKilledBatched, brokerRestarted, postgresCrashed, terminated,
 	twoOfEach, poisonStorm, dependencyOutage, relayOutage, clusterFaults, clusterPartition}
 
 func scenarioRank(name string) int { return slices.Index(scenarioOrder, name) }
@@ -136,30 +138,44 @@ func TestRelaySIGKILL(t *testing.T) {
 }
 
 func TestConsumerSIGKILLAfterEffect(t *testing.T) {
-	eachBroker(t, brokertest.Kinds, func(t *testing.T, kind string) {
-		w := newWorld(t, kind, worldOptions{})
-		w.writer.commit(1500)
-		w.start("relay", nodeSpec{Relay: true})
-		rng := newRand()
-		const kills = 3
-		for i := range kills {
-			c := w.start(fmt.Sprint("consumer-", i), nodeSpec{Consume: true, KillAfterEffect: 50 + rng.IntN(250)})
-			select {
-			case <-c.proc.Done():
-			case <-time.After(2 * time.Minute):
-				t.Fatalf("consumer %d never reached its kill point", i)
-			}
-			require.True(t, c.proc.KilledBySIGKILL(), "consumer %d died by its own SIGKILL, not %v:\n%s", i, c.proc.Err(), tail(c.stderr.String(), 2000))
-			c.stopped.Store(true)
-			w.fault()
+	eachBroker(t, brokertest.Kinds, func(t *testing.T, kind string) { consumerSIGKILL(t, kind, false) })
+}
+
+// TestConsumerSIGKILLAfterBatchCommit is TestConsumerSIGKILLAfterEffect
+// with unordered consumers, whose batches hold several messages on every
+// broker: the kill comes after a batch's COMMIT, before its acks.
+func TestConsumerSIGKILLAfterBatchCommit(t *testing.T) {
+	eachBroker(t, brokertest.Kinds, func(t *testing.T, kind string) { consumerSIGKILL(t, kind, true) })
+}
+
+func consumerSIGKILL(t *testing.T, kind string, unordered bool) {
+	w := newWorld(t, kind, worldOptions{unordered: unordered})
+	w.writer.commit(1500)
+	w.start("relay", nodeSpec{Relay: true})
+	rng := newRand()
+	const kills = 3
+	for i := range kills {
+		c := w.start(fmt.Sprint("consumer-", i), nodeSpec{Consume: true, KillAfterEffect: 50 + rng.IntN(250)})
+		select {
+		case <-c.proc.Done():
+		case <-time.After(2 * time.Minute):
+			t.Fatalf("consumer %d never reached its kill point", i)
 		}
-		w.start("consumer", nodeSpec{Consume: true})
-		recovery := w.settle(settleTimeout)
-		// On NATS the ordered group's consumer has max_ack_pending 1: what a
-		// dead consumer held comes back after ack_wait, before anything newer.
-		record(result{scenario: consumerKilled, broker: kind, faults: fmt.Sprintf("%d SIGKILLs", kills),
-			o: w.check(true), ordered: true, recovery: recovery})
-	})
+		require.True(t, c.proc.KilledBySIGKILL(), "consumer %d died by its own SIGKILL, not %v:\n%s", i, c.proc.Err(), tail(c.stderr.String(), 2000))
+		c.stopped.Store(true)
+		w.fault()
+	}
+	w.start("consumer", nodeSpec{Consume: true})
+	recovery := w.settle(settleTimeout)
+	if unordered {
+		record(result{scenario: consumerKilledBatched, broker: kind, faults: fmt.Sprintf("%d SIGKILLs", kills),
+			o: w.check(false), recovery: recovery})
+		return
+	}
+	// On NATS the ordered group's consumer has max_ack_pending 1: what a
+	// dead consumer held comes back after ack_wait, before anything newer.
+	record(result{scenario: consumerKilled, broker: kind, faults: fmt.Sprintf("%d SIGKILLs", kills),
+		o: w.check(true), ordered: true, recovery: recovery})
 }
 
 func TestBrokerRestart(t *testing.T) {
@@ -174,7 +190,7 @@ func TestBrokerRestart(t *testing.T) {
 			s := servers.StartRabbitMQ(t, "", "")
 			url, restart = s.URL, s.Restart
 		}
-		w := newWorld(t, kind, worldOptions{brokerURL: url})
+		w := newWorld(t, kind, worldOptions{brokerURL: url, unordered: true})
 		w.start("relay", nodeSpec{Relay: true})
 		w.start("consumer", nodeSpec{Consume: true})
 		stop := w.writer.start(rate)
@@ -239,7 +255,9 @@ func TestSIGTERMMidBatch(t *testing.T) {
 
 func TestTwoRelaysTwoConsumers(t *testing.T) {
 	eachBroker(t, brokertest.Kinds, func(t *testing.T, kind string) {
-		w := newWorld(t, kind, worldOptions{})
+		// Order is not promised on RabbitMQ here (below): its consumers run
+		// unordered, with batches of several messages.
+		w := newWorld(t, kind, worldOptions{unordered: kind == bus.KindRabbitMQ})
 		a := w.start("a", nodeSpec{Relay: true, Consume: true})
 		w.start("b", nodeSpec{Relay: true, Consume: true})
 		stop := w.writer.start(rate)
@@ -319,7 +337,8 @@ func TestDependencyOutage(t *testing.T) {
 func TestNATSClusterFaults(t *testing.T) {
 	eachBroker(t, []string{bus.KindNATS}, func(t *testing.T, kind string) {
 		c := servers.StartNATSCluster(t, 3)
-		w := newWorld(t, kind, worldOptions{brokerURL: c.URLs(), tune: func(cfg *bus.Config) { cfg.Broker.NATS.Stream.Replicas = 3 }})
+		w := newWorld(t, kind, worldOptions{brokerURL: c.URLs(), unordered: true,
+			tune: func(cfg *bus.Config) { cfg.Broker.NATS.Stream.Replicas = 3 }})
 		w.start("relay", nodeSpec{Relay: true})
 		w.start("consumer", nodeSpec{Consume: true})
 		stop := w.writer.start(rate)
@@ -457,7 +476,7 @@ func TestNATSClusterPartition(t *testing.T) {
 func TestRabbitMQClusterFaults(t *testing.T) {
 	eachBroker(t, []string{bus.KindRabbitMQ}, func(t *testing.T, kind string) {
 		c := servers.StartRabbitMQCluster(t, 3)
-		w := newWorld(t, kind, worldOptions{brokerURL: c.URLs()})
+		w := newWorld(t, kind, worldOptions{brokerURL: c.URLs(), unordered: true})
 		w.start("relay", nodeSpec{Relay: true})
 		w.start("consumer", nodeSpec{Consume: true})
 		stop := w.writer.start(rate)
@@ -531,7 +550,7 @@ func TestKafkaClusterFaults(t *testing.T) {
 		require.NoError(t, err)
 		t.Cleanup(c.Close)
 		addrs := c.ListenAddrs()
-		w := newWorld(t, kind, worldOptions{tune: func(cfg *bus.Config) { cfg.Broker.Kafka.Brokers = addrs }})
+		w := newWorld(t, kind, worldOptions{unordered: true, tune: func(cfg *bus.Config) { cfg.Broker.Kafka.Brokers = addrs }})
 		w.start("relay", nodeSpec{Relay: true})
 		w.start("consumer", nodeSpec{Consume: true})
 		stop := w.writer.start(rate)

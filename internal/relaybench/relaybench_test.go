@@ -79,9 +79,14 @@ const shardedRelay = "millrace-3x8"
 // brokers is filled by brokers_test.go, one entry per adapter.
 var brokers = map[string]brokerKit{}
 
+// drainBound is how long a relay may take to drain the backlog; one that
+// takes longer gets the rate it reached and no latency row.
+const drainBound = 4 * time.Minute
+
 type result struct {
 	kind, relay           string
 	drainRate             float64   // msgs/s
+	undrained             bool      // the backlog was not drained within drainBound
 	latency               []latency // one per trickle, in the order of trickles
 	idleQueries           float64   // statements/s
 	peakRSSMB             float64
@@ -230,9 +235,18 @@ func measure(b *testing.B, kind, relay string) result {
 	if relay == shardedRelay {
 		shards = 8
 	}
-	testkit.Eventually(b, 10*time.Minute, "the backlog to drain", func() bool {
-		return !anyPending(ctx, db, tables, relayGroup(relay), shards)
-	})
+	for anyPending(ctx, db, tables, relayGroup(relay), shards) {
+		if time.Since(began) > drainBound {
+			// Stock Watermill on a slow broker: its rate is what the
+			// consumer got meanwhile, and the rest of the run is skipped.
+			rate := float64(c.distinct()) / time.Since(began).Seconds()
+			for _, p := range procs {
+				p.stop()
+			}
+			return result{kind: kind, relay: relay, drainRate: rate, undrained: true}
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 	drain := time.Since(began)
 	ops, err := bus.NewOps(ctx, db, cfg)
 	if err != nil {
@@ -642,6 +656,10 @@ func printTable() {
 			if okC {
 				pct = fmt.Sprintf("%.1f%%", 100*r.drainRate/ceiling.drainRate)
 			}
+			if r.undrained {
+				fmt.Printf("%-13s %11s %9s  did not drain %d events within %s\n", r.relay, fmt.Sprintf("<%.0f", r.drainRate), pct, backlogEvents, drainBound)
+				continue
+			}
 			fmt.Printf("%-13s %11.0f %9s", r.relay, r.drainRate, pct)
 			for _, l := range r.latency {
 				fmt.Printf(" %10s %10s", ms(l.p50), ms(l.p99))
@@ -653,7 +671,7 @@ func printTable() {
 		}
 		s, okS := byKey[k+"/watermill"]
 		m, okM := byKey[k+"/millrace"]
-		if okS && okM {
+		if okS && okM && !s.undrained && !m.undrained {
 			fmt.Printf("%-13s %10.1fx %9s", "vs watermill", m.drainRate/s.drainRate, "")
 			for i := range m.latency {
 				fmt.Printf(" %9.1fx %9.1fx", float64(s.latency[i].p50)/float64(m.latency[i].p50), float64(s.latency[i].p99)/float64(m.latency[i].p99))

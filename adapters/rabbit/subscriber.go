@@ -25,10 +25,14 @@ import (
 // cancellation (its queue deleted) into an empty message for the handler.
 // The delivery semantics follow watermill-amqp: one message at a time per
 // subscription, Ack -> basic.ack, Nack -> basic.nack with requeue, and a
-// closing subscriber nacks what it holds.
+// closing subscriber nacks what it holds. An ordered subscriber
+// (OrderedSubscriber) differs: see consumeOrdered.
 type subscriber struct {
 	b     *Broker
 	group string
+	// inFlight, when positive, makes this an ordered subscriber with up to
+	// inFlight messages handed out at once (and the channel's prefetch).
+	inFlight int
 	// wait, when set, is the RedeliverySubscriber's wait before a nacked
 	// message's next delivery.
 	wait func(delivery int) time.Duration
@@ -62,7 +66,7 @@ var (
 // connection loss each subscription reconnects by itself, with a backoff up
 // to Config.ReconnectMaxInterval.
 func (b *Broker) Subscriber(consumerGroup string) (message.Subscriber, error) {
-	return b.newSubscriber(consumerGroup, nil)
+	return b.newSubscriber(consumerGroup, nil, 0)
 }
 
 // RedeliverySubscriber is Subscriber, except that a nacked message waits
@@ -89,10 +93,33 @@ func (b *Broker) RedeliverySubscriber(consumerGroup string, wait func(delivery i
 	if wait == nil {
 		return nil, adapters.Permanent(errors.New("rabbitmq: RedeliverySubscriber: wait is nil"))
 	}
-	return b.newSubscriber(consumerGroup, wait)
+	return b.newSubscriber(consumerGroup, wait, 0)
 }
 
-func (b *Broker) newSubscriber(consumerGroup string, wait func(int) time.Duration) (message.Subscriber, error) {
+var _ adapters.OrderedFlight = (*Broker)(nil)
+
+// OrderedSubscriber is Subscriber for an ordered consumer
+// (adapters.OrderedFlight): a subscription consumes the group's queue with
+// a prefetch of inFlight (in place of Config.Prefetch) and hands each
+// delivery out at once, without waiting for the previous one's ack; each
+// Ack is a basic.ack of its own delivery tag, never `multiple`. A Nack is
+// never a basic.nack, which returns the message to the back of a quorum
+// queue, behind newer ones: the subscription stops handing out, waits until
+// what it handed out is settled, and closes its channel, and the quorum
+// queue puts the unacked messages (the nacked ones and those prefetched but
+// not handed out) back at its head in their delivery order; then it
+// consumes again on a new channel. Closing the subscriber, a crash or a lost
+// connection return the unacked messages the same way. Each such return
+// counts as a delivery of every message returned (x-delivery-count,
+// Config.DeliveryLimit).
+func (b *Broker) OrderedSubscriber(consumerGroup string, inFlight int) (message.Subscriber, error) {
+	if inFlight < 1 || inFlight > 65535 {
+		return nil, adapters.Permanent(fmt.Errorf("rabbitmq: OrderedSubscriber: inFlight must be 1 to 65535 (an AMQP prefetch count); got %d", inFlight))
+	}
+	return b.newSubscriber(consumerGroup, nil, inFlight)
+}
+
+func (b *Broker) newSubscriber(consumerGroup string, wait func(int) time.Duration, inFlight int) (message.Subscriber, error) {
 	if err := checkGroup(consumerGroup); err != nil {
 		return nil, err
 	}
@@ -102,7 +129,7 @@ func (b *Broker) newSubscriber(consumerGroup string, wait func(int) time.Duratio
 	if closed {
 		return nil, errClosed
 	}
-	s := &subscriber{b: b, group: consumerGroup, wait: wait, closing: make(chan struct{})}
+	s := &subscriber{b: b, group: consumerGroup, wait: wait, inFlight: inFlight, closing: make(chan struct{})}
 	if _, err := s.connection(context.Background()); err != nil {
 		return nil, err
 	}
@@ -203,6 +230,11 @@ func (s *subscriber) run(ctx context.Context, topic string, out chan<- *message.
 		if s.stopping(ctx) {
 			return
 		}
+		if errors.Is(err, errReturned) {
+			// A nack of an ordered subscription: consume again at once.
+			bo.Reset()
+			continue
+		}
 		if consumed {
 			bo.Reset()
 		}
@@ -247,31 +279,26 @@ func (s *subscriber) consume(ctx context.Context, topic string, out chan<- *mess
 	}
 	defer ch.Close()
 	closes := ch.NotifyClose(make(chan *amqp.Error, 1))
-	if err := ch.Qos(s.b.cfg.Prefetch, 0, false); err != nil {
-		return false, fmt.Errorf("rabbitmq: set prefetch %d: %w", s.b.cfg.Prefetch, err)
+	prefetch := s.b.cfg.Prefetch
+	if s.inFlight > 0 {
+		prefetch = s.inFlight
+	}
+	if err := ch.Qos(prefetch, 0, false); err != nil {
+		return false, fmt.Errorf("rabbitmq: set prefetch %d: %w", prefetch, err)
 	}
 	queue := QueueName(topic, s.group)
 	deliveries, err := ch.Consume(queue, "", false, false, false, false, nil)
 	if err != nil {
 		return false, fmt.Errorf("rabbitmq: consume queue %q: %w", queue, err)
 	}
+	if s.inFlight > 0 {
+		return true, s.consumeOrdered(ctx, ch, queue, deliveries, closes, out)
+	}
 	for {
 		select {
 		case d, ok := <-deliveries:
 			if !ok {
-				// The channel closed, or the broker cancelled the consumer
-				// (its queue was deleted).
-				select {
-				case e, ok := <-closes:
-					if ok && e != nil {
-						return true, fmt.Errorf("rabbitmq: channel closed: %w", e)
-					}
-				default:
-				}
-				if ch.IsClosed() {
-					return true, errors.New("rabbitmq: channel closed")
-				}
-				return true, fmt.Errorf("rabbitmq: consumer of queue %q cancelled by the broker", queue)
+				return true, consumeEnded(ch, queue, closes)
 			}
 			if !s.deliver(ctx, topic, d, out) {
 				return true, nil
@@ -282,6 +309,122 @@ func (s *subscriber) consume(ctx context.Context, topic string, out chan<- *mess
 			return true, nil
 		case <-s.closing:
 			return true, nil
+		}
+	}
+}
+
+// consumeEnded is why the deliveries of queue on ch ended: the channel
+// closed, or the broker cancelled the consumer (its queue was deleted).
+func consumeEnded(ch *amqp.Channel, queue string, closes <-chan *amqp.Error) error {
+	select {
+	case e, ok := <-closes:
+		if ok && e != nil {
+			return fmt.Errorf("rabbitmq: channel closed: %w", e)
+		}
+	default:
+	}
+	if ch.IsClosed() {
+		return errors.New("rabbitmq: channel closed")
+	}
+	return fmt.Errorf("rabbitmq: consumer of queue %q cancelled by the broker", queue)
+}
+
+// errReturned ends an ordered consumer whose channel was closed to return
+// its unacked messages to the head of the queue after a Nack.
+var errReturned = errors.New("rabbitmq: unacked messages returned to the queue after a nack")
+
+// consumeOrdered is consume's loop for an ordered subscriber: it hands every
+// delivery out at once (the channel's prefetch bounds how many are
+// unsettled) and settles each from a goroutine of its own. On the first
+// Nack it stops handing out, waits until everything handed out is settled
+// (the acks of other messages still go through, so nothing else comes
+// back), and returns errReturned; consume's deferred Close then makes the
+// quorum queue return the unacked messages to its head, in delivery order.
+// A basic.nack would instead requeue the message at the back, behind newer
+// ones. It returns nil when ctx ends or the subscriber closes: closing the
+// connection returns the unacked messages the same way.
+func (s *subscriber) consumeOrdered(ctx context.Context, ch *amqp.Channel, queue string, deliveries <-chan amqp.Delivery, closes <-chan *amqp.Error, out chan<- *message.Message) error {
+	var (
+		handedOut sync.WaitGroup
+		nackOnce  sync.Once
+	)
+	nacked := make(chan struct{})
+	// settle waits until what was handed out is settled (or the subscriber
+	// closes): the acks need the channel, which consume closes on return.
+	settle := func() {
+		settled := make(chan struct{})
+		go func() {
+			handedOut.Wait()
+			close(settled)
+		}()
+		select {
+		case <-settled:
+		case <-s.closing:
+		}
+	}
+	for {
+		select {
+		case d, ok := <-deliveries:
+			if !ok {
+				return consumeEnded(ch, queue, closes)
+			}
+			msg, _ := Marshaler{}.Unmarshal(d) // never fails; see Marshaler
+			msgCtx, cancel := context.WithCancel(ctx)
+			msg.SetContext(msgCtx)
+			select {
+			case out <- msg:
+			case <-nacked:
+				// Not handed out: it comes back with the others, in order.
+				cancel()
+				continue
+			case <-ctx.Done():
+				cancel()
+				settle()
+				return nil
+			case <-s.closing:
+				cancel()
+				return nil
+			}
+			handedOut.Add(1)
+			go func() {
+				defer handedOut.Done()
+				defer cancel()
+				s.settleOrdered(d, msg, func() { nackOnce.Do(func() { close(nacked) }) })
+			}()
+		case <-nacked:
+			settle()
+			if s.stopping(ctx) {
+				return nil
+			}
+			s.b.opts.Logger.Info("Ordered RabbitMQ subscription returns its unacked messages to the queue after a nack", watermill.LogFields{"consumer_group": s.group, "queue": queue})
+			return errReturned
+		case e := <-closes:
+			return fmt.Errorf("rabbitmq: channel closed: %w", e)
+		case <-ctx.Done():
+			settle()
+			return nil
+		case <-s.closing:
+			return nil
+		}
+	}
+}
+
+// settleOrdered settles the delivery d, handed out as msg, of an ordered
+// subscriber: an Ack acks its delivery tag alone; a Nack calls nack and
+// leaves d unacked, for the channel's close to return it. A failed ack means
+// the channel is gone, and the broker returns the message with the others.
+func (s *subscriber) settleOrdered(d amqp.Delivery, msg *message.Message, nack func()) {
+	select {
+	case <-msg.Acked():
+		_ = d.Ack(false)
+	case <-msg.Nacked():
+		nack()
+	case <-s.closing:
+		// An ack given just before the close still goes out first.
+		select {
+		case <-msg.Acked():
+			_ = d.Ack(false)
+		default:
 		}
 	}
 }

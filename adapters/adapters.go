@@ -217,8 +217,9 @@ type OrderedProvisioner interface {
 type OrderedFlight interface {
 	// OrderedSubscriber is Subscriber for consumerGroup, except that one
 	// subscription has up to inFlight messages handed out and not settled
-	// at once, acks each as soon as it is acked, and never lets a newer
-	// message pass an older one it handed out: when a message is nacked,
+	// at once (at most one per aggregate-id at a time), acks each as soon
+	// as it is acked, and never lets a newer message pass an older one it
+	// handed out: when a message is nacked,
 	// or the subscriber closes, crashes or loses its connection, the
 	// messages it handed out and did not ack come back in the order they
 	// were first delivered, before any newer message. Competing

@@ -64,8 +64,10 @@
 // OrderedSubscriber (adapters.OrderedFlight; bus.Run uses it for handlers
 // with consumer.ordered) is for many messages in flight without that price:
 // its subscription consumes with a prefetch of consumer.prefetch and hands
-// every delivery out at once; each Ack acks its own delivery tag, out of
-// order, never `multiple`. A Nack is never a basic.nack (which lets later
+// deliveries out without waiting for acks, one per aggregate (aggregate-id)
+// at a time, holding the later ones of a busy aggregate itself, so that none
+// is handed out after its predecessor's Nack; each Ack acks its own delivery
+// tag, out of order, never `multiple`. A Nack is never a basic.nack (which lets later
 // messages pass): the subscription stops handing out, waits until what it
 // handed out is settled, and closes its channel; the quorum queue then puts
 // the unacked messages back at its head in their delivery order, and the

@@ -56,6 +56,7 @@ func (l *orderLedger) handle(msg *message.Message, latency time.Duration, nackEv
 	switch {
 	case seq <= l.last[agg]:
 		l.dups++
+
 	case seq != l.last[agg]+1:
 		l.violations = append(l.violations, fmt.Sprintf("%s: seq %d after %d", agg, seq, l.last[agg]))
 	case nackEvery > 0 && idx%nackEvery == 0 && !l.nacked[msg.UUID]:

@@ -205,6 +205,28 @@ type OrderedProvisioner interface {
 	ProvisionOrdered(ctx context.Context, topic string, consumerGroups ...string) error
 }
 
+// OrderedFlight is a Broker whose subscription can hand out many messages
+// at once to an ordered consumer and settle each on its own, out of order,
+// without giving up the order of what it hands out (RabbitMQ: delivery tags
+// acked one by one on a quorum queue). bus.Run subscribes a handler with
+// consumer.ordered: true through it, and the middleware Dispatcher then
+// keeps one message per aggregate in flight and the others held, so an
+// ordered handler runs consumer.workers aggregates at once from one
+// subscription. Brokers that cannot (NATS, see its package) or need not
+// (Kafka: KeyPartitioned) do not implement it.
+type OrderedFlight interface {
+	// OrderedSubscriber is Subscriber for consumerGroup, except that one
+	// subscription has up to inFlight messages handed out and not settled
+	// at once (at most one per aggregate-id at a time), acks each as soon
+	// as it is acked, and never lets a newer message pass an older one it
+	// handed out: when a message is nacked,
+	// or the subscriber closes, crashes or loses its connection, the
+	// messages it handed out and did not ack come back in the order they
+	// were first delivered, before any newer message. Competing
+	// subscribers of one group give no order between them.
+	OrderedSubscriber(consumerGroup string, inFlight int) (message.Subscriber, error)
+}
+
 // RedeliveryScheduler is a Broker that can wait before it delivers a nacked
 // message again, per message, and counts each message's deliveries itself,
 // across consumer restarts (JetStream's NakWithDelay and NumDelivered;

@@ -338,10 +338,20 @@ func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []han
 		if rs, ok := broker.(adapters.RedeliveryScheduler); ok && !*hc.Ordered && hc.Retry.Mode == middleware.RetryAuto {
 			newSubscriber = func() (message.Subscriber, error) { return rs.RedeliverySubscriber(group, chain.RedeliveryWait) }
 		}
+		// An ordered handler takes up to consumer.prefetch messages at once
+		// from a broker that can settle them out of order and still keep
+		// their order; the Dispatcher holds those of busy aggregates.
+		of, concurrent := broker.(adapters.OrderedFlight)
+		concurrent = concurrent && *hc.Ordered
+		if concurrent {
+			inFlight := hc.EffectivePrefetch()
+			newSubscriber = func() (message.Subscriber, error) { return of.OrderedSubscriber(group, inFlight) }
+		}
 		sub := chain.Subscriber(middleware.Source{
 			NewSubscriber:  newSubscriber,
 			Competing:      true,
 			KeyPartitioned: broker.Capabilities().KeyPartitioned,
+			Concurrent:     concurrent,
 		})
 		handler := router.AddConsumerHandler(h.name, h.topic, sub, act.chain(handle))
 		for _, m := range b.routerMiddleware {

@@ -48,7 +48,7 @@ type batcher struct {
 	wait time.Duration
 	// limit is the most messages in one batch: batch.max_messages, lowered
 	// to what can be in flight at once (workers; 1 for an ordered handler
-	// on a single subscription).
+	// on a single subscription of a stock subscriber).
 	limit atomic.Int64
 	// handler is the chain's batch handler (WrapBatch); nil when each
 	// message has its own handler call in its savepoint.

@@ -30,6 +30,13 @@ type Source struct {
 	// where a subscription has one message in flight per assigned partition
 	// and the key picks the partition. One subscription is then enough.
 	KeyPartitioned bool
+	// Concurrent is true when one subscription hands out many messages
+	// without waiting for their acks, settles each on its own and keeps the
+	// order of what it handed out across nacks and restarts
+	// (adapters.OrderedFlight: a RabbitMQ ordered subscriber). An ordered
+	// handler then has up to Workers messages in flight from its one
+	// subscription, one per aggregate.
+	Concurrent bool
 }
 
 // Dispatcher is a message.Subscriber that feeds one handler from one or more
@@ -50,8 +57,12 @@ type Source struct {
 // of subscriptions: consumer.workers competing subscriptions when unordered;
 // one when ordered (a second would receive the same aggregate's next event
 // before the first is acked) and one when KeyPartitioned (a Kafka
-// subscription already spans its partitions). See README.md for what that
-// means on each broker.
+// subscription already spans its partitions). With a stock subscriber an
+// ordered handler thus has one message in flight; with a Concurrent one
+// (RabbitMQ's ordered subscriber) its one subscription hands out up to
+// consumer.prefetch messages and the Dispatcher runs up to consumer.workers
+// of them, one per aggregate. See README.md for what that means on each
+// broker.
 //
 // Stopping (Close, or the end of Subscribe's context) is graceful: no new
 // message is released, held ones are nacked, the contexts of the messages in
@@ -106,7 +117,7 @@ func (c *Chain) Subscriber(src Source) *Dispatcher {
 		DrainTimeout: c.cfg.HandlerTimeout + 5*time.Second,
 		Logger:       c.stack.logger,
 	})
-	if c.batcher != nil && d.subs == 1 && src.Competing && !src.KeyPartitioned {
+	if c.batcher != nil && d.subs == 1 && src.Competing && !src.KeyPartitioned && !src.Concurrent {
 		// One subscription of a stock subscriber holds one message at a
 		// time: a batch would only wait for messages that cannot come.
 		c.batcher.limit.Store(1)

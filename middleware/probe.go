@@ -23,7 +23,7 @@ import (
 // failure on the message, which is poisoned after retry.max_attempts as
 // usual. Without a probe the breaker guesses from the failures it sees (see
 // README.md, "Outage or bad message?"), which a single message in flight
-// (an ordered handler on RabbitMQ or NATS) cannot tell apart.
+// (an ordered handler on NATS) cannot tell apart.
 type ProbeFunc func(ctx context.Context) error
 
 // judge asks the probe whether a retryable failure err of an attempt is the

@@ -61,6 +61,23 @@
 // messages already prefetched overtake a nacked one. Competing subscribers
 // of one group share the queue and give no order between them.
 //
+// OrderedSubscriber (adapters.OrderedFlight; bus.Run uses it for handlers
+// with consumer.ordered) is for many messages in flight without that price:
+// its subscription consumes with a prefetch of consumer.prefetch and hands
+// deliveries out without waiting for acks, one per aggregate (aggregate-id)
+// at a time, holding the later ones of a busy aggregate itself, so that none
+// is handed out after its predecessor's Nack; each Ack acks its own delivery
+// tag, out of order, never `multiple`. A Nack is never a basic.nack (which lets later
+// messages pass): the subscription stops handing out, waits until what it
+// handed out is settled, and closes its channel; the quorum queue then puts
+// the unacked messages back at its head in their delivery order, and the
+// subscription consumes again. Closing it, a crash or a lost connection
+// return them the same way. With the middleware Dispatcher holding the
+// messages of busy aggregates, an ordered handler runs consumer.workers
+// aggregates at once from its one queue, in order across nacks and
+// restarts. Each such return counts as a delivery of every message
+// returned (Config.DeliveryLimit).
+//
 // Quorum queues count redeliveries: the handler sees DeliveryCountKey
 // ("x-delivery-count") from the second delivery on, and past
 // Config.DeliveryLimit RabbitMQ moves the message to the group's dead-letter

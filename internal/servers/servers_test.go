@@ -182,6 +182,22 @@ func TestPostgreSQL(t *testing.T) {
 	require.Equal(t, []string{"before the crash", "after the crash"}, rows(open()))
 }
 
+// r3Stream connects to c with short pings (a client on a paused or cut-off
+// node must notice and move on) and creates the stream R3 on r3.> with
+// three replicas.
+func r3Stream(t *testing.T, ctx context.Context, c *NATSCluster) jetstream.JetStream {
+	t.Helper()
+	nc, err := nats.Connect(c.URLs(), nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond),
+		nats.PingInterval(time.Second), nats.MaxPingsOutstanding(2))
+	require.NoError(t, err)
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+	_, err = js.CreateStream(ctx, jetstream.StreamConfig{Name: "R3", Subjects: []string{"r3.>"}, Replicas: 3, Storage: jetstream.FileStorage})
+	require.NoError(t, err)
+	return js
+}
+
 // A 3-node JetStream cluster keeps a replicated stream through a SIGKILL of
 // its leader (another node takes over, publishing goes on and nothing
 // stored is lost), the killed node's rejoining, and a pause of a follower
@@ -191,15 +207,7 @@ func TestNATSCluster(t *testing.T) {
 	c := StartNATSCluster(t, 3)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	// Short pings: a client on the paused node must notice and move on.
-	nc, err := nats.Connect(c.URLs(), nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond),
-		nats.PingInterval(time.Second), nats.MaxPingsOutstanding(2))
-	require.NoError(t, err)
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	require.NoError(t, err)
-	_, err = js.CreateStream(ctx, jetstream.StreamConfig{Name: "R3", Subjects: []string{"r3.>"}, Replicas: 3, Storage: jetstream.FileStorage})
-	require.NoError(t, err)
+	js := r3Stream(t, ctx, c)
 	publish := func(n int) {
 		t.Helper()
 		for i := range n {
@@ -256,14 +264,7 @@ func TestNATSClusterPartition(t *testing.T) {
 	require.Equal(t, 2, c.Isolated)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	nc, err := nats.Connect(c.URLs(), nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond),
-		nats.PingInterval(time.Second), nats.MaxPingsOutstanding(2))
-	require.NoError(t, err)
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	require.NoError(t, err)
-	_, err = js.CreateStream(ctx, jetstream.StreamConfig{Name: "R3", Subjects: []string{"r3.>"}, Replicas: 3, Storage: jetstream.FileStorage})
-	require.NoError(t, err)
+	js := r3Stream(t, ctx, c)
 	acked := 0
 	publish := func(n int) {
 		t.Helper()
@@ -282,7 +283,7 @@ func TestNATSClusterPartition(t *testing.T) {
 	require.NoError(t, c.MoveStreamLeader(ctx, "R3", c.Isolated))
 
 	c.Partition()
-	_, err = nats.Connect(c.Nodes[c.Isolated].URL, nats.Timeout(time.Second))
+	_, err := nats.Connect(c.Nodes[c.Isolated].URL, nats.Timeout(time.Second))
 	require.Error(t, err, "the cut-off node still answers")
 	publish(10) // through a new leader
 	leader, err := c.StreamLeader(ctx, "R3")

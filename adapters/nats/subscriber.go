@@ -176,6 +176,15 @@ type subscription struct {
 	out    chan *message.Message
 	// numbered is true when messages carry their delivery number.
 	numbered bool
+	// nakDelay is how long the server waits before delivering a nacked
+	// message again: a nacked message comes back after a pause, not at once.
+	nakDelay wmnats.Delay
+	logger   watermill.LoggerAdapter
+	// acks counts the goroutines that wait for a message's Ack or Nack and
+	// confirm it to the server; quit, closed when closing starts, makes the
+	// ones still waiting give up (the server delivers those messages again).
+	acks sync.WaitGroup
+	quit chan struct{}
 
 	stopReq  chan struct{} // closed to ask the goroutine to stop
 	stopOnce sync.Once
@@ -190,7 +199,7 @@ func (b *Broker) subscribe(ctx context.Context, group, topic string, wait func(i
 	if err != nil {
 		return nil, err
 	}
-	g := &gate{idle: make(chan struct{})}
+	g := &gate{idle: make(chan struct{}), held: map[*message.Message]*nats.Msg{}}
 	cc := b.cfg.Consumer
 	durable := ConsumerName(group)
 	var nakDelay wmnats.Delay = wmnats.NewStaticDelay(cc.NakDelay)
@@ -208,8 +217,6 @@ func (b *Broker) subscribe(ctx context.Context, group, topic string, wait func(i
 			return &wmnats.SubjectDetail{Primary: topic, QueueGroup: queueGroup}
 		},
 		QueueGroupPrefix: durable,
-		// A nacked message comes back after a pause instead of at once.
-		NakDelay: nakDelay,
 		JetStream: wmnats.JetStreamConfig{
 			SubscribeOptions: []nats.SubOpt{
 				// Without ManualAck nats.go acks every message when
@@ -243,6 +250,9 @@ func (b *Broker) subscribe(ctx context.Context, group, topic string, wait func(i
 	}
 	sub := &subscription{
 		wm: wm, nc: nc, ncDone: ncDone, gate: g,
+		nakDelay: nakDelay,
+		logger:   b.logger,
+		quit:     make(chan struct{}),
 		out:      make(chan *message.Message),
 		numbered: wait != nil,
 		stopReq:  make(chan struct{}),
@@ -261,7 +271,7 @@ func (s *subscription) run(ctx context.Context, wmOut <-chan *message.Message) {
 		for {
 			select {
 			case m := <-wmOut:
-				s.gate.leave()
+				s.confirm(m, s.gate.leave(m))
 				if s.numbered {
 					numberDelivery(m)
 				}
@@ -287,13 +297,15 @@ func (s *subscription) run(ctx context.Context, wmOut <-chan *message.Message) {
 	for drained := false; !drained; {
 		select {
 		case m := <-wmOut:
-			s.gate.leave()
+			s.confirm(m, s.gate.leave(m))
 			m.Nack()
 		case <-s.gate.idle:
 			drained = true
 		}
 	}
+	close(s.quit)
 	err := s.wm.Close()
+	s.acks.Wait() // acks and nacks already asked for reach the server first
 	if err != nil {
 		s.nc.Close()
 	}
@@ -308,6 +320,60 @@ func (s *subscription) run(ctx context.Context, wmOut <-chan *message.Message) {
 	}
 }
 
+// confirm sends m's Ack or Nack to the server on reply, in a goroutine of
+// its own, once the handler has decided; a reply of nil (the message has no
+// JetStream reply subject) needs nothing.
+//
+// watermill-nats would send it in its message callback, and so one ack the
+// server never answers holds up every later message of the subscription for
+// the ack's whole wait (5s). nats-server 2.10 and later do not answer an ack
+// of a message past the consumer's delivered position, which is what the
+// messages still queued in the client are after a server restart lost the
+// consumer's unflushed state: a few dozen such messages stalled delivery for
+// minutes. Here the callback returns as soon as the handler has decided, and
+// the server's confirmation is waited for beside it.
+func (s *subscription) confirm(m *message.Message, reply *nats.Msg) {
+	if reply == nil {
+		return
+	}
+	s.acks.Go(func() {
+		select {
+		case <-m.Acked():
+		case <-m.Nacked():
+		case <-s.quit:
+		}
+		// Decided before closing started (quit and a decision both ready): sent.
+		select {
+		case <-m.Acked():
+			if err := reply.AckSync(); err != nil {
+				s.logger.Error("Cannot send ack", err, watermill.LogFields{"message_uuid": m.UUID})
+			}
+		case <-m.Nacked():
+			if err := s.nak(reply); err != nil {
+				s.logger.Error("Cannot send nak", err, watermill.LogFields{"message_uuid": m.UUID})
+			}
+		default:
+		}
+	})
+}
+
+// nak tells the server to deliver reply's message again after the nak delay
+// of its delivery count.
+func (s *subscription) nak(reply *nats.Msg) error {
+	md, err := reply.Metadata()
+	if err != nil {
+		return reply.Nak()
+	}
+	switch d := s.nakDelay.WaitTime(md.NumDelivered); {
+	case d == wmnats.TermSignal:
+		return reply.Term()
+	case d > 0:
+		return reply.NakWithDelay(d)
+	default:
+		return reply.Nak()
+	}
+}
+
 // stop ends the subscription and waits until it has ended.
 func (s *subscription) stop() error {
 	s.stopOnce.Do(func() { close(s.stopReq) })
@@ -316,12 +382,14 @@ func (s *subscription) stop() error {
 }
 
 // gate counts the messages between the unmarshaler and the output channel
-// of a watermill-nats subscriber, and once closed lets no more through.
+// of a watermill-nats subscriber, and once closed lets no more through. It
+// also holds each such message's JetStream reply (see subscription.confirm).
 type gate struct {
 	mu       sync.Mutex
 	closed   bool
 	inFlight int
 	idle     chan struct{} // closed when the gate is closed and nothing is in flight
+	held     map[*message.Message]*nats.Msg
 }
 
 func (g *gate) enter() bool {
@@ -334,13 +402,24 @@ func (g *gate) enter() bool {
 	return true
 }
 
-func (g *gate) leave() {
+// hold keeps reply, the message m was made of, for leave.
+func (g *gate) hold(m *message.Message, reply *nats.Msg) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	g.held[m] = reply
+}
+
+// leave counts m out; it returns m's reply kept by hold, or nil.
+func (g *gate) leave(m *message.Message) *nats.Msg {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	reply := g.held[m]
+	delete(g.held, m)
 	g.inFlight--
 	if g.closed && g.inFlight == 0 {
 		close(g.idle)
 	}
+	return reply
 }
 
 func (g *gate) close() {
@@ -378,7 +457,16 @@ func (u gatedUnmarshaler) Unmarshal(nm *nats.Msg) (*message.Message, error) {
 		}
 	}
 	if err != nil {
-		u.g.leave() // watermill-nats drops it: it never reaches the channel
+		u.g.leave(m) // watermill-nats drops it: it never reaches the channel
+		return m, err
+	}
+	if nm.Reply != "" {
+		// The subscription acks and nacks it (subscription.confirm); to
+		// watermill-nats it is a message without a reply subject, whose
+		// Ack and Nack it takes as done.
+		reply := *nm
+		u.g.hold(m, &reply)
+		nm.Reply = ""
 	}
 	return m, err
 }

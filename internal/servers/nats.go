@@ -110,7 +110,7 @@ func (s *NATS) startLocked() error {
 	if err != nil {
 		return fmt.Errorf("open the private NATS server's log: %w", err)
 	}
-	args := append([]string{"-js", "-sd", filepath.Join(s.dir, "store"),
+	args := append([]string{"-js", "-sd", s.StoreDir(),
 		"-a", s.host, "-p", strconv.Itoa(s.port), "-P", s.pidFile}, s.args...)
 	cmd := exec.Command(s.bin, args...)
 	if s.netns != nil {
@@ -230,6 +230,11 @@ func (s *NATS) freeze(sig syscall.Signal, what string) {
 	}
 	s.t.Logf("private NATS server on port %d %s", s.port, what)
 }
+
+// StoreDir is the server's JetStream store directory, the same across
+// restarts. A test may change it while the server is stopped, e.g. remove
+// a consumer's state to stand for state a crash kept from reaching disk.
+func (s *NATS) StoreDir() string { return filepath.Join(s.dir, "store") }
 
 // Restart stops the server and starts it again on the same port and store
 // directory.

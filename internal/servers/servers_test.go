@@ -212,7 +212,12 @@ func TestNATSCluster(t *testing.T) {
 		t.Helper()
 		for i := range n {
 			require.Eventually(t, func() bool {
-				_, err := js.Publish(ctx, "r3.x", []byte{byte(i)})
+				// A publish sent while the stream has no leader gets no
+				// answer: each attempt has its own bound, or one of them
+				// would hold the whole wait.
+				pubCtx, cancel := context.WithTimeout(ctx, 2*time.Second)
+				defer cancel()
+				_, err := js.Publish(pubCtx, "r3.x", []byte{byte(i)})
 				return err == nil
 			}, time.Minute, 100*time.Millisecond, "publish during failover")
 		}

@@ -82,7 +82,10 @@ type Config struct {
 	// Keep it at or under the broker's message.max.bytes. Defaults to 1048576.
 	MaxMessageBytes int `yaml:"max_message_bytes"`
 	// Compression is the producer's batch codec: none, gzip, snappy, lz4 or
-	// zstd. Defaults to "lz4".
+	// zstd. Defaults to "snappy": the subscribers' Sarama decodes each lz4
+	// record batch into a buffer of the 4MB block size kgo's lz4 writer
+	// declares, while holding the broker connection its group heartbeats
+	// share (see README.md).
 	Compression string `yaml:"compression"`
 	// ProducerRetries is how often the producer sends a record batch again
 	// that the broker did not acknowledge, and ProducerRetries times
@@ -181,7 +184,7 @@ func (c Config) WithDefaults() Config {
 		c.AutoProvision = new(true)
 	}
 	c.MaxMessageBytes = cmp.Or(c.MaxMessageBytes, DefaultMaxMessageBytes)
-	c.Compression = cmp.Or(c.Compression, CompressionLZ4)
+	c.Compression = cmp.Or(c.Compression, CompressionSnappy)
 	c.ProducerRetries = cmp.Or(c.ProducerRetries, 480)
 	c.ProducerRetryBackoff = cmp.Or(c.ProducerRetryBackoff, 250*time.Millisecond)
 	c.ProducerTimeout = cmp.Or(c.ProducerTimeout, 10*time.Second)

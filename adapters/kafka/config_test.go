@@ -22,7 +22,7 @@ func TestConfigDefaults(t *testing.T) {
 	assert.Equal(t, 2, c.MinInsyncReplicas)
 	assert.True(t, *c.AutoProvision)
 	assert.Equal(t, time.Second, *c.CommitInterval)
-	assert.Equal(t, "lz4", c.Compression)
+	assert.Equal(t, "snappy", c.Compression)
 
 	one := kafka.Config{Brokers: []string{"k:9092"}, ReplicationFactor: 1}.WithDefaults()
 	assert.Equal(t, 1, one.MinInsyncReplicas, "min.insync.replicas follows a replication factor of 1")

@@ -216,7 +216,7 @@ func TestTooLargeForTopic(t *testing.T) {
 	createTopic(t, env, topic, int32(cfg.WithDefaults().Partitions), map[string]string{"max.message.bytes": "4096"})
 
 	big := event("same-key", 2)
-	noise := make([]byte, 4500) // random, so lz4 cannot shrink it under the limit
+	noise := make([]byte, 4500) // random, so compression cannot shrink it under the limit
 	_, _ = rand.Read(noise)
 	big.Payload = []byte(`"` + base64.StdEncoding.EncodeToString(noise) + `"`)
 	msgs := []*message.Message{event("same-key", 1), big, event("same-key", 3)}

@@ -9,6 +9,7 @@ import (
 	"os"
 	"slices"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -30,6 +31,7 @@ const (
 	consumerKilled = "consumer SIGKILLed after its effect committed, before the ack"
 	// consumerKilledBatched is consumerKilled with unordered consumers.
 	consumerKilledBatched = "unordered consumer SIGKILLed after its batch committed, before the acks"
+	consumerPaused        = "consumer hung (SIGSTOP) past the broker's failure detection, then resumed"
 	brokerRestarted       = "broker restarted mid-flow"
 	postgresCrashed       = "PostgreSQL crash-restarted mid-flow"
 	terminated            = "SIGTERM mid-batch"
@@ -41,7 +43,7 @@ const (
 	clusterPartition      = "3-node cluster: stream leader cut off the network (20 s or more), then healed"
 )
 
-var scenarioOrder = []string{relayKilled, consumerKilled, consumerKilledBatched, brokerRestarted, postgresCrashed, terminated,
+var scenarioOrder = []string{relayKilled, consumerKilled, consumerKilledBatched, consumerPaused, brokerRestarted, postgresCrashed, terminated,
 	twoOfEach, poisonStorm, dependencyOutage, relayOutage, clusterFaults, clusterPartition}
 
 func scenarioRank(name string) int { return slices.Index(scenarioOrder, name) }
@@ -176,6 +178,34 @@ func consumerSIGKILL(t *testing.T, kind string, unordered bool) {
 	// dead consumer held comes back after ack_wait, before anything newer.
 	record(result{scenario: consumerKilled, broker: kind, faults: fmt.Sprintf("%d SIGKILLs", kills),
 		o: w.check(true), ordered: true, recovery: recovery})
+}
+
+// TestConsumerPausedPastFailureDetection freezes the consumer process (a
+// long GC pause, a stalled VM) for longer than the broker waits before it
+// gives the consumer's messages to someone else: Kafka's session timeout
+// (the group drops the member), NATS's ack_wait (the messages are
+// redelivered), three times, mid-flow. The consumer resumes by itself.
+func TestConsumerPausedPastFailureDetection(t *testing.T) {
+	eachBroker(t, brokertest.Kinds, func(t *testing.T, kind string) {
+		w := newWorld(t, kind, worldOptions{})
+		w.start("relay", nodeSpec{Relay: true})
+		c := w.start("consumer", nodeSpec{Consume: true})
+		stop := w.writer.start(rate)
+		w.flowing(200)
+		pause := w.cfg.Broker.Kafka.SessionTimeout + w.cfg.Broker.NATS.Consumer.AckWait
+		const pauses = 3
+		for range pauses {
+			require.NoError(t, syscall.Kill(c.proc.Pid(), syscall.SIGSTOP))
+			time.Sleep(pause)
+			require.NoError(t, syscall.Kill(c.proc.Pid(), syscall.SIGCONT))
+			w.fault()
+			time.Sleep(5 * time.Second)
+		}
+		stop()
+		recovery := w.settle(settleTimeout)
+		record(result{scenario: consumerPaused, broker: kind, faults: fmt.Sprintf("%d pauses of %s", pauses, pause),
+			o: w.check(true), ordered: true, recovery: recovery})
+	})
 }
 
 func TestBrokerRestart(t *testing.T) {

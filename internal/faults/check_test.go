@@ -212,6 +212,13 @@ func (w *world) settle(timeout time.Duration) time.Duration {
 	want, bad := len(w.writer.committed), len(w.writer.malformed)
 	var effects, poisoned int
 	deadline := time.Now().Add(timeout)
+	// progress keeps a minute of effect counts, so that a failure tells a
+	// stalled flow from a slow one.
+	type sample struct {
+		at      time.Time
+		effects int
+	}
+	var progress []sample
 	for {
 		err := w.db.QueryRow(`SELECT (SELECT count(DISTINCT event_id) FROM `+w.table("effects")+`),
 			(SELECT count(*) FROM `+w.table("millrace_poison")+`)`).Scan(&effects, &poisoned)
@@ -219,9 +226,15 @@ func (w *world) settle(timeout time.Duration) time.Duration {
 			break
 		}
 		w.nodesAlive()
-		if time.Now().After(deadline) {
-			w.t.Fatalf("after %s: %d of %d events have an effect, %d of %d malformed ones are poisoned (last error: %v)",
-				timeout, effects, want, poisoned, bad, err)
+		now := time.Now()
+		progress = append(progress, sample{now, effects})
+		for len(progress) > 1 && now.Sub(progress[0].at) > time.Minute {
+			progress = progress[1:]
+		}
+		if now.After(deadline) {
+			w.t.Fatalf("after %s: %d of %d events have an effect (%d in the last %s), %d of %d malformed ones are poisoned; "+
+				"outbox: %s (last error: %v)", timeout, effects, want, effects-progress[0].effects,
+				now.Sub(progress[0].at).Round(time.Second), poisoned, bad, w.outboxState(), err)
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
@@ -234,6 +247,20 @@ func (w *world) settle(timeout time.Duration) time.Duration {
 		return 0
 	}
 	return settled.Sub(w.lastFault)
+}
+
+// outboxState says how many events the relay has not forwarded yet, for
+// failure messages.
+func (w *world) outboxState() string {
+	ops, err := bus.NewOps(context.Background(), w.db, w.cfg)
+	if err != nil {
+		return err.Error()
+	}
+	st, err := ops.OutboxStatus(context.Background(), w.cfg.Relay.ConsumerGroup)
+	if err != nil {
+		return err.Error()
+	}
+	return fmt.Sprintf("%d pending, the oldest %s old, %d quarantined", st.Pending, st.OldestPendingAge.Round(time.Second), st.Quarantined)
 }
 
 func (w *world) table(name string) string { return `"` + w.cfg.Database.Schema + `".` + name }

@@ -239,7 +239,12 @@ func abandonedAttemptsOpenTheBreakerButAreNoOutage(t *testing.T, cfg middleware.
 	poisoned := e.poisoned(t)
 	for _, id := range []string{"stuck-1", "stuck-2"} {
 		require.Equal(t, 3, poisoned[id].attempts, id)
-		require.Equal(t, 3, calls.get(id), id)
+		// An attempt may end at handler_timeout before it reaches the
+		// handler: on a loaded machine its inbox statements (or, batched,
+		// the wait for its turn) can outlast the 200ms. It is a failed
+		// attempt all the same.
+		require.GreaterOrEqual(t, calls.get(id), 1, id)
+		require.LessOrEqual(t, calls.get(id), 3, id)
 	}
 	require.NotEqualValues(t, middleware.BreakerClosed,
 		c.metric(t, middleware.MetricBreakerState, map[string]string{"handler": "billing"}), "the abandoned attempts opened the breaker")

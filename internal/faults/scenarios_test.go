@@ -181,13 +181,14 @@ func consumerSIGKILL(t *testing.T, kind string, unordered bool) {
 }
 
 // TestConsumerPausedPastFailureDetection freezes the consumer process (a
-// long GC pause, a stalled VM) for longer than the broker waits before it
-// gives the consumer's messages to someone else: Kafka's session timeout
-// (the group drops the member), NATS's ack_wait (the messages are
-// redelivered), three times, mid-flow. The consumer resumes by itself.
+// long GC pause, a stalled VM) three times, mid-flow, each time for longer
+// than the broker waits before it takes the consumer's messages back:
+// Kafka's session timeout (the group drops the member), NATS's ack_wait
+// (the messages are redelivered), two AMQP heartbeats (RabbitMQ closes the
+// connection and requeues what it held). The consumer resumes by itself.
 func TestConsumerPausedPastFailureDetection(t *testing.T) {
 	eachBroker(t, brokertest.Kinds, func(t *testing.T, kind string) {
-		w := newWorld(t, kind, worldOptions{})
+		w := newWorld(t, kind, worldOptions{tune: func(c *bus.Config) { c.Broker.RabbitMQ.Heartbeat = 2 * time.Second }})
 		w.start("relay", nodeSpec{Relay: true})
 		c := w.start("consumer", nodeSpec{Consume: true})
 		stop := w.writer.start(rate)

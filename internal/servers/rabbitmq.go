@@ -122,7 +122,9 @@ func (n *RabbitMQ) Start() {
 	cmd.Env = n.env
 	out, err := cmd.CombinedOutput()
 	require.NoError(n.t, err, "rabbitmq-server -detached: %s", out)
-	deadline := time.Now().Add(2 * time.Minute)
+	// A cluster node restarted while its peers run waits for their tables:
+	// on a loaded 2-core machine that took up to 1m41s.
+	deadline := time.Now().Add(4 * time.Minute)
 	for {
 		conn, err := amqp.Dial(n.URL)
 		if err == nil {

@@ -102,9 +102,9 @@ Group commit is on: the consumers run with ` + fmt.Sprintf("`consumer.batch.max_
 		batchMessages, batchWait, batchWorkers) + ` workers. **Effects per
 transaction** is the mean (and the most) effects one inbox transaction
 committed. A batch holds messages in flight: an ordered handler has one in
-flight on RabbitMQ and NATS (batches of 1) and one per partition on Kafka, so
-the scenarios that do not check order run their consumers unordered, and
-form batches of several messages on every broker.
+flight on NATS (batches of 1), one per partition on Kafka and one per
+aggregate on RabbitMQ, so the scenarios that do not check order run their
+consumers unordered, and form batches of several messages on every broker.
 
 | Scenario | Broker | Events committed | Rolled back | Faults injected | Lost | Duplicated effects | Order checked | Effects per transaction | Recovery |
 |---|---|---:|---:|---|---:|---:|---|---:|---:|

@@ -336,8 +336,8 @@ func TestDependencyOutage(t *testing.T) {
 			}
 		}))
 		t.Cleanup(dep.Close)
-		// An ordered handler on RabbitMQ or NATS has one message in flight:
-		// its failures alone cannot tell an outage from a bad message
+		// An ordered handler on NATS has one message in flight: its
+		// failures alone cannot tell an outage from a bad message
 		// (middleware/README.md). Its dependency probe can: with the default
 		// retry ladder (5 attempts, about 1.5s) it rides out an outage
 		// longer than that. (middleware's

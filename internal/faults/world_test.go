@@ -45,9 +45,9 @@ type worldOptions struct {
 	databaseURL string // a private PostgreSQL; default: the shared one
 	brokerURL   string // a private RabbitMQ or NATS server
 	// unordered runs the consumers with consumer.ordered off, for the
-	// scenarios that do not check order: on RabbitMQ and NATS an ordered
-	// handler has one message in flight, so only unordered ones form
-	// batches of several messages there.
+	// scenarios that do not check order: on NATS an ordered handler has one
+	// message in flight, on Kafka one per partition and on RabbitMQ one per
+	// aggregate, so unordered ones form larger batches.
 	unordered bool
 	tune      func(*bus.Config) // scenario-specific settings
 }

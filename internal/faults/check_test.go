@@ -245,9 +245,9 @@ func (w *world) settle(timeout time.Duration) time.Duration {
 		elapsed := now.Sub(began)
 		if elapsed > 2*timeout || (elapsed > timeout && now.Sub(lastGrew) > stallWindow) {
 			w.t.Fatalf("after %s: %d of %d events have an effect (%d in the last %s, the last one %s ago), "+
-				"%d of %d malformed ones are poisoned; outbox: %s (last error: %v)",
+				"%d of %d malformed ones are poisoned; outbox: %s (last error: %v)\n%s",
 				elapsed.Round(time.Second), effects, want, effects-progress[0].effects, now.Sub(progress[0].at).Round(time.Second),
-				now.Sub(lastGrew).Round(time.Second), poisoned, bad, w.outboxState(), err)
+				now.Sub(lastGrew).Round(time.Second), poisoned, bad, w.outboxState(), err, w.diagnose())
 		}
 		time.Sleep(50 * time.Millisecond)
 	}

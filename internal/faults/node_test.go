@@ -57,6 +57,7 @@ func runNode(raw string) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
 	defer stop()
+	dumpGoroutinesOnSignal()
 	cfg := spec.Config
 	cfg.Relay.Enabled = &spec.Relay
 	db, err := bus.OpenDB(cfg.Database)

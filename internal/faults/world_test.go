@@ -170,7 +170,7 @@ func (w *world) start(name string, spec nodeSpec) *node {
 	w.t.Cleanup(func() {
 		n.kill()
 		if w.t.Failed() && n.stderr.Len() > 0 {
-			w.t.Logf("node %s stderr:\n%s", name, tail(n.stderr.String(), 4000))
+			w.t.Logf("node %s stderr:\n%s", name, tail(withoutDumps(n.stderr.String()), 4000))
 		}
 	})
 	return n

@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/twmb/franz-go/pkg/kfake"
 
@@ -38,9 +39,12 @@ type Options struct {
 // Cluster is an in-process Kafka-protocol cluster for demos and tests
 // (github.com/twmb/franz-go/pkg/kfake). It is not Kafka: it does not
 // replicate (acks=all is answered at once), keeps data in memory unless
-// DataDir is set, and listens on 127.0.0.1 only. Never use it in production.
+// DataDir is set, and listens on 127.0.0.1 only. It expires the sessions of
+// consumer group members that died mid-join, which kfake alone does not.
+// Never use it in production.
 type Cluster struct {
 	cluster *kfake.Cluster
+	expirer *sessionExpirer
 	addrs   []string
 	once    sync.Once
 }
@@ -87,7 +91,12 @@ func Start(opts Options) (*Cluster, error) {
 		return nil, fmt.Errorf("kafka dev cluster: cannot start on %s: %w (another dev cluster or a Kafka broker may be listening there)",
 			strings.Join(opts.Addrs, ","), err)
 	}
-	return &Cluster{cluster: c, addrs: c.ListenAddrs()}, nil
+	expirer, err := startSessionExpirer(c, c.ListenAddrs(), time.Second)
+	if err != nil {
+		c.Close()
+		return nil, fmt.Errorf("kafka dev cluster: %w", err)
+	}
+	return &Cluster{cluster: c, expirer: expirer, addrs: c.ListenAddrs()}, nil
 }
 
 // Addrs returns the host:port of every broker, the bootstrap list for
@@ -97,7 +106,10 @@ func (d *Cluster) Addrs() []string { return slices.Clone(d.addrs) }
 
 // Close stops the cluster and drops every client connection. It is idempotent.
 func (d *Cluster) Close() {
-	d.once.Do(d.cluster.Close)
+	d.once.Do(func() {
+		d.expirer.close()
+		d.cluster.Close()
+	})
 }
 
 // devClusters are the dev clusters kafka.Open started in this process, by address

@@ -8,10 +8,11 @@
 // in version order where millrace promises it.
 //
 // The cluster scenarios run private 3-node clusters (internal/servers) and
-// hit the node that leads the topic's stream or queue. One NATS scenario
-// cuts that node off the network instead of stopping it: the node runs in
-// a network namespace of its own joined by a veth pair whose link is taken
-// down, which needs root and iproute2 (`ip netns`).
+// hit the node that leads the topic's stream or queue. The partition
+// scenarios (NATS and RabbitMQ) cut that node off the network instead of
+// stopping it: the node runs in a network namespace of its own joined by a
+// veth pair whose link is taken down, which needs root and iproute2 (`ip
+// netns`).
 //
 // `make test` runs it. `make reliability` runs it and rewrites
 // docs/RELIABILITY.md from the results.

@@ -40,7 +40,7 @@ const (
 	dependencyOutage      = "dependency outage behind the circuit breaker"
 	relayOutage           = "relay outage, then a rate-limited drain"
 	clusterFaults         = "3-node cluster: leader killed, leader hung 15 s (NATS, RabbitMQ) or every leader moved (Kafka), rolling restart"
-	clusterPartition      = "3-node cluster: stream leader cut off the network (20 s or more), then healed"
+	clusterPartition      = "3-node cluster: stream or queue leader cut off the network (20 s or more), then healed"
 )
 
 var scenarioOrder = []string{relayKilled, consumerKilled, consumerKilledBatched, consumerPaused, brokerRestarted, postgresCrashed, terminated,
@@ -561,6 +561,62 @@ func TestRabbitMQClusterFaults(t *testing.T) {
 		// events of its batch went out: order is not promised.
 		record(result{scenario: clusterFaults, broker: kind, faults: "1 leader SIGKILL, 1 leader SIGSTOP, 3 restarts",
 			o: w.check(false), recovery: recovery, note: "a quorum queue with members on the three nodes; the clients were given all three URLs"})
+	})
+}
+
+// TestRabbitMQClusterPartition runs the flow on a private 3-node RabbitMQ
+// cluster whose first node runs in a network namespace of its own and leads
+// the group's quorum queue (declared through it), with the relay and the
+// consumer connected to it, and cuts that node off the network mid-flow,
+// then heals it. The cut-off node pauses itself once it notices
+// (pause_minority, 10s ticks), the other two elect a new leader, and the
+// clients, whose connections are silently dead, notice by their AMQP
+// heartbeats and connect to the next URL. As TestNATSClusterPartition, the
+// partition lasts partitionFor or until 200 more effects were applied.
+func TestRabbitMQClusterPartition(t *testing.T) {
+	eachBroker(t, []string{bus.KindRabbitMQ}, func(t *testing.T, kind string) {
+		c := servers.StartRabbitMQClusterPartitionable(t, 3)
+		w := newWorld(t, kind, worldOptions{brokerURL: c.URLs(), unordered: true})
+		queue := rabbit.QueueName(w.topic, w.handler)
+		others := []int{1, 2}
+		require.Equal(t, c.Isolated, c.QueueLeader(queue, others...), "the queue is led by the node it was declared on")
+		w.start("relay", nodeSpec{Relay: true})
+		w.start("consumer", nodeSpec{Consume: true})
+		stop := w.writer.start(rate)
+		w.flowing(200)
+		progress := func() {
+			t.Helper()
+			var effects int
+			require.NoError(t, w.db.QueryRow(`SELECT count(*) FROM `+w.table("effects")).Scan(&effects))
+			w.flowing(effects + 200)
+		}
+
+		c.Partition()
+		w.fault()
+		cut := time.Now()
+		var failover time.Duration
+		testkit.Eventually(t, 2*time.Minute, "another node leads the queue", func() bool {
+			i := c.QueueLeader(queue, others...)
+			failover = time.Since(cut)
+			return i >= 0 && i != c.Isolated
+		})
+		progress() // during the partition, however long that takes
+		flowed := time.Since(cut)
+		time.Sleep(partitionFor - flowed) // nothing when progress took longer
+		c.Heal()
+		cutFor := time.Since(cut)
+		w.fault()
+		c.AwaitQuorumPlusOne(others[0]) // the healed node is a member again
+		progress()
+		stop()
+		recovery := w.settle(settleTimeout)
+		// A publish whose confirm was lost with the cut-off node is retried
+		// after later events of its batch went out: order is not promised.
+		record(result{scenario: clusterPartition, broker: kind, faults: fmt.Sprintf("queue leader cut off %s (network namespace, link down)", cutFor.Round(100*time.Millisecond)),
+			o: w.check(false), recovery: recovery, note: fmt.Sprintf("a quorum queue with members on the three nodes, led by the node in a network namespace "+
+				"of its own, which the relay and the consumer were connected to; pause_minority, net_ticktime 10s, AMQP heartbeat 10s; "+
+				"another node led the queue %s after the cut and 200 more effects were applied %s after it, during the partition",
+				failover.Round(100*time.Millisecond), flowed.Round(100*time.Millisecond))})
 	})
 }
 

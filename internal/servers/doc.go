@@ -18,9 +18,9 @@
 //
 // StartNetns makes a network namespace joined to the host by a veth pair
 // whose link Cut and Heal take down and up again; a cluster from
-// StartNATSClusterPartitionable runs one node in one, so that a test can
-// cut that node off the network while its process runs on (root and
-// iproute2 needed).
+// StartNATSClusterPartitionable or StartRabbitMQClusterPartitionable runs
+// one node in one, so that a test can cut that node off the network while
+// its process runs on (root and iproute2 needed).
 //
 // The package is imported from tests only.
 package servers

@@ -1,6 +1,7 @@
 package servers
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -119,7 +120,12 @@ func (n *Netns) watch() {
 // Command returns a command that runs name inside the namespace (`ip netns
 // exec` switches namespace and execs it: the process is name's own).
 func (n *Netns) Command(name string, args ...string) *exec.Cmd {
-	return exec.Command(n.ip, append([]string{"netns", "exec", n.Name, name}, args...)...)
+	return n.CommandContext(context.Background(), name, args...)
+}
+
+// CommandContext is Command, killed when ctx ends.
+func (n *Netns) CommandContext(ctx context.Context, name string, args ...string) *exec.Cmd {
+	return exec.CommandContext(ctx, n.ip, append([]string{"netns", "exec", n.Name, name}, args...)...)
 }
 
 // Cut takes the namespace's end of the link down: nothing passes between

@@ -2,6 +2,9 @@ package servers
 
 import (
 	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -13,23 +16,94 @@ import (
 // and a test can kill, pause and restart the node that leads a queue.
 type RabbitMQCluster struct {
 	Nodes []*RabbitMQ
-	t     testing.TB
+	// Isolated is the index of the node that runs in a network namespace
+	// of its own (StartRabbitMQClusterPartitionable), -1 when none does.
+	Isolated int
+	netns    *Netns
+	t        testing.TB
 }
 
 // StartRabbitMQCluster starts n nodes and joins them to the first; it
 // returns once every node accepts AMQP connections as a cluster member.
 func StartRabbitMQCluster(t testing.TB, n int) *RabbitMQCluster {
 	t.Helper()
+	home := clusterHome(t)
+	places := make([]rabbitPlacement, n)
+	for i := range places {
+		places[i] = rabbitPlacement{home: home}
+	}
+	return startRabbitMQCluster(t, "", "", places, nil)
+}
+
+// StartRabbitMQClusterPartitionable is StartRabbitMQCluster with the first
+// node (Isolated, 0) in a network namespace of its own (StartNetns), so that
+// Partition can cut it off while it runs. Its URL comes first in URLs, so a
+// queue declared through URLs is led by it. Erlang distribution needs every
+// node reachable at its name: the nodes take long names on the two ends of
+// the namespace's link, and the cluster runs an epmd of its own on both
+// sides (the host's may listen on 127.0.0.1 only). The nodes tick every 10s
+// (net_ticktime, 60s by default), so a partition is noticed 7.5 to 12.5s
+// after the cut, and the cut-off node pauses itself
+// (cluster_partition_handling = pause_minority) until it sees the others.
+func StartRabbitMQClusterPartitionable(t testing.TB, n int) *RabbitMQCluster {
+	t.Helper()
+	home := clusterHome(t)
+	ns := StartNetns(t)
+	epmdPort := strconv.Itoa(FreePort(t))
+	startEPMD(t, "host", exec.Command("epmd", "-port", epmdPort))
+	startEPMD(t, "namespace", ns.Command("epmd", "-port", epmdPort))
+	env := []string{"ERL_EPMD_PORT=" + epmdPort, "RABBITMQ_USE_LONGNAME=true"}
+	places := make([]rabbitPlacement, n)
+	places[0] = rabbitPlacement{home: home, host: ns.NodeIP, listen: ns.NodeIP, netns: ns, env: env}
+	for i := 1; i < n; i++ {
+		places[i] = rabbitPlacement{home: home, host: ns.HostIP, env: env}
+	}
+	// guest may log in from other than loopback: the isolated node's AMQP
+	// listener is on the namespace's address.
+	c := startRabbitMQCluster(t, "cluster_partition_handling = pause_minority\nloopback_users.guest = false",
+		"[{kernel, [{net_ticktime, 10}]}].\n", places, ns)
+	c.Isolated = 0
+	return c
+}
+
+func clusterHome(t testing.TB) string {
 	home, err := os.MkdirTemp("", "millrace-rmq-cluster-")
 	if err != nil {
 		t.Fatalf("create the cluster's cookie directory: %v", err)
 	}
 	t.Cleanup(func() { _ = os.RemoveAll(home) })
-	c := &RabbitMQCluster{t: t}
+	return home
+}
+
+// startEPMD runs an epmd for a partitionable cluster, stopped when t ends
+// (or by a watchdog when the test binary dies).
+func startEPMD(t testing.TB, where string, cmd *exec.Cmd) {
+	t.Helper()
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("RabbitMQ cluster: start epmd (%s): %v", where, err)
+	}
+	dir, err := os.MkdirTemp("", "millrace-epmd-")
+	if err != nil {
+		_ = cmd.Process.Kill()
+		t.Fatalf("RabbitMQ cluster: %v", err)
+	}
+	pidFile := filepath.Join(dir, "pid")
+	_ = os.WriteFile(pidFile, []byte(strconv.Itoa(cmd.Process.Pid)), 0o600)
+	watch(t, "epmd ("+where+")", dir, killByPIDFile("KILL", pidFile), func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+}
+
+// startRabbitMQCluster starts a node per placement, one after another (the
+// first creates the shared cookie), and joins the others to the first.
+func startRabbitMQCluster(t testing.TB, conf, advanced string, places []rabbitPlacement, ns *Netns) *RabbitMQCluster {
+	t.Helper()
+	c := &RabbitMQCluster{t: t, Isolated: -1, netns: ns}
 	began := time.Now()
-	for i := range n {
-		node := newRabbitMQ(t, "", "", home)
-		node.Start() // one after another: the first creates the shared cookie
+	for i, at := range places {
+		node := newRabbitMQ(t, conf, advanced, at)
+		node.Start()
 		if i > 0 {
 			node.Ctl("stop_app")
 			node.Ctl("join_cluster", c.Nodes[0].name)
@@ -38,8 +112,21 @@ func StartRabbitMQCluster(t testing.TB, n int) *RabbitMQCluster {
 		}
 		c.Nodes = append(c.Nodes, node)
 	}
-	t.Logf("private RabbitMQ cluster of %d nodes up after %s", n, time.Since(began).Round(time.Millisecond))
+	t.Logf("private RabbitMQ cluster of %d nodes up after %s", len(places), time.Since(began).Round(time.Millisecond))
 	return c
+}
+
+// Partition cuts the Isolated node off the network (Netns.Cut): its process
+// runs on, its packets are dropped both ways.
+func (c *RabbitMQCluster) Partition() {
+	c.t.Helper()
+	c.netns.Cut()
+}
+
+// Heal ends Partition.
+func (c *RabbitMQCluster) Heal() {
+	c.t.Helper()
+	c.netns.Heal()
 }
 
 // URLs returns the nodes' AMQP URLs, comma separated, as

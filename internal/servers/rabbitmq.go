@@ -1,6 +1,7 @@
 package servers
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -30,8 +31,21 @@ type RabbitMQ struct {
 	env     []string // os.Environ() and own
 	own     []string // the node's own variables
 	pidFile string
+	netns   *Netns // the network namespace the node runs in; nil: the host's
 	// URL is the node's AMQP URL (user guest, default virtual host).
 	URL string
+}
+
+// rabbitPlacement says where a node runs and how it is named: by default on
+// the host, as name@localhost, listening on 127.0.0.1, with the host's
+// epmd. A partitionable cluster's nodes take Erlang long names on an
+// address of their own and an epmd of their own (rabbitcluster.go).
+type rabbitPlacement struct {
+	home   string   // holds the Erlang cookie; nodes of one cluster share it
+	host   string   // the host part of the node name; default localhost
+	listen string   // the AMQP listener's address; default 127.0.0.1
+	netns  *Netns   // run the node and its tools in this namespace
+	env    []string // more variables for the node and its tools
 }
 
 // rabbitBinDir finds the RabbitMQ scripts: the Debian/Ubuntu package keeps
@@ -53,15 +67,14 @@ func rabbitBinDir() (string, bool) {
 // RabbitMQ installation is there to start one from.
 func StartRabbitMQ(t testing.TB, rabbitmqConf, advancedConfig string) *RabbitMQ {
 	t.Helper()
-	n := newRabbitMQ(t, rabbitmqConf, advancedConfig, "")
+	n := newRabbitMQ(t, rabbitmqConf, advancedConfig, rabbitPlacement{})
 	n.Start()
 	return n
 }
 
-// newRabbitMQ prepares a private node without starting it. home holds the
-// Erlang cookie; nodes of one cluster share it (default: the node's own
-// directory).
-func newRabbitMQ(t testing.TB, rabbitmqConf, advancedConfig, home string) *RabbitMQ {
+// newRabbitMQ prepares a private node without starting it, placed as at
+// says.
+func newRabbitMQ(t testing.TB, rabbitmqConf, advancedConfig string, at rabbitPlacement) *RabbitMQ {
 	t.Helper()
 	bin, ok := rabbitBinDir()
 	if !ok {
@@ -76,12 +89,14 @@ func newRabbitMQ(t testing.TB, rabbitmqConf, advancedConfig, home string) *Rabbi
 		t:       t,
 		bin:     bin,
 		dir:     dir,
-		name:    "millrace" + hex.EncodeToString(suffix) + "@localhost",
+		name:    "millrace" + hex.EncodeToString(suffix) + "@" + cmp.Or(at.host, "localhost"),
 		pidFile: filepath.Join(dir, "pid"),
+		netns:   at.netns,
 	}
+	listen := cmp.Or(at.listen, "127.0.0.1")
 	port, distPort := FreePort(t), FreePort(t)
-	n.URL = fmt.Sprintf("amqp://guest:guest@127.0.0.1:%d/", port)
-	conf := fmt.Sprintf("listeners.tcp.1 = 127.0.0.1:%d\nlog.file.level = warning\n%s\n", port, rabbitmqConf)
+	n.URL = fmt.Sprintf("amqp://guest:guest@%s:%d/", listen, port)
+	conf := fmt.Sprintf("listeners.tcp.1 = %s:%d\nlog.file.level = warning\n%s\n", listen, port, rabbitmqConf)
 	files := map[string]string{
 		"env.conf":        "",
 		"enabled_plugins": "[].\n",
@@ -94,11 +109,8 @@ func newRabbitMQ(t testing.TB, rabbitmqConf, advancedConfig, home string) *Rabbi
 	for name, content := range files {
 		require.NoError(t, os.WriteFile(filepath.Join(dir, name), []byte(content), 0o600))
 	}
-	if home == "" {
-		home = dir
-	}
 	n.own = []string{
-		"HOME=" + home, // the Erlang cookie of the node and of rabbitmqctl
+		"HOME=" + cmp.Or(at.home, dir), // the Erlang cookie of the node and of rabbitmqctl
 		"RABBITMQ_NODENAME=" + n.name,
 		"RABBITMQ_DIST_PORT=" + strconv.Itoa(distPort),
 		"RABBITMQ_CONF_ENV_FILE=" + filepath.Join(dir, "env.conf"),
@@ -109,6 +121,7 @@ func newRabbitMQ(t testing.TB, rabbitmqConf, advancedConfig, home string) *Rabbi
 		"RABBITMQ_LOG_BASE=" + filepath.Join(dir, "log"),
 		"RABBITMQ_PID_FILE=" + n.pidFile,
 	}
+	n.own = append(n.own, at.env...)
 	n.env = append(os.Environ(), n.own...)
 	watch(t, "private RabbitMQ node", dir, killByPIDFile("KILL", n.pidFile), n.Stop)
 	return n
@@ -118,8 +131,7 @@ func newRabbitMQ(t testing.TB, rabbitmqConf, advancedConfig, home string) *Rabbi
 func (n *RabbitMQ) Start() {
 	n.t.Helper()
 	began := time.Now()
-	cmd := exec.Command(filepath.Join(n.bin, "rabbitmq-server"), "-detached")
-	cmd.Env = n.env
+	cmd := n.command(context.Background(), "rabbitmq-server", "-detached")
 	out, err := cmd.CombinedOutput()
 	require.NoError(n.t, err, "rabbitmq-server -detached: %s", out)
 	// A cluster node restarted while its peers run waits for their tables:
@@ -264,8 +276,17 @@ func (n *RabbitMQ) ctl(args ...string) (string, error) { return n.tool("rabbitmq
 func (n *RabbitMQ) tool(name string, args ...string) (string, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, filepath.Join(n.bin, name), append([]string{"-n", n.name}, args...)...)
-	cmd.Env = n.env
-	out, err := cmd.CombinedOutput()
+	out, err := n.command(ctx, name, append([]string{"-n", n.name}, args...)...).CombinedOutput()
 	return string(out), err
+}
+
+// command runs one of RabbitMQ's scripts with the node's environment, in
+// the node's network namespace if it has one.
+func (n *RabbitMQ) command(ctx context.Context, name string, args ...string) *exec.Cmd {
+	cmd := exec.CommandContext(ctx, filepath.Join(n.bin, name), args...)
+	if n.netns != nil {
+		cmd = n.netns.CommandContext(ctx, filepath.Join(n.bin, name), args...)
+	}
+	cmd.Env = n.env
+	return cmd
 }

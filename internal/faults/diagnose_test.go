@@ -1,11 +1,14 @@
 package faults
 
 import (
+	"cmp"
 	"context"
 	"fmt"
+	"maps"
 	"os"
 	"os/signal"
 	"path/filepath"
+	"regexp"
 	"runtime/pprof"
 	"slices"
 	"strings"
@@ -178,4 +181,44 @@ func withoutDumps(stderr string) string {
 		}
 		stderr = stderr[:i] + stderr[i+j+len(dumpEnd):]
 	}
+}
+
+// logKey matches the first key=value field of a log line, where its message
+// ends.
+var logKey = regexp.MustCompile(` [A-Za-z_][A-Za-z0-9_.]*=`)
+
+// clientLogs sums up the warnings and errors the world's nodes logged (the
+// relay's and the consumers' broker clients among them), by message, most
+// frequent first, for a scenario's note.
+func (w *world) clientLogs() string {
+	w.mu.Lock()
+	nodes := slices.Clone(w.nodes)
+	w.mu.Unlock()
+	counts := map[string]int{}
+	for _, n := range nodes {
+		for line := range strings.SplitSeq(withoutDumps(n.stderr.String()), "\n") {
+			f := strings.SplitN(line, " ", 4) // date, time, level, message and fields
+			if len(f) < 4 || (f[2] != "WARN" && f[2] != "ERROR") {
+				continue
+			}
+			msg := f[3]
+			if loc := logKey.FindStringIndex(msg); loc != nil {
+				msg = msg[:loc[0]]
+			}
+			counts[f[2]+` "`+msg+`"`]++
+		}
+	}
+	if len(counts) == 0 {
+		return "the nodes logged no warning or error"
+	}
+	keys := slices.Collect(maps.Keys(counts))
+	slices.SortFunc(keys, func(a, b string) int { return cmp.Or(cmp.Compare(counts[b], counts[a]), cmp.Compare(a, b)) })
+	parts := make([]string, 0, len(keys))
+	for _, k := range keys[:min(len(keys), 6)] {
+		parts = append(parts, fmt.Sprintf("%d× %s", counts[k], k))
+	}
+	if len(keys) > 6 {
+		parts = append(parts, fmt.Sprintf("%d more kinds", len(keys)-6))
+	}
+	return "the nodes logged " + strings.Join(parts, ", ")
 }

@@ -428,7 +428,7 @@ func TestNATSClusterFaults(t *testing.T) {
 		// events of its batch went out (as on a broker restart): order is
 		// not promised.
 		record(result{scenario: clusterFaults, broker: kind, faults: "1 leader SIGKILL, 1 leader SIGSTOP, 3 restarts",
-			o: w.check(false), recovery: recovery, note: "streams at replicas 3; the clients were given all three URLs"})
+			o: w.check(false), recovery: recovery, note: "streams at replicas 3; the clients were given all three URLs; " + w.clientLogs()})
 	})
 }
 
@@ -495,7 +495,7 @@ func TestNATSClusterPartition(t *testing.T) {
 		record(result{scenario: clusterPartition, broker: kind, faults: fmt.Sprintf("stream leader cut off %s (network namespace, link down)", cutFor.Round(100*time.Millisecond)),
 			o: w.check(false), recovery: recovery, note: fmt.Sprintf("streams at replicas 3, the leader's node in a network namespace of its own "+
 				"joined by a veth pair whose link was taken down; another node led the stream %s after the cut and 200 more effects were applied %s after it, "+
-				"during the partition", failover.Round(100*time.Millisecond), flowed.Round(100*time.Millisecond))})
+				"during the partition; %s", failover.Round(100*time.Millisecond), flowed.Round(100*time.Millisecond), w.clientLogs())})
 	})
 }
 
@@ -560,7 +560,7 @@ func TestRabbitMQClusterFaults(t *testing.T) {
 		// A publish that failed during a failover is retried after later
 		// events of its batch went out: order is not promised.
 		record(result{scenario: clusterFaults, broker: kind, faults: "1 leader SIGKILL, 1 leader SIGSTOP, 3 restarts",
-			o: w.check(false), recovery: recovery, note: "a quorum queue with members on the three nodes; the clients were given all three URLs"})
+			o: w.check(false), recovery: recovery, note: "a quorum queue with members on the three nodes; the clients were given all three URLs; " + w.clientLogs()})
 	})
 }
 
@@ -615,8 +615,8 @@ func TestRabbitMQClusterPartition(t *testing.T) {
 		record(result{scenario: clusterPartition, broker: kind, faults: fmt.Sprintf("queue leader cut off %s (network namespace, link down)", cutFor.Round(100*time.Millisecond)),
 			o: w.check(false), recovery: recovery, note: fmt.Sprintf("a quorum queue with members on the three nodes, led by the node in a network namespace "+
 				"of its own, which the relay and the consumer were connected to; pause_minority, net_ticktime 10s, AMQP heartbeat 10s; "+
-				"another node led the queue %s after the cut and 200 more effects were applied %s after it, during the partition",
-				failover.Round(100*time.Millisecond), flowed.Round(100*time.Millisecond))})
+				"another node led the queue %s after the cut and 200 more effects were applied %s after it, during the partition; %s",
+				failover.Round(100*time.Millisecond), flowed.Round(100*time.Millisecond), w.clientLogs())})
 	})
 }
 
@@ -665,6 +665,6 @@ func TestKafkaClusterFaults(t *testing.T) {
 		// A publish that failed during a leader move is retried after later
 		// events of its batch went out: order is not promised.
 		record(result{scenario: clusterFaults, broker: kind, faults: "1 leader moved, 3 elections of every leader and coordinator",
-			o: w.check(false), recovery: recovery, note: "a kfake cluster of 3 brokers: leader and coordinator moves as clients see them; kfake does not replicate and does not model a dead broker (see TestKafkaClusterFaults)"})
+			o: w.check(false), recovery: recovery, note: "a kfake cluster of 3 brokers: leader and coordinator moves as clients see them; kfake does not replicate and does not model a dead broker (see TestKafkaClusterFaults); " + w.clientLogs()})
 	})
 }

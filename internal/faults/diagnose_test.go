@@ -62,10 +62,7 @@ func (w *world) diagnose() string {
 	if w.kind == bus.KindKafka {
 		b.WriteString(w.kafkaGroup(ctx))
 	}
-	w.mu.Lock()
-	nodes := slices.Clone(w.nodes)
-	w.mu.Unlock()
-	for _, n := range nodes {
+	for _, n := range w.snapshot() {
 		select {
 		case <-n.proc.Done():
 			continue
@@ -191,11 +188,8 @@ var logKey = regexp.MustCompile(` [A-Za-z_][A-Za-z0-9_.]*=`)
 // relay's and the consumers' broker clients among them), by message, most
 // frequent first, for a scenario's note.
 func (w *world) clientLogs() string {
-	w.mu.Lock()
-	nodes := slices.Clone(w.nodes)
-	w.mu.Unlock()
 	counts := map[string]int{}
-	for _, n := range nodes {
+	for _, n := range w.snapshot() {
 		for line := range strings.SplitSeq(withoutDumps(n.stderr.String()), "\n") {
 			f := strings.SplitN(line, " ", 4) // date, time, level, message and fields
 			if len(f) < 4 || (f[2] != "WARN" && f[2] != "ERROR") {

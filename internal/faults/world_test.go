@@ -195,10 +195,7 @@ func (n *node) term(limit time.Duration) (time.Duration, error) {
 // exited: a node must ride out every fault without manual action.
 func (w *world) nodesAlive() {
 	w.t.Helper()
-	w.mu.Lock()
-	nodes := slices.Clone(w.nodes)
-	w.mu.Unlock()
-	for _, n := range nodes {
+	for _, n := range w.snapshot() {
 		select {
 		case <-n.proc.Done():
 			if !n.stopped.Load() {
@@ -225,6 +222,22 @@ func (w *world) flowing(n int) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// moreEffects waits until n more effects than now were applied: the flow
+// goes on (during a fault, or after it).
+func (w *world) moreEffects(n int) {
+	w.t.Helper()
+	var effects int
+	require.NoError(w.t, w.db.QueryRow(`SELECT count(*) FROM `+w.table("effects")).Scan(&effects))
+	w.flowing(effects + n)
+}
+
+// snapshot returns the nodes started so far.
+func (w *world) snapshot() []*node {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return slices.Clone(w.nodes)
 }
 
 func tail(s string, n int) string {

@@ -47,6 +47,9 @@ func StartRabbitMQCluster(t testing.TB, n int) *RabbitMQCluster {
 // (cluster_partition_handling = pause_minority) until it sees the others.
 func StartRabbitMQClusterPartitionable(t testing.TB, n int) *RabbitMQCluster {
 	t.Helper()
+	if _, ok := rabbitBinDir(); !ok {
+		t.Skip(noRabbitMQ) // before the epmds, which come with RabbitMQ's Erlang
+	}
 	home := clusterHome(t)
 	ns := StartNetns(t)
 	epmdPort := strconv.Itoa(FreePort(t))

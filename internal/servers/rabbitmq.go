@@ -48,6 +48,9 @@ type rabbitPlacement struct {
 	env    []string // more variables for the node and its tools
 }
 
+// noRabbitMQ is why a test that needs a private RabbitMQ node is skipped.
+const noRabbitMQ = "no rabbitmq-server installed here to start a private node from (the test restarts its broker, so it never uses a shared one)"
+
 // rabbitBinDir finds the RabbitMQ scripts: the Debian/Ubuntu package keeps
 // the real ones in /usr/lib/rabbitmq/bin (its /usr/sbin wrappers switch to
 // the rabbitmq user and its data directory); other installs put them on PATH.
@@ -78,7 +81,7 @@ func newRabbitMQ(t testing.TB, rabbitmqConf, advancedConfig string, at rabbitPla
 	t.Helper()
 	bin, ok := rabbitBinDir()
 	if !ok {
-		t.Skip("no rabbitmq-server installed here to start a private node from (the test restarts its broker, so it never uses a shared one)")
+		t.Skip(noRabbitMQ)
 	}
 	suffix := make([]byte, 4)
 	_, _ = rand.Read(suffix)

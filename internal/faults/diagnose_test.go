@@ -44,7 +44,7 @@ func dumpGoroutinesOnSignal() {
 }
 
 // diagnose says what the broker holds for the world's consumer group and
-// what every live node's messaging goroutines are doing: for the failure
+// what every live node's goroutines are doing: for the failure
 // message of a flow that stalled.
 func (w *world) diagnose() string {
 	var b strings.Builder
@@ -101,8 +101,8 @@ func (w *world) kafkaGroup(ctx context.Context) string {
 	return b.String()
 }
 
-// goroutines asks the node for its goroutines and returns the groups whose
-// stacks pass through a broker client, Watermill or millrace.
+// goroutines asks the node for its goroutines and returns them grouped by
+// stack, without the groups that are the runtime's alone.
 func (n *node) goroutines() string {
 	from := n.stderr.Len()
 	if err := syscall.Kill(n.proc.Pid(), syscall.SIGUSR1); err != nil {
@@ -123,13 +123,11 @@ func (n *node) goroutines() string {
 	}
 	var kept []string
 	for _, group := range strings.Split(dump, "\n\n") {
-		if strings.Contains(group, "sarama") || strings.Contains(group, "watermill") ||
-			strings.Contains(group, "nats.go") || strings.Contains(group, "amqp091") ||
-			strings.Contains(group, "millrace-io/millrace/") {
-			kept = append(kept, compactStack(group))
+		if stack := compactStack(group); strings.Contains(stack, "\n  ") { // a frame beyond the runtime's
+			kept = append(kept, stack)
 		}
 	}
-	return fmt.Sprintf("%d of its goroutine groups in messaging code:\n%s", len(kept), head(strings.Join(kept, ""), 12000))
+	return fmt.Sprintf("%d goroutine groups:\n%s", len(kept), head(strings.Join(kept, ""), 12000))
 }
 
 func head(s string, n int) string {

@@ -491,7 +491,7 @@ func (w *world) partition(cut, heal, healed func(), newLeader func() bool) parti
 	w.fault()
 	began := time.Now()
 	var p partitioned
-	testkit.Eventually(w.t, 2*time.Minute, "another node to lead", func() bool {
+	testkit.Eventually(w.t, time.Minute, "another node to lead", func() bool {
 		led := newLeader()
 		p.failover = time.Since(began) // once its answer is in
 		return led

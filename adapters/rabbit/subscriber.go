@@ -500,13 +500,15 @@ func (s *subscriber) deliver(ctx context.Context, topic string, d amqp.Delivery,
 	}
 	msg.SetContext(msgCtx)
 
+	// A stopping subscription leaves d unsettled: the channel closing after
+	// it returns d to the queue, counted once in x-delivery-count. A nack
+	// with requeue would return it as well, and the queue could hand it to
+	// this channel again before it closes, counting two deliveries.
 	select {
 	case out <- msg:
 	case <-ctx.Done():
-		_ = d.Nack(false, true)
 		return false
 	case <-s.closing:
-		_ = d.Nack(false, true)
 		return false
 	}
 	// Once handed over, the message is settled by its reader even after ctx
@@ -524,8 +526,7 @@ func (s *subscriber) deliver(ctx context.Context, topic string, d amqp.Delivery,
 		}
 		_ = d.Nack(false, true)
 		return true
-	case <-s.closing:
-		_ = d.Nack(false, true)
+	case <-s.closing: // unsettled, as above
 		return false
 	}
 }

@@ -212,8 +212,8 @@ type OrderedProvisioner interface {
 // consumer.ordered: true through it, and the middleware Dispatcher then
 // keeps one message per aggregate in flight and the others held, so an
 // ordered handler runs consumer.workers aggregates at once from one
-// subscription. Brokers that cannot (NATS, see its package) or need not
-// (Kafka: KeyPartitioned) do not implement it.
+// subscription. RabbitMQ and Kafka implement it; NATS cannot (see its
+// package).
 type OrderedFlight interface {
 	// OrderedSubscriber is Subscriber for consumerGroup, except that one
 	// subscription has up to inFlight messages handed out and not settled
@@ -225,6 +225,19 @@ type OrderedFlight interface {
 	// were first delivered, before any newer message. Competing
 	// subscribers of one group give no order between them.
 	OrderedSubscriber(consumerGroup string, inFlight int) (message.Subscriber, error)
+}
+
+// ConcurrentFlight is a Broker whose stock subscription hands out one
+// message at a time per partition, and that can also hand out many at once
+// and settle each on its own (Kafka: reading ahead of the committed offset,
+// which only ever covers the acked prefix). bus.Run subscribes an unordered
+// handler through it, so the handler runs consumer.workers messages at once
+// from a partition.
+type ConcurrentFlight interface {
+	// ConcurrentSubscriber is Subscriber for consumerGroup, except that one
+	// subscription has up to inFlight messages handed out and not settled
+	// at once, in no order between them.
+	ConcurrentSubscriber(consumerGroup string, inFlight int) (message.Subscriber, error)
 }
 
 // RedeliveryScheduler is a Broker that can wait before it delivers a nacked

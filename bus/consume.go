@@ -328,31 +328,7 @@ func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []han
 		if err != nil {
 			return nil, nil, nil, err
 		}
-		group := h.group
-		newSubscriber := func() (message.Subscriber, error) { return broker.Subscriber(group) }
-		// An unordered handler with retry.mode auto hands the waits between
-		// its attempts to a broker that can schedule redeliveries, freeing
-		// its workers; an ordered one keeps them in process, where nothing
-		// newer passes.
-		hc := b.cfg.Consumer.For(h.name)
-		if rs, ok := broker.(adapters.RedeliveryScheduler); ok && !*hc.Ordered && hc.Retry.Mode == middleware.RetryAuto {
-			newSubscriber = func() (message.Subscriber, error) { return rs.RedeliverySubscriber(group, chain.RedeliveryWait) }
-		}
-		// An ordered handler takes up to consumer.prefetch messages at once
-		// from a broker that can settle them out of order and still keep
-		// their order; the Dispatcher holds those of busy aggregates.
-		of, concurrent := broker.(adapters.OrderedFlight)
-		concurrent = concurrent && *hc.Ordered
-		if concurrent {
-			inFlight := hc.EffectivePrefetch()
-			newSubscriber = func() (message.Subscriber, error) { return of.OrderedSubscriber(group, inFlight) }
-		}
-		sub := chain.Subscriber(middleware.Source{
-			NewSubscriber:  newSubscriber,
-			Competing:      true,
-			KeyPartitioned: broker.Capabilities().KeyPartitioned,
-			Concurrent:     concurrent,
-		})
+		sub := chain.Subscriber(chain.BrokerSource(broker, h.group))
 		handler := router.AddConsumerHandler(h.name, h.topic, sub, act.chain(handle))
 		for _, m := range b.routerMiddleware {
 			handler.AddMiddleware(m)

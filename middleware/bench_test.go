@@ -19,7 +19,8 @@ import (
 )
 
 // BenchmarkConsumerThroughput consumes b.N events over one broker with each
-// of these consumers, all on the same Dispatcher (so only the handler
+// of these consumers, all on the same Dispatcher over the subscriber bus.Run
+// would choose for the variant (so only the handler
 // differs), and reports their rates in effects/s (one business row per
 // event) side by side:
 //
@@ -231,7 +232,7 @@ func (v *benchVariant) consume(b *testing.B, k *kit, e *env, n int) {
 	}
 	router, err := message.NewRouter(message.RouterConfig{}, testLogger())
 	require.NoError(b, err)
-	router.AddConsumerHandler(v.name, topic, chain.Subscriber(k.source(group)), h)
+	router.AddConsumerHandler(v.name, topic, chain.Subscriber(k.sourceFor(chain, group)), h)
 	go func() { _ = router.Run(context.Background()) }()
 	b.StartTimer()
 	select {

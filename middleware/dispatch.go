@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/envelope"
 )
 
@@ -123,6 +124,40 @@ func (c *Chain) Subscriber(src Source) *Dispatcher {
 		c.batcher.limit.Store(1)
 	}
 	return d
+}
+
+// BrokerSource is the Source of the chain's handler in consumerGroup on
+// broker, with the subscriber bus.Run gives it:
+//
+//   - an unordered handler with retry.mode auto hands the waits between
+//     its attempts to a broker that can schedule redeliveries
+//     (adapters.RedeliveryScheduler), freeing its workers; an ordered one
+//     keeps them in process, where nothing newer passes;
+//   - an ordered handler takes up to consumer.prefetch messages at once
+//     from a broker that can settle them out of order and still keep their
+//     order (adapters.OrderedFlight); the Dispatcher holds those of busy
+//     aggregates;
+//   - so does an unordered one from a broker whose stock subscription has
+//     one message in flight per partition (adapters.ConcurrentFlight);
+//   - otherwise the broker's stock Subscriber.
+func (c *Chain) BrokerSource(broker adapters.Broker, consumerGroup string) Source {
+	src := Source{
+		NewSubscriber:  func() (message.Subscriber, error) { return broker.Subscriber(consumerGroup) },
+		Competing:      true,
+		KeyPartitioned: broker.Capabilities().KeyPartitioned,
+	}
+	ordered, inFlight := *c.cfg.Ordered, c.cfg.EffectivePrefetch()
+	if rs, ok := broker.(adapters.RedeliveryScheduler); ok && !ordered && c.cfg.Retry.Mode == RetryAuto {
+		src.NewSubscriber = func() (message.Subscriber, error) { return rs.RedeliverySubscriber(consumerGroup, c.RedeliveryWait) }
+	}
+	if of, ok := broker.(adapters.OrderedFlight); ok && ordered {
+		src.Concurrent = true
+		src.NewSubscriber = func() (message.Subscriber, error) { return of.OrderedSubscriber(consumerGroup, inFlight) }
+	} else if cf, ok := broker.(adapters.ConcurrentFlight); ok && !ordered {
+		src.Concurrent = true
+		src.NewSubscriber = func() (message.Subscriber, error) { return cf.ConcurrentSubscriber(consumerGroup, inFlight) }
+	}
+	return src
 }
 
 // NewDispatcher returns a Dispatcher over src. Chain.Subscriber is the usual

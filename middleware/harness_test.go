@@ -44,7 +44,8 @@ func testLogger() watermill.LoggerAdapter {
 type kit struct {
 	name string
 	pub  message.Publisher
-	// source returns the middleware.Source of a consumer group.
+	// source returns the middleware.Source of a consumer group, the stock
+	// subscriber's (sourceFor gives bus.Run's).
 	source func(group string) middleware.Source
 	// provision makes topic and the groups' subscriptions exist before
 	// anything is published, so that nothing published is dropped.
@@ -67,6 +68,16 @@ type kitOptions struct {
 }
 
 var kitNames = []string{"gochannel", bus.KindKafka, bus.KindNATS, bus.KindRabbitMQ}
+
+// sourceFor is the Source bus.Run gives chain's handler in group: on a
+// broker adapter the subscriber chosen by its settings
+// (Chain.BrokerSource), on gochannel the only one.
+func (k *kit) sourceFor(chain *middleware.Chain, group string) middleware.Source {
+	if k.broker == nil {
+		return k.source(group)
+	}
+	return chain.BrokerSource(k.broker, group)
+}
 
 func newKit(t testing.TB, name string, opts kitOptions) *kit {
 	if name == "gochannel" {

@@ -2,4 +2,7 @@
 // passes, on top of Watermill's universal pubsub/tests suite: what millrace
 // adds (pipelined batch publish, per-key order, consumer-group fan-out versus
 // competing consumers, redelivery after a nack, surviving a broker restart).
+// It also holds the kit of the adapters' tests of ordered subscribers with
+// many messages in flight (adapters.OrderedFlight): OrderLedger,
+// PublishOrdered and StartOrdered.
 package adaptertest

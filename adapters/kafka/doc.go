@@ -35,8 +35,8 @@
 //
 // # Consuming
 //
-// Subscribers are watermill-kafka subscribers, one Kafka consumer group per
-// Subscriber(group). A new group starts at the oldest record (Sarama would
+// Subscriber(group) is a watermill-kafka subscriber, one Kafka consumer
+// group per group. A new group starts at the oldest record (Sarama would
 // start at the newest and miss every earlier event). Each partition is
 // processed one message at a time: the next message of a partition comes
 // after the previous one is acked, so one aggregate's events are handled in
@@ -44,6 +44,11 @@
 // committed only for acked messages (every broker.kafka.commit_interval and
 // on close); a nack redelivers to the same subscriber; a crash, a closed
 // subscriber or a rebalance redelivers what was not acked.
+//
+// OrderedSubscriber and ConcurrentSubscriber, which bus.Run uses, hand out
+// many records of a partition at once (one per aggregate at a time for the
+// ordered one) and commit the contiguous prefix of acked offsets, so a
+// handler runs consumer.workers messages at once from one partition.
 //
 // # Topics
 //

@@ -43,13 +43,19 @@ import (
 // happen within broker.kafka.rebalance_timeout, else the member is dropped
 // from the new generation until it rejoins.
 func (b *Broker) Subscriber(consumerGroup string) (message.Subscriber, error) {
+	return b.newSubscriber(consumerGroup, 0, false)
+}
+
+// newSubscriber is Subscriber, or with inFlight > 0 OrderedSubscriber
+// (keyed) or ConcurrentSubscriber.
+func (b *Broker) newSubscriber(consumerGroup string, inFlight int, keyed bool) (message.Subscriber, error) {
 	if err := names.Topic(consumerGroup); err != nil {
 		return nil, fmt.Errorf("kafka: consumer group %q: %w", consumerGroup, err)
 	}
 	if b.closed.Load() {
 		return nil, errClosed
 	}
-	s := &subscriber{b: b, group: consumerGroup, closing: make(chan struct{})}
+	s := &subscriber{b: b, group: consumerGroup, inFlight: inFlight, keyed: keyed, closing: make(chan struct{})}
 	b.mu.Lock()
 	b.subscribers[s] = struct{}{}
 	b.mu.Unlock()
@@ -59,14 +65,18 @@ func (b *Broker) Subscriber(consumerGroup string) (message.Subscriber, error) {
 type subscriber struct {
 	b     *Broker
 	group string
+	// inFlight, when above 0, makes it an OrderedSubscriber (keyed: one
+	// message per aggregate at a time) or a ConcurrentSubscriber.
+	inFlight int
+	keyed    bool
 
 	mu        sync.Mutex
 	inner     []*wkafka.Subscriber
 	closing   chan struct{}
 	closeOnce sync.Once
 	closeErr  error
-	// relays are the running relay goroutines; Close waits for them, so
-	// every channel has closed when it returns.
+	// relays are the running relay goroutines and ordered subscriptions;
+	// Close waits for them, so every channel has closed when it returns.
 	relays sync.WaitGroup
 }
 
@@ -80,6 +90,9 @@ var (
 func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	if err := s.b.ensureTopic(ctx, topic); err != nil {
 		return nil, err
+	}
+	if s.inFlight > 0 {
+		return s.subscribeOrdered(ctx, topic)
 	}
 	conf, err := consumerConfig(s.b.cfg, s.b.opts)
 	if err != nil {
@@ -118,6 +131,13 @@ func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	}
 	deliver := make(chan *message.Message)
 	go s.relay(ctx, out, deliver, sessions)
+	s.awaitJoin(ctx, topic, joined)
+	return deliver, nil
+}
+
+// awaitJoin waits until joined is closed (the consumer has its
+// partitions), ctx ends, the subscriber closes or join_wait has passed.
+func (s *subscriber) awaitJoin(ctx context.Context, topic string, joined <-chan struct{}) {
 	wait := time.NewTimer(s.b.cfg.JoinWait)
 	defer wait.Stop()
 	select {
@@ -131,7 +151,6 @@ func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 			"consumer_group": s.group, "topic": topic, "join_wait": s.b.cfg.JoinWait.String(),
 		})
 	}
-	return deliver, nil
 }
 
 // ErrRebalanced is the cause of a delivered message's context when the

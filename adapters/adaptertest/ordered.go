@@ -1,0 +1,188 @@
+package adaptertest
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/internal/envelope"
+	"github.com/millrace-io/millrace/middleware"
+)
+
+// OrderLedger is an ordered handler's view of what it handled, for the
+// tests of an adapters.OrderedFlight subscriber: per aggregate the last
+// sequence number with an effect, as an inbox and an effect table would keep
+// it. A delivery at or below it is a duplicate (the inbox drops it); one
+// above the next is an order violation, and so is a second message of an
+// aggregate handed out while one is in flight.
+type OrderLedger struct {
+	mu         sync.Mutex
+	last       map[string]int
+	busy       map[string]bool
+	nacked     map[string]bool // ids nacked once, on purpose
+	handled    int             // deliveries with an effect
+	dups       int
+	violations []string
+	progress   chan int // handled, after each effect
+}
+
+// NewOrderLedger returns an empty ledger.
+func NewOrderLedger() *OrderLedger {
+	return &OrderLedger{last: map[string]int{}, busy: map[string]bool{}, nacked: map[string]bool{}, progress: make(chan int, 1<<16)}
+}
+
+// Handle is the handler: it sleeps latency (a database round trip), nacks
+// the first delivery of every nackEvery-th event published (0: none), and
+// acks the rest.
+func (l *OrderLedger) Handle(msg *message.Message, latency time.Duration, nackEvery int) {
+	agg := msg.Metadata.Get(envelope.AggregateIDKey)
+	seq, _ := strconv.Atoi(msg.Metadata.Get("seq"))
+	idx, _ := strconv.Atoi(msg.Metadata.Get("idx"))
+	l.mu.Lock()
+	if l.busy[agg] {
+		l.violations = append(l.violations, fmt.Sprintf("%s: seq %d handed out while another was in flight", agg, seq))
+	}
+	l.busy[agg] = true
+	l.mu.Unlock()
+	time.Sleep(latency)
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.busy[agg] = false
+	switch {
+	case seq <= l.last[agg]:
+		l.dups++
+	case seq != l.last[agg]+1:
+		l.violations = append(l.violations, fmt.Sprintf("%s: seq %d after %d", agg, seq, l.last[agg]))
+	case nackEvery > 0 && idx%nackEvery == 0 && !l.nacked[msg.UUID]:
+		l.nacked[msg.UUID] = true
+		msg.Nack()
+		return
+	default:
+		l.last[agg] = seq
+		l.handled++
+		l.progress <- l.handled
+	}
+	msg.Ack()
+}
+
+// WaitHandled waits up to 3 minutes until l has handled n events, failing
+// at the first order violation.
+func (l *OrderLedger) WaitHandled(t *testing.T, n int) {
+	t.Helper()
+	timeout := time.After(3 * time.Minute)
+	for {
+		select {
+		case h := <-l.progress:
+			l.mu.Lock()
+			violations := l.violations
+			l.mu.Unlock()
+			require.Empty(t, violations)
+			if h >= n {
+				return
+			}
+		case <-timeout:
+			l.mu.Lock()
+			defer l.mu.Unlock()
+			require.FailNow(t, "not every event was handled", "%d of %d handled; violations %v", l.handled, n, l.violations)
+		}
+	}
+}
+
+// RequireComplete checks that every one of aggregates aggregates had per
+// events take effect, once each and in order, and that some were nacked on
+// purpose when nacks were asked for. It returns the duplicates delivered
+// and the nacks.
+func (l *OrderLedger) RequireComplete(t *testing.T, aggregates, per int, nacks bool) (dups, nacked int) {
+	t.Helper()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	require.Empty(t, l.violations)
+	for a := range aggregates {
+		require.Equal(t, per, l.last[OrderedAggregate(a)])
+	}
+	require.Equal(t, aggregates*per, l.handled)
+	if nacks {
+		require.NotEmpty(t, l.nacked)
+	}
+	return l.dups, len(l.nacked)
+}
+
+// OrderedAggregate is the id of the a-th aggregate PublishOrdered publishes to.
+func OrderedAggregate(a int) string { return fmt.Sprintf("agg-%02d", a) }
+
+// PublishOrdered publishes per events to each of aggregates aggregates,
+// interleaved, with metadata seq 1..per for each aggregate and idx, the
+// event's place in the whole run.
+func PublishOrdered(t *testing.T, b adapters.Broker, topic string, aggregates, per int) {
+	t.Helper()
+	var batch []adapters.Outgoing
+	flush := func() {
+		require.NoError(t, b.PublishBatch(context.Background(), batch))
+		batch = batch[:0]
+	}
+	for seq := 1; seq <= per; seq++ {
+		for a := range aggregates {
+			m := event(OrderedAggregate(a), seq)
+			m.Metadata.Set("seq", strconv.Itoa(seq))
+			m.Metadata.Set("idx", strconv.Itoa((seq-1)*aggregates+a))
+			batch = append(batch, adapters.Outgoing{Topic: topic, Msg: m})
+			if len(batch) == 500 {
+				flush()
+			}
+		}
+	}
+	if len(batch) > 0 {
+		flush()
+	}
+}
+
+// OrderedConsumer is one ordered handler process: a Dispatcher with
+// workers and prefetch over one subscription of its Source, each message
+// handled by an OrderLedger.
+type OrderedConsumer struct {
+	d    *middleware.Dispatcher
+	done chan struct{}
+	// Subs receives each subscriber the Dispatcher opens.
+	Subs chan message.Subscriber
+}
+
+// StartOrdered starts an OrderedConsumer on topic.
+func StartOrdered(t *testing.T, topic string, src middleware.Source, workers, prefetch int, l *OrderLedger, latency time.Duration, nackEvery int) *OrderedConsumer {
+	t.Helper()
+	c := &OrderedConsumer{done: make(chan struct{}), Subs: make(chan message.Subscriber, 1)}
+	newSub := src.NewSubscriber
+	src.NewSubscriber = func() (message.Subscriber, error) {
+		s, err := newSub()
+		if err == nil {
+			c.Subs <- s
+		}
+		return s, err
+	}
+	c.d = middleware.NewDispatcher(src, middleware.DispatchConfig{Workers: workers, Prefetch: prefetch, Ordered: true, DrainTimeout: 30 * time.Second})
+	require.Equal(t, 1, c.d.Subscriptions())
+	msgs, err := c.d.Subscribe(context.Background(), topic)
+	require.NoError(t, err)
+	go func() {
+		defer close(c.done)
+		var wg sync.WaitGroup
+		for msg := range msgs {
+			wg.Go(func() { l.Handle(msg, latency, nackEvery) })
+		}
+		wg.Wait()
+	}()
+	return c
+}
+
+// Stop closes the consumer and waits until its handlers have returned.
+func (c *OrderedConsumer) Stop(t *testing.T) {
+	t.Helper()
+	require.NoError(t, c.d.Close())
+	<-c.done
+}

@@ -1,0 +1,398 @@
+package kafka
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/internal/envelope"
+)
+
+var (
+	_ adapters.OrderedFlight    = (*Broker)(nil)
+	_ adapters.ConcurrentFlight = (*Broker)(nil)
+)
+
+// OrderedSubscriber is Subscriber for an ordered consumer
+// (adapters.OrderedFlight): a subscription reads ahead of its committed
+// offset and hands out up to inFlight messages at once, from one partition
+// as from many, one per aggregate (the aggregate-id header; messages without
+// one share a key) at a time: it holds the later messages of a busy
+// aggregate until the one handed out is acked. So an ordered handler runs
+// many aggregates at once from one partition, with more workers than
+// partitions (Confluent's Parallel Consumer does the same; watermill-kafka
+// hands out one message per partition at a time and cannot).
+//
+// Acks settle out of order; the committed offset of a partition is the end
+// of its contiguous acked prefix, so a crash, a closed subscriber or a
+// rebalance re-reads from the oldest message not acked: every message read
+// after it comes again (acked ones as duplicates, which the inbox drops),
+// in log order, so no message of an aggregate is handled before an earlier
+// one. A nacked message keeps its aggregate busy and is handed out again
+// after broker.kafka.nack_redelivery_delay; the later messages of its
+// aggregate wait, the others go on. The subscription holds at most
+// inFlight records read and not acked, held ones included, and a partition
+// reads at most 8 x inFlight past its committed offset (its window), so a
+// slow message holds up its partition only once that window is full, and a
+// restart re-reads at most that many per partition. A subscription that
+// leaves a session (a rebalance) waits until what it handed out is settled
+// (their contexts end with ErrRebalanced), so the next owner of a partition
+// never runs a message of an aggregate while this one still runs an earlier
+// one.
+func (b *Broker) OrderedSubscriber(consumerGroup string, inFlight int) (message.Subscriber, error) {
+	if inFlight < 1 {
+		return nil, adapters.Permanent(fmt.Errorf("kafka: OrderedSubscriber: inFlight must be at least 1; got %d", inFlight))
+	}
+	return b.newSubscriber(consumerGroup, inFlight, true)
+}
+
+// ConcurrentSubscriber is OrderedSubscriber without the order
+// (adapters.ConcurrentFlight): it hands out up to inFlight messages at once
+// whatever their aggregates, for an unordered handler, which with
+// Subscriber has one message in flight per partition. Commits, windows,
+// nacks and rebalances are as OrderedSubscriber's.
+func (b *Broker) ConcurrentSubscriber(consumerGroup string, inFlight int) (message.Subscriber, error) {
+	if inFlight < 1 {
+		return nil, adapters.Permanent(fmt.Errorf("kafka: ConcurrentSubscriber: inFlight must be at least 1; got %d", inFlight))
+	}
+	return b.newSubscriber(consumerGroup, inFlight, false)
+}
+
+// windowPerInFlight sizes a partition's window, the records read past its
+// committed offset, acked or not: 8 times the in-flight count lets a nacked
+// record wait out its nack delay at the head of the partition while the
+// others go on, at thousands of messages a second, and bounds what a crash
+// re-reads.
+const windowPerInFlight = 8
+
+// subscribeOrdered is Subscribe of an OrderedSubscriber: a Sarama consumer
+// group of its own, whose claims hand out messages through orderedClaim.
+func (s *subscriber) subscribeOrdered(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	conf, err := consumerConfig(s.b.cfg, s.b.opts)
+	if err != nil {
+		return nil, err
+	}
+	group, err := sarama.NewConsumerGroup(s.b.cfg.Brokers, s.group, conf)
+	if err != nil {
+		return nil, fmt.Errorf("kafka: cannot create subscriber for group %s: %w", s.group, err)
+	}
+	s.mu.Lock()
+	select {
+	case <-s.closing:
+		s.mu.Unlock()
+		_ = group.Close()
+		return nil, errors.New("kafka: subscriber closed")
+	default:
+	}
+	s.relays.Add(1) // under mu with closing open, so before Close waits
+	s.mu.Unlock()
+
+	runCtx, cancel := context.WithCancel(ctx)
+	go func() {
+		select {
+		case <-s.closing:
+			cancel()
+		case <-runCtx.Done():
+		}
+	}()
+	h := &orderedHandler{
+		s: s, topic: topic, ctx: runCtx, out: make(chan *message.Message),
+		slots: make(chan struct{}, s.inFlight), window: windowPerInFlight * s.inFlight,
+		joined:     make(chan struct{}),
+		commitEach: !conf.Consumer.Offsets.AutoCommit.Enable,
+	}
+	go func() {
+		for err := range group.Errors() {
+			s.b.logger.Error("Kafka ordered subscription error", err, watermill.LogFields{"consumer_group": s.group, "topic": topic})
+		}
+	}()
+	go h.run(group, cancel)
+	s.awaitJoin(ctx, topic, h.joined)
+	return h.out, nil
+}
+
+// orderedHandler is the sarama.ConsumerGroupHandler of one ordered
+// subscription.
+type orderedHandler struct {
+	s          *subscriber
+	topic      string
+	ctx        context.Context // the subscription's: ends at its context's end or Close
+	out        chan *message.Message
+	slots      chan struct{} // one per record read and not acked, across claims
+	window     int           // the most records a claim reads past its committed offset
+	commitEach bool          // commit after each mark: auto-commit is off
+
+	joined     chan struct{}
+	joinedOnce sync.Once
+}
+
+// run consumes until the subscription ends, joining every new session.
+func (h *orderedHandler) run(group sarama.ConsumerGroup, cancel context.CancelFunc) {
+	defer h.s.relays.Done()
+	defer close(h.out)
+	defer func() { _ = group.Close() }()
+	defer cancel()
+	for h.ctx.Err() == nil {
+		if err := group.Consume(h.ctx, []string{h.topic}, h); err != nil && h.ctx.Err() == nil {
+			h.s.b.logger.Error("Kafka ordered subscription interrupted, resuming", err, watermill.LogFields{
+				"consumer_group": h.s.group, "topic": h.topic, "retry_in": h.s.b.cfg.ReconnectDelay.String(),
+			})
+			if !sleep(h.ctx, h.s.b.cfg.ReconnectDelay) {
+				return
+			}
+		}
+	}
+}
+
+// Setup signals the first join.
+func (h *orderedHandler) Setup(sarama.ConsumerGroupSession) error {
+	h.joinedOnce.Do(func() { close(h.joined) })
+	return nil
+}
+
+// Cleanup has nothing to do: every claim settled what it handed out.
+func (h *orderedHandler) Cleanup(sarama.ConsumerGroupSession) error { return nil }
+
+// ConsumeClaim hands out the claim's messages until its session ends.
+func (h *orderedHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
+	c := &orderedClaim{
+		h: h, sess: sess, claim: claim, busy: map[string]bool{},
+		settled:   make(chan settlement),
+		redeliver: make(chan *pendingRecord),
+		stopped:   make(chan struct{}),
+	}
+	c.loop()
+	return nil
+}
+
+// pendingRecord is a record read from a claim and not yet committed.
+type pendingRecord struct {
+	rec   *sarama.ConsumerMessage
+	key   string // its aggregate id
+	acked bool
+	// msg is the delivery handed out or ready to be, and cancel ends the
+	// context prepare gave it.
+	msg    *message.Message
+	cancel func()
+}
+
+type settlement struct {
+	p     *pendingRecord
+	acked bool
+}
+
+// orderedClaim is the state of one partition of an ordered subscription in
+// one session; loop owns it.
+type orderedClaim struct {
+	h     *orderedHandler
+	sess  sarama.ConsumerGroupSession
+	claim sarama.ConsumerGroupClaim
+
+	window []*pendingRecord        // read and not committed, in offset order; those not acked hold a slot
+	busy   map[string]bool         // aggregates with a record handed out, ready or waiting to be redelivered
+	ready  []*pendingRecord        // to hand out, in order
+	out    int                     // handed out and not settled
+	stash  *sarama.ConsumerMessage // read, waiting for a slot
+	timers []*time.Timer           // nacked records waiting to be handed out again
+
+	settled   chan settlement
+	redeliver chan *pendingRecord
+	stopped   chan struct{} // closed when loop stops taking settlements
+}
+
+// loop reads, hands out and settles until the session or the subscription
+// ends, then waits for what it handed out and gives back its slots.
+func (c *orderedClaim) loop() {
+	defer c.release()
+	done := c.sess.Context().Done()
+	for {
+		var in <-chan *sarama.ConsumerMessage
+		var slot chan<- struct{}
+		switch {
+		case c.stash != nil:
+			slot = c.h.slots
+		case len(c.window) < c.h.window:
+			in = c.claim.Messages()
+		}
+		var send chan<- *message.Message
+		var next *message.Message
+		if len(c.ready) > 0 {
+			send, next = c.h.out, c.ready[0].msg
+			c.prepare(c.ready[0])
+		}
+		select {
+		case rec, ok := <-in:
+			if !ok {
+				c.drain()
+				return
+			}
+			c.stash = rec
+		case slot <- struct{}{}:
+			c.take(c.stash)
+			c.stash = nil
+		case send <- next:
+			p := c.ready[0]
+			c.ready = c.ready[1:]
+			c.out++
+			go c.watch(p, next, p.cancel)
+		case st := <-c.settled:
+			c.settle(st)
+		case p := <-c.redeliver:
+			c.ready = append(c.ready, p)
+		case <-done:
+			c.drain()
+			return
+		case <-c.h.ctx.Done():
+			c.drain()
+			return
+		}
+	}
+}
+
+// take adds rec to the window, ready at once unless its aggregate is busy.
+func (c *orderedClaim) take(rec *sarama.ConsumerMessage) {
+	msg, _ := Marshaler{}.Unmarshal(rec) // never fails: it only copies
+	p := &pendingRecord{rec: rec, msg: msg, key: msg.Metadata.Get(envelope.AggregateIDKey)}
+	c.window = append(c.window, p)
+	if !c.h.s.keyed {
+		c.ready = append(c.ready, p)
+		return
+	}
+	if !c.busy[p.key] {
+		c.busy[p.key] = true
+		c.ready = append(c.ready, p)
+	}
+}
+
+// prepare gives p's delivery, once, a context that ends when it is
+// settled, with the subscription, or, with cause ErrRebalanced, with the
+// session.
+func (c *orderedClaim) prepare(p *pendingRecord) {
+	if p.cancel != nil {
+		return
+	}
+	ctx, cancel := context.WithCancelCause(c.h.ctx)
+	stop := context.AfterFunc(c.sess.Context(), func() { cancel(ErrRebalanced) })
+	p.msg.SetContext(ctx)
+	p.cancel = func() {
+		stop()
+		cancel(context.Canceled)
+	}
+}
+
+// watch reports msg's ack or nack to the loop, then ends its context.
+func (c *orderedClaim) watch(p *pendingRecord, msg *message.Message, cancel func()) {
+	var acked bool
+	select {
+	case <-msg.Acked():
+		acked = true
+	case <-msg.Nacked():
+	}
+	cancel()
+	select {
+	case c.settled <- settlement{p: p, acked: acked}:
+	case <-c.stopped:
+	}
+}
+
+// settle records an ack or a nack. An ack frees the aggregate for its next
+// record and moves the committed offset over the acked prefix; a nacked
+// record is handed out again after nack_redelivery_delay, its aggregate
+// busy until then.
+func (c *orderedClaim) settle(st settlement) {
+	c.out--
+	p := st.p
+	if !st.acked {
+		c.timers = append(c.timers, time.AfterFunc(c.h.s.b.cfg.NackRedeliveryDelay, func() {
+			p.msg, _ = Marshaler{}.Unmarshal(p.rec)
+			p.cancel = nil
+			select {
+			case c.redeliver <- p:
+			case <-c.stopped:
+			}
+		}))
+		return
+	}
+	p.acked, p.msg, p.cancel = true, nil, nil
+	<-c.h.slots
+	if c.h.s.keyed {
+		c.next(p.key)
+	}
+	c.commit()
+}
+
+// next makes the oldest record of key not acked ready, if there is one.
+func (c *orderedClaim) next(key string) {
+	c.busy[key] = false
+	for _, q := range c.window {
+		if !q.acked && q.key == key {
+			c.busy[key] = true
+			c.ready = append(c.ready, q)
+			break
+		}
+	}
+	if !c.busy[key] {
+		delete(c.busy, key)
+	}
+}
+
+// commit moves the committed offset over the acked prefix of the window,
+// while the session lasts.
+func (c *orderedClaim) commit() {
+	committed := 0
+	for committed < len(c.window) && c.window[committed].acked {
+		committed++
+	}
+	if committed == 0 || c.sess.Context().Err() != nil {
+		return
+	}
+	c.sess.MarkOffset(c.h.topic, c.claim.Partition(), c.window[committed-1].rec.Offset+1, "")
+	if c.h.commitEach {
+		c.sess.Commit()
+	}
+	c.window = c.window[committed:]
+}
+
+// drain stops handing out and, while the subscription lasts, waits until
+// every message handed out is settled (their contexts have ended), so no
+// later message of their aggregates can be handed out by the partition's
+// next owner while they run. What is acked in the meantime still moves the
+// committed offset while the session lasts. When the subscription ends it
+// does not wait: the Dispatcher settles the messages it holds only after
+// Close returns, and what it ran it has already drained.
+func (c *orderedClaim) drain() {
+	for _, t := range c.timers {
+		t.Stop()
+	}
+	c.ready = nil
+	for c.out > 0 {
+		select {
+		case st := <-c.settled:
+			if st.acked {
+				c.settle(st)
+			} else {
+				c.out--
+			}
+		case <-c.h.ctx.Done():
+			return
+		}
+	}
+}
+
+// release gives back the slots of the records not acked and stops the
+// watchers and timers still waiting to report.
+func (c *orderedClaim) release() {
+	close(c.stopped)
+	for _, p := range c.window {
+		if !p.acked {
+			<-c.h.slots
+		}
+	}
+}

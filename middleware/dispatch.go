@@ -28,15 +28,17 @@ type Source struct {
 	Competing bool
 	// KeyPartitioned is true when one subscription already delivers messages
 	// of different keys concurrently and those of one key in order: Kafka,
-	// where a subscription has one message in flight per assigned partition
-	// and the key picks the partition. One subscription is then enough.
+	// where a subscription spans its assigned partitions (its stock one has
+	// one message in flight per partition) and the key picks the partition.
+	// One subscription is then enough.
 	KeyPartitioned bool
 	// Concurrent is true when one subscription hands out many messages
-	// without waiting for their acks, settles each on its own and keeps the
-	// order of what it handed out across nacks and restarts
-	// (adapters.OrderedFlight: a RabbitMQ ordered subscriber). An ordered
-	// handler then has up to Workers messages in flight from its one
-	// subscription, one per aggregate.
+	// without waiting for their acks and settles each on its own: for an
+	// ordered handler one that keeps the order of what it handed out across
+	// nacks and restarts (adapters.OrderedFlight: RabbitMQ's and Kafka's
+	// ordered subscribers), for an unordered one adapters.ConcurrentFlight
+	// (Kafka). The handler then has up to Workers messages in flight from
+	// its one subscription, one per aggregate when ordered.
 	Concurrent bool
 }
 
@@ -60,9 +62,9 @@ type Source struct {
 // before the first is acked) and one when KeyPartitioned (a Kafka
 // subscription already spans its partitions). With a stock subscriber an
 // ordered handler thus has one message in flight; with a Concurrent one
-// (RabbitMQ's ordered subscriber) its one subscription hands out up to
-// consumer.prefetch messages and the Dispatcher runs up to consumer.workers
-// of them, one per aggregate. See README.md for what that means on each
+// (RabbitMQ's and Kafka's ordered subscribers) its one subscription hands
+// out up to consumer.prefetch messages and the Dispatcher runs up to
+// consumer.workers of them, one per aggregate. See README.md for what that means on each
 // broker.
 //
 // Stopping (Close, or the end of Subscribe's context) is graceful: no new

@@ -186,3 +186,23 @@ func (c *OrderedConsumer) Stop(t *testing.T) {
 	require.NoError(t, c.d.Close())
 	<-c.done
 }
+
+// OneInFlightRate is the rate, in events/s, of an ordered handler over
+// newSource's subscriber, for comparison with a Concurrent one: it
+// publishes per events to each of aggregates aggregates on a topic and group
+// of its own, consumes them with workers, prefetch and latency as
+// StartOrdered does, and checks that they took effect in order.
+func OneInFlightRate(t *testing.T, b adapters.Broker, newSource func(group string) middleware.Source, aggregates, per, workers, prefetch int, latency time.Duration) float64 {
+	t.Helper()
+	topic, group := Name("ordered"), Name("g")
+	require.NoError(t, b.Provision(context.Background(), topic, group))
+	PublishOrdered(t, b, topic, aggregates, per)
+	l := NewOrderLedger()
+	start := time.Now()
+	c := StartOrdered(t, topic, newSource(group), workers, prefetch, l, latency, 0)
+	l.WaitHandled(t, aggregates*per)
+	rate := float64(aggregates*per) / time.Since(start).Seconds()
+	c.Stop(t)
+	l.RequireComplete(t, aggregates, per, false)
+	return rate
+}

@@ -71,20 +71,13 @@ func TestOrderedSubscriberManyInFlight(t *testing.T) {
 
 	// The stock subscriber: one message in flight per partition, on
 	// another topic of one partition.
-	oneTopic, oneGroup, onePer := adaptertest.Name("ordered"), adaptertest.Name("g"), 5
-	require.NoError(t, b.Provision(context.Background(), oneTopic, oneGroup))
-	adaptertest.PublishOrdered(t, b, oneTopic, aggregates, onePer)
-	one := adaptertest.NewOrderLedger()
-	start = time.Now()
-	c := adaptertest.StartOrdered(t, oneTopic, middleware.Source{
-		NewSubscriber:  func() (message.Subscriber, error) { return b.Subscriber(oneGroup) },
-		Competing:      true,
-		KeyPartitioned: true,
-	}, workers, prefetch, one, latency, 0)
-	one.WaitHandled(t, aggregates*onePer)
-	oneRate := float64(aggregates*onePer) / time.Since(start).Seconds()
-	c.Stop(t)
-	one.RequireComplete(t, aggregates, onePer, false)
+	oneRate := adaptertest.OneInFlightRate(t, b, func(group string) middleware.Source {
+		return middleware.Source{
+			NewSubscriber:  func() (message.Subscriber, error) { return b.Subscriber(group) },
+			Competing:      true,
+			KeyPartitioned: true,
+		}
+	}, aggregates, 5, workers, prefetch, latency)
 	t.Logf("one in flight: %.0f events/s; many in flight (faults included): %.0f events/s, %.1fx", oneRate, manyRate, manyRate/oneRate)
 }
 

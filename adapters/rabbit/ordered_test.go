@@ -66,21 +66,12 @@ func TestOrderedSubscriberManyInFlight(t *testing.T) {
 	t.Logf("many in flight: %d events in %s (%.0f/s) with %d nacks, a lost connection and a restart; %d duplicates", n, elapsed.Round(time.Millisecond), manyRate, nacked, dups)
 
 	// The stock subscriber: one message in flight, on another group.
-	oneGroup := adaptertest.Name("g")
-	oneTopicPer := 5
-	oneTopic := adaptertest.Name("ordered")
-	require.NoError(t, b.Provision(context.Background(), oneTopic, oneGroup))
-	adaptertest.PublishOrdered(t, b, oneTopic, aggregates, oneTopicPer)
-	one := adaptertest.NewOrderLedger()
-	start = time.Now()
-	c = adaptertest.StartOrdered(t, oneTopic, middleware.Source{
-		NewSubscriber: func() (message.Subscriber, error) { return b.Subscriber(oneGroup) },
-		Competing:     true,
-	}, workers, prefetch, one, latency, 0)
-	one.WaitHandled(t, aggregates*oneTopicPer)
-	oneRate := float64(aggregates*oneTopicPer) / time.Since(start).Seconds()
-	c.Stop(t)
-	one.RequireComplete(t, aggregates, oneTopicPer, false)
+	oneRate := adaptertest.OneInFlightRate(t, b, func(group string) middleware.Source {
+		return middleware.Source{
+			NewSubscriber: func() (message.Subscriber, error) { return b.Subscriber(group) },
+			Competing:     true,
+		}
+	}, aggregates, 5, workers, prefetch, latency)
 	t.Logf("one in flight: %.0f events/s; many in flight (faults included): %.0f events/s, %.1fx", oneRate, manyRate, manyRate/oneRate)
 }
 

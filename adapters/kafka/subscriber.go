@@ -75,7 +75,7 @@ type subscriber struct {
 	closing   chan struct{}
 	closeOnce sync.Once
 	closeErr  error
-	// relays are the running relay goroutines and ordered subscriptions;
+	// relays are the running relay goroutines and read-ahead subscriptions;
 	// Close waits for them, so every channel has closed when it returns.
 	relays sync.WaitGroup
 }
@@ -92,7 +92,7 @@ func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		return nil, err
 	}
 	if s.inFlight > 0 {
-		return s.subscribeOrdered(ctx, topic)
+		return s.subscribeReadAhead(ctx, topic)
 	}
 	conf, err := consumerConfig(s.b.cfg, s.b.opts)
 	if err != nil {

@@ -72,9 +72,9 @@ func (b *Broker) ConcurrentSubscriber(consumerGroup string, inFlight int) (messa
 // re-reads.
 const windowPerInFlight = 8
 
-// subscribeOrdered is Subscribe of an OrderedSubscriber: a Sarama consumer
-// group of its own, whose claims hand out messages through orderedClaim.
-func (s *subscriber) subscribeOrdered(ctx context.Context, topic string) (<-chan *message.Message, error) {
+// subscribeReadAhead is Subscribe of an OrderedSubscriber: a Sarama consumer
+// group of its own, whose claims hand out messages through readAheadClaim.
+func (s *subscriber) subscribeReadAhead(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	conf, err := consumerConfig(s.b.cfg, s.b.opts)
 	if err != nil {
 		return nil, err
@@ -102,7 +102,7 @@ func (s *subscriber) subscribeOrdered(ctx context.Context, topic string) (<-chan
 		case <-runCtx.Done():
 		}
 	}()
-	h := &orderedHandler{
+	h := &readAheadHandler{
 		s: s, topic: topic, ctx: runCtx, out: make(chan *message.Message),
 		slots: make(chan struct{}, s.inFlight), window: windowPerInFlight * s.inFlight,
 		joined:     make(chan struct{}),
@@ -110,7 +110,7 @@ func (s *subscriber) subscribeOrdered(ctx context.Context, topic string) (<-chan
 	}
 	go func() {
 		for err := range group.Errors() {
-			s.b.logger.Error("Kafka ordered subscription error", err, watermill.LogFields{"consumer_group": s.group, "topic": topic})
+			s.b.logger.Error("Kafka read-ahead subscription error", err, watermill.LogFields{"consumer_group": s.group, "topic": topic})
 		}
 	}()
 	go h.run(group, cancel)
@@ -118,9 +118,9 @@ func (s *subscriber) subscribeOrdered(ctx context.Context, topic string) (<-chan
 	return h.out, nil
 }
 
-// orderedHandler is the sarama.ConsumerGroupHandler of one ordered
-// subscription.
-type orderedHandler struct {
+// readAheadHandler is the sarama.ConsumerGroupHandler of one subscription
+// of an OrderedSubscriber or ConcurrentSubscriber.
+type readAheadHandler struct {
 	s          *subscriber
 	topic      string
 	ctx        context.Context // the subscription's: ends at its context's end or Close
@@ -134,14 +134,14 @@ type orderedHandler struct {
 }
 
 // run consumes until the subscription ends, joining every new session.
-func (h *orderedHandler) run(group sarama.ConsumerGroup, cancel context.CancelFunc) {
+func (h *readAheadHandler) run(group sarama.ConsumerGroup, cancel context.CancelFunc) {
 	defer h.s.relays.Done()
 	defer close(h.out)
 	defer func() { _ = group.Close() }()
 	defer cancel()
 	for h.ctx.Err() == nil {
 		if err := group.Consume(h.ctx, []string{h.topic}, h); err != nil && h.ctx.Err() == nil {
-			h.s.b.logger.Error("Kafka ordered subscription interrupted, resuming", err, watermill.LogFields{
+			h.s.b.logger.Error("Kafka read-ahead subscription interrupted, resuming", err, watermill.LogFields{
 				"consumer_group": h.s.group, "topic": h.topic, "retry_in": h.s.b.cfg.ReconnectDelay.String(),
 			})
 			if !sleep(h.ctx, h.s.b.cfg.ReconnectDelay) {
@@ -152,17 +152,17 @@ func (h *orderedHandler) run(group sarama.ConsumerGroup, cancel context.CancelFu
 }
 
 // Setup signals the first join.
-func (h *orderedHandler) Setup(sarama.ConsumerGroupSession) error {
+func (h *readAheadHandler) Setup(sarama.ConsumerGroupSession) error {
 	h.joinedOnce.Do(func() { close(h.joined) })
 	return nil
 }
 
 // Cleanup has nothing to do: every claim settled what it handed out.
-func (h *orderedHandler) Cleanup(sarama.ConsumerGroupSession) error { return nil }
+func (h *readAheadHandler) Cleanup(sarama.ConsumerGroupSession) error { return nil }
 
 // ConsumeClaim hands out the claim's messages until its session ends.
-func (h *orderedHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
-	c := &orderedClaim{
+func (h *readAheadHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
+	c := &readAheadClaim{
 		h: h, sess: sess, claim: claim, busy: map[string]bool{},
 		settled:   make(chan settlement),
 		redeliver: make(chan *pendingRecord),
@@ -188,10 +188,10 @@ type settlement struct {
 	acked bool
 }
 
-// orderedClaim is the state of one partition of an ordered subscription in
+// readAheadClaim is the state of one partition of a read-ahead subscription in
 // one session; loop owns it.
-type orderedClaim struct {
-	h     *orderedHandler
+type readAheadClaim struct {
+	h     *readAheadHandler
 	sess  sarama.ConsumerGroupSession
 	claim sarama.ConsumerGroupClaim
 
@@ -209,7 +209,7 @@ type orderedClaim struct {
 
 // loop reads, hands out and settles until the session or the subscription
 // ends, then waits for what it handed out and gives back its slots.
-func (c *orderedClaim) loop() {
+func (c *readAheadClaim) loop() {
 	defer c.release()
 	done := c.sess.Context().Done()
 	for {
@@ -257,7 +257,7 @@ func (c *orderedClaim) loop() {
 }
 
 // take adds rec to the window, ready at once unless its aggregate is busy.
-func (c *orderedClaim) take(rec *sarama.ConsumerMessage) {
+func (c *readAheadClaim) take(rec *sarama.ConsumerMessage) {
 	msg, _ := Marshaler{}.Unmarshal(rec) // never fails: it only copies
 	p := &pendingRecord{rec: rec, msg: msg, key: msg.Metadata.Get(envelope.AggregateIDKey)}
 	c.window = append(c.window, p)
@@ -274,7 +274,7 @@ func (c *orderedClaim) take(rec *sarama.ConsumerMessage) {
 // prepare gives p's delivery, once, a context that ends when it is
 // settled, with the subscription, or, with cause ErrRebalanced, with the
 // session.
-func (c *orderedClaim) prepare(p *pendingRecord) {
+func (c *readAheadClaim) prepare(p *pendingRecord) {
 	if p.cancel != nil {
 		return
 	}
@@ -288,7 +288,7 @@ func (c *orderedClaim) prepare(p *pendingRecord) {
 }
 
 // watch reports msg's ack or nack to the loop, then ends its context.
-func (c *orderedClaim) watch(p *pendingRecord, msg *message.Message, cancel func()) {
+func (c *readAheadClaim) watch(p *pendingRecord, msg *message.Message, cancel func()) {
 	var acked bool
 	select {
 	case <-msg.Acked():
@@ -306,7 +306,7 @@ func (c *orderedClaim) watch(p *pendingRecord, msg *message.Message, cancel func
 // record and moves the committed offset over the acked prefix; a nacked
 // record is handed out again after nack_redelivery_delay, its aggregate
 // busy until then.
-func (c *orderedClaim) settle(st settlement) {
+func (c *readAheadClaim) settle(st settlement) {
 	c.out--
 	p := st.p
 	if !st.acked {
@@ -329,7 +329,7 @@ func (c *orderedClaim) settle(st settlement) {
 }
 
 // next makes the oldest record of key not acked ready, if there is one.
-func (c *orderedClaim) next(key string) {
+func (c *readAheadClaim) next(key string) {
 	c.busy[key] = false
 	for _, q := range c.window {
 		if !q.acked && q.key == key {
@@ -345,7 +345,7 @@ func (c *orderedClaim) next(key string) {
 
 // commit moves the committed offset over the acked prefix of the window,
 // while the session lasts.
-func (c *orderedClaim) commit() {
+func (c *readAheadClaim) commit() {
 	committed := 0
 	for committed < len(c.window) && c.window[committed].acked {
 		committed++
@@ -367,7 +367,7 @@ func (c *orderedClaim) commit() {
 // committed offset while the session lasts. When the subscription ends it
 // does not wait: the Dispatcher settles the messages it holds only after
 // Close returns, and what it ran it has already drained.
-func (c *orderedClaim) drain() {
+func (c *readAheadClaim) drain() {
 	for _, t := range c.timers {
 		t.Stop()
 	}
@@ -388,7 +388,7 @@ func (c *orderedClaim) drain() {
 
 // release gives back the slots of the records not acked and stops the
 // watchers and timers still waiting to report.
-func (c *orderedClaim) release() {
+func (c *readAheadClaim) release() {
 	close(c.stopped)
 	for _, p := range c.window {
 		if !p.acked {

@@ -72,8 +72,9 @@ func (b *Broker) ConcurrentSubscriber(consumerGroup string, inFlight int) (messa
 // re-reads.
 const windowPerInFlight = 8
 
-// subscribeReadAhead is Subscribe of an OrderedSubscriber: a Sarama consumer
-// group of its own, whose claims hand out messages through readAheadClaim.
+// subscribeReadAhead is Subscribe of an OrderedSubscriber or a
+// ConcurrentSubscriber: a Sarama consumer group of its own, whose claims
+// hand out messages through readAheadClaim.
 func (s *subscriber) subscribeReadAhead(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	conf, err := consumerConfig(s.b.cfg, s.b.opts)
 	if err != nil {

@@ -37,11 +37,13 @@ var (
 // in log order, so no message of an aggregate is handled before an earlier
 // one. A nacked message keeps its aggregate busy and is handed out again
 // after broker.kafka.nack_redelivery_delay; the later messages of its
-// aggregate wait, the others go on. The subscription holds at most
-// inFlight records read and not acked, held ones included, and a partition
-// reads at most 8 x inFlight past its committed offset (its window), so a
-// slow message holds up its partition only once that window is full, and a
-// restart re-reads at most that many per partition. A subscription that
+// aggregate wait, the others go on. The subscription has at most inFlight
+// records handed out, ready or waiting to be redelivered, across its
+// partitions; a partition reads at most 8 x inFlight past its committed
+// offset (its window), held records included, so a slow message or a busy
+// aggregate holds up its own partition only once that window is full and
+// never the other partitions, and a restart re-reads at most that many per
+// partition. A subscription that
 // leaves a session (a rebalance) waits until what it handed out is settled
 // (their contexts end with ErrRebalanced), so the next owner of a partition
 // never runs a message of an aggregate while this one still runs an earlier
@@ -126,7 +128,7 @@ type readAheadHandler struct {
 	topic      string
 	ctx        context.Context // the subscription's: ends at its context's end or Close
 	out        chan *message.Message
-	slots      chan struct{} // one per record read and not acked, across claims
+	slots      chan struct{} // one per record ready, handed out or waiting to be redelivered, across claims
 	window     int           // the most records a claim reads past its committed offset
 	commitEach bool          // commit after each mark: auto-commit is off
 
@@ -176,8 +178,9 @@ func (h *readAheadHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim 
 // pendingRecord is a record read from a claim and not yet committed.
 type pendingRecord struct {
 	rec   *sarama.ConsumerMessage
-	key   string // its aggregate id
+	key   string // its aggregate id, when keyed
 	acked bool
+	held  bool // waiting for the record of its aggregate before it
 	// msg is the delivery handed out or ready to be, and cancel ends the
 	// context prepare gave it.
 	msg    *message.Message
@@ -196,12 +199,12 @@ type readAheadClaim struct {
 	sess  sarama.ConsumerGroupSession
 	claim sarama.ConsumerGroupClaim
 
-	window []*pendingRecord        // read and not committed, in offset order; those not acked hold a slot
-	busy   map[string]bool         // aggregates with a record handed out, ready or waiting to be redelivered
-	ready  []*pendingRecord        // to hand out, in order
-	out    int                     // handed out and not settled
-	stash  *sarama.ConsumerMessage // read, waiting for a slot
-	timers []*time.Timer           // nacked records waiting to be handed out again
+	window []*pendingRecord // read and not committed, in offset order; those neither acked nor held hold a slot
+	busy   map[string]bool  // aggregates with a record handed out, ready or waiting to be redelivered
+	ready  []*pendingRecord // to hand out, in order
+	out    int              // handed out and not settled
+	stash  *pendingRecord   // read, ready once it has a slot
+	timers []*time.Timer    // nacked records waiting to be handed out again
 
 	settled   chan settlement
 	redeliver chan *pendingRecord
@@ -234,9 +237,10 @@ func (c *readAheadClaim) loop() {
 				c.drain()
 				return
 			}
-			c.stash = rec
+			c.read(rec)
 		case slot <- struct{}{}:
-			c.take(c.stash)
+			c.window = append(c.window, c.stash)
+			c.ready = append(c.ready, c.stash)
 			c.stash = nil
 		case send <- next:
 			p := c.ready[0]
@@ -257,19 +261,24 @@ func (c *readAheadClaim) loop() {
 	}
 }
 
-// take adds rec to the window, ready at once unless its aggregate is busy.
-func (c *readAheadClaim) take(rec *sarama.ConsumerMessage) {
+// read adds rec to the window at once, held, when its aggregate is busy;
+// else it waits in the stash for a slot, and nothing more is read until it
+// has one, so the window stays in offset order. Held records take no slot:
+// a busy aggregate's backlog fills only its own partition's window, never
+// the slots the other partitions need.
+func (c *readAheadClaim) read(rec *sarama.ConsumerMessage) {
 	msg, _ := Marshaler{}.Unmarshal(rec) // never fails: it only copies
-	p := &pendingRecord{rec: rec, msg: msg, key: msg.Metadata.Get(envelope.AggregateIDKey)}
-	c.window = append(c.window, p)
-	if !c.h.s.keyed {
-		c.ready = append(c.ready, p)
-		return
-	}
-	if !c.busy[p.key] {
+	p := &pendingRecord{rec: rec, msg: msg}
+	if c.h.s.keyed {
+		p.key = msg.Metadata.Get(envelope.AggregateIDKey)
+		if c.busy[p.key] {
+			p.held = true
+			c.window = append(c.window, p)
+			return
+		}
 		c.busy[p.key] = true
-		c.ready = append(c.ready, p)
 	}
+	c.stash = p
 }
 
 // prepare gives p's delivery, once, a context that ends when it is
@@ -322,26 +331,25 @@ func (c *readAheadClaim) settle(st settlement) {
 		return
 	}
 	p.acked, p.msg, p.cancel = true, nil, nil
-	<-c.h.slots
-	if c.h.s.keyed {
-		c.next(p.key)
+	if !c.h.s.keyed || !c.next(p.key) {
+		<-c.h.slots
 	}
 	c.commit()
 }
 
-// next makes the oldest record of key not acked ready, if there is one.
-func (c *readAheadClaim) next(key string) {
-	c.busy[key] = false
+// next makes the oldest held record of key ready, with the slot of the
+// record of key just acked, and reports whether there was one; else key is
+// no longer busy.
+func (c *readAheadClaim) next(key string) bool {
 	for _, q := range c.window {
-		if !q.acked && q.key == key {
-			c.busy[key] = true
+		if q.held && q.key == key {
+			q.held = false
 			c.ready = append(c.ready, q)
-			break
+			return true
 		}
 	}
-	if !c.busy[key] {
-		delete(c.busy, key)
-	}
+	delete(c.busy, key)
+	return false
 }
 
 // commit moves the committed offset over the acked prefix of the window,
@@ -387,12 +395,12 @@ func (c *readAheadClaim) drain() {
 	}
 }
 
-// release gives back the slots of the records not acked and stops the
-// watchers and timers still waiting to report.
+// release gives back the slots of the records neither acked nor held and
+// stops the watchers and timers still waiting to report.
 func (c *readAheadClaim) release() {
 	close(c.stopped)
 	for _, p := range c.window {
-		if !p.acked {
+		if !p.acked && !p.held {
 			<-c.h.slots
 		}
 	}

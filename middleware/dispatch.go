@@ -64,8 +64,8 @@ type Source struct {
 // ordered handler thus has one message in flight; with a Concurrent one
 // (RabbitMQ's and Kafka's ordered subscribers) its one subscription hands
 // out up to consumer.prefetch messages and the Dispatcher runs up to
-// consumer.workers of them, one per aggregate. See README.md for what that means on each
-// broker.
+// consumer.workers of them, one per aggregate. See README.md for what that
+// means on each broker.
 //
 // Stopping (Close, or the end of Subscribe's context) is graceful: no new
 // message is released, held ones are nacked, the contexts of the messages in
@@ -149,15 +149,18 @@ func (c *Chain) BrokerSource(broker adapters.Broker, consumerGroup string) Sourc
 		KeyPartitioned: broker.Capabilities().KeyPartitioned,
 	}
 	ordered, inFlight := *c.cfg.Ordered, c.cfg.EffectivePrefetch()
-	if rs, ok := broker.(adapters.RedeliveryScheduler); ok && !ordered && c.cfg.Retry.Mode == RetryAuto {
-		src.NewSubscriber = func() (message.Subscriber, error) { return rs.RedeliverySubscriber(consumerGroup, c.RedeliveryWait) }
-	}
-	if of, ok := broker.(adapters.OrderedFlight); ok && ordered {
+	of, orderedFlight := broker.(adapters.OrderedFlight)
+	cf, concurrentFlight := broker.(adapters.ConcurrentFlight)
+	rs, redelivers := broker.(adapters.RedeliveryScheduler)
+	switch {
+	case ordered && orderedFlight:
 		src.Concurrent = true
 		src.NewSubscriber = func() (message.Subscriber, error) { return of.OrderedSubscriber(consumerGroup, inFlight) }
-	} else if cf, ok := broker.(adapters.ConcurrentFlight); ok && !ordered {
+	case !ordered && concurrentFlight:
 		src.Concurrent = true
 		src.NewSubscriber = func() (message.Subscriber, error) { return cf.ConcurrentSubscriber(consumerGroup, inFlight) }
+	case !ordered && redelivers && c.cfg.Retry.Mode == RetryAuto:
+		src.NewSubscriber = func() (message.Subscriber, error) { return rs.RedeliverySubscriber(consumerGroup, c.RedeliveryWait) }
 	}
 	return src
 }

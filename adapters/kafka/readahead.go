@@ -49,10 +49,7 @@ var (
 // never runs a message of an aggregate while this one still runs an earlier
 // one.
 func (b *Broker) OrderedSubscriber(consumerGroup string, inFlight int) (message.Subscriber, error) {
-	if inFlight < 1 {
-		return nil, adapters.Permanent(fmt.Errorf("kafka: OrderedSubscriber: inFlight must be at least 1; got %d", inFlight))
-	}
-	return b.newSubscriber(consumerGroup, inFlight, true)
+	return b.readAheadSubscriber("OrderedSubscriber", consumerGroup, inFlight, true)
 }
 
 // ConcurrentSubscriber is OrderedSubscriber without the order
@@ -61,10 +58,16 @@ func (b *Broker) OrderedSubscriber(consumerGroup string, inFlight int) (message.
 // Subscriber has one message in flight per partition. Commits, windows,
 // nacks and rebalances are as OrderedSubscriber's.
 func (b *Broker) ConcurrentSubscriber(consumerGroup string, inFlight int) (message.Subscriber, error) {
+	return b.readAheadSubscriber("ConcurrentSubscriber", consumerGroup, inFlight, false)
+}
+
+// readAheadSubscriber is OrderedSubscriber (keyed) or ConcurrentSubscriber,
+// named method in errors.
+func (b *Broker) readAheadSubscriber(method, consumerGroup string, inFlight int, keyed bool) (message.Subscriber, error) {
 	if inFlight < 1 {
-		return nil, adapters.Permanent(fmt.Errorf("kafka: ConcurrentSubscriber: inFlight must be at least 1; got %d", inFlight))
+		return nil, adapters.Permanent(fmt.Errorf("kafka: %s: inFlight must be at least 1; got %d", method, inFlight))
 	}
-	return b.newSubscriber(consumerGroup, inFlight, false)
+	return b.newSubscriber(consumerGroup, inFlight, keyed)
 }
 
 // windowPerInFlight sizes a partition's window, the records read past its
@@ -166,7 +169,7 @@ func (h *readAheadHandler) Cleanup(sarama.ConsumerGroupSession) error { return n
 // ConsumeClaim hands out the claim's messages until its session ends.
 func (h *readAheadHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
 	c := &readAheadClaim{
-		h: h, sess: sess, claim: claim, busy: map[string]bool{},
+		h: h, sess: sess, claim: claim, held: map[string][]*pendingRecord{},
 		settled:   make(chan settlement),
 		redeliver: make(chan *pendingRecord),
 		stopped:   make(chan struct{}),
@@ -200,11 +203,13 @@ type readAheadClaim struct {
 	claim sarama.ConsumerGroupClaim
 
 	window []*pendingRecord // read and not committed, in offset order; those neither acked nor held hold a slot
-	busy   map[string]bool  // aggregates with a record handed out, ready or waiting to be redelivered
-	ready  []*pendingRecord // to hand out, in order
-	out    int              // handed out and not settled
-	stash  *pendingRecord   // read, ready once it has a slot
-	timers []*time.Timer    // nacked records waiting to be handed out again
+	// held has a key for each aggregate with a record handed out, ready or
+	// waiting to be redelivered, and the later records of that aggregate,
+	// held, in offset order.
+	held  map[string][]*pendingRecord
+	ready []*pendingRecord // to hand out, in order
+	out   int              // handed out and not settled
+	stash *pendingRecord   // read, ready once it has a slot
 
 	settled   chan settlement
 	redeliver chan *pendingRecord
@@ -271,12 +276,13 @@ func (c *readAheadClaim) read(rec *sarama.ConsumerMessage) {
 	p := &pendingRecord{rec: rec, msg: msg}
 	if c.h.s.keyed {
 		p.key = msg.Metadata.Get(envelope.AggregateIDKey)
-		if c.busy[p.key] {
+		if queue, busy := c.held[p.key]; busy {
 			p.held = true
+			c.held[p.key] = append(queue, p)
 			c.window = append(c.window, p)
 			return
 		}
-		c.busy[p.key] = true
+		c.held[p.key] = nil
 	}
 	c.stash = p
 }
@@ -320,14 +326,14 @@ func (c *readAheadClaim) settle(st settlement) {
 	c.out--
 	p := st.p
 	if !st.acked {
-		c.timers = append(c.timers, time.AfterFunc(c.h.s.b.cfg.NackRedeliveryDelay, func() {
+		time.AfterFunc(c.h.s.b.cfg.NackRedeliveryDelay, func() {
 			p.msg, _ = Marshaler{}.Unmarshal(p.rec)
 			p.cancel = nil
 			select {
 			case c.redeliver <- p:
-			case <-c.stopped:
+			case <-c.stopped: // the claim has ended; the record is read again
 			}
-		}))
+		})
 		return
 	}
 	p.acked, p.msg, p.cancel = true, nil, nil
@@ -341,15 +347,16 @@ func (c *readAheadClaim) settle(st settlement) {
 // record of key just acked, and reports whether there was one; else key is
 // no longer busy.
 func (c *readAheadClaim) next(key string) bool {
-	for _, q := range c.window {
-		if q.held && q.key == key {
-			q.held = false
-			c.ready = append(c.ready, q)
-			return true
-		}
+	queue := c.held[key]
+	if len(queue) == 0 {
+		delete(c.held, key)
+		return false
 	}
-	delete(c.busy, key)
-	return false
+	q := queue[0]
+	c.held[key] = queue[1:]
+	q.held = false
+	c.ready = append(c.ready, q)
+	return true
 }
 
 // commit moves the committed offset over the acked prefix of the window,
@@ -377,9 +384,6 @@ func (c *readAheadClaim) commit() {
 // does not wait: the Dispatcher settles the messages it holds only after
 // Close returns, and what it ran it has already drained.
 func (c *readAheadClaim) drain() {
-	for _, t := range c.timers {
-		t.Stop()
-	}
 	c.ready = nil
 	for c.out > 0 {
 		select {
@@ -396,7 +400,7 @@ func (c *readAheadClaim) drain() {
 }
 
 // release gives back the slots of the records neither acked nor held and
-// stops the watchers and timers still waiting to report.
+// stops the watchers and redelivery timers still waiting to report.
 func (c *readAheadClaim) release() {
 	close(c.stopped)
 	for _, p := range c.window {

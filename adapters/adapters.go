@@ -258,6 +258,22 @@ type RedeliveryScheduler interface {
 	RedeliverySubscriber(consumerGroup string, wait func(delivery int) time.Duration) (message.Subscriber, error)
 }
 
+// ConcurrentRedelivery is a ConcurrentFlight Broker that can also schedule
+// the redeliveries of nacked messages when set to (Kafka's retry topics, off
+// by default): a consumer chain subscribes an unordered handler with
+// retry.mode auto through ConcurrentRedeliverySubscriber when
+// SchedulesRedeliveries reports true.
+type ConcurrentRedelivery interface {
+	// SchedulesRedeliveries reports whether the Broker is set to schedule
+	// redeliveries.
+	SchedulesRedeliveries() bool
+	// ConcurrentRedeliverySubscriber is ConcurrentFlight's
+	// ConcurrentSubscriber with RedeliveryScheduler's redeliveries: a
+	// nacked message comes back after wait(n), and each message's context
+	// carries its delivery number (DeliveryNumber).
+	ConcurrentRedeliverySubscriber(consumerGroup string, inFlight int, wait func(delivery int) time.Duration) (message.Subscriber, error)
+}
+
 type deliveryKey struct{}
 
 // WithDeliveryNumber returns ctx carrying a message's delivery number n (1

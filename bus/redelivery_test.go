@@ -16,17 +16,18 @@ import (
 	"github.com/millrace-io/millrace/internal/testkit"
 )
 
-// On NATS and RabbitMQ an unordered handler's failing message waits for its
-// next attempt at the broker (JetStream NakWithDelay; RabbitMQ the group's
-// retry queue with a per-message expiration), not in a worker: with one
-// worker, other messages are handled during its backoff. Its attempt number
-// is the broker's (the JetStream delivery count; RabbitMQ the delivery
-// header the retry queue carries), so a consumer restart between attempts
-// does not start it over, and it is poisoned on its max_attempts-th failed
-// delivery.
+// On NATS and RabbitMQ, and on Kafka with broker.kafka.retry_topics, an
+// unordered handler's failing message waits for its next attempt at the
+// broker (JetStream NakWithDelay; RabbitMQ the group's retry queue with a
+// per-message expiration; Kafka the group's retry topic), not in a worker:
+// with one worker, other messages are handled during its backoff. Its
+// attempt number is the broker's (the JetStream delivery count; the delivery
+// header of RabbitMQ's retry queue or Kafka's retry topic), so a consumer
+// restart between attempts does not start it over, and it is poisoned on its
+// max_attempts-th failed delivery.
 func TestRetryFreesTheWorkerAndSurvivesARestart(t *testing.T) {
 	t.Parallel()
-	for _, kind := range []string{bus.KindNATS, bus.KindRabbitMQ} {
+	for _, kind := range brokertest.Kinds {
 		t.Run(kind, func(t *testing.T) {
 			t.Parallel()
 			testRetryFreesTheWorker(t, kind)
@@ -41,6 +42,7 @@ func testRetryFreesTheWorker(t *testing.T, kind string) {
 	var cfg bus.Config
 	cfg.Database.Schema = testdb.Schema(t, db)
 	brokertest.Apply(t, kind, &cfg)
+	cfg.Broker.Kafka.RetryTopics = true
 	cfg.Relay.Enabled = new(bool)
 	cfg.Consumer.Workers = 1
 	cfg.Consumer.Retry.MaxAttempts = maxAttempts

@@ -97,7 +97,7 @@ type RetryConfig struct {
 const (
 	// RetryAuto hands the waits of an unordered handler to a broker that
 	// schedules redeliveries (adapters.RedeliveryScheduler: NATS JetStream,
-	// RabbitMQ),
+	// RabbitMQ; adapters.ConcurrentRedelivery: Kafka with retry topics),
 	// freeing the worker; the attempt number is then the broker's delivery
 	// count and retry.max_elapsed is not applied. Elsewhere the worker waits.
 	RetryAuto = "auto"

@@ -133,8 +133,9 @@ func (c *Chain) Subscriber(src Source) *Dispatcher {
 //
 //   - an unordered handler with retry.mode auto hands the waits between
 //     its attempts to a broker that can schedule redeliveries
-//     (adapters.RedeliveryScheduler), freeing its workers; an ordered one
-//     keeps them in process, where nothing newer passes;
+//     (adapters.RedeliveryScheduler, or adapters.ConcurrentRedelivery when
+//     set to), freeing its workers; an ordered one keeps them in process,
+//     where nothing newer passes;
 //   - an ordered handler takes up to consumer.prefetch messages at once
 //     from a broker that can settle them out of order and still keep their
 //     order (adapters.OrderedFlight); the Dispatcher holds those of busy
@@ -152,15 +153,22 @@ func (c *Chain) BrokerSource(broker adapters.Broker, consumerGroup string) Sourc
 	of, orderedFlight := broker.(adapters.OrderedFlight)
 	cf, concurrentFlight := broker.(adapters.ConcurrentFlight)
 	rs, redelivers := broker.(adapters.RedeliveryScheduler)
+	cr, concurrentRedelivery := broker.(adapters.ConcurrentRedelivery)
+	auto := c.cfg.Retry.Mode == RetryAuto
 	switch {
 	case ordered && orderedFlight:
 		src.Concurrent = true
 		src.NewSubscriber = func() (message.Subscriber, error) { return of.OrderedSubscriber(consumerGroup, inFlight) }
+	case !ordered && auto && concurrentRedelivery && cr.SchedulesRedeliveries():
+		src.Concurrent = true
+		src.NewSubscriber = func() (message.Subscriber, error) {
+			return cr.ConcurrentRedeliverySubscriber(consumerGroup, inFlight, c.RedeliveryWait)
+		}
+	case !ordered && auto && redelivers:
+		src.NewSubscriber = func() (message.Subscriber, error) { return rs.RedeliverySubscriber(consumerGroup, c.RedeliveryWait) }
 	case !ordered && concurrentFlight:
 		src.Concurrent = true
 		src.NewSubscriber = func() (message.Subscriber, error) { return cf.ConcurrentSubscriber(consumerGroup, inFlight) }
-	case !ordered && redelivers && c.cfg.Retry.Mode == RetryAuto:
-		src.NewSubscriber = func() (message.Subscriber, error) { return rs.RedeliverySubscriber(consumerGroup, c.RedeliveryWait) }
 	}
 	return src
 }

@@ -113,6 +113,20 @@ func receive(t *testing.T, ch <-chan *message.Message, n int, timeout time.Durat
 	return got
 }
 
+// Next returns the next message of ch, unsettled, failing after timeout or
+// when ch closes.
+func Next(t testing.TB, ch <-chan *message.Message, timeout time.Duration) *message.Message {
+	t.Helper()
+	select {
+	case m, ok := <-ch:
+		require.True(t, ok, "subscription closed")
+		return m
+	case <-time.After(timeout):
+		require.FailNow(t, "no message handed out", "within %s", timeout)
+		return nil
+	}
+}
+
 // quiet asserts that nothing more arrives on ch for d.
 func quiet(t *testing.T, ch <-chan *message.Message, d time.Duration) {
 	t.Helper()

@@ -17,7 +17,9 @@ var _ adapters.BacklogReporter = (*Broker)(nil)
 // Backlog returns, per partition of topic, its high watermark minus the
 // group's committed offset (the whole partition when the group committed
 // nothing there); messages processed but not committed yet (see
-// broker.kafka.commit_interval) still count.
+// broker.kafka.commit_interval) still count. With retry topics, the
+// partitions of the group's retry topic the group has committed in come
+// too, as "retry-<partition>": messages parked for their next attempt.
 func (b *Broker) Backlog(ctx context.Context, topic, consumerGroup string) (map[string]int64, error) {
 	lags, err := b.admin.Lag(ctx, consumerGroup)
 	if err != nil {
@@ -45,6 +47,14 @@ func (b *Broker) Backlog(ctx context.Context, topic, consumerGroup string) (map[
 			return nil, fmt.Errorf("kafka: backlog of group %q on topic %q partition %d: %w", consumerGroup, topic, partition, l.Err)
 		}
 		out[strconv.Itoa(int(partition))] = l.Lag
+	}
+	// Messages parked for their next attempt are not processed either. Only
+	// beside the topic's own partitions: without those the group has
+	// committed nothing on topic, and the whole topic is its backlog below.
+	for partition, l := range group.Lag[RetryTopicName(topic, consumerGroup)] {
+		if l.Err == nil && len(out) > 0 {
+			out["retry-"+strconv.Itoa(int(partition))] = l.Lag
+		}
 	}
 	if len(out) > 0 {
 		return out, nil

@@ -133,6 +133,15 @@ type Config struct {
 	// NackRedeliveryDelay is how long a nacked message waits before it is
 	// delivered again to the same subscriber. Defaults to 100ms.
 	NackRedeliveryDelay time.Duration `yaml:"nack_redelivery_delay"`
+	// RetryTopics hands the waits between the attempts of an unordered
+	// handler (retry.mode auto) to a retry topic per topic and group
+	// (RetryTopicName): a failed message is parked there, with its delivery
+	// number and the time of its next attempt in headers, and consumed again
+	// by the same group once that time has come, so it holds no worker and
+	// its attempt count survives consumer restarts. A parked message lets
+	// newer ones pass it, which is why ordered handlers never use it.
+	// Defaults to false: every wait is in process.
+	RetryTopics bool `yaml:"retry_topics"`
 	// ReconnectDelay is the wait between attempts to reconnect a subscription
 	// whose broker connection failed. Defaults to 1s.
 	ReconnectDelay time.Duration `yaml:"reconnect_delay"`

@@ -49,6 +49,10 @@
 // many records of a partition at once (one per aggregate at a time for the
 // ordered one) and commit the contiguous prefix of acked offsets, so a
 // handler runs consumer.workers messages at once from one partition.
+// With broker.kafka.retry_topics, ConcurrentRedeliverySubscriber parks an
+// unordered handler's failed messages in a retry topic per topic and group
+// (RetryTopicName) until their next attempt, with their delivery number in
+// a header, so the wait holds no worker and the count survives restarts.
 //
 // # Topics
 //

@@ -15,16 +15,16 @@ import (
 )
 
 // TestCloseLeavesNoGoroutines: after Close of its subscribers (stock,
-// ordered and concurrent), Broker and
-// dev cluster, nothing they started keeps running. Not parallel, so the
-// goroutines of other tests do not count.
+// ordered, concurrent and with retry topics, one of whose messages is
+// parked), Broker and dev cluster, nothing they started keeps running. Not
+// parallel, so the goroutines of other tests do not count.
 func TestCloseLeavesNoGoroutines(t *testing.T) {
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent(),
 		// go-metrics, which Sarama uses, runs one process-wide meter ticker.
 		goleak.IgnoreTopFunction("github.com/rcrowley/go-metrics.(*meterArbiter).tick"))
 
 	b, err := kafka.Open(context.Background(), kafka.Config{
-		Brokers: []string{"127.0.0.1:0"}, DevCluster: true, HeartbeatInterval: 500 * time.Millisecond,
+		Brokers: []string{"127.0.0.1:0"}, DevCluster: true, HeartbeatInterval: 500 * time.Millisecond, RetryTopics: true,
 	}, adapters.Options{ConnectTimeout: 30 * time.Second})
 	require.NoError(t, err)
 	topic := adaptertest.Name("leak")
@@ -32,22 +32,25 @@ func TestCloseLeavesNoGoroutines(t *testing.T) {
 		"stock":      b.Subscriber,
 		"ordered":    func(g string) (message.Subscriber, error) { return b.OrderedSubscriber(g, 8) },
 		"concurrent": func(g string) (message.Subscriber, error) { return b.ConcurrentSubscriber(g, 8) },
+		"redelivery": func(g string) (message.Subscriber, error) {
+			return b.ConcurrentRedeliverySubscriber(g, 8, func(int) time.Duration { return time.Hour })
+		},
 	}
-	var chans []<-chan *message.Message
-	for _, newSub := range subscribers {
+	chans := map[string]<-chan *message.Message{}
+	for name, newSub := range subscribers {
 		sub, err := newSub(adaptertest.Name("g"))
 		require.NoError(t, err)
 		ch, err := sub.Subscribe(context.Background(), topic)
 		require.NoError(t, err)
-		chans = append(chans, ch)
+		chans[name] = ch
 	}
 	require.NoError(t, b.Publisher().Publish(topic, message.NewMessage("m-1", []byte(`{}`))))
-	for _, ch := range chans {
-		select {
-		case m := <-ch:
+	for name, ch := range chans {
+		m := adaptertest.Next(t, ch, time.Minute)
+		if name == "redelivery" {
+			m.Nack()
+		} else {
 			m.Ack()
-		case <-time.After(60 * time.Second):
-			require.FailNow(t, "message never arrived")
 		}
 	}
 	require.NoError(t, b.Close())

@@ -29,7 +29,8 @@ import (
 //
 // Consumer groups need no provisioning in Kafka: a group exists once a
 // consumer joins it, and a new group starts at the oldest record. Their
-// names are checked.
+// names are checked; with broker.kafka.retry_topics each gets its retry
+// topic (RetryTopicName), provisioned as topic is.
 func (b *Broker) Provision(ctx context.Context, topic string, consumerGroups ...string) error {
 	if err := names.Topic(topic); err != nil {
 		return adapters.Permanent(fmt.Errorf("kafka: topic %q: %w", topic, err))
@@ -57,11 +58,18 @@ func (b *Broker) Provision(ctx context.Context, topic string, consumerGroups ...
 		}
 	}
 	b.provisioned.Store(topic, true)
+	if b.cfg.RetryTopics {
+		for _, g := range consumerGroups {
+			if err := b.Provision(ctx, RetryTopicName(topic, g)); err != nil {
+				return err
+			}
+		}
+	}
 	return nil
 }
 
 // Deprovision deletes topic, with its records, and consumerGroups' committed
-// offsets. A topic or group already gone is not an error; a group with
+// offsets and retry topics. A topic or group already gone is not an error; a group with
 // live members is. See adapters.Deprovisioner.
 func (b *Broker) Deprovision(ctx context.Context, topic string, consumerGroups ...string) error {
 	if err := names.Topic(topic); err != nil {
@@ -81,6 +89,11 @@ func (b *Broker) Deprovision(ctx context.Context, topic string, consumerGroups .
 	b.client.PurgeTopicsFromClient(topic) // a topic created again gets a new id
 	if len(consumerGroups) == 0 {
 		return nil
+	}
+	for _, g := range consumerGroups {
+		if err := b.Deprovision(ctx, RetryTopicName(topic, g)); err != nil {
+			return err
+		}
 	}
 	groups, err := b.admin.DeleteGroups(ctx, consumerGroups...)
 	if err != nil {

@@ -2,22 +2,28 @@ package kafka
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
+	"strconv"
 	"sync"
 	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/envelope"
+	"github.com/millrace-io/millrace/internal/names"
 )
 
 var (
-	_ adapters.OrderedFlight    = (*Broker)(nil)
-	_ adapters.ConcurrentFlight = (*Broker)(nil)
+	_ adapters.OrderedFlight        = (*Broker)(nil)
+	_ adapters.ConcurrentFlight     = (*Broker)(nil)
+	_ adapters.ConcurrentRedelivery = (*Broker)(nil)
 )
 
 // OrderedSubscriber is Subscriber for an ordered consumer
@@ -70,6 +76,63 @@ func (b *Broker) readAheadSubscriber(method, consumerGroup string, inFlight int,
 	return b.newSubscriber(consumerGroup, inFlight, keyed)
 }
 
+// SchedulesRedeliveries reports broker.kafka.retry_topics
+// (adapters.ConcurrentRedelivery).
+func (b *Broker) SchedulesRedeliveries() bool { return b.cfg.RetryTopics }
+
+// ConcurrentRedeliverySubscriber is ConcurrentSubscriber with retry topics
+// (adapters.ConcurrentRedelivery): a nacked message is parked in the
+// group's retry topic (RetryTopicName), a copy of its record (key, value and
+// headers byte for byte) with RetryDeliveryKey set to the number of its next
+// delivery and RetryDueKey to when that is, now plus wait(n) for the
+// delivery n that was nacked; once the broker has the copy the original is
+// acked. Subscribe consumes the topic and its retry topic in the group, and
+// hands out a parked record only once it is due (a partition of the retry
+// topic waits for its oldest record, so a record parked behind one with a
+// longer wait waits as long, at most retry.max_interval more than its own
+// wait). Each message's context carries its delivery number
+// (adapters.DeliveryNumber): 1 on the topic, the header on the retry topic,
+// so the count survives restarts; the headers are not in the message's
+// metadata. When the retry topic cannot take a record, the message is
+// delivered again in process after nack_redelivery_delay, counted. A
+// delivery cut short by a crash or a rebalance is not counted: it comes
+// again with its number. Only for groups whose messages need no order.
+func (b *Broker) ConcurrentRedeliverySubscriber(consumerGroup string, inFlight int, wait func(delivery int) time.Duration) (message.Subscriber, error) {
+	if wait == nil {
+		return nil, adapters.Permanent(errors.New("kafka: ConcurrentRedeliverySubscriber: wait must not be nil"))
+	}
+	sub, err := b.readAheadSubscriber("ConcurrentRedeliverySubscriber", consumerGroup, inFlight, false)
+	if err != nil {
+		return nil, err
+	}
+	sub.(*subscriber).wait = wait
+	return sub, nil
+}
+
+// Headers of a record parked in a retry topic. Kafka's CheckMessage
+// refuses them as metadata keys.
+const (
+	// RetryDeliveryKey is the number of the delivery a parked record is
+	// for, in decimal.
+	RetryDeliveryKey = "x-millrace-delivery"
+	// RetryDueKey is when a parked record is due, in Unix milliseconds, in
+	// decimal.
+	RetryDueKey = "x-millrace-retry-due"
+)
+
+// RetryTopicName is the topic in which consumerGroup parks the failed
+// messages of topic for their next attempt (broker.kafka.retry_topics):
+// topic + ".retry." + consumerGroup, cut and ended in '-' and 16 hex digits
+// of its SHA-256 when longer than a topic name may be.
+func RetryTopicName(topic, consumerGroup string) string {
+	name := topic + ".retry." + consumerGroup
+	if len(name) <= names.MaxTopicLength {
+		return name
+	}
+	sum := sha256.Sum256([]byte(name))
+	return name[:names.MaxTopicLength-17] + "-" + hex.EncodeToString(sum[:8])
+}
+
 // windowPerInFlight sizes a partition's window, the records read past its
 // committed offset, acked or not: 8 times the in-flight count lets a nacked
 // record wait out its nack delay at the head of the partition while the
@@ -81,6 +144,14 @@ const windowPerInFlight = 8
 // ConcurrentSubscriber: a Sarama consumer group of its own, whose claims
 // hand out messages through readAheadClaim.
 func (s *subscriber) subscribeReadAhead(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	topics := []string{topic}
+	if s.wait != nil {
+		retry := RetryTopicName(topic, s.group)
+		if err := s.b.ensureTopic(ctx, retry); err != nil {
+			return nil, err
+		}
+		topics = append(topics, retry)
+	}
 	conf, err := consumerConfig(s.b.cfg, s.b.opts)
 	if err != nil {
 		return nil, err
@@ -109,7 +180,7 @@ func (s *subscriber) subscribeReadAhead(ctx context.Context, topic string) (<-ch
 		}
 	}()
 	h := &readAheadHandler{
-		s: s, topic: topic, ctx: runCtx, out: make(chan *message.Message),
+		s: s, topics: topics, ctx: runCtx, out: make(chan *message.Message),
 		slots: make(chan struct{}, s.inFlight), window: windowPerInFlight * s.inFlight,
 		joined:     make(chan struct{}),
 		commitEach: !conf.Consumer.Offsets.AutoCommit.Enable,
@@ -128,7 +199,7 @@ func (s *subscriber) subscribeReadAhead(ctx context.Context, topic string) (<-ch
 // of an OrderedSubscriber or ConcurrentSubscriber.
 type readAheadHandler struct {
 	s          *subscriber
-	topic      string
+	topics     []string        // the topic, and its retry topic with retry topics
 	ctx        context.Context // the subscription's: ends at its context's end or Close
 	out        chan *message.Message
 	slots      chan struct{} // one per record ready, handed out or waiting to be redelivered, across claims
@@ -146,9 +217,9 @@ func (h *readAheadHandler) run(group sarama.ConsumerGroup, cancel context.Cancel
 	defer func() { _ = group.Close() }()
 	defer cancel()
 	for h.ctx.Err() == nil {
-		if err := group.Consume(h.ctx, []string{h.topic}, h); err != nil && h.ctx.Err() == nil {
+		if err := group.Consume(h.ctx, h.topics, h); err != nil && h.ctx.Err() == nil {
 			h.s.b.logger.Error("Kafka read-ahead subscription interrupted, resuming", err, watermill.LogFields{
-				"consumer_group": h.s.group, "topic": h.topic, "retry_in": h.s.b.cfg.ReconnectDelay.String(),
+				"consumer_group": h.s.group, "topic": h.topics[0], "retry_in": h.s.b.cfg.ReconnectDelay.String(),
 			})
 			if !sleep(h.ctx, h.s.b.cfg.ReconnectDelay) {
 				return
@@ -170,6 +241,7 @@ func (h *readAheadHandler) Cleanup(sarama.ConsumerGroupSession) error { return n
 func (h *readAheadHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
 	c := &readAheadClaim{
 		h: h, sess: sess, claim: claim, held: map[string][]*pendingRecord{},
+		parked:    len(h.topics) > 1 && claim.Topic() == h.topics[1],
 		settled:   make(chan settlement),
 		redeliver: make(chan *pendingRecord),
 		stopped:   make(chan struct{}),
@@ -184,6 +256,10 @@ type pendingRecord struct {
 	key   string // its aggregate id, when keyed
 	acked bool
 	held  bool // waiting for the record of its aggregate before it
+	// delivery is the number of its next delivery and due when that may
+	// be, with retry topics.
+	delivery int
+	due      time.Time
 	// msg is the delivery handed out or ready to be, and cancel ends the
 	// context prepare gave it.
 	msg    *message.Message
@@ -209,7 +285,11 @@ type readAheadClaim struct {
 	held  map[string][]*pendingRecord
 	ready []*pendingRecord // to hand out, in order
 	out   int              // handed out and not settled
-	stash *pendingRecord   // read, ready once it has a slot
+	stash *pendingRecord   // read, ready once it has a slot (and is due)
+	// parked is true for a claim of a retry topic; wake fires when its
+	// stash is due.
+	parked bool
+	wake   *time.Timer
 
 	settled   chan settlement
 	redeliver chan *pendingRecord
@@ -224,7 +304,10 @@ func (c *readAheadClaim) loop() {
 	for {
 		var in <-chan *sarama.ConsumerMessage
 		var slot chan<- struct{}
+		var due <-chan time.Time
 		switch {
+		case c.wake != nil:
+			due = c.wake.C
 		case c.stash != nil:
 			slot = c.h.slots
 		case len(c.window) < c.h.window:
@@ -243,6 +326,8 @@ func (c *readAheadClaim) loop() {
 				return
 			}
 			c.read(rec)
+		case <-due:
+			c.wake = nil
 		case slot <- struct{}{}:
 			c.window = append(c.window, c.stash)
 			c.ready = append(c.ready, c.stash)
@@ -272,10 +357,15 @@ func (c *readAheadClaim) loop() {
 // a busy aggregate's backlog fills only its own partition's window, never
 // the slots the other partitions need.
 func (c *readAheadClaim) read(rec *sarama.ConsumerMessage) {
-	msg, _ := Marshaler{}.Unmarshal(rec) // never fails: it only copies
-	p := &pendingRecord{rec: rec, msg: msg}
+	p := &pendingRecord{rec: rec, delivery: 1}
+	c.unmarshal(p)
+	if c.parked {
+		if wait := time.Until(p.due); wait > 0 {
+			c.wake = time.NewTimer(wait)
+		}
+	}
 	if c.h.s.keyed {
-		p.key = msg.Metadata.Get(envelope.AggregateIDKey)
+		p.key = p.msg.Metadata.Get(envelope.AggregateIDKey)
 		if queue, busy := c.held[p.key]; busy {
 			p.held = true
 			c.held[p.key] = append(queue, p)
@@ -287,6 +377,23 @@ func (c *readAheadClaim) read(rec *sarama.ConsumerMessage) {
 	c.stash = p
 }
 
+// unmarshal sets p's message from its record; a parked record's delivery
+// and due time come from its headers, which the message does not carry.
+func (c *readAheadClaim) unmarshal(p *pendingRecord) {
+	p.msg, _ = Marshaler{}.Unmarshal(p.rec) // never fails: it only copies
+	if !c.parked {
+		return
+	}
+	if n, err := strconv.Atoi(p.msg.Metadata.Get(RetryDeliveryKey)); err == nil && n > p.delivery {
+		p.delivery = n
+	}
+	if ms, err := strconv.ParseInt(p.msg.Metadata.Get(RetryDueKey), 10, 64); err == nil {
+		p.due = time.UnixMilli(ms)
+	}
+	delete(p.msg.Metadata, RetryDeliveryKey)
+	delete(p.msg.Metadata, RetryDueKey)
+}
+
 // prepare gives p's delivery, once, a context that ends when it is
 // settled, with the subscription, or, with cause ErrRebalanced, with the
 // session.
@@ -296,26 +403,60 @@ func (c *readAheadClaim) prepare(p *pendingRecord) {
 	}
 	ctx, cancel := context.WithCancelCause(c.h.ctx)
 	stop := context.AfterFunc(c.sess.Context(), func() { cancel(ErrRebalanced) })
-	p.msg.SetContext(ctx)
+	if c.h.s.wait != nil {
+		p.msg.SetContext(adapters.WithDeliveryNumber(ctx, p.delivery))
+	} else {
+		p.msg.SetContext(ctx)
+	}
 	p.cancel = func() {
 		stop()
 		cancel(context.Canceled)
 	}
 }
 
-// watch reports msg's ack or nack to the loop, then ends its context.
+// watch reports msg's ack or nack to the loop, then ends its context. With
+// retry topics a nacked message is parked, and reported as acked once the
+// broker has it.
 func (c *readAheadClaim) watch(p *pendingRecord, msg *message.Message, cancel func()) {
 	var acked bool
 	select {
 	case <-msg.Acked():
 		acked = true
 	case <-msg.Nacked():
+		// A nack at the end of the session or subscription is no failed
+		// attempt: the record is read again, uncounted.
+		acked = c.h.s.wait != nil && msg.Context().Err() == nil && c.park(p)
 	}
 	cancel()
 	select {
 	case c.settled <- settlement{p: p, acked: acked}:
 	case <-c.stopped:
 	}
+}
+
+// park copies p's record, nacked at delivery p.delivery, into the retry
+// topic for its next delivery, and reports whether the broker has it.
+func (c *readAheadClaim) park(p *pendingRecord) bool {
+	due := time.Now().Add(c.h.s.wait(p.delivery))
+	rec := &kgo.Record{Topic: c.h.topics[1], Key: p.rec.Key, Value: p.rec.Value}
+	for _, h := range p.rec.Headers {
+		if k := string(h.Key); k != RetryDeliveryKey && k != RetryDueKey {
+			rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: k, Value: h.Value})
+		}
+	}
+	rec.Headers = append(rec.Headers,
+		kgo.RecordHeader{Key: RetryDeliveryKey, Value: strconv.AppendInt(nil, int64(p.delivery+1), 10)},
+		kgo.RecordHeader{Key: RetryDueKey, Value: strconv.AppendInt(nil, due.UnixMilli(), 10)})
+	errs := []error{nil}
+	c.h.s.b.send(c.h.ctx, []*kgo.Record{rec}, errs)
+	if errs[0] != nil {
+		c.h.s.b.logger.Error("Kafka retry topic did not take a failed message; delivering it again in process", errs[0], watermill.LogFields{
+			"consumer_group": c.h.s.group, "retry_topic": rec.Topic, "message_uuid": p.msg.UUID,
+			"delivery": p.delivery, "nack_redelivery_delay": c.h.s.b.cfg.NackRedeliveryDelay.String(),
+		})
+		return false
+	}
+	return true
 }
 
 // settle records an ack or a nack. An ack frees the aggregate for its next
@@ -326,8 +467,9 @@ func (c *readAheadClaim) settle(st settlement) {
 	c.out--
 	p := st.p
 	if !st.acked {
+		p.delivery++
 		time.AfterFunc(c.h.s.b.cfg.NackRedeliveryDelay, func() {
-			p.msg, _ = Marshaler{}.Unmarshal(p.rec)
+			c.unmarshal(p)
 			p.cancel = nil
 			select {
 			case c.redeliver <- p:
@@ -369,7 +511,7 @@ func (c *readAheadClaim) commit() {
 	if committed == 0 || c.sess.Context().Err() != nil {
 		return
 	}
-	c.sess.MarkOffset(c.h.topic, c.claim.Partition(), c.window[committed-1].rec.Offset+1, "")
+	c.sess.MarkOffset(c.claim.Topic(), c.claim.Partition(), c.window[committed-1].rec.Offset+1, "")
 	if c.h.commitEach {
 		c.sess.Commit()
 	}
@@ -403,6 +545,9 @@ func (c *readAheadClaim) drain() {
 // stops the watchers and redelivery timers still waiting to report.
 func (c *readAheadClaim) release() {
 	close(c.stopped)
+	if c.wake != nil {
+		c.wake.Stop()
+	}
 	for _, p := range c.window {
 		if !p.acked && !p.held {
 			<-c.h.slots

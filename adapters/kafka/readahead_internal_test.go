@@ -12,6 +12,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/adapters/adaptertest"
 	"github.com/millrace-io/millrace/internal/envelope"
 )
 
@@ -58,14 +59,14 @@ func TestBusyAggregateLeavesTheSlotsToOtherPartitions(t *testing.T) {
 	t.Cleanup(func() { _ = sub.Close() })
 	msgs, err := sub.Subscribe(ctx, "readahead")
 	require.NoError(t, err)
-	first := receiveWithin(t, msgs, 30*time.Second)
+	first := adaptertest.Next(t, msgs, 30*time.Second)
 	require.Equal(t, "hot", first.Metadata.Get(envelope.AggregateIDKey))
 	time.Sleep(300 * time.Millisecond) // the hot partition reads its backlog meanwhile
 
 	publish(others...)
 	got := map[string]bool{}
 	for range others {
-		m := receiveWithin(t, msgs, 30*time.Second)
+		m := adaptertest.Next(t, msgs, 30*time.Second)
 		got[m.Metadata.Get(envelope.AggregateIDKey)] = true
 		m.Ack()
 	}
@@ -73,18 +74,7 @@ func TestBusyAggregateLeavesTheSlotsToOtherPartitions(t *testing.T) {
 		require.True(t, got[k], "%s of the other partition was handed out while hot's message was in flight", k)
 	}
 	first.Ack()
-	second := receiveWithin(t, msgs, 30*time.Second)
+	second := adaptertest.Next(t, msgs, 30*time.Second)
 	require.Equal(t, "hot", second.Metadata.Get(envelope.AggregateIDKey), "hot's next message once the first is acked")
 	second.Ack()
-}
-
-func receiveWithin(t *testing.T, msgs <-chan *message.Message, d time.Duration) *message.Message {
-	t.Helper()
-	select {
-	case m := <-msgs:
-		return m
-	case <-time.After(d):
-		require.FailNow(t, "no message handed out", "within %s", d)
-		return nil
-	}
 }

@@ -11,7 +11,8 @@ const brokerKind = "kafka"
 
 // Rules returns what Kafka carries unchanged with this configuration:
 // headers are bytes, so only the header Watermill's marshaler keeps the
-// message id in is reserved, and a record (value, key and headers) must fit
+// message id in and the two a retry topic's records carry (RetryDeliveryKey,
+// RetryDueKey) are reserved, and a record (value, key and headers) must fit
 // max_message_bytes as a record batch of its own. Topic names are already
 // valid Kafka names when names.Topic accepts them.
 func (c Config) Rules() adapters.Rules { return rules{maxBytes: c.MaxMessageBytes} }
@@ -25,6 +26,12 @@ func (rules) CheckGroup(string, string) error { return nil }
 func (r rules) CheckMessage(topic string, msg *message.Message) error {
 	if err := adapters.CheckWatermillUUIDHeader(brokerKind, msg); err != nil {
 		return err // before marshaling, which would overwrite it
+	}
+	for _, key := range []string{RetryDeliveryKey, RetryDueKey} {
+		if _, ok := msg.Metadata[key]; ok {
+			return adapters.Refused(brokerKind, adapters.PartHeaderName, key,
+				"reserved: a retry topic's record carries its next delivery in it (broker.kafka.retry_topics)")
+		}
 	}
 	rec, err := toRecord(topic, msg)
 	if err != nil {

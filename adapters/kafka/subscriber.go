@@ -69,6 +69,8 @@ type subscriber struct {
 	// message per aggregate at a time) or a ConcurrentSubscriber.
 	inFlight int
 	keyed    bool
+	// wait, with inFlight, makes it a ConcurrentRedeliverySubscriber.
+	wait func(delivery int) time.Duration
 
 	mu        sync.Mutex
 	inner     []*wkafka.Subscriber

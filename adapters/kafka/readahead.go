@@ -260,9 +260,10 @@ type pendingRecord struct {
 	// be, with retry topics.
 	delivery int
 	due      time.Time
-	// msg is the delivery handed out or ready to be, and cancel ends the
-	// context prepare gave it.
+	// msg is the delivery handed out or ready to be; ctx is the context
+	// prepare gave it (a handler may give msg another) and cancel ends it.
 	msg    *message.Message
+	ctx    context.Context
 	cancel func()
 }
 
@@ -403,6 +404,7 @@ func (c *readAheadClaim) prepare(p *pendingRecord) {
 	}
 	ctx, cancel := context.WithCancelCause(c.h.ctx)
 	stop := context.AfterFunc(c.sess.Context(), func() { cancel(ErrRebalanced) })
+	p.ctx = ctx
 	if c.h.s.wait != nil {
 		p.msg.SetContext(adapters.WithDeliveryNumber(ctx, p.delivery))
 	} else {
@@ -425,7 +427,7 @@ func (c *readAheadClaim) watch(p *pendingRecord, msg *message.Message, cancel fu
 	case <-msg.Nacked():
 		// A nack at the end of the session or subscription is no failed
 		// attempt: the record is read again, uncounted.
-		acked = c.h.s.wait != nil && msg.Context().Err() == nil && c.park(p)
+		acked = c.h.s.wait != nil && p.ctx.Err() == nil && c.park(p)
 	}
 	cancel()
 	select {
@@ -478,7 +480,7 @@ func (c *readAheadClaim) settle(st settlement) {
 		})
 		return
 	}
-	p.acked, p.msg, p.cancel = true, nil, nil
+	p.acked, p.msg, p.ctx, p.cancel = true, nil, nil, nil
 	if !c.h.s.keyed || !c.next(p.key) {
 		<-c.h.slots
 	}

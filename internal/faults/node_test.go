@@ -2,6 +2,7 @@ package faults
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -40,6 +41,11 @@ type nodeSpec struct {
 	// KillAfterEffect makes the node SIGKILL itself once its n-th event's
 	// effect is committed, before the ack (0: never).
 	KillAfterEffect int
+	// FailFirstEvery fails the first attempt of every event whose payload's
+	// n it divides (0: none) with a retryable error; the attempt is recorded
+	// in the failed_attempts table outside its transaction, so the next one
+	// succeeds, in whichever process it runs.
+	FailFirstEvery int
 }
 
 // payload is the events' body. N == 0 marks a malformed event.
@@ -81,7 +87,7 @@ func runNode(raw string) int {
 		if spec.Probe {
 			hopts = append(hopts, bus.WithDependencyProbe(func(ctx context.Context) error { return callDependency(ctx, spec.DependencyURL) }))
 		}
-		if err := b.Handle(spec.Topic, spec.Handler, effectHandler(spec, cfg.Database.Schema), hopts...); err != nil {
+		if err := b.Handle(spec.Topic, spec.Handler, effectHandler(spec, db, cfg.Database.Schema), hopts...); err != nil {
 			fmt.Fprintln(os.Stderr, "node:", err)
 			return 1
 		}
@@ -96,13 +102,23 @@ func runNode(raw string) int {
 // effectHandler writes one effects row per event in the inbox transaction.
 // The table has no unique key: a second effect of an event shows as a
 // second row.
-func effectHandler(spec nodeSpec, schema string) bus.HandlerFunc {
+func effectHandler(spec nodeSpec, db *sql.DB, schema string) bus.HandlerFunc {
 	insert := `INSERT INTO "` + schema + `".effects (event_id, aggregate_id, version, pid) VALUES ($1, $2, $3, $4)`
+	failed := `INSERT INTO "` + schema + `".failed_attempts (event_id) VALUES ($1) ON CONFLICT DO NOTHING`
 	pid := os.Getpid()
 	return func(ctx context.Context, ev bus.Event) error {
 		var p payload
 		if err := json.Unmarshal(ev.Payload, &p); err != nil || p.N == 0 {
 			return middleware.Invalid("payload", "not a counted event: %s", ev.Payload)
+		}
+		if spec.FailFirstEvery > 0 && p.N%spec.FailFirstEvery == 0 {
+			res, err := db.ExecContext(ctx, failed, ev.ID)
+			if err != nil {
+				return err
+			}
+			if n, _ := res.RowsAffected(); n == 1 {
+				return fmt.Errorf("the first attempt of event %s fails", ev.ID)
+			}
 		}
 		if spec.DependencyURL != "" {
 			if err := callDependency(ctx, spec.DependencyURL); err != nil {

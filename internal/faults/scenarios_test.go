@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"slices"
+	"strings"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -31,6 +32,9 @@ const (
 	consumerKilled = "consumer SIGKILLed after its effect committed, before the ack"
 	// consumerKilledBatched is consumerKilled with unordered consumers.
 	consumerKilledBatched = "unordered consumer SIGKILLed after its batch committed, before the acks"
+	// consumerKilledRetrying is consumerKilledBatched with failed attempts
+	// waiting at the broker (Kafka: broker.kafka.retry_topics).
+	consumerKilledRetrying = "unordered consumer SIGKILLed while failed messages wait at the broker for their next attempt"
 	consumerPaused        = "consumer hung (SIGSTOP) past the broker's failure detection, then resumed"
 	brokerRestarted       = "broker restarted mid-flow"
 	postgresCrashed       = "PostgreSQL crash-restarted mid-flow"
@@ -43,7 +47,7 @@ const (
 	clusterPartition      = "3-node cluster: stream or queue leader cut off the network (20 s or more), then healed"
 )
 
-var scenarioOrder = []string{relayKilled, consumerKilled, consumerKilledBatched, consumerPaused, brokerRestarted, postgresCrashed, terminated,
+var scenarioOrder = []string{relayKilled, consumerKilled, consumerKilledBatched, consumerKilledRetrying, consumerPaused, brokerRestarted, postgresCrashed, terminated,
 	twoOfEach, poisonStorm, dependencyOutage, relayOutage, clusterFaults, clusterPartition}
 
 func scenarioRank(name string) int { return slices.Index(scenarioOrder, name) }
@@ -178,6 +182,51 @@ func consumerSIGKILL(t *testing.T, kind string, unordered bool) {
 	// dead consumer held comes back after ack_wait, before anything newer.
 	record(result{scenario: consumerKilled, broker: kind, faults: fmt.Sprintf("%d SIGKILLs", kills),
 		o: w.check(true), ordered: true, recovery: recovery})
+}
+
+// TestConsumerSIGKILLWhileRetrying: every 10th event's first attempt
+// fails, so the unordered consumers hand it to the broker for its next
+// attempt (JetStream NakWithDelay, RabbitMQ's retry queue, Kafka's retry
+// topic) while they are SIGKILLed three times: a message parked or being
+// parked at a kill is neither lost nor applied twice, and every failed
+// event is applied once on a later attempt, none poisoned.
+func TestConsumerSIGKILLWhileRetrying(t *testing.T) {
+	eachBroker(t, brokertest.Kinds, func(t *testing.T, kind string) {
+		const failEvery = 10
+		w := newWorld(t, kind, worldOptions{unordered: true, tune: func(cfg *bus.Config) { cfg.Broker.Kafka.RetryTopics = true }})
+		w.writer.commit(1500)
+		w.start("relay", nodeSpec{Relay: true})
+		rng := newRand()
+		const kills = 3
+		for i := range kills {
+			c := w.start(fmt.Sprint("consumer-", i), nodeSpec{Consume: true, FailFirstEvery: failEvery, KillAfterEffect: 50 + rng.IntN(250)})
+			select {
+			case <-c.proc.Done():
+			case <-time.After(2 * time.Minute):
+				t.Fatalf("consumer %d never reached its kill point", i)
+			}
+			require.True(t, c.proc.KilledBySIGKILL(), "consumer %d died by its own SIGKILL, not %v:\n%s", i, c.proc.Err(), tail(c.stderr.String(), 2000))
+			c.stopped.Store(true)
+			w.fault()
+		}
+		w.start("consumer", nodeSpec{Consume: true, FailFirstEvery: failEvery})
+		recovery := w.settle(settleTimeout)
+		o := w.check(false)
+		var failed int
+		require.NoError(t, w.db.QueryRow(`SELECT count(*) FROM `+w.table("failed_attempts")).Scan(&failed))
+		require.Equal(t, len(w.writer.committed)/failEvery, failed, "every 10th committed event failed its first attempt")
+		require.Zero(t, o.poisoned, "one failed attempt poisons nothing")
+		atBroker, inProcess := 0, 0
+		for _, n := range w.nodes {
+			log := n.stderr.String()
+			atBroker += strings.Count(log, "the broker delivers the message again after its backoff")
+			inProcess += strings.Count(log, "Attempt failed, retrying")
+		}
+		require.Positive(t, atBroker, "failed attempts were handed to the broker")
+		require.Zero(t, inProcess, "no failed attempt waited in a worker")
+		record(result{scenario: consumerKilledRetrying, broker: kind, faults: fmt.Sprintf("%d SIGKILLs", kills),
+			o: o, recovery: recovery, note: fmt.Sprintf("%d events failed their first attempt and were applied on a later one", failed)})
+	})
 }
 
 // TestConsumerPausedPastFailureDetection freezes the consumer process (a

@@ -113,6 +113,8 @@ func newWorld(t *testing.T, kind string, opts worldOptions) *world {
 		seq BIGSERIAL PRIMARY KEY, event_id TEXT NOT NULL, aggregate_id TEXT NOT NULL, version BIGINT NOT NULL, pid INT NOT NULL,
 		xid xid8 NOT NULL DEFAULT pg_current_xact_id())`)
 	require.NoError(t, err)
+	_, err = db.Exec(`CREATE TABLE "` + cfg.Database.Schema + `".failed_attempts (event_id TEXT PRIMARY KEY)`)
+	require.NoError(t, err)
 	b, err := bus.Open(ctx, cfg, db)
 	require.NoError(t, err)
 	t.Cleanup(func() { b.Close() })

@@ -35,16 +35,16 @@ const (
 	// consumerKilledRetrying is consumerKilledBatched with failed attempts
 	// waiting at the broker (Kafka: broker.kafka.retry_topics).
 	consumerKilledRetrying = "unordered consumer SIGKILLed while failed messages wait at the broker for their next attempt"
-	consumerPaused        = "consumer hung (SIGSTOP) past the broker's failure detection, then resumed"
-	brokerRestarted       = "broker restarted mid-flow"
-	postgresCrashed       = "PostgreSQL crash-restarted mid-flow"
-	terminated            = "SIGTERM mid-batch"
-	twoOfEach             = "two relays and two consumer replicas, one SIGKILLed"
-	poisonStorm           = "poison storm: 1% malformed"
-	dependencyOutage      = "dependency outage behind the circuit breaker"
-	relayOutage           = "relay outage, then a rate-limited drain"
-	clusterFaults         = "3-node cluster: leader killed, leader hung 15 s (NATS, RabbitMQ) or every leader moved (Kafka), rolling restart"
-	clusterPartition      = "3-node cluster: stream or queue leader cut off the network (20 s or more), then healed"
+	consumerPaused         = "consumer hung (SIGSTOP) past the broker's failure detection, then resumed"
+	brokerRestarted        = "broker restarted mid-flow"
+	postgresCrashed        = "PostgreSQL crash-restarted mid-flow"
+	terminated             = "SIGTERM mid-batch"
+	twoOfEach              = "two relays and two consumer replicas, one SIGKILLed"
+	poisonStorm            = "poison storm: 1% malformed"
+	dependencyOutage       = "dependency outage behind the circuit breaker"
+	relayOutage            = "relay outage, then a rate-limited drain"
+	clusterFaults          = "3-node cluster: leader killed, leader hung 15 s (NATS, RabbitMQ) or every leader moved (Kafka), rolling restart"
+	clusterPartition       = "3-node cluster: stream or queue leader cut off the network (20 s or more), then healed"
 )
 
 var scenarioOrder = []string{relayKilled, consumerKilled, consumerKilledBatched, consumerKilledRetrying, consumerPaused, brokerRestarted, postgresCrashed, terminated,

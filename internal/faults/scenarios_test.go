@@ -156,23 +156,8 @@ func TestConsumerSIGKILLAfterBatchCommit(t *testing.T) {
 
 func consumerSIGKILL(t *testing.T, kind string, unordered bool) {
 	w := newWorld(t, kind, worldOptions{unordered: unordered})
-	w.writer.commit(1500)
-	w.start("relay", nodeSpec{Relay: true})
-	rng := newRand()
 	const kills = 3
-	for i := range kills {
-		c := w.start(fmt.Sprint("consumer-", i), nodeSpec{Consume: true, KillAfterEffect: 50 + rng.IntN(250)})
-		select {
-		case <-c.proc.Done():
-		case <-time.After(2 * time.Minute):
-			t.Fatalf("consumer %d never reached its kill point", i)
-		}
-		require.True(t, c.proc.KilledBySIGKILL(), "consumer %d died by its own SIGKILL, not %v:\n%s", i, c.proc.Err(), tail(c.stderr.String(), 2000))
-		c.stopped.Store(true)
-		w.fault()
-	}
-	w.start("consumer", nodeSpec{Consume: true})
-	recovery := w.settle(settleTimeout)
+	recovery := killConsumers(w, kills, nodeSpec{Consume: true})
 	if unordered {
 		record(result{scenario: consumerKilledBatched, broker: kind, faults: fmt.Sprintf("%d SIGKILLs", kills),
 			o: w.check(false), recovery: recovery})
@@ -182,6 +167,33 @@ func consumerSIGKILL(t *testing.T, kind string, unordered bool) {
 	// dead consumer held comes back after ack_wait, before anything newer.
 	record(result{scenario: consumerKilled, broker: kind, faults: fmt.Sprintf("%d SIGKILLs", kills),
 		o: w.check(true), ordered: true, recovery: recovery})
+}
+
+// killConsumers commits 1,500 events and starts the relay, then kills
+// consumers: each runs consumer as spec says and SIGKILLs itself after 50 to
+// 300 effects, one after the other; then one runs on until the flow has
+// settled. It returns the recovery time.
+func killConsumers(w *world, kills int, consumer nodeSpec) time.Duration {
+	t := w.t
+	t.Helper()
+	w.writer.commit(1500)
+	w.start("relay", nodeSpec{Relay: true})
+	rng := newRand()
+	for i := range kills {
+		spec := consumer
+		spec.KillAfterEffect = 50 + rng.IntN(250)
+		c := w.start(fmt.Sprint("consumer-", i), spec)
+		select {
+		case <-c.proc.Done():
+		case <-time.After(2 * time.Minute):
+			t.Fatalf("consumer %d never reached its kill point", i)
+		}
+		require.True(t, c.proc.KilledBySIGKILL(), "consumer %d died by its own SIGKILL, not %v:\n%s", i, c.proc.Err(), tail(c.stderr.String(), 2000))
+		c.stopped.Store(true)
+		w.fault()
+	}
+	w.start("consumer", consumer)
+	return w.settle(settleTimeout)
 }
 
 // TestConsumerSIGKILLWhileRetrying: every 10th event's first attempt
@@ -194,23 +206,8 @@ func TestConsumerSIGKILLWhileRetrying(t *testing.T) {
 	eachBroker(t, brokertest.Kinds, func(t *testing.T, kind string) {
 		const failEvery = 10
 		w := newWorld(t, kind, worldOptions{unordered: true, tune: func(cfg *bus.Config) { cfg.Broker.Kafka.RetryTopics = true }})
-		w.writer.commit(1500)
-		w.start("relay", nodeSpec{Relay: true})
-		rng := newRand()
 		const kills = 3
-		for i := range kills {
-			c := w.start(fmt.Sprint("consumer-", i), nodeSpec{Consume: true, FailFirstEvery: failEvery, KillAfterEffect: 50 + rng.IntN(250)})
-			select {
-			case <-c.proc.Done():
-			case <-time.After(2 * time.Minute):
-				t.Fatalf("consumer %d never reached its kill point", i)
-			}
-			require.True(t, c.proc.KilledBySIGKILL(), "consumer %d died by its own SIGKILL, not %v:\n%s", i, c.proc.Err(), tail(c.stderr.String(), 2000))
-			c.stopped.Store(true)
-			w.fault()
-		}
-		w.start("consumer", nodeSpec{Consume: true, FailFirstEvery: failEvery})
-		recovery := w.settle(settleTimeout)
+		recovery := killConsumers(w, kills, nodeSpec{Consume: true, FailFirstEvery: failEvery})
 		o := w.check(false)
 		var failed int
 		require.NoError(t, w.db.QueryRow(`SELECT count(*) FROM `+w.table("failed_attempts")).Scan(&failed))

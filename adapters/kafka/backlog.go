@@ -51,12 +51,12 @@ func (b *Broker) Backlog(ctx context.Context, topic, consumerGroup string) (map[
 	// Messages parked for their next attempt are not processed either. Only
 	// beside the topic's own partitions: without those the group has
 	// committed nothing on topic, and the whole topic is its backlog below.
-	for partition, l := range group.Lag[RetryTopicName(topic, consumerGroup)] {
-		if l.Err == nil && len(out) > 0 {
-			out["retry-"+strconv.Itoa(int(partition))] = l.Lag
-		}
-	}
 	if len(out) > 0 {
+		for partition, l := range group.Lag[RetryTopicName(topic, consumerGroup)] {
+			if l.Err == nil {
+				out["retry-"+strconv.Itoa(int(partition))] = l.Lag
+			}
+		}
 		return out, nil
 	}
 	starts, err := b.admin.ListStartOffsets(ctx, topic)

@@ -2,23 +2,67 @@ package servers
 
 import (
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 )
 
-// FreePort returns a TCP port on 127.0.0.1 that nothing listens on right now.
+// FreePort returns a TCP port on 127.0.0.1 that nothing listens on right now
+// and that this process has not handed out before. It picks the port below
+// the kernel's ephemeral range: a port from that range (what a listen on
+// port 0 gives) can be taken as the source port of any outgoing connection
+// before the server binds it, which made a RabbitMQ node, seconds into its
+// boot, fail with eaddrinuse.
 func FreePort(t testing.TB) int {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatalf("find a free port: %v", err)
+	portsMu.Lock()
+	defer portsMu.Unlock()
+	lo, hi := 10000, ephemeralStart()-1
+	for range 1000 {
+		p := lo + rand.IntN(max(hi-lo, 1))
+		if handedOut[p] {
+			continue
+		}
+		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", p))
+		if err != nil {
+			continue
+		}
+		_ = l.Close()
+		handedOut[p] = true
+		return p
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	t.Fatalf("find a free port: none of 1000 tries between %d and %d was free", lo, hi)
+	return 0
+}
+
+var (
+	portsMu   sync.Mutex
+	handedOut = map[int]bool{} // ports FreePort returned
+)
+
+// ephemeralStart is the first port of the kernel's ephemeral range (Linux's
+// default when it cannot be read).
+func ephemeralStart() int {
+	const linuxDefault = 32768
+	raw, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err != nil {
+		return linuxDefault
+	}
+	fields := strings.Fields(string(raw))
+	if len(fields) == 0 {
+		return linuxDefault
+	}
+	n, err := strconv.Atoi(fields[0])
+	if err != nil || n <= 11000 {
+		return linuxDefault
+	}
+	return n
 }
 
 // tail returns the last n bytes of s.

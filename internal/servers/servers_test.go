@@ -352,3 +352,17 @@ func TestRabbitMQCluster(t *testing.T) {
 		return err == nil && strings.Contains(out, "r3\t20")
 	}, time.Minute, 200*time.Millisecond, "20 messages on the rejoined node's view")
 }
+
+// FreePort hands out distinct ports below the kernel's ephemeral range,
+// where no outgoing connection can take one before its server binds it.
+func TestFreePortIsOutsideTheEphemeralRange(t *testing.T) {
+	t.Parallel()
+	seen := map[int]bool{}
+	for range 200 {
+		p := FreePort(t)
+		require.Less(t, p, ephemeralStart())
+		require.GreaterOrEqual(t, p, 10000)
+		require.False(t, seen[p], "port %d handed out twice", p)
+		seen[p] = true
+	}
+}

@@ -35,8 +35,8 @@ type Source struct {
 	// Concurrent is true when one subscription hands out many messages
 	// without waiting for their acks and settles each on its own: for an
 	// ordered handler one that keeps the order of what it handed out across
-	// nacks and restarts (adapters.OrderedFlight: RabbitMQ's and Kafka's
-	// ordered subscribers), for an unordered one adapters.ConcurrentFlight
+	// nacks and restarts (adapters.OrderedFlight: the ordered subscribers
+	// of RabbitMQ, NATS and Kafka), for an unordered one adapters.ConcurrentFlight
 	// (Kafka). The handler then has up to Workers messages in flight from
 	// its one subscription, one per aggregate when ordered.
 	Concurrent bool
@@ -62,7 +62,7 @@ type Source struct {
 // before the first is acked) and one when KeyPartitioned (a Kafka
 // subscription already spans its partitions). With a stock subscriber an
 // ordered handler thus has one message in flight; with a Concurrent one
-// (RabbitMQ's and Kafka's ordered subscribers) its one subscription hands
+// (the brokers' ordered subscribers) its one subscription hands
 // out up to consumer.prefetch messages and the Dispatcher runs up to
 // consumer.workers of them, one per aggregate. See README.md for what that
 // means on each broker.

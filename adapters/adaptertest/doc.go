@@ -4,5 +4,5 @@
 // competing consumers, redelivery after a nack, surviving a broker restart).
 // It also holds the kit of the adapters' tests of ordered subscribers with
 // many messages in flight (adapters.OrderedFlight): OrderLedger,
-// PublishOrdered and StartOrdered.
+// PublishOrdered, StartOrdered and the load they share, ManyInFlight.
 package adaptertest

@@ -206,3 +206,64 @@ func OneInFlightRate(t *testing.T, b adapters.Broker, newSource func(group strin
 	l.RequireComplete(t, aggregates, per, false)
 	return rate
 }
+
+// ManyInFlight is the load of the adapters' tests of ordered subscribers
+// with many messages in flight: 64 aggregates of 50 events each, interleaved
+// on one topic, handled by 16 workers with a prefetch of 64 and a 2 ms
+// handler that nacks every 97th event once. Each test starts consumers on
+// it (Start), injects its broker's faults as the Ledger's count passes
+// thresholds, and calls Finish.
+type ManyInFlight struct {
+	Ledger                             *OrderLedger
+	topic                              string
+	aggregates, per, workers, prefetch int
+	latency                            time.Duration
+	nackEvery                          int
+	start                              time.Time
+}
+
+// NewManyInFlight publishes the load to topic on b.
+func NewManyInFlight(t *testing.T, b adapters.Broker, topic string) *ManyInFlight {
+	t.Helper()
+	m := &ManyInFlight{Ledger: NewOrderLedger(), topic: topic, aggregates: 64, per: 50, workers: 16, prefetch: 64, latency: 2 * time.Millisecond, nackEvery: 97}
+	PublishOrdered(t, b, topic, m.aggregates, m.per)
+	return m
+}
+
+// Events is how many events the load has.
+func (m *ManyInFlight) Events() int { return m.aggregates * m.per }
+
+// Prefetch is the in-flight count to give the ordered subscriber.
+func (m *ManyInFlight) Prefetch() int { return m.prefetch }
+
+// Start starts an OrderedConsumer of the load over src; the first one
+// starts the clock.
+func (m *ManyInFlight) Start(t *testing.T, src middleware.Source) *OrderedConsumer {
+	t.Helper()
+	if m.start.IsZero() {
+		m.start = time.Now()
+	}
+	return StartOrdered(t, m.topic, src, m.workers, m.prefetch, m.Ledger, m.latency, m.nackEvery)
+}
+
+// Elapsed is the time since the first Start.
+func (m *ManyInFlight) Elapsed() time.Duration { return time.Since(m.start) }
+
+// Finish waits until every event was handled, stops running, checks that
+// every aggregate's events took effect once each and in order, with nacks,
+// and logs the rate next to that of the same load, 5 events per
+// aggregate, over the one-in-flight subscriber stock gives for a group of
+// its own (OneInFlightRate); faults says what the test did meanwhile.
+func (m *ManyInFlight) Finish(t *testing.T, b adapters.Broker, faults string, stock func(group string) middleware.Source, running ...*OrderedConsumer) {
+	t.Helper()
+	m.Ledger.WaitHandled(t, m.Events())
+	elapsed := m.Elapsed()
+	for _, c := range running {
+		c.Stop(t)
+	}
+	dups, nacked := m.Ledger.RequireComplete(t, m.aggregates, m.per, true)
+	manyRate := float64(m.Events()) / elapsed.Seconds()
+	t.Logf("many in flight: %d events in %s (%.0f/s) with %d nacks, %s; %d duplicates", m.Events(), elapsed.Round(time.Millisecond), manyRate, nacked, faults, dups)
+	oneRate := OneInFlightRate(t, b, stock, m.aggregates, 5, m.workers, m.prefetch, m.latency)
+	t.Logf("one in flight: %.0f events/s; many in flight (faults included): %.0f events/s, %.1fx", oneRate, manyRate, manyRate/oneRate)
+}

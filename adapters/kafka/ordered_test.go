@@ -3,7 +3,6 @@ package kafka_test
 import (
 	"context"
 	"testing"
-	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
@@ -27,58 +26,37 @@ import (
 // partition, is logged.
 func TestOrderedSubscriberManyInFlight(t *testing.T) {
 	t.Parallel()
-	const (
-		aggregates = 64
-		per        = 50
-		workers    = 16
-		prefetch   = 64
-		latency    = 2 * time.Millisecond
-	)
 	cfg := newEnv(t).config()
 	cfg.Partitions = 1
 	b := open(t, cfg)
 	topic, group := adaptertest.Name("ordered"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
-	adaptertest.PublishOrdered(t, b, topic, aggregates, per)
-	n := aggregates * per
-
-	l := adaptertest.NewOrderLedger()
+	load := adaptertest.NewManyInFlight(t, b, topic)
 	src := middleware.Source{
-		NewSubscriber:  func() (message.Subscriber, error) { return b.OrderedSubscriber(group, prefetch) },
+		NewSubscriber:  func() (message.Subscriber, error) { return b.OrderedSubscriber(group, load.Prefetch()) },
 		Competing:      true,
 		KeyPartitioned: true,
 		Concurrent:     true,
 	}
-	start := time.Now()
-	first := adaptertest.StartOrdered(t, topic, src, workers, prefetch, l, latency, 97)
+	first := load.Start(t, src)
 
 	// A second consumer of the group: a rebalance with messages in flight.
-	l.WaitHandled(t, n/3)
-	steady := time.Since(start)
-	second := adaptertest.StartOrdered(t, topic, src, workers, prefetch, l, latency, 97)
+	load.Ledger.WaitHandled(t, load.Events()/3)
+	t.Logf("the first third, before the rebalance: %.0f events/s", float64(load.Events()/3)/load.Elapsed().Seconds())
+	second := load.Start(t, src)
 
 	// The first one stops; the partition is the second's from then on.
-	l.WaitHandled(t, 2*n/3)
+	load.Ledger.WaitHandled(t, 2*load.Events()/3)
 	first.Stop(t)
-	l.WaitHandled(t, n)
-	elapsed := time.Since(start)
-	second.Stop(t)
-
-	dups, nacked := l.RequireComplete(t, aggregates, per, true)
-	manyRate := float64(n) / elapsed.Seconds()
-	t.Logf("many in flight: %d events in %s (%.0f/s) with %d nacks, a rebalance and a stop; %d duplicates; the first third, before the rebalance: %.0f/s",
-		n, elapsed.Round(time.Millisecond), manyRate, nacked, dups, float64(n/3)/steady.Seconds())
-
 	// The stock subscriber: one message in flight per partition, on
 	// another topic of one partition.
-	oneRate := adaptertest.OneInFlightRate(t, b, func(group string) middleware.Source {
+	load.Finish(t, b, "a rebalance and a stop", func(group string) middleware.Source {
 		return middleware.Source{
 			NewSubscriber:  func() (message.Subscriber, error) { return b.Subscriber(group) },
 			Competing:      true,
 			KeyPartitioned: true,
 		}
-	}, aggregates, 5, workers, prefetch, latency)
-	t.Logf("one in flight: %.0f events/s; many in flight (faults included): %.0f events/s, %.1fx", oneRate, manyRate, manyRate/oneRate)
+	}, second)
 }
 
 // OrderedSubscriber refuses an in-flight count below 1.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net/url"
 	"strings"
 	"sync"
@@ -45,7 +46,7 @@ type Broker struct {
 	streams     map[string]bool // topics whose stream is known to match the config
 	consumers   map[string]bool // topic + "\x00" + group whose consumer is known to match
 	ordered     map[string]bool // topic + "\x00" + group provisioned by ProvisionOrdered
-	subscribers []*subscriber
+	subscribers []io.Closer     // every subscriber, to close with the Broker
 	closed      bool
 }
 

@@ -111,8 +111,8 @@ type ConsumerConfig struct {
 	// ack_wait divided by the slowest handler's time, and at least the number
 	// of the group's subscriptions. 1 keeps strict order even across
 	// redeliveries, but then the group handles one message at a time; the
-	// group of a handler with consumer.ordered: true always gets 1
-	// (Broker.ProvisionOrdered). Defaults to 32.
+	// group of a handler with consumer.ordered: true is set by its ordered
+	// subscriber instead (Broker.OrderedSubscriber). Defaults to 32.
 	MaxAckPending int `yaml:"max_ack_pending"`
 	// NakDelay is how long the server waits before delivering a nacked
 	// message again, so a failing message does not spin. Defaults to 5s.
@@ -124,6 +124,12 @@ type ConsumerConfig struct {
 	// to a random subscription of the group. Order holds only with 1.
 	// Defaults to 1.
 	Subscribers int `yaml:"subscribers"`
+	// LeaseTTL is how long an ordered group's lease outlives its holder's
+	// last renewal: one process of the group at a time consumes an ordered
+	// group (Broker.OrderedSubscriber), and when it dies another takes the
+	// group over within LeaseTTL and one poll (LeaseTTL/4) of seeing the
+	// lease unrenewed. Defaults to 5s.
+	LeaseTTL time.Duration `yaml:"lease_ttl"`
 }
 
 // PublishConfig is broker.nats.publish.
@@ -167,6 +173,7 @@ const (
 	defaultMaxAckPending   = 32
 	defaultNakDelay        = 5 * time.Second
 	defaultSubscribers     = 1
+	defaultLeaseTTL        = 5 * time.Second
 	defaultPublishTimeout  = 30 * time.Second
 	defaultMaxPending      = 1024
 	defaultPingInterval    = 5 * time.Second
@@ -194,6 +201,7 @@ func (c Config) WithDefaults() Config {
 	c.Consumer.MaxAckPending = cmp.Or(c.Consumer.MaxAckPending, defaultMaxAckPending)
 	c.Consumer.NakDelay = cmp.Or(c.Consumer.NakDelay, defaultNakDelay)
 	c.Consumer.Subscribers = cmp.Or(c.Consumer.Subscribers, defaultSubscribers)
+	c.Consumer.LeaseTTL = cmp.Or(c.Consumer.LeaseTTL, defaultLeaseTTL)
 	c.Publish.Timeout = cmp.Or(c.Publish.Timeout, defaultPublishTimeout)
 	c.Publish.MaxPending = cmp.Or(c.Publish.MaxPending, defaultMaxPending)
 	c.Embedded.StoreDir = cmp.Or(c.Embedded.StoreDir, DefaultStoreDir())
@@ -240,6 +248,7 @@ func (c Config) Validate(path string) []error {
 	chk.Positive(at("consumer", "max_ack_pending"), c.Consumer.MaxAckPending)
 	chk.PositiveDuration(at("consumer", "nak_delay"), c.Consumer.NakDelay)
 	chk.Positive(at("consumer", "subscribers"), c.Consumer.Subscribers)
+	chk.PositiveDuration(at("consumer", "lease_ttl"), c.Consumer.LeaseTTL)
 
 	chk.PositiveDuration(at("publish", "timeout"), c.Publish.Timeout)
 	chk.Positive(at("publish", "max_pending"), c.Publish.MaxPending)

@@ -22,6 +22,7 @@ func TestConfigDefaults(t *testing.T) {
 		},
 		Consumer: ConsumerConfig{
 			AckWait: 60 * time.Second, MaxDeliver: -1, MaxAckPending: 32, NakDelay: 5 * time.Second, Subscribers: 1,
+			LeaseTTL: 5 * time.Second,
 		},
 		Publish:  PublishConfig{Timeout: 30 * time.Second, MaxPending: 1024},
 		Embedded: EmbeddedConfig{StoreDir: DefaultStoreDir(), Sync: SyncAlways},
@@ -90,6 +91,7 @@ func TestConfigValidate(t *testing.T) {
 		{"max_ack_pending", func(c *Config) { c.Consumer.MaxAckPending = -1 }, "broker.nats.consumer.max_ack_pending: must be greater than 0"},
 		{"nak_delay", func(c *Config) { c.Consumer.NakDelay = -time.Second }, "broker.nats.consumer.nak_delay: must be a positive duration"},
 		{"subscribers", func(c *Config) { c.Consumer.Subscribers = -1 }, "broker.nats.consumer.subscribers: must be greater than 0"},
+		{"lease_ttl", func(c *Config) { c.Consumer.LeaseTTL = -time.Second }, "broker.nats.consumer.lease_ttl: must be a positive duration"},
 		{"publish timeout", func(c *Config) { c.Publish.Timeout = -1 }, "broker.nats.publish.timeout: must be a positive duration"},
 		{"max_pending", func(c *Config) { c.Publish.MaxPending = -1 }, "broker.nats.publish.max_pending: must be greater than 0"},
 		{"sync", func(c *Config) { c.Embedded.Sync = "never" }, `broker.nats.embedded.sync: must be "always" or a positive duration such as "2m"; got "never"`},

@@ -2,33 +2,41 @@ package nats
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/internal/envelope"
 )
 
 // orderedMaxAckPending is the max_ack_pending of an ordered group's
-// consumer: with one message delivered and unacked the server sends nothing
-// newer, so a message a consumer held when it crashed, stopped or nacked is
-// delivered again before anything published after it.
+// consumer as Provision creates it: a stock Subscriber on it then keeps
+// stream order, one message at a time. The group's ordered subscriber
+// recreates the consumer with its own in-flight count (OrderedSubscriber).
 const orderedMaxAckPending = 1
 
-var _ adapters.OrderedProvisioner = (*Broker)(nil)
+var (
+	_ adapters.OrderedProvisioner = (*Broker)(nil)
+	_ adapters.OrderedFlight      = (*Broker)(nil)
+)
 
 // ProvisionOrdered is Provision for consumer groups whose handler keeps
-// per-aggregate order (consumer.ordered: true). Their durable consumers get
-// max_ack_pending 1 whatever broker.nats.consumer.max_ack_pending says: the
-// group then has one message delivered at a time across all its
-// subscriptions and processes, and a redelivery (after ack_wait for a
-// consumer that crashed, after nak_delay for a nacked message) comes before
-// every newer message. An existing consumer of the group with a higher
-// max_ack_pending, made before the handler was ordered, is updated in place
-// (JetStream allows editing it; lowering it reorders and loses nothing).
-// The Broker remembers the groups: its later Provision and Subscribe calls
-// for them keep max_ack_pending 1.
+// per-aggregate order (consumer.ordered: true). A missing consumer is made
+// with max_ack_pending 1; an existing one is taken as it is whatever its
+// max_ack_pending, deliver policy and deliver subject, which the group's
+// ordered subscriber sets whenever it takes the group over
+// (OrderedSubscriber). The Broker remembers the groups for its later
+// Provision and Subscribe calls.
 func (b *Broker) ProvisionOrdered(ctx context.Context, topic string, consumerGroups ...string) error {
 	if err := checkTopic(topic); err != nil {
 		return adapters.Permanent(err)
@@ -50,34 +58,470 @@ func (b *Broker) ProvisionOrdered(ctx context.Context, topic string, consumerGro
 	return b.Provision(ctx, topic, consumerGroups...)
 }
 
-// maxAckPending is the max_ack_pending of group's consumer on topic.
-func (b *Broker) maxAckPending(topic, group string) int {
+// isOrdered reports whether group's consumer on topic was provisioned by
+// ProvisionOrdered.
+func (b *Broker) isOrdered(topic, group string) bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.ordered[topic+"\x00"+group] {
+	return b.ordered[topic+"\x00"+group]
+}
+
+// maxAckPending is the max_ack_pending group's consumer on topic is made with.
+func (b *Broker) maxAckPending(topic, group string) int {
+	if b.isOrdered(topic, group) {
 		return orderedMaxAckPending
 	}
 	return b.cfg.Consumer.MaxAckPending
 }
 
-// keepOrder lowers the max_ack_pending of an ordered group's existing
-// consumer c to 1 when it is higher, keeping every other setting, and
-// returns the consumer as the server has it then. Other consumers are left
-// alone (a difference is then reported as a conflict).
-func (b *Broker) keepOrder(ctx context.Context, topic, group string, c jetstream.PushConsumer) (jetstream.PushConsumer, error) {
-	got := c.CachedInfo().Config
-	if b.maxAckPending(topic, group) != orderedMaxAckPending || got.MaxAckPending <= orderedMaxAckPending {
-		return c, nil
+// OrderedSubscriber is Subscriber for an ordered consumer group
+// (adapters.OrderedFlight). One subscription at a time, in this or any
+// process, consumes the group: it holds the group's lease (a key of the
+// millrace_leases key-value bucket, renewed every consumer.lease_ttl/4) and
+// the others wait for it. On taking the lease it recreates the group's
+// consumer with max_ack_pending inFlight, a deliver subject of its own, and
+// its start at the first message not yet acked (the consumer's ack floor),
+// so everything the last holder did not ack comes again in stream order
+// before anything newer; messages it did ack past the floor come again too,
+// as duplicates (the inbox drops them). It hands messages out without
+// waiting for the previous one's ack, at most one per aggregate (the
+// aggregate-id header) at a time, holding the later ones of a busy
+// aggregate; each Ack is an ack of its own message. A Nack, or a delivery
+// it missed (a gap in the consumer's sequence, as after a lost
+// connection), stops the hand-out until what was handed out is settled,
+// then after consumer.nak_delay (none for a gap) it recreates the consumer
+// the same way. Closing, ending the Subscribe context or losing the lease
+// does the same and gives the lease up (a stop) or leaves it to expire
+// (lost: another holder has it or will after lease_ttl).
+//
+// The deliveries counted by the server start again at 1 with each
+// recreation, so consumer.max_deliver does not bound an ordered group's
+// deliveries; millrace's poison queue does.
+func (b *Broker) OrderedSubscriber(consumerGroup string, inFlight int) (message.Subscriber, error) {
+	if err := checkGroup(consumerGroup); err != nil {
+		return nil, fmt.Errorf("nats: %w", err)
 	}
-	was := got.MaxAckPending
-	got.MaxAckPending = orderedMaxAckPending
-	updated, err := b.js.UpdatePushConsumer(ctx, StreamName(topic), got)
-	if err != nil {
-		return nil, fmt.Errorf("nats: lowering max_ack_pending of consumer %q on stream %q (group %q, topic %q) from %d to %d for an ordered handler: %w",
-			got.Durable, StreamName(topic), group, topic, was, orderedMaxAckPending, err)
+	if inFlight < 1 {
+		return nil, adapters.Permanent(fmt.Errorf("nats: OrderedSubscriber: inFlight must be at least 1 (the consumer's max_ack_pending); got %d", inFlight))
 	}
-	b.logger.Info("Lowered an ordered group's consumer to max_ack_pending 1", watermill.LogFields{
-		"consumer": got.Durable, "stream": StreamName(topic), "was": was,
+	s := &orderedSubscriber{b: b, group: consumerGroup, inFlight: inFlight, closing: make(chan struct{})}
+	if err := b.register(s); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// orderedSubscriber is OrderedSubscriber's message.Subscriber.
+type orderedSubscriber struct {
+	b        *Broker
+	group    string
+	inFlight int
+
+	mu        sync.Mutex
+	running   sync.WaitGroup // one per Subscribe call still running
+	subs      []*orderedSubscription
+	closed    bool
+	closing   chan struct{} // closed by Close
+	closeOnce sync.Once
+}
+
+var _ message.SubscribeInitializer = (*orderedSubscriber)(nil)
+
+// SubscribeInitialize provisions topic's stream and the group's consumer,
+// as an ordered group's.
+func (s *orderedSubscriber) SubscribeInitialize(topic string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), s.b.opts.ConnectTimeout)
+	defer cancel()
+	return s.b.ProvisionOrdered(ctx, topic, s.group)
+}
+
+// Subscribe provisions topic's stream and the group's consumer and returns
+// the group's messages of topic once this subscription holds the group's
+// lease. The channel closes when ctx ends or the subscriber closes.
+func (s *orderedSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	if err := s.SubscribeInitialize(topic); err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil, errSubscriberClosed
+	}
+	stream := StreamName(topic)
+	sub := &orderedSubscription{
+		s:       s,
+		topic:   topic,
+		stream:  stream,
+		durable: ConsumerName(s.group),
+		owner:   watermill.NewShortUUID(),
+		acked:   map[uint64]bool{},
+		out:     make(chan *message.Message),
+		logger:  s.b.logger.With(watermill.LogFields{"consumer_group": s.group, "topic": topic}),
+	}
+	runCtx, cancel := context.WithCancel(ctx)
+	s.subs = append(s.subs, sub)
+	s.running.Go(func() {
+		defer cancel()
+		sub.run(runCtx)
+		s.mu.Lock()
+		s.subs = slices.DeleteFunc(s.subs, func(o *orderedSubscription) bool { return o == sub })
+		s.mu.Unlock()
 	})
-	return updated, nil
+	go func() {
+		select {
+		case <-runCtx.Done():
+		case <-s.closing:
+			cancel()
+		}
+	}()
+	return sub.out, nil
+}
+
+// Close stops every subscription, waits until each has given its lease up,
+// and is idempotent. Nothing is acked by closing.
+func (s *orderedSubscriber) Close() error {
+	s.mu.Lock()
+	s.closed = true
+	s.mu.Unlock()
+	s.closeOnce.Do(func() { close(s.closing) })
+	s.running.Wait()
+	s.b.mu.Lock()
+	s.b.subscribers = slices.DeleteFunc(s.b.subscribers, func(o io.Closer) bool { return o == s })
+	s.b.mu.Unlock()
+	return nil
+}
+
+// orderedSubscription is one Subscribe call of an orderedSubscriber.
+type orderedSubscription struct {
+	s                      *orderedSubscriber
+	topic, stream, durable string
+	owner                  string // this subscription in the lease
+	out                    chan *message.Message
+	logger                 watermill.LoggerAdapter
+
+	mu sync.Mutex
+	nc *nats.Conn // the connection it consumes on while it holds the lease
+
+	// acked holds the stream sequences past the consumer's ack floor whose
+	// acks the server confirmed: when a recreated consumer delivers them
+	// again they are acked at once instead of handed out as duplicates. It
+	// is cut to the new floor at each recreation, and holds at most
+	// maxAckedMemory (past that, duplicates go to the reader).
+	acked map[uint64]bool
+}
+
+// maxAckedMemory bounds orderedSubscription.acked.
+const maxAckedMemory = 1 << 16
+
+// conn is the connection the subscription consumes on, nil while it waits
+// for the lease.
+func (o *orderedSubscription) conn() *nats.Conn {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.nc
+}
+
+// run takes the group's lease, consumes while it holds it, and starts over
+// when it loses it, until ctx ends.
+func (o *orderedSubscription) run(ctx context.Context) {
+	defer close(o.out)
+	b := o.s.b
+	for ctx.Err() == nil {
+		l, err := b.acquireLease(ctx, leaseKey(o.topic, o.s.group), o.owner, b.cfg.Consumer.LeaseTTL)
+		if err != nil {
+			return
+		}
+		o.logger.Info("Consuming an ordered group: this subscription holds its lease", nil)
+		o.own(ctx, l)
+		l.release()
+		select { // lets another process take it first
+		case <-ctx.Done():
+		case <-time.After(b.cfg.Consumer.LeaseTTL / 4):
+		}
+	}
+}
+
+// errRecreate ends a consumption whose consumer must be recreated from its
+// ack floor: a message was nacked, or one was missed.
+var errRecreate = errors.New("nats: ordered consumer to be recreated from its ack floor")
+
+// own consumes the group while it holds l, recreating the consumer after
+// each nack or missed delivery, until ctx ends or l is lost.
+func (o *orderedSubscription) own(ctx context.Context, l *lease) {
+	b := o.s.b
+	ncClosed := make(chan struct{})
+	nc, err := b.connect(ctx, "millrace-ordered-subscriber-"+o.s.group,
+		nats.ClosedHandler(func(*nats.Conn) { close(ncClosed) }))
+	if err != nil {
+		o.logger.Error("Cannot connect for an ordered group; giving its lease up", err, nil)
+		return
+	}
+	o.mu.Lock()
+	o.nc = nc
+	o.mu.Unlock()
+	defer func() {
+		o.mu.Lock()
+		o.nc = nil
+		o.mu.Unlock()
+		nc.Close()
+	}()
+	pause := time.Duration(0)
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-l.lost:
+			o.logger.Info("Lost an ordered group's lease; waiting to take it again", nil)
+			return
+		case <-time.After(pause):
+		}
+		msgs := make(chan *nats.Msg, o.s.inFlight+64)
+		sub, err := o.recreate(ctx, nc, l, msgs)
+		if err != nil {
+			if ctx.Err() == nil {
+				o.logger.Error("Cannot recreate an ordered group's consumer; trying again", err, nil)
+			}
+			pause = b.cfg.Consumer.LeaseTTL / 4
+			continue
+		}
+		err = o.consume(ctx, l, msgs, ncClosed)
+		_ = sub.Unsubscribe()
+		switch {
+		case errors.Is(err, errNacked):
+			pause = b.cfg.Consumer.NakDelay
+		case errors.Is(err, errRecreate):
+			pause = 0
+		default:
+			return
+		}
+	}
+}
+
+// recreate records the consumer's ack floor in l, deletes the consumer and
+// makes it again from the message after the floor, delivering to a
+// subject of its own that sub, subscribed first, passes to msgs.
+func (o *orderedSubscription) recreate(ctx context.Context, nc *nats.Conn, l *lease, msgs chan *nats.Msg) (*nats.Subscription, error) {
+	b := o.s.b
+	ctx, cancel := context.WithTimeout(ctx, b.opts.ConnectTimeout)
+	defer cancel()
+	stream, err := b.js.Stream(ctx, o.stream)
+	if err != nil {
+		return nil, fmt.Errorf("reading stream %q: %w", o.stream, err)
+	}
+	created := stream.CachedInfo().Created
+	// The lease's floor counts when the consumer is gone or was made again
+	// by another process's Provision meanwhile; a stream made again resets it.
+	floor := l.floorIn(created)
+	c, err := b.js.PushConsumer(ctx, o.stream, o.durable)
+	switch {
+	case err == nil:
+		info, err := c.Info(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("reading consumer %q of stream %q: %w", o.durable, o.stream, err)
+		}
+		floor = max(floor, info.AckFloor.Stream)
+	case !errors.Is(err, jetstream.ErrConsumerNotFound):
+		return nil, fmt.Errorf("reading consumer %q of stream %q: %w", o.durable, o.stream, err)
+	}
+	if err := l.setFloor(ctx, floor, created); err != nil {
+		return nil, fmt.Errorf("recording the ack floor %d in the lease: %w", floor, err)
+	}
+	for seq := range o.acked {
+		if seq <= floor {
+			delete(o.acked, seq)
+		}
+	}
+	want := b.consumerConfig(o.topic, o.s.group)
+	want.MaxAckPending = o.s.inFlight
+	want.DeliverSubject = want.DeliverSubject + "." + watermill.NewShortUUID()
+	if floor > 0 {
+		want.DeliverPolicy, want.OptStartSeq = jetstream.DeliverByStartSequencePolicy, floor+1
+	}
+	sub, err := nc.ChanQueueSubscribe(want.DeliverSubject, want.DeliverGroup, msgs)
+	if err == nil {
+		err = nc.FlushWithContext(ctx) // the server knows the interest before the consumer pushes
+	}
+	if err != nil {
+		return nil, fmt.Errorf("subscribing to %q: %w", want.DeliverSubject, err)
+	}
+	if err := b.js.DeleteConsumer(ctx, o.stream, o.durable); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
+		_ = sub.Unsubscribe()
+		return nil, fmt.Errorf("deleting consumer %q of stream %q: %w", o.durable, o.stream, err)
+	}
+	if _, err := b.js.CreatePushConsumer(ctx, o.stream, want); err != nil {
+		_ = sub.Unsubscribe()
+		return nil, fmt.Errorf("creating consumer %q of stream %q from stream sequence %d: %w", o.durable, o.stream, floor+1, err)
+	}
+	return sub, nil
+}
+
+// errNacked ends a consumption after a message was nacked.
+var errNacked = fmt.Errorf("a message was nacked: %w", errRecreate)
+
+// heldMsg is a delivery the subscription holds until its reader settles it.
+type heldMsg struct {
+	seq   uint64                   // stream sequence
+	key   string                   // aggregate id
+	reply atomic.Pointer[nats.Msg] // its latest delivery: the one to ack
+	msg   *message.Message
+	touch time.Time // when the server last heard of it
+}
+
+// settlement is a handed-out message's outcome.
+type settlement struct {
+	h         *heldMsg
+	acked     bool
+	confirmed bool // the server confirmed the ack
+}
+
+// consume hands the deliveries on msgs out in stream order, at most one per
+// aggregate at a time, and settles each as its reader decides. It returns
+// errNacked, errRecreate (a missed delivery), or nil when ctx ended, l was
+// lost or the connection closed, always after what it handed out was
+// settled.
+func (o *orderedSubscription) consume(ctx context.Context, l *lease, msgs <-chan *nats.Msg, ncClosed <-chan struct{}) error {
+	ackWait := o.s.b.cfg.Consumer.AckWait
+	var (
+		ready     []*heldMsg                // to hand out, in stream order
+		waiting   = map[string][]*heldMsg{} // per busy aggregate, behind the one handed out
+		bySeq     = map[uint64]*heldMsg{}   // every message held, handed out or not
+		unsettled int
+		nextSeq   uint64 = 1 // the consumer sequence expected next
+		stopErr   error
+		stopping  bool
+		lost      = l.lost
+		done      = ctx.Done()
+	)
+	settled := make(chan settlement, o.s.inFlight) // never more handed out unsettled
+	// Held messages must not reach ack_wait: the server would deliver them
+	// again and count it.
+	progress := time.NewTicker(max(ackWait/3, time.Millisecond))
+	defer progress.Stop()
+	cancels := map[*heldMsg]context.CancelFunc{}
+	defer func() {
+		for _, cancel := range cancels {
+			cancel()
+		}
+	}()
+	accept := func(nm *nats.Msg) error {
+		md, err := nm.Metadata()
+		if err != nil {
+			return nil // not a JetStream delivery
+		}
+		if md.Sequence.Consumer != nextSeq {
+			o.logger.Info("An ordered group's delivery was missed; recreating its consumer", watermill.LogFields{"expected": nextSeq, "got": md.Sequence.Consumer})
+			return errRecreate
+		}
+		nextSeq++
+		if h := bySeq[md.Sequence.Stream]; h != nil {
+			h.reply.Store(nm) // delivered again: ack_wait passed
+			return nil
+		}
+		if o.acked[md.Sequence.Stream] {
+			go func() { _ = nm.AckSync() }() // not acked again: it comes once more
+			return nil
+		}
+		msg, _ := marshaler{}.Unmarshal(nm) // never fails; see marshaler
+		msgCtx, cancel := context.WithCancel(ctx)
+		msg.SetContext(msgCtx)
+		h := &heldMsg{seq: md.Sequence.Stream, key: msg.Metadata.Get(envelope.AggregateIDKey), msg: msg, touch: time.Now()}
+		h.reply.Store(nm)
+		bySeq[h.seq], cancels[h] = h, cancel
+		if queued, busy := waiting[h.key]; busy {
+			waiting[h.key] = append(queued, h)
+		} else {
+			waiting[h.key] = nil
+			ready = append(ready, h)
+		}
+		return nil
+	}
+	for {
+		if !stopping && !l.fresh() {
+			stopping = true // paused or cut off past ttl/2: maybe taken over
+		}
+		var send chan<- *message.Message
+		var next *message.Message
+		if len(ready) > 0 && !stopping {
+			send, next = o.out, ready[0].msg
+		}
+		var recv <-chan *nats.Msg
+		if !stopping {
+			recv = msgs
+		}
+		select {
+		case nm := <-recv:
+			if err := accept(nm); err != nil {
+				stopping, stopErr = true, err
+			}
+		case send <- next:
+			h := ready[0]
+			ready[0] = nil
+			ready = ready[1:]
+			unsettled++
+			go func() { settled <- o.settle(h) }()
+		case st := <-settled:
+			unsettled--
+			delete(bySeq, st.h.seq)
+			cancels[st.h]()
+			delete(cancels, st.h)
+			if st.confirmed && len(o.acked) < maxAckedMemory {
+				o.acked[st.h.seq] = true
+			}
+			if !st.acked {
+				if !stopping {
+					stopping, stopErr = true, errNacked
+				}
+				break
+			}
+			if queued := waiting[st.h.key]; len(queued) > 0 {
+				waiting[st.h.key] = queued[1:]
+				ready = append(ready, queued[0])
+			} else {
+				delete(waiting, st.h.key)
+			}
+		case <-progress.C:
+			for _, h := range bySeq {
+				if time.Since(h.touch) >= ackWait/3 {
+					_ = h.reply.Load().InProgress()
+					h.touch = time.Now()
+				}
+			}
+		case <-lost:
+			stopping, lost = true, nil
+		case <-done:
+			stopping, done = true, nil
+		case <-ncClosed:
+			stopping, ncClosed = true, nil
+		}
+		if stopping && unsettled == 0 {
+			return stopErr
+		}
+	}
+}
+
+// settle waits for the reader's decision on h and acks h when it is an Ack,
+// waiting for the server's confirmation. A Nack sends nothing: the consumer
+// is recreated from its ack floor.
+func (o *orderedSubscription) settle(h *heldMsg) settlement {
+	ack := func() settlement {
+		err := h.reply.Load().AckSync()
+		if err != nil {
+			// The effect is done; the message comes again, as a duplicate.
+			o.logger.Error("Cannot send ack", err, watermill.LogFields{"message_uuid": h.msg.UUID})
+		}
+		return settlement{h: h, acked: true, confirmed: err == nil}
+	}
+	select {
+	case <-h.msg.Acked():
+		return ack()
+	case <-h.msg.Nacked():
+		return settlement{h: h}
+	case <-o.s.closing:
+		select {
+		case <-h.msg.Acked(): // an Ack given just before the close still goes out
+			return ack()
+		default:
+			return settlement{h: h}
+		}
+	}
 }

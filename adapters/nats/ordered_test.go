@@ -2,62 +2,152 @@ package nats
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/adaptertest"
+	"github.com/millrace-io/millrace/internal/envelope"
+	"github.com/millrace-io/millrace/middleware"
 )
 
-// What a subscriber that goes away held (as a crashed consumer does) comes
-// back after ack_wait. On an ordered group it comes back before a message
-// published after the crash; on an unordered one (the control) that message
-// passes it.
-func TestOrderedGroupKeepsOrderAcrossRestart(t *testing.T) {
+// An ordered handler on one stream with 16 workers and 64 aggregates has
+// many messages in flight from its one OrderedSubscriber, and every
+// aggregate's events take effect once each, in order, across nacks (after
+// which the consumer is recreated from its ack floor), a lost connection
+// (deliveries in flight are missed or their acks fail: the consumer is
+// recreated, and duplicates come back, which the inbox would drop) and a
+// stop and start of the consumer with messages in flight and held. The
+// throughput against the one-in-flight stock subscriber on a consumer with
+// max_ack_pending 1 is logged.
+func TestOrderedSubscriberManyInFlight(t *testing.T) {
 	t.Parallel()
-	for _, tc := range []struct {
-		name    string
-		ordered bool
-		want    []string
-	}{
-		{"ordered", true, []string{"m0", "m1", "m2"}},
-		{"unordered", false, []string{"m2", "m0", "m1"}},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			t.Parallel()
-			eachServer(t, func(t *testing.T, url string) {
-				ctx := context.Background()
-				b := openBroker(t, url, func(c *Config) { c.Consumer.AckWait = 2 * time.Second })
-				topic, group := adaptertest.Name("restart"), adaptertest.Name("g")
-				require.NoError(t, b.Provision(ctx, topic, group)) // made before the handler was ordered
-				require.Equal(t, defaultMaxAckPending, consumerInfo(t, b, topic, group).Config.MaxAckPending)
-				if tc.ordered {
-					require.NoError(t, b.ProvisionOrdered(ctx, topic, group))
-					require.Equal(t, 1, consumerInfo(t, b, topic, group).Config.MaxAckPending, "updated in place")
-				}
-				require.NoError(t, b.PublishBatch(ctx, batchOf(topic, newMsg("m0"), newMsg("m1"))))
-
-				sub, err := b.Subscriber(group)
-				require.NoError(t, err)
-				ch, err := sub.Subscribe(ctx, topic)
-				require.NoError(t, err)
-				require.Equal(t, "m0", next(t, ch).UUID)
-				require.NoError(t, sub.Close()) // m0 stays unacked, as with a crash
-				require.NoError(t, b.PublishBatch(ctx, batchOf(topic, newMsg("m2"))))
-
-				var got []string
-				for _, m := range receiveN(t, subscribeGroup(t, b, topic, group), 3) {
-					got = append(got, m.UUID)
-				}
-				require.Equal(t, tc.want, got)
-				if tc.ordered {
-					require.Equal(t, 1, consumerInfo(t, b, topic, group).Config.MaxAckPending, "Subscribe kept the ordered setting")
-				}
-			})
-		})
+	b := openBroker(t, sharedURL(), func(c *Config) { c.Consumer.NakDelay = 50 * time.Millisecond })
+	topic, group := adaptertest.Name("ordered"), adaptertest.Name("g")
+	require.NoError(t, b.ProvisionOrdered(context.Background(), topic, group))
+	t.Cleanup(func() { _ = b.forgetLeases(context.Background(), topic, []string{group}) })
+	load := adaptertest.NewManyInFlight(t, b, topic)
+	src := middleware.Source{
+		NewSubscriber: func() (message.Subscriber, error) { return b.OrderedSubscriber(group, load.Prefetch()) },
+		Competing:     true,
+		Concurrent:    true,
 	}
+	c := load.Start(t, src)
+	sub := (<-c.Subs).(*orderedSubscriber)
+
+	// A lost connection with messages in flight and held.
+	load.Ledger.WaitHandled(t, load.Events()/3)
+	sub.mu.Lock()
+	nc := sub.subs[0].conn()
+	sub.mu.Unlock()
+	require.NotNil(t, nc, "the subscription consumes")
+	require.NoError(t, nc.ForceReconnect())
+
+	// A stop of the consumer and a new one.
+	load.Ledger.WaitHandled(t, 2*load.Events()/3)
+	c.Stop(t)
+	c = load.Start(t, src)
+	load.Finish(t, b, "a lost connection and a restart", func(group string) middleware.Source {
+		// The stock subscriber on a consumer with max_ack_pending 1.
+		require.NoError(t, b.ProvisionOrdered(context.Background(), topic, group))
+		return middleware.Source{
+			NewSubscriber: func() (message.Subscriber, error) { return b.Subscriber(group) },
+			Competing:     true,
+		}
+	}, c)
+	require.Equal(t, load.Prefetch(), consumerInfo(t, b, topic, group).Config.MaxAckPending, "the ordered subscriber's consumer")
+}
+
+// One process at a time consumes an ordered group. A second one waits while
+// the first renews its lease; when the first stops renewing (cut off, or
+// dead) without acking what it held, the second takes the group over after
+// lease_ttl and gets the unacked message again before every newer one, and
+// nothing it did ack. A stop gives the lease up at once.
+func TestOrderedGroupIsTakenOverInOrder(t *testing.T) {
+	t.Parallel()
+	eachServer(t, func(t *testing.T, url string) {
+		ctx := context.Background()
+		const ttl = time.Second
+		short := func(c *Config) { c.Consumer.LeaseTTL = ttl }
+		first, second := openBroker(t, url, short), openBroker(t, url, short)
+		topic, group := adaptertest.Name("takeover"), adaptertest.Name("g")
+		var msgs []*message.Message
+		for _, id := range []string{"m0", "m1", "m2", "m3"} {
+			m := newMsg(id)
+			m.Metadata.Set(envelope.AggregateIDKey, "a")
+			msgs = append(msgs, m)
+		}
+		require.NoError(t, first.ProvisionOrdered(ctx, topic, group))
+		require.NoError(t, first.PublishBatch(ctx, batchOf(topic, msgs[:3]...)))
+
+		s1, err := first.OrderedSubscriber(group, 8)
+		require.NoError(t, err)
+		ch1, err := s1.Subscribe(ctx, topic)
+		require.NoError(t, err)
+		m0 := next(t, ch1)
+		require.Equal(t, "m0", m0.UUID)
+		m0.Ack()
+		m1 := next(t, ch1)
+		require.Equal(t, "m1", m1.UUID) // never settled: held as by a crashed process
+
+		s2, err := second.OrderedSubscriber(group, 8)
+		require.NoError(t, err)
+		ch2, err := s2.Subscribe(ctx, topic)
+		require.NoError(t, err)
+		select {
+		case m := <-ch2:
+			t.Fatalf("the second process got %s while the first held the lease", m.UUID)
+		case <-time.After(3 * ttl):
+		}
+
+		// The first is cut off from the server: it can renew nothing.
+		cutAt := time.Now()
+		first.nc.Close()
+		require.NoError(t, second.PublishBatch(ctx, batchOf(topic, msgs[3])))
+		var got []string
+		for range 3 {
+			m := next(t, ch2)
+			got = append(got, m.UUID)
+			m.Ack()
+		}
+		t.Logf("taken over %s after the holder's last chance to renew (lease_ttl %s)", time.Since(cutAt).Round(time.Millisecond), ttl)
+		require.Equal(t, []string{"m1", "m2", "m3"}, got, "the unacked m1 first, the acked m0 not again")
+
+		// A stop gives the lease up: a third process takes over at once.
+		require.NoError(t, s2.Close())
+		third := openBroker(t, url, func(c *Config) { c.Consumer.LeaseTTL = time.Hour })
+		s3, err := third.OrderedSubscriber(group, 8)
+		require.NoError(t, err)
+		defer s3.Close()
+		ch3, err := s3.Subscribe(ctx, topic)
+		require.NoError(t, err)
+		require.NoError(t, third.PublishBatch(ctx, batchOf(topic, newMsg("m4"))))
+		require.Equal(t, "m4", next(t, ch3).UUID, "given up by a stop: taken without waiting an hour's ttl")
+		require.NoError(t, s1.Close())
+		require.NoError(t, s3.Close())
+
+		// Deprovision takes the group's lease with the stream.
+		kv, err := third.leases(ctx)
+		require.NoError(t, err)
+		_, err = kv.Get(ctx, leaseKey(topic, group))
+		require.NoError(t, err, "the lease is kept while the stream is")
+		require.NoError(t, third.Deprovision(ctx, topic, group))
+		_, err = kv.Get(ctx, leaseKey(topic, group))
+		require.ErrorIs(t, err, jetstream.ErrKeyNotFound)
+	})
+}
+
+// OrderedSubscriber refuses an in-flight count that is no max_ack_pending.
+func TestOrderedSubscriberInFlightRange(t *testing.T) {
+	t.Parallel()
+	_, err := openBroker(t, sharedURL(), nil).OrderedSubscriber("g", 0)
+	require.ErrorContains(t, err, "inFlight must be at least 1")
+	require.True(t, adapters.IsPermanent(err))
 }
 
 // A process whose handler is not ordered finds the group's consumer at
@@ -73,6 +163,51 @@ func TestUnorderedProvisionOfOrderedGroupConflicts(t *testing.T) {
 	err := b.Provision(ctx, topic, group)
 	require.ErrorIs(t, err, adapters.ErrTopologyConflict)
 	require.True(t, adapters.IsPermanent(err))
-	require.ErrorContains(t, err, "max_ack_pending is 1 on the server, 32 wanted (broker.nats.consumer.max_ack_pending; a handler with consumer.ordered: true sets 1)")
+	require.ErrorContains(t, err, "max_ack_pending is 1 on the server, 32 wanted (broker.nats.consumer.max_ack_pending; a handler with consumer.ordered: true has its consumer.prefetch)")
 	require.Equal(t, 1, consumerInfo(t, b, topic, group).Config.MaxAckPending, "left as it was")
+}
+
+// The floor a lease keeps is that of its stream: a stream deleted by hand
+// and made again (with the lease left behind) is read from its start, not
+// from the old stream's floor, which would skip its first messages.
+func TestOrderedSubscriberIgnoresTheFloorOfAnOlderStream(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := openBroker(t, sharedURL(), nil)
+	topic, group := adaptertest.Name("remade"), adaptertest.Name("g")
+	t.Cleanup(func() { _ = b.forgetLeases(context.Background(), topic, []string{group}) })
+	kv, err := b.leases(ctx)
+	require.NoError(t, err)
+	floor := func() string {
+		e, err := kv.Get(ctx, leaseKey(topic, group))
+		if err != nil {
+			return err.Error()
+		}
+		return string(e.Value())
+	}
+	consume := func(until func() bool, want ...string) {
+		t.Helper()
+		s, err := b.OrderedSubscriber(group, 4)
+		require.NoError(t, err)
+		ch, err := s.Subscribe(ctx, topic)
+		require.NoError(t, err)
+		for _, id := range want {
+			m := next(t, ch)
+			require.Equal(t, id, m.UUID)
+			m.Ack()
+		}
+		require.Eventually(t, until, 10*time.Second, 10*time.Millisecond)
+		require.NoError(t, s.Close())
+	}
+	always := func() bool { return true }
+	require.NoError(t, b.ProvisionOrdered(ctx, topic, group))
+	require.NoError(t, b.PublishBatch(ctx, batchOf(topic, newMsg("m0"), newMsg("m1"), newMsg("m2"))))
+	consume(always, "m0", "m1", "m2")
+	// Taking the lease again records the consumer's floor, 3, in it.
+	consume(func() bool { return strings.Contains(floor(), `"floor":3,`) })
+
+	require.NoError(t, b.js.DeleteStream(ctx, StreamName(topic)))
+	b.forgetStream(topic)
+	require.NoError(t, b.PublishBatch(ctx, batchOf(topic, newMsg("n0"), newMsg("n1"))))
+	consume(always, "n0", "n1")
 }

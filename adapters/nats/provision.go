@@ -167,9 +167,6 @@ func (b *Broker) ensureConsumer(ctx context.Context, topic, group string) error 
 			c, err = b.js.PushConsumer(ctx, stream, want.Durable)
 		}
 	}
-	if err == nil && !created {
-		c, err = b.keepOrder(ctx, topic, group, c)
-	}
 	if err != nil {
 		if errors.Is(err, jetstream.ErrNotPushConsumer) {
 			return adapters.Permanent(fmt.Errorf("nats: consumer %q on stream %q (group %q, topic %q) is a pull consumer; millrace needs a push consumer: %w",
@@ -177,7 +174,7 @@ func (b *Broker) ensureConsumer(ctx context.Context, topic, group string) error 
 		}
 		return fmt.Errorf("nats: provisioning consumer %q on stream %q (group %q, topic %q): %w", want.Durable, stream, group, topic, err)
 	}
-	if diffs := diffConsumer(want, c.CachedInfo().Config, topic); len(diffs) > 0 {
+	if diffs := diffConsumer(want, c.CachedInfo().Config, topic, b.isOrdered(topic, group)); len(diffs) > 0 {
 		return b.conflict(created, "consumer", fmt.Sprintf("consumer %q on stream %q", want.Durable, stream), topic, diffs)
 	}
 	b.mu.Lock()
@@ -219,17 +216,23 @@ func diffStream(want, got jetstream.StreamConfig) []string {
 
 // diffConsumer is diffStream for consumers.
 // A filter equal to the topic is the same as none: the stream holds only it.
-func diffConsumer(want, got jetstream.ConsumerConfig, topic string) []string {
+// An ordered group's max_ack_pending and start are its ordered
+// subscriber's to set (Broker.OrderedSubscriber), so they are not compared.
+func diffConsumer(want, got jetstream.ConsumerConfig, topic string, ordered bool) []string {
 	var d diffs
 	if got.DeliverSubject == "" {
 		d = append(d, "it has no deliver subject (a pull consumer); millrace subscribes to push consumers")
 	}
 	d.check("deliver_group", got.DeliverGroup, want.DeliverGroup, "")
-	d.check("deliver_policy", got.DeliverPolicy, want.DeliverPolicy, "")
+	if !ordered || got.DeliverPolicy != jetstream.DeliverByStartSequencePolicy {
+		d.check("deliver_policy", got.DeliverPolicy, want.DeliverPolicy, "")
+	}
 	d.check("ack_policy", got.AckPolicy, want.AckPolicy, "")
 	d.check("ack_wait", got.AckWait, want.AckWait, "consumer.ack_wait")
 	d.check("max_deliver", got.MaxDeliver, want.MaxDeliver, "consumer.max_deliver")
-	d.check("max_ack_pending", got.MaxAckPending, want.MaxAckPending, "consumer.max_ack_pending; a handler with consumer.ordered: true sets 1")
+	if !ordered {
+		d.check("max_ack_pending", got.MaxAckPending, want.MaxAckPending, "consumer.max_ack_pending; a handler with consumer.ordered: true has its consumer.prefetch")
+	}
 	d.check("replay_policy", got.ReplayPolicy, want.ReplayPolicy, "")
 	if got.FilterSubject != "" && got.FilterSubject != topic {
 		d.add("filter_subject", got.FilterSubject, "none", "")
@@ -257,9 +260,10 @@ func (d *diffs) check(field string, got, want any, key string) {
 }
 
 // Deprovision deletes topic's stream, and with it the consumers of every
-// group and the messages it holds. A stream already gone is not an error.
-// See adapters.Deprovisioner.
-func (b *Broker) Deprovision(ctx context.Context, topic string, _ ...string) error {
+// group and the messages it holds, and the leases of consumerGroups (see
+// OrderedSubscriber). A stream already gone is not an error. See
+// adapters.Deprovisioner.
+func (b *Broker) Deprovision(ctx context.Context, topic string, consumerGroups ...string) error {
 	if err := checkTopic(topic); err != nil {
 		return adapters.Permanent(err)
 	}
@@ -267,5 +271,5 @@ func (b *Broker) Deprovision(ctx context.Context, topic string, _ ...string) err
 	if err := b.js.DeleteStream(ctx, StreamName(topic)); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
 		return fmt.Errorf("nats: delete stream %q of topic %q: %w", StreamName(topic), topic, err)
 	}
-	return nil
+	return b.forgetLeases(ctx, topic, consumerGroups)
 }

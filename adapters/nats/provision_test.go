@@ -166,9 +166,17 @@ func TestDiffStreamReportsDroppedSettings(t *testing.T) {
 
 	wc := b.consumerConfig("orders.events", "billing")
 	gc := wc
-	require.Empty(t, diffConsumer(wc, gc, "orders.events"))
+	require.Empty(t, diffConsumer(wc, gc, "orders.events", false))
 	gc.FilterSubject = "orders.events"
-	require.Empty(t, diffConsumer(wc, gc, "orders.events"), "a filter equal to the only subject is no filter")
+	require.Empty(t, diffConsumer(wc, gc, "orders.events", false), "a filter equal to the only subject is no filter")
 	gc.FilterSubject, gc.DeliverSubject = "orders.other", ""
-	require.Len(t, diffConsumer(wc, gc, "orders.events"), 2)
+	require.Len(t, diffConsumer(wc, gc, "orders.events", false), 2)
+
+	// An ordered group's ordered subscriber sets its max_ack_pending and start.
+	gc = wc
+	gc.MaxAckPending, gc.DeliverPolicy, gc.OptStartSeq = 64, jetstream.DeliverByStartSequencePolicy, 42
+	require.Empty(t, diffConsumer(wc, gc, "orders.events", true))
+	require.Len(t, diffConsumer(wc, gc, "orders.events", false), 2, "max_ack_pending and deliver_policy")
+	gc.DeliverPolicy = jetstream.DeliverNewPolicy
+	require.Len(t, diffConsumer(wc, gc, "orders.events", true), 1, "deliver_policy new would skip messages")
 }

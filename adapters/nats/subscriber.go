@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"math"
 	"slices"
 	"strconv"
@@ -77,13 +78,22 @@ func (b *Broker) newSubscriber(consumerGroup string, wait func(int) time.Duratio
 		return nil, fmt.Errorf("nats: %w", err)
 	}
 	s := &subscriber{b: b, group: consumerGroup, wait: wait}
+	if err := b.register(s); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// register keeps s, to close it with the Broker; it fails once the Broker
+// is closed.
+func (b *Broker) register(s io.Closer) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.closed {
-		return nil, errBrokerClosed
+		return errBrokerClosed
 	}
 	b.subscribers = append(b.subscribers, s)
-	return s, nil
+	return nil
 }
 
 // Subscribe provisions topic's stream and the group's consumer if needed and
@@ -151,7 +161,7 @@ func (s *subscriber) Close() error {
 	}
 	wg.Wait()
 	s.b.mu.Lock()
-	s.b.subscribers = slices.DeleteFunc(s.b.subscribers, func(o *subscriber) bool { return o == s })
+	s.b.subscribers = slices.DeleteFunc(s.b.subscribers, func(o io.Closer) bool { return o == s })
 	s.b.mu.Unlock()
 	return errors.Join(errs...)
 }

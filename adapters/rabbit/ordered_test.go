@@ -3,7 +3,6 @@ package rabbit
 import (
 	"context"
 	"testing"
-	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
@@ -24,55 +23,35 @@ import (
 // throughput against the one-in-flight stock subscriber is logged.
 func TestOrderedSubscriberManyInFlight(t *testing.T) {
 	t.Parallel()
-	const (
-		aggregates = 64
-		per        = 50
-		workers    = 16
-		prefetch   = 64
-		latency    = 2 * time.Millisecond
-	)
 	b := openBroker(t, testConfig(serverURL()))
 	topic, group := adaptertest.Name("ordered"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
-	adaptertest.PublishOrdered(t, b, topic, aggregates, per)
-	n := aggregates * per
-
-	l := adaptertest.NewOrderLedger()
+	load := adaptertest.NewManyInFlight(t, b, topic)
 	src := middleware.Source{
-		NewSubscriber: func() (message.Subscriber, error) { return b.OrderedSubscriber(group, prefetch) },
+		NewSubscriber: func() (message.Subscriber, error) { return b.OrderedSubscriber(group, load.Prefetch()) },
 		Competing:     true,
 		Concurrent:    true,
 	}
-	start := time.Now()
-	c := adaptertest.StartOrdered(t, topic, src, workers, prefetch, l, latency, 97)
+	c := load.Start(t, src)
 	sub := (<-c.Subs).(*subscriber)
 
 	// A lost connection with messages in flight and held.
-	l.WaitHandled(t, n/3)
+	load.Ledger.WaitHandled(t, load.Events()/3)
 	sub.mu.Lock()
 	require.NoError(t, sub.conn.Close())
 	sub.mu.Unlock()
 
 	// A stop of the consumer and a new one.
-	l.WaitHandled(t, 2*n/3)
+	load.Ledger.WaitHandled(t, 2*load.Events()/3)
 	c.Stop(t)
-	c = adaptertest.StartOrdered(t, topic, src, workers, prefetch, l, latency, 97)
-	l.WaitHandled(t, n)
-	elapsed := time.Since(start)
-	c.Stop(t)
-
-	dups, nacked := l.RequireComplete(t, aggregates, per, true)
-	manyRate := float64(n) / elapsed.Seconds()
-	t.Logf("many in flight: %d events in %s (%.0f/s) with %d nacks, a lost connection and a restart; %d duplicates", n, elapsed.Round(time.Millisecond), manyRate, nacked, dups)
-
+	c = load.Start(t, src)
 	// The stock subscriber: one message in flight, on another group.
-	oneRate := adaptertest.OneInFlightRate(t, b, func(group string) middleware.Source {
+	load.Finish(t, b, "a lost connection and a restart", func(group string) middleware.Source {
 		return middleware.Source{
 			NewSubscriber: func() (message.Subscriber, error) { return b.Subscriber(group) },
 			Competing:     true,
 		}
-	}, aggregates, 5, workers, prefetch, latency)
-	t.Logf("one in flight: %.0f events/s; many in flight (faults included): %.0f events/s, %.1fx", oneRate, manyRate, manyRate/oneRate)
+	}, c)
 }
 
 // OrderedSubscriber refuses an in-flight count that is no AMQP prefetch.

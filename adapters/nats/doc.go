@@ -34,7 +34,7 @@
 //
 // OrderedSubscriber(group, inFlight) is for ordered handlers: one process at
 // a time consumes the group, holding a lease in the millrace_leases
-// key-value bucket; on taking it, and after a nack or a missed delivery, it
+// key-value bucket; on taking it, and after a missed delivery, it
 // recreates the group's consumer from its ack floor, so what was not acked
 // comes again in stream order before anything newer, and it hands out up to
 // inFlight messages at once, one per aggregate.

@@ -86,13 +86,15 @@ func (b *Broker) maxAckPending(topic, group string) int {
 // as duplicates (the inbox drops them). It hands messages out without
 // waiting for the previous one's ack, at most one per aggregate (the
 // aggregate-id header) at a time, holding the later ones of a busy
-// aggregate; each Ack is an ack of its own message. A Nack, or a delivery
-// it missed (a gap in the consumer's sequence, as after a lost
-// connection), stops the hand-out until what was handed out is settled,
-// then after consumer.nak_delay (none for a gap) it recreates the consumer
-// the same way. Closing, ending the Subscribe context or losing the lease
-// does the same and gives the lease up (a stop) or leaves it to expire
-// (lost: another holder has it or will after lease_ttl).
+// aggregate; each Ack is an ack of its own message. A nacked message is
+// handed out again after consumer.nak_delay, its aggregate's later
+// messages held meanwhile, with nothing sent to the server (the other
+// aggregates go on). A delivery it missed (a gap in the consumer's
+// sequence, as after a lost connection) stops the hand-out until what was
+// handed out is settled, then it recreates the consumer the same way.
+// Closing, ending the Subscribe context or losing the lease stops the same
+// way and gives the lease up (a stop) or leaves it to expire (lost:
+// another holder has it or will after lease_ttl).
 //
 // The deliveries counted by the server start again at 1 with each
 // recreation, so consumer.max_deliver does not bound an ordered group's
@@ -242,11 +244,11 @@ func (o *orderedSubscription) run(ctx context.Context) {
 }
 
 // errRecreate ends a consumption whose consumer must be recreated from its
-// ack floor: a message was nacked, or one was missed.
+// ack floor: a delivery was missed.
 var errRecreate = errors.New("nats: ordered consumer to be recreated from its ack floor")
 
 // own consumes the group while it holds l, recreating the consumer after
-// each nack or missed delivery, until ctx ends or l is lost.
+// each missed delivery, until ctx ends or l is lost.
 func (o *orderedSubscription) own(ctx context.Context, l *lease) {
 	b := o.s.b
 	ncClosed := make(chan struct{})
@@ -286,14 +288,10 @@ func (o *orderedSubscription) own(ctx context.Context, l *lease) {
 		}
 		err = o.consume(ctx, l, msgs, ncClosed)
 		_ = sub.Unsubscribe()
-		switch {
-		case errors.Is(err, errNacked):
-			pause = b.cfg.Consumer.NakDelay
-		case errors.Is(err, errRecreate):
-			pause = 0
-		default:
+		if !errors.Is(err, errRecreate) {
 			return
 		}
+		pause = 0
 	}
 }
 
@@ -355,9 +353,6 @@ func (o *orderedSubscription) recreate(ctx context.Context, nc *nats.Conn, l *le
 	return sub, nil
 }
 
-// errNacked ends a consumption after a message was nacked.
-var errNacked = fmt.Errorf("a message was nacked: %w", errRecreate)
-
 // heldMsg is a delivery the subscription holds until its reader settles it.
 type heldMsg struct {
 	seq   uint64                   // stream sequence
@@ -376,7 +371,7 @@ type settlement struct {
 
 // consume hands the deliveries on msgs out in stream order, at most one per
 // aggregate at a time, and settles each as its reader decides. It returns
-// errNacked, errRecreate (a missed delivery), or nil when ctx ended, l was
+// errRecreate (a missed delivery), or nil when ctx ended, l was
 // lost or the connection closed, always after what it handed out was
 // settled.
 func (o *orderedSubscription) consume(ctx context.Context, l *lease, msgs <-chan *nats.Msg, ncClosed <-chan struct{}) error {
@@ -393,6 +388,10 @@ func (o *orderedSubscription) consume(ctx context.Context, l *lease, msgs <-chan
 		done      = ctx.Done()
 	)
 	settled := make(chan settlement, o.s.inFlight) // never more handed out unsettled
+	// Nacked messages waiting for nak_delay: never more than handed out, so
+	// a timer firing after consume returned never blocks.
+	again := make(chan *heldMsg, o.s.inFlight)
+	nakDelay := o.s.b.cfg.Consumer.NakDelay
 	// Held messages must not reach ack_wait: the server would deliver them
 	// again and count it.
 	progress := time.NewTicker(max(ackWait/3, time.Millisecond))
@@ -448,11 +447,21 @@ func (o *orderedSubscription) consume(ctx context.Context, l *lease, msgs <-chan
 		if !stopping {
 			recv = msgs
 		}
+		var retry <-chan *heldMsg
+		if !stopping {
+			retry = again
+		}
 		select {
 		case nm := <-recv:
 			if err := accept(nm); err != nil {
 				stopping, stopErr = true, err
 			}
+		case h := <-retry:
+			h.msg = h.msg.Copy() // a Watermill message is acked or nacked once
+			msgCtx, cancel := context.WithCancel(ctx)
+			h.msg.SetContext(msgCtx)
+			cancels[h] = cancel
+			ready = append(ready, h)
 		case send <- next:
 			h := ready[0]
 			ready[0] = nil
@@ -461,16 +470,19 @@ func (o *orderedSubscription) consume(ctx context.Context, l *lease, msgs <-chan
 			go func() { settled <- o.settle(h) }()
 		case st := <-settled:
 			unsettled--
-			delete(bySeq, st.h.seq)
 			cancels[st.h]()
 			delete(cancels, st.h)
+			if !st.acked && !stopping {
+				// Handed out again after nak_delay; its aggregate stays
+				// busy meanwhile, the others go on.
+				time.AfterFunc(nakDelay, func() { again <- st.h })
+				break
+			}
+			delete(bySeq, st.h.seq)
 			if st.confirmed && len(o.acked) < maxAckedMemory {
 				o.acked[st.h.seq] = true
 			}
 			if !st.acked {
-				if !stopping {
-					stopping, stopErr = true, errNacked
-				}
 				break
 			}
 			if queued := waiting[st.h.key]; len(queued) > 0 {
@@ -500,8 +512,8 @@ func (o *orderedSubscription) consume(ctx context.Context, l *lease, msgs <-chan
 }
 
 // settle waits for the reader's decision on h and acks h when it is an Ack,
-// waiting for the server's confirmation. A Nack sends nothing: the consumer
-// is recreated from its ack floor.
+// waiting for the server's confirmation. A Nack sends nothing: consume
+// hands the message out again.
 func (o *orderedSubscription) settle(h *heldMsg) settlement {
 	ack := func() settlement {
 		err := h.reply.Load().AckSync()

@@ -41,7 +41,7 @@ func TestOrderedSubscriberManyInFlight(t *testing.T) {
 	sub := (<-c.Subs).(*orderedSubscriber)
 
 	// A lost connection with messages in flight and held.
-	load.Ledger.WaitHandled(t, load.Events()/3)
+	load.Fault(t, load.Events()/3)
 	sub.mu.Lock()
 	nc := sub.subs[0].conn()
 	sub.mu.Unlock()
@@ -49,7 +49,7 @@ func TestOrderedSubscriberManyInFlight(t *testing.T) {
 	require.NoError(t, nc.ForceReconnect())
 
 	// A stop of the consumer and a new one.
-	load.Ledger.WaitHandled(t, 2*load.Events()/3)
+	load.Fault(t, 2*load.Events()/3)
 	c.Stop(t)
 	c = load.Start(t, src)
 	load.Finish(t, b, "a lost connection and a restart", func(group string) middleware.Source {

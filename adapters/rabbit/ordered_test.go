@@ -36,13 +36,13 @@ func TestOrderedSubscriberManyInFlight(t *testing.T) {
 	sub := (<-c.Subs).(*subscriber)
 
 	// A lost connection with messages in flight and held.
-	load.Ledger.WaitHandled(t, load.Events()/3)
+	load.Fault(t, load.Events()/3)
 	sub.mu.Lock()
 	require.NoError(t, sub.conn.Close())
 	sub.mu.Unlock()
 
 	// A stop of the consumer and a new one.
-	load.Ledger.WaitHandled(t, 2*load.Events()/3)
+	load.Fault(t, 2*load.Events()/3)
 	c.Stop(t)
 	c = load.Start(t, src)
 	// The stock subscriber: one message in flight, on another group.

@@ -90,11 +90,21 @@ func (b *Broker) leases(ctx context.Context) (jetstream.KeyValue, error) {
 func (b *Broker) acquireLease(ctx context.Context, key, owner string, ttl time.Duration) (*lease, error) {
 	poll := ttl / 4
 	var (
+		kv      jetstream.KeyValue // looked up once, not at every poll
 		seenRev uint64
 		seenAt  time.Time
 	)
 	for {
-		l, err := b.tryLease(ctx, key, owner, ttl, &seenRev, &seenAt)
+		var l *lease
+		opCtx, cancel := context.WithTimeout(ctx, ttl/4)
+		var err error
+		if kv == nil {
+			kv, err = b.leases(opCtx)
+		}
+		if err == nil {
+			l, err = b.tryLease(opCtx, kv, key, owner, ttl, &seenRev, &seenAt)
+		}
+		cancel()
 		if l != nil {
 			l.renewing.Go(l.renew)
 			return l, nil
@@ -110,14 +120,8 @@ func (b *Broker) acquireLease(ctx context.Context, key, owner string, ttl time.D
 	}
 }
 
-// tryLease is one look at key: it returns the lease when owner took it.
-func (b *Broker) tryLease(ctx context.Context, key, owner string, ttl time.Duration, seenRev *uint64, seenAt *time.Time) (*lease, error) {
-	opCtx, cancel := context.WithTimeout(ctx, ttl/4)
-	defer cancel()
-	kv, err := b.leases(opCtx)
-	if err != nil {
-		return nil, err
-	}
+// tryLease is one look at key in kv: it returns the lease when owner took it.
+func (b *Broker) tryLease(opCtx context.Context, kv jetstream.KeyValue, key, owner string, ttl time.Duration, seenRev *uint64, seenAt *time.Time) (*lease, error) {
 	l := &lease{kv: kv, key: key, owner: owner, ttl: ttl, taken: time.Now(), lost: make(chan struct{}), stop: make(chan struct{})}
 	e, err := kv.Get(opCtx, key)
 	if errors.Is(err, jetstream.ErrKeyNotFound) {

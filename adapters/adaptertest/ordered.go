@@ -277,3 +277,22 @@ func (m *ManyInFlight) Finish(t *testing.T, b adapters.Broker, faults string, st
 	t.Logf("one in flight: %.0f events/s; many in flight: %.0f events/s before the first fault (%.1fx), %.0f events/s faults included (%.1fx)",
 		oneRate, m.steady, m.steady/oneRate, manyRate, manyRate/oneRate)
 }
+
+// LostConnectionAndRestart is the run of an adapter whose ordered
+// subscriber consumes over one connection: a consumer over newSubscriber
+// (a competing, concurrent Source), loseConnection called with its
+// subscriber once a third of the load was handled (messages in flight and
+// held), a stop and a new consumer at two thirds, then Finish against
+// stock.
+func (m *ManyInFlight) LostConnectionAndRestart(t *testing.T, b adapters.Broker, newSubscriber func() (message.Subscriber, error), loseConnection func(message.Subscriber), stock func(group string) middleware.Source) {
+	t.Helper()
+	src := middleware.Source{NewSubscriber: newSubscriber, Competing: true, Concurrent: true}
+	c := m.Start(t, src)
+	sub := <-c.Subs
+	m.Fault(t, m.Events()/3)
+	loseConnection(sub)
+	m.Fault(t, 2*m.Events()/3)
+	c.Stop(t)
+	c = m.Start(t, src)
+	m.Finish(t, b, "a lost connection and a restart", stock, c)
+}

@@ -32,34 +32,24 @@ func TestOrderedSubscriberManyInFlight(t *testing.T) {
 	require.NoError(t, b.ProvisionOrdered(context.Background(), topic, group))
 	t.Cleanup(func() { _ = b.forgetLeases(context.Background(), topic, []string{group}) })
 	load := adaptertest.NewManyInFlight(t, b, topic)
-	src := middleware.Source{
-		NewSubscriber: func() (message.Subscriber, error) { return b.OrderedSubscriber(group, load.Prefetch()) },
-		Competing:     true,
-		Concurrent:    true,
-	}
-	c := load.Start(t, src)
-	sub := (<-c.Subs).(*orderedSubscriber)
-
-	// A lost connection with messages in flight and held.
-	load.Fault(t, load.Events()/3)
-	sub.mu.Lock()
-	nc := sub.subs[0].conn()
-	sub.mu.Unlock()
-	require.NotNil(t, nc, "the subscription consumes")
-	require.NoError(t, nc.ForceReconnect())
-
-	// A stop of the consumer and a new one.
-	load.Fault(t, 2*load.Events()/3)
-	c.Stop(t)
-	c = load.Start(t, src)
-	load.Finish(t, b, "a lost connection and a restart", func(group string) middleware.Source {
-		// The stock subscriber on a consumer with max_ack_pending 1.
-		require.NoError(t, b.ProvisionOrdered(context.Background(), topic, group))
-		return middleware.Source{
-			NewSubscriber: func() (message.Subscriber, error) { return b.Subscriber(group) },
-			Competing:     true,
-		}
-	}, c)
+	load.LostConnectionAndRestart(t, b,
+		func() (message.Subscriber, error) { return b.OrderedSubscriber(group, load.Prefetch()) },
+		func(s message.Subscriber) {
+			sub := s.(*orderedSubscriber)
+			sub.mu.Lock()
+			nc := sub.subs[0].conn()
+			sub.mu.Unlock()
+			require.NotNil(t, nc, "the subscription consumes")
+			require.NoError(t, nc.ForceReconnect())
+		},
+		func(group string) middleware.Source {
+			// The stock subscriber on a consumer with max_ack_pending 1.
+			require.NoError(t, b.ProvisionOrdered(context.Background(), topic, group))
+			return middleware.Source{
+				NewSubscriber: func() (message.Subscriber, error) { return b.Subscriber(group) },
+				Competing:     true,
+			}
+		})
 	require.Equal(t, load.Prefetch(), consumerInfo(t, b, topic, group).Config.MaxAckPending, "the ordered subscriber's consumer")
 }
 

@@ -27,31 +27,21 @@ func TestOrderedSubscriberManyInFlight(t *testing.T) {
 	topic, group := adaptertest.Name("ordered"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
 	load := adaptertest.NewManyInFlight(t, b, topic)
-	src := middleware.Source{
-		NewSubscriber: func() (message.Subscriber, error) { return b.OrderedSubscriber(group, load.Prefetch()) },
-		Competing:     true,
-		Concurrent:    true,
-	}
-	c := load.Start(t, src)
-	sub := (<-c.Subs).(*subscriber)
-
-	// A lost connection with messages in flight and held.
-	load.Fault(t, load.Events()/3)
-	sub.mu.Lock()
-	require.NoError(t, sub.conn.Close())
-	sub.mu.Unlock()
-
-	// A stop of the consumer and a new one.
-	load.Fault(t, 2*load.Events()/3)
-	c.Stop(t)
-	c = load.Start(t, src)
-	// The stock subscriber: one message in flight, on another group.
-	load.Finish(t, b, "a lost connection and a restart", func(group string) middleware.Source {
-		return middleware.Source{
-			NewSubscriber: func() (message.Subscriber, error) { return b.Subscriber(group) },
-			Competing:     true,
-		}
-	}, c)
+	load.LostConnectionAndRestart(t, b,
+		func() (message.Subscriber, error) { return b.OrderedSubscriber(group, load.Prefetch()) },
+		func(s message.Subscriber) {
+			sub := s.(*subscriber)
+			sub.mu.Lock()
+			defer sub.mu.Unlock()
+			require.NoError(t, sub.conn.Close())
+		},
+		// The stock subscriber: one message in flight, on another group.
+		func(group string) middleware.Source {
+			return middleware.Source{
+				NewSubscriber: func() (message.Subscriber, error) { return b.Subscriber(group) },
+				Competing:     true,
+			}
+		})
 }
 
 // OrderedSubscriber refuses an in-flight count that is no AMQP prefetch.

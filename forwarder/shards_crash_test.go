@@ -3,7 +3,6 @@ package forwarder_test
 import (
 	"bufio"
 	"context"
-	"net"
 	"net/http"
 	"strconv"
 	"strings"
@@ -15,6 +14,7 @@ import (
 
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/brokertest"
+	"github.com/millrace-io/millrace/internal/servers"
 	"github.com/millrace-io/millrace/internal/testkit"
 	"github.com/millrace-io/millrace/internal/testkit/child"
 )
@@ -51,11 +51,11 @@ func (r *shardRelay) scrape() map[string]float64 {
 	return out
 }
 
+// freeAddr is a metrics address for a relay process, below the ephemeral
+// range (servers.FreePort): a restarted relay binds it again, and a port of
+// that range may meanwhile be the source port of an outgoing connection.
 func freeAddr(t *testing.T) string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	defer l.Close()
-	return l.Addr().String()
+	return "127.0.0.1:" + strconv.Itoa(servers.FreePort(t))
 }
 
 // Three relay processes on eight shards while 10,000 events of 200

@@ -35,16 +35,21 @@ import (
 //     writing each batch with one INSERT;
 //   - batchhandler32x8: the batch handler with 32 workers and
 //     batch.max_messages 8, so that batches fill while others commit;
+//   - batchhandler64x16: the batch handler with 64 workers and batches of
+//     16, and chain1x64, batch size 1 with the same 64 workers (which
+//     shows what the workers alone give);
 //
-// then bare, chain1, batched, batched32 and batchhandler again with every COMMIT taking 2ms more
-// (the *_flush2ms rates), as one that waits for a disk flush or a
-// synchronous standby does: the local PostgreSQL of the test machine
-// commits about as fast as it runs a statement, which hides what batching
-// saves. It reports the ratios batched/chain1, batched32/chain1,
-// batchhandler/chain1, batchhandler/batched, batchhandler32x8/chain1,
-// batched/bare and, with the
-// slow COMMIT, batched/chain1_flush2ms, batched32/chain1_flush2ms and
-// batchhandler/chain1_flush2ms, and the mean messages per batched
+// then bare, chain1, batched, batched32, batchhandler, batchhandler64x16
+// and chain1x64 again with every COMMIT taking 2ms more (the *_flush2ms
+// rates), as one that waits for a disk flush or a synchronous standby
+// does: the local PostgreSQL of the test machine commits about as fast as
+// it runs a statement, which hides what batching saves. It reports the
+// ratios batched/chain1, batched32/chain1, batchhandler/chain1,
+// batchhandler/batched, batchhandler32x8/chain1, batchhandler64x16/chain1,
+// batchhandler64x16/chain1x64, batched/bare and, with the slow COMMIT,
+// batched/chain1_flush2ms, batched32/chain1_flush2ms,
+// batchhandler/chain1_flush2ms, batchhandler64x16/chain1_flush2ms and
+// batchhandler64x16/chain1x64_flush2ms, and the mean messages per batched
 // transaction (msgs/tx).
 // MILLRACE_BENCH_BROKERS picks the brokers (default gochannel, kafka, nats,
 // rabbitmq).
@@ -57,7 +62,7 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 		b.Run(name, func(b *testing.B) {
 			e := newEnv(b)
 			e.db.SetMaxIdleConns(32) // keep the workers' connections instead of reopening them
-			k := newKit(b, name, kitOptions{maxAckPending: 32})
+			k := newKit(b, name, kitOptions{maxAckPending: 64})
 			noop := func(*message.Message) error { return nil }
 			bare := func(flush time.Duration) func(*message.Message) error {
 				return func(msg *message.Message) error {
@@ -103,11 +108,15 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 				{name: "batched32", cfg: batch(32, 32), chain: true, handle: chained},
 				{name: "batchhandler", cfg: batch(8, 8), chain: true, batch: bulk},
 				{name: "batchhandler32x8", cfg: batch(32, 8), chain: true, batch: bulk},
+				{name: "batchhandler64x16", cfg: batch(64, 16), chain: true, batch: bulk},
+				{name: "chain1x64", cfg: batch(64, 1), chain: true, handle: chained},
 				{name: "bare_flush2ms", cfg: batch(8, 1), handle: bare(flush)},
 				{name: "chain1_flush2ms", cfg: batch(8, 1), chain: true, flush: flush, handle: chained},
 				{name: "batched_flush2ms", cfg: batch(8, 8), chain: true, flush: flush, handle: chained},
 				{name: "batched32_flush2ms", cfg: batch(32, 32), chain: true, flush: flush, handle: chained},
 				{name: "batchhandler_flush2ms", cfg: batch(8, 8), chain: true, flush: flush, batch: bulk},
+				{name: "batchhandler64x16_flush2ms", cfg: batch(64, 16), chain: true, flush: flush, batch: bulk},
+				{name: "chain1x64_flush2ms", cfg: batch(64, 1), chain: true, flush: flush, handle: chained},
 			}
 			// The machine is shared: the variants run in alternating rounds
 			// so that a change of load affects them alike.
@@ -131,10 +140,14 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 			b.ReportMetric(rate["batchhandler"]/rate["chain1"], "batchhandler/chain1")
 			b.ReportMetric(rate["batchhandler"]/rate["batched"], "batchhandler/batched")
 			b.ReportMetric(rate["batchhandler32x8"]/rate["chain1"], "batchhandler32x8/chain1")
+			b.ReportMetric(rate["batchhandler64x16"]/rate["chain1"], "batchhandler64x16/chain1")
+			b.ReportMetric(rate["batchhandler64x16"]/rate["chain1x64"], "batchhandler64x16/chain1x64")
 			b.ReportMetric(rate["batched"]/rate["bare"], "batched/bare")
 			b.ReportMetric(rate["batched_flush2ms"]/rate["chain1_flush2ms"], "batched/chain1_flush2ms")
 			b.ReportMetric(rate["batched32_flush2ms"]/rate["chain1_flush2ms"], "batched32/chain1_flush2ms")
 			b.ReportMetric(rate["batchhandler_flush2ms"]/rate["chain1_flush2ms"], "batchhandler/chain1_flush2ms")
+			b.ReportMetric(rate["batchhandler64x16_flush2ms"]/rate["chain1_flush2ms"], "batchhandler64x16/chain1_flush2ms")
+			b.ReportMetric(rate["batchhandler64x16_flush2ms"]/rate["chain1x64_flush2ms"], "batchhandler64x16/chain1x64_flush2ms")
 		})
 	}
 }

@@ -35,13 +35,14 @@
 // # Wake-up
 //
 // A statement-level trigger on the outbox NOTIFYs at commit; the relay
-// LISTENs and reads at once. A row committed while an older transaction of
-// the cluster is still open stays invisible until that transaction ends
-// (the xid8 rule), and its NOTIFY is then already spent; so after a
-// notification, and whenever the batch query reports rows hidden that way,
-// the relay polls again at 5ms, 10ms, 20ms, ... A fallback poll
-// (poll_interval, 1s) covers a missed notification. An idle relay makes one
-// query per poll interval.
+// LISTENs and reads at once. A sharded outbox is notified per shard written
+// to instead, and each notification wakes only that shard's relay. A row
+// committed while an older transaction of the cluster is still open stays
+// invisible until that transaction ends (the xid8 rule), and its NOTIFY is
+// then already spent; so after a notification, and whenever the batch query
+// reports rows hidden that way, the relay polls again at 5ms, 10ms, 20ms,
+// ... A fallback poll (poll_interval, 1s) covers a missed notification. An
+// idle relay makes one query per poll interval.
 //
 // # One active relay
 //

@@ -186,7 +186,7 @@ func (f *Forwarder) lead(ctx context.Context) error {
 	wake := make(chan struct{}, 1)
 	listenerDone := make(chan error, 1)
 	ready := make(chan error, 1)
-	go func() { listenerDone <- f.listen(listenCtx, conn, wake, ready) }()
+	go func() { listenerDone <- f.listen(listenCtx, conn, func(int) { signal(wake) }, ready) }()
 	if err := <-ready; err != nil {
 		return err
 	}
@@ -224,9 +224,18 @@ func discard(conn *sql.Conn) {
 	_ = conn.Close()
 }
 
-// listen LISTENs on the leader connection and signals wake for every
-// notification naming this outbox. It reports LISTEN's outcome on ready.
-func (f *Forwarder) listen(ctx context.Context, conn *sql.Conn, wake chan<- struct{}, ready chan<- error) error {
+// signal wakes whoever waits on wake, unless a wake-up is already pending.
+func signal(wake chan<- struct{}) {
+	select {
+	case wake <- struct{}{}:
+	default:
+	}
+}
+
+// listen LISTENs on conn and calls notified for every notification naming
+// this outbox, with the shard it names or -1 for all of them. It reports
+// LISTEN's outcome on ready.
+func (f *Forwarder) listen(ctx context.Context, conn *sql.Conn, notified func(shard int), ready chan<- error) error {
 	err := conn.Raw(func(dc any) error {
 		// *stdlib.Conn, or a driver that wraps it and exposes the same method.
 		sc, ok := dc.(interface{ Conn() *pgx.Conn })
@@ -238,17 +247,13 @@ func (f *Forwarder) listen(ctx context.Context, conn *sql.Conn, wake chan<- stru
 			return fmt.Errorf("forwarder: LISTEN: %w", err)
 		}
 		ready <- nil
-		ours := f.tables.OutboxNotifyPayload()
 		for {
 			n, err := pc.WaitForNotification(ctx)
 			if err != nil {
 				return err
 			}
-			if n.Payload == ours {
-				select {
-				case wake <- struct{}{}:
-				default:
-				}
+			if shard, ours := f.tables.NotifiedShard(n.Payload); ours {
+				notified(shard)
 			}
 		}
 	})

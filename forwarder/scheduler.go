@@ -91,14 +91,8 @@ func (f *Forwarder) moveDue(ctx context.Context) (time.Duration, error) {
 // once after each (re)connection, which may have missed some.
 func (f *Forwarder) listenScheduled(ctx context.Context, wake chan<- struct{}) {
 	retry := f.newBackoff()
-	signal := func() {
-		select {
-		case wake <- struct{}{}:
-		default:
-		}
-	}
 	for ctx.Err() == nil {
-		err := f.listenScheduledOnce(ctx, func() { retry.Reset(); signal() })
+		err := f.listenScheduledOnce(ctx, func() { retry.Reset(); signal(wake) })
 		if ctx.Err() != nil {
 			return
 		}

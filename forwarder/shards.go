@@ -72,15 +72,19 @@ func (s *shardSet) owned() []int {
 	return out
 }
 
-// wakeAll passes a notification to every shard relay.
-func (s *shardSet) wakeAll() {
+// wake passes a notification to the relay of shard, or to every shard
+// relay when shard is -1; a shard this instance does not own is ignored.
+func (s *shardSet) wake(shard int) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for _, r := range s.relays {
-		select {
-		case r.wake <- struct{}{}:
-		default:
+	if shard >= 0 {
+		if r := s.relays[shard]; r != nil {
+			signal(r.wake)
 		}
+		return
+	}
+	for _, r := range s.relays {
+		signal(r.wake)
 	}
 }
 
@@ -89,8 +93,8 @@ func (s *shardSet) wakeAll() {
 // instances and owns ceil(shards / live) of the shards, taking free ones
 // (the session advisory lock of each, on one dedicated connection) and
 // releasing those above its share once their batch in flight is acked.
-// A NOTIFY wakes every owned shard. It returns when ctx ends or the lock
-// or LISTEN connection breaks, releasing every shard.
+// A NOTIFY wakes the relay of the shard it names. It returns when ctx ends
+// or the lock or LISTEN connection breaks, releasing every shard.
 func (f *Forwarder) share(ctx context.Context) error {
 	f.health.set(RoleStandby)
 	lockConn, err := f.db.Conn(ctx)
@@ -119,26 +123,15 @@ func (f *Forwarder) share(ctx context.Context) error {
 	defer stop()
 	set := &shardSet{relays: map[int]*shardRelay{}}
 	defer f.releaseAll(set)
-	wake := make(chan struct{}, 1)
 	listenerDone := make(chan error, 1)
 	ready := make(chan error, 1)
-	go func() { listenerDone <- f.listen(runCtx, listenConn, wake, ready) }()
+	go func() { listenerDone <- f.listen(runCtx, listenConn, set.wake, ready) }()
 	if err := <-ready; err != nil {
 		return err
 	}
 	var bg sync.WaitGroup
 	defer bg.Wait()
 	defer stop() // before bg.Wait
-	bg.Go(func() {
-		for {
-			select {
-			case <-runCtx.Done():
-				return
-			case <-wake:
-				set.wakeAll()
-			}
-		}
-	})
 	bg.Go(func() { f.refreshShards(runCtx) })
 
 	tick := time.NewTicker(f.cfg.PollInterval)

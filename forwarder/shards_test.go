@@ -103,6 +103,24 @@ func TestShardedRelaysSpreadTheShardsAndTakeOverAStoppedOne(t *testing.T) {
 	require.Len(t, owners, 2, "the two running relays own the shards: %v", owners)
 }
 
+// A sharded relay is woken by the notification of each shard: with
+// poll_interval an hour, events of 40 aggregates (all four shards), each
+// committed alone, still arrive.
+func TestShardedRelayWakesOnEachShardsNotify(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	broker := newMemoryBroker()
+	cfg := shardedConfig(4)
+	cfg.PollInterval = time.Hour // only NOTIFY can wake the shards
+	reg := prometheus.NewRegistry()
+	start(t, tb, broker, cfg, reg)
+	testkit.Eventually(t, waitLimit, "the relay owns the four shards", func() bool { return owned(t, reg) == 4 })
+	time.Sleep(100 * time.Millisecond) // let the shard relays finish their start-up batch and go idle
+	events := interleaved(40, 1)
+	publish(t, tb, "things", events, 1)
+	testkit.Eventually(t, waitLimit, "every event, woken by its shard's NOTIFY", func() bool { return len(broker.snapshot()) == len(events) })
+}
+
 // With eight shards and no relay running, the outbox status counts each
 // shard's backlog and shows no owner.
 func TestOutboxStatusShowsEachShardsBacklog(t *testing.T) {

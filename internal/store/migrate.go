@@ -61,9 +61,15 @@ END $$`, t.Schema, t.Schema))
 	stmts = append(stmts,
 		// One notification per inserting statement (not per row); PostgreSQL
 		// delivers it at commit and folds duplicates within a transaction.
+		// A sharded outbox is notified per shard by the shard trigger instead.
 		`CREATE OR REPLACE FUNCTION `+notifyFunc+`() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+	n integer;
 BEGIN
-	PERFORM pg_notify('`+NotifyChannel+`', TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME);
+	SELECT shards INTO n FROM `+t.ShardsTable()+` WHERE outbox_topic = '`+t.OutboxTopic+`';
+	IF n IS NULL OR n <= 1 THEN
+		PERFORM pg_notify('`+NotifyChannel+`', TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME);
+	END IF;
 	RETURN NULL;
 END $$`,
 		// Created only when missing: re-creating it would lock the outbox

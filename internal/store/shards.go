@@ -102,6 +102,9 @@ BEGIN
 	ELSE
 		NEW.shard := ((hashtextextended(agg, 0) % n) + n) % n;
 	END IF;
+	-- The notification names the shard, so that it wakes only the relay
+	-- of that shard; PostgreSQL folds the duplicates of a transaction.
+	PERFORM pg_notify('` + NotifyChannel + `', TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME || '/' || NEW.shard);
 	RETURN NEW;
 END $$`,
 		`DO $$ BEGIN

@@ -6,8 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/internal/envelope"
@@ -185,4 +187,94 @@ func TestShardCountChangesOnlyWhenNothingIsPending(t *testing.T) {
 	require.NoError(t, err)
 	require.Zero(t, left)
 	require.ErrorContains(t, tables.RecordShards(ctx, db, group, 0), "must be from 1 to 256")
+}
+
+// A sharded outbox notifies once per shard a transaction wrote to, naming
+// the shard, and never the whole outbox, so that a notification wakes only
+// the relay of its shard; an unsharded one names the outbox.
+func TestCommitNotifiesTheShardsItWrote(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, tables := shardedOutbox(t)
+	conn, err := db.Conn(ctx)
+	require.NoError(t, err)
+	defer conn.Close()
+	_, err = conn.ExecContext(ctx, `LISTEN `+store.NotifyChannel)
+	require.NoError(t, err)
+	// next returns the next notification of this outbox (the channel is
+	// shared with other tests' outboxes), as NotifiedShard reads it.
+	next := func() (int, string) {
+		var shard int
+		var payload string
+		require.NoError(t, conn.Raw(func(dc any) error {
+			waitCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			defer cancel()
+			for {
+				n, err := dc.(*stdlib.Conn).Conn().WaitForNotification(waitCtx)
+				if err != nil {
+					return err
+				}
+				if s, ours := tables.NotifiedShard(n.Payload); ours {
+					shard, payload = s, n.Payload
+					return nil
+				}
+			}
+		}))
+		return shard, payload
+	}
+
+	writeEvents(t, db, tables, "a", "b")
+	shard, payload := next()
+	require.Equal(t, -1, shard, "one shard: the notification names the outbox: %s", payload)
+	require.Equal(t, tables.OutboxNotifyPayload(), payload)
+	ackAll(t, db, tables, store.Cursor{Group: "g"})
+	require.NoError(t, tables.RecordShards(ctx, db, "g", 8))
+
+	var aggs []string
+	for i := range 40 {
+		aggs = append(aggs, fmt.Sprintf("agg-%d", i))
+	}
+	writeEvents(t, db, tables, aggs...)
+	written := shardOf(t, db, tables)
+	want := map[int]bool{}
+	for _, agg := range aggs {
+		want[written[agg][0]] = true
+	}
+	require.Greater(t, len(want), 4, "40 aggregates use most of the eight shards")
+	got := map[int]bool{}
+	for len(got) < len(want) {
+		shard, payload := next()
+		require.GreaterOrEqual(t, shard, 0, "eight shards: every notification names a shard: %s", payload)
+		require.True(t, want[shard], "shard %d was not written to", shard)
+		require.False(t, got[shard], "shard %d notified twice in one transaction", shard)
+		got[shard] = true
+	}
+	// The next transaction's notification comes next: no notification of
+	// the whole outbox followed those of the shards.
+	writeEvents(t, db, tables, "agg-0")
+	shard, payload = next()
+	require.Equal(t, written["agg-0"][0], shard, payload)
+}
+
+func TestNotifiedShardReadsThePayload(t *testing.T) {
+	t.Parallel()
+	tables := store.Tables{Schema: "s", OutboxTopic: "millrace_outbox"}
+	for payload, want := range map[string]struct {
+		shard int
+		ours  bool
+	}{
+		"s.watermill_millrace_outbox":     {-1, true},
+		"s.watermill_millrace_outbox/0":   {0, true},
+		"s.watermill_millrace_outbox/17":  {17, true},
+		"s.watermill_millrace_outbox/x":   {-1, true},
+		"s.watermill_millrace_outbox2":    {0, false},
+		"s.watermill_millrace_outbox2/3":  {0, false},
+		"other.watermill_millrace_outbox": {0, false},
+	} {
+		shard, ours := tables.NotifiedShard(payload)
+		require.Equal(t, want.ours, ours, payload)
+		if ours {
+			require.Equal(t, want.shard, shard, payload)
+		}
+	}
 }

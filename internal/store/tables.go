@@ -3,6 +3,8 @@ package store
 import (
 	"errors"
 	"fmt"
+	"strconv"
+	"strings"
 
 	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
 
@@ -72,8 +74,32 @@ func (t Tables) PoisonReplaysTable() string { return t.qualify("millrace_poison_
 // aggregate version each consumer group applied, per aggregate.
 func (t Tables) AggregateVersionsTable() string { return t.qualify("millrace_aggregate_versions") }
 
-// OutboxNotifyPayload is the NOTIFY payload that names this outbox.
+// OutboxNotifyPayload is the NOTIFY payload that names this outbox. An
+// unsharded outbox notifies with it; a sharded one with it, "/" and the
+// shard of each row committed (see NotifiedShard).
 func (t Tables) OutboxNotifyPayload() string { return t.Schema + ".watermill_" + t.OutboxTopic }
+
+// NotifiedShard reads a notification of NotifyChannel: whether it names
+// this outbox, and the shard it names, or -1 when it names the whole
+// outbox (an unsharded outbox's, or one of a trigger older than shards).
+func (t Tables) NotifiedShard(payload string) (shard int, ours bool) {
+	rest, ok := strings.CutPrefix(payload, t.OutboxNotifyPayload())
+	switch {
+	case !ok:
+		return 0, false
+	case rest == "":
+		return -1, true
+	}
+	digits, ok := strings.CutPrefix(rest, "/")
+	if !ok {
+		return 0, false // another outbox whose name starts with this one's
+	}
+	shard, err := strconv.Atoi(digits)
+	if err != nil || shard < 0 {
+		return -1, true // ours, but unreadable: wake every shard rather than none
+	}
+	return shard, true
+}
 
 // SchemaAdapter is watermill-sql's PostgreSQL schema adapter pointed at the outbox table.
 func (t Tables) SchemaAdapter() watermillsql.DefaultPostgreSQLSchema {

@@ -20,8 +20,8 @@ import (
 // on every broker. A handler that holds its first event, with one worker
 // and one message in flight, leaves a backlog of N events: on Kafka all N
 // (nothing is committed while the first is in flight), on NATS and
-// RabbitMQ the N-1 the broker has not delivered yet (the consumer has
-// max_ack_pending 1, the queue prefetch 1). Once the handler is released
+// RabbitMQ the N-1 the broker has not delivered yet (the NATS consumer has
+// max_ack_pending 1, and consumer.prefetch 1 is the RabbitMQ channel's). Once the handler is released
 // the backlog is 0, and the age histogram has one observation per event,
 // each older than the time the events were held.
 func TestRunExportsTheBacklog(t *testing.T) {
@@ -39,6 +39,7 @@ func TestRunExportsTheBacklog(t *testing.T) {
 			cfg.Relay.Enabled = new(bool)
 			cfg.Metrics.BacklogInterval = 50 * time.Millisecond
 			cfg.Consumer.Workers = 1
+			cfg.Consumer.Prefetch = 1
 			cfg.Broker.NATS.Consumer.MaxAckPending = 1
 			suffix := testdb.UniqueName("")[2:]
 			topic, group := "orders-"+suffix, "billing-"+suffix

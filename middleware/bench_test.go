@@ -5,7 +5,9 @@ import (
 	"database/sql"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -61,7 +63,7 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 	for _, name := range brokers {
 		b.Run(name, func(b *testing.B) {
 			e := newEnv(b)
-			e.db.SetMaxIdleConns(32) // keep the workers' connections instead of reopening them
+			e.db.SetMaxIdleConns(128) // keep the workers' connections (64 at most) instead of reopening them
 			k := newKit(b, name, kitOptions{maxAckPending: 64})
 			noop := func(*message.Message) error { return nil }
 			bare := func(flush time.Duration) func(*message.Message) error {
@@ -118,6 +120,10 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 				{name: "batchhandler64x16_flush2ms", cfg: batch(64, 16), chain: true, flush: flush, batch: bulk},
 				{name: "chain1x64_flush2ms", cfg: batch(64, 1), chain: true, flush: flush, handle: chained},
 			}
+			if v := os.Getenv("MILLRACE_BENCH_VARIANTS"); v != "" {
+				names := strings.Split(v, ",")
+				variants = slices.DeleteFunc(variants, func(v benchVariant) bool { return !slices.Contains(names, v.name) })
+			}
 			// The machine is shared: the variants run in alternating rounds
 			// so that a change of load affects them alike.
 			const rounds = 3
@@ -135,19 +141,16 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 					b.ReportMetric(float64(v.count)/v.transactions, v.name+"_msgs/tx")
 				}
 			}
-			b.ReportMetric(rate["batched"]/rate["chain1"], "batched/chain1")
-			b.ReportMetric(rate["batched32"]/rate["chain1"], "batched32/chain1")
-			b.ReportMetric(rate["batchhandler"]/rate["chain1"], "batchhandler/chain1")
-			b.ReportMetric(rate["batchhandler"]/rate["batched"], "batchhandler/batched")
-			b.ReportMetric(rate["batchhandler32x8"]/rate["chain1"], "batchhandler32x8/chain1")
-			b.ReportMetric(rate["batchhandler64x16"]/rate["chain1"], "batchhandler64x16/chain1")
-			b.ReportMetric(rate["batchhandler64x16"]/rate["chain1x64"], "batchhandler64x16/chain1x64")
-			b.ReportMetric(rate["batched"]/rate["bare"], "batched/bare")
-			b.ReportMetric(rate["batched_flush2ms"]/rate["chain1_flush2ms"], "batched/chain1_flush2ms")
-			b.ReportMetric(rate["batched32_flush2ms"]/rate["chain1_flush2ms"], "batched32/chain1_flush2ms")
-			b.ReportMetric(rate["batchhandler_flush2ms"]/rate["chain1_flush2ms"], "batchhandler/chain1_flush2ms")
-			b.ReportMetric(rate["batchhandler64x16_flush2ms"]/rate["chain1_flush2ms"], "batchhandler64x16/chain1_flush2ms")
-			b.ReportMetric(rate["batchhandler64x16_flush2ms"]/rate["chain1x64_flush2ms"], "batchhandler64x16/chain1x64_flush2ms")
+			for _, r := range [][2]string{
+				{"batched", "chain1"}, {"batched32", "chain1"}, {"batchhandler", "chain1"}, {"batchhandler", "batched"},
+				{"batchhandler32x8", "chain1"}, {"batchhandler64x16", "chain1"}, {"batchhandler64x16", "chain1x64"}, {"batched", "bare"},
+				{"batched_flush2ms", "chain1_flush2ms"}, {"batched32_flush2ms", "chain1_flush2ms"}, {"batchhandler_flush2ms", "chain1_flush2ms"},
+				{"batchhandler64x16_flush2ms", "chain1_flush2ms"}, {"batchhandler64x16_flush2ms", "chain1x64_flush2ms"},
+			} {
+				if rate[r[0]] > 0 && rate[r[1]] > 0 {
+					b.ReportMetric(rate[r[0]]/rate[r[1]], strings.TrimSuffix(r[0], "_flush2ms")+"/"+r[1])
+				}
+			}
 		})
 	}
 }
@@ -267,4 +270,144 @@ func (v *benchVariant) consume(b *testing.B, k *kit, e *env, n int) {
 		}
 	}
 	b.StartTimer()
+}
+
+// BenchmarkConsumerEventAge publishes trickleEvents events one at a time at
+// 200 events/s to each consumer in turn, and reports the p50 and p99 of
+// their age when the consumer is done with them, from before the publish
+// to the return of the chain (the inbox transaction committed, the ack
+// next), in ms: chain1 (batch size 1), batched (batch.max_messages 8,
+// max_wait 2ms) and batchhandler64x16 (the batch handler, 64 workers,
+// batches of 16), per broker, with p99 of each batched consumer minus p99
+// of chain1 (the promise: at a trickle a batch waits at most max_wait).
+// MILLRACE_BENCH_BROKERS picks the brokers.
+func BenchmarkConsumerEventAge(b *testing.B) {
+	brokers := kitNames
+	if v := os.Getenv("MILLRACE_BENCH_BROKERS"); v != "" {
+		brokers = strings.Split(v, ",")
+	}
+	for _, name := range brokers {
+		b.Run(name, func(b *testing.B) {
+			e := newEnv(b)
+			e.db.SetMaxIdleConns(128)
+			k := newKit(b, name, kitOptions{maxAckPending: 128})
+			write := func(ctx context.Context, msg *message.Message) error {
+				_, err := middleware.CurrentTx(ctx).ExecContext(ctx, `INSERT INTO `+e.table("business")+` (consumer_group, event_id, aggregate_id, version) VALUES ($1, $2, $3, 1)`,
+					"chain", msg.Metadata.Get(bus.EventIDKey), msg.Metadata.Get(bus.AggregateIDKey))
+				return err
+			}
+			batch := func(workers, size int) middleware.Config {
+				return middleware.Config{Workers: workers, Batch: middleware.BatchConfig{MaxMessages: size, MaxWait: 2 * time.Millisecond}}
+			}
+			variants := []struct {
+				name  string
+				cfg   middleware.Config
+				batch bool
+			}{
+				{"chain1", batch(8, 1), false},
+				{"batched", batch(8, 8), false},
+				{"batchhandler64x16", batch(64, 16), true},
+			}
+			p99 := map[string]float64{}
+			for range b.N {
+				for _, v := range variants {
+					ages := trickle(b, k, e, v.name, v.cfg, v.batch, write)
+					slices.Sort(ages)
+					p50, p := ages[len(ages)/2], ages[len(ages)*99/100]
+					b.ReportMetric(float64(p50)/1e6, v.name+"_p50_ms")
+					b.ReportMetric(float64(p)/1e6, v.name+"_p99_ms")
+					p99[v.name] = float64(p) / 1e6
+				}
+			}
+			b.ReportMetric(p99["batched"]-p99["chain1"], "batched-chain1_p99_ms")
+			b.ReportMetric(p99["batchhandler64x16"]-p99["chain1"], "batchhandler64x16-chain1_p99_ms")
+		})
+	}
+}
+
+// trickleEvents is how many events BenchmarkConsumerEventAge publishes per
+// consumer: 5s at 200/s.
+const trickleEvents = 1000
+
+// trickle runs a consumer named name with cfg whose handler does write
+// (in a batch handler when batched), publishes trickleEvents events to it
+// at 200/s and returns each one's age when the chain returned.
+func trickle(b *testing.B, k *kit, e *env, name string, cfg middleware.Config, batched bool, write func(context.Context, *message.Message) error) []time.Duration {
+	b.Helper()
+	b.StopTimer()
+	defer b.StartTimer()
+	topic, group := uniqueName(b, name+"_age"), uniqueName(b, name+"_age_g")
+	k.provision(b, topic, group)
+	stack, err := middleware.New(cfg, middleware.Deps{DB: e.db, Schema: e.schema, Registerer: prometheus.NewRegistry()})
+	require.NoError(b, err)
+	chain, err := stack.Chain(middleware.Handler{Name: name, Topic: topic, ConsumerGroup: group})
+	require.NoError(b, err)
+	var h message.NoPublishHandlerFunc
+	if batched {
+		h = chain.WrapBatch(func(ctx context.Context, msgs []*message.Message) error {
+			for _, msg := range msgs {
+				if err := write(ctx, msg); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+	} else {
+		h = chain.Wrap(func(msg *message.Message) error { return write(msg.Context(), msg) })
+	}
+	var mu sync.Mutex
+	published := map[string]time.Time{}
+	var ages []time.Duration
+	done := make(chan struct{})
+	warm := make(chan struct{})
+	aged := func(msg *message.Message) error {
+		err := h(msg)
+		if err == nil {
+			mu.Lock()
+			if msg.UUID == "warm-up" {
+				close(warm)
+			}
+			if at, ok := published[msg.UUID]; ok {
+				delete(published, msg.UUID)
+				ages = append(ages, time.Since(at))
+				if len(ages) == trickleEvents {
+					close(done)
+				}
+			}
+			mu.Unlock()
+		}
+		return err
+	}
+	router, err := message.NewRouter(message.RouterConfig{}, testLogger())
+	require.NoError(b, err)
+	router.AddConsumerHandler(name, topic, chain.Subscriber(k.sourceFor(chain, group)), aged)
+	go func() { _ = router.Run(context.Background()) }()
+	<-router.Running()
+	defer func() { require.NoError(b, router.Close()) }()
+	// Timed from the first event the consumer had a chance to take, not
+	// from a Kafka group join.
+	require.NoError(b, k.pub.Publish(topic, event("warm-up", "o-warm", 1, `{"amount":1}`)))
+	select {
+	case <-warm:
+	case <-time.After(time.Minute):
+		b.Fatalf("%s: the warm-up event was not handled", name)
+	}
+	tick := time.NewTicker(time.Second / 200)
+	defer tick.Stop()
+	for i := range trickleEvents {
+		<-tick.C
+		msg := event(fmt.Sprintf("%s-%s-%d", name, topic, i), fmt.Sprintf("o-%d", i%64), 1, `{"amount":1}`)
+		mu.Lock()
+		published[msg.UUID] = time.Now()
+		mu.Unlock()
+		require.NoError(b, k.pub.Publish(topic, msg))
+	}
+	select {
+	case <-done:
+	case <-time.After(time.Minute):
+		b.Fatalf("%s: %d of %d events handled", name, len(ages), trickleEvents)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	return slices.Clone(ages)
 }

@@ -96,8 +96,9 @@ type RetryConfig struct {
 // Retry modes accepted by retry.mode.
 const (
 	// RetryAuto hands the waits of an unordered handler to a broker that
-	// schedules redeliveries (adapters.RedeliveryScheduler: NATS JetStream,
-	// RabbitMQ; adapters.ConcurrentRedelivery: Kafka with retry topics),
+	// schedules redeliveries (adapters.ConcurrentRedelivery: NATS
+	// JetStream, RabbitMQ, Kafka with retry topics; or
+	// adapters.RedeliveryScheduler),
 	// freeing the worker; the attempt number is then the broker's delivery
 	// count and retry.max_elapsed is not applied. Elsewhere the worker waits.
 	RetryAuto = "auto"

@@ -36,9 +36,10 @@ type Source struct {
 	// without waiting for their acks and settles each on its own: for an
 	// ordered handler one that keeps the order of what it handed out across
 	// nacks and restarts (adapters.OrderedFlight: the ordered subscribers
-	// of RabbitMQ, NATS and Kafka), for an unordered one adapters.ConcurrentFlight
-	// (Kafka). The handler then has up to Workers messages in flight from
-	// its one subscription, one per aggregate when ordered.
+	// of RabbitMQ, NATS and Kafka), for an unordered one
+	// adapters.ConcurrentFlight (the same three). The Dispatcher opens one
+	// subscription, and the handler has up to Workers messages in flight
+	// from it, one per aggregate when ordered.
 	Concurrent bool
 }
 
@@ -62,10 +63,10 @@ type Source struct {
 // before the first is acked) and one when KeyPartitioned (a Kafka
 // subscription already spans its partitions). With a stock subscriber an
 // ordered handler thus has one message in flight; with a Concurrent one
-// (the brokers' ordered subscribers) its one subscription hands
-// out up to consumer.prefetch messages and the Dispatcher runs up to
-// consumer.workers of them, one per aggregate. See README.md for what that
-// means on each broker.
+// (the brokers' ordered and concurrent subscribers) its one subscription
+// hands out up to consumer.prefetch messages and the Dispatcher runs up to
+// consumer.workers of them, one per aggregate when ordered. See README.md
+// for what that means on each broker.
 //
 // Stopping (Close, or the end of Subscribe's context) is graceful: no new
 // message is released, held ones are nacked, the contexts of the messages in
@@ -133,15 +134,18 @@ func (c *Chain) Subscriber(src Source) *Dispatcher {
 //
 //   - an unordered handler with retry.mode auto hands the waits between
 //     its attempts to a broker that can schedule redeliveries
-//     (adapters.RedeliveryScheduler, or adapters.ConcurrentRedelivery when
-//     set to), freeing its workers; an ordered one keeps them in process,
-//     where nothing newer passes;
+//     (adapters.ConcurrentRedelivery when set to, as NATS and RabbitMQ
+//     always are and Kafka with retry topics; else
+//     adapters.RedeliveryScheduler), freeing its workers; an ordered one
+//     keeps them in process, where nothing newer passes;
 //   - an ordered handler takes up to consumer.prefetch messages at once
 //     from a broker that can settle them out of order and still keep their
 //     order (adapters.OrderedFlight); the Dispatcher holds those of busy
 //     aggregates;
-//   - so does an unordered one from a broker whose stock subscription has
-//     one message in flight per partition (adapters.ConcurrentFlight);
+//   - so does an unordered one from a broker whose one subscription can
+//     hand out many messages at once (adapters.ConcurrentFlight,
+//     adapters.ConcurrentRedelivery: every millrace adapter), where a
+//     stock subscription holds one;
 //   - otherwise the broker's stock Subscriber.
 func (c *Chain) BrokerSource(broker adapters.Broker, consumerGroup string) Source {
 	src := Source{
@@ -185,7 +189,7 @@ func NewDispatcher(src Source, cfg DispatchConfig) *Dispatcher {
 		cfg.Logger = watermill.NopLogger{}
 	}
 	subs := cfg.Workers
-	if !src.Competing || src.KeyPartitioned || cfg.Ordered {
+	if !src.Competing || src.KeyPartitioned || src.Concurrent || cfg.Ordered {
 		subs = 1
 	}
 	stopCtx, stop := context.WithCancel(context.Background())

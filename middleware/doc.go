@@ -42,7 +42,7 @@
 //     quarantined; outside the retry since retrying cannot fix it.
 //  5. retry: exponential backoff with jitter (cenkalti/backoff intervals).
 //     Permanent errors skip it; a stop ends its waits with a nack. When the
-//     broker schedules redeliveries (adapters.RedeliveryScheduler, NATS, RabbitMQ) and
+//     broker schedules redeliveries (NATS, RabbitMQ; Kafka with retry topics) and
 //     the handler is unordered, the waits are the broker's: a failed
 //     attempt is nacked, redelivered after RedeliveryWait, and the attempt
 //     number is the broker's delivery count. Outside the

@@ -45,8 +45,8 @@ func newBackOff(cfg RetryConfig) *backoff.ExponentialBackOff {
 // (*abandonedError) is a failed attempt like any other.
 //
 // With retry.mode auto, when the message came from a broker that
-// schedules redeliveries (adapters.RedeliveryScheduler: its context carries
-// a delivery number) and the handler is not ordered, a failed attempt that
+// schedules redeliveries (adapters.ConcurrentRedelivery or
+// adapters.RedeliveryScheduler: its context carries a delivery number) and the handler is not ordered, a failed attempt that
 // will be retried is not waited for here: the stage returns a
 // *redeliverError, the message is nacked and the broker delivers it again
 // after RedeliveryWait of its delivery number, so the worker is free
@@ -147,7 +147,7 @@ func (c *Chain) retry(h message.HandlerFunc) message.HandlerFunc {
 // the first) on the retry ladder: retry.initial_interval times
 // retry.multiplier per further attempt, capped at retry.max_interval,
 // jittered when retry.jitter is on. A broker that schedules redeliveries
-// (adapters.RedeliveryScheduler) waits it before delivering a message
+// (adapters.ConcurrentRedelivery, adapters.RedeliveryScheduler) waits it before delivering a message
 // again, attempt being the number of the delivery that failed.
 func (c *Chain) RedeliveryWait(attempt int) time.Duration {
 	bo := newBackOff(c.cfg.Retry)

@@ -150,3 +150,23 @@ func lastRecord(t *testing.T, env *testEnv, topic string) *sarama.ConsumerMessag
 	require.NotNil(t, last, "topic %s is empty", topic)
 	return last
 }
+
+// A ConcurrentSubscriber and a ConcurrentRedeliverySubscriber (retry topics
+// on) hand out many messages of the group at once and settle each on its
+// own.
+func TestConcurrentSubscribersManyInFlight(t *testing.T) {
+	t.Parallel()
+	cfg := newEnv(t).config()
+	cfg.RetryTopics = true
+	b := open(t, cfg)
+	t.Run("ConcurrentSubscriber", func(t *testing.T) {
+		t.Parallel()
+		adaptertest.ConcurrentFlight(t, b, b.ConcurrentSubscriber, time.Minute)
+	})
+	t.Run("ConcurrentRedeliverySubscriber", func(t *testing.T) {
+		t.Parallel()
+		adaptertest.ConcurrentFlight(t, b, func(group string, inFlight int) (message.Subscriber, error) {
+			return b.ConcurrentRedeliverySubscriber(group, inFlight, func(int) time.Duration { return 100 * time.Millisecond })
+		}, time.Minute)
+	})
+}

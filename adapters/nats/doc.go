@@ -26,11 +26,16 @@
 // nothing but msg.Ack acks a message (watermill-nats otherwise lets nats.go
 // ack on its own ack timeout, on close and on an unmarshal error). A Nack
 // comes back after consumer.nak_delay; an unacked message after
-// consumer.ack_wait. RedeliverySubscriber(group, wait) is the same with a
+// consumer.ack_wait. It holds one message at a time per subscription.
+//
+// ConcurrentSubscriber(group, inFlight) hands out up to inFlight messages
+// of the group at once from one subscription and settles each on its own;
+// ConcurrentRedeliverySubscriber(group, inFlight, wait) does too, with a
 // nack delay of wait(n) for the message's n-th delivery, n (JetStream's
 // NumDelivered) carried in the message's context: consumer chains hand it
 // their retry ladder, so a failing message waits at the server, not in a
-// worker.
+// worker. RedeliverySubscriber(group, wait) is the latter with one message
+// in flight.
 //
 // OrderedSubscriber(group, inFlight) is for ordered handlers: one process at
 // a time consumes the group, holding a lease in the millrace_leases

@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters"
@@ -37,7 +38,6 @@ func TestRedeliverySubscriberNumbersDeliveries(t *testing.T) {
 			for m := range ch {
 				n, ok := adapters.DeliveryNumber(m.Context())
 				require.True(t, ok, "no delivery number")
-				require.Empty(t, m.Metadata.Get(deliveryNumberKey), "the count leaked into the metadata")
 				m.Nack()
 				out <- &struct{ n int }{n}
 			}
@@ -70,4 +70,21 @@ func TestRedeliverySubscriberNumbersDeliveries(t *testing.T) {
 
 	_, err := b.RedeliverySubscriber(group, nil)
 	require.True(t, adapters.IsPermanent(err), "a nil wait is refused: %v", err)
+}
+
+// A ConcurrentSubscriber and a ConcurrentRedeliverySubscriber hand out many
+// messages of the group at once and settle each on its own.
+func TestConcurrentSubscribersManyInFlight(t *testing.T) {
+	t.Parallel()
+	b := openBroker(t, sharedURL(), func(c *Config) { c.Consumer.NakDelay = 100 * time.Millisecond })
+	t.Run("ConcurrentSubscriber", func(t *testing.T) {
+		t.Parallel()
+		adaptertest.ConcurrentFlight(t, b, b.ConcurrentSubscriber, time.Minute)
+	})
+	t.Run("ConcurrentRedeliverySubscriber", func(t *testing.T) {
+		t.Parallel()
+		adaptertest.ConcurrentFlight(t, b, func(group string, inFlight int) (message.Subscriber, error) {
+			return b.ConcurrentRedeliverySubscriber(group, inFlight, func(int) time.Duration { return 100 * time.Millisecond })
+		}, time.Minute)
+	})
 }

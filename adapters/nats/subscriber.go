@@ -5,9 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math"
 	"slices"
-	"strconv"
 	"sync"
 	"time"
 
@@ -29,9 +27,6 @@ const subscriberCloseTimeout = 30 * time.Second
 type subscriber struct {
 	b     *Broker
 	group string
-	// wait is the nak delay of a delivery by its number; nil for
-	// consumer.nak_delay (see RedeliverySubscriber).
-	wait func(delivery int) time.Duration
 
 	mu     sync.Mutex
 	subs   []*subscription
@@ -55,7 +50,14 @@ var errSubscriberClosed = errors.New("nats: subscriber closed")
 // again after consumer.ack_wait. Subscribe creates the topic's stream and the
 // group's consumer when they are missing.
 func (b *Broker) Subscriber(consumerGroup string) (message.Subscriber, error) {
-	return b.newSubscriber(consumerGroup, nil)
+	if err := checkGroup(consumerGroup); err != nil {
+		return nil, fmt.Errorf("nats: %w", err)
+	}
+	s := &subscriber{b: b, group: consumerGroup}
+	if err := b.register(s); err != nil {
+		return nil, err
+	}
+	return s, nil
 }
 
 var _ adapters.RedeliveryScheduler = (*Broker)(nil)
@@ -65,23 +67,14 @@ var _ adapters.RedeliveryScheduler = (*Broker)(nil)
 // JetStream delivery count (NumDelivered, kept by the server across
 // consumer restarts), and that each message's context carries n
 // (adapters.DeliveryNumber). A wait of 0 or less redelivers at once. Use it
-// for unordered groups only: a nacked message lets newer ones pass it.
+// for unordered groups only: a nacked message lets newer ones pass it. It is
+// the ConcurrentRedeliverySubscriber with one message in flight per
+// subscription.
 func (b *Broker) RedeliverySubscriber(consumerGroup string, wait func(delivery int) time.Duration) (message.Subscriber, error) {
 	if wait == nil {
 		return nil, adapters.Permanent(errors.New("nats: RedeliverySubscriber: wait is nil"))
 	}
-	return b.newSubscriber(consumerGroup, wait)
-}
-
-func (b *Broker) newSubscriber(consumerGroup string, wait func(int) time.Duration) (message.Subscriber, error) {
-	if err := checkGroup(consumerGroup); err != nil {
-		return nil, fmt.Errorf("nats: %w", err)
-	}
-	s := &subscriber{b: b, group: consumerGroup, wait: wait}
-	if err := b.register(s); err != nil {
-		return nil, err
-	}
-	return s, nil
+	return b.newConcurrentSubscriber("RedeliverySubscriber", consumerGroup, 1, wait)
 }
 
 // register keeps s, to close it with the Broker; it fails once the Broker
@@ -114,7 +107,7 @@ func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	if s.b.isClosed() {
 		return nil, errBrokerClosed
 	}
-	sub, err := s.b.subscribe(ctx, s.group, topic, s.wait)
+	sub, err := s.b.subscribe(ctx, s.group, topic)
 	if err != nil {
 		return nil, err
 	}
@@ -184,11 +177,9 @@ type subscription struct {
 	ncDone chan struct{} // closed when nc has closed
 	gate   *gate
 	out    chan *message.Message
-	// numbered is true when messages carry their delivery number.
-	numbered bool
 	// nakDelay is how long the server waits before delivering a nacked
 	// message again: a nacked message comes back after a pause, not at once.
-	nakDelay wmnats.Delay
+	nakDelay time.Duration
 	logger   watermill.LoggerAdapter
 	// acks counts the goroutines that wait for a message's Ack or Nack and
 	// confirm it to the server; quit, closed when closing starts, makes the
@@ -202,7 +193,7 @@ type subscription struct {
 	err      error
 }
 
-func (b *Broker) subscribe(ctx context.Context, group, topic string, wait func(int) time.Duration) (*subscription, error) {
+func (b *Broker) subscribe(ctx context.Context, group, topic string) (*subscription, error) {
 	ncDone := make(chan struct{})
 	nc, err := b.connect(context.Background(), "millrace-subscriber-"+group,
 		nats.ClosedHandler(func(*nats.Conn) { close(ncDone) }))
@@ -212,12 +203,8 @@ func (b *Broker) subscribe(ctx context.Context, group, topic string, wait func(i
 	g := &gate{idle: make(chan struct{}), held: map[*message.Message]*nats.Msg{}}
 	cc := b.cfg.Consumer
 	durable := ConsumerName(group)
-	var nakDelay wmnats.Delay = wmnats.NewStaticDelay(cc.NakDelay)
-	if wait != nil {
-		nakDelay = delayFunc(wait)
-	}
 	wm, err := wmnats.NewSubscriberWithNatsConn(nc, wmnats.SubscriberSubscriptionConfig{
-		Unmarshaler:      gatedUnmarshaler{g: g, numbered: wait != nil},
+		Unmarshaler:      gatedUnmarshaler{g: g},
 		SubscribersCount: cc.Subscribers,
 		AckWaitTimeout:   cc.AckWait,
 		CloseTimeout:     subscriberCloseTimeout,
@@ -260,11 +247,10 @@ func (b *Broker) subscribe(ctx context.Context, group, topic string, wait func(i
 	}
 	sub := &subscription{
 		wm: wm, nc: nc, ncDone: ncDone, gate: g,
-		nakDelay: nakDelay,
+		nakDelay: cc.NakDelay,
 		logger:   b.logger,
 		quit:     make(chan struct{}),
 		out:      make(chan *message.Message),
-		numbered: wait != nil,
 		stopReq:  make(chan struct{}),
 		done:     make(chan struct{}),
 	}
@@ -282,9 +268,6 @@ func (s *subscription) run(ctx context.Context, wmOut <-chan *message.Message) {
 			select {
 			case m := <-wmOut:
 				s.confirm(m, s.gate.leave(m))
-				if s.numbered {
-					numberDelivery(m)
-				}
 				select {
 				case s.out <- m:
 				case <-ctx.Done():
@@ -359,29 +342,12 @@ func (s *subscription) confirm(m *message.Message, reply *nats.Msg) {
 				s.logger.Error("Cannot send ack", err, watermill.LogFields{"message_uuid": m.UUID})
 			}
 		case <-m.Nacked():
-			if err := s.nak(reply); err != nil {
+			if err := reply.NakWithDelay(s.nakDelay); err != nil {
 				s.logger.Error("Cannot send nak", err, watermill.LogFields{"message_uuid": m.UUID})
 			}
 		default:
 		}
 	})
-}
-
-// nak tells the server to deliver reply's message again after the nak delay
-// of its delivery count.
-func (s *subscription) nak(reply *nats.Msg) error {
-	md, err := reply.Metadata()
-	if err != nil {
-		return reply.Nak()
-	}
-	switch d := s.nakDelay.WaitTime(md.NumDelivered); {
-	case d == wmnats.TermSignal:
-		return reply.Term()
-	case d > 0:
-		return reply.NakWithDelay(d)
-	default:
-		return reply.Nak()
-	}
 }
 
 // stop ends the subscription and waits until it has ended.
@@ -446,26 +412,14 @@ func (g *gate) close() {
 // delivers it again after ack_wait.
 var errStopping = errors.New("nats: subscription stopping, message left unacked")
 
-// gatedUnmarshaler is the marshaler behind a gate. When numbered, it
-// records each message's delivery count for numberDelivery.
-type gatedUnmarshaler struct {
-	g        *gate
-	numbered bool
-}
+// gatedUnmarshaler is the marshaler behind a gate.
+type gatedUnmarshaler struct{ g *gate }
 
 func (u gatedUnmarshaler) Unmarshal(nm *nats.Msg) (*message.Message, error) {
 	if !u.g.enter() {
 		return nil, errStopping
 	}
 	m, err := marshaler{}.Unmarshal(nm)
-	if err == nil && u.numbered {
-		var md *nats.MsgMetadata
-		if md, err = nm.Metadata(); err == nil {
-			m.Metadata.Set(deliveryNumberKey, strconv.FormatUint(md.NumDelivered, 10))
-		} else {
-			err = fmt.Errorf("nats: reading the delivery count of a message: %w", err)
-		}
-	}
 	if err != nil {
 		u.g.leave(m) // watermill-nats drops it: it never reaches the channel
 		return m, err
@@ -479,29 +433,6 @@ func (u gatedUnmarshaler) Unmarshal(nm *nats.Msg) (*message.Message, error) {
 		nm.Reply = ""
 	}
 	return m, err
-}
-
-// deliveryNumberKey carries a message's delivery count from the unmarshaler,
-// which sees the NATS message, to numberDelivery, which runs after
-// watermill-nats has given the message its context. A header name cannot
-// hold ":" (it ends the name on the wire), so no published header clashes.
-const deliveryNumberKey = "millrace:nats-delivery"
-
-// numberDelivery moves the delivery count recorded by the unmarshaler from
-// m's metadata into its context (adapters.DeliveryNumber).
-func numberDelivery(m *message.Message) {
-	n, err := strconv.Atoi(m.Metadata.Get(deliveryNumberKey))
-	delete(m.Metadata, deliveryNumberKey)
-	if err == nil {
-		m.SetContext(adapters.WithDeliveryNumber(m.Context(), n))
-	}
-}
-
-// delayFunc is a watermill-nats Delay computed from the delivery count.
-type delayFunc func(delivery int) time.Duration
-
-func (f delayFunc) WaitTime(numDelivered uint64) time.Duration {
-	return max(f(int(min(numDelivered, math.MaxInt32))), 0)
 }
 
 // quietStopLogger logs errStopping, which is expected while stopping, at

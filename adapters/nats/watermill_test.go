@@ -42,9 +42,13 @@ func watermillConfig(c *Config) {
 const watermillGroup = "watermill-suite"
 
 func runWatermillSuite(t *testing.T, url string, features tests.Features) {
+	runWatermillSuiteOn(t, url, features, (*Broker).Subscriber)
+}
+
+func runWatermillSuiteOn(t *testing.T, url string, features tests.Features, newSubscriber func(b *Broker, group string) (message.Subscriber, error)) {
 	constructor := func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
 		b := openBroker(t, url, watermillConfig)
-		sub, err := b.Subscriber(group)
+		sub, err := newSubscriber(b, group)
 		require.NoError(t, err)
 		return b.Publisher(), sub
 	}
@@ -55,8 +59,10 @@ func runWatermillSuite(t *testing.T, url string, features tests.Features) {
 }
 
 // TestWatermillSuite runs Watermill's universal Pub/Sub suite against the
-// embedded server, the shared server and a private server process that the
-// reconnect test kills and starts again.
+// embedded server, the shared server (also on the
+// ConcurrentRedeliverySubscriber that bus.Run gives an unordered handler, 16
+// messages in flight, no order promised) and a private server process that
+// the reconnect test kills and starts again.
 func TestWatermillSuite(t *testing.T) {
 	t.Parallel()
 	t.Run("Embedded", func(t *testing.T) {
@@ -66,6 +72,14 @@ func TestWatermillSuite(t *testing.T) {
 	t.Run("Shared", func(t *testing.T) {
 		t.Parallel()
 		runWatermillSuite(t, sharedURL(), watermillFeatures())
+	})
+	t.Run("SharedConcurrent", func(t *testing.T) {
+		t.Parallel()
+		f := watermillFeatures()
+		f.GuaranteedOrder, f.GuaranteedOrderWithSingleSubscriber = false, false
+		runWatermillSuiteOn(t, sharedURL(), f, func(b *Broker, group string) (message.Subscriber, error) {
+			return b.ConcurrentRedeliverySubscriber(group, 16, func(int) time.Duration { return 10 * time.Millisecond })
+		})
 	})
 	t.Run("ServerProcess", func(t *testing.T) {
 		t.Parallel()

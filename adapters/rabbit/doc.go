@@ -86,8 +86,11 @@
 // only with x-overflow reject-publish): a dead letter stays in the source
 // queue until the dead-letter queue has it.
 //
-// RedeliverySubscriber (adapters.RedeliveryScheduler, for unordered groups)
-// parks a nacked message in the group's retry queue with an expiration of
+// ConcurrentSubscriber (adapters.ConcurrentFlight) consumes with a prefetch
+// of its own and hands out that many deliveries at once, each settled on its
+// own. RedeliverySubscriber (adapters.RedeliveryScheduler, for unordered
+// groups) and ConcurrentRedeliverySubscriber (its many-at-once form) park
+// a nacked message in the group's retry queue with an expiration of
 // the wait before its next delivery and the delivery header
 // DeliveryNumberKey, acks it once the broker confirmed the copy, and
 // RabbitMQ dead-letters it back to the group's queue when it expires; each

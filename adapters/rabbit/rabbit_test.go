@@ -2,6 +2,7 @@ package rabbit
 
 import (
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
@@ -58,22 +59,38 @@ func watermillConfig(url string) Config {
 	return cfg
 }
 
-// TestWatermillSuite runs Watermill's universal Pub/Sub suite.
+// TestWatermillSuite runs Watermill's universal Pub/Sub suite on the stock
+// Subscriber and on the ConcurrentRedeliverySubscriber that bus.Run gives
+// an unordered handler (16 messages in flight; no order promised).
 func TestWatermillSuite(t *testing.T) {
 	t.Parallel()
 	cfg := watermillConfig(serverURL())
-	constructor := func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
-		b := openBroker(t, cfg)
-		sub, err := b.Subscriber(group)
-		if err != nil {
-			t.Fatal(err)
+	run := func(t *testing.T, features tests.Features, newSubscriber func(b *Broker, group string) (message.Subscriber, error)) {
+		constructor := func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
+			b := openBroker(t, cfg)
+			sub, err := newSubscriber(b, group)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return b.Publisher(), sub
 		}
-		return b.Publisher(), sub
+		tests.TestPubSub(t, features,
+			func(t *testing.T) (message.Publisher, message.Subscriber) { return constructor(t, "watermill") },
+			constructor,
+		)
 	}
-	tests.TestPubSub(t, watermillFeatures,
-		func(t *testing.T) (message.Publisher, message.Subscriber) { return constructor(t, "watermill") },
-		constructor,
-	)
+	t.Run("Subscriber", func(t *testing.T) {
+		t.Parallel()
+		run(t, watermillFeatures, (*Broker).Subscriber)
+	})
+	t.Run("ConcurrentRedeliverySubscriber", func(t *testing.T) {
+		t.Parallel()
+		f := watermillFeatures
+		f.GuaranteedOrder, f.GuaranteedOrderWithSingleSubscriber = false, false
+		run(t, f, func(b *Broker, group string) (message.Subscriber, error) {
+			return b.ConcurrentRedeliverySubscriber(group, 16, func(int) time.Duration { return 10 * time.Millisecond })
+		})
+	})
 }
 
 // TestWatermillReconnect runs Watermill's TestReconnect (10,000 messages

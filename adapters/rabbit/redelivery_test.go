@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters"
@@ -104,4 +105,21 @@ func TestRedeliverySubscriberKeepsAMessageTheRetryQueueRefused(t *testing.T) {
 	require.Equal(t, 2, n)
 	require.Equal(t, msg.UUID, again.UUID)
 	again.Ack()
+}
+
+// A ConcurrentSubscriber and a ConcurrentRedeliverySubscriber hand out many
+// messages of the group at once and settle each on its own.
+func TestConcurrentSubscribersManyInFlight(t *testing.T) {
+	t.Parallel()
+	b := openBroker(t, testConfig(serverURL()))
+	t.Run("ConcurrentSubscriber", func(t *testing.T) {
+		t.Parallel()
+		adaptertest.ConcurrentFlight(t, b, b.ConcurrentSubscriber, time.Minute)
+	})
+	t.Run("ConcurrentRedeliverySubscriber", func(t *testing.T) {
+		t.Parallel()
+		adaptertest.ConcurrentFlight(t, b, func(group string, inFlight int) (message.Subscriber, error) {
+			return b.ConcurrentRedeliverySubscriber(group, inFlight, func(int) time.Duration { return 100 * time.Millisecond })
+		}, time.Minute)
+	})
 }

@@ -26,14 +26,19 @@ import (
 // cancellation (its queue deleted) into an empty message for the handler.
 // The delivery semantics follow watermill-amqp: one message at a time per
 // subscription, Ack -> basic.ack, Nack -> basic.nack with requeue, and a
-// closing subscriber nacks what it holds. An ordered subscriber
-// (OrderedSubscriber) differs: see consumeOrdered.
+// closing subscriber nacks what it holds. A concurrent subscriber
+// (ConcurrentSubscriber) hands many out at once; an ordered one
+// (OrderedSubscriber) too, and differs more: see consumeOrdered.
 type subscriber struct {
 	b     *Broker
 	group string
-	// inFlight, when positive, makes this an ordered subscriber with up to
-	// inFlight messages handed out at once (and the channel's prefetch).
+	// inFlight, when positive, is how many messages a subscription hands
+	// out at once without waiting for their acks (and the channel's
+	// prefetch); 0 for one at a time, with Config.Prefetch.
 	inFlight int
+	// ordered hands out at most one message per aggregate at a time and
+	// returns the unacked ones to the queue's head on a nack.
+	ordered bool
 	// wait, when set, is the RedeliverySubscriber's wait before a nacked
 	// message's next delivery.
 	wait func(delivery int) time.Duration
@@ -67,7 +72,7 @@ var (
 // connection loss each subscription reconnects by itself, with a backoff up
 // to Config.ReconnectMaxInterval.
 func (b *Broker) Subscriber(consumerGroup string) (message.Subscriber, error) {
-	return b.newSubscriber(consumerGroup, nil, 0)
+	return b.newSubscriber(consumerGroup, nil, 0, false)
 }
 
 // RedeliverySubscriber is Subscriber, except that a nacked message waits
@@ -94,7 +99,53 @@ func (b *Broker) RedeliverySubscriber(consumerGroup string, wait func(delivery i
 	if wait == nil {
 		return nil, adapters.Permanent(errors.New("rabbitmq: RedeliverySubscriber: wait is nil"))
 	}
-	return b.newSubscriber(consumerGroup, wait, 0)
+	return b.newSubscriber(consumerGroup, wait, 0, false)
+}
+
+var (
+	_ adapters.ConcurrentFlight     = (*Broker)(nil)
+	_ adapters.ConcurrentRedelivery = (*Broker)(nil)
+)
+
+// ConcurrentSubscriber is Subscriber for an unordered consumer
+// (adapters.ConcurrentFlight): a subscription consumes the group's queue
+// with a prefetch of inFlight (in place of Config.Prefetch) and hands
+// deliveries out without waiting for the previous one's ack, so one
+// subscription has up to inFlight messages in flight; each Ack is a
+// basic.ack of its own delivery tag and each Nack a basic.nack with
+// requeue. The Subscriber's stock subscriptions hold one message each.
+func (b *Broker) ConcurrentSubscriber(consumerGroup string, inFlight int) (message.Subscriber, error) {
+	if err := checkInFlight("ConcurrentSubscriber", inFlight); err != nil {
+		return nil, err
+	}
+	return b.newSubscriber(consumerGroup, nil, inFlight, false)
+}
+
+// SchedulesRedeliveries reports true: a RabbitMQ group always has its retry
+// queue (adapters.ConcurrentRedelivery).
+func (b *Broker) SchedulesRedeliveries() bool { return true }
+
+// ConcurrentRedeliverySubscriber is ConcurrentSubscriber with the
+// RedeliverySubscriber's redeliveries: a nacked message is parked in the
+// group's retry queue for wait(n), and each message's context carries its
+// delivery number (adapters.DeliveryNumber).
+func (b *Broker) ConcurrentRedeliverySubscriber(consumerGroup string, inFlight int, wait func(delivery int) time.Duration) (message.Subscriber, error) {
+	if wait == nil {
+		return nil, adapters.Permanent(errors.New("rabbitmq: ConcurrentRedeliverySubscriber: wait is nil"))
+	}
+	if err := checkInFlight("ConcurrentRedeliverySubscriber", inFlight); err != nil {
+		return nil, err
+	}
+	return b.newSubscriber(consumerGroup, wait, inFlight, false)
+}
+
+// checkInFlight refuses an in-flight count that is not an AMQP prefetch
+// count.
+func checkInFlight(method string, inFlight int) error {
+	if inFlight < 1 || inFlight > 65535 {
+		return adapters.Permanent(fmt.Errorf("rabbitmq: %s: inFlight must be 1 to 65535 (an AMQP prefetch count); got %d", method, inFlight))
+	}
+	return nil
 }
 
 var _ adapters.OrderedFlight = (*Broker)(nil)
@@ -116,13 +167,13 @@ var _ adapters.OrderedFlight = (*Broker)(nil)
 // counts as a delivery of every message returned (x-delivery-count,
 // Config.DeliveryLimit).
 func (b *Broker) OrderedSubscriber(consumerGroup string, inFlight int) (message.Subscriber, error) {
-	if inFlight < 1 || inFlight > 65535 {
-		return nil, adapters.Permanent(fmt.Errorf("rabbitmq: OrderedSubscriber: inFlight must be 1 to 65535 (an AMQP prefetch count); got %d", inFlight))
+	if err := checkInFlight("OrderedSubscriber", inFlight); err != nil {
+		return nil, err
 	}
-	return b.newSubscriber(consumerGroup, nil, inFlight)
+	return b.newSubscriber(consumerGroup, nil, inFlight, true)
 }
 
-func (b *Broker) newSubscriber(consumerGroup string, wait func(int) time.Duration, inFlight int) (message.Subscriber, error) {
+func (b *Broker) newSubscriber(consumerGroup string, wait func(int) time.Duration, inFlight int, ordered bool) (message.Subscriber, error) {
 	if err := checkGroup(consumerGroup); err != nil {
 		return nil, err
 	}
@@ -132,7 +183,7 @@ func (b *Broker) newSubscriber(consumerGroup string, wait func(int) time.Duratio
 	if closed {
 		return nil, errClosed
 	}
-	s := &subscriber{b: b, group: consumerGroup, wait: wait, inFlight: inFlight, closing: make(chan struct{})}
+	s := &subscriber{b: b, group: consumerGroup, wait: wait, inFlight: inFlight, ordered: ordered, closing: make(chan struct{})}
 	if _, err := s.connection(context.Background()); err != nil {
 		return nil, err
 	}
@@ -294,21 +345,39 @@ func (s *subscriber) consume(ctx context.Context, topic string, out chan<- *mess
 	if err != nil {
 		return false, fmt.Errorf("rabbitmq: consume queue %q: %w", queue, err)
 	}
-	if s.inFlight > 0 {
+	if s.ordered {
 		return true, s.consumeOrdered(ctx, ch, queue, deliveries, closes, out)
 	}
+	// A concurrent subscription's messages are settled from goroutines of
+	// their own, which need the channel: consume waits for them before it
+	// returns at the end of ctx (the channel closes then), unless the
+	// subscriber closes, which returns what is unacked to the queue.
+	var settling sync.WaitGroup
 	for {
 		select {
 		case d, ok := <-deliveries:
 			if !ok {
 				return true, consumeEnded(ch, queue, closes)
 			}
-			if !s.deliver(ctx, topic, d, out) {
+			msg, endCtx, ok := s.handOut(ctx, d, out)
+			if !ok {
 				return true, nil
 			}
+			if s.inFlight == 0 {
+				s.settle(topic, d, msg, endCtx)
+				break
+			}
+			settling.Add(1)
+			s.wg.Go(func() { defer settling.Done(); s.settle(topic, d, msg, endCtx) })
 		case e := <-closes:
 			return true, fmt.Errorf("rabbitmq: channel closed: %w", e)
 		case <-ctx.Done():
+			settled := make(chan struct{})
+			go func() { settling.Wait(); close(settled) }()
+			select {
+			case <-settled:
+			case <-s.closing:
+			}
 			return true, nil
 		case <-s.closing:
 			return true, nil
@@ -487,47 +556,53 @@ func (s *subscriber) settleOrdered(d amqp.Delivery, msg *message.Message) bool {
 	}
 }
 
-// deliver hands d to the subscription's reader and settles it with the
-// broker as the reader decides. It reports false when the subscription is
-// stopping.
-func (s *subscriber) deliver(ctx context.Context, topic string, d amqp.Delivery, out chan<- *message.Message) bool {
+// handOut hands d to the subscription's reader as a message, with the
+// function that ends its context, and reports false, with d unsettled, when
+// the subscription stops first. A stopping
+// subscription leaves d unsettled: the channel closing after it returns d
+// to the queue, counted once in x-delivery-count. A nack with requeue would
+// return it as well, and the queue could hand it to this channel again
+// before it closes, counting two deliveries.
+func (s *subscriber) handOut(ctx context.Context, d amqp.Delivery, out chan<- *message.Message) (*message.Message, context.CancelFunc, bool) {
 	msg, _ := Marshaler{}.Unmarshal(d) // never fails; see Marshaler
 	msgCtx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	n := deliveryNumber(d)
 	if s.wait != nil {
-		msgCtx = adapters.WithDeliveryNumber(msgCtx, n)
+		msgCtx = adapters.WithDeliveryNumber(msgCtx, deliveryNumber(d))
 	}
 	msg.SetContext(msgCtx)
-
-	// A stopping subscription leaves d unsettled: the channel closing after
-	// it returns d to the queue, counted once in x-delivery-count. A nack
-	// with requeue would return it as well, and the queue could hand it to
-	// this channel again before it closes, counting two deliveries.
 	select {
 	case out <- msg:
+		return msg, cancel, true
 	case <-ctx.Done():
-		return false
 	case <-s.closing:
-		return false
 	}
-	// Once handed over, the message is settled by its reader even after ctx
-	// ended, so a handler finishing during shutdown still gets its Ack
-	// through. An Ack or Nack that fails means the channel is gone: the
-	// broker redelivers the message, and the consume loop sees the close.
+	cancel()
+	return nil, nil, false
+}
+
+// settle settles d, handed out as msg, with the broker as the reader
+// decides, and then ends msg's context with endCtx. A message handed over is settled by its reader even after the
+// subscription's context ended, so a handler finishing during shutdown
+// still gets its Ack through. An Ack or Nack that fails means the channel is
+// gone: the broker redelivers the message, and the consume loop sees the
+// close. A closing subscriber leaves it unsettled, as handOut does.
+func (s *subscriber) settle(topic string, d amqp.Delivery, msg *message.Message, endCtx context.CancelFunc) {
+	defer endCtx()
 	select {
 	case <-msg.Acked():
 		_ = d.Ack(false)
-		return true
 	case <-msg.Nacked():
 		if s.wait != nil {
-			s.retryLater(topic, d, n)
-			return true
+			s.retryLater(topic, d, deliveryNumber(d))
+			return
 		}
 		_ = d.Nack(false, true)
-		return true
-	case <-s.closing: // unsettled, as above
-		return false
+	case <-s.closing:
+		select {
+		case <-msg.Acked(): // an Ack given just before the close still goes out
+			_ = d.Ack(false)
+		default:
+		}
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -140,6 +141,9 @@ type member struct {
 	// did (OutcomeOK: it is for the batch handler).
 	msg     *message.Message
 	outcome string
+	// inboxed is set before its turn when the batch inserted its inbox row
+	// already (insertInbox): its step skips the insert.
+	inboxed bool
 }
 
 // join adds m to the batch being formed, opening one (and starting its
@@ -187,7 +191,7 @@ func (c *Chain) transactionBatched(h message.HandlerFunc) message.HandlerFunc {
 			var err error
 			select {
 			case tx := <-m.turn:
-				r := c.runStep(msg, tx, h)
+				r := c.runStep(msg, tx, h, m.inboxed)
 				m.result <- r
 				err = <-m.done
 				if err == nil {
@@ -214,14 +218,14 @@ func (c *Chain) transactionBatched(h message.HandlerFunc) message.HandlerFunc {
 
 // runStep is step that reports a runtime.Goexit in the handler (a test
 // simulating a dead process) as a failure, so the batch goes on without it.
-func (c *Chain) runStep(msg *message.Message, tx Transaction, h message.HandlerFunc) (r stepResult) {
+func (c *Chain) runStep(msg *message.Message, tx Transaction, h message.HandlerFunc, inboxed bool) (r stepResult) {
 	returned := false
 	defer func() {
 		if !returned {
 			r = stepResult{err: errors.New("the handler ended its goroutine"), byHandler: true}
 		}
 	}()
-	r = c.step(msg, tx, h)
+	r = c.step(msg, tx, h, inboxed)
 	returned = true
 	return r
 }
@@ -282,16 +286,23 @@ func (b *batcher) execute(members []*member) {
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
 	c := b.c
-	tx, err := c.stack.begin(ctx)
-	if err != nil {
-		err = ownStatement(fmt.Errorf("inbox: begin transaction: %w", err))
-		for _, m := range members {
-			m.done <- err
-		}
+	tx := b.begin(ctx, members)
+	if tx == nil {
 		return
 	}
-	if b.handler != nil && b.executeBulk(ctx, tx, members) {
-		return
+	switch b.inboxAll(ctx, tx, members) {
+	case inboxedAll:
+		if b.handler != nil {
+			b.executeBulk(ctx, tx, members)
+			return
+		}
+	case inboxedNone:
+		// A duplicate among them, or a failure: each turn inserts its own
+		// row, in a transaction without the batch's INSERT.
+		_ = tx.Rollback()
+		if tx = b.begin(ctx, members); tx == nil {
+			return
+		}
 	}
 	var kept []*member // members whose effects wait for the COMMIT
 	// release sends kept and rest their verdict once the transaction will
@@ -340,7 +351,13 @@ func (b *batcher) execute(members []*member) {
 			kept = append(kept, m)
 			continue
 		}
-		if undo := store.RollbackToSavepoint(ctx, tx); undo != nil {
+		undo := store.RollbackToSavepoint(ctx, tx)
+		if undo == nil && m.inboxed {
+			// Its inbox row was inserted before its savepoint: it goes too,
+			// so that the message can be tried again.
+			undo = c.stack.tables.UnmarkProcessed(ctx, tx, c.spec.ConsumerGroup, m.eventID)
+		}
+		if undo != nil {
 			switch {
 			case errors.Is(undo, sql.ErrTxDone) && r.byHandler:
 				// The handler ended the transaction itself.
@@ -405,4 +422,56 @@ func (b *batcher) leaveDuplicates(members []*member) []*member {
 		kept = append(kept, m)
 	}
 	return kept
+}
+
+// begin begins the transaction of members, begun on ctx; when it cannot,
+// it tells every member so and returns nil.
+func (b *batcher) begin(ctx context.Context, members []*member) Transaction {
+	tx, err := b.c.stack.begin(ctx)
+	if err != nil {
+		err = ownStatement(fmt.Errorf("inbox: begin transaction: %w", err))
+		for _, m := range members {
+			m.done <- err
+		}
+		return nil
+	}
+	return tx
+}
+
+// inboxOutcome is what inboxAll did.
+type inboxOutcome int
+
+const (
+	inboxSkipped inboxOutcome = iota // not tried: each turn inserts its row
+	inboxedAll                       // every member's row is inserted
+	inboxedNone                      // tried and failed: tx is to be rolled back
+)
+
+// inboxAll is the short way of a batch when the inbox is on and the
+// ordering guard off: one INSERT of every member's inbox row, first in tx,
+// instead of one per member's turn, so that a turn is only the savepoint
+// and the handler (and a batch handler's batch needs no turns). When the
+// INSERT does not add a row for every member (a duplicate among them: the
+// turns tell which) or fails (the turns meet the failure again and settle
+// it) it reports inboxedNone, and tx, which holds nothing else, is to be
+// rolled back.
+func (b *batcher) inboxAll(ctx context.Context, tx Transaction, members []*member) inboxOutcome {
+	c := b.c
+	if !*c.cfg.Inbox.Enabled || *c.cfg.OrderingGuard {
+		return inboxSkipped
+	}
+	ids := make([]string, len(members))
+	for i, m := range members {
+		ids[i] = m.eventID
+	}
+	// Sorted, so that batches sharing ids lock their rows in one order.
+	slices.Sort(ids)
+	added, err := c.stack.tables.MarkProcessedAll(ctx, tx, c.spec.ConsumerGroup, ids)
+	if err != nil || added != int64(len(ids)) {
+		return inboxedNone
+	}
+	for _, m := range members {
+		m.inboxed = true
+	}
+	return inboxedAll
 }

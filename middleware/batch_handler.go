@@ -11,7 +11,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/millrace-io/millrace/internal/store"
 )
 
 // BatchHandlerFunc handles the messages of one batch together, in one
@@ -239,36 +238,14 @@ func (b *batcher) runHandler(ctx context.Context, tx Transaction, kept []*member
 	return false
 }
 
-// executeBulk is the short way of a batch handler's batch when the inbox is
-// on and the ordering guard off: one INSERT of every member's inbox row,
-// without a turn (and a savepoint) per member. It returns false, having
-// undone its insert, when the insert does not add a row for every member
-// (a duplicate among them: the turns tell which) or fails (the turns meet
-// the failure again and settle it); then execute goes on the usual way.
-func (b *batcher) executeBulk(ctx context.Context, tx Transaction, members []*member) bool {
-	c := b.c
-	if !*c.cfg.Inbox.Enabled || *c.cfg.OrderingGuard {
-		return false
-	}
-	if err := store.Savepoint(ctx, tx); err != nil {
-		return false
-	}
-	ids := make([]string, len(members))
-	for i, m := range members {
-		ids[i] = m.eventID
-	}
-	// Sorted, so that batches sharing ids lock their rows in one order.
-	slices.Sort(ids)
-	added, err := c.stack.tables.MarkProcessedAll(ctx, tx, c.spec.ConsumerGroup, ids)
-	if err != nil || added != int64(len(ids)) {
-		_ = store.RollbackToSavepoint(ctx, tx)
-		return false
-	}
+// executeBulk is the short way of a batch handler's batch whose inbox rows
+// inboxAll inserted: no turn (and no savepoint) per member, the handler at
+// once, then the COMMIT.
+func (b *batcher) executeBulk(ctx context.Context, tx Transaction, members []*member) {
 	for _, m := range members {
 		m.outcome = OutcomeOK
 	}
 	if b.runHandler(ctx, tx, members) {
 		b.commit(ctx, tx, members)
 	}
-	return true
 }

@@ -50,7 +50,7 @@ func (c *Chain) transaction(h message.HandlerFunc) message.HandlerFunc {
 				_ = tx.Rollback()
 			}
 		}()
-		r := c.step(msg, tx, h)
+		r := c.step(msg, tx, h, false)
 		switch {
 		case r.err != nil:
 			if r.byHandler && IsRetryable(r.err) {
@@ -111,13 +111,14 @@ type stepResult struct {
 
 // step is one message's part of an inbox transaction tx: the inbox insert
 // first, so that a concurrent duplicate waits on the row lock and then sees
-// the row; the ordering guard; the handler h with tx in its context (Tx).
-// It neither commits nor rolls back.
-func (c *Chain) step(msg *message.Message, tx Transaction, h message.HandlerFunc) stepResult {
+// the row (unless inboxed: its batch inserted it already); the ordering
+// guard; the handler h with tx in its context (Tx). It neither commits nor
+// rolls back.
+func (c *Chain) step(msg *message.Message, tx Transaction, h message.HandlerFunc, inboxed bool) stepResult {
 	ctx := msg.Context()
 	a := attemptFrom(ctx)
 	group, tables := c.spec.ConsumerGroup, c.stack.tables
-	if *c.cfg.Inbox.Enabled {
+	if *c.cfg.Inbox.Enabled && !inboxed {
 		first, err := tables.MarkProcessed(ctx, tx, group, a.eventID)
 		if err != nil {
 			return stepResult{err: ownStatement(err)}

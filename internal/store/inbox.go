@@ -33,6 +33,15 @@ func (t Tables) MarkProcessedAll(ctx context.Context, tx Execer, group string, e
 	return res.RowsAffected()
 }
 
+// UnmarkProcessed deletes the inbox row of eventID for group in tx, inserted
+// earlier in tx, so that the event can be processed again.
+func (t Tables) UnmarkProcessed(ctx context.Context, tx Execer, group, eventID string) error {
+	if _, err := tx.ExecContext(ctx, `DELETE FROM `+t.InboxTable()+` WHERE consumer_group = $1 AND event_id = $2`, group, eventID); err != nil {
+		return fmt.Errorf("inbox: delete event id: %w", err)
+	}
+	return nil
+}
+
 // ApplyVersion records version as the latest applied to the aggregate for
 // group, in tx, unless an equal or newer one was applied already; it
 // reports whether version was newer (false: the event is stale).

@@ -10,7 +10,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-
 )
 
 // BatchHandlerFunc handles the messages of one batch together, in one

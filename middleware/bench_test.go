@@ -56,11 +56,7 @@ import (
 // MILLRACE_BENCH_BROKERS picks the brokers (default gochannel, kafka, nats,
 // rabbitmq).
 func BenchmarkConsumerThroughput(b *testing.B) {
-	brokers := kitNames
-	if v := os.Getenv("MILLRACE_BENCH_BROKERS"); v != "" {
-		brokers = strings.Split(v, ",")
-	}
-	for _, name := range brokers {
+	for _, name := range benchBrokers() {
 		b.Run(name, func(b *testing.B) {
 			e := newEnv(b)
 			e.db.SetMaxIdleConns(128) // keep the workers' connections (64 at most) instead of reopening them
@@ -153,6 +149,15 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 			}
 		})
 	}
+}
+
+// benchBrokers are the kits the benchmarks run on: MILLRACE_BENCH_BROKERS
+// (comma-separated), or every one.
+func benchBrokers() []string {
+	if v := os.Getenv("MILLRACE_BENCH_BROKERS"); v != "" {
+		return strings.Split(v, ",")
+	}
+	return kitNames
 }
 
 // benchEvents is how many events each consumer of BenchmarkConsumerThroughput
@@ -282,11 +287,7 @@ func (v *benchVariant) consume(b *testing.B, k *kit, e *env, n int) {
 // of chain1 (the promise: at a trickle a batch waits at most max_wait).
 // MILLRACE_BENCH_BROKERS picks the brokers.
 func BenchmarkConsumerEventAge(b *testing.B) {
-	brokers := kitNames
-	if v := os.Getenv("MILLRACE_BENCH_BROKERS"); v != "" {
-		brokers = strings.Split(v, ",")
-	}
-	for _, name := range brokers {
+	for _, name := range benchBrokers() {
 		b.Run(name, func(b *testing.B) {
 			e := newEnv(b)
 			e.db.SetMaxIdleConns(128)

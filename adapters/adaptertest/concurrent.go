@@ -12,15 +12,32 @@ import (
 	"github.com/millrace-io/millrace/adapters"
 )
 
-// ConcurrentFlight checks an unordered subscriber that hands out many
-// messages at once (adapters.ConcurrentFlight, or ConcurrentRedelivery's
-// subscriber): one subscription of newSubscriber(group, 8) hands out 8
-// messages before any is settled and no 9th until one is; it takes their
+// ConcurrentFlight checks b's unordered subscribers that hand out many
+// messages at once, adapters.ConcurrentFlight's and
+// adapters.ConcurrentRedelivery's (whose redeliveries wait 100ms), each in a
+// parallel subtest: one subscription with an in-flight count of 8 hands out
+// 8 messages before any is settled and no 9th until one is; it takes their
 // acks in any order; a nacked message comes again; every message is handed
 // out. timeout bounds each wait (a nacked message comes back after the
 // broker's redelivery delay).
-func ConcurrentFlight(t *testing.T, b adapters.Broker, newSubscriber func(group string, inFlight int) (message.Subscriber, error), timeout time.Duration) {
-	t.Helper()
+func ConcurrentFlight(t *testing.T, b adapters.Broker, timeout time.Duration) {
+	cf, ok := b.(adapters.ConcurrentFlight)
+	require.True(t, ok, "%T is not an adapters.ConcurrentFlight", b)
+	cr, ok := b.(adapters.ConcurrentRedelivery)
+	require.True(t, ok, "%T is not an adapters.ConcurrentRedelivery", b)
+	t.Run("ConcurrentSubscriber", func(t *testing.T) {
+		t.Parallel()
+		concurrentFlight(t, b, cf.ConcurrentSubscriber, timeout)
+	})
+	t.Run("ConcurrentRedeliverySubscriber", func(t *testing.T) {
+		t.Parallel()
+		concurrentFlight(t, b, func(group string, inFlight int) (message.Subscriber, error) {
+			return cr.ConcurrentRedeliverySubscriber(group, inFlight, func(int) time.Duration { return 100 * time.Millisecond })
+		}, timeout)
+	})
+}
+
+func concurrentFlight(t *testing.T, b adapters.Broker, newSubscriber func(group string, inFlight int) (message.Subscriber, error), timeout time.Duration) {
 	ctx := context.Background()
 	topic, group := Name("concurrent"), Name("g")
 	require.NoError(t, b.Provision(ctx, topic, group))

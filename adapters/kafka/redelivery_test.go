@@ -159,14 +159,5 @@ func TestConcurrentSubscribersManyInFlight(t *testing.T) {
 	cfg := newEnv(t).config()
 	cfg.RetryTopics = true
 	b := open(t, cfg)
-	t.Run("ConcurrentSubscriber", func(t *testing.T) {
-		t.Parallel()
-		adaptertest.ConcurrentFlight(t, b, b.ConcurrentSubscriber, time.Minute)
-	})
-	t.Run("ConcurrentRedeliverySubscriber", func(t *testing.T) {
-		t.Parallel()
-		adaptertest.ConcurrentFlight(t, b, func(group string, inFlight int) (message.Subscriber, error) {
-			return b.ConcurrentRedeliverySubscriber(group, inFlight, func(int) time.Duration { return 100 * time.Millisecond })
-		}, time.Minute)
-	})
+	adaptertest.ConcurrentFlight(t, b, time.Minute)
 }

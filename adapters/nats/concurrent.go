@@ -4,9 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"math"
-	"slices"
 	"sync"
 	"time"
 
@@ -62,8 +60,8 @@ func (b *Broker) newConcurrentSubscriber(method, consumerGroup string, inFlight 
 	if inFlight < 1 {
 		return nil, adapters.Permanent(fmt.Errorf("nats: %s: inFlight must be at least 1; got %d", method, inFlight))
 	}
-	s := &concurrentSubscriber{b: b, group: consumerGroup, inFlight: inFlight, wait: wait, closing: make(chan struct{})}
-	if err := b.register(s); err != nil {
+	s := &concurrentSubscriber{group: consumerGroup, inFlight: inFlight, wait: wait}
+	if err := s.start(b); err != nil {
 		return nil, err
 	}
 	return s, nil
@@ -71,18 +69,12 @@ func (b *Broker) newConcurrentSubscriber(method, consumerGroup string, inFlight 
 
 // concurrentSubscriber is ConcurrentSubscriber's message.Subscriber.
 type concurrentSubscriber struct {
-	b        *Broker
+	lifecycle
 	group    string
 	inFlight int
 	// wait is the nak delay of a delivery by its number; nil for
 	// consumer.nak_delay and no delivery numbers.
 	wait func(delivery int) time.Duration
-
-	mu        sync.Mutex
-	running   sync.WaitGroup // one per Subscribe call still running
-	closed    bool
-	closing   chan struct{} // closed by Close
-	closeOnce sync.Once
 }
 
 var _ message.SubscribeInitializer = (*concurrentSubscriber)(nil)
@@ -144,20 +136,6 @@ func (s *concurrentSubscriber) Subscribe(ctx context.Context, topic string) (<-c
 	}
 	s.running.Go(func() { sub.run(ctx) })
 	return sub.out, nil
-}
-
-// Close stops every subscription and is idempotent. Nothing is acked by
-// closing.
-func (s *concurrentSubscriber) Close() error {
-	s.mu.Lock()
-	s.closed = true
-	s.mu.Unlock()
-	s.closeOnce.Do(func() { close(s.closing) })
-	s.running.Wait()
-	s.b.mu.Lock()
-	s.b.subscribers = slices.DeleteFunc(s.b.subscribers, func(o io.Closer) bool { return o == s })
-	s.b.mu.Unlock()
-	return nil
 }
 
 // concurrentSubscription is one Subscribe call of a concurrentSubscriber,

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -106,25 +105,20 @@ func (b *Broker) OrderedSubscriber(consumerGroup string, inFlight int) (message.
 	if inFlight < 1 {
 		return nil, adapters.Permanent(fmt.Errorf("nats: OrderedSubscriber: inFlight must be at least 1 (the consumer's max_ack_pending); got %d", inFlight))
 	}
-	s := &orderedSubscriber{b: b, group: consumerGroup, inFlight: inFlight, closing: make(chan struct{})}
-	if err := b.register(s); err != nil {
+	s := &orderedSubscriber{group: consumerGroup, inFlight: inFlight}
+	if err := s.start(b); err != nil {
 		return nil, err
 	}
 	return s, nil
 }
 
-// orderedSubscriber is OrderedSubscriber's message.Subscriber.
+// orderedSubscriber is OrderedSubscriber's message.Subscriber. Close
+// stops every subscription and waits until each has given its lease up.
 type orderedSubscriber struct {
-	b        *Broker
+	lifecycle
 	group    string
 	inFlight int
-
-	mu        sync.Mutex
-	running   sync.WaitGroup // one per Subscribe call still running
-	subs      []*orderedSubscription
-	closed    bool
-	closing   chan struct{} // closed by Close
-	closeOnce sync.Once
+	subs     []*orderedSubscription // guarded by mu
 }
 
 var _ message.SubscribeInitializer = (*orderedSubscriber)(nil)
@@ -177,20 +171,6 @@ func (s *orderedSubscriber) Subscribe(ctx context.Context, topic string) (<-chan
 		}
 	}()
 	return sub.out, nil
-}
-
-// Close stops every subscription, waits until each has given its lease up,
-// and is idempotent. Nothing is acked by closing.
-func (s *orderedSubscriber) Close() error {
-	s.mu.Lock()
-	s.closed = true
-	s.mu.Unlock()
-	s.closeOnce.Do(func() { close(s.closing) })
-	s.running.Wait()
-	s.b.mu.Lock()
-	s.b.subscribers = slices.DeleteFunc(s.b.subscribers, func(o io.Closer) bool { return o == s })
-	s.b.mu.Unlock()
-	return nil
 }
 
 // orderedSubscription is one Subscribe call of an orderedSubscriber.

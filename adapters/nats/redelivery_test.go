@@ -5,7 +5,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters"
@@ -77,14 +76,5 @@ func TestRedeliverySubscriberNumbersDeliveries(t *testing.T) {
 func TestConcurrentSubscribersManyInFlight(t *testing.T) {
 	t.Parallel()
 	b := openBroker(t, sharedURL(), func(c *Config) { c.Consumer.NakDelay = 100 * time.Millisecond })
-	t.Run("ConcurrentSubscriber", func(t *testing.T) {
-		t.Parallel()
-		adaptertest.ConcurrentFlight(t, b, b.ConcurrentSubscriber, time.Minute)
-	})
-	t.Run("ConcurrentRedeliverySubscriber", func(t *testing.T) {
-		t.Parallel()
-		adaptertest.ConcurrentFlight(t, b, func(group string, inFlight int) (message.Subscriber, error) {
-			return b.ConcurrentRedeliverySubscriber(group, inFlight, func(int) time.Duration { return 100 * time.Millisecond })
-		}, time.Minute)
-	})
+	adaptertest.ConcurrentFlight(t, b, time.Minute)
 }

@@ -77,6 +77,38 @@ func (b *Broker) RedeliverySubscriber(consumerGroup string, wait func(delivery i
 	return b.newConcurrentSubscriber("RedeliverySubscriber", consumerGroup, 1, wait)
 }
 
+// lifecycle is what the ordered and concurrent subscribers share: each
+// Subscribe call runs in goroutines of its own (counted in running) until
+// its context ends or the subscriber closes.
+type lifecycle struct {
+	b         *Broker
+	mu        sync.Mutex
+	running   sync.WaitGroup // one per Subscribe call still running
+	closed    bool
+	closing   chan struct{} // closed by Close
+	closeOnce sync.Once
+}
+
+// start sets l up for b and registers it, to be closed with b.
+func (l *lifecycle) start(b *Broker) error {
+	l.b, l.closing = b, make(chan struct{})
+	return b.register(l)
+}
+
+// Close stops every Subscribe call, waits until each has ended, and is
+// idempotent. Nothing is acked by closing.
+func (l *lifecycle) Close() error {
+	l.mu.Lock()
+	l.closed = true
+	l.mu.Unlock()
+	l.closeOnce.Do(func() { close(l.closing) })
+	l.running.Wait()
+	l.b.mu.Lock()
+	l.b.subscribers = slices.DeleteFunc(l.b.subscribers, func(o io.Closer) bool { return o == l })
+	l.b.mu.Unlock()
+	return nil
+}
+
 // register keeps s, to close it with the Broker; it fails once the Broker
 // is closed.
 func (b *Broker) register(s io.Closer) error {

@@ -558,11 +558,11 @@ func (s *subscriber) settleOrdered(d amqp.Delivery, msg *message.Message) bool {
 
 // handOut hands d to the subscription's reader as a message, with the
 // function that ends its context, and reports false, with d unsettled, when
-// the subscription stops first. A stopping
-// subscription leaves d unsettled: the channel closing after it returns d
-// to the queue, counted once in x-delivery-count. A nack with requeue would
-// return it as well, and the queue could hand it to this channel again
-// before it closes, counting two deliveries.
+// the subscription stops first. A stopping subscription leaves d unsettled:
+// the channel closing after it returns d to the queue, counted once in
+// x-delivery-count. A nack with requeue would return it as well, and the
+// queue could hand it to this channel again before it closes, counting two
+// deliveries.
 func (s *subscriber) handOut(ctx context.Context, d amqp.Delivery, out chan<- *message.Message) (*message.Message, context.CancelFunc, bool) {
 	msg, _ := Marshaler{}.Unmarshal(d) // never fails; see Marshaler
 	msgCtx, cancel := context.WithCancel(ctx)
@@ -581,9 +581,9 @@ func (s *subscriber) handOut(ctx context.Context, d amqp.Delivery, out chan<- *m
 }
 
 // settle settles d, handed out as msg, with the broker as the reader
-// decides, and then ends msg's context with endCtx. A message handed over is settled by its reader even after the
-// subscription's context ended, so a handler finishing during shutdown
-// still gets its Ack through. An Ack or Nack that fails means the channel is
+// decides, and then ends msg's context with endCtx. A message handed over
+// is settled by its reader even after the subscription's context ended, so
+// a handler finishing during shutdown still gets its Ack through. An Ack or Nack that fails means the channel is
 // gone: the broker redelivers the message, and the consume loop sees the
 // close. A closing subscriber leaves it unsettled, as handOut does.
 func (s *subscriber) settle(topic string, d amqp.Delivery, msg *message.Message, endCtx context.CancelFunc) {

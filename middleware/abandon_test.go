@@ -211,10 +211,21 @@ func TestAbandonedAttemptDuringAStopIsNacked(t *testing.T) {
 // adding a stuck goroutine at every trial) for as long as the hang lasts.
 func TestAbandonedAttemptsOpenTheBreakerButAreNoOutage(t *testing.T) {
 	t.Parallel()
-	forEachBatchSize(t, abandonedAttemptsOpenTheBreakerButAreNoOutage)
+	forEachBatchSize(t, func(t *testing.T, cfg middleware.Config) {
+		timedOutAttemptsOpenTheBreakerButAreNoOutage(t, cfg, false)
+	})
 }
 
-func abandonedAttemptsOpenTheBreakerButAreNoOutage(t *testing.T, cfg middleware.Config) {
+// So do attempts whose handler honours its context and returns its error
+// at handler_timeout.
+func TestTimedOutAttemptsOpenTheBreakerButAreNoOutage(t *testing.T) {
+	t.Parallel()
+	forEachBatchSize(t, func(t *testing.T, cfg middleware.Config) {
+		timedOutAttemptsOpenTheBreakerButAreNoOutage(t, cfg, true)
+	})
+}
+
+func timedOutAttemptsOpenTheBreakerButAreNoOutage(t *testing.T, cfg middleware.Config, honoursContext bool) {
 	e := newEnv(t)
 	cfg.HandlerTimeout = 200 * time.Millisecond
 	fastRetry(&cfg, 3)
@@ -224,6 +235,10 @@ func abandonedAttemptsOpenTheBreakerButAreNoOutage(t *testing.T, cfg middleware.
 	var calls attemptCounter
 	handle, c := chainOn(t, e, cfg, func(msg *message.Message) error {
 		calls.next(msg.Metadata.Get(bus.EventIDKey))
+		if honoursContext {
+			<-msg.Context().Done()
+			return msg.Context().Err()
+		}
 		<-release
 		return nil
 	})

@@ -285,7 +285,6 @@ func (b *batcher) execute(members []*member) {
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
-	c := b.c
 	tx := b.begin(ctx, members)
 	if tx == nil {
 		return
@@ -304,6 +303,7 @@ func (b *batcher) execute(members []*member) {
 			return
 		}
 	}
+	all := members     // members is cut short when a slow turn sends the rest away
 	var kept []*member // members whose effects wait for the COMMIT
 	// release sends kept and rest their verdict once the transaction will
 	// not commit; abort rolls it back first.
@@ -355,7 +355,7 @@ func (b *batcher) execute(members []*member) {
 		if undo == nil && m.inboxed {
 			// Its inbox row was inserted before its savepoint: it goes too,
 			// so that the message can be tried again.
-			undo = c.stack.tables.UnmarkProcessed(ctx, tx, c.spec.ConsumerGroup, m.eventID)
+			undo = b.uninbox(ctx, tx, []*member{m})
 		}
 		if undo != nil {
 			switch {
@@ -374,6 +374,10 @@ func (b *batcher) execute(members []*member) {
 	}
 	if len(kept) == 0 {
 		_ = tx.Rollback()
+		return
+	}
+	if err := b.uninbox(ctx, tx, all[len(members):]); err != nil {
+		abort(nil, err)
 		return
 	}
 	if b.handler != nil && !b.runHandler(ctx, tx, kept) {
@@ -428,6 +432,14 @@ func (b *batcher) leaveDuplicates(members []*member) []*member {
 // it tells every member so and returns nil.
 func (b *batcher) begin(ctx context.Context, members []*member) Transaction {
 	tx, err := b.c.stack.begin(ctx)
+	if err != nil && ctx.Err() != nil {
+		// The earliest deadline among them passed (waiting for a
+		// connection): each tries again until its own.
+		for _, m := range members {
+			m.done <- errBatchAborted
+		}
+		return nil
+	}
 	if err != nil {
 		err = ownStatement(fmt.Errorf("inbox: begin transaction: %w", err))
 		for _, m := range members {
@@ -436,6 +448,23 @@ func (b *batcher) begin(ctx context.Context, members []*member) Transaction {
 		return nil
 	}
 	return tx
+}
+
+// uninbox deletes from tx the inbox rows that inboxAll inserted for left,
+// members a slow turn sent to another batch: committed with this batch,
+// they would make those messages duplicates of themselves, acked without
+// an effect.
+func (b *batcher) uninbox(ctx context.Context, tx Transaction, left []*member) error {
+	var ids []string
+	for _, m := range left {
+		if m.inboxed {
+			ids = append(ids, m.eventID)
+		}
+	}
+	if len(ids) == 0 {
+		return nil
+	}
+	return b.c.stack.tables.UnmarkProcessed(ctx, tx, b.c.spec.ConsumerGroup, ids...)
 }
 
 // inboxOutcome is what inboxAll did.

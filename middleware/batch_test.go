@@ -163,6 +163,48 @@ func TestBatchPoisonsOnlyTheBadMessage(t *testing.T) {
 	}
 }
 
+// TestBatchSlowTurnSendsTheRestToAnotherBatch: every handler call takes
+// longer than a tenth of handler_timeout, so each batch's first turn sends
+// the messages after it to another batch; each message still commits its
+// effect once, and none is taken for a duplicate of itself (a batch that
+// inserted the inbox rows of its messages first takes those of the ones it
+// sent away out again).
+func TestBatchSlowTurnSendsTheRestToAnotherBatch(t *testing.T) {
+	t.Parallel()
+	for _, broker := range []string{"gochannel", bus.KindKafka} {
+		t.Run(broker, func(t *testing.T) {
+			t.Parallel()
+			const events = 8
+			e := newEnv(t)
+			k := newKit(t, broker, kitOptions{})
+			topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
+			k.provision(t, topic, group)
+			msgs := make([]*message.Message, events)
+			for i := range msgs {
+				msgs[i] = event(fmt.Sprintf("evt-%d", i), fmt.Sprintf("o-%d", i), 1, `{"amount":1}`)
+			}
+			cfg := middleware.Config{Workers: events, HandlerTimeout: 2 * time.Second,
+				Batch: middleware.BatchConfig{MaxMessages: events, MaxWait: time.Second}}
+			var log txLog
+			c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group, handle: func(msg *message.Message) error {
+				log.record(t, msg)
+				time.Sleep(300 * time.Millisecond) // past handler_timeout/10
+				return e.write(msg.Context(), group, msg)
+			}})
+			publish(t, k.pub, topic, msgs...)
+
+			testkit.Eventually(t, 2*time.Minute, "every message settled", func() bool {
+				return c.messages(t, "billing", middleware.OutcomeOK)+c.messages(t, "billing", middleware.OutcomeDuplicate) >= events
+			})
+			require.Equal(t, float64(events), c.messages(t, "billing", middleware.OutcomeOK), "none taken for a duplicate")
+			require.Equal(t, events, e.count(t, `SELECT count(*) FROM `+e.table("business")), "one effect per message")
+			require.Equal(t, events, e.count(t, `SELECT count(DISTINCT event_id) FROM `+e.table("business")))
+			require.Greater(t, c.metric(t, middleware.MetricBatchSize, map[string]string{"handler": "billing"}), 1.0,
+				"batches were sent away and formed again")
+		})
+	}
+}
+
 // TestBatchTrickleRunsAfterMaxWait: a message arriving while the only other
 // message in flight waits out a long retry backoff is committed alone once
 // batch.max_wait has passed, without waiting for the batch to fill or for

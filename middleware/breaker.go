@@ -2,7 +2,6 @@ package middleware
 
 import (
 	"context"
-	"errors"
 	"sync"
 	"time"
 
@@ -123,11 +122,12 @@ func (b *breaker) middleware(h message.HandlerFunc) message.HandlerFunc {
 				rejected = true
 				continue
 			}
-			// An abandoned attempt opens the breaker like any failure (a
-			// dependency that hangs every call is then tried once per
-			// open_timeout rather than by every worker) but is never taken
-			// for an outage: it uses up one of its message's attempts.
-			outage := b.record(d.eventID, err) && !errors.As(err, new(*abandonedError))
+			// An attempt that handler_timeout ended opens the breaker like
+			// any failure (a dependency that hangs every call is then tried
+			// once per open_timeout rather than by every worker) but is
+			// never taken for an outage: it uses up one of its message's
+			// attempts.
+			outage := b.record(d.eventID, err) && !timedOut(err)
 			if b.probes(ctx, err) { // the probe's verdict replaces the guess
 				var took time.Duration
 				err, took = b.judge(ctx, err)

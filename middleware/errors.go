@@ -190,6 +190,22 @@ func (e *abandonedError) Error() string {
 // Unwrap lets errors.Is(err, context.DeadlineExceeded) recognise the timeout.
 func (e *abandonedError) Unwrap() error { return context.DeadlineExceeded }
 
+// timedOutError is the attempt stage's verdict on a retryable failure that
+// came back once handler_timeout had passed (a handler that honoured its
+// context, or a batched message whose batch ran out of time before its
+// turn): like an abandoned attempt, a failed attempt of its message and
+// never an outage.
+type timedOutError struct{ err error }
+
+func (e *timedOutError) Error() string { return "attempt ran out of handler_timeout: " + e.err.Error() }
+func (e *timedOutError) Unwrap() error { return e.err }
+
+// timedOut reports whether err is an attempt that handler_timeout ended,
+// abandoned or not.
+func timedOut(err error) bool {
+	return errors.As(err, new(*abandonedError)) || errors.As(err, new(*timedOutError))
+}
+
 // unavailableError marks a failure to reach the database in the inbox
 // transaction: the message was never judged, so the failure does not use up
 // its retries. The retry stage waits its backoff and tries again, for as

@@ -41,8 +41,8 @@ func newBackOff(cfg RetryConfig) *backoff.ExponentialBackOff {
 // (*outageError) does not use up the message's retries: the next attempt
 // waits in the breaker stage instead. Nor does a database the inbox
 // transaction could not reach (*unavailableError): the attempt is repeated
-// after the backoff's next wait. An attempt abandoned at handler_timeout
-// (*abandonedError) is a failed attempt like any other.
+// after the backoff's next wait. An attempt that handler_timeout ended
+// (*abandonedError, *timedOutError) is a failed attempt like any other.
 //
 // With retry.mode auto, when the message came from a broker that
 // schedules redeliveries (adapters.ConcurrentRedelivery or

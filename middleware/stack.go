@@ -311,8 +311,9 @@ func (c *Chain) observe(h message.HandlerFunc) message.HandlerFunc {
 // message), the transaction, begun on the attempt's context, is rolled back
 // and can no longer commit (see transaction), the worker is freed, and the
 // goroutine is left to finish; since it touches only its copy, it cannot
-// race with the next attempt or the poison queue. A panic in the inner
-// part is raised again here, where the chain's Recoverer turns it into a
+// race with the next attempt or the poison queue. A retryable failure that
+// returns once handler_timeout has passed is a *timedOutError. A panic in
+// the inner part is raised again here, where the chain's Recoverer turns it into a
 // nack as before, and a runtime.Goexit ends this goroutine too.
 func (c *Chain) attempt(h message.HandlerFunc) message.HandlerFunc {
 	timeout := c.cfg.HandlerTimeout
@@ -356,6 +357,11 @@ func (c *Chain) attempt(h message.HandlerFunc) message.HandlerFunc {
 		}
 		if state.outcome != "" {
 			d.outcome = state.outcome
+		}
+		// By the clock, not ctx.Err(): a transaction begun on a context of
+		// the same deadline can fail before this context's timer fires.
+		if deadline, _ := ctx.Deadline(); run.err != nil && !time.Now().Before(deadline) && IsRetryable(run.err) {
+			return run.out, &timedOutError{err: run.err}
 		}
 		return run.out, run.err
 	}

@@ -33,11 +33,11 @@ func (t Tables) MarkProcessedAll(ctx context.Context, tx Execer, group string, e
 	return res.RowsAffected()
 }
 
-// UnmarkProcessed deletes the inbox row of eventID for group in tx, inserted
-// earlier in tx, so that the event can be processed again.
-func (t Tables) UnmarkProcessed(ctx context.Context, tx Execer, group, eventID string) error {
-	if _, err := tx.ExecContext(ctx, `DELETE FROM `+t.InboxTable()+` WHERE consumer_group = $1 AND event_id = $2`, group, eventID); err != nil {
-		return fmt.Errorf("inbox: delete event id: %w", err)
+// UnmarkProcessed deletes the inbox rows of eventIDs for group in tx,
+// inserted earlier in tx, so that those events can be processed again.
+func (t Tables) UnmarkProcessed(ctx context.Context, tx Execer, group string, eventIDs ...string) error {
+	if _, err := tx.ExecContext(ctx, `DELETE FROM `+t.InboxTable()+` WHERE consumer_group = $1 AND event_id = ANY($2)`, group, eventIDs); err != nil {
+		return fmt.Errorf("inbox: delete event ids: %w", err)
 	}
 	return nil
 }

@@ -113,9 +113,9 @@ func (b *breaker) waitUp(ctx context.Context) error {
 }
 
 // probes reports whether a retryable failure err of an attempt is one to ask
-// the probe about: not an attempt that handler_timeout ended (never an outage,
-// see the breaker stage), not millrace's own database (the retry stage waits for it), not a
-// stop.
+// the probe about: not an attempt that handler_timeout ended (never an
+// outage, see the breaker stage), not millrace's own database (the retry
+// stage waits for it), not a stop.
 func (b *breaker) probes(ctx context.Context, err error) bool {
 	return b.probe != nil && IsRetryable(err) && ctx.Err() == nil &&
 		!timedOut(err) && !errors.As(err, new(*unavailableError)) && !errors.As(err, new(*shutdownError))

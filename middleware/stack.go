@@ -313,8 +313,8 @@ func (c *Chain) observe(h message.HandlerFunc) message.HandlerFunc {
 // goroutine is left to finish; since it touches only its copy, it cannot
 // race with the next attempt or the poison queue. A retryable failure that
 // returns once handler_timeout has passed is a *timedOutError. A panic in
-// the inner part is raised again here, where the chain's Recoverer turns it into a
-// nack as before, and a runtime.Goexit ends this goroutine too.
+// the inner part is raised again here, where the chain's Recoverer turns it
+// into a nack as before, and a runtime.Goexit ends this goroutine too.
 func (c *Chain) attempt(h message.HandlerFunc) message.HandlerFunc {
 	timeout := c.cfg.HandlerTimeout
 	return func(msg *message.Message) ([]*message.Message, error) {

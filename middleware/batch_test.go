@@ -128,8 +128,11 @@ func TestBatchPoisonsOnlyTheBadMessage(t *testing.T) {
 			publish(t, k.pub, topic, msgs...)
 
 			testkit.Eventually(t, 2*time.Minute, "every message settled", func() bool {
+				// An outcome is counted once its attempt has returned
+				// through the chain, after the COMMIT that shows its rows.
 				return e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")) == events-1 &&
-					e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")) == 1
+					e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")) == 1 &&
+					c.messages(t, "billing", middleware.OutcomeOK)+c.messages(t, "billing", middleware.OutcomePoisoned) >= events
 			})
 			mu.Lock()
 			defer mu.Unlock()

@@ -432,27 +432,25 @@ func (b *batcher) leaveDuplicates(members []*member) []*member {
 // it tells every member so and returns nil.
 func (b *batcher) begin(ctx context.Context, members []*member) Transaction {
 	tx, err := b.c.stack.begin(ctx)
-	if err != nil && ctx.Err() != nil {
-		// The earliest deadline among them passed (waiting for a
-		// connection): each tries again until its own.
-		for _, m := range members {
-			m.done <- errBatchAborted
-		}
-		return nil
+	if err == nil {
+		return tx
 	}
-	if err != nil {
-		err = ownStatement(fmt.Errorf("inbox: begin transaction: %w", err))
-		for _, m := range members {
-			m.done <- err
-		}
-		return nil
+	// When the earliest deadline among them passed (waiting for a
+	// connection), each tries again until its own.
+	verdict := errBatchAborted
+	if ctx.Err() == nil {
+		verdict = ownStatement(fmt.Errorf("inbox: begin transaction: %w", err))
 	}
-	return tx
+	for _, m := range members {
+		m.done <- verdict
+	}
+	return nil
 }
 
 // uninbox deletes from tx the inbox rows that inboxAll inserted for left,
-// members a slow turn sent to another batch: committed with this batch,
-// they would make those messages duplicates of themselves, acked without
+// members whose effects this batch will not commit (a failed member, those
+// a slow turn sent to another batch): committed without their effects, the
+// rows would make those messages duplicates of themselves, acked without
 // an effect.
 func (b *batcher) uninbox(ctx context.Context, tx Transaction, left []*member) error {
 	var ids []string

@@ -21,8 +21,8 @@ import (
 )
 
 // BenchmarkConsumerThroughput consumes benchEvents events per iteration over
-// one broker with each of these consumers, all on the same Dispatcher over the subscriber bus.Run
-// would choose for the variant (so only the handler
+// one broker with each of these consumers, all on the same Dispatcher over
+// the subscriber bus.Run would choose for the variant (so only the handler
 // differs), and reports their rates in effects/s (one business row per
 // event) side by side:
 //
@@ -33,34 +33,39 @@ import (
 //     on, batch.max_messages 1 (one transaction and COMMIT per message);
 //   - batched: the chain with batch.max_messages 8 and 8 workers;
 //   - batched32: the chain with 32 workers and batch.max_messages 32;
+//   - batched128x32: the chain with 128 workers and batch.max_messages 32
+//     (four batches filling while others commit);
 //   - batchhandler: the chain as batched, with a batch handler (WrapBatch)
 //     writing each batch with one INSERT;
 //   - batchhandler32x8: the batch handler with 32 workers and
 //     batch.max_messages 8, so that batches fill while others commit;
-//   - batchhandler64x16: the batch handler with 64 workers and batches of
-//     16, and chain1x64, batch size 1 with the same 64 workers (which
-//     shows what the workers alone give);
+//   - batchhandler128x32: the batch handler with 128 workers and batches
+//     of 32, and chain1x64, batch size 1 with 64 workers (which shows what
+//     workers alone give; 128 backends at once would exceed PostgreSQL's
+//     default max_connections);
 //
-// then bare, chain1, batched, batched32, batchhandler, batchhandler64x16
+// then bare, chain1, batched, batched32, batchhandler, batchhandler128x32
 // and chain1x64 again with every COMMIT taking 2ms more (the *_flush2ms
 // rates), as one that waits for a disk flush or a synchronous standby
 // does: the local PostgreSQL of the test machine commits about as fast as
 // it runs a statement, which hides what batching saves. It reports the
-// ratios batched/chain1, batched32/chain1, batchhandler/chain1,
-// batchhandler/batched, batchhandler32x8/chain1, batchhandler64x16/chain1,
-// batchhandler64x16/chain1x64, batched/bare and, with the slow COMMIT,
-// batched/chain1_flush2ms, batched32/chain1_flush2ms,
-// batchhandler/chain1_flush2ms, batchhandler64x16/chain1_flush2ms and
-// batchhandler64x16/chain1x64_flush2ms, and the mean messages per batched
-// transaction (msgs/tx).
-// MILLRACE_BENCH_BROKERS picks the brokers (default gochannel, kafka, nats,
-// rabbitmq).
+// ratios batched/chain1, batched32/chain1, batched128x32/chain1,
+// batchhandler/chain1, batchhandler/batched, batchhandler32x8/chain1,
+// batchhandler128x32/chain1, batchhandler128x32/chain1x64, batched/bare
+// and, with the slow COMMIT, batched/chain1_flush2ms,
+// batched32/chain1_flush2ms, batchhandler/chain1_flush2ms,
+// batchhandler128x32/chain1_flush2ms and
+// batchhandler128x32/chain1x64_flush2ms, and the mean messages per batched
+// transaction (msgs/tx). MILLRACE_BENCH_BROKERS picks the brokers (default
+// gochannel, kafka, nats, rabbitmq).
 func BenchmarkConsumerThroughput(b *testing.B) {
 	for _, name := range benchBrokers() {
 		b.Run(name, func(b *testing.B) {
 			e := newEnv(b)
-			e.db.SetMaxIdleConns(128) // keep the workers' connections (64 at most) instead of reopening them
-			k := newKit(b, name, kitOptions{maxAckPending: 64})
+			e.db.SetMaxIdleConns(128) // keep the workers' connections instead of reopening them
+			// NATS hands out as many as the widest consumer holds (128
+			// workers, prefetch 256).
+			k := newKit(b, name, kitOptions{maxAckPending: 256})
 			noop := func(*message.Message) error { return nil }
 			bare := func(flush time.Duration) func(*message.Message) error {
 				return func(msg *message.Message) error {
@@ -104,16 +109,17 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 				{name: "chain1", cfg: batch(8, 1), chain: true, handle: chained},
 				{name: "batched", cfg: batch(8, 8), chain: true, handle: chained},
 				{name: "batched32", cfg: batch(32, 32), chain: true, handle: chained},
+				{name: "batched128x32", cfg: batch(128, 32), chain: true, handle: chained},
 				{name: "batchhandler", cfg: batch(8, 8), chain: true, batch: bulk},
 				{name: "batchhandler32x8", cfg: batch(32, 8), chain: true, batch: bulk},
-				{name: "batchhandler64x16", cfg: batch(64, 16), chain: true, batch: bulk},
+				{name: "batchhandler128x32", cfg: batch(128, 32), chain: true, batch: bulk},
 				{name: "chain1x64", cfg: batch(64, 1), chain: true, handle: chained},
 				{name: "bare_flush2ms", cfg: batch(8, 1), handle: bare(flush)},
 				{name: "chain1_flush2ms", cfg: batch(8, 1), chain: true, flush: flush, handle: chained},
 				{name: "batched_flush2ms", cfg: batch(8, 8), chain: true, flush: flush, handle: chained},
 				{name: "batched32_flush2ms", cfg: batch(32, 32), chain: true, flush: flush, handle: chained},
 				{name: "batchhandler_flush2ms", cfg: batch(8, 8), chain: true, flush: flush, batch: bulk},
-				{name: "batchhandler64x16_flush2ms", cfg: batch(64, 16), chain: true, flush: flush, batch: bulk},
+				{name: "batchhandler128x32_flush2ms", cfg: batch(128, 32), chain: true, flush: flush, batch: bulk},
 				{name: "chain1x64_flush2ms", cfg: batch(64, 1), chain: true, flush: flush, handle: chained},
 			}
 			if v := os.Getenv("MILLRACE_BENCH_VARIANTS"); v != "" {
@@ -138,10 +144,10 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 				}
 			}
 			for _, r := range [][2]string{
-				{"batched", "chain1"}, {"batched32", "chain1"}, {"batchhandler", "chain1"}, {"batchhandler", "batched"},
-				{"batchhandler32x8", "chain1"}, {"batchhandler64x16", "chain1"}, {"batchhandler64x16", "chain1x64"}, {"batched", "bare"},
+				{"batched", "chain1"}, {"batched32", "chain1"}, {"batched128x32", "chain1"}, {"batchhandler", "chain1"}, {"batchhandler", "batched"},
+				{"batchhandler32x8", "chain1"}, {"batchhandler128x32", "chain1"}, {"batchhandler128x32", "chain1x64"}, {"batched", "bare"},
 				{"batched_flush2ms", "chain1_flush2ms"}, {"batched32_flush2ms", "chain1_flush2ms"}, {"batchhandler_flush2ms", "chain1_flush2ms"},
-				{"batchhandler64x16_flush2ms", "chain1_flush2ms"}, {"batchhandler64x16_flush2ms", "chain1x64_flush2ms"},
+				{"batchhandler128x32_flush2ms", "chain1_flush2ms"}, {"batchhandler128x32_flush2ms", "chain1x64_flush2ms"},
 			} {
 				if rate[r[0]] > 0 && rate[r[1]] > 0 {
 					b.ReportMetric(rate[r[0]]/rate[r[1]], strings.TrimSuffix(r[0], "_flush2ms")+"/"+r[1])
@@ -282,8 +288,8 @@ func (v *benchVariant) consume(b *testing.B, k *kit, e *env, n int) {
 // their age when the consumer is done with them, from before the publish
 // to the return of the chain (the inbox transaction committed, the ack
 // next), in ms: chain1 (batch size 1), batched (batch.max_messages 8,
-// max_wait 2ms) and batchhandler64x16 (the batch handler, 64 workers,
-// batches of 16), per broker, with p99 of each batched consumer minus p99
+// max_wait 2ms) and batchhandler128x32 (the batch handler, 128 workers,
+// batches of 32), per broker, with p99 of each batched consumer minus p99
 // of chain1 (the promise: at a trickle a batch waits at most max_wait).
 // MILLRACE_BENCH_BROKERS picks the brokers.
 func BenchmarkConsumerEventAge(b *testing.B) {
@@ -307,7 +313,7 @@ func BenchmarkConsumerEventAge(b *testing.B) {
 			}{
 				{"chain1", batch(8, 1), false},
 				{"batched", batch(8, 8), false},
-				{"batchhandler64x16", batch(64, 16), true},
+				{"batchhandler128x32", batch(128, 32), true},
 			}
 			p99 := map[string]float64{}
 			for range b.N {
@@ -321,7 +327,7 @@ func BenchmarkConsumerEventAge(b *testing.B) {
 				}
 			}
 			b.ReportMetric(p99["batched"]-p99["chain1"], "batched-chain1_p99_ms")
-			b.ReportMetric(p99["batchhandler64x16"]-p99["chain1"], "batchhandler64x16-chain1_p99_ms")
+			b.ReportMetric(p99["batchhandler128x32"]-p99["chain1"], "batchhandler128x32-chain1_p99_ms")
 		})
 	}
 }

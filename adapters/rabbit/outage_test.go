@@ -170,8 +170,8 @@ func testMemoryAlarm(t *testing.T, node *servers.RabbitMQ) {
 	before := newMsg(`"before"`)
 	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, before)))
 
-	node.Ctl("set_vm_memory_high_watermark", "0")
-	t.Cleanup(func() { node.Ctl("set_vm_memory_high_watermark", "0.4") })
+	node.MemoryAlarm(true)
+	t.Cleanup(func() { node.MemoryAlarm(false) })
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	err := b.PublishBatch(ctx, outgoing(topic, newMsg(`"timed out"`)))
 	cancel()
@@ -220,7 +220,7 @@ func testMemoryAlarm(t *testing.T, node *servers.RabbitMQ) {
 	require.NoError(t, err)
 	require.Equal(t, before.UUID, receiveN(t, ch, 1)[0].UUID, "consuming goes on during the alarm")
 
-	node.Ctl("set_vm_memory_high_watermark", "0.4")
+	node.MemoryAlarm(false)
 	require.NoError(t, <-waited, "the waiting batch is confirmed once the alarm clears")
 	after := newMsg(`"after"`)
 	publishEventually(t, b, topic, after)

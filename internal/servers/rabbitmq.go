@@ -271,6 +271,30 @@ func (n *RabbitMQ) Ctl(args ...string) string {
 	return out
 }
 
+// MemoryAlarm raises the node's memory alarm (a memory high watermark of
+// 0) or clears it (the default watermark, 0.4), and returns once the node's
+// alarm list says so: rabbitmqctl returns before the memory monitor has
+// told the alarm handler, and a publish arriving in between is confirmed
+// as if there were no alarm.
+func (n *RabbitMQ) MemoryAlarm(raise bool) {
+	n.t.Helper()
+	watermark := "0.4"
+	if raise {
+		watermark = "0"
+	}
+	n.Ctl("set_vm_memory_high_watermark", watermark)
+	deadline := time.Now().Add(time.Minute)
+	for {
+		// The alarm handler has alerted the connections when it lists the alarm.
+		alarms := n.Ctl("eval", "rabbit_alarm:get_alarms().")
+		if strings.Contains(alarms, "resource_limit,memory") == raise {
+			return
+		}
+		require.True(n.t, time.Now().Before(deadline), "private RabbitMQ node %s: memory alarm still %v after a minute: %s", n.name, !raise, alarms)
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
 // ctl runs rabbitmqctl against the node, bounded by a minute.
 func (n *RabbitMQ) ctl(args ...string) (string, error) { return n.tool("rabbitmqctl", args...) }
 

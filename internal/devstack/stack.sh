@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Local stack for millrace's tests and demo: PostgreSQL, RabbitMQ and NATS
-# (JetStream) on their standard local ports, and a headless chromium for
-# the web console's browser tests.
+# (JetStream) on their standard local ports, pgbouncer (installed only: the
+# tests start private poolers) and a headless chromium for the web
+# console's browser tests.
 #
 #   stack.sh up [service...]  reuse running servers, start installed ones,
 #                    install missing ones with apt-get (Debian/Ubuntu) or
 #                    Homebrew (macOS); print what it did. Services:
-#                    postgres rabbitmq nats chromium (default: all four)
+#                    postgres rabbitmq nats pgbouncer chromium (default: all)
 #   stack.sh down    stop what `up` started, and nothing else
 #   stack.sh status  show what answers on each port
 #
@@ -14,14 +15,19 @@
 # a non-local host) is left alone. State lives in $MILLRACE_STACK_DIR (.stack).
 # MILLRACE_STACK_{PG,AMQP,NATS}_PORT move the ports the script looks at (its
 # own tests use them; millrace's default URLs name the standard ports).
+# MILLRACE_STACK_PGBOUNCER and MILLRACE_STACK_POLICY_RC_D move the paths of
+# Debian's pgbouncer binary and of policy-rc.d (for the same tests).
 # Docker users can run compose.yaml instead; the tests do not need Docker.
 set -euo pipefail
 
 PG_PORT=${MILLRACE_STACK_PG_PORT:-5432}
 AMQP_PORT=${MILLRACE_STACK_AMQP_PORT:-5672}
 NATS_PORT=${MILLRACE_STACK_NATS_PORT:-4222}
+PGBOUNCER=${MILLRACE_STACK_PGBOUNCER:-/usr/sbin/pgbouncer}
+POLICY_RC_D=${MILLRACE_STACK_POLICY_RC_D:-/usr/sbin/policy-rc.d}
 STATE_DIR=${MILLRACE_STACK_DIR:-.stack}
 STARTED="$STATE_DIR/started"
+POLICY_SAVED="" # the policy-rc.d install_no_start set aside
 mkdir -p "$STATE_DIR"
 touch "$STARTED"
 
@@ -176,6 +182,61 @@ up_nats() {
 	say nats "started nats-server with JetStream on 127.0.0.1:$NATS_PORT (data in $STATE_DIR/nats)"
 }
 
+# pgbouncer_bin prints the pgbouncer binary: on PATH, else Debian's (a
+# user's PATH on Debian has no /usr/sbin).
+pgbouncer_bin() {
+	command -v pgbouncer && return
+	[ -x "$PGBOUNCER" ] && echo "$PGBOUNCER"
+}
+
+# install_no_start installs $1 with apt-get and lets no service start
+# meanwhile: a Debian package's maintainer scripts start its service through
+# invoke-rc.d or deb-systemd-invoke, which ask policy-rc.d first and start
+# nothing when it exits 101. A policy-rc.d that refuses $1 already is left
+# alone; another is set aside during the install and put back after.
+install_no_start() {
+	local rc=0
+	if [ -e "$POLICY_RC_D" ]; then
+		"$POLICY_RC_D" "$1" start >/dev/null 2>&1 || rc=$?
+		if [ "$rc" = 101 ]; then install "$1"; return; fi
+		POLICY_SAVED="$POLICY_RC_D.make-up-saved"
+		as_root mv "$POLICY_RC_D" "$POLICY_SAVED"
+	fi
+	# An interrupted install must not leave every service refused.
+	trap restore_policy EXIT
+	trap 'exit 130' INT TERM
+	as_root bash -c 'printf "#!/bin/sh\n# make up: no service starts while it installs packages\nexit 101\n" >"$1" && chmod 755 "$1"' _ "$POLICY_RC_D"
+	install "$1"
+	restore_policy
+	trap - EXIT INT TERM
+}
+
+# restore_policy removes the policy-rc.d install_no_start wrote and puts
+# back the one it set aside, if any.
+restore_policy() {
+	as_root rm -f "$POLICY_RC_D"
+	if [ -n "$POLICY_SAVED" ]; then as_root mv "$POLICY_SAVED" "$POLICY_RC_D"; fi
+	POLICY_SAVED=""
+}
+
+# Tests start private PgBouncers of their own (internal/servers), so `up`
+# installs the binary only. Debian's package would also start a
+# system-wide pgbouncer on port 6432 and enable it at boot; Homebrew's
+# starts nothing unless asked (brew services).
+up_pgbouncer() {
+	local bin
+	if bin=$(pgbouncer_bin); then say pgbouncer "found $bin"; return; fi
+	if macos; then
+		install pgbouncer
+		say pgbouncer "installed $(command -v pgbouncer)"
+		return
+	fi
+	install_no_start pgbouncer
+	as_root update-rc.d pgbouncer disable >/dev/null
+	bin=$(pgbouncer_bin) || die "pgbouncer was installed but is neither on PATH nor $PGBOUNCER"
+	say pgbouncer "installed $bin ($("$bin" --version | head -n1)); its system service neither started nor enabled"
+}
+
 # The console's browser tests (bus/console) drive chromium headless; they
 # fail, naming this target, when it is missing.
 up_chromium() {
@@ -217,20 +278,22 @@ status() {
 	for p in postgresql:$PG_PORT rabbitmq:$AMQP_PORT nats:$NATS_PORT; do
 		if port_open "${p#*:}"; then say "${p%:*}" "up on 127.0.0.1:${p#*:}"; else say "${p%:*}" "down"; fi
 	done
+	if pgbouncer_bin >/dev/null; then say pgbouncer "installed"; else say pgbouncer "missing (make up installs it)"; fi
 	if command -v chromium >/dev/null || [ -x /Applications/Chromium.app/Contents/MacOS/Chromium ]; then say chromium "installed"; else say chromium "missing (make up installs it)"; fi
 }
 
 case "${1:-}" in
 up)
 	shift
-	[ $# -gt 0 ] || set -- postgres rabbitmq nats chromium
+	[ $# -gt 0 ] || set -- postgres rabbitmq nats pgbouncer chromium
 	for svc in "$@"; do
 		case "$svc" in
 		postgres) up_postgres ;;
 		rabbitmq) up_rabbitmq ;;
 		nats) up_nats ;;
+		pgbouncer) up_pgbouncer ;;
 		chromium) up_chromium ;;
-		*) die "unknown service $svc (postgres, rabbitmq, nats, chromium)" ;;
+		*) die "unknown service $svc (postgres, rabbitmq, nats, pgbouncer, chromium)" ;;
 		esac
 	done
 	;;

@@ -83,7 +83,7 @@ type stack struct {
 func newStack(t *testing.T, ports map[string]int) *stack {
 	t.Helper()
 	s := &stack{t: t, bin: t.TempDir(), dir: t.TempDir()}
-	for _, tool := range []string{"bash", "env", "mkdir", "touch", "grep", "cat", "id", "sleep", "nohup", "ls", "sort", "tail", "head", "kill", "pwd", "rm"} {
+	for _, tool := range []string{"bash", "env", "mkdir", "touch", "grep", "cat", "id", "sleep", "nohup", "ls", "sort", "tail", "head", "kill", "pwd", "rm", "mv", "chmod"} {
 		p, err := exec.LookPath(tool)
 		if err != nil {
 			continue // a shell builtin on this system
@@ -264,4 +264,73 @@ func TestUnknownServiceIsAnError(t *testing.T) {
 	out, err := s.run("up", "kafka")
 	require.Error(t, err)
 	require.Contains(t, out, "unknown service kafka")
+}
+
+// Debian's pgbouncer package is installed with every service start refused
+// (its maintainer scripts would start a system-wide pgbouncer) and its
+// service disabled at boot; a policy-rc.d already there is kept as it was,
+// also when the install fails.
+func TestPgBouncerIsInstalledWithoutItsService(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name, policy string // the policy-rc.d there before ("": none)
+		aptFails     bool
+	}{
+		{name: "no policy"},
+		{name: "refusing policy", policy: "#!/bin/sh\nexit 101\n"},
+		{name: "permissive policy", policy: "#!/bin/sh\nexit 0\n"},
+		{name: "permissive policy, failed install", policy: "#!/bin/sh\nexit 0\n", aptFails: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			s := newStack(t, nil)
+			policy, bin := filepath.Join(s.dir, "policy-rc.d"), filepath.Join(s.dir, "sbin", "pgbouncer")
+			s.env = append(s.env, "MILLRACE_STACK_POLICY_RC_D="+policy, "MILLRACE_STACK_PGBOUNCER="+bin)
+			if tc.policy != "" {
+				require.NoError(t, os.WriteFile(policy, []byte(tc.policy), 0o755))
+			}
+			s.fake("uname", `echo Linux`)
+			s.fake("sudo", `exec "$@"`)
+			s.fake("update-rc.d", ``)
+			// apt-get install records what policy-rc.d says of starting
+			// pgbouncer, then installs a fake binary where Debian's goes.
+			s.fake("apt-get", fmt.Sprintf(`
+[ "$1" = install ] || exit 0
+"$MILLRACE_STACK_POLICY_RC_D" pgbouncer start; echo "policy says $?" >>"$FAKE_LOG"
+%v && exit 1
+mkdir -p %q && printf '#!/bin/sh\necho PgBouncer 1.18.0\n' >%q && chmod 755 %[3]q`, tc.aptFails, filepath.Dir(bin), bin))
+
+			out, err := s.run("status")
+			require.NoError(t, err, out)
+			require.Regexp(t, `pgbouncer +missing \(make up installs it\)`, out)
+
+			out, err = s.run("up", "pgbouncer")
+			calls := s.calls()
+			require.Contains(t, calls, "apt-get install -y -qq pgbouncer")
+			require.Contains(t, calls, "policy says 101", "the install ran with service starts allowed")
+			kept, readErr := os.ReadFile(policy)
+			if tc.policy == "" {
+				require.True(t, os.IsNotExist(readErr), "the policy-rc.d written for the install is still there")
+			} else {
+				require.NoError(t, readErr, "the policy-rc.d that was there is gone")
+				require.Equal(t, tc.policy, string(kept))
+			}
+			if tc.aptFails {
+				require.Error(t, err, out)
+				require.NotContains(t, calls, "update-rc.d")
+				return
+			}
+			require.NoError(t, err, out)
+			require.Contains(t, out, "installed "+bin+" (PgBouncer 1.18.0); its system service neither started nor enabled")
+			require.Contains(t, calls, "update-rc.d pgbouncer disable")
+
+			out, err = s.run("status")
+			require.NoError(t, err, out)
+			require.Regexp(t, `pgbouncer +installed`, out)
+			out, err = s.run("up", "pgbouncer")
+			require.NoError(t, err, out)
+			require.Contains(t, out, "found "+bin)
+			require.Equal(t, 1, strings.Count(s.calls(), "apt-get install"), "installed twice")
+		})
+	}
 }

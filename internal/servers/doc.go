@@ -16,6 +16,17 @@
 // go command, into the user cache directory under a name holding the
 // version, where later runs find it. NATS_SERVER_BIN names another binary.
 //
+// A private PostgreSQL cluster takes more postgresql.conf settings from
+// PostgreSQLOptions (StartPostgreSQLWith). StartPrimaryStandby makes a
+// primary and a hot standby streaming from it, synchronous or not, for
+// failover tests: crash the primary, promote the standby, and reach
+// whichever takes writes through a multi-host URL with
+// target_session_attrs=read-write; WALPosition and Behind tell how much of
+// the primary's write-ahead log the standby has replayed.
+//
+// PostgreSQL refuses to run as root: a test running as root runs it as
+// the OS user postgres, through runuser.
+//
 // StartNetns makes a network namespace joined to the host by a veth pair
 // whose link Cut and Heal take down and up again; a cluster from
 // StartNATSClusterPartitionable or StartRabbitMQClusterPartitionable runs

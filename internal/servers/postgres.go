@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"os/user"
 	"path/filepath"
 	"sort"
 	"strconv"
@@ -27,14 +26,23 @@ type PostgreSQL struct {
 
 	t       testing.TB
 	bin     string // directory holding initdb and pg_ctl
-	runAs   string // OS user to run PostgreSQL's programs as; "" for this process's
-	uid     int    // runAs's user and group ids
-	gid     int
-	runuser string
+	as      osUser // runs PostgreSQL's programs
 	dir     string
 	data    string
 	logFile string
 	port    int
+}
+
+// PostgreSQLOptions configures a private cluster beyond the package's own
+// settings (trust authentication, fsync off, max_connections 200).
+type PostgreSQLOptions struct {
+	// Conf is appended to postgresql.conf after the package's settings (the
+	// last setting of a name wins), e.g. "wal_level = logical\n".
+	Conf string
+	// CertFile and KeyFile, when set, turn TLS on (ssl = on): the server
+	// presents this certificate and key. Clients may still connect
+	// without TLS.
+	CertFile, KeyFile string
 }
 
 // postgresBinDir finds initdb (on PATH, else the newest
@@ -69,7 +77,7 @@ func majorVersion(initdb string) int {
 // is not installed.
 func StartPostgreSQL(t testing.TB) *PostgreSQL {
 	t.Helper()
-	return startPostgreSQL(t, "", "")
+	return StartPostgreSQLWith(t, PostgreSQLOptions{})
 }
 
 // StartPostgreSQLWithTLS is StartPostgreSQL with TLS on (ssl = on), the
@@ -77,10 +85,32 @@ func StartPostgreSQL(t testing.TB) *PostgreSQL {
 // Clients may still connect without TLS.
 func StartPostgreSQLWithTLS(t testing.TB, certFile, keyFile string) *PostgreSQL {
 	t.Helper()
-	return startPostgreSQL(t, certFile, keyFile)
+	return StartPostgreSQLWith(t, PostgreSQLOptions{CertFile: certFile, KeyFile: keyFile})
 }
 
-func startPostgreSQL(t testing.TB, certFile, keyFile string) *PostgreSQL {
+// StartPostgreSQLWith is StartPostgreSQL configured by opts.
+func StartPostgreSQLWith(t testing.TB, opts PostgreSQLOptions) *PostgreSQL {
+	t.Helper()
+	return initPostgreSQL(t, opts, "")
+}
+
+// initPostgreSQL makes a cluster with initdb, configures it (see
+// configure) and starts it. initdb's pg_hba.conf trusts every user of
+// 127.0.0.1, for replication too.
+func initPostgreSQL(t testing.TB, opts PostgreSQLOptions, more string) *PostgreSQL {
+	t.Helper()
+	p := newPostgreSQL(t)
+	began := time.Now()
+	p.run("initdb", "-D", p.data, "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-locale", "--no-sync")
+	p.configure(opts, more)
+	t.Logf("private PostgreSQL cluster on port %d made by initdb in %s", p.port, time.Since(began).Round(time.Millisecond))
+	p.Start()
+	return p
+}
+
+// newPostgreSQL prepares a private cluster (port, directory, the user to
+// run it as, cleanup) whose data directory is still to be made.
+func newPostgreSQL(t testing.TB) *PostgreSQL {
 	t.Helper()
 	bin, ok := postgresBinDir()
 	if !ok {
@@ -95,35 +125,37 @@ func startPostgreSQL(t testing.TB, certFile, keyFile string) *PostgreSQL {
 	}
 	p.dir, p.data, p.logFile = dir, filepath.Join(dir, "data"), filepath.Join(dir, "postgres.log")
 	p.URL = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", p.port)
-	if os.Geteuid() == 0 {
-		p.runAs = "postgres"
-		if err := p.chownToRunAs(); err != nil {
-			_ = os.RemoveAll(dir)
-			t.Fatalf("PostgreSQL does not run as root, and running it as the OS user postgres is not possible: %v", err)
-		}
+	if p.as, err = serverUser(dir); err != nil {
+		_ = os.RemoveAll(dir)
+		t.Fatalf("PostgreSQL does not run as root, and running it as the OS user postgres is not possible: %v", err)
 	}
 	watch(t, "private PostgreSQL cluster", dir,
 		p.shellCommand("pg_ctl", "-D", p.data, "stop", "-m", "immediate", "-w")+" >/dev/null 2>&1", p.Stop)
+	return p
+}
 
-	began := time.Now()
-	p.run("initdb", "-D", p.data, "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-locale", "--no-sync")
+// configure appends the cluster's own settings, then more, then opts.Conf
+// to postgresql.conf, and copies in opts' TLS files.
+func (p *PostgreSQL) configure(opts PostgreSQLOptions, more string) {
+	p.t.Helper()
 	conf := fmt.Sprintf(`
 listen_addresses = '127.0.0.1'
 port = %d
 unix_socket_directories = '%s'
 fsync = off
 max_connections = 200
-`, p.port, p.data)
-	if certFile != "" {
+`, p.port, p.data) + more
+	if opts.CertFile != "" {
 		// server.crt and server.key in the data directory are PostgreSQL's
 		// defaults; the key must belong to the server's user, mode 0600.
-		for dst, src := range map[string]string{"server.crt": certFile, "server.key": keyFile} {
+		for dst, src := range map[string]string{"server.crt": opts.CertFile, "server.key": opts.KeyFile} {
 			if err := p.copyIn(src, dst); err != nil {
-				t.Fatalf("give the private PostgreSQL cluster its TLS files: %v", err)
+				p.t.Fatalf("give the private PostgreSQL cluster its TLS files: %v", err)
 			}
 		}
 		conf += "ssl = on\n"
 	}
+	conf += opts.Conf + "\n"
 	f, err := os.OpenFile(filepath.Join(p.data, "postgresql.conf"), os.O_WRONLY|os.O_APPEND, 0)
 	if err == nil {
 		_, err = f.WriteString(conf)
@@ -132,39 +164,8 @@ max_connections = 200
 		}
 	}
 	if err != nil {
-		t.Fatalf("configure the private PostgreSQL cluster: %v", err)
+		p.t.Fatalf("configure the private PostgreSQL cluster: %v", err)
 	}
-	t.Logf("private PostgreSQL cluster on port %d made by initdb in %s", p.port, time.Since(began).Round(time.Millisecond))
-	p.Start()
-	return p
-}
-
-// chownToRunAs hands the cluster's directory to the runAs user and finds
-// runuser to run PostgreSQL's programs as that user.
-func (p *PostgreSQL) chownToRunAs() error {
-	u, err := user.Lookup(p.runAs)
-	if err != nil {
-		return err
-	}
-	uid, err := strconv.Atoi(u.Uid)
-	if err != nil {
-		return err
-	}
-	gid, err := strconv.Atoi(u.Gid)
-	if err != nil {
-		return err
-	}
-	if err := os.Chown(p.dir, uid, gid); err != nil {
-		return err
-	}
-	p.uid, p.gid = uid, gid
-	for _, c := range []string{"runuser", "/usr/sbin/runuser", "/sbin/runuser"} {
-		if path, err := exec.LookPath(c); err == nil {
-			p.runuser = path
-			return nil
-		}
-	}
-	return fmt.Errorf("runuser not found")
 }
 
 // copyIn copies the file src into the data directory as name, readable
@@ -178,20 +179,13 @@ func (p *PostgreSQL) copyIn(src, name string) error {
 	if err := os.WriteFile(dst, data, 0o600); err != nil {
 		return err
 	}
-	if p.runAs != "" {
-		return os.Chown(dst, p.uid, p.gid)
-	}
-	return nil
+	return p.as.chown(dst)
 }
 
-// command returns the command that runs PostgreSQL's program name with args,
-// as the runAs user when there is one.
+// command returns the command that runs PostgreSQL's program name with args
+// as the cluster's user.
 func (p *PostgreSQL) command(name string, args ...string) *exec.Cmd {
-	path := filepath.Join(p.bin, name)
-	if p.runAs == "" {
-		return exec.Command(path, args...)
-	}
-	return exec.Command(p.runuser, append([]string{"-u", p.runAs, "--", path}, args...)...)
+	return p.as.command(filepath.Join(p.bin, name), args...)
 }
 
 // shellCommand is command as a /bin/sh command line.
@@ -266,6 +260,37 @@ func (p *PostgreSQL) Restart() {
 	p.Crash()
 	p.Start()
 	p.t.Logf("private PostgreSQL cluster on port %d crash-restarted in %s", p.port, time.Since(began).Round(time.Millisecond))
+}
+
+// Promote makes a standby a primary (pg_ctl promote) and returns once it
+// accepts writes.
+func (p *PostgreSQL) Promote() {
+	p.t.Helper()
+	began := time.Now()
+	p.run("pg_ctl", "-D", p.data, "promote", "-w", "-t", "120")
+	p.t.Logf("private PostgreSQL cluster on port %d promoted in %s", p.port, time.Since(began).Round(time.Millisecond))
+}
+
+// WALPosition returns how far the cluster's write-ahead log goes, as
+// PostgreSQL prints a log sequence number (0/3000148): on a primary, as
+// far as it has written (pg_current_wal_lsn); on a standby, as far as it
+// has replayed (pg_last_wal_replay_lsn).
+func (p *PostgreSQL) WALPosition(ctx context.Context) (string, error) {
+	var lsn string
+	err := p.queryRow(ctx, `SELECT CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
+		ELSE pg_current_wal_lsn() END::text`, nil, &lsn)
+	return lsn, err
+}
+
+// queryRow runs query with args on the cluster, on a connection of its
+// own, and scans its one row into dest.
+func (p *PostgreSQL) queryRow(ctx context.Context, query string, args []any, dest ...any) error {
+	db, err := sql.Open("pgx", p.URL)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	return db.QueryRowContext(ctx, query, args...).Scan(dest...)
 }
 
 // stop runs pg_ctl stop in mode, if the cluster runs (has a postmaster.pid).

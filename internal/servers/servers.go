@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"os/user"
 	"strconv"
 	"strings"
 	"sync"
@@ -113,4 +114,61 @@ func killByPIDFile(signal, pidFile string) string {
 	kill -%[2]s "$pid"
 	while kill -0 "$pid" 2>/dev/null; do sleep 0.2; done
 fi`, shellQuote(pidFile), signal)
+}
+
+// osUser is the OS user a server that refuses to run as root (PostgreSQL,
+// PgBouncer) runs as: postgres when the test runs as root, through
+// runuser; this process's user otherwise (name "").
+type osUser struct {
+	name     string
+	uid, gid int
+	runuser  string
+}
+
+// serverUser returns the user to run the server whose files are in dir
+// as, and gives dir to that user.
+func serverUser(dir string) (osUser, error) {
+	if os.Geteuid() != 0 {
+		return osUser{}, nil
+	}
+	u, err := user.Lookup("postgres")
+	if err != nil {
+		return osUser{}, err
+	}
+	uid, err := strconv.Atoi(u.Uid)
+	if err != nil {
+		return osUser{}, err
+	}
+	gid, err := strconv.Atoi(u.Gid)
+	if err != nil {
+		return osUser{}, err
+	}
+	as := osUser{name: u.Username, uid: uid, gid: gid}
+	if err := as.chown(dir); err != nil {
+		return osUser{}, err
+	}
+	for _, c := range []string{"runuser", "/usr/sbin/runuser", "/sbin/runuser"} {
+		if path, err := exec.LookPath(c); err == nil {
+			as.runuser = path
+			return as, nil
+		}
+	}
+	return osUser{}, fmt.Errorf("runuser not found")
+}
+
+// chown gives path to the user; it does nothing for this process's user.
+func (u osUser) chown(path string) error {
+	if u.name == "" {
+		return nil
+	}
+	return os.Chown(path, u.uid, u.gid)
+}
+
+// command returns the command that runs the program at path with args as
+// the user.
+func (u osUser) command(path string, args ...string) *exec.Cmd {
+	if u.name == "" {
+		return exec.Command(path, args...)
+	}
+	return exec.Command(u.runuser, append([]string{"-u", u.name, "--", path}, args...)...)
 }

@@ -1,8 +1,8 @@
 // Package servers starts private, restartable real servers for tests:
-// RabbitMQ, NATS with JetStream and PostgreSQL. Each test gets a server
-// process of its own, on its own free ports and in its own data directory,
-// so it may stop, restart or crash that server without disturbing the
-// shared servers that tests running in parallel use.
+// RabbitMQ, NATS with JetStream, PostgreSQL and PgBouncer. Each test gets a
+// server process of its own, on its own free ports and in its own data
+// directory, so it may stop, restart or crash that server without
+// disturbing the shared servers that tests running in parallel use.
 //
 // Every server is stopped when its test ends and its files are removed
 // unless the test failed (then the test log names where they were kept). A
@@ -24,8 +24,18 @@
 // target_session_attrs=read-write; WALPosition and Behind tell how much of
 // the primary's write-ahead log the standby has replayed.
 //
-// PostgreSQL refuses to run as root: a test running as root runs it as
-// the OS user postgres, through runuser.
+// StartPgBouncer puts a private PgBouncer (the system's pgbouncer binary,
+// Debian's 1.18 where `make up` installed it) in front of a private
+// cluster or the shared server, in transaction pooling mode with a few
+// server connections per database, so that clients share server sessions
+// as they do in production: session state (prepared statements, SET,
+// advisory locks) does not follow a client from one transaction to the
+// next. pgx's default statement cache fails through it; its
+// simple_protocol, exec and cache_describe modes work, describe_exec only
+// inside transactions.
+//
+// PostgreSQL and PgBouncer refuse to run as root: a test running as root
+// runs them as the OS user postgres, through runuser.
 //
 // StartNetns makes a network namespace joined to the host by a veth pair
 // whose link Cut and Heal take down and up again; a cluster from

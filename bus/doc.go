@@ -105,6 +105,15 @@
 // transaction of their kind; a handler that does so is poisoned at once
 // with that reason.
 //
+// Every statement millrace runs works in each of pgx's query exec modes
+// (default_query_exec_mode in database.url, or the DefaultQueryExecMode of
+// the pool's pgx.ConnConfig for OpenPgx and MigratePgx), and writes what
+// Publish accepts byte for byte in each: a service behind a pooler in
+// transaction mode that keeps no prepared statements (PgBouncer before
+// 1.21) uses exec or simple_protocol. The relay holds an advisory lock and
+// a LISTEN on its connection, which such a pooler does not keep: run it on
+// a direct connection.
+//
 // # CloudEvents
 //
 // With outbox.cloudevents.enabled, every event also carries the

@@ -13,6 +13,14 @@
 // the transaction its caller holds, if any. The inbox statements need only
 // an Execer, which the consumer chain's pgx transactions provide too; the
 // outbox write has a pgx twin (WriteOutboxPgx) for callers holding a pgx.Tx.
+//
+// Every statement works in each of pgx's query exec modes, the exec and
+// simple_protocol modes a pooler in transaction mode calls for included.
+// Those modes encode an argument by its Go type, not by the type of the
+// parameter in the statement: a JSON or JSONB column gets a string, never a
+// []byte (which they send as bytea); a BYTEA column gets a []byte; a
+// time.Time goes to a TIMESTAMPTZ column (a TIMESTAMP one would ignore the
+// zone of the text they send).
 package store
 
 import (

@@ -17,8 +17,18 @@ const rowsPerInsert = 1000
 
 // WriteOutbox inserts rows (each a Watermill forwarder envelope as its
 // payload) into the outbox in tx, through watermill-sql's PostgreSQL
-// insert, in statements of at most 1000 rows.
+// insert, in statements of at most 1000 rows, in every query exec mode of
+// pgx.
 func (t Tables) WriteOutbox(ctx context.Context, tx DBTX, rows []*message.Message) error {
+	return t.writeOutbox(rows, func(query string, args []any) error {
+		_, err := tx.ExecContext(ctx, query, args...)
+		return err
+	})
+}
+
+// writeOutbox runs exec with each INSERT of rows: watermill-sql's
+// PostgreSQL insert of at most rowsPerInsert rows, its arguments as text.
+func (t Tables) writeOutbox(rows []*message.Message, exec func(query string, args []any) error) error {
 	schema := t.SchemaAdapter()
 	for start := 0; start < len(rows); start += rowsPerInsert {
 		chunk := rows[start:min(start+rowsPerInsert, len(rows))]
@@ -26,11 +36,27 @@ func (t Tables) WriteOutbox(ctx context.Context, tx DBTX, rows []*message.Messag
 		if err != nil {
 			return fmt.Errorf("build outbox insert: %w", err)
 		}
-		if _, err := tx.ExecContext(ctx, q.Query, q.Args...); err != nil {
+		if err := exec(q.Query, jsonArgs(q.Args)); err != nil {
 			return fmt.Errorf("write %d events to outbox %s: %w", len(chunk), t.OutboxTable(), err)
 		}
 	}
 	return nil
+}
+
+// jsonArgs turns the []byte arguments of a statement writing JSON columns
+// (the payload and metadata watermill-sql's insert passes as []byte) into
+// strings, in place. pgx encodes a []byte as bytea wherever it does not ask
+// the server for the parameter's type first (the exec and simple_protocol
+// query exec modes, which a pooler in transaction mode calls for), and a
+// JSON column refuses bytea's text ("invalid input syntax for type json");
+// a string is sent as the text it holds, byte for byte, in every mode.
+func jsonArgs(args []any) []any {
+	for i, a := range args {
+		if b, ok := a.([]byte); ok {
+			args[i] = string(b)
+		}
+	}
+	return args
 }
 
 // Missing returns the first of tables (qualified names, such as

@@ -2,7 +2,6 @@ package store
 
 import (
 	"context"
-	"fmt"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -16,9 +15,8 @@ type PgxExecer interface {
 
 // WriteOutboxPgx is WriteOutbox on a pgx transaction: the same statements,
 // built by watermill-sql's PostgreSQL schema adapter from the same rows, so
-// the outbox rows are byte for byte the ones WriteOutbox writes (pgx encodes
-// the []byte payload and metadata arguments into the JSON columns as they
-// are, through database/sql or not).
+// the outbox rows are byte for byte the ones WriteOutbox writes, in every
+// query exec mode of pgx, through database/sql or not.
 //
 // Many rows go in one multi-row INSERT per 1000 rows, one round trip, rather
 // than a pgx.Batch of single-row INSERTs, which pipelines as one round trip
@@ -29,16 +27,8 @@ type PgxExecer interface {
 // 2-core machine shared with other test runs (load average 9-10), local
 // PostgreSQL 15.
 func (t Tables) WriteOutboxPgx(ctx context.Context, tx PgxExecer, rows []*message.Message) error {
-	schema := t.SchemaAdapter()
-	for start := 0; start < len(rows); start += rowsPerInsert {
-		chunk := rows[start:min(start+rowsPerInsert, len(rows))]
-		q, err := schema.InsertQuery(t.OutboxTopic, chunk)
-		if err != nil {
-			return fmt.Errorf("build outbox insert: %w", err)
-		}
-		if _, err := tx.Exec(ctx, q.Query, q.Args...); err != nil {
-			return fmt.Errorf("write %d events to outbox %s: %w", len(chunk), t.OutboxTable(), err)
-		}
-	}
-	return nil
+	return t.writeOutbox(rows, func(query string, args []any) error {
+		_, err := tx.Exec(ctx, query, args...)
+		return err
+	})
 }

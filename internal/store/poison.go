@@ -44,6 +44,7 @@ func (t Tables) StorePoisoned(ctx context.Context, db DBTX, p Poisoned) error {
 	if err != nil {
 		return fmt.Errorf("encode metadata: %w", err)
 	}
+	metadata := string(metaJSON) // text for the jsonb column, in every query exec mode: see jsonArgs
 	payload := p.Payload
 	if payload == nil {
 		payload = []byte{}
@@ -60,7 +61,7 @@ ON CONFLICT (consumer_group, handler, message_id) DO UPDATE SET
 	traceparent = EXCLUDED.traceparent, poisoned_at = EXCLUDED.poisoned_at,
 	times_poisoned = p.times_poisoned + 1, replayed_at = NULL`,
 		p.ConsumerGroup, p.Handler, p.SourceTopic, clean(p.MessageID), clean(p.EventID), clean(p.EventType),
-		payload, metaJSON, clean(p.Reason), p.ErrorClass, p.Attempts, p.FirstFailureAt, p.LastFailureAt,
+		payload, metadata, clean(p.Reason), p.ErrorClass, p.Attempts, p.FirstFailureAt, p.LastFailureAt,
 		clean(p.Traceparent), p.PoisonedAt)
 	if err != nil {
 		return fmt.Errorf("insert into %s: %w", t.PoisonTable(), err)

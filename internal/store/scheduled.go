@@ -64,7 +64,7 @@ func (t Tables) scheduledInsert(rows []Scheduled) (string, []any, error) {
 		fmt.Fprintf(&b, "(%s,%s,coalesce(%s::timestamptz, clock_timestamp() + make_interval(secs => %s::float8)),%s,%s,%s,%s,%s,%s,%s)",
 			p(1), p(2), p(3), p(4), p(5), p(6), p(7), p(8), p(9), p(10), p(11))
 		args = append(args, t.OutboxTopic, r.ID, at, r.Delay.Seconds(), r.Topic, r.Type, r.AggregateType, r.AggregateID,
-			r.Row.UUID, []byte(r.Row.Payload), metadata)
+			r.Row.UUID, string(r.Row.Payload), string(metadata)) // text for the JSON columns, in every query exec mode: see jsonArgs
 	}
 	return b.String(), args, nil
 }

@@ -1,6 +1,7 @@
 package forwarder
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"errors"
@@ -24,12 +25,13 @@ type outboxRow struct {
 	quarantine string
 }
 
-// forwardBatch reads one batch in a transaction that locks the relay's
-// offsets row, publishes it, and acks the longest prefix of rows the broker
-// confirmed (or that were quarantined). It returns how many rows it acked,
-// whether rows past them are hidden for now by an older open transaction,
-// and an error when it stopped at a retryable failure.
-func (f *Forwarder) forwardBatch(ctx context.Context) (handled int, hidden bool, err error) {
+// forwardBatch reads one batch (a single statement: the relay holds no
+// transaction while the broker confirms), publishes it, and records the
+// position after the longest prefix of rows the broker confirmed (or that
+// were quarantined), fenced by the relay's lease. It returns how many rows
+// it handled, and an error when it stopped at a retryable failure, or
+// store.ErrLeaseLost when another relay has taken the lease.
+func (f *Forwarder) forwardBatch(ctx context.Context) (handled int, err error) {
 	// The batch may outlive ctx by shutdown_timeout so that a stopping relay
 	// acks what the broker already confirmed.
 	work, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
@@ -41,52 +43,122 @@ func (f *Forwarder) forwardBatch(ctx context.Context) (handled int, hidden bool,
 	defer stop()
 
 	began := time.Now()
-	tx, err := f.db.BeginTx(work, &sql.TxOptions{Isolation: f.tables.RelayIsolation()})
+	b, rows, ok := f.takeAhead()
+	if !ok {
+		b, err = f.tables.ReadBatch(work, f.db, f.cursor, f.pos, f.cfg.BatchSize)
+		rows = f.unwrap(b.Rows)
+	}
+	f.recordRead(began, len(rows), err)
 	if err != nil {
-		f.recordRead(began, 0, false, err)
-		return 0, false, fmt.Errorf("begin batch: %w", err)
+		return 0, err
 	}
-	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
-
-	rows, hidden, ok, err := f.takeAhead(work, tx)
-	if err == nil && !ok {
-		rows, hidden, err = f.readBatch(work, tx)
+	whole := f.cursor.Shards <= 1
+	rows, foreign := f.ownRows(rows)
+	if len(rows) == 0 && foreign != nil {
+		return 0, foreign
 	}
-	f.recordRead(began, len(rows), hidden, err)
-	if err != nil || len(rows) == 0 {
-		if err == nil {
-			err = tx.Commit()
-		}
-		return 0, hidden, err
+	if len(rows) == 0 {
+		// Nothing to forward, but pending transactions may have ended.
+		return 0, f.advance(work, b, 0, whole, nil)
 	}
 	if len(rows) == f.cfg.BatchSize {
 		// A full batch: more is likely pending, so read it while this one
 		// is published and acked.
-		f.readAhead(ctx, store.PositionOf(rows[len(rows)-1].row))
+		f.readAhead(ctx, f.pos.Advance(b, len(rows), whole))
 	}
-
 	confirmed, publishErr := f.publish(work, rows)
 	if confirmed == 0 {
-		return 0, hidden, publishErr
+		return 0, cmp.Or(publishErr, foreign)
 	}
-	if err := f.ack(work, tx, rows[:confirmed]); err != nil {
-		return 0, hidden, err
-	}
-	if err := tx.Commit(); err != nil {
-		return 0, hidden, fmt.Errorf("commit batch: %w", err)
+	if err := f.advance(work, b, confirmed, whole, rows[:confirmed]); err != nil {
+		return 0, err
 	}
 	f.recordBatch(rows[:confirmed])
-	return confirmed, hidden, publishErr
+	return confirmed, cmp.Or(publishErr, foreign)
 }
 
-// readBatch reads the next batch (store.ReadBatch: the FOR UPDATE lock on
-// the offsets row and the xid8 visibility rule) and unwraps it.
-func (f *Forwarder) readBatch(ctx context.Context, tx *sql.Tx) (rows []outboxRow, hidden bool, err error) {
-	read, hidden, err := f.tables.ReadBatch(ctx, tx, f.cursor, f.cfg.BatchSize)
-	if err != nil {
-		return nil, false, err
+// ownRows returns the rows before the first one a service of another
+// broker.kind wrote, and an error naming both kinds when there is one:
+// that row and the rows after it (in order) wait for a relay of its kind.
+func (f *Forwarder) ownRows(rows []outboxRow) ([]outboxRow, error) {
+	if f.kind == "" {
+		return rows, nil
 	}
-	return f.unwrap(read), hidden, nil
+	for i, r := range rows {
+		if other := store.ForeignBroker(r.row.Metadata, f.stamp); other != "" {
+			err := &store.BrokerChangeError{Recorded: other, Wanted: f.kind, Offset: r.row.Offset}
+			return rows[:i], fmt.Errorf("broker.kind: %w; %s", err, switchBrokers)
+		}
+	}
+	return rows, nil
+}
+
+// positionEvery is how often at most the relay records its position while
+// rows flow. Each record is a new version of the cursor row, and while a
+// transaction stays open anywhere on the server vacuum can remove none of
+// them, so that each UPDATE walks every version since (at one record per
+// batch of a 200/s trickle, 720,000 after an hour). Recorded at most ten
+// times a second, a crash sends again at most the last 100 ms of rows (the
+// consumer's inbox removes the duplicates).
+const positionEvery = 100 * time.Millisecond
+
+// advance moves the relay's position past the first forwarded rows of b
+// (handled, of which some may be for the quarantine). Rows to quarantine
+// are moved aside and the position recorded at once, in one transaction;
+// otherwise the position is recorded when positionEvery has passed since
+// the last record, and else left to flush.
+func (f *Forwarder) advance(ctx context.Context, b store.Batch, forwarded int, whole bool, handled []outboxRow) error {
+	next := f.pos.Advance(b, forwarded, whole)
+	if next.Equal(f.pos) {
+		return nil
+	}
+	f.pos = next
+	var quarantined []outboxRow
+	for _, r := range handled {
+		if r.quarantine != "" {
+			quarantined = append(quarantined, r)
+		}
+	}
+	if len(quarantined) == 0 {
+		if time.Since(f.savedAt) < positionEvery {
+			return nil // flush records it
+		}
+		return f.flush(ctx)
+	}
+	tx, err := f.db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("begin the ack: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
+	for _, r := range quarantined {
+		if err := f.quarantineRow(ctx, tx, r); err != nil {
+			return err
+		}
+	}
+	if err := f.tables.SavePosition(ctx, tx, f.lease, f.saved, f.pos); err != nil {
+		return err
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("commit the ack: %w", err)
+	}
+	f.saved, f.savedAt = f.pos, time.Now()
+	for _, r := range quarantined {
+		f.reportQuarantined(r)
+	}
+	return nil
+}
+
+// flush records the relay's position, if it moved since the last record:
+// fenced by the lease and only over that record (store.SavePosition).
+func (f *Forwarder) flush(ctx context.Context) error {
+	if f.pos.Equal(f.saved) {
+		return nil
+	}
+	if err := f.tables.SavePosition(ctx, f.db, f.lease, f.saved, f.pos); err != nil {
+		return err
+	}
+	f.saved, f.savedAt = f.pos, time.Now()
+	return nil
 }
 
 // unwrap unwraps each row's forwarder envelope; a row whose envelope is
@@ -110,14 +182,14 @@ func (f *Forwarder) unwrap(read []store.OutboxRow) []outboxRow {
 	return rows
 }
 
-// ahead is the next batch, read (store.ReadAfter) while the batch in flight
-// is published, from the position that batch acks once all of it is handled.
+// ahead is the next batch, read while the batch in flight is published,
+// from the position that batch leads to once all of it is handled.
 type ahead struct {
-	after  store.Position
-	done   chan struct{} // closed once the rows, hidden and err are set
-	rows   []outboxRow
-	hidden bool
-	err    error
+	after store.Position
+	done  chan struct{} // closed once batch, rows and err are set
+	batch store.Batch
+	rows  []outboxRow
+	err   error
 }
 
 // readAhead starts reading the batch after pos.
@@ -126,35 +198,29 @@ func (f *Forwarder) readAhead(ctx context.Context, after store.Position) {
 	f.ahead = a
 	go func() {
 		defer close(a.done)
-		read, hidden, err := f.tables.ReadAfter(ctx, f.db, f.cursor, after, f.cfg.BatchSize)
-		if err == nil {
-			a.rows, a.hidden = f.unwrap(read), hidden
+		a.batch, a.err = f.tables.ReadBatch(ctx, f.db, f.cursor, after, f.cfg.BatchSize)
+		if a.err == nil {
+			a.rows = f.unwrap(a.batch.Rows)
 		}
-		a.err = err
 	}()
 }
 
-// takeAhead locks the offsets row in tx and returns the batch read ahead if
-// it was read after the position found there: only then is it the batch
-// ReadBatch would read now (the rows before the xid8 horizon at its read are
-// final, and the horizon never moves back). Otherwise (a partial or failed
-// batch before it, a failed read, another relay's ack) ok is false and the
-// caller reads under the lock it now holds.
-func (f *Forwarder) takeAhead(ctx context.Context, tx *sql.Tx) (rows []outboxRow, hidden, ok bool, err error) {
+// takeAhead returns the batch read ahead if it was read after the relay's
+// position now: only then is it the batch ReadBatch would read (under a
+// snapshot no newer than now's, which Advance allows: a position's
+// invariant holds at every later time). Otherwise (a partial or failed
+// batch before it, a failed read) ok is false and the caller reads again.
+func (f *Forwarder) takeAhead() (b store.Batch, rows []outboxRow, ok bool) {
 	a := f.ahead
 	if a == nil {
-		return nil, false, false, nil
+		return store.Batch{}, nil, false
 	}
 	f.ahead = nil
 	<-a.done
-	if a.err != nil {
-		return nil, false, false, nil
+	if a.err != nil || !a.after.Equal(f.pos) {
+		return store.Batch{}, nil, false
 	}
-	pos, err := f.tables.LockPosition(ctx, tx, f.cursor)
-	if err != nil || pos != a.after {
-		return nil, false, false, err
-	}
-	return a.rows, a.hidden, true, nil
+	return a.batch, a.rows, true
 }
 
 // dropAhead waits for a read ahead to end and forgets it.
@@ -269,33 +335,26 @@ func publishable(rows []outboxRow, slice []int) []int {
 	return kept
 }
 
-// ack moves quarantined rows aside and records the last handled row as the
-// relay's position, in the batch transaction.
-func (f *Forwarder) ack(ctx context.Context, tx *sql.Tx, handled []outboxRow) error {
-	for _, r := range handled {
-		if r.quarantine == "" {
-			continue
-		}
-		if err := f.quarantineRow(ctx, tx, r); err != nil {
-			return err
-		}
+// quarantineRow moves r aside in the ack transaction tx.
+func (f *Forwarder) quarantineRow(ctx context.Context, tx *sql.Tx, r outboxRow) error {
+	var topic, eventID string
+	if r.out.Msg != nil {
+		topic, eventID = r.out.Topic, r.out.Msg.UUID
 	}
-	return f.tables.Ack(ctx, tx, f.cursor, handled[len(handled)-1].row)
+	return f.tables.Quarantine(ctx, tx, r.row, topic, eventID, r.quarantine)
 }
 
-func (f *Forwarder) quarantineRow(ctx context.Context, tx *sql.Tx, r outboxRow) error {
+// reportQuarantined counts and logs r once its move to the quarantine
+// was committed.
+func (f *Forwarder) reportQuarantined(r outboxRow) {
 	var topic, eventID string
 	if r.out.Msg != nil {
 		topic, eventID = r.out.Topic, r.out.Msg.UUID
 	} else {
 		f.metrics.publishErrors.WithLabelValues(errorClassCorrupt).Inc()
 	}
-	if err := f.tables.Quarantine(ctx, tx, r.row, topic, eventID, r.quarantine); err != nil {
-		return err
-	}
 	f.metrics.quarantined.Inc()
 	f.logger.Error("Outbox row moved to the relay quarantine", errors.New(r.quarantine), watermill.LogFields{
 		"outbox_offset": r.row.Offset, "event_id": eventID, "topic": topic,
 	})
-	return nil
 }

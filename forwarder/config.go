@@ -28,8 +28,18 @@ type Config struct {
 	// drains without flooding consumers; 0 means no limit. Defaults to 0.
 	RateLimit int `yaml:"rate_limit"`
 	// PollInterval is the fallback poll when no NOTIFY arrives (a missed
-	// notification, or rows hidden behind a long transaction). Defaults to 1s.
+	// notification), and the only wake-up of a relay that cannot LISTEN (a
+	// pooler in transaction mode and no database.direct_url): its events
+	// then wait half of it on average. Defaults to 1s.
 	PollInterval time.Duration `yaml:"poll_interval"`
+	// LeaseTTL is how long the lease on the outbox (or on a shard) lasts
+	// without renewal; the active relay renews it three times as often. A
+	// standby takes over when the lease is released (a clean stop), when
+	// the leader's direct notification connection closes (its process
+	// died), or at the latest lease_ttl after the leader's last renewal.
+	// Every write of a relay names its lease's fence, so a relay that lost
+	// its lease changes nothing. Defaults to 10s.
+	LeaseTTL time.Duration `yaml:"lease_ttl"`
 	// RetryInitial is the first wait after a failed publish; waits double, with
 	// jitter, up to RetryMax. Defaults to 100ms.
 	RetryInitial time.Duration `yaml:"retry_initial"`
@@ -71,6 +81,10 @@ type Config struct {
 	ShutdownTimeout time.Duration `yaml:"shutdown_timeout"`
 }
 
+// minLeaseTTL is the shortest relay.lease_ttl: a renewal every third of it
+// must fit a statement's round trip on a loaded database.
+const minLeaseTTL = 300 * time.Millisecond
+
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
 	if c.Enabled == nil {
@@ -80,6 +94,7 @@ func (c Config) WithDefaults() Config {
 	c.BatchSize = cmp.Or(c.BatchSize, 2000)
 	c.MaxInFlight = cmp.Or(c.MaxInFlight, 2000)
 	c.PollInterval = cmp.Or(c.PollInterval, time.Second)
+	c.LeaseTTL = cmp.Or(c.LeaseTTL, 10*time.Second)
 	c.RetryInitial = cmp.Or(c.RetryInitial, 100*time.Millisecond)
 	c.RetryMax = cmp.Or(c.RetryMax, 10*time.Second)
 	if c.Retention == nil {
@@ -105,6 +120,9 @@ func (c Config) Validate(path string) []error {
 	chk.Positive(at("max_in_flight"), c.MaxInFlight)
 	chk.NonNegative(at("rate_limit"), c.RateLimit)
 	chk.PositiveDuration(at("poll_interval"), c.PollInterval)
+	if c.LeaseTTL < minLeaseTTL {
+		chk.Add(at("lease_ttl"), "must be at least %s (renewed every third of it); got %s", minLeaseTTL, c.LeaseTTL)
+	}
 	chk.PositiveDuration(at("retry_initial"), c.RetryInitial)
 	chk.PositiveDuration(at("retry_max"), c.RetryMax)
 	if c.RetryMax < c.RetryInitial {

@@ -167,7 +167,7 @@ func startRelayProcess(t *testing.T, cfg bus.Config, kill string) *child.Process
 }
 
 // startNamedRelayProcess starts a relay child whose database sessions carry
-// application_name name, so a test can see which relay holds the lock.
+// application_name name, so a test can see which relay holds the lease.
 // extra adds to its environment (childShardsEnv, childMetrics).
 func startNamedRelayProcess(t *testing.T, cfg bus.Config, kill, name string, extra ...string) *child.Process {
 	t.Helper()
@@ -335,12 +335,14 @@ func testRelayCrashes(t *testing.T, kind string) {
 		kind, len(w.committed), got.total, got.total-len(got.count), kills, killed)
 }
 
-// activeRelay returns the application_name of the session holding an
-// advisory lock among sessions whose name starts with prefix.
-func activeRelay(t *testing.T, db *sql.DB, prefix string) string {
+// activeRelay returns the application_name of the relay holding a live
+// lease among relays whose name starts with prefix: the name of the direct
+// notification session its lease is tied to.
+func activeRelay(t *testing.T, db *sql.DB, schema, prefix string) string {
 	var name sql.NullString
-	err := db.QueryRow(`SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-		WHERE l.locktype = 'advisory' AND l.granted AND a.application_name LIKE $1 || '%' LIMIT 1`, prefix).Scan(&name)
+	err := db.QueryRow(`SELECT a.application_name FROM "`+schema+`".millrace_relay_cursors c
+		JOIN pg_stat_activity a ON a.pid = c.holder_pid AND a.backend_start = c.holder_backend_start
+		WHERE c.lease_until > clock_timestamp() AND a.application_name LIKE $1 || '%' LIMIT 1`, prefix).Scan(&name)
 	if errors.Is(err, sql.ErrNoRows) {
 		return ""
 	}
@@ -371,18 +373,19 @@ func testTakeover(t *testing.T, kind string) {
 		relays[name] = startNamedRelayProcess(t, cfg, "", name)
 	}
 	var first string
-	testkit.Eventually(t, waitLimit, "a relay to become active", func() bool { first = activeRelay(t, db, prefix); return first != "" })
+	testkit.Eventually(t, waitLimit, "a relay to become active", func() bool { first = activeRelay(t, db, cfg.Database.Schema, prefix); return first != "" })
 
 	w := newWriter()
 	w.write(t, b, db, topic, 2000)
 	testkit.Eventually(t, waitLimit, "some events forwarded", func() bool { return got.distinct() > 500 })
-	require.Equal(t, first, activeRelay(t, db, prefix), "only one relay is active; the other waits")
+	require.Equal(t, first, activeRelay(t, db, cfg.Database.Schema, prefix), "only one relay is active; the other waits")
 	relays[first].Kill()
 
 	var second string
-	// PostgreSQL releases the lock once it sees the killed relay's connection close.
+	// The lease is free once PostgreSQL sees the killed relay's notification
+	// connection close.
 	testkit.Eventually(t, waitLimit, "the standby to take over", func() bool {
-		second = activeRelay(t, db, prefix)
+		second = activeRelay(t, db, cfg.Database.Schema, prefix)
 		return second != "" && second != first
 	})
 	w.write(t, b, db, topic, 2000)

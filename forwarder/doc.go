@@ -8,25 +8,87 @@
 // relay keeps Watermill's formats and queries but publishes each batch
 // pipelined through the adapter's PublishBatch and acks the batch once.
 //
+// # The read rule
+//
+// The relay waits for no transaction that is not its own. Its position (a
+// store.Position, in its cursor row) is an outbox offset L, a set P of
+// pending transactions, each with the offset up to which its rows were
+// forwarded, and a horizon H, a transaction id. Its invariant: every
+// committed row at or below L has been forwarded, except the rows of a
+// transaction in P above its done offset and the rows of transactions from
+// H on, none of which has been forwarded.
+//
+// A read is one statement, so under one snapshot S, and holds no
+// transaction open: it returns the committed rows above L, those of P's
+// transactions above their done offset and at or below L, and those of
+// transactions from H on at or below L (the young ones), in offset order,
+// up to batch_size, with S. Rows of a transaction still in progress are
+// invisible to it and it does not wait for them.
+//
+// After the broker confirmed a prefix of the batch ending at offset F, the
+// position becomes L' = max(L, F), H' = xmax of S, and P' is: P's
+// transactions still in progress at S, unchanged; P's and the young
+// transactions that had ended, with their done offset raised to F (to L'
+// when the read returned everything it could and all of it was confirmed),
+// kept while it is below L'; the young transactions in progress, from offset
+// 0; and, when L' > L, every transaction S lists as in progress, from
+// offset L.
+//
+// Why no committed row is skipped. Take a committed row r at or below L'
+// that was not forwarded. If r is above L: r's offset was drawn when r was
+// inserted, before the row at F was (offsets are drawn in order), and that
+// row's transaction had committed before S. So r's transaction had begun
+// writing before S: at S it had committed (then r was visible, in the
+// batch below F, and forwarded), or it had rolled back (then r does not
+// exist), or it was in progress: listed in S (added to P' from L) or with
+// an id at or past S's xmax, which H' covers (a snapshot lists only the
+// transactions below its xmax, the latest ended one plus one; and an
+// INSERT draws the offset before it takes its transaction's id, which is
+// then past xmax too). If r is at or below L, the
+// invariant before the read says r's transaction is in P or at or past H.
+// If it had ended at S, r was visible, among the pending or young rows of
+// the read; those up to F were forwarded and P' keeps the transaction with
+// done F while any of its rows can lie above. If it was in progress at S,
+// P' keeps it unchanged (in P, or from 0 as a young one, or under H'). In
+// every case the invariant holds for L', P', H', and a row leaves it only
+// by being confirmed. The rule's bookkeeping is store.Position.Advance; a
+// randomized test interleaves thousands of transactions, rollbacks, long
+// ones and relay kills against it (internal/store).
+//
+// Order. Rows leave in offset order within a read, and a transaction that
+// committed before a read leaves before one still in progress at it. The
+// offset is drawn at insert: the events of one aggregate, written by
+// transactions that lock the aggregate before they publish (as an update
+// of it does), leave in their commit order, whatever the order of their
+// transaction ids. A message retried after a partial failure may follow
+// later messages of the same batch that were already confirmed.
+//
+// Cost. The rows above L come from a range scan of the (shard, "offset")
+// index that stops after batch_size rows; P's rows from the primary key,
+// one probe per pending transaction; the young rows from a range scan of
+// the primary key from H, the rows written since the last read. P holds at
+// most the transactions in progress at one time, and none while writes do
+// not overlap the relay's reads (an unbroken run of offsets proves that no
+// invisible row hides among those passed).
+//
 // # One batch
 //
-// In one REPEATABLE READ transaction the relay runs watermill-sql's batch
-// query, which locks the relay's row in the offsets table (FOR UPDATE) and
-// reads only rows of transactions older than every open one (the xid8 rule:
-// a concurrent writer that commits later is never skipped). It unwraps each
-// row's Watermill forwarder envelope, publishes the batch, and then records
-// the last row the broker confirmed as its position and commits. A failed or
-// partial batch acks the confirmed prefix and is retried from the first
-// unconfirmed message, with jittered exponential backoff while the broker is
-// down. Nothing the broker did not confirm is ever acked, so a crash anywhere
-// means duplicates (which the consumer's inbox removes), never loss.
+// The relay reads a batch, unwraps each row's Watermill forwarder
+// envelope, publishes the batch through the adapter's PublishBatch (no
+// transaction is open meanwhile), and records the position after the
+// confirmed prefix with one UPDATE of its cursor row that names its lease's
+// fence; rows to quarantine are moved aside in the same transaction. A
+// failed or partial batch records the confirmed prefix and is retried from
+// the first unconfirmed message, with jittered exponential backoff while
+// the broker is down. Nothing the broker did not confirm is ever recorded,
+// so a crash anywhere means duplicates (which the consumer's inbox
+// removes), never loss.
 //
-// After reading a full batch the relay reads the next one at once, outside
-// the transaction, after the position the current batch acks when the broker
-// confirms all of it, under the same xid8 rule; so PostgreSQL reads while the
-// broker confirms. The next transaction locks the offsets row and uses that
-// read only if the position there is the one it was read after; after a
-// partial batch (or another relay's ack) it reads again under the lock.
+// After reading a full batch the relay reads the next one at once, from the
+// position the current batch leads to once the broker confirms all of it;
+// so PostgreSQL reads while the broker confirms. The relay uses that read
+// only if the batch was confirmed whole (the position is then the one it
+// was read from); otherwise it reads again.
 //
 // A row that can never be published (an envelope that is not valid, a
 // message over the broker's size limit) is moved to the relay quarantine
@@ -36,26 +98,42 @@
 //
 // A statement-level trigger on the outbox NOTIFYs at commit; the relay
 // LISTENs and reads at once. A sharded outbox is notified per shard written
-// to instead, and each notification wakes only that shard's relay. A row
-// committed while an older transaction of the cluster is still open stays
-// invisible until that transaction ends (the xid8 rule), and its NOTIFY is
-// then already spent; so after a notification, and whenever the batch query
-// reports rows hidden that way, the relay polls again at 5ms, 10ms, 20ms,
-// ... A fallback poll (poll_interval, 1s) covers a missed notification. An
-// idle relay makes one query per poll interval.
+// to instead, and each notification wakes only that shard's relay. A
+// fallback poll (poll_interval, 1s) covers a missed notification. An idle
+// relay makes one query per poll interval, and renews its lease three times
+// per lease_ttl.
+//
+// The relay LISTENs on Options.Direct (database.direct_url), or on its own
+// pool, and checks with a NOTIFY of its own that notifications reach it. A
+// pooler in transaction mode (PgBouncer, RDS Proxy) keeps no LISTEN: there
+// the probe does not come back, the relay says so in its log and its status
+// (Status.Polling) and wakes every poll_interval instead.
 //
 // # One active relay
 //
-// Relays of one outbox and consumer group elect a leader with a
-// session-level advisory lock held on a dedicated connection. Standbys block
-// on that lock and take over as soon as PostgreSQL closes the leader's
-// session (at once when its process dies; after TCP keepalive when its host
-// vanishes). The offsets row lock inside every batch is a second guard: even
-// two relays that both believe they lead cannot interleave batches. Events
-// leave in commit order, so events of one aggregate keep their order, as long
-// as the broker keeps the order of a pipelined batch (each adapter does, per
-// topic and partition key). A message retried after a partial failure may
-// follow later messages of the same batch that were already confirmed.
+// Relays of one outbox and consumer group share one cursor row, and one of
+// them holds its lease: a holder, an expiry (lease_ttl after its last
+// renewal, by the database's clock) and a fence, a number that grows with
+// each new holder. Standbys ask for the lease every poll_interval (at most a
+// fifth of lease_ttl) and take it when it has expired, when it was
+// released (a clean stop releases it and NOTIFYs the standbys), or when
+// the session it is tied to is gone: a relay that LISTENs on a direct
+// connection ties its lease to that session, so a standby takes over as
+// soon as PostgreSQL closes it (at once when the leader's process dies).
+// Every write of a relay names its fence: a relay that lost its lease
+// (paused past lease_ttl, cut off from the database) records nothing more
+// and stops at its next write. Its last publishes may duplicate those of
+// the new leader, and the consumer's inbox removes them. A position is
+// recorded only over the one the relay last recorded: after a failover to
+// a standby that had not received the relay's last writes, the cursor is
+// behind the relay, and the new primary draws again the offsets and
+// transaction ids the standby never saw, below the relay's position; the
+// relay stops at its next write and starts again from the cursor, sending
+// again what it had sent since. Nothing of this
+// lives in a session, so the relay works through a pooler in transaction
+// mode. Events leave in the order above as long as the broker keeps the
+// order of a pipelined batch (each adapter does, per topic and partition
+// key).
 //
 // # Scheduled messages
 //
@@ -74,11 +152,12 @@
 //
 // With relay.shards N > 1 the outbox is split by PostgreSQL's hash of the
 // aggregate id (a trigger sets each row's shard; no aggregate id is shard
-// 0) and each shard has its own offsets row and advisory lock. Every relay
-// instance registers with a heartbeat, owns ceil(N / live instances)
-// shards, takes free ones at each poll_interval and releases those above
-// its share once their batch in flight is acked. A dead instance's shards
-// are taken within one poll_interval after PostgreSQL closes its session.
+// 0) and each shard has its own cursor row and lease. Every relay instance
+// registers with a heartbeat, holds ceil(N / live instances) shards, takes
+// free ones at each poll_interval and releases those above its share once
+// their batch in flight is acked. A dead instance's shards are taken
+// within one poll_interval after PostgreSQL closes its notification
+// session, or lease_ttl after its last renewal when it had none.
 // One aggregate stays in one shard, and one shard is forwarded by one relay
 // at a time, so events of one aggregate keep their order through takeovers.
 // A relay started with another N over rows pending under the recorded one

@@ -1,6 +1,7 @@
 package forwarder
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"database/sql/driver"
@@ -11,7 +12,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/cenkalti/backoff/v5"
-	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
@@ -36,6 +36,11 @@ type Outbox struct {
 	Schema string
 	// Topic is the watermill-sql topic of the outbox (outbox.topic).
 	Topic string
+	// BrokerKind is the broker.kind of the relay's broker. The relay
+	// records it for the outbox at start (refusing a change while rows
+	// are pending) and forwards no row that a service of another kind
+	// wrote (Run returns ErrBrokerChanged). Empty: no check.
+	BrokerKind string
 }
 
 // Options are the relay's optional collaborators.
@@ -51,25 +56,45 @@ type Options struct {
 	// Defaults to OpenTelemetry's global propagator, or W3C trace context
 	// and baggage when none is set.
 	Propagator propagation.TextMapPropagator
+	// Direct is a pool (pgx/v5's stdlib driver) on a connection to
+	// PostgreSQL without a pooler in transaction mode between
+	// (database.direct_url), on which the relay LISTENs. Defaults to the
+	// relay's db; when notifications do not arrive through it, the relay
+	// polls every poll_interval.
+	Direct *sql.DB
 }
 
 // Forwarder is the relay from one outbox table to the broker.
 type Forwarder struct {
-	db      *sql.DB
-	broker  Broker
-	cfg     Config
-	tables  store.Tables
-	cursor  store.Cursor // the offsets row and shard this relay (or shard relay) reads
-	logger  watermill.LoggerAdapter
-	metrics *metrics
-	limiter *rate.Limiter
-	slice   int // messages per PublishBatch call
+	db       *sql.DB
+	listenDB *sql.DB // where the relay LISTENs: Options.Direct, else db
+	broker   Broker
+	cfg      Config
+	tables   store.Tables
+	cursor   store.Cursor // the cursor this relay (or shard relay) forwards
+	instance string       // this relay process's name in leases and the registry
+	logger   watermill.LoggerAdapter
+	metrics  *metrics
+	limiter  *rate.Limiter
+	slice    int // messages per PublishBatch call
 
-	provisioned map[string]bool
-	backlog     backlog
-	ahead       *ahead  // the next batch, read while the current one is published
-	health      *health // shared by an instance's shard relays
-	tracing     tracing
+	// lease and pos are the lease and position of the cursor while this
+	// relay forwards it; saved is the position last recorded, at savedAt.
+	// Only its forwarding loop reads and writes them.
+	lease   store.Lease
+	pos     store.Position
+	saved   store.Position
+	savedAt time.Time
+
+	kind  string // broker.kind of broker, "" when unknown
+	stamp []byte // store.BrokerStamp(kind): the metadata of the rows written for it
+
+	provisioned   map[string]bool
+	backlog       backlog
+	ahead         *ahead        // the next batch, read while the current one is published
+	health        *health       // shared by an instance's shard relays
+	scheduledWake chan struct{} // a NOTIFY of a newly scheduled message
+	tracing       tracing
 
 	// Test hooks, set only by this package's tests (see export_test.go).
 	beforePublish func(batch int)
@@ -80,7 +105,7 @@ type Forwarder struct {
 }
 
 // New returns a relay for outbox on db (a pool opened with pgx/v5's stdlib
-// driver, which LISTEN/NOTIFY needs) that publishes to broker.
+// driver) that publishes to broker.
 func New(db *sql.DB, broker Broker, outbox Outbox, cfg Config, opts Options) (*Forwarder, error) {
 	cfg = cfg.WithDefaults()
 	if errs := cfg.Validate("relay"); len(errs) > 0 {
@@ -100,18 +125,24 @@ func New(db *sql.DB, broker Broker, outbox Outbox, cfg Config, opts Options) (*F
 	if err != nil {
 		return nil, fmt.Errorf("forwarder: register metrics: %w", err)
 	}
+	instance := instanceID()
 	f := &Forwarder{
-		db:          db,
-		broker:      broker,
-		cfg:         cfg,
-		tables:      tables,
-		cursor:      store.Cursor{Group: cfg.ConsumerGroup},
-		health:      &health{},
-		logger:      opts.Logger.With(watermill.LogFields{"outbox": tables.OutboxNotifyPayload()}),
-		metrics:     m,
-		slice:       cfg.MaxInFlight,
-		provisioned: map[string]bool{},
-		tracing:     newTracing(opts.TracerProvider, opts.Propagator),
+		db:            db,
+		listenDB:      cmp.Or(opts.Direct, db),
+		broker:        broker,
+		cfg:           cfg,
+		tables:        tables.ForRelay(instance),
+		kind:          outbox.BrokerKind,
+		stamp:         store.BrokerStamp(outbox.BrokerKind),
+		cursor:        store.Cursor{Group: cfg.ConsumerGroup},
+		instance:      instance,
+		health:        &health{},
+		logger:        opts.Logger.With(watermill.LogFields{"outbox": tables.OutboxNotifyPayload()}),
+		metrics:       m,
+		slice:         cfg.MaxInFlight,
+		provisioned:   map[string]bool{},
+		scheduledWake: make(chan struct{}, 1),
+		tracing:       newTracing(opts.TracerProvider, opts.Propagator),
 	}
 	if cfg.RateLimit > 0 {
 		// Slices of a tenth of a second's worth keep a limited drain smooth.
@@ -121,28 +152,29 @@ func New(db *sql.DB, broker Broker, outbox Outbox, cfg Config, opts Options) (*F
 	return f, nil
 }
 
-// errLeadershipLost stops the forwarding loop when the leader connection breaks.
-var errLeadershipLost = errors.New("forwarder: lost the leader connection")
+// ErrNotPgx is returned by Run when the notification pool's driver is not
+// pgx/v5's stdlib driver, which LISTEN needs; retrying cannot fix it.
+var ErrNotPgx = errors.New("forwarder: LISTEN needs a database/sql pool opened with pgx/v5's stdlib driver")
 
-// ErrNotPgx is returned by Run when the pool's driver is not pgx/v5's stdlib
-// driver, which LISTEN/NOTIFY needs; retrying cannot fix it.
-var ErrNotPgx = errors.New("forwarder: LISTEN/NOTIFY needs a database/sql pool opened with pgx/v5's stdlib driver")
-
-// Run forwards until ctx is cancelled. It first waits to become the active
-// relay (a hot standby until then), then drains the outbox, waking on NOTIFY
-// and on the fallback poll. Alongside, active or standby, it moves scheduled
-// messages into the outbox when they are due. On cancellation the batch in flight gets up to
-// shutdown_timeout to be confirmed and acked; otherwise it is abandoned
-// unacked. Run returns nil after a clean stop, ErrNotPgx at once when the
-// pool cannot LISTEN, and ErrShardsChanged at once when relay.shards differs
-// from the count the outbox's pending rows were written with. With
-// relay.shards > 1 the relay owns a share of the shards instead of waiting
-// for the whole outbox (see shards.go).
+// Run forwards until ctx is cancelled. It LISTENs for the outbox's
+// notifications (or polls, when they do not arrive), waits to hold the
+// lease of the outbox (a hot standby until then), then drains the outbox,
+// waking on NOTIFY and on the fallback poll. Alongside, active or standby,
+// it moves scheduled messages into the outbox when they are due. On
+// cancellation the batch in flight gets up to shutdown_timeout to be
+// confirmed and acked, otherwise it is abandoned unacked, and the lease is
+// released. Run returns nil after a clean stop, ErrNotPgx at once when the
+// notification pool cannot LISTEN, ErrShardsChanged at once when
+// relay.shards differs from the count the outbox's pending rows were
+// written with, and ErrBrokerChanged when the outbox holds rows for
+// another broker.kind (at start, or at the first such row). With relay.shards > 1 the relay holds the leases of a
+// share of the shards instead of the whole outbox's (see shards.go).
 func (f *Forwarder) Run(ctx context.Context) error {
-	scheduleCtx, stopScheduling := context.WithCancel(ctx)
-	var scheduling sync.WaitGroup
-	defer func() { stopScheduling(); scheduling.Wait() }()
-	scheduling.Go(func() { f.schedule(scheduleCtx) })
+	bgCtx, stopBackground := context.WithCancel(ctx)
+	var background sync.WaitGroup
+	defer func() { stopBackground(); background.Wait() }()
+	background.Go(func() { f.schedule(bgCtx) })
+	background.Go(func() { f.watchWaits(bgCtx) })
 	retry := f.newBackoff()
 	for ctx.Err() == nil {
 		f.health.set(RoleStarting)
@@ -151,11 +183,11 @@ func (f *Forwarder) Run(ctx context.Context) error {
 		if ctx.Err() != nil {
 			break
 		}
-		if errors.Is(err, ErrNotPgx) || errors.Is(err, ErrShardsChanged) {
+		if errors.Is(err, ErrNotPgx) || errors.Is(err, ErrShardsChanged) || errors.Is(err, ErrBrokerChanged) {
 			return err
 		}
 		wait := retry.NextBackOff()
-		f.logger.Error("Relay lost leadership or could not connect; retrying", err, watermill.LogFields{"retry_in": wait.String()})
+		f.logger.Error("Relay lost its lease or could not connect; retrying", err, watermill.LogFields{"retry_in": wait.String()})
 		if !sleep(ctx, wait) {
 			break
 		}
@@ -163,66 +195,8 @@ func (f *Forwarder) Run(ctx context.Context) error {
 	return nil
 }
 
-// lead takes the leader lock, then forwards until ctx ends or the lock's
-// connection breaks.
-func (f *Forwarder) lead(ctx context.Context) error {
-	f.health.set(RoleStandby)
-	conn, err := f.acquireLeadership(ctx)
-	if err != nil {
-		return err
-	}
-	defer discard(conn)
-	f.health.set(RoleActive)
-	f.metrics.leader.Set(1)
-	f.metrics.shardOwned.WithLabelValues("0").Set(1)
-	defer func() { f.metrics.leader.Set(0); f.metrics.shardOwned.WithLabelValues("0").Set(0) }()
-	f.logger.Info("Relay is active", nil)
-
-	if err := f.tables.PrepareOffsets(ctx, f.db, f.cursor); err != nil {
-		return fmt.Errorf("forwarder: %w", err)
-	}
-	listenCtx, stopListening := context.WithCancel(ctx)
-	defer stopListening()
-	wake := make(chan struct{}, 1)
-	listenerDone := make(chan error, 1)
-	ready := make(chan error, 1)
-	go func() { listenerDone <- f.listen(listenCtx, conn, func(int) { signal(wake) }, ready) }()
-	if err := <-ready; err != nil {
-		return err
-	}
-	refresherDone := make(chan struct{})
-	go func() { defer close(refresherDone); f.refreshBacklog(listenCtx) }()
-	defer func() { stopListening(); <-refresherDone; f.dropAhead() }()
-	// listenCtx ends with ctx or when lead returns, which also ends a read
-	// ahead that forwardLoop left.
-	return f.forwardLoop(listenCtx, wake, listenerDone)
-}
-
-// acquireLeadership blocks until this relay holds the outbox's session-level
-// advisory lock. The lock lives as long as the returned connection; a
-// crashed relay's connection closes and its standby takes over at once.
-func (f *Forwarder) acquireLeadership(ctx context.Context) (*sql.Conn, error) {
-	conn, err := f.db.Conn(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("forwarder: leader connection: %w", err)
-	}
-	if _, err := conn.ExecContext(ctx, `SELECT pg_advisory_lock(hashtextextended($1, 0))`, f.lockName()); err != nil {
-		discard(conn)
-		return nil, fmt.Errorf("forwarder: take leader lock: %w", err)
-	}
-	return conn, nil
-}
-
-func (f *Forwarder) lockName() string {
-	return "millrace relay " + f.tables.OutboxNotifyPayload() + " " + f.cfg.ConsumerGroup
-}
-
-// discard closes conn's underlying connection instead of returning it to the
-// pool, releasing any session lock and LISTEN it holds.
-func discard(conn *sql.Conn) {
-	_ = conn.Raw(func(any) error { return driver.ErrBadConn })
-	_ = conn.Close()
-}
+// errBadConn makes database/sql close a connection instead of pooling it.
+var errBadConn = driver.ErrBadConn
 
 // signal wakes whoever waits on wake, unless a wake-up is already pending.
 func signal(wake chan<- struct{}) {
@@ -232,72 +206,46 @@ func signal(wake chan<- struct{}) {
 	}
 }
 
-// listen LISTENs on conn and calls notified for every notification naming
-// this outbox, with the shard it names or -1 for all of them. It reports
-// LISTEN's outcome on ready.
-func (f *Forwarder) listen(ctx context.Context, conn *sql.Conn, notified func(shard int), ready chan<- error) error {
-	err := conn.Raw(func(dc any) error {
-		// *stdlib.Conn, or a driver that wraps it and exposes the same method.
-		sc, ok := dc.(interface{ Conn() *pgx.Conn })
-		if !ok {
-			return fmt.Errorf("%w, got %T", ErrNotPgx, dc)
-		}
-		pc := sc.Conn()
-		if _, err := pc.Exec(ctx, `LISTEN `+store.NotifyChannel); err != nil {
-			return fmt.Errorf("forwarder: LISTEN: %w", err)
-		}
-		ready <- nil
-		for {
-			n, err := pc.WaitForNotification(ctx)
-			if err != nil {
-				return err
-			}
-			if shard, ours := f.tables.NotifiedShard(n.Payload); ours {
-				notified(shard)
-			}
-		}
-	})
-	select {
-	case ready <- err: // LISTEN itself failed
-	default:
-	}
-	return err
-}
-
-// chaseFirst is the first quick re-poll. A committed row stays invisible to
-// the batch query while any older transaction of the cluster is still open
-// (the xid8 rule that keeps concurrent writers from being skipped), and its
-// NOTIFY has already been spent; so after a notification, or when the batch
-// query reports rows hidden that way, the relay polls again at 5ms, 10ms,
-// 20ms, ... up to poll_interval.
-const chaseFirst = 5 * time.Millisecond
-
-// forwardLoop drains the outbox while this relay is the leader.
-func (f *Forwarder) forwardLoop(ctx context.Context, wake <-chan struct{}, listenerDone <-chan error) error {
+// forwardLoop drains the outbox while this relay holds the lease. lost is
+// closed when the LISTEN connection ends (nil when polling).
+func (f *Forwarder) forwardLoop(ctx context.Context, wake <-chan struct{}, lost <-chan struct{}) error {
 	retry := f.newBackoff()
 	poll := time.NewTimer(0)
 	defer poll.Stop()
 	cleanup := time.NewTicker(f.cfg.CleanupInterval)
 	defer cleanup.Stop()
-	chase := time.Duration(0) // the next quick re-poll; 0 when not chasing
+	flush := time.NewTimer(0)
+	defer flush.Stop()
 	for {
 		f.health.beat()
 		select {
 		case <-ctx.Done():
-			return nil
-		case err := <-listenerDone:
-			return fmt.Errorf("%w: %v", errLeadershipLost, err)
+			return f.flushAtStop(ctx)
+		case <-lost:
+			return fmt.Errorf("%w: the LISTEN connection ended", errLeadershipLost)
 		case <-cleanup.C:
 			f.cleanup(ctx)
 			continue
+		case <-flush.C:
+			if err := f.flush(ctx); err != nil {
+				f.logger.Error("Relay could not record its position; retrying with the next batch", err, nil)
+				if errors.Is(err, store.ErrLeaseLost) {
+					return fmt.Errorf("%w: %v", errLeadershipLost, err)
+				}
+			}
+			continue
 		case <-wake:
-			chase = chaseFirst
 		case <-poll.C:
 		}
-		hidden := false
 		for ctx.Err() == nil {
-			n, h, err := f.forwardBatch(ctx)
+			n, err := f.forwardBatch(ctx)
 			f.health.beat()
+			if errors.Is(err, store.ErrLeaseLost) {
+				return fmt.Errorf("%w: %v", errLeadershipLost, err)
+			}
+			if errors.Is(err, ErrBrokerChanged) {
+				return err
+			}
 			if err != nil {
 				f.metrics.publishErrors.WithLabelValues(errorClassRetryable).Inc()
 				wait := retry.NextBackOff()
@@ -309,22 +257,25 @@ func (f *Forwarder) forwardLoop(ctx context.Context, wake <-chan struct{}, liste
 			}
 			retry.Reset()
 			if n < f.cfg.BatchSize {
-				hidden = h
-				break // drained what is visible; wait for the next commit
+				break // drained; wait for the next commit
 			}
 		}
-		if hidden && chase == 0 {
-			chase = chaseFirst
+		if !f.pos.Equal(f.saved) {
+			flush.Reset(max(0, positionEvery-time.Since(f.savedAt)))
 		}
-		next := f.cfg.PollInterval
-		if chase > 0 {
-			next, chase = min(chase, next), chase*2
-			if chase >= f.cfg.PollInterval {
-				chase = 0
-			}
-		}
-		poll.Reset(next)
+		poll.Reset(f.cfg.PollInterval)
 	}
+}
+
+// flushAtStop records the position once the loop stops, within
+// shutdown_timeout: what was forwarded is not sent again.
+func (f *Forwarder) flushAtStop(ctx context.Context) error {
+	bye, cancel := context.WithTimeout(context.WithoutCancel(ctx), f.cfg.ShutdownTimeout)
+	defer cancel()
+	if err := f.flush(bye); err != nil {
+		f.logger.Error("Relay could not record its position at stop; the next relay sends its last rows again", err, nil)
+	}
+	return nil
 }
 
 func (f *Forwarder) newBackoff() *backoff.ExponentialBackOff {

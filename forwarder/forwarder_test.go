@@ -589,26 +589,64 @@ func TestTopicTheBrokerRefusesIsQuarantinedNotRetriedForever(t *testing.T) {
 	require.GreaterOrEqual(t, attempts, 3, "a transient provisioning failure is retried")
 }
 
-// A row committed while an older transaction is still open is invisible to
-// the relay until that transaction ends; the relay sees that such rows exist
-// and polls again soon, instead of waiting for poll_interval.
-func TestRowsHiddenByAnOlderTransactionAreChased(t *testing.T) {
+// A transaction left open, idle in transaction (a batch job, a leaked
+// connection), holds back nothing committed after it: an event committed
+// meanwhile is forwarded while it is still open, woken by its NOTIFY alone
+// (poll_interval is an hour), and the open transaction's own event once it
+// commits.
+func TestAnOpenTransactionHoldsBackNothingCommittedAfterIt(t *testing.T) {
 	t.Parallel()
 	tb := setup(t)
 	ctx := context.Background()
+	broker := newMemoryBroker()
+	cfg := testConfig()
+	cfg.PollInterval = time.Hour
+	start(t, tb, broker, cfg, nil)
+	publish(t, tb, "things", []bus.Event{event("warm-up", 1)}, 1)
+	testkit.Eventually(t, waitLimit, "the relay to forward", func() bool { return len(broker.snapshot()) == 1 })
+
 	older, err := tb.db.BeginTx(ctx, nil)
 	require.NoError(t, err)
 	defer older.Rollback()
-	_, err = older.ExecContext(ctx, `SELECT pg_current_xact_id()`) // takes a transaction id, as any writer does
+	require.NoError(t, tb.bus.Publish(ctx, older, "things", event("a", 1)))
+	unrelated, err := tb.db.BeginTx(ctx, nil)
 	require.NoError(t, err)
-	publish(t, tb, "things", []bus.Event{event("a", 1)}, 1) // its NOTIFY fires before any relay listens
+	defer unrelated.Rollback()
+	_, err = unrelated.ExecContext(ctx, `SELECT pg_current_xact_id()`) // takes a transaction id, as any writer does
+	require.NoError(t, err)
 
-	broker := newMemoryBroker()
-	cfg := testConfig()
-	cfg.PollInterval = time.Hour // only the chase can find the row in time
-	start(t, tb, broker, cfg, nil)
-	time.Sleep(300 * time.Millisecond)
-	require.Empty(t, broker.snapshot(), "the row is hidden while the older transaction is open")
-	require.NoError(t, older.Rollback())
-	testkit.Eventually(t, waitLimit, "the hidden row, once the older transaction ended", func() bool { return len(broker.snapshot()) == 1 })
+	publish(t, tb, "things", []bus.Event{event("b", 1)}, 1)
+	testkit.Eventually(t, waitLimit, "the event committed after the open transactions", func() bool { return len(broker.snapshot()) == 2 })
+	require.Equal(t, "b", broker.snapshot()[1].Msg.Metadata.Get("aggregate-id"))
+	require.NoError(t, older.Commit())
+	testkit.Eventually(t, waitLimit, "the open transaction's event once it committed", func() bool { return len(broker.snapshot()) == 3 })
+	require.Equal(t, "a", broker.snapshot()[2].Msg.Metadata.Get("aggregate-id"))
+}
+
+// While the broker has not confirmed a batch, the relay holds no
+// transaction open, so no other relay, vacuum or reader waits on it.
+func TestTheRelayHoldsNoTransactionWhileTheBrokerConfirms(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	publish(t, tb, "things", interleaved(2, 5), 5)
+	app := "relay-" + tb.outbox.Schema[len(tb.outbox.Schema)-8:]
+	db, err := sql.Open("pgx", testdb.URL()+"&application_name="+app)
+	require.NoError(t, err)
+	defer db.Close()
+	blocked := &blockingBroker{entered: make(chan struct{}, 1)}
+	f, err := forwarder.New(db, blocked, tb.outbox, testConfig(), forwarder.Options{})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- f.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	<-blocked.entered
+	// Statements of the relay's other loops may be running at any moment
+	// (a lease renewal, a backlog count); what must not be is a
+	// transaction left open between statements while the broker confirms.
+	var sessions, holding int
+	require.NoError(t, tb.db.QueryRow(`SELECT count(*), count(*) FILTER (WHERE state LIKE 'idle in transaction%')
+		FROM pg_stat_activity WHERE application_name = $1`, app).Scan(&sessions, &holding))
+	require.Positive(t, sessions, "the relay's sessions are seen")
+	require.Zero(t, holding, "a relay session holds a transaction open while the broker confirms")
 }

@@ -29,6 +29,8 @@ type metrics struct {
 	unowned         prometheus.Gauge
 	shardPending    *prometheus.GaugeVec
 	shardOldestAge  *prometheus.GaugeVec
+	blocked         prometheus.Gauge
+	blockers        *prometheus.GaugeVec
 }
 
 func newMetrics(reg prometheus.Registerer, outbox string, shards int) (*metrics, error) {
@@ -36,7 +38,7 @@ func newMetrics(reg prometheus.Registerer, outbox string, shards int) (*metrics,
 	m := &metrics{
 		leader: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "millrace_relay_active", ConstLabels: labels,
-			Help: "1 while this relay holds the outbox's leader lock and forwards; 0 while it is a standby.",
+			Help: "1 while this relay holds the outbox's lease (or a shard's) and forwards; 0 while it is a standby.",
 		}),
 		pending: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "millrace_relay_pending_rows", ConstLabels: labels,
@@ -77,11 +79,11 @@ func newMetrics(reg prometheus.Registerer, outbox string, shards int) (*metrics,
 		}),
 		shardOwned: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "millrace_relay_shard_owned", ConstLabels: labels,
-			Help: "1 for each shard this relay holds the lock of and forwards, 0 for the others (with relay.shards: 1, shard 0 is the leader lock).",
+			Help: "1 for each shard this relay holds the lease of and forwards, 0 for the others (with relay.shards: 1, shard 0 is the outbox's lease).",
 		}, []string{"shard"}),
 		unowned: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "millrace_relay_unowned_shards", ConstLabels: labels,
-			Help: "Shards whose lock no relay holds, as last measured by this relay (every relay.backlog_interval and before it takes shards; with relay.shards > 1).",
+			Help: "Shards whose lease no relay holds, as last measured by this relay (every relay.backlog_interval and before it takes shards; with relay.shards > 1).",
 		}),
 		shardPending: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "millrace_relay_shard_pending_rows", ConstLabels: labels,
@@ -91,6 +93,14 @@ func newMetrics(reg prometheus.Registerer, outbox string, shards int) (*metrics,
 			Name: "millrace_relay_shard_oldest_pending_age_seconds", ConstLabels: labels,
 			Help: "Age of a shard's oldest committed row not yet forwarded, as last measured by the shard's owner (with relay.shards > 1).",
 		}, []string{"shard"}),
+		blocked: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "millrace_relay_blocked_seconds", ConstLabels: labels,
+			Help: "How long a statement of this relay has waited for a lock another transaction holds (a row lock on its cursor, a migration's lock on the outbox), past 1s; 0 when none waits. Measured every relay.backlog_interval.",
+		}),
+		blockers: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "millrace_relay_blocker_age_seconds", ConstLabels: labels,
+			Help: "For each session whose transaction a statement of this relay waits for (past 1s): how long that transaction has been open, with its pid, application_name and state.",
+		}, []string{"pid", "application_name", "state"}),
 	}
 	for i := range shards {
 		m.shardOwned.WithLabelValues(strconv.Itoa(i))
@@ -104,7 +114,8 @@ func newMetrics(reg prometheus.Registerer, outbox string, shards int) (*metrics,
 		return m, nil
 	}
 	for _, c := range []prometheus.Collector{m.leader, m.pending, m.oldestAge, m.batches, m.forwarded,
-		m.publishErrors, m.quarantined, m.deleted, m.commitToPublish, m.scheduledMoved, m.shardOwned, m.unowned, m.shardPending, m.shardOldestAge} {
+		m.publishErrors, m.quarantined, m.deleted, m.commitToPublish, m.scheduledMoved, m.shardOwned, m.unowned, m.shardPending, m.shardOldestAge,
+		m.blocked, m.blockers} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

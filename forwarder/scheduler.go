@@ -2,13 +2,9 @@ package forwarder
 
 import (
 	"context"
-	"errors"
-	"fmt"
-	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/jackc/pgx/v5"
 
 	"github.com/millrace-io/millrace/internal/store"
 )
@@ -22,7 +18,9 @@ const minScheduleWait = 10 * time.Millisecond
 // schedule moves due scheduled messages into the outbox until ctx ends.
 // Every relay runs it, active or standby: the move skips the rows another
 // relay is moving. It sleeps until the next message is due, woken early by
-// the NOTIFY of a newly scheduled one, and at most schedule_poll_interval.
+// the NOTIFY of a newly scheduled one (the relay's notifier signals
+// scheduledWake), and at most schedule_poll_interval, or poll_interval
+// while notifications do not reach the relay.
 func (f *Forwarder) schedule(ctx context.Context) {
 	missing, err := store.Missing(ctx, f.db, f.tables.ScheduledTable())
 	if err != nil && ctx.Err() == nil {
@@ -33,11 +31,6 @@ func (f *Forwarder) schedule(ctx context.Context) {
 			watermill.LogFields{"table": missing})
 		return
 	}
-	wake := make(chan struct{}, 1)
-	var wg sync.WaitGroup
-	defer wg.Wait()
-	wg.Go(func() { f.listenScheduled(ctx, wake) })
-
 	retry := f.newBackoff()
 	timer := time.NewTimer(0)
 	defer timer.Stop()
@@ -45,7 +38,7 @@ func (f *Forwarder) schedule(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			return
-		case <-wake:
+		case <-f.scheduledWake:
 		case <-timer.C:
 		}
 		wait, err := f.moveDue(ctx)
@@ -57,6 +50,9 @@ func (f *Forwarder) schedule(ctx context.Context) {
 			f.logger.Error("Could not move due scheduled messages into the outbox; retrying", err, watermill.LogFields{"retry_in": wait.String()})
 		} else {
 			retry.Reset()
+		}
+		if f.health.polling.Load() {
+			wait = min(wait, f.cfg.PollInterval)
 		}
 		timer.Reset(wait)
 	}
@@ -84,55 +80,4 @@ func (f *Forwarder) moveDue(ctx context.Context) (time.Duration, error) {
 			return min(max(next, minScheduleWait), f.cfg.SchedulePollInterval), nil
 		}
 	}
-}
-
-// listenScheduled LISTENs for newly scheduled messages on a connection of
-// its own and signals wake for each notification naming this schema, and
-// once after each (re)connection, which may have missed some.
-func (f *Forwarder) listenScheduled(ctx context.Context, wake chan<- struct{}) {
-	retry := f.newBackoff()
-	for ctx.Err() == nil {
-		err := f.listenScheduledOnce(ctx, func() { retry.Reset(); signal(wake) })
-		if ctx.Err() != nil {
-			return
-		}
-		wait := retry.NextBackOff()
-		f.logger.Error("Lost the scheduled messages LISTEN connection; reconnecting", err, watermill.LogFields{"retry_in": wait.String()})
-		if !sleep(ctx, wait) {
-			return
-		}
-	}
-}
-
-// listenScheduledOnce holds one LISTEN connection until it fails or ctx
-// ends, calling notified once LISTEN succeeded and for each notification.
-func (f *Forwarder) listenScheduledOnce(ctx context.Context, notified func()) error {
-	conn, err := f.db.Conn(ctx)
-	if err != nil {
-		return fmt.Errorf("forwarder: scheduler connection: %w", err)
-	}
-	defer discard(conn)
-	return conn.Raw(func(dc any) error {
-		sc, ok := dc.(interface{ Conn() *pgx.Conn })
-		if !ok {
-			return fmt.Errorf("%w, got %T", ErrNotPgx, dc)
-		}
-		pc := sc.Conn()
-		if _, err := pc.Exec(ctx, `LISTEN `+store.ScheduledNotifyChannel); err != nil {
-			return fmt.Errorf("forwarder: LISTEN %s: %w", store.ScheduledNotifyChannel, err)
-		}
-		notified()
-		for {
-			n, err := pc.WaitForNotification(ctx)
-			if err != nil {
-				if errors.Is(err, context.Canceled) {
-					return nil
-				}
-				return err
-			}
-			if n.Payload == f.tables.Schema {
-				notified()
-			}
-		}
-	})
 }

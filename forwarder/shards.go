@@ -2,7 +2,6 @@ package forwarder
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
 	"hash/fnv"
@@ -22,15 +21,34 @@ import (
 // names the key and the procedure that changes it.
 var ErrShardsChanged = store.ErrShardsChanged
 
-// heartbeatsToLive is how many poll intervals a registry row may go without
-// a heartbeat before other relays count its instance as gone (a process
-// that is stopped but whose session PostgreSQL still keeps).
-const heartbeatsToLive = 10
+// ErrBrokerChanged is returned by Run when the outbox holds rows written by
+// services of another broker.kind than the relay's: at start, while rows
+// are pending under the kind the outbox records, or at the first row
+// stamped with another kind. The message names both kinds and the
+// procedure that switches brokers.
+var ErrBrokerChanged = store.ErrBrokerChanged
+
+// switchBrokers is the procedure the errors of a broker change point to.
+const switchBrokers = "switch brokers by the procedure in the README (Switching brokers): " +
+	"stop the publishers, let the relays of the old broker.kind drain the outbox (`millrace outbox status` shows 0 pending), " +
+	"stop them, then start the relays and services with the new broker.kind"
 
 // start records relay.shards (refusing a change while rows are pending),
-// then runs the relay as the whole outbox's leader (one shard) or as the
-// owner of a share of the shards.
+// LISTENs (or polls), then runs the relay as the whole outbox's leader (one
+// shard) or as the owner of a share of the shards.
 func (f *Forwarder) start(ctx context.Context) error {
+	if f.kind != "" {
+		was, err := f.tables.RecordBroker(ctx, f.db, f.kind, f.cursors())
+		if err != nil {
+			if errors.Is(err, store.ErrBrokerChanged) {
+				return fmt.Errorf("broker.kind: %w; %s", err, switchBrokers)
+			}
+			return fmt.Errorf("forwarder: %w", err)
+		}
+		if was != "" && was != f.kind {
+			f.logger.Info("The outbox is now relayed to another broker.kind", watermill.LogFields{"was": was, "now": f.kind})
+		}
+	}
 	n := *f.cfg.Shards
 	if err := f.tables.RecordShards(ctx, f.db, f.cfg.ConsumerGroup, n); err != nil {
 		if errors.Is(err, store.ErrShardsChanged) {
@@ -40,10 +58,15 @@ func (f *Forwarder) start(ctx context.Context) error {
 		}
 		return fmt.Errorf("forwarder: %w", err)
 	}
-	if n == 1 {
-		return f.lead(ctx)
+	notes, err := f.openNotifier(ctx)
+	if err != nil {
+		return err
 	}
-	return f.share(ctx)
+	defer notes.close()
+	if n == 1 {
+		return f.lead(ctx, notes)
+	}
+	return f.share(ctx, notes)
 }
 
 // shardSet is the shards an instance owns, each forwarded by its own relay
@@ -55,8 +78,9 @@ type shardSet struct {
 
 // shardRelay forwards one shard until stopped.
 type shardRelay struct {
+	relay  *Forwarder
 	cancel context.CancelFunc
-	done   chan struct{}
+	done   chan struct{} // closed when it stopped: cancelled, or its lease lost
 	wake   chan struct{}
 }
 
@@ -69,6 +93,33 @@ func (s *shardSet) owned() []int {
 		out = append(out, i)
 	}
 	slices.Sort(out)
+	return out
+}
+
+// stopped returns the shards whose relay stopped by itself (its lease lost
+// at an ack).
+func (s *shardSet) stopped() []int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []int
+	for i, r := range s.relays {
+		select {
+		case <-r.done:
+			out = append(out, i)
+		default:
+		}
+	}
+	return out
+}
+
+// leases returns the leases of the shards held.
+func (s *shardSet) leases() []store.Lease {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]store.Lease, 0, len(s.relays))
+	for _, r := range s.relays {
+		out = append(out, r.relay.lease)
+	}
 	return out
 }
 
@@ -89,55 +140,41 @@ func (s *shardSet) wake(shard int) {
 }
 
 // share runs an instance of a sharded relay: it registers in the relay
-// registry, and every poll_interval renews its heartbeat, counts the live
-// instances and owns ceil(shards / live) of the shards, taking free ones
-// (the session advisory lock of each, on one dedicated connection) and
-// releasing those above its share once their batch in flight is acked.
-// A NOTIFY wakes the relay of the shard it names. It returns when ctx ends
-// or the lock or LISTEN connection breaks, releasing every shard.
-func (f *Forwarder) share(ctx context.Context) error {
+// registry, and every tick (poll_interval, at most a third of lease_ttl)
+// renews its heartbeat and its shard leases, counts the live instances and
+// holds ceil(shards / live) of the shards, taking free ones and releasing
+// those above its share once their batch in flight is acked. A NOTIFY
+// wakes the relay of the shard it names. It returns when ctx ends or the
+// LISTEN connection breaks, releasing every shard.
+func (f *Forwarder) share(ctx context.Context, notes *notifier) error {
 	f.health.set(RoleStandby)
-	lockConn, err := f.db.Conn(ctx)
-	if err != nil {
-		return fmt.Errorf("forwarder: shard lock connection: %w", err)
-	}
-	defer discard(lockConn)
-	listenConn, err := f.db.Conn(ctx)
-	if err != nil {
-		return fmt.Errorf("forwarder: listen connection: %w", err)
-	}
-	defer discard(listenConn)
-	id := instanceID()
 	group := f.cfg.ConsumerGroup
-	if err := f.tables.Heartbeat(ctx, lockConn, group, id); err != nil {
+	if err := f.tables.Heartbeat(ctx, f.db, group, f.instance, notes.session); err != nil {
 		return fmt.Errorf("forwarder: %w", err)
 	}
 	defer func() {
 		bye, cancel := context.WithTimeout(context.WithoutCancel(ctx), f.cfg.ShutdownTimeout)
 		defer cancel()
-		_ = f.tables.Unregister(bye, f.db, group, id) // a row left behind is dropped by the next live count
+		_ = f.tables.Unregister(bye, f.db, group, f.instance) // a row left behind is dropped by the next live count
 	}()
-	f.logger.Info("Relay instance registered", watermill.LogFields{"instance": id, "shards": *f.cfg.Shards})
+	f.logger.Info("Relay instance registered", watermill.LogFields{"instance": f.instance, "shards": *f.cfg.Shards, "listening": notes.listening()})
 
 	runCtx, stop := context.WithCancel(ctx)
 	defer stop()
 	set := &shardSet{relays: map[int]*shardRelay{}}
-	defer f.releaseAll(set)
-	listenerDone := make(chan error, 1)
-	ready := make(chan error, 1)
-	go func() { listenerDone <- f.listen(runCtx, listenConn, set.wake, ready) }()
-	if err := <-ready; err != nil {
-		return err
-	}
+	defer f.releaseAll(ctx, set)
+	notes.setRoute(set.wake)
+	defer notes.setRoute(nil)
 	var bg sync.WaitGroup
 	defer bg.Wait()
 	defer stop() // before bg.Wait
 	bg.Go(func() { f.refreshShards(runCtx) })
 
-	tick := time.NewTicker(f.cfg.PollInterval)
+	tick := time.NewTicker(min(f.cfg.PollInterval, f.renewEvery()))
 	defer tick.Stop()
+	renewed := time.Now()
 	for {
-		if err := f.rebalance(runCtx, lockConn, set, id); err != nil {
+		if err := f.rebalance(runCtx, set, notes.session, &renewed); err != nil {
 			if ctx.Err() != nil {
 				return nil
 			}
@@ -147,21 +184,25 @@ func (f *Forwarder) share(ctx context.Context) error {
 		select {
 		case <-ctx.Done():
 			return nil
-		case err := <-listenerDone:
-			return fmt.Errorf("%w: %v", errLeadershipLost, err)
+		case <-notes.lost:
+			return fmt.Errorf("%w: the LISTEN connection ended", errLeadershipLost)
+		case <-notes.released:
 		case <-tick.C:
 		}
 	}
 }
 
-// rebalance renews the heartbeat, then takes or releases shards so that
-// this instance owns its share.
-func (f *Forwarder) rebalance(ctx context.Context, conn *sql.Conn, set *shardSet, id string) error {
+// rebalance renews the heartbeat and the leases held, then takes or
+// releases shards so that this instance holds its share.
+func (f *Forwarder) rebalance(ctx context.Context, set *shardSet, session *store.Session, renewed *time.Time) error {
 	n, group := *f.cfg.Shards, f.cfg.ConsumerGroup
-	if err := f.tables.Heartbeat(ctx, conn, group, id); err != nil {
-		return fmt.Errorf("%w: %v", errLeadershipLost, err)
+	if err := f.tables.Heartbeat(ctx, f.db, group, f.instance, session); err != nil {
+		return fmt.Errorf("forwarder: %w", err)
 	}
-	live, err := f.tables.LiveInstances(ctx, conn, group, heartbeatsToLive*f.cfg.PollInterval)
+	if err := f.renewShards(ctx, set, renewed); err != nil {
+		return err
+	}
+	live, err := f.tables.LiveInstances(ctx, f.db, group, f.cfg.LeaseTTL)
 	if err != nil {
 		return fmt.Errorf("forwarder: %w", err)
 	}
@@ -170,45 +211,17 @@ func (f *Forwarder) rebalance(ctx context.Context, conn *sql.Conn, set *shardSet
 	for len(owned) > share {
 		i := owned[len(owned)-1]
 		owned = owned[:len(owned)-1]
-		f.stopShard(set, i)
-		if err := f.tables.UnlockShard(ctx, conn, group, i, n); err != nil {
-			return fmt.Errorf("%w: %v", errLeadershipLost, err)
+		if r := f.stopShard(set, i); r != nil {
+			f.release(ctx, r.lease)
 		}
 		f.logger.Info("Relay released a shard above its share", watermill.LogFields{"shard": i, "share": share, "live": live})
 	}
 	if len(owned) < share {
-		unowned, err := f.tables.UnownedShards(ctx, conn, group, n)
-		if err != nil {
-			return fmt.Errorf("forwarder: %w", err)
-		}
-		f.metrics.unowned.Set(float64(unowned))
-		// Instances start their search at different shards, so that those
-		// starting together rarely race for the same lock.
-		first := int(hashOf(id) % uint32(n))
-		for k := 0; k < n && unowned > 0 && len(owned) < share; k++ {
-			i := (first + k) % n
-			if slices.Contains(owned, i) {
-				continue
-			}
-			ok, err := f.tables.TryLockShard(ctx, conn, group, i, n)
-			if err != nil {
-				return fmt.Errorf("%w: %v", errLeadershipLost, err)
-			}
-			if !ok {
-				continue
-			}
-			c := store.Cursor{Group: group, Shard: i, Shards: n}
-			if err := f.tables.PrepareOffsets(ctx, f.db, c); err != nil {
-				_ = f.tables.UnlockShard(ctx, conn, group, i, n)
-				return fmt.Errorf("forwarder: %w", err)
-			}
-			f.startShard(ctx, set, i)
-			owned = append(owned, i)
-			unowned--
-			f.logger.Info("Relay took a shard", watermill.LogFields{"shard": i, "share": share, "live": live})
+		if err := f.takeShards(ctx, set, session, share, live); err != nil {
+			return err
 		}
 	}
-	active := len(owned) > 0
+	active := len(set.owned()) > 0
 	if r := f.Status().Role; active && r != RoleActive {
 		f.health.set(RoleActive)
 		f.metrics.leader.Set(1)
@@ -219,11 +232,74 @@ func (f *Forwarder) rebalance(ctx context.Context, conn *sql.Conn, set *shardSet
 	return nil
 }
 
-// startShard starts the relay of shard i.
-func (f *Forwarder) startShard(ctx context.Context, set *shardSet, i int) {
+// renewShards renews the leases of the shards held, stops the relays of
+// those lost (to another relay, or expired while the database did not
+// answer for lease_ttl) and forgets those whose relay stopped by itself.
+func (f *Forwarder) renewShards(ctx context.Context, set *shardSet, renewed *time.Time) error {
+	for _, i := range set.stopped() {
+		f.stopShard(set, i)
+	}
+	leases := set.leases()
+	began := time.Now()
+	lost, err := f.tables.RenewLeases(ctx, f.db, leases, f.cfg.LeaseTTL)
+	switch {
+	case err == nil:
+		*renewed = began
+		f.health.setRenewed(began)
+	case time.Since(*renewed) >= f.cfg.LeaseTTL:
+		lost = leases
+	default:
+		return fmt.Errorf("forwarder: %w", err)
+	}
+	for _, l := range lost {
+		f.stopShard(set, l.Cursor.Shard)
+		f.logger.Info("Relay lost the lease of a shard", watermill.LogFields{"shard": l.Cursor.Shard})
+	}
+	return nil
+}
+
+// takeShards takes free shards until this instance holds share of them.
+// Instances start their search at different shards, so that those starting
+// together rarely race for the same lease.
+func (f *Forwarder) takeShards(ctx context.Context, set *shardSet, session *store.Session, share, live int) error {
+	n, group := *f.cfg.Shards, f.cfg.ConsumerGroup
+	unowned, err := f.tables.UnownedShards(ctx, f.db, group, n)
+	if err != nil {
+		return fmt.Errorf("forwarder: %w", err)
+	}
+	f.metrics.unowned.Set(float64(unowned))
+	owned := set.owned()
+	first := int(hashOf(f.instance) % uint32(n))
+	for k := 0; k < n && unowned > 0 && len(owned) < share; k++ {
+		i := (first + k) % n
+		if slices.Contains(owned, i) {
+			continue
+		}
+		c := store.Cursor{Group: group, Shard: i, Shards: n}
+		if err := f.tables.PrepareCursor(ctx, f.db, c); err != nil {
+			return fmt.Errorf("forwarder: %w", err)
+		}
+		lease, pos, ok, err := f.tables.AcquireLease(ctx, f.db, c, f.instance, f.cfg.LeaseTTL, session)
+		if err != nil {
+			return fmt.Errorf("forwarder: %w", err)
+		}
+		if !ok {
+			continue
+		}
+		f.startShard(ctx, set, i, lease, pos)
+		owned = append(owned, i)
+		unowned--
+		f.logger.Info("Relay took a shard", watermill.LogFields{"shard": i, "share": share, "live": live, "fence": lease.Fence})
+	}
+	return nil
+}
+
+// startShard starts the relay of shard i, which holds lease at pos.
+func (f *Forwarder) startShard(ctx context.Context, set *shardSet, i int, lease store.Lease, pos store.Position) {
 	w := f.shardRelay(i)
+	w.lease, w.pos, w.saved, w.savedAt = lease, pos, pos, time.Now()
 	ctx, cancel := context.WithCancel(ctx)
-	r := &shardRelay{cancel: cancel, done: make(chan struct{}), wake: make(chan struct{}, 1)}
+	r := &shardRelay{relay: w, cancel: cancel, done: make(chan struct{}), wake: make(chan struct{}, 1)}
 	set.mu.Lock()
 	set.relays[i] = r
 	set.mu.Unlock()
@@ -232,7 +308,9 @@ func (f *Forwarder) startShard(ctx context.Context, set *shardSet, i int) {
 		defer close(r.done)
 		refreshed := make(chan struct{})
 		go func() { defer close(refreshed); w.refreshBacklog(ctx) }()
-		_ = w.forwardLoop(ctx, r.wake, nil) // returns only when ctx ends
+		if err := w.forwardLoop(ctx, r.wake, nil); err != nil {
+			w.logger.Info("Shard relay stopped", watermill.LogFields{"reason": err.Error()})
+		}
 		cancel()
 		<-refreshed
 		w.dropAhead()
@@ -240,44 +318,49 @@ func (f *Forwarder) startShard(ctx context.Context, set *shardSet, i int) {
 }
 
 // stopShard stops the relay of shard i and waits until its batch in flight
-// is acked (or abandoned after shutdown_timeout); only then may its lock go.
-func (f *Forwarder) stopShard(set *shardSet, i int) {
+// is acked (or abandoned after shutdown_timeout); only then may its lease
+// go. It returns the stopped relay, nil when the shard was not held.
+func (f *Forwarder) stopShard(set *shardSet, i int) *Forwarder {
 	set.mu.Lock()
 	r := set.relays[i]
 	delete(set.relays, i)
 	set.mu.Unlock()
 	if r == nil {
-		return
+		return nil
 	}
 	r.cancel()
 	<-r.done
 	f.metrics.shardOwned.WithLabelValues(strconv.Itoa(i)).Set(0)
 	f.metrics.shardPending.DeleteLabelValues(strconv.Itoa(i))
 	f.metrics.shardOldestAge.DeleteLabelValues(strconv.Itoa(i))
+	return r.relay
 }
 
-// releaseAll stops every shard relay; the caller then closes the lock
-// connection, which releases the locks.
-func (f *Forwarder) releaseAll(set *shardSet) {
+// releaseAll stops every shard relay and releases its lease.
+func (f *Forwarder) releaseAll(ctx context.Context, set *shardSet) {
 	for _, i := range set.owned() {
-		f.stopShard(set, i)
+		if r := f.stopShard(set, i); r != nil {
+			f.release(ctx, r.lease)
+		}
 	}
 	f.metrics.leader.Set(0)
 }
 
 // shardRelay returns the relay of shard i: this relay's broker, limiter,
-// tracing and counters, with its own position, read-ahead, backlog gauges
-// and provisioned topics.
+// tracing and counters, with its own lease, position, read-ahead, backlog
+// gauges and provisioned topics.
 func (f *Forwarder) shardRelay(i int) *Forwarder {
 	m := *f.metrics
 	label := strconv.Itoa(i)
 	m.pending, m.oldestAge = f.metrics.shardPending.WithLabelValues(label), f.metrics.shardOldestAge.WithLabelValues(label)
 	return &Forwarder{
 		db:            f.db,
+		listenDB:      f.listenDB,
 		broker:        f.broker,
 		cfg:           f.cfg,
 		tables:        f.tables,
 		cursor:        store.Cursor{Group: f.cfg.ConsumerGroup, Shard: i, Shards: *f.cfg.Shards},
+		instance:      f.instance,
 		logger:        f.logger.With(watermill.LogFields{"shard": i}),
 		metrics:       &m,
 		limiter:       f.limiter,

@@ -15,8 +15,8 @@ import (
 type backlog struct {
 	mu         sync.Mutex
 	measuredAt time.Time // when the shown values were measured (the query's start)
-	// idleAt is when the last read found nothing pending and nothing hidden;
-	// zero once a read found rows or failed, until a read finds none again.
+	// idleAt is when the last read found nothing pending; zero once a read
+	// found rows or failed, until a read finds none again.
 	idleAt time.Time
 }
 
@@ -34,10 +34,10 @@ func (f *Forwarder) setBacklog(at time.Time, pending int64, oldest time.Duration
 }
 
 // recordRead notes what the batch read that began at at found. A read that
-// found nothing pending (no rows, none hidden by an older transaction) is a
-// measurement of zero; anything else leaves the count to the refresher.
-func (f *Forwarder) recordRead(at time.Time, rows int, hidden bool, err error) {
-	if err == nil && rows == 0 && !hidden {
+// found nothing pending is a measurement of zero; anything else leaves the
+// count to the refresher.
+func (f *Forwarder) recordRead(at time.Time, rows int, err error) {
+	if err == nil && rows == 0 {
 		f.setBacklog(at, 0, 0)
 		f.backlog.mu.Lock()
 		f.backlog.idleAt = at
@@ -112,18 +112,13 @@ func (f *Forwarder) Pending(ctx context.Context) (rows int64, oldest time.Durati
 	return rows, oldest, nil
 }
 
-// cursors are the offsets rows f reads: its own, or, for an instance with
+// cursors are the cursors f reads: its own, or, for an instance with
 // relay.shards > 1, every shard's.
 func (f *Forwarder) cursors() []store.Cursor {
-	n := *f.cfg.Shards
-	if n <= 1 || f.cursor.Shards > 1 {
+	if f.cursor.Shards > 1 {
 		return []store.Cursor{f.cursor}
 	}
-	cs := make([]store.Cursor, n)
-	for i := range cs {
-		cs[i] = store.Cursor{Group: f.cfg.ConsumerGroup, Shard: i, Shards: n}
-	}
-	return cs
+	return store.RelayCursors(f.cfg.ConsumerGroup, *f.cfg.Shards)
 }
 
 // cleanup deletes forwarded rows older than the retention in bounded

@@ -65,7 +65,7 @@ func newFixture(t *testing.T, n int, cfg bus.Config) *fixture {
 	}
 	tx, err := db.BeginTx(ctx, nil)
 	require.NoError(t, err)
-	require.NoError(t, tables.Quarantine(ctx, tx, store.OutboxRow{Offset: 7, UUID: []byte("u-7"), Payload: []byte("not an envelope"), Metadata: []byte("{}")},
+	require.NoError(t, tables.Quarantine(ctx, tx, store.OutboxRow{Offset: 7, UUID: "u-7", Payload: []byte("not an envelope"), Metadata: []byte("{}")},
 		"", "", "unreadable envelope"))
 	require.NoError(t, tx.Commit())
 	q, err := ops.ListQuarantined(ctx, bus.QuarantineFilter{}, 0)

@@ -2,6 +2,7 @@ package faults
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"fmt"
 	"sync"
@@ -34,16 +35,20 @@ type writer struct {
 	version    map[string]int
 	txn, seq   int
 	failures   int // transactions that failed (database unreachable)
+	// pacedAt is when the COMMIT of each event committed at a rate (start)
+	// was sent, for the commit-to-effect latency.
+	pacedAt map[string]time.Time
 }
 
 func newWriter(w *world) *writer {
 	return &writer{w: w, committed: map[string]bool{}, malformed: map[string]bool{}, rolledBack: map[string]bool{},
-		uncertain: map[string]bool{}, bad: map[string]bool{}, version: map[string]int{}}
+		uncertain: map[string]bool{}, bad: map[string]bool{}, version: map[string]int{}, pacedAt: map[string]time.Time{}}
 }
 
 // commitTx writes one transaction of ten events; it reports false when the
-// database refused it before COMMIT (nothing was written).
-func (wr *writer) commitTx(ctx context.Context) bool {
+// database refused it before COMMIT (nothing was written). paced notes the
+// time of the COMMIT of its events (in pacedAt).
+func (wr *writer) commitTx(ctx context.Context, paced bool) bool {
 	wr.mu.Lock()
 	txn := wr.txn
 	rollback := txn%25 == 24
@@ -81,6 +86,7 @@ func (wr *writer) commitTx(ctx context.Context) bool {
 		wr.mu.Unlock()
 		return false
 	}
+	committing := time.Now()
 	if rollback {
 		_ = tx.Rollback()
 	} else {
@@ -103,6 +109,9 @@ func (wr *writer) commitTx(ctx context.Context) bool {
 			wr.malformed[ev.ID] = true
 		default:
 			wr.committed[ev.ID] = true
+			if paced {
+				wr.pacedAt[ev.ID] = committing
+			}
 		}
 	}
 	if err != nil {
@@ -115,7 +124,7 @@ func (wr *writer) commitTx(ctx context.Context) bool {
 func (wr *writer) commit(n int) {
 	target := wr.total() + n
 	for wr.total() < target {
-		if !wr.commitTx(context.Background()) {
+		if !wr.commitTx(context.Background(), false) {
 			time.Sleep(100 * time.Millisecond)
 		}
 	}
@@ -135,7 +144,7 @@ func (wr *writer) start(rate int) (stop func()) {
 			case <-ctx.Done():
 				return
 			case <-tick.C:
-				if !wr.commitTx(context.Background()) {
+				if !wr.commitTx(context.Background(), true) {
 					time.Sleep(100 * time.Millisecond)
 				}
 			}
@@ -195,6 +204,16 @@ type outcome struct {
 	transactions, largestBatch int
 }
 
+// plus is what o and p found together, for a scenario of two worlds.
+func (o outcome) plus(p outcome) outcome {
+	return outcome{
+		committed: o.committed + p.committed, malformed: o.malformed + p.malformed, rolledBack: o.rolledBack + p.rolledBack,
+		effects: o.effects + p.effects, lost: o.lost + p.lost, duplicated: o.duplicated + p.duplicated, ghosts: o.ghosts + p.ghosts,
+		outOfOrder: o.outOfOrder + p.outOfOrder, poisoned: o.poisoned + p.poisoned, wronglyPoisoned: o.wronglyPoisoned + p.wronglyPoisoned,
+		transactions: o.transactions + p.transactions, largestBatch: max(o.largestBatch, p.largestBatch),
+	}
+}
+
 // perTransaction is the mean effects per inbox transaction.
 func (o outcome) perTransaction() float64 {
 	if o.transactions == 0 {
@@ -209,45 +228,62 @@ const stallWindow = 30 * time.Second
 
 // settle waits until every committed well-formed event has an effect and
 // every malformed one is in the poison table, and returns how long that
-// took after the last fault. It fails after timeout, unless effects are
-// still being added (one in the last stallWindow): a loaded machine may
-// take longer over the same work, up to twice timeout, but a stalled flow
-// fails at timeout.
+// took after the last fault (see settleWhen).
 func (w *world) settle(timeout time.Duration) time.Duration {
 	w.t.Helper()
 	w.writer.resolve(w.t)
 	want, bad := len(w.writer.committed), len(w.writer.malformed)
-	var effects, poisoned int
+	return w.settleWhen(timeout, func() (progress, error) {
+		var effects, poisoned int
+		err := w.db.QueryRow(`SELECT (SELECT count(DISTINCT event_id) FROM `+w.table("effects")+`),
+			(SELECT count(*) FROM `+w.table("millrace_poison")+`)`).Scan(&effects, &poisoned)
+		return progress{applied: effects + poisoned, done: effects >= want && poisoned >= bad,
+			state: fmt.Sprintf("%d of %d events have an effect, %d of %d malformed ones are poisoned", effects, want, poisoned, bad)}, err
+	})
+}
+
+// progress is how far a flow has come, as settleWhen polls it.
+type progress struct {
+	applied int    // effects and poisoned messages so far
+	done    bool   // the flow has settled
+	state   string // what it has and awaits, for a failure message
+}
+
+// settleWhen polls poll until it reports done, and returns how long that
+// took after the last fault. It fails after timeout, unless effects are
+// still being added (one in the last stallWindow): a loaded machine may
+// take longer over the same work, up to twice timeout, but a stalled flow
+// fails at timeout.
+func (w *world) settleWhen(timeout time.Duration, poll func() (progress, error)) time.Duration {
+	w.t.Helper()
 	began := time.Now()
 	lastGrew, grown := began, -1
-	// progress keeps a minute of effect counts, so that a failure tells a
+	// samples keeps a minute of progress, so that a failure tells a
 	// stalled flow from a slow one.
 	type sample struct {
 		at      time.Time
-		effects int
+		applied int
 	}
-	var progress []sample
+	var samples []sample
 	for {
-		err := w.db.QueryRow(`SELECT (SELECT count(DISTINCT event_id) FROM `+w.table("effects")+`),
-			(SELECT count(*) FROM `+w.table("millrace_poison")+`)`).Scan(&effects, &poisoned)
-		if err == nil && effects >= want && poisoned >= bad {
+		p, err := poll()
+		if err == nil && p.done {
 			break
 		}
 		w.nodesAlive()
 		now := time.Now()
-		progress = append(progress, sample{now, effects})
-		for len(progress) > 1 && now.Sub(progress[0].at) > time.Minute {
-			progress = progress[1:]
+		samples = append(samples, sample{now, p.applied})
+		for len(samples) > 1 && now.Sub(samples[0].at) > time.Minute {
+			samples = samples[1:]
 		}
-		if effects+poisoned > grown {
-			lastGrew, grown = now, effects+poisoned
+		if p.applied > grown {
+			lastGrew, grown = now, p.applied
 		}
 		elapsed := now.Sub(began)
 		if elapsed > 2*timeout || (elapsed > timeout && now.Sub(lastGrew) > stallWindow) {
-			w.t.Fatalf("after %s: %d of %d events have an effect (%d in the last %s, the last one %s ago), "+
-				"%d of %d malformed ones are poisoned; outbox: %s (last error: %v)\n%s",
-				elapsed.Round(time.Second), effects, want, effects-progress[0].effects, now.Sub(progress[0].at).Round(time.Second),
-				now.Sub(lastGrew).Round(time.Second), poisoned, bad, w.outboxState(), err, w.diagnose())
+			w.t.Fatalf("after %s: %s (%d applied in the last %s, the last one %s ago); outbox: %s; relay cursor: %s (last error: %v)\n%s",
+				elapsed.Round(time.Second), p.state, p.applied-samples[0].applied, now.Sub(samples[0].at).Round(time.Second),
+				now.Sub(lastGrew).Round(time.Second), w.outboxState(), w.cursorState(), err, w.diagnose())
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
@@ -274,6 +310,31 @@ func (w *world) outboxState() string {
 		return err.Error()
 	}
 	return fmt.Sprintf("%d pending, the oldest %s old, %d quarantined", st.Pending, st.OldestPendingAge.Round(time.Second), st.Quarantined)
+}
+
+// cursorState shows the relay's cursor row (millrace_relay_cursors): its
+// position and its lease, for failure messages and logs.
+func (w *world) cursorState() string {
+	var offset int64
+	var pending, done, horizon, holder string
+	var fence int64
+	var leaseUntil, acked sql.NullTime
+	err := w.db.QueryRow(`SELECT read_offset, pending_xids::text, pending_done::text, horizon::text, fence, holder,
+		CASE WHEN lease_until = '-infinity' THEN NULL ELSE lease_until END, acked_at FROM `+w.table("millrace_relay_cursors")+`
+		WHERE outbox_topic = $1 AND consumer_group = $2`, w.cfg.Outbox.Topic, w.cfg.Relay.ConsumerGroup).
+		Scan(&offset, &pending, &done, &horizon, &fence, &holder, &leaseUntil, &acked)
+	if err != nil {
+		return err.Error()
+	}
+	return fmt.Sprintf("read_offset %d, pending_xids %s (done %s), horizon %s, fence %d, holder %q, lease_until %s, acked_at %s",
+		offset, pending, done, horizon, fence, holder, timeOrNone(leaseUntil), timeOrNone(acked))
+}
+
+func timeOrNone(t sql.NullTime) string {
+	if !t.Valid {
+		return "none"
+	}
+	return t.Time.Format("15:04:05.000")
 }
 
 func (w *world) table(name string) string { return `"` + w.cfg.Database.Schema + `".` + name }

@@ -14,6 +14,17 @@
 // veth pair whose link is taken down, which needs root and iproute2 (`ip
 // netns`).
 //
+// The PostgreSQL scenarios run the flow beside a session left idle in
+// transaction, beside another service on the same server (a second world)
+// whose broker is frozen, through a private PgBouncer in transaction mode,
+// and across a crash of a private primary and the promotion of its
+// standby, synchronous or asynchronous. The asynchronous one counts what
+// the WAL the standby never received took with it, and requires that
+// nothing else is lost.
+//
+// Every scenario reports the commit-to-effect latency: the time from the
+// service's COMMIT to the insert of its event's effect.
+//
 // `make test` runs it. `make reliability` runs it and rewrites
 // docs/RELIABILITY.md from the results.
 package faults

@@ -52,7 +52,14 @@ type result struct {
 	o                outcome
 	ordered          bool
 	recovery         time.Duration
-	note             string
+	// latency is the commit-to-effect latency of the events committed
+	// during the fault; record fills in that of every event the writer
+	// committed at a rate when the scenario measures none of its own.
+	latency latency
+	// knownLoss is what the fault loses by its nature (an asynchronous
+	// standby's missing WAL), shown beside Lost; "" for none.
+	knownLoss string
+	note      string
 }
 
 var (
@@ -60,7 +67,14 @@ var (
 	results   []result
 )
 
-func record(r result) {
+// record adds r to the report.
+func (w *world) record(r result) {
+	w.t.Helper()
+	if r.latency.events == 0 {
+		r.latency = w.latency(time.Time{}, time.Now())
+	}
+	w.t.Logf("%s: %d committed, %d lost, %d duplicated; recovery %s; commit to effect %s; %s",
+		r.faults, r.o.committed, r.o.lost, r.o.duplicated, r.recovery.Round(100*time.Millisecond), r.latency, r.note)
 	resultsMu.Lock()
 	defer resultsMu.Unlock()
 	results = append(results, r)
@@ -96,7 +110,20 @@ has an effect, malformed events are in the poison table and nothing else is,
 and where millrace promises order (one consumer process with
 ` + "`consumer.ordered: true`" + `, no failed publish) each aggregate's effects
 ran in version order. **Recovery** is the time from the last fault injected
-to the last effect applied.
+to the last effect applied. **Commit to effect** is the time from the
+service's COMMIT to the insert of its event's effect (p50, p99 and max): in
+the PostgreSQL scenarios at the end, over the events committed during the
+fault, as each note says; elsewhere over every event the service committed
+at its steady rate, faults and all.
+
+The PostgreSQL scenarios run it as production does: a session of the service
+idle in transaction, another service's relay on the same server waiting on
+its frozen broker, the nodes and the service behind PgBouncer in transaction
+mode, a failover to a synchronous or an asynchronous standby. An
+asynchronous standby lacks the tail of the old primary's write-ahead log, and
+the events and effects committed in it are lost with it: **Lost** shows them
+apart, and the check requires that nothing else is lost and nothing applied
+twice.
 
 Group commit is on: the consumers run with ` + fmt.Sprintf("`consumer.batch.max_messages: %d`, `max_wait: %s` and %d",
 		batchMessages, batchWait, batchWorkers) + ` workers. **Effects per
@@ -106,8 +133,8 @@ flight on NATS (batches of 1), one per partition on Kafka and one per
 aggregate on RabbitMQ, so the scenarios that do not check order run their
 consumers unordered, and form batches of several messages on every broker.
 
-| Scenario | Broker | Events committed | Rolled back | Faults injected | Lost | Duplicated effects | Order checked | Effects per transaction | Recovery |
-|---|---|---:|---:|---|---:|---:|---|---:|---:|
+| Scenario | Broker | Events committed | Rolled back | Faults injected | Lost | Duplicated effects | Order checked | Effects per transaction | Recovery | Commit to effect |
+|---|---|---:|---:|---|---:|---:|---|---:|---:|---|
 `)
 	for _, r := range rows {
 		order := fmt.Sprintf("yes: %d out of order", r.o.outOfOrder)
@@ -122,8 +149,12 @@ consumers unordered, and form batches of several messages on every broker.
 		if r.recovery > 0 {
 			recovery = r.recovery.Round(100 * time.Millisecond).String()
 		}
-		fmt.Fprintf(&b, "| %s | %s | %s | %d | %s | %d | %d | %s | %.1f (max %d) | %s |\n", r.scenario, r.broker, events,
-			r.o.rolledBack, r.faults, r.o.lost, r.o.duplicated, order, r.o.perTransaction(), r.o.largestBatch, recovery)
+		lost := fmt.Sprint(r.o.lost)
+		if r.knownLoss != "" {
+			lost += " (" + r.knownLoss + ")"
+		}
+		fmt.Fprintf(&b, "| %s | %s | %s | %d | %s | %s | %d | %s | %.1f (max %d) | %s | %s |\n", r.scenario, r.broker, events,
+			r.o.rolledBack, r.faults, lost, r.o.duplicated, order, r.o.perTransaction(), r.o.largestBatch, recovery, r.latency)
 	}
 	b.WriteString("\nNotes from the run:\n\n")
 	for _, r := range rows {

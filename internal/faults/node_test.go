@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/url"
 	"os"
 	"os/signal"
 	"sync/atomic"
@@ -46,7 +47,19 @@ type nodeSpec struct {
 	// in the failed_attempts table outside its transaction, so the next one
 	// succeeds, in whichever process it runs.
 	FailFirstEvery int
+	// QueryExecMode, when set, is the default_query_exec_mode the node's
+	// database.url gets (pgx's exec, simple_protocol, ...).
+	QueryExecMode string
+	// ReportEffects makes the node write an effectLine on stderr for every
+	// message whose chain returned without error: its effect (or, for a
+	// duplicate, the first one) is committed, in whichever database the
+	// node's connection reached.
+	ReportEffects bool
 }
+
+// effectLine starts the line a node with ReportEffects writes for each
+// message whose effect is committed, followed by the event id.
+const effectLine = "effect committed: "
 
 // payload is the events' body. N == 0 marks a malformed event.
 type payload struct {
@@ -66,6 +79,14 @@ func runNode(raw string) int {
 	dumpGoroutinesOnSignal()
 	cfg := spec.Config
 	cfg.Relay.Enabled = &spec.Relay
+	if spec.QueryExecMode != "" {
+		u, err := withQueryExecMode(cfg.Database.URL, spec.QueryExecMode)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "node:", err)
+			return 2
+		}
+		cfg.Database.URL = u
+	}
 	db, err := bus.OpenDB(cfg.Database)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "node:", err)
@@ -75,6 +96,9 @@ func runNode(raw string) int {
 	var opts []bus.Option
 	if spec.KillAfterEffect > 0 {
 		opts = append(opts, bus.WithRouterMiddleware(killAfterEffect(spec.KillAfterEffect)))
+	}
+	if spec.ReportEffects {
+		opts = append(opts, bus.WithRouterMiddleware(reportEffects))
 	}
 	b, err := bus.Open(ctx, cfg, db, opts...)
 	if err != nil {
@@ -164,4 +188,30 @@ func killAfterEffect(n int) message.HandlerMiddleware {
 			return out, err
 		}
 	}
+}
+
+// reportEffects writes an effectLine on stderr for each message whose chain
+// returned without error, after its transaction committed and before the
+// router acks it.
+func reportEffects(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		out, err := h(msg)
+		if err == nil {
+			fmt.Fprintln(os.Stderr, effectLine+msg.UUID)
+		}
+		return out, err
+	}
+}
+
+// withQueryExecMode returns the PostgreSQL URL raw with
+// default_query_exec_mode set to mode.
+func withQueryExecMode(raw, mode string) (string, error) {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "", fmt.Errorf("database.url: %w", err)
+	}
+	q := u.Query()
+	q.Set("default_query_exec_mode", mode)
+	u.RawQuery = q.Encode()
+	return u.String(), nil
 }

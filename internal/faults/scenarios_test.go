@@ -48,7 +48,8 @@ const (
 )
 
 var scenarioOrder = []string{relayKilled, consumerKilled, consumerKilledBatched, consumerKilledRetrying, consumerPaused, brokerRestarted, postgresCrashed, terminated,
-	twoOfEach, poisonStorm, dependencyOutage, relayOutage, clusterFaults, clusterPartition}
+	twoOfEach, poisonStorm, dependencyOutage, relayOutage, clusterFaults, clusterPartition,
+	idleInTransaction, neighbourFrozen, pooledRelays, failoverSync, failoverAsync}
 
 func scenarioRank(name string) int { return slices.Index(scenarioOrder, name) }
 
@@ -112,7 +113,7 @@ func TestRelayOutageThenDrain(t *testing.T) {
 		require.LessOrEqual(t, float64(backlog-w.cfg.Relay.BatchSize)/relayed.Seconds(), float64(limit),
 			"the drain kept to relay.rate_limit")
 		recovery := w.settle(settleTimeout + outage)
-		record(result{scenario: relayOutage, broker: kind, faults: fmt.Sprintf("relay down %s", outage), o: w.check(true),
+		w.record(result{scenario: relayOutage, broker: kind, faults: fmt.Sprintf("relay down %s", outage), o: w.check(true),
 			ordered: true, recovery: recovery, note: fmt.Sprintf("a backlog of %d events: relayed in %s (%.0f events/s, rate_limit %d), "+
 				"all effects applied %s after the relay started (one ordered consumer process)",
 				backlog, relayed.Round(100*time.Millisecond), relayRate, limit, recovery.Round(100*time.Millisecond))})
@@ -138,7 +139,7 @@ func TestRelaySIGKILL(t *testing.T) {
 		stop()
 		w.start("relay", nodeSpec{Relay: true})
 		recovery := w.settle(settleTimeout)
-		record(result{scenario: relayKilled, broker: kind, faults: fmt.Sprintf("%d SIGKILLs", kills),
+		w.record(result{scenario: relayKilled, broker: kind, faults: fmt.Sprintf("%d SIGKILLs", kills),
 			o: w.check(true), ordered: true, recovery: recovery})
 	})
 }
@@ -159,13 +160,13 @@ func consumerSIGKILL(t *testing.T, kind string, unordered bool) {
 	const kills = 3
 	recovery := killConsumers(w, kills, nodeSpec{Consume: true})
 	if unordered {
-		record(result{scenario: consumerKilledBatched, broker: kind, faults: fmt.Sprintf("%d SIGKILLs", kills),
+		w.record(result{scenario: consumerKilledBatched, broker: kind, faults: fmt.Sprintf("%d SIGKILLs", kills),
 			o: w.check(false), recovery: recovery})
 		return
 	}
 	// On NATS the ordered group's consumer has max_ack_pending 1: what a
 	// dead consumer held comes back after ack_wait, before anything newer.
-	record(result{scenario: consumerKilled, broker: kind, faults: fmt.Sprintf("%d SIGKILLs", kills),
+	w.record(result{scenario: consumerKilled, broker: kind, faults: fmt.Sprintf("%d SIGKILLs", kills),
 		o: w.check(true), ordered: true, recovery: recovery})
 }
 
@@ -221,7 +222,7 @@ func TestConsumerSIGKILLWhileRetrying(t *testing.T) {
 		}
 		require.Positive(t, atBroker, "failed attempts were handed to the broker")
 		require.Zero(t, inProcess, "no failed attempt waited in a worker")
-		record(result{scenario: consumerKilledRetrying, broker: kind, faults: fmt.Sprintf("%d SIGKILLs", kills),
+		w.record(result{scenario: consumerKilledRetrying, broker: kind, faults: fmt.Sprintf("%d SIGKILLs", kills),
 			o: o, recovery: recovery, note: fmt.Sprintf("%d events failed their first attempt and were applied on a later one", failed)})
 	})
 }
@@ -250,7 +251,7 @@ func TestConsumerPausedPastFailureDetection(t *testing.T) {
 		}
 		stop()
 		recovery := w.settle(settleTimeout)
-		record(result{scenario: consumerPaused, broker: kind, faults: fmt.Sprintf("%d pauses of %s", pauses, pause),
+		w.record(result{scenario: consumerPaused, broker: kind, faults: fmt.Sprintf("%d pauses of %s", pauses, pause),
 			o: w.check(true), ordered: true, recovery: recovery})
 	})
 }
@@ -281,7 +282,7 @@ func TestBrokerRestart(t *testing.T) {
 		recovery := w.settle(settleTimeout)
 		// A publish that failed mid-batch is retried after later events of
 		// its batch went out: order is not promised here (README).
-		record(result{scenario: brokerRestarted, broker: kind, faults: "1 restart", o: w.check(false),
+		w.record(result{scenario: brokerRestarted, broker: kind, faults: "1 restart", o: w.check(false),
 			recovery: recovery, note: fmt.Sprintf("the %s server was down for %s", kind, down.Round(100*time.Millisecond))})
 	})
 }
@@ -301,7 +302,7 @@ func TestPostgreSQLRestart(t *testing.T) {
 		time.Sleep(5 * time.Second)
 		stop()
 		recovery := w.settle(settleTimeout)
-		record(result{scenario: postgresCrashed, broker: kind, faults: "1 crash restart", o: w.check(true), ordered: true,
+		w.record(result{scenario: postgresCrashed, broker: kind, faults: "1 crash restart", o: w.check(true), ordered: true,
 			recovery: recovery, note: fmt.Sprintf("PostgreSQL was down for %s; the service's transactions failed meanwhile (%d)",
 				down.Round(100*time.Millisecond), w.writer.failures)})
 	})
@@ -325,7 +326,7 @@ func TestSIGTERMMidBatch(t *testing.T) {
 		w.fault()
 		w.start("node-2", nodeSpec{Relay: true, Consume: true})
 		recovery := w.settle(settleTimeout)
-		record(result{scenario: terminated, broker: kind, faults: "1 SIGTERM", o: w.check(true), ordered: true, recovery: recovery,
+		w.record(result{scenario: terminated, broker: kind, faults: "1 SIGTERM", o: w.check(true), ordered: true, recovery: recovery,
 			note: fmt.Sprintf("exit status 0 %s after SIGTERM (allowed: %s)", took.Round(10*time.Millisecond), limit)})
 	})
 }
@@ -351,7 +352,7 @@ func TestTwoRelaysTwoConsumers(t *testing.T) {
 		// (max_ack_pending 1). RabbitMQ replicas compete for one queue, so
 		// order there is per process only.
 		ordered := kind != bus.KindRabbitMQ
-		record(result{scenario: twoOfEach, broker: kind, faults: "1 SIGKILL of a node (relay + consumer), restarted 1s later",
+		w.record(result{scenario: twoOfEach, broker: kind, faults: "1 SIGKILL of a node (relay + consumer), restarted 1s later",
 			o: w.check(ordered), ordered: ordered, recovery: recovery})
 	})
 }
@@ -365,7 +366,7 @@ func TestPoisonStorm(t *testing.T) {
 		w.settle(settleTimeout)
 		o := w.check(true)
 		require.Positive(t, o.poisoned)
-		record(result{scenario: poisonStorm, broker: kind, faults: fmt.Sprintf("%d malformed events", o.malformed),
+		w.record(result{scenario: poisonStorm, broker: kind, faults: fmt.Sprintf("%d malformed events", o.malformed),
 			o: o, ordered: true, note: fmt.Sprintf("%d poisoned, every one malformed; the rest flowed past them", o.poisoned)})
 	})
 }
@@ -401,7 +402,7 @@ func TestDependencyOutage(t *testing.T) {
 		stop()
 		recovery := w.settle(settleTimeout)
 		o := w.check(true)
-		record(result{scenario: dependencyOutage, broker: kind, faults: fmt.Sprintf("%s of HTTP 503", outage), o: o, ordered: true,
+		w.record(result{scenario: dependencyOutage, broker: kind, faults: fmt.Sprintf("%s of HTTP 503", outage), o: o, ordered: true,
 			recovery: recovery, note: fmt.Sprintf("%d calls failed during the outage (handler and dependency probe; the open breaker holds messages between probes); %d poisoned; default retry ladder (max_attempts 5)",
 				failed.Load(), o.poisoned)})
 	})
@@ -467,7 +468,7 @@ func TestNATSClusterFaults(t *testing.T) {
 		// A publish that failed during a failover is retried after later
 		// events of its batch went out (as on a broker restart): order is
 		// not promised.
-		record(result{scenario: clusterFaults, broker: kind, faults: "1 leader SIGKILL, 1 leader SIGSTOP, 3 restarts",
+		w.record(result{scenario: clusterFaults, broker: kind, faults: "1 leader SIGKILL, 1 leader SIGSTOP, 3 restarts",
 			o: w.check(false), recovery: recovery, note: "streams at replicas 3; the clients were given all three URLs; " + w.clientLogs()})
 	})
 }
@@ -515,7 +516,7 @@ func TestNATSClusterPartition(t *testing.T) {
 		recovery := w.settle(settleTimeout)
 		// A publish that timed out on the cut-off leader is retried after
 		// later events of its batch went out: order is not promised.
-		record(result{scenario: clusterPartition, broker: kind, faults: fmt.Sprintf("stream leader cut off %s (network namespace, link down)", p.cutFor.Round(100*time.Millisecond)),
+		w.record(result{scenario: clusterPartition, broker: kind, faults: fmt.Sprintf("stream leader cut off %s (network namespace, link down)", p.cutFor.Round(100*time.Millisecond)),
 			o: w.check(false), recovery: recovery, note: fmt.Sprintf("streams at replicas 3, the leader's node in a network namespace of its own "+
 				"joined by a veth pair whose link was taken down; another node led the stream %s after the cut and 200 more effects were applied %s after it, "+
 				"during the partition; %s", p.failover.Round(100*time.Millisecond), p.flowed.Round(100*time.Millisecond), w.clientLogs())})
@@ -607,7 +608,7 @@ func TestRabbitMQClusterFaults(t *testing.T) {
 		recovery := w.settle(settleTimeout)
 		// A publish that failed during a failover is retried after later
 		// events of its batch went out: order is not promised.
-		record(result{scenario: clusterFaults, broker: kind, faults: "1 leader SIGKILL, 1 leader SIGSTOP, 3 restarts",
+		w.record(result{scenario: clusterFaults, broker: kind, faults: "1 leader SIGKILL, 1 leader SIGSTOP, 3 restarts",
 			o: w.check(false), recovery: recovery, note: "a quorum queue with members on the three nodes; the clients were given all three URLs; " + w.clientLogs()})
 	})
 }
@@ -653,7 +654,7 @@ func TestRabbitMQClusterPartition(t *testing.T) {
 		}
 		// A publish whose confirm was lost with the cut-off node is retried
 		// after later events of its batch went out: order is not promised.
-		record(result{scenario: clusterPartition, broker: kind, faults: fmt.Sprintf("%s cut off %s (network namespace, link down)", cutOff, p.cutFor.Round(100*time.Millisecond)),
+		w.record(result{scenario: clusterPartition, broker: kind, faults: fmt.Sprintf("%s cut off %s (network namespace, link down)", cutOff, p.cutFor.Round(100*time.Millisecond)),
 			o: w.check(false), recovery: recovery, note: fmt.Sprintf("a quorum queue with members on the three nodes, declared through the node in a network namespace "+
 				"of its own, which the relay and the consumer were connected to; pause_minority, net_ticktime 10s, AMQP heartbeat 10s; "+
 				"%s, and 200 more effects were applied %s after it, during the partition; %s",
@@ -699,7 +700,7 @@ func TestKafkaClusterFaults(t *testing.T) {
 		recovery := w.settle(settleTimeout)
 		// A publish that failed during a leader move is retried after later
 		// events of its batch went out: order is not promised.
-		record(result{scenario: clusterFaults, broker: kind, faults: "1 leader moved, 3 elections of every leader and coordinator",
+		w.record(result{scenario: clusterFaults, broker: kind, faults: "1 leader moved, 3 elections of every leader and coordinator",
 			o: w.check(false), recovery: recovery, note: "a kfake cluster of 3 brokers: leader and coordinator moves as clients see them; kfake does not replicate and does not model a dead broker (see TestKafkaClusterFaults); " + w.clientLogs()})
 	})
 }

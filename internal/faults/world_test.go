@@ -109,9 +109,11 @@ func newWorld(t *testing.T, kind string, opts worldOptions) *world {
 	require.NoError(t, bus.Migrate(ctx, db, cfg))
 	// xid is the effect's transaction (the top-level one, also from a
 	// batch member's savepoint): effects per xid are messages per batch.
+	// applied_at is when the effect was written, for the commit-to-effect
+	// latency.
 	_, err = db.Exec(`CREATE TABLE "` + cfg.Database.Schema + `".effects (
 		seq BIGSERIAL PRIMARY KEY, event_id TEXT NOT NULL, aggregate_id TEXT NOT NULL, version BIGINT NOT NULL, pid INT NOT NULL,
-		xid xid8 NOT NULL DEFAULT pg_current_xact_id())`)
+		xid xid8 NOT NULL DEFAULT pg_current_xact_id(), applied_at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp())`)
 	require.NoError(t, err)
 	_, err = db.Exec(`CREATE TABLE "` + cfg.Database.Schema + `".failed_attempts (event_id TEXT PRIMARY KEY)`)
 	require.NoError(t, err)
@@ -220,7 +222,7 @@ func (w *world) flowing(n int) {
 		}
 		w.nodesAlive()
 		if time.Now().After(deadline) {
-			w.t.Fatalf("the flow did not start: %d of %d effects after 2m", effects, n)
+			w.t.Fatalf("the flow did not start: %d of %d effects after 2m; outbox: %s; relay cursor: %s", effects, n, w.outboxState(), w.cursorState())
 		}
 		time.Sleep(50 * time.Millisecond)
 	}

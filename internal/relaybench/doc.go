@@ -5,25 +5,47 @@
 // Each relay runs in a child process (the test binary re-executed) so its
 // peak RSS and its SQL statements are its own. For each broker and relay the
 // benchmark commits a backlog of 50,000 events, starts the relay and times
-// the drain (until no shard has a row past its position, probed on the
-// primary key; then `millrace outbox status` must say 0 pending) while a
-// consumer receives, counts the relay's SQL statements per second while
-// idle, then commits a trickle of 200 events/s for 5s and one of 2,000
-// events/s for 3s, one event per transaction from several writers on one
-// schedule, and measures commit-to-consumer latency at each. The results
-// print as one table per broker: drain, percent of the reference's, p50 and
-// p99 at each rate, idle statements/s, peak RSS, and millrace's ratios to
-// stock Watermill; a trickle the writers could not keep up is noted with the
-// rate reached. The RabbitMQ consumer prefetches 500 so that it keeps up. millrace-3x8 is millrace as three
-// relay processes on relay.shards: 8 (its idle statements and peak RSS are
-// the three processes' sums), beside the single millrace relay.
+// the drain (until the relay has no committed row left to forward, probed
+// on an index: store.Tables.HasBacklog on millrace's cursors and for the
+// reference, the xid8 rule on watermill-sql's offsets row for stock
+// Watermill; then `millrace outbox status` must say 0 pending)
+// while a consumer receives, counts the relay's SQL statements per second
+// while idle, then commits a trickle of 200 events/s for 5s and one of
+// 2,000 events/s for 3s, one event per transaction from several writers on
+// one schedule, and measures commit-to-consumer latency at each.
+//
+// Last, for millrace and stock Watermill only, it measures the 200/s
+// trickle again for 30s beside an open transaction (+tx): another session
+// begins a transaction before the first commit, takes a transaction id
+// (pg_current_xact_id(), touching no table) and stays idle in it until the
+// last commit, then rolls it back; the benchmark fails if it did not stay
+// open. Stock Watermill's forwarder reads only rows of transactions older
+// than every open one, so each event waits for the rollback; millrace's
+// relay waits for no other transaction. This adds 30s, and Watermill's
+// catch-up after the rollback, per broker and relay measured.
+//
+// The results print as one table per broker: drain, percent of the
+// reference's, p50 and p99 at each rate and beside the open transaction,
+// idle statements/s, peak RSS, and millrace's ratios to stock Watermill; a
+// trickle the writers could not keep up is noted with the rate reached.
+// The RabbitMQ consumer prefetches 500 so that it keeps up. millrace-3x8 is
+// millrace as three relay processes on relay.shards: 8 (its idle
+// statements and peak RSS are the three processes' sums), beside the
+// single millrace relay.
+//
+// A whole run takes more than go test's default 10-minute timeout: `make
+// bench` passes -timeout 60m; `go test -run '^$' -bench BenchmarkRelay
+// -timeout 60m ./internal/relaybench` runs it alone, and
+// -bench 'BenchmarkRelay/nats' one broker.
 //
 // The reference (reference_test.go) is the simplest loop that moves the same
 // rows with the same payloads and headers to the same broker: a batched
 // select on one pgx connection, overlapping the adapter's pipelined
-// PublishBatch of the batch before and one DELETE of it on another. It keeps none of the relay's guarantees
-// beyond not losing a row, and it polls every 5ms when empty, so its idle
-// statements per second are not a target.
+// PublishBatch of the batch before and one DELETE of it on another. It
+// keeps none of the relay's guarantees beyond not losing a row, and it
+// polls every 5ms when empty, so its idle statements per second are not a
+// target. It reads by the xid8 rule too, so it is not measured beside the
+// open transaction.
 //
 // With RELAYBENCH_PROFILE_DIR set, each relay process writes its CPU profile
 // and its allocations there (<broker>-<relay>.cpu.pprof, .allocs.pprof).

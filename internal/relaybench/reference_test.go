@@ -51,13 +51,7 @@ func runReference(ctx context.Context, dbURL, schema, outboxTopic string, broker
 		return err
 	}
 	defer deleter.Close(context.Background())
-	table := store.Tables{Schema: schema, OutboxTopic: outboxTopic}.OutboxTable()
-	selectBatch := `SELECT transaction_id::text::bigint, "offset", payload FROM ` + table +
-		` WHERE (transaction_id, "offset") > ($1::text::xid8, $2)
-		  AND transaction_id < pg_snapshot_xmin(pg_current_snapshot())
-		ORDER BY transaction_id, "offset" LIMIT ` + strconv.Itoa(referenceBatchSize)
-	deleteBatch := `DELETE FROM ` + table + ` WHERE (transaction_id, "offset") > ($1::text::xid8, $2)
-		AND (transaction_id, "offset") <= ($3::text::xid8, $4)`
+	selectBatch, deleteBatch := referenceSQL(store.Tables{Schema: schema, OutboxTopic: outboxTopic}.OutboxTable())
 
 	g, ctx := errgroup.WithContext(ctx)
 	batches := make(chan referenceBatch, 1)
@@ -121,4 +115,17 @@ func runReference(ctx context.Context, dbURL, schema, outboxTopic string, broker
 		return nil
 	})
 	return g.Wait()
+}
+
+// referenceSQL is the reference relay's two statements on the outbox table:
+// the select of the batch after a position ($1, $2) by the xid8 rule, and
+// the delete of the rows after a position up to another ($3, $4).
+func referenceSQL(table string) (selectBatch, deleteBatch string) {
+	selectBatch = `SELECT transaction_id::text::bigint, "offset", payload FROM ` + table +
+		` WHERE (transaction_id, "offset") > ($1::text::xid8, $2)
+		  AND transaction_id < pg_snapshot_xmin(pg_current_snapshot())
+		ORDER BY transaction_id, "offset" LIMIT ` + strconv.Itoa(referenceBatchSize)
+	deleteBatch = `DELETE FROM ` + table + ` WHERE (transaction_id, "offset") > ($1::text::xid8, $2)
+		AND (transaction_id, "offset") <= ($3::text::xid8, $4)`
+	return selectBatch, deleteBatch
 }

@@ -56,6 +56,19 @@ var trickles = []trickle{
 	{rate: 2000, duration: 3 * time.Second, writers: 32},
 }
 
+// heldTrickle is measured last, for the relays in heldRelays only: the
+// 200/s trickle for 30s while a transaction unrelated to the outbox stays
+// open in a session of its own, from before the first commit to after the
+// last. A relay that reads only rows of transactions older than every open
+// one (watermill-sql's xid8 rule) holds each event back until it ends.
+var heldTrickle = trickle{rate: 200, duration: 30 * time.Second, writers: 4}
+
+// heldRelays are measured at heldTrickle: millrace, whose read rule waits
+// for no other transaction, and stock Watermill, whose forwarder reads by
+// the xid8 rule, to show what that rule does. Each costs heldTrickle's 30s
+// per broker, so the others are not.
+var heldRelays = []string{"watermill", "millrace"}
+
 // brokerKit opens one broker for the parent (consumer, provisioning) and
 // tells the child how to reach the same broker.
 type brokerKit struct {
@@ -88,6 +101,7 @@ type result struct {
 	drainRate             float64   // msgs/s
 	undrained             bool      // the backlog was not drained within drainBound
 	latency               []latency // one per trickle, in the order of trickles
+	held                  *latency  // at heldTrickle; nil for a relay not in heldRelays
 	idleQueries           float64   // statements/s
 	peakRSSMB             float64
 	delivered, duplicates int
@@ -121,6 +135,10 @@ func BenchmarkRelay(b *testing.B) {
 				for _, l := range r.latency {
 					b.ReportMetric(float64(l.p50.Microseconds())/1000, "p50-ms@"+strconv.Itoa(l.rate))
 					b.ReportMetric(float64(l.p99.Microseconds())/1000, "p99-ms@"+strconv.Itoa(l.rate))
+				}
+				if l := r.held; l != nil {
+					b.ReportMetric(float64(l.p50.Microseconds())/1000, "p50-ms@"+strconv.Itoa(l.rate)+"+tx")
+					b.ReportMetric(float64(l.p99.Microseconds())/1000, "p99-ms@"+strconv.Itoa(l.rate)+"+tx")
 				}
 				b.ReportMetric(r.idleQueries, "idle-q/s")
 				b.ReportMetric(r.peakRSSMB, "peak-RSS-MB")
@@ -162,15 +180,65 @@ func benchDB(b *testing.B) (*sql.DB, string) {
 	return db, u.String()
 }
 
+// run is the measurement of one relay on one broker: its outbox, in a
+// schema of its own, the publisher, the consumer and the relay's processes.
+type run struct {
+	relay  string
+	db     *sql.DB
+	pub    *bus.Bus
+	tables store.Tables
+	topic  string
+	c      *consumer
+	procs  []*childProcess
+	sent   int // events committed so far
+}
+
 func measure(b *testing.B, kind, relay string) result {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
+	r := newRun(b, ctx, kind, relay)
+	drain, drained := r.drain(b, ctx)
+	if !drained {
+		// Stock Watermill on a slow broker: its rate is what the consumer
+		// got meanwhile, and the rest of the run is skipped.
+		rate := float64(r.c.distinct()) / drain.Seconds()
+		r.stop()
+		return result{kind: kind, relay: relay, drainRate: rate, undrained: true}
+	}
+	idle := r.idle()
+	var lat []latency
+	for _, tr := range trickles {
+		lat = append(lat, r.latencyAt(b, ctx, tr, false))
+	}
+	var held *latency
+	if slices.Contains(heldRelays, relay) {
+		l := r.latencyAt(b, ctx, heldTrickle, true)
+		held = &l
+	}
+	rss := r.stop()
+	return result{
+		kind: kind, relay: relay,
+		drainRate:   backlogEvents / drain.Seconds(),
+		latency:     lat,
+		held:        held,
+		idleQueries: idle,
+		peakRSSMB:   rss,
+		delivered:   r.c.total(),
+		duplicates:  r.c.total() - r.c.distinct(),
+	}
+}
+
+// newRun makes relay's outbox in a new schema of the bench database, its
+// topic and consumer on the broker, commits the backlog (100 events a
+// transaction) and then starts the relay's processes.
+func newRun(b *testing.B, ctx context.Context, kind, relay string) *run {
 	kit := brokers[kind]
 	childEnv := map[string]string{}
 	if kit.start != nil {
 		childEnv = kit.start(b)
 	}
 	db, dbURL := benchDB(b)
+	r := &run{relay: relay, db: db}
 	schema := testdb.SchemaName(b, db, "bench_"+kind+"_"+relay)
 	var cfg bus.Config
 	cfg.Database.URL = dbURL
@@ -183,130 +251,206 @@ func measure(b *testing.B, kind, relay string) result {
 	if err != nil {
 		b.Fatal(err)
 	}
-	defer pub.Close()
-	cfg = pub.Config()
-
+	b.Cleanup(func() { pub.Close() })
+	r.pub, cfg = pub, pub.Config()
 	broker, err := kit.open(ctx, childEnv)
 	if err != nil {
 		b.Fatalf("open %s: %v", kind, err)
 	}
-	defer broker.Close()
-	topic := strings.ReplaceAll(schema, "_", "-")
-	group := topic + "-consumer"
-	if err := broker.Provision(ctx, topic, group); err != nil {
+	b.Cleanup(func() { broker.Close() })
+	r.topic = strings.ReplaceAll(schema, "_", "-")
+	group := r.topic + "-consumer"
+	if err := broker.Provision(ctx, r.topic, group); err != nil {
 		b.Fatal(err)
 	}
-	c := startConsumer(b, ctx, broker, topic, group)
-	tables := store.Tables{Schema: schema, OutboxTopic: cfg.Outbox.Topic}
+	r.c = startConsumer(b, ctx, broker, r.topic, group)
+	r.tables = store.Tables{Schema: schema, OutboxTopic: cfg.Outbox.Topic}
 	if relay == shardedRelay {
 		// Recorded before the backlog is written, as the procedure for a
 		// change of relay.shards has it.
-		if err := tables.RecordShards(ctx, db, relayGroup(relay), 8); err != nil {
+		if err := r.tables.RecordShards(ctx, db, relayGroup(relay), 8); err != nil {
 			b.Fatal(err)
 		}
 	}
+	r.commitBacklog(b, ctx)
+	outbox := forwarder.Outbox{Schema: schema, Topic: cfg.Outbox.Topic}
+	r.procs = []*childProcess{startChild(b, relay, kind, dbURL, outbox, childEnv)}
+	if relay == shardedRelay {
+		r.procs = append(r.procs, startChild(b, relay, kind, dbURL, outbox, childEnv), startChild(b, relay, kind, dbURL, outbox, childEnv))
+	}
+	return r
+}
 
-	// The backlog, committed before the relay starts, 100 events a transaction.
+// commitBacklog commits backlogEvents events, 100 a transaction, over 1000
+// aggregates.
+func (r *run) commitBacklog(b *testing.B, ctx context.Context) {
 	events := make([]bus.Event, backlogEvents)
 	for i := range events {
 		events[i] = bus.Event{Type: "BenchHappened", AggregateType: "bench", AggregateID: "agg-" + strconv.Itoa(i%1000),
 			AggregateVersion: int64(i/1000 + 1), Payload: []byte(`{"n":` + strconv.Itoa(i) + `,"pad":"0123456789abcdef0123456789abcdef"}`)}
 	}
 	for start := 0; start < len(events); start += 100 {
-		if err := pub.PublishInOwnTx(ctx, topic, events[start:start+100]...); err != nil {
+		if err := r.pub.PublishInOwnTx(ctx, r.topic, events[start:start+100]...); err != nil {
 			b.Fatal(err)
 		}
 	}
+	r.sent = backlogEvents
+}
 
-	outbox := forwarder.Outbox{Schema: schema, Topic: cfg.Outbox.Topic}
-	relayProc := startChild(b, relay, kind, dbURL, outbox, childEnv)
-	procs := []*childProcess{relayProc}
-	if relay == shardedRelay {
-		procs = append(procs, startChild(b, relay, kind, dbURL, outbox, childEnv), startChild(b, relay, kind, dbURL, outbox, childEnv))
-	}
-	statements := func() (n int64) {
-		for _, p := range procs {
-			n += p.statements()
-		}
-		return n
-	}
+// drain waits until the relay has forwarded the backlog and returns how
+// long it took, or false after drainBound. A drained relay must then have
+// 0 pending in `millrace outbox status` (stock Watermill, whose position
+// millrace no longer reads, excepted), and the consumer must get every
+// event.
+func (r *run) drain(b *testing.B, ctx context.Context) (time.Duration, bool) {
 	began := time.Now()
-	shards := 1
-	if relay == shardedRelay {
-		shards = 8
-	}
-	for anyPending(ctx, db, tables, relayGroup(relay), shards) {
+	for r.pending(b, ctx) {
 		if time.Since(began) > drainBound {
-			// Stock Watermill on a slow broker: its rate is what the
-			// consumer got meanwhile, and the rest of the run is skipped.
-			rate := float64(c.distinct()) / time.Since(began).Seconds()
-			for _, p := range procs {
-				p.stop()
-			}
-			return result{kind: kind, relay: relay, drainRate: rate, undrained: true}
+			return time.Since(began), false
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	drain := time.Since(began)
-	ops, err := bus.NewOps(ctx, db, cfg)
-	if err != nil {
-		b.Fatal(err)
+	took := time.Since(began)
+	if r.relay != "watermill" {
+		ops, err := bus.NewOps(ctx, r.db, r.pub.Config())
+		if err != nil {
+			b.Fatal(err)
+		}
+		if st, err := ops.OutboxStatus(ctx, relayGroup(r.relay)); err != nil || st.Pending != 0 {
+			b.Fatalf("after the drain: outbox status %+v, %v", st, err)
+		}
 	}
-	if st, err := ops.OutboxStatus(ctx, relayGroup(relay)); err != nil || st.Pending != 0 {
-		b.Fatalf("after the drain: outbox status %+v, %v", st, err)
-	}
-	testkit.Eventually(b, 10*time.Minute, "the consumer to get the backlog", func() bool { return c.distinct() >= backlogEvents })
+	testkit.Eventually(b, 10*time.Minute, "the consumer to get the backlog", func() bool { return r.c.distinct() >= backlogEvents })
+	return took, true
+}
 
-	time.Sleep(2 * time.Second) // let the relay settle into idle
-	q0 := statements()
+// pending says whether the relay has a committed row left to forward,
+// by a probe that stops at the first it finds on an index, so that polling
+// it during a drain loads PostgreSQL alike for every relay, however many
+// rows are pending or kept for retention. For stock Watermill: a row past
+// its position in watermill-sql's offsets table by the xid8 rule, on the
+// primary key. For millrace: a row a shard's cursor has not forwarded
+// (store.Tables.HasBacklog). For the reference, which has no cursor and
+// deletes what it sent, HasBacklog finds any row.
+func (r *run) pending(b *testing.B, ctx context.Context) bool {
+	if r.relay == "watermill" {
+		var pending bool
+		offsets := r.tables.OffsetsTable()
+		err := r.db.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM `+r.tables.OutboxTable()+` m
+			WHERE (m.transaction_id, m."offset") > (
+				coalesce((SELECT last_processed_transaction_id FROM `+offsets+` WHERE consumer_group = $1), '0'::xid8),
+				coalesce((SELECT offset_acked FROM `+offsets+` WHERE consumer_group = $1), 0)))`, relayGroup(r.relay)).Scan(&pending)
+		if err != nil {
+			b.Fatal(err)
+		}
+		return pending
+	}
+	cursors := []store.Cursor{{Group: relayGroup(r.relay)}}
+	if r.relay == shardedRelay {
+		cursors = cursors[:0]
+		for shard := range 8 {
+			cursors = append(cursors, store.Cursor{Group: relayGroup(r.relay), Shard: shard, Shards: 8})
+		}
+	}
+	for _, c := range cursors {
+		pending, err := r.tables.HasBacklog(ctx, r.db, c)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if pending {
+			return true
+		}
+	}
+	return false
+}
+
+// idle lets the relay settle into idle and returns the statements per
+// second it sends over idleWindow.
+func (r *run) idle() float64 {
+	time.Sleep(2 * time.Second)
+	q0 := r.statements()
 	time.Sleep(idleWindow)
-	idle := float64(statements()-q0) / idleWindow.Seconds()
+	return float64(r.statements()-q0) / idleWindow.Seconds()
+}
 
-	var lat []latency
-	sent := backlogEvents
-	for _, tr := range trickles {
-		l := runTrickle(b, ctx, pub, topic, c, tr, sent)
-		sent += l.events
-		lat = append(lat, l)
+// statements counts the SQL statements the relay's processes have sent.
+func (r *run) statements() (n int64) {
+	for _, p := range r.procs {
+		n += p.statements()
 	}
+	return n
+}
 
-	rss := 0.0
-	for _, p := range procs {
-		rss += p.peakRSS()
+// stop stops the relay's processes and returns the sum of their peak RSS.
+func (r *run) stop() (rssMB float64) {
+	for _, p := range r.procs {
+		rssMB += p.peakRSS()
 		p.stop()
 	}
-	return result{
-		kind: kind, relay: relay,
-		drainRate:   backlogEvents / drain.Seconds(),
-		latency:     lat,
-		idleQueries: idle,
-		peakRSSMB:   rss,
-		delivered:   c.total(),
-		duplicates:  c.total() - c.distinct(),
-	}
+	return rssMB
 }
 
 // latency is commit-to-consumer latency at one trickle.
 type latency struct {
 	rate     int     // the trickle's target, events/s
+	held     bool    // measured beside an open transaction
 	achieved float64 // the rate the writers kept, events/s
 	events   int
 	p50, p99 time.Duration
 }
 
-// runTrickle commits tr.rate events a second, one per transaction, for
-// tr.duration, from tr.writers goroutines on one shared schedule (event i is due
-// at i/rate; a writer that falls behind commits at once), waits for the
-// consumer to have them all (before of its events came earlier) and returns
-// the latency from each commit to the consumer's first receipt.
-func runTrickle(b *testing.B, ctx context.Context, pub *bus.Bus, topic string, c *consumer, tr trickle, before int) latency {
+// name is the trickle's name in the table's notes: "200/s", "200/s+tx".
+func (l latency) name() string {
+	if l.held {
+		return strconv.Itoa(l.rate) + "/s+tx"
+	}
+	return strconv.Itoa(l.rate) + "/s"
+}
+
+// latencyAt commits tr, beside a transaction held open from before its
+// first commit to after its last when hold is set, waits for the consumer
+// to have it all and returns the latency from each commit to the
+// consumer's first receipt.
+func (r *run) latencyAt(b *testing.B, ctx context.Context, tr trickle, hold bool) latency {
+	var end func()
+	if hold {
+		end = openTransaction(b, ctx, r.db)
+	}
+	committed, start := commitTrickle(b, ctx, r.pub, r.topic, tr)
+	if hold {
+		end()
+	}
+	n := len(committed)
+	testkit.Eventually(b, 5*time.Minute, fmt.Sprintf("the %d/s trickle to arrive", tr.rate), func() bool { return r.c.distinct() >= r.sent+n })
+	r.sent += n
+	lat := make([]time.Duration, 0, n)
+	var last time.Time
+	for id, at := range committed {
+		lat = append(lat, r.c.firstSeen(id).Sub(at))
+		if at.After(last) {
+			last = at
+		}
+	}
+	slices.Sort(lat)
+	return latency{
+		rate: tr.rate, held: hold, achieved: float64(n) / last.Sub(start).Seconds(), events: n,
+		p50: lat[len(lat)/2], p99: lat[len(lat)*99/100],
+	}
+}
+
+// commitTrickle commits tr.rate events a second, one per transaction, for
+// tr.duration, from tr.writers goroutines on one shared schedule (event i is
+// due at i/rate; a writer that falls behind commits at once), and returns
+// when each event's transaction had committed, by event id, and when the
+// schedule began.
+func commitTrickle(b *testing.B, ctx context.Context, pub *bus.Bus, topic string, tr trickle) (committed map[string]time.Time, start time.Time) {
 	n := int(tr.duration.Seconds() * float64(tr.rate))
 	interval := time.Second / time.Duration(tr.rate)
 	var mu sync.Mutex
-	committed := make(map[string]time.Time, n)
+	committed = make(map[string]time.Time, n)
 	var failed atomic.Pointer[error]
 	var writers sync.WaitGroup
-	start := time.Now()
+	start = time.Now()
 	for w := range tr.writers {
 		writers.Go(func() {
 			aggregate := "trickle-" + strconv.Itoa(tr.rate) + "-" + strconv.Itoa(w)
@@ -329,49 +473,41 @@ func runTrickle(b *testing.B, ctx context.Context, pub *bus.Bus, topic string, c
 	if err := failed.Load(); err != nil {
 		b.Fatal(*err)
 	}
-	testkit.Eventually(b, 5*time.Minute, fmt.Sprintf("the %d/s trickle to arrive", tr.rate), func() bool { return c.distinct() >= before+n })
-	lat := make([]time.Duration, 0, n)
-	var last time.Time
-	for id, at := range committed {
-		lat = append(lat, c.firstSeen(id).Sub(at))
-		if at.After(last) {
-			last = at
-		}
+	return committed, start
+}
+
+// openTransaction begins a transaction in a session of its own, touching
+// no table, takes a transaction id, so that every snapshot lists it as in
+// progress until it ends, and leaves the session idle in it. end rolls it
+// back; the benchmark fails if the transaction did not stay open until
+// then.
+func openTransaction(b *testing.B, ctx context.Context, db *sql.DB) (end func()) {
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		b.Fatal(err)
 	}
-	slices.Sort(lat)
-	return latency{
-		rate: tr.rate, achieved: float64(n) / last.Sub(start).Seconds(), events: n,
-		p50: lat[len(lat)/2], p99: lat[len(lat)*99/100],
+	var xid string
+	if _, err := tx.ExecContext(ctx, `SET LOCAL idle_in_transaction_session_timeout = 0`); err != nil {
+		b.Fatal(err)
+	}
+	if err := tx.QueryRowContext(ctx, `SELECT pg_current_xact_id()::text`).Scan(&xid); err != nil {
+		b.Fatal(err)
+	}
+	return func() {
+		var status string
+		if err := db.QueryRowContext(ctx, `SELECT pg_xact_status($1::text::xid8)`, xid).Scan(&status); err != nil || status != "in progress" {
+			b.Fatalf("the open transaction %s: %q, %v", xid, status, err)
+		}
+		if err := tx.Rollback(); err != nil {
+			b.Fatal(err)
+		}
 	}
 }
 
-// anyPending says whether any shard of group has a row past its position
-// (any row at all when it has no offsets row, as the reference has not).
-// It probes one row per shard on the primary key: `millrace outbox status`
-// counts the whole table, which polled during a drain would load PostgreSQL
-// more for the relays that keep forwarded rows (retention) than for the
-// reference, which deletes them.
-func anyPending(ctx context.Context, db *sql.DB, t store.Tables, group string, shards int) bool {
-	for shard := range shards {
-		row, inShard := group, ""
-		if shards > 1 {
-			c := store.Cursor{Group: group, Shard: shard, Shards: shards}
-			row, inShard = c.Row(), ` AND m.shard = `+strconv.Itoa(shard)
-		}
-		var pending bool
-		err := db.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM `+t.OutboxTable()+` m
-			WHERE (m.transaction_id, m."offset") > (
-				coalesce((SELECT last_processed_transaction_id FROM `+t.OffsetsTable()+` WHERE consumer_group = $1), '0'::xid8),
-				coalesce((SELECT offset_acked FROM `+t.OffsetsTable()+` WHERE consumer_group = $1), 0))`+inShard+`)`, row).Scan(&pending)
-		if err != nil || pending {
-			return true
-		}
-	}
-	return false
-}
-
-// relayGroup is the offsets row of relay; the reference has none and
-// deletes what it sent, so everything left in its outbox is pending.
+// relayGroup is the position of relay: millrace's cursor row (one per
+// shard for millrace-3x8), stock Watermill's row of watermill-sql's offsets
+// table; the reference has none and deletes what it sent, so everything
+// left in its outbox is pending.
 func relayGroup(relay string) string {
 	switch relay {
 	case "watermill":
@@ -515,22 +651,31 @@ func runChild() int {
 	}
 	defer broker.Close()
 	outbox := forwarder.Outbox{Schema: os.Getenv("RELAYBENCH_SCHEMA"), Topic: os.Getenv("RELAYBENCH_OUTBOX")}
+	if err := runRelay(ctx, os.Getenv("RELAYBENCH_CHILD"), db, broker, outbox, &statements); err != nil && ctx.Err() == nil {
+		fmt.Fprintln(os.Stderr, os.Getenv("RELAYBENCH_CHILD")+" relay:", err)
+		return 1
+	}
+	return 0
+}
+
+// runRelay runs relay on db and broker until ctx is done; the reference
+// counts its own statements in statements.
+func runRelay(ctx context.Context, relay string, db *sql.DB, broker adapters.Broker, outbox forwarder.Outbox, statements *atomic.Int64) error {
 	var logger watermill.LoggerAdapter = watermill.NopLogger{}
 	if os.Getenv("RELAYBENCH_VERBOSE") != "" {
 		logger = watermill.NewStdLogger(false, false)
 	}
-	switch os.Getenv("RELAYBENCH_CHILD") {
+	switch relay {
 	case "millrace", shardedRelay:
 		var cfg forwarder.Config
-		if os.Getenv("RELAYBENCH_CHILD") == shardedRelay {
+		if relay == shardedRelay {
 			cfg.Shards = new(8)
 		}
 		f, err := forwarder.New(db, broker, outbox, cfg, forwarder.Options{Logger: logger})
 		if err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			return 1
+			return err
 		}
-		_ = f.Run(ctx)
+		return f.Run(ctx)
 	case "watermill":
 		tables := store.Tables{Schema: outbox.Schema, OutboxTopic: outbox.Topic}
 		sub, err := watermillsql.NewSubscriber(db, watermillsql.SubscriberConfig{
@@ -539,23 +684,18 @@ func runChild() int {
 			OffsetsAdapter: tables.OffsetsAdapter(),
 		}, logger)
 		if err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			return 1
+			return err
 		}
 		fwd, err := wmforwarder.NewForwarder(sub, broker.Publisher(), logger, wmforwarder.Config{ForwarderTopic: outbox.Topic})
 		if err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			return 1
+			return err
 		}
 		go func() { <-ctx.Done(); _ = fwd.Close() }()
-		_ = fwd.Run(ctx)
+		return fwd.Run(ctx)
 	case "reference":
-		if err := runReference(ctx, os.Getenv("RELAYBENCH_DB"), outbox.Schema, outbox.Topic, broker, &statements); err != nil && ctx.Err() == nil {
-			fmt.Fprintln(os.Stderr, "reference relay:", err)
-			return 1
-		}
+		return runReference(ctx, os.Getenv("RELAYBENCH_DB"), outbox.Schema, outbox.Topic, broker, statements)
 	}
-	return 0
+	return fmt.Errorf("no relay %q", relay)
 }
 
 // profile writes the child's CPU profile, and on stop its allocations, to
@@ -614,14 +754,11 @@ func (c *countingConn) ExecContext(ctx context.Context, query string, args []dri
 }
 
 // printTable prints one table per broker: every relay's drain, its share of
-// the reference's, latency at each trickle, idle statements and peak RSS,
-// then millrace's ratios to stock Watermill.
+// the reference's, latency at each trickle and beside the open transaction,
+// idle statements and peak RSS, then millrace's ratios to stock Watermill.
 func printTable() {
 	resultsMu.Lock()
 	defer resultsMu.Unlock()
-	if len(results) == 0 {
-		return
-	}
 	byKey := map[string]result{}
 	var kinds []string
 	for _, r := range results {
@@ -630,56 +767,90 @@ func printTable() {
 			kinds = append(kinds, r.kind)
 		}
 	}
-	ms := func(d time.Duration) string {
-		return strconv.FormatFloat(float64(d.Microseconds())/1000, 'f', 1, 64) + "ms"
-	}
 	for _, k := range kinds {
-		fmt.Println()
-		fmt.Printf("Relay to %s: %d-event backlog drained, then commit-to-consumer latency at", k, backlogEvents)
-		for _, tr := range trickles {
-			fmt.Printf(" %d/s", tr.rate)
-		}
-		fmt.Println()
-		fmt.Printf("%-13s %11s %9s", "relay", "drain msg/s", "%ceiling")
-		for _, tr := range trickles {
-			fmt.Printf(" %10s %10s", "p50@"+strconv.Itoa(tr.rate), "p99@"+strconv.Itoa(tr.rate))
-		}
-		fmt.Printf(" %8s %9s %5s\n", "idle q/s", "peak RSS", "dups")
-		ceiling, okC := byKey[k+"/reference"]
-		var notes []string
-		for _, relay := range relays {
-			r, ok := byKey[k+"/"+relay]
-			if !ok {
-				continue
-			}
-			pct := "-"
-			if okC {
-				pct = fmt.Sprintf("%.1f%%", 100*r.drainRate/ceiling.drainRate)
-			}
-			if r.undrained {
-				fmt.Printf("%-13s %11s %9s  did not drain %d events within %s\n", r.relay, fmt.Sprintf("<%.0f", r.drainRate), pct, backlogEvents, drainBound)
-				continue
-			}
-			fmt.Printf("%-13s %11.0f %9s", r.relay, r.drainRate, pct)
-			for _, l := range r.latency {
-				fmt.Printf(" %10s %10s", ms(l.p50), ms(l.p99))
-				if l.achieved < 0.95*float64(l.rate) {
-					notes = append(notes, fmt.Sprintf("%s: the %d/s trickle reached %.0f/s", r.relay, l.rate, l.achieved))
-				}
-			}
-			fmt.Printf(" %8.2f %7.1fMB %5d\n", r.idleQueries, r.peakRSSMB, r.duplicates)
-		}
-		s, okS := byKey[k+"/watermill"]
-		m, okM := byKey[k+"/millrace"]
-		if okS && okM && !s.undrained && !m.undrained {
-			fmt.Printf("%-13s %10.1fx %9s", "vs watermill", m.drainRate/s.drainRate, "")
-			for i := range m.latency {
-				fmt.Printf(" %9.1fx %9.1fx", float64(s.latency[i].p50)/float64(m.latency[i].p50), float64(s.latency[i].p99)/float64(m.latency[i].p99))
-			}
-			fmt.Println()
-		}
-		for _, n := range notes {
-			fmt.Println("  " + n)
-		}
+		printBroker(k, byKey)
 	}
+}
+
+// printBroker prints the table of broker kind.
+func printBroker(kind string, byKey map[string]result) {
+	fmt.Println()
+	fmt.Printf("Relay to %s: %d-event backlog drained, then commit-to-consumer latency at", kind, backlogEvents)
+	for _, tr := range trickles {
+		fmt.Printf(" %d/s", tr.rate)
+	}
+	fmt.Printf(", and at %d/s for %s beside a transaction held open (+tx)\n", heldTrickle.rate, heldTrickle.duration)
+	fmt.Printf("%-13s %11s %9s", "relay", "drain msg/s", "%ceiling")
+	for _, tr := range trickles {
+		fmt.Printf(" %10s %10s", "p50@"+strconv.Itoa(tr.rate), "p99@"+strconv.Itoa(tr.rate))
+	}
+	fmt.Printf(" %10s %10s", "p50@"+strconv.Itoa(heldTrickle.rate)+"+tx", "p99@"+strconv.Itoa(heldTrickle.rate)+"+tx")
+	fmt.Printf(" %8s %9s %5s\n", "idle q/s", "peak RSS", "dups")
+	ceiling, okC := byKey[kind+"/reference"]
+	var notes []string
+	for _, relay := range relays {
+		r, ok := byKey[kind+"/"+relay]
+		if !ok {
+			continue
+		}
+		pct := "-"
+		if okC {
+			pct = fmt.Sprintf("%.1f%%", 100*r.drainRate/ceiling.drainRate)
+		}
+		if r.undrained {
+			fmt.Printf("%-13s %11s %9s  did not drain %d events within %s\n", r.relay, fmt.Sprintf("<%.0f", r.drainRate), pct, backlogEvents, drainBound)
+			continue
+		}
+		fmt.Printf("%-13s %11.0f %9s", r.relay, r.drainRate, pct)
+		for _, l := range append(slices.Clone(r.latency), r.heldOrZero()) {
+			if l.events == 0 {
+				fmt.Printf(" %10s %10s", "-", "-")
+				continue
+			}
+			fmt.Printf(" %10s %10s", ms(l.p50), ms(l.p99))
+			if l.achieved < 0.95*float64(l.rate) {
+				notes = append(notes, fmt.Sprintf("%s: the %s trickle reached %.0f/s", r.relay, l.name(), l.achieved))
+			}
+		}
+		fmt.Printf(" %8.2f %7.1fMB %5d\n", r.idleQueries, r.peakRSSMB, r.duplicates)
+	}
+	printRatios(byKey[kind+"/watermill"], byKey[kind+"/millrace"])
+	for _, n := range notes {
+		fmt.Println("  " + n)
+	}
+}
+
+// heldOrZero is r's latency beside the open transaction, or a zero latency
+// (no events) when r was not measured there.
+func (r result) heldOrZero() latency {
+	if r.held == nil {
+		return latency{}
+	}
+	return *r.held
+}
+
+// printRatios prints millrace's ratios to stock Watermill s: drain, and
+// each latency (Watermill's over millrace's), when both drained.
+func printRatios(s, m result) {
+	if s.relay == "" || m.relay == "" || s.undrained || m.undrained {
+		return
+	}
+	fmt.Printf("%-13s %10.1fx %9s", "vs watermill", m.drainRate/s.drainRate, "")
+	sl, ml := append(slices.Clone(s.latency), s.heldOrZero()), append(slices.Clone(m.latency), m.heldOrZero())
+	for i := range ml {
+		if sl[i].events == 0 || ml[i].events == 0 {
+			fmt.Printf(" %10s %10s", "-", "-")
+			continue
+		}
+		fmt.Printf(" %9.1fx %9.1fx", float64(sl[i].p50)/float64(ml[i].p50), float64(sl[i].p99)/float64(ml[i].p99))
+	}
+	fmt.Println()
+}
+
+// ms shows d in milliseconds, or in seconds from 10s on.
+func ms(d time.Duration) string {
+	if d >= 10*time.Second {
+		return strconv.FormatFloat(d.Seconds(), 'f', 2, 64) + "s"
+	}
+	return strconv.FormatFloat(float64(d.Microseconds())/1000, 'f', 1, 64) + "ms"
 }

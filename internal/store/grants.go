@@ -64,8 +64,13 @@ func Grants(t Tables) []Grant {
 	add("SELECT", "TABLE", outbox, outboxName, "relay: read pending events; outbox status")
 	add("DELETE", "TABLE", outbox, outboxName, "relay: delete forwarded rows after relay.retention")
 
+	cursors, cursorsName := table("millrace_relay_cursors")
+	add("SELECT, INSERT, UPDATE", "TABLE", cursors, cursorsName, "relay: its position in the outbox and the lease of the active relay")
+	brokers, brokersName := table("millrace_outbox_brokers")
+	add("SELECT", "TABLE", brokers, brokersName, "every part: the broker.kind the outbox is relayed to, checked at Open")
+	add("INSERT, UPDATE", "TABLE", brokers, brokersName, "relay: record its broker.kind once the outbox is drained")
 	offsets, offsetsName := table("watermill_offsets_" + t.OutboxTopic)
-	add("SELECT, INSERT, UPDATE", "TABLE", offsets, offsetsName, "relay: its position in the outbox, locked while a batch is in flight")
+	add("SELECT", "TABLE", offsets, offsetsName, "relay: start a new cursor where a relay of an earlier version left off")
 
 	shards, shardsName := table("millrace_relay_shards")
 	add("SELECT", "TABLE", shards, shardsName, "publish: the outbox trigger reads the shard count")

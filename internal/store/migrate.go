@@ -11,7 +11,7 @@ import (
 const migrateLockKey = 0x6d696c6c72616365 // "millrace"
 
 // Migrate creates every table, index and trigger millrace needs (outbox with
-// its shard column, offsets, shard count, relay registry, inbox, poison,
+// its shard column, offsets, relay cursors, shard count, relay registry, inbox, poison,
 // poison-replay, aggregate-versions, scheduled and saga tables), idempotently,
 // in one transaction under an advisory lock so that several instances may run
 // it at once.
@@ -57,6 +57,8 @@ END $$`, t.Schema, t.Schema))
 		stmts = append(stmts, q.Query)
 	}
 	stmts = append(stmts, t.shardStatements()...)
+	stmts = append(stmts, t.cursorStatements()...)
+	stmts = append(stmts, t.brokerStatements()...)
 	notifyFunc := t.qualify("millrace_notify_outbox")
 	stmts = append(stmts,
 		// One notification per inserting statement (not per row); PostgreSQL
@@ -87,7 +89,7 @@ END $$`,
 	processed_at TIMESTAMPTZ NOT NULL DEFAULT now(),
 	PRIMARY KEY (consumer_group, event_id)
 )`,
-		`CREATE INDEX IF NOT EXISTS millrace_inbox_processed_at ON `+t.InboxTable()+` (processed_at)`,
+		t.index("millrace_inbox_processed_at", t.InboxTable(), `(processed_at)`),
 		`CREATE TABLE IF NOT EXISTS `+t.QuarantineTable()+` (
 	id BIGSERIAL PRIMARY KEY,
 	outbox_offset BIGINT NOT NULL,
@@ -103,8 +105,11 @@ END $$`,
 )`,
 		// Added after the table's first version: installations migrated
 		// before get the columns here.
-		`ALTER TABLE `+t.QuarantineTable()+` ADD COLUMN IF NOT EXISTS replayed_at TIMESTAMPTZ`,
-		`ALTER TABLE `+t.QuarantineTable()+` ADD COLUMN IF NOT EXISTS times_replayed INTEGER NOT NULL DEFAULT 0`,
+		column(t.QuarantineTable(), "replayed_at", `TIMESTAMPTZ`),
+		column(t.QuarantineTable(), "times_replayed", `INTEGER NOT NULL DEFAULT 0`),
+		// The poison table finds the quarantined rows of its replays by
+		// their outbox uuid, the replay's message id.
+		t.index("millrace_relay_quarantine_outbox_uuid", t.QuarantineTable(), `(outbox_uuid)`),
 		// One row per poisoned message and (consumer group, handler); poisoning
 		// the same message again updates it. The envelope fields are columns
 		// so that an operator can list, filter, show, replay and purge.
@@ -129,8 +134,8 @@ END $$`,
 	replayed_at TIMESTAMPTZ,
 	UNIQUE (consumer_group, handler, message_id)
 )`,
-		`CREATE INDEX IF NOT EXISTS millrace_poison_poisoned_at ON `+t.PoisonTable()+` (poisoned_at)`,
-		`CREATE INDEX IF NOT EXISTS millrace_poison_event_id ON `+t.PoisonTable()+` (event_id)`,
+		t.index("millrace_poison_poisoned_at", t.PoisonTable(), `(poisoned_at)`),
+		t.index("millrace_poison_event_id", t.PoisonTable(), `(event_id)`),
 		// Replay history of the poison table; a replay re-sends the message with
 		// a new message id (message_id here) and the same event id. Purging a
 		// poison row drops its history.
@@ -142,7 +147,7 @@ END $$`,
 	replayed_by TEXT NOT NULL,
 	times_poisoned INTEGER NOT NULL
 )`,
-		`CREATE INDEX IF NOT EXISTS millrace_poison_replays_poison_id ON `+t.PoisonReplaysTable()+` (poison_id)`,
+		t.index("millrace_poison_replays_poison_id", t.PoisonReplaysTable(), `(poison_id)`),
 		`CREATE TABLE IF NOT EXISTS `+t.AggregateVersionsTable()+` (
 	consumer_group TEXT NOT NULL,
 	aggregate_type TEXT NOT NULL,
@@ -155,4 +160,26 @@ END $$`,
 	)
 	stmts = append(stmts, t.scheduledStatements()...)
 	return append(stmts, t.sagaStatements()...)
+}
+
+// ifMissing runs ddl only when probe (a query) finds no row. IF NOT EXISTS
+// alone would still lock the table: CREATE INDEX IF NOT EXISTS takes a
+// SHARE lock even when the index exists, so a Migrate at every start waited
+// for each writer of the table in flight (an idle-in-transaction session
+// for as long as it lived) and held up every writer behind it.
+func ifMissing(probe, ddl string) string {
+	return "DO $$ BEGIN\n\tIF NOT EXISTS (" + probe + ") THEN\n\t\t" + ddl + ";\n\tEND IF;\nEND $$"
+}
+
+// index creates the index name on table (columns), if t's schema has no
+// relation of that name.
+func (t Tables) index(name, table, columns string) string {
+	return ifMissing(`SELECT 1 FROM pg_class WHERE relname = '`+name+`' AND relnamespace = '"`+t.Schema+`"'::regnamespace`,
+		`CREATE INDEX `+name+` ON `+table+` `+columns)
+}
+
+// column adds the column name (decl) to table, if it has none of that name.
+func column(table, name, decl string) string {
+	return ifMissing(`SELECT 1 FROM pg_attribute WHERE attrelid = '`+table+`'::regclass AND attname = '`+name+`' AND NOT attisdropped`,
+		`ALTER TABLE `+table+` ADD COLUMN `+name+` `+decl)
 }

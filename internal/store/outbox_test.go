@@ -2,7 +2,9 @@ package store_test
 
 import (
 	"context"
+	"database/sql"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -12,7 +14,8 @@ import (
 
 // Backlog counts what Status counts as pending, before the group's offsets
 // row exists, at its zero position and after acks, and never counts rows of
-// a transaction that has not committed.
+// a transaction that has not committed; HasBacklog says whether it counts
+// any.
 func TestBacklogCountsWhatStatusCountsAsPending(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -29,6 +32,9 @@ func TestBacklogCountsWhatStatusCountsAsPending(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, want, st.Pending)
 		require.Equal(t, st.Pending, n)
+		found, err := tables.HasBacklog(ctx, db, store.Cursor{Group: group})
+		require.NoError(t, err)
+		require.Equal(t, want > 0, found)
 		if want == 0 {
 			require.Zero(t, oldest)
 		} else {
@@ -44,26 +50,15 @@ func TestBacklogCountsWhatStatusCountsAsPending(t *testing.T) {
 		require.NoError(t, tables.WriteOutbox(ctx, tx, outboxRows(prefix, n)))
 		require.NoError(t, tx.Commit())
 	}
-	// The position moves to the acked'th committed row. The rows are found
-	// directly rather than by ReadBatch, which hides them while any older
-	// transaction of the shared cluster is open.
-	acked := 0
-	ackNext := func(n int) {
-		t.Helper()
-		acked += n
-		var last store.OutboxRow
-		var txID int64
-		require.NoError(t, db.QueryRowContext(ctx, `SELECT "offset", transaction_id::text::bigint FROM `+tables.OutboxTable()+
-			` ORDER BY transaction_id, "offset" OFFSET $1 LIMIT 1`, acked-1).Scan(&last.Offset, &txID))
-		last.ExtraData = map[string]any{"transaction_id": txID}
-		require.NoError(t, tables.Ack(ctx, db, store.Cursor{Group: group}, last))
-	}
+	// The position moves past the next n committed rows, as the relay
+	// moves it.
+	ackNext := func(n int) { t.Helper(); forward(t, db, tables, store.Cursor{Group: group}, n) }
 
 	agree(0)
 	write("a", 5)
 	write("b", 3)
-	agree(8) // no offsets row yet: everything is pending
-	require.NoError(t, tables.PrepareOffsets(ctx, db, store.Cursor{Group: group}))
+	agree(8) // no cursor row yet: everything is pending
+	require.NoError(t, tables.PrepareCursor(ctx, db, store.Cursor{Group: group}))
 	agree(8)
 	ackNext(4) // to the middle of the first transaction's rows
 	agree(4)
@@ -77,4 +72,39 @@ func TestBacklogCountsWhatStatusCountsAsPending(t *testing.T) {
 	agree(3) // not committed, not pending
 	ackNext(3)
 	agree(0)
+	write("d", 1)
+	ackNext(1) // past the open transaction's rows, which it keeps pending
+	agree(0)
+	require.NoError(t, open.Commit())
+	agree(2) // rows of a pending transaction, below the read offset
+	ackNext(2)
+	agree(0)
+}
+
+// forward acts as the relay of c: it takes c's lease, moves c's position
+// past the next n committed rows (all of them when n < 0) by the read rule,
+// and releases the lease.
+func forward(t *testing.T, db *sql.DB, tables store.Tables, c store.Cursor, n int) {
+	t.Helper()
+	ctx := context.Background()
+	require.NoError(t, tables.PrepareCursor(ctx, db, c))
+	lease, pos, ok, err := tables.AcquireLease(ctx, db, c, "test", time.Minute, nil)
+	require.NoError(t, err)
+	require.True(t, ok, "the lease of %s is free", c.Row())
+	defer func() { require.NoError(t, tables.ReleaseLease(ctx, db, lease)) }()
+	for n != 0 {
+		b, err := tables.ReadBatch(ctx, db, c, pos, 100)
+		require.NoError(t, err)
+		k := len(b.Rows)
+		if n > 0 {
+			k = min(k, n)
+			n -= k
+		}
+		next := pos.Advance(b, k, c.Shards <= 1)
+		require.NoError(t, tables.SavePosition(ctx, db, lease, pos, next))
+		pos = next
+		if len(b.Rows) == 0 || (n < 0 && b.Complete) {
+			return
+		}
+	}
 }

@@ -20,10 +20,10 @@ var sqlStatement = regexp.MustCompile(`(?i)\b(SELECT|INSERT\s+INTO|UPDATE|DELETE
 
 // tableName matches the store.Tables methods that name a table (and the
 // names they had before the store owned them).
-var tableName = regexp.MustCompile(`^(Outbox|Offsets|Inbox|RelayQuarantine|Quarantine|Poison|PoisonReplays|AggregateVersions)Table$|^(Outbox|Offsets|Inbox|RelayQuarantine|Poison|PoisonReplays|AggregateVersions)$`)
+var tableName = regexp.MustCompile(`^(Outbox|Offsets|Cursors|Instances|Inbox|RelayQuarantine|Quarantine|Poison|PoisonReplays|AggregateVersions)Table$|^(Outbox|Offsets|Inbox|RelayQuarantine|Poison|PoisonReplays|AggregateVersions)$`)
 
 // millraceTable matches the names of millrace's tables.
-var millraceTable = regexp.MustCompile(`\b(millrace_(inbox|poison|poison_replays|relay_quarantine|aggregate_versions)|watermill_offsets_\w+|watermill_\w+)\b`)
+var millraceTable = regexp.MustCompile(`\b(millrace_(inbox|poison|poison_replays|relay_quarantine|relay_cursors|relay_instances|aggregate_versions)|watermill_offsets_\w+|watermill_\w+)\b`)
 
 // The store is the one owner of millrace's tables: no other package's
 // runtime code writes SQL against them, neither naming a table in a query

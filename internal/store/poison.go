@@ -237,6 +237,10 @@ type PoisonRow struct {
 	ProcessedAt    *time.Time
 	PayloadBytes   int
 	Fingerprint    string
+	// ReplayQuarantine is the relay quarantine's row of the last replay,
+	// when the relay quarantined it and it was not replayed from there
+	// since; nil otherwise.
+	ReplayQuarantine *QuarantineRef
 
 	// With PoisonQuery.Full only.
 	Traceparent string
@@ -249,14 +253,16 @@ func (t Tables) Poison(ctx context.Context, db DBTX, q PoisonQuery) ([]PoisonRow
 	cols := `p.id, p.consumer_group, p.handler, p.source_topic, p.message_id, p.event_id, p.event_type,
 	p.error_class, p.reason, p.attempts, p.times_poisoned, p.first_failure_at, p.last_failure_at,
 	p.poisoned_at, p.replayed_at, (SELECT count(*) FROM ` + t.PoisonReplaysTable() + ` r WHERE r.poison_id = p.id),
-	i.processed_at, length(p.payload), coalesce(p.metadata->>'aggregate-id', ''), ` + fingerprint
+	i.processed_at, length(p.payload), coalesce(p.metadata->>'aggregate-id', ''), ` + fingerprint + `,
+	rq.id, rq.reason, rq.quarantined_at`
 	if q.Full {
 		cols += `, p.traceparent, p.payload, p.metadata`
 	}
 	var args []any
 	var b strings.Builder
 	b.WriteString(`SELECT ` + cols + ` FROM ` + t.PoisonTable() + ` p
-	LEFT JOIN ` + t.InboxTable() + ` i ON i.consumer_group = p.consumer_group AND i.event_id = p.event_id`)
+	LEFT JOIN ` + t.InboxTable() + ` i ON i.consumer_group = p.consumer_group AND i.event_id = p.event_id
+	LEFT JOIN LATERAL (` + t.replayQuarantine() + `) rq ON true`)
 	order := "p.id"
 	if q.NewestFirst {
 		order = "p.poisoned_at DESC, p.id DESC"
@@ -270,11 +276,14 @@ func (t Tables) Poison(ctx context.Context, db DBTX, q PoisonQuery) ([]PoisonRow
 	var out []PoisonRow
 	for rows.Next() {
 		var r PoisonRow
-		var replayed, processed sql.NullTime
+		var replayed, processed, quarantinedAt sql.NullTime
+		var quarantineID sql.NullInt64
+		var quarantineReason sql.NullString
 		var metadata []byte
 		dest := []any{&r.ID, &r.ConsumerGroup, &r.Handler, &r.Topic, &r.MessageID, &r.EventID, &r.EventType,
 			&r.ErrorClass, &r.Reason, &r.Attempts, &r.TimesPoisoned, &r.FirstFailureAt, &r.LastFailureAt,
-			&r.PoisonedAt, &replayed, &r.ReplayCount, &processed, &r.PayloadBytes, &r.AggregateID, &r.Fingerprint}
+			&r.PoisonedAt, &replayed, &r.ReplayCount, &processed, &r.PayloadBytes, &r.AggregateID, &r.Fingerprint,
+			&quarantineID, &quarantineReason, &quarantinedAt}
 		if q.Full {
 			dest = append(dest, &r.Traceparent, &r.Payload, &metadata)
 		}
@@ -288,12 +297,33 @@ func (t Tables) Poison(ctx context.Context, db DBTX, q PoisonQuery) ([]PoisonRow
 		}
 		r.FirstFailureAt, r.LastFailureAt, r.PoisonedAt = r.FirstFailureAt.UTC(), r.LastFailureAt.UTC(), r.PoisonedAt.UTC()
 		r.ReplayedAt, r.ProcessedAt = utcPtr(replayed), utcPtr(processed)
+		if quarantineID.Valid {
+			r.ReplayQuarantine = &QuarantineRef{ID: quarantineID.Int64, Reason: quarantineReason.String, QuarantinedAt: quarantinedAt.Time.UTC()}
+		}
 		out = append(out, r)
 	}
 	if err := rows.Err(); err != nil {
 		return nil, fmt.Errorf("read %s: %w", t.PoisonTable(), err)
 	}
 	return out, nil
+}
+
+// QuarantineRef names a row of the relay quarantine and why it is there.
+type QuarantineRef struct {
+	ID            int64
+	Reason        string
+	QuarantinedAt time.Time
+}
+
+// replayQuarantine is the SQL of the quarantine row holding the last replay
+// of the poison row p, if the relay quarantined it (the row's outbox uuid is
+// the replay's message id) and it was not replayed from the quarantine
+// since: the newest such row, while p is replayed and not poisoned again.
+func (t Tables) replayQuarantine() string {
+	return `SELECT q.id, q.reason, q.quarantined_at FROM ` + t.QuarantineTable() + ` q
+	WHERE p.replayed_at IS NOT NULL AND q.replayed_at IS NULL AND q.outbox_uuid = (SELECT r.message_id FROM ` +
+		t.PoisonReplaysTable() + ` r WHERE r.poison_id = p.id ORDER BY r.id DESC LIMIT 1)
+	ORDER BY q.id DESC LIMIT 1`
 }
 
 func utcPtr(t sql.NullTime) *time.Time {
@@ -345,6 +375,22 @@ FROM unnest($1::bigint[], $2::text[]) AS m(poison_id, message_id) JOIN `+t.Poiso
 		return fmt.Errorf("record replay history: %w", err)
 	}
 	return nil
+}
+
+// ReplayedGroups returns the consumer groups, sorted, of the poison rows a
+// replay sent as messageID replayed; none when the replay history has no
+// such replay (the rows were purged).
+func (t Tables) ReplayedGroups(ctx context.Context, db DBTX, messageID string) ([]string, error) {
+	var groups sql.NullString
+	err := db.QueryRowContext(ctx, `SELECT string_agg(DISTINCT p.consumer_group, ',' ORDER BY p.consumer_group)
+FROM `+t.PoisonReplaysTable()+` r JOIN `+t.PoisonTable()+` p ON p.id = r.poison_id WHERE r.message_id = $1`, messageID).Scan(&groups)
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", t.PoisonReplaysTable(), err)
+	}
+	if !groups.Valid {
+		return nil, nil
+	}
+	return strings.Split(groups.String, ","), nil
 }
 
 // DeletePoison deletes the poison rows ids and their replay history.

@@ -208,7 +208,7 @@ func (t Tables) sagaStatements() []string {
 	completed_at TIMESTAMPTZ,
 	PRIMARY KEY (saga_type, saga_id)
 )`,
-		`CREATE INDEX IF NOT EXISTS millrace_sagas_completed_at ON ` + t.SagasTable() + ` (saga_type, completed_at) WHERE completed_at IS NOT NULL`,
+		t.index("millrace_sagas_completed_at", t.SagasTable(), `(saga_type, completed_at) WHERE completed_at IS NOT NULL`),
 		`CREATE TABLE IF NOT EXISTS ` + t.SagaErrorsTable() + ` (
 	saga_type TEXT NOT NULL,
 	saga_id TEXT NOT NULL,

@@ -117,7 +117,7 @@ func (t Tables) MoveDue(ctx context.Context, db *sql.DB, limit int) (moved int, 
 		return 0, 0, false, fmt.Errorf("begin moving due messages: %w", err)
 	}
 	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
-	res, err := tx.ExecContext(ctx, `
+	res, err := tx.ExecContext(ctx, t.relaySQL(`
 		WITH due AS (
 			DELETE FROM `+t.ScheduledTable()+` s WHERE (s.outbox_topic, s.id) IN (
 				SELECT outbox_topic, id FROM `+t.ScheduledTable()+`
@@ -125,7 +125,7 @@ func (t Tables) MoveDue(ctx context.Context, db *sql.DB, limit int) (moved int, 
 				ORDER BY due_at, seq LIMIT $2 FOR UPDATE SKIP LOCKED)
 			RETURNING s.outbox_uuid, s.payload, s.metadata, s.due_at, s.seq)
 		INSERT INTO `+t.OutboxTable()+` (uuid, payload, metadata, transaction_id)
-		SELECT outbox_uuid, payload, metadata, pg_current_xact_id() FROM due ORDER BY due_at, seq`,
+		SELECT outbox_uuid, payload, metadata, pg_current_xact_id() FROM due ORDER BY due_at, seq`),
 		t.OutboxTopic, limit)
 	if err != nil {
 		return 0, 0, false, fmt.Errorf("move due messages into %s: %w", t.OutboxTable(), err)
@@ -213,7 +213,7 @@ func (t Tables) scheduledStatements() []string {
 	scheduled_at TIMESTAMPTZ NOT NULL DEFAULT now(),
 	PRIMARY KEY (outbox_topic, id)
 )`,
-		`CREATE INDEX IF NOT EXISTS millrace_scheduled_due ON ` + t.ScheduledTable() + ` (outbox_topic, due_at, seq)`,
+		t.index("millrace_scheduled_due", t.ScheduledTable(), `(outbox_topic, due_at, seq)`),
 		`CREATE OR REPLACE FUNCTION ` + notifyFunc + `() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
 	PERFORM pg_notify('` + ScheduledNotifyChannel + `', TG_TABLE_SCHEMA);

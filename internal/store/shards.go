@@ -6,50 +6,21 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
-
-	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // MaxShards bounds relay.shards: the shard column is a smallint, and every
-// shard costs an offsets row, an advisory lock and a fallback poll.
+// shard costs a cursor row, a lease and a fallback poll.
 const MaxShards = 256
-
-// Cursor is a relay's place in the outbox: the consumer group and, when the
-// outbox is split into more than one shard, the shard it reads.
-type Cursor struct {
-	// Group is the relay consumer group.
-	Group string
-	// Shard is the shard read, from 0 to Shards-1.
-	Shard int
-	// Shards is the number of shards; 0 or 1 is the whole outbox.
-	Shards int
-}
-
-// Row is the consumer_group of c's offsets row: the group itself for the
-// whole outbox, "<group>#<shard>/<shards>" for a shard.
-func (c Cursor) Row() string {
-	if c.Shards <= 1 {
-		return c.Group
-	}
-	return c.Group + "#" + strconv.Itoa(c.Shard) + "/" + strconv.Itoa(c.Shards)
-}
-
-// filter is the SQL condition that keeps c's shard, after prefix ("AND ",
-// "WHERE ", "AND m."), or "" for the whole outbox.
-func (c Cursor) filter(prefix string) string {
-	if c.Shards <= 1 {
-		return ""
-	}
-	return prefix + "shard = " + strconv.Itoa(c.Shard)
-}
 
 // ShardsTable is the qualified table recording, per outbox, the shard count
 // its shard column is written with.
 func (t Tables) ShardsTable() string { return t.qualify("millrace_relay_shards") }
 
 // InstancesTable is the qualified registry of running sharded relays: one
-// row per instance, with its lock session and heartbeat.
+// row per instance, with its heartbeat and, when it has one, the session
+// of its direct notification connection.
 func (t Tables) InstancesTable() string { return t.qualify("millrace_relay_instances") }
 
 func (t Tables) shardFunction() string { return t.qualify("millrace_shard_" + t.OutboxTopic) }
@@ -66,7 +37,11 @@ func (t Tables) shardStatements() []string {
 		ALTER TABLE ` + outbox + ` ADD COLUMN shard smallint NOT NULL DEFAULT 0;
 	END IF;
 END $$`,
-		`CREATE INDEX IF NOT EXISTS watermill_` + t.OutboxTopic + `_shard ON ` + outbox + ` (shard, transaction_id, "offset")`,
+		// The relay reads in offset order: this index serves it and the
+		// count of a shard's backlog; the primary key finds a transaction's
+		// rows. The index of the relay's earlier rule, by transaction id, goes.
+		t.index("watermill_"+t.OutboxTopic+"_offset", outbox, `(shard, "offset")`),
+		`DROP INDEX IF EXISTS "` + t.Schema + `".watermill_` + t.OutboxTopic + `_shard`,
 		`CREATE TABLE IF NOT EXISTS ` + t.ShardsTable() + ` (
 	outbox_topic TEXT PRIMARY KEY,
 	shards INTEGER NOT NULL CHECK (shards BETWEEN 1 AND ` + strconv.Itoa(MaxShards) + `),
@@ -75,12 +50,16 @@ END $$`,
 		`CREATE TABLE IF NOT EXISTS ` + t.InstancesTable() + ` (
 	consumer_group TEXT NOT NULL,
 	instance_id TEXT NOT NULL,
-	pid INTEGER NOT NULL,
-	backend_start TIMESTAMPTZ NOT NULL,
+	pid INTEGER,
+	backend_start TIMESTAMPTZ,
 	started_at TIMESTAMPTZ NOT NULL DEFAULT now(),
 	heartbeat_at TIMESTAMPTZ NOT NULL DEFAULT now(),
 	PRIMARY KEY (consumer_group, instance_id)
 )`,
+		// The session columns were NOT NULL while leadership was a session
+		// lock: a relay without a direct connection has no session to tie.
+		ifMissing(`SELECT 1 FROM pg_attribute WHERE attrelid = '`+t.InstancesTable()+`'::regclass AND attname = 'pid' AND NOT attnotnull`,
+			`ALTER TABLE `+t.InstancesTable()+` ALTER COLUMN pid DROP NOT NULL, ALTER COLUMN backend_start DROP NOT NULL`),
 		// The shard of a row is computed here, by PostgreSQL, so that every
 		// writer (Watermill's own publisher included) and every relay agree.
 		// One shard (no row in the count table) skips the hash. The count is
@@ -142,9 +121,8 @@ func (e *ShardsChangeError) Unwrap() error { return ErrShardsChanged }
 func (t Tables) RecordedShards(ctx context.Context, db DBTX) (int, error) {
 	var n int
 	err := db.QueryRowContext(ctx, `SELECT shards FROM `+t.ShardsTable()+` WHERE outbox_topic = $1`, t.OutboxTopic).Scan(&n)
-	var pgErr *pgconn.PgError
 	switch {
-	case errors.Is(err, sql.ErrNoRows), errors.As(err, &pgErr) && pgErr.Code == "42P01": // undefined_table
+	case errors.Is(err, sql.ErrNoRows), isUndefinedTable(err):
 		return 1, nil
 	case err != nil:
 		return 0, fmt.Errorf("read the shard count of %s: %w", t.OutboxTable(), err)
@@ -157,10 +135,11 @@ func (t Tables) RecordedShards(ctx context.Context, db DBTX) (int, error) {
 // rows pending under the recorded count. Otherwise, with the outbox locked
 // against writers (a writer in flight commits first; the next waits), it
 // records n, so the trigger shards every row inserted after it by n, and
-// starts each new offsets row of group at the furthest position of the old
-// ones: every row before it was forwarded, and no transaction can still
-// add one before it (each acked position was below the xid8 horizon).
-// Rows already written keep their shard value; nothing is rewritten.
+// starts each cursor of the new count past every row in the outbox: each
+// of them was forwarded, and no transaction in progress holds an outbox
+// row (the lock waited for them), so every row written later has a higher
+// offset. Rows already written keep their shard value; nothing is
+// rewritten.
 func (t Tables) RecordShards(ctx context.Context, db *sql.DB, group string, n int) error {
 	if n < 1 || n > MaxShards {
 		return fmt.Errorf("shard count %d: must be from 1 to %d", n, MaxShards)
@@ -183,11 +162,9 @@ func (t Tables) RecordShards(ctx context.Context, db *sql.DB, group string, n in
 	if err != nil || recorded == n {
 		return err
 	}
-	old := make([]Cursor, recorded)
 	pending := int64(0)
-	for i := range old {
-		old[i] = Cursor{Group: group, Shard: i, Shards: recorded}
-		p, _, err := t.Backlog(ctx, tx, old[i])
+	for i := range recorded {
+		p, _, err := t.Backlog(ctx, tx, Cursor{Group: group, Shard: i, Shards: recorded})
 		if err != nil {
 			return err
 		}
@@ -196,23 +173,14 @@ func (t Tables) RecordShards(ctx context.Context, db *sql.DB, group string, n in
 	if pending > 0 {
 		return &ShardsChangeError{Recorded: recorded, Wanted: n, Pending: pending}
 	}
-	rows := make([]string, recorded)
-	for i, c := range old {
-		rows[i] = c.Row()
-	}
-	// The furthest old position, or zero when group never acked a row.
 	if _, err := tx.ExecContext(ctx, `
-		WITH p AS (
-			SELECT coalesce(max(last_processed_transaction_id), '0'::xid8) AS txid FROM `+t.OffsetsTable()+` WHERE consumer_group = ANY($1)),
-		q AS (
-			SELECT p.txid, coalesce((SELECT max(offset_acked) FROM `+t.OffsetsTable()+`
-				WHERE consumer_group = ANY($1) AND last_processed_transaction_id = p.txid), 0) AS offset_acked FROM p)
-		INSERT INTO `+t.OffsetsTable()+` (consumer_group, offset_acked, last_processed_transaction_id)
-		SELECT r, q.offset_acked, q.txid FROM q, unnest($2::text[]) r
-		ON CONFLICT (consumer_group) DO UPDATE SET offset_acked = excluded.offset_acked,
-			last_processed_transaction_id = excluded.last_processed_transaction_id`,
-		rows, newRows(group, n)); err != nil {
-		return fmt.Errorf("start the offsets rows of %d shards: %w", n, err)
+		INSERT INTO `+t.CursorsTable()+` (outbox_topic, consumer_group, read_offset, horizon)
+		SELECT $1, r, (SELECT coalesce(max("offset"), 0) FROM `+t.OutboxTable()+`), pg_snapshot_xmax(pg_current_snapshot())
+		FROM unnest($2::text::text[]) r
+		ON CONFLICT (outbox_topic, consumer_group) DO UPDATE
+		SET read_offset = excluded.read_offset, pending_xids = '{}', pending_done = '{}', horizon = excluded.horizon`,
+		t.OutboxTopic, cursorRows(group, n)); err != nil {
+		return fmt.Errorf("start the cursors of %d shards: %w", n, err)
 	}
 	if _, err := tx.ExecContext(ctx, `INSERT INTO `+t.ShardsTable()+` (outbox_topic, shards) VALUES ($1, $2)
 		ON CONFLICT (outbox_topic) DO UPDATE SET shards = excluded.shards, recorded_at = now()`, t.OutboxTopic, n); err != nil {
@@ -224,46 +192,27 @@ func (t Tables) RecordShards(ctx context.Context, db *sql.DB, group string, n in
 	return nil
 }
 
-func newRows(group string, n int) []string {
+// cursorRows is the array literal of the cursor rows of group's n shards.
+func cursorRows(group string, n int) string {
 	rows := make([]string, n)
 	for i := range rows {
-		rows[i] = Cursor{Group: group, Shard: i, Shards: n}.Row()
+		rows[i] = quoteArrayElement(Cursor{Group: group, Shard: i, Shards: n}.Row())
 	}
-	return rows
+	return "{" + strings.Join(rows, ",") + "}"
 }
 
-// ShardLockName is the name whose hash keys the session advisory lock that
-// owns shard i of n for group.
-func (t Tables) ShardLockName(group string, i, n int) string {
-	return fmt.Sprintf("millrace relay %s %s shard %d/%d", t.OutboxNotifyPayload(), group, i, n)
-}
-
-// TryLockShard takes the advisory lock of shard i of n on conn's session,
-// without waiting, and says whether it got it.
-func (t Tables) TryLockShard(ctx context.Context, conn DBTX, group string, i, n int) (bool, error) {
-	var ok bool
-	err := conn.QueryRowContext(ctx, `SELECT pg_try_advisory_lock(hashtextextended($1, 0))`, t.ShardLockName(group, i, n)).Scan(&ok)
-	if err != nil {
-		return false, fmt.Errorf("take the lock of shard %d/%d: %w", i, n, err)
+// Heartbeat registers instance id of group, or renews its heartbeat, with
+// the session of its direct notification connection when it has one.
+func (t Tables) Heartbeat(ctx context.Context, db DBTX, group, id string, s *Session) error {
+	var pid sql.NullInt32
+	var start sql.NullTime
+	if s != nil {
+		pid, start = sql.NullInt32{Int32: s.PID, Valid: true}, sql.NullTime{Time: s.Start, Valid: true}
 	}
-	return ok, nil
-}
-
-// UnlockShard releases the advisory lock of shard i of n held by conn's session.
-func (t Tables) UnlockShard(ctx context.Context, conn DBTX, group string, i, n int) error {
-	if _, err := conn.ExecContext(ctx, `SELECT pg_advisory_unlock(hashtextextended($1, 0))`, t.ShardLockName(group, i, n)); err != nil {
-		return fmt.Errorf("release the lock of shard %d/%d: %w", i, n, err)
-	}
-	return nil
-}
-
-// Heartbeat registers instance id of group on conn's session (the one
-// holding its shard locks), or renews its heartbeat.
-func (t Tables) Heartbeat(ctx context.Context, conn DBTX, group, id string) error {
-	_, err := conn.ExecContext(ctx, `INSERT INTO `+t.InstancesTable()+` (consumer_group, instance_id, pid, backend_start)
-		SELECT $1, $2, pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()
+	_, err := db.ExecContext(ctx, `INSERT INTO `+t.InstancesTable()+` (consumer_group, instance_id, pid, backend_start)
+		VALUES ($1, $2, $3, $4)
 		ON CONFLICT (consumer_group, instance_id) DO UPDATE
-		SET pid = excluded.pid, backend_start = excluded.backend_start, heartbeat_at = now()`, group, id)
+		SET pid = excluded.pid, backend_start = excluded.backend_start, heartbeat_at = now()`, group, id, pid, start)
 	if err != nil {
 		return fmt.Errorf("relay heartbeat: %w", err)
 	}
@@ -278,16 +227,17 @@ func (t Tables) Unregister(ctx context.Context, db DBTX, group, id string) error
 	return nil
 }
 
-// LiveInstances deletes the registry rows of group whose session is gone
-// or whose heartbeat is older than ttl, and counts the others. A killed
-// relay's row goes as soon as PostgreSQL closes its session.
+// LiveInstances deletes the registry rows of group whose heartbeat is older
+// than ttl or whose tied session is gone, and counts the others. A killed
+// relay's row goes at once when it had a direct notification connection,
+// else once its heartbeat is ttl old.
 func (t Tables) LiveInstances(ctx context.Context, db DBTX, group string, ttl time.Duration) (int, error) {
 	var n int
 	err := db.QueryRowContext(ctx, `
 		WITH gone AS (
 			DELETE FROM `+t.InstancesTable()+` i WHERE i.consumer_group = $1
-			AND (i.heartbeat_at < now() - make_interval(secs => $2) OR NOT EXISTS (
-				SELECT 1 FROM pg_stat_activity a WHERE a.pid = i.pid AND a.backend_start = i.backend_start))
+			AND (i.heartbeat_at < now() - make_interval(secs => $2) OR (i.pid IS NOT NULL AND NOT EXISTS (
+				SELECT 1 FROM pg_stat_activity a WHERE a.pid = i.pid AND a.backend_start = i.backend_start)))
 			RETURNING instance_id)
 		SELECT count(*) FROM `+t.InstancesTable()+` WHERE consumer_group = $1
 			AND instance_id NOT IN (SELECT instance_id FROM gone)`, group, ttl.Seconds()).Scan(&n)
@@ -297,22 +247,24 @@ func (t Tables) LiveInstances(ctx context.Context, db DBTX, group string, ttl ti
 	return n, nil
 }
 
-// shardLocks is a CTE "s" of the n shards of group with their lock's
-// owning backend pid (NULL when no session holds it); $1 is group, $2 n.
-func (t Tables) shardLocks() string {
+// shardOwners is a CTE "s" of the n shards of group with the holder of
+// each one's live lease (” when none): $1 is the outbox topic, $2 group,
+// $3 n.
+func (t Tables) shardOwners() string {
 	return `s AS (
-		SELECT i AS shard, (SELECT l.pid FROM pg_locks l
-			WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-			  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-			  AND l.classid::bigint = (k >> 32) & 4294967295 AND l.objid::bigint = k & 4294967295) AS pid
-		FROM (SELECT i, hashtextextended(format('millrace relay %s %s shard %s/%s', '` + t.OutboxNotifyPayload() + `', $1::text, i, $2::int), 0) AS k
-			FROM generate_series(0, $2::int - 1) i) keys)`
+		SELECT i AS shard, coalesce((SELECT c.holder FROM ` + t.CursorsTable() + ` c
+			WHERE c.outbox_topic = $1 AND c.consumer_group = $2 || '#' || i || '/' || $3::int
+			  AND c.lease_until >= clock_timestamp() AND (c.holder_pid IS NULL OR EXISTS (
+				SELECT 1 FROM pg_stat_activity a WHERE a.pid = c.holder_pid AND a.backend_start = c.holder_backend_start))), '') AS owner
+		FROM generate_series(0, $3::int - 1) i)`
 }
 
-// UnownedShards counts the shards of n for group whose lock no session holds.
+// UnownedShards counts the shards of n for group that no relay holds a
+// live lease of.
 func (t Tables) UnownedShards(ctx context.Context, db DBTX, group string, n int) (int, error) {
 	var unowned int
-	if err := db.QueryRowContext(ctx, `WITH `+t.shardLocks()+` SELECT count(*) FROM s WHERE pid IS NULL`, group, n).Scan(&unowned); err != nil {
+	if err := db.QueryRowContext(ctx, `WITH `+t.shardOwners()+` SELECT count(*) FROM s WHERE owner = ''`,
+		t.OutboxTopic, group, n).Scan(&unowned); err != nil {
 		return 0, fmt.Errorf("count unowned shards: %w", err)
 	}
 	return unowned, nil
@@ -322,7 +274,7 @@ func (t Tables) UnownedShards(ctx context.Context, db DBTX, group string, n int)
 type ShardStatus struct {
 	// Shard is the shard's number.
 	Shard int
-	// Owner is the instance id of the relay holding the shard's lock; ""
+	// Owner is the instance id of the relay holding the shard's lease; ""
 	// when none does.
 	Owner string
 	// Pending counts the shard's committed rows not forwarded yet.
@@ -333,11 +285,8 @@ type ShardStatus struct {
 
 // ShardStatuses reports every shard of n for group: its owner and backlog.
 func (t Tables) ShardStatuses(ctx context.Context, db DBTX, group string, n int) ([]ShardStatus, error) {
-	owners := map[int]string{}
-	rows, err := db.QueryContext(ctx, `WITH `+t.shardLocks()+`
-		SELECT s.shard, coalesce((SELECT r.instance_id FROM `+t.InstancesTable()+` r
-			WHERE r.consumer_group = $1 AND r.pid = s.pid LIMIT 1), 'pid ' || s.pid::text)
-		FROM s WHERE s.pid IS NOT NULL`, group, n)
+	owners := make([]string, n)
+	rows, err := db.QueryContext(ctx, `WITH `+t.shardOwners()+` SELECT shard, owner FROM s`, t.OutboxTopic, group, n)
 	if err != nil {
 		return nil, fmt.Errorf("read the shard owners: %w", err)
 	}
@@ -366,30 +315,26 @@ func (t Tables) ShardStatuses(ctx context.Context, db DBTX, group string, n int)
 }
 
 // ShardedStatus is Status for a group whose outbox is split into n > 1
-// shards: a row is forwarded when its shard's offsets row is at or past it
-// (a row whose shard is n or more was written under a larger count and
+// shards: a row is forwarded when its shard's cursor has forwarded it (a
+// row whose shard is n or more was written under a larger count and
 // forwarded before the change).
 func (t Tables) ShardedStatus(ctx context.Context, db DBTX, group string, n int) (OutboxStatus, error) {
 	var st OutboxStatus
 	var age sql.NullFloat64
 	var last sql.NullTime
 	err := db.QueryRowContext(ctx, `
-		WITH o AS (
-			SELECT i AS shard, r.offset_acked, r.last_processed_transaction_id AS txid
-			FROM generate_series(0, $2::int - 1) i
-			JOIN `+t.OffsetsTable()+` r ON r.consumer_group = $1 || '#' || i || '/' || $2),
-		m AS (
-			SELECT created_at,
-				m.shard >= $2 OR EXISTS (SELECT 1 FROM o WHERE o.shard = m.shard
-					AND (m.transaction_id < o.txid OR (m.transaction_id = o.txid AND m."offset" <= o.offset_acked))) AS done,
-				EXISTS (SELECT 1 FROM o WHERE o.shard = m.shard AND m.transaction_id = o.txid AND m."offset" = o.offset_acked) AS last
-			FROM `+t.OutboxTable()+` m)
+		WITH m AS (
+			SELECT m.created_at,
+				m.shard >= $3::int OR coalesce(`+forwarded+`, false) AS done,
+				coalesce(m."offset" = c.read_offset, false) AS last
+			FROM `+t.OutboxTable()+` m
+			LEFT JOIN `+t.CursorsTable()+` c ON c.outbox_topic = $1 AND c.consumer_group = $2 || '#' || m.shard || '/' || $3::int)
 		SELECT count(*) FILTER (WHERE NOT done),
 			EXTRACT(EPOCH FROM LOCALTIMESTAMP - min(created_at) FILTER (WHERE NOT done))::float8,
 			count(*) FILTER (WHERE done),
-			(max(created_at) FILTER (WHERE last)) AT TIME ZONE current_setting('TimeZone'),
+			(max(created_at) FILTER (WHERE last AND done)) AT TIME ZONE current_setting('TimeZone'),
 			(SELECT count(*) FROM `+t.QuarantineTable()+`)
-		FROM m`, group, n).Scan(&st.Pending, &age, &st.Forwarded, &last, &st.Quarantined)
+		FROM m`, t.OutboxTopic, group, n).Scan(&st.Pending, &age, &st.Forwarded, &last, &st.Quarantined)
 	if err != nil {
 		return OutboxStatus{}, fmt.Errorf("inspect outbox %s: %w", t.OutboxTable(), err)
 	}

@@ -3,7 +3,6 @@ package store_test
 import (
 	"context"
 	"database/sql"
-	"errors"
 	"fmt"
 	"testing"
 	"time"
@@ -64,20 +63,12 @@ func shardOf(t *testing.T, db *sql.DB, tables store.Tables) map[string][]int {
 	return out
 }
 
-// ackAll moves each of the cursors to the last row of its shard.
+// ackAll forwards every committed row of each cursor's shard, as a relay
+// does.
 func ackAll(t *testing.T, db *sql.DB, tables store.Tables, cursors ...store.Cursor) {
 	t.Helper()
 	for _, c := range cursors {
-		var last store.OutboxRow
-		var txID int64
-		err := db.QueryRow(`SELECT "offset", transaction_id::text::bigint FROM `+tables.OutboxTable()+
-			` WHERE shard = $1 OR $2 <= 1 ORDER BY transaction_id DESC, "offset" DESC LIMIT 1`, c.Shard, c.Shards).Scan(&last.Offset, &txID)
-		if errors.Is(err, sql.ErrNoRows) {
-			continue
-		}
-		require.NoError(t, err)
-		last.ExtraData = map[string]any{"transaction_id": txID}
-		require.NoError(t, tables.Ack(context.Background(), db, c, last))
+		forward(t, db, tables, c, -1)
 	}
 }
 

@@ -21,6 +21,17 @@ type Tables struct {
 	Schema string
 	// OutboxTopic is the watermill-sql topic of the outbox (the forwarder topic).
 	OutboxTopic string
+
+	// relay names the relay instance whose statements these Tables run
+	// (ForRelay); "" for any other caller.
+	relay string
+}
+
+// ForRelay returns t for the statements of relay instance id: they carry
+// its name, so that RelayWaits on the result finds its waits alone.
+func (t Tables) ForRelay(id string) Tables {
+	t.relay = strings.ReplaceAll(id, "*/", "") // it goes into an SQL comment
+	return t
 }
 
 // MaxIdentifierLength is PostgreSQL's limit on identifiers, in bytes.
@@ -78,6 +89,12 @@ func (t Tables) AggregateVersionsTable() string { return t.qualify("millrace_agg
 // unsharded outbox notifies with it; a sharded one with it, "/" and the
 // shard of each row committed (see NotifiedShard).
 func (t Tables) OutboxNotifyPayload() string { return t.Schema + ".watermill_" + t.OutboxTopic }
+
+// ProbePayload is the NOTIFY payload a relay instance sends itself to check
+// that notifications reach it; no outbox's relays take it for theirs.
+func (t Tables) ProbePayload(instance string) string {
+	return t.OutboxNotifyPayload() + "#probe " + instance
+}
 
 // NotifiedShard reads a notification of NotifyChannel: whether it names
 // this outbox, and the shard it names, or -1 when it names the whole

@@ -1,0 +1,86 @@
+package forwarder_test
+
+import (
+	"context"
+	"database/sql"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/forwarder"
+	"github.com/millrace-io/millrace/internal/servers"
+	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testkit"
+)
+
+// Two relays and the publishing service reach PostgreSQL only through
+// PgBouncer in transaction mode, in each query exec mode that is safe
+// there (describe_exec is not: pgx sends its two round trips to whichever
+// server connection the pooler gives, and so may run another client's
+// statement with its arguments). Notifications do not reach them, so they
+// poll; one holds the lease and forwards every event in order; when it
+// stops, the other takes over and forwards the rest.
+func TestRelaysWorkThroughPgBouncerInTransactionMode(t *testing.T) {
+	t.Parallel()
+	bouncer := servers.StartPgBouncer(t, testdb.URL())
+	for _, mode := range []string{"exec", "simple_protocol"} {
+		t.Run(mode, func(t *testing.T) {
+			t.Parallel()
+			testThroughPooler(t, bouncer.URL("postgres")+"&default_query_exec_mode="+mode)
+		})
+	}
+}
+
+func testThroughPooler(t *testing.T, pooled string) {
+	tb := setup(t)
+	db, err := sql.Open("pgx", pooled)
+	require.NoError(t, err)
+	defer db.Close()
+	ctx := context.Background()
+	b, err := bus.Open(ctx, tb.cfg, db)
+	require.NoError(t, err)
+	defer b.Close()
+	tb.db, tb.bus = db, b
+
+	broker := newMemoryBroker()
+	cfg := testConfig()
+	cfg.LeaseTTL = time.Second
+	relays := make([]*forwarder.Forwarder, 2)
+	stops := make([]context.CancelFunc, 2)
+	for i := range relays {
+		f, err := forwarder.New(db, broker, tb.outbox, cfg, forwarder.Options{})
+		require.NoError(t, err)
+		relays[i] = f
+		runCtx, stop := context.WithCancel(ctx)
+		done := make(chan error, 1)
+		go func() { done <- f.Run(runCtx) }()
+		stops[i] = stop
+		t.Cleanup(func() { stop(); require.NoError(t, <-done) })
+	}
+	active := -1
+	testkit.Eventually(t, waitLimit, "a relay to hold the lease", func() bool {
+		for i, f := range relays {
+			if f.Status().Role == forwarder.RoleActive {
+				active = i
+			}
+		}
+		return active >= 0
+	})
+	for _, f := range relays {
+		require.True(t, f.Status().Polling, "notifications do not pass the pooler: the relays poll")
+	}
+	publish(t, tb, "things", interleaved(4, 25), 10)
+	testkit.Eventually(t, waitLimit, "every event through the pooler", func() bool { return len(broker.snapshot()) == 100 })
+	require.Equal(t, forwarder.RoleStandby, relays[1-active].Status().Role, "one relay holds the lease")
+
+	stops[active]()
+	testkit.Eventually(t, waitLimit, "the standby to take over", func() bool {
+		return relays[1-active].Status().Role == forwarder.RoleActive
+	})
+	more := interleaved(4, 50)[100:]
+	publish(t, tb, "things", more, 10)
+	testkit.Eventually(t, waitLimit, "the rest, from the new leader", func() bool { return len(broker.snapshot()) >= 200 })
+	checkOrder(t, broker.snapshot(), 4, 50)
+}

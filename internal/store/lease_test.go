@@ -1,0 +1,73 @@
+package store_test
+
+import (
+	"context"
+	"database/sql/driver"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/internal/store"
+	"github.com/millrace-io/millrace/internal/testdb"
+)
+
+// A lease goes to one relay at a time. Another takes it once it expired or
+// was released, or at once when the session it is tied to is gone; every
+// write of a relay that lost it (its fence is stale) changes nothing.
+func TestALeaseFencesTheRelayThatLostIt(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.Open(t)
+	tables := store.Tables{Schema: testdb.Schema(t, db), OutboxTopic: "millrace_outbox"}
+	require.NoError(t, store.Migrate(ctx, db, tables))
+	c := store.Cursor{Group: "relay"}
+	require.NoError(t, tables.PrepareCursor(ctx, db, c))
+	const ttl = 300 * time.Millisecond
+
+	a, pos, ok, err := tables.AcquireLease(ctx, db, c, "a", ttl, nil)
+	require.NoError(t, err)
+	require.True(t, ok)
+	_, _, ok, err = tables.AcquireLease(ctx, db, c, "b", ttl, nil)
+	require.NoError(t, err)
+	require.False(t, ok, "the lease is held")
+	lost, err := tables.RenewLeases(ctx, db, []store.Lease{a}, ttl)
+	require.NoError(t, err)
+	require.Empty(t, lost)
+
+	time.Sleep(2 * ttl) // a stops renewing: its lease expires
+	b, _, ok, err := tables.AcquireLease(ctx, db, c, "b", time.Minute, nil)
+	require.NoError(t, err)
+	require.True(t, ok, "an expired lease is free")
+	require.Greater(t, b.Fence, a.Fence)
+	moved := pos
+	moved.Offset = 42
+	require.ErrorIs(t, tables.SavePosition(ctx, db, a, pos, moved), store.ErrLeaseLost, "a's fence is stale")
+	lost, err = tables.RenewLeases(ctx, db, []store.Lease{a}, ttl)
+	require.NoError(t, err)
+	require.Equal(t, []store.Lease{a}, lost)
+	require.NoError(t, tables.ReleaseLease(ctx, db, a), "a stale release changes nothing")
+	_, _, ok, err = tables.AcquireLease(ctx, db, c, "c", ttl, nil)
+	require.NoError(t, err)
+	require.False(t, ok, "b still holds it")
+
+	// b's lease is tied to a session; once it closes, c takes it at once.
+	conn, err := db.Conn(ctx)
+	require.NoError(t, err)
+	session, err := store.CurrentSession(ctx, conn)
+	require.NoError(t, err)
+	require.NoError(t, tables.ReleaseLease(ctx, db, b))
+	b, _, ok, err = tables.AcquireLease(ctx, db, c, "b", time.Minute, &session)
+	require.NoError(t, err)
+	require.True(t, ok, "a released lease is free")
+	_, _, ok, err = tables.AcquireLease(ctx, db, c, "c", time.Minute, nil)
+	require.NoError(t, err)
+	require.False(t, ok, "b's session lives")
+	_ = conn.Raw(func(any) error { return driver.ErrBadConn }) // closes the connection instead of pooling it
+	_ = conn.Close()
+	require.Eventually(t, func() bool {
+		_, _, ok, err = tables.AcquireLease(ctx, db, c, "c", time.Minute, nil)
+		require.NoError(t, err)
+		return ok
+	}, time.Minute, 20*time.Millisecond, "the lease of a closed session is free before it expires")
+}

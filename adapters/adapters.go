@@ -31,7 +31,19 @@ type Broker interface {
 	// Provision makes the topology for topic and its consumer groups exist
 	// (streams, exchanges, queues, topics), idempotently. An existing topology
 	// that conflicts with the configured one is an error saying what differs.
+	// A group it creates starts at the broker's own default: the start of
+	// the topic on NATS and Kafka, the first message after the queue exists
+	// on RabbitMQ (ProvisionGroup says where).
 	Provision(ctx context.Context, topic string, consumerGroups ...string) error
+
+	// ProvisionGroup is Provision for one consumer group as a handler wants
+	// it (bus.Run provisions every handler's group with it): a group that
+	// does not exist yet starts at group.Start, one that exists keeps its
+	// position whatever group.Start says; with group.Ordered it gets the
+	// settings that keep per-key order across redeliveries where the broker
+	// needs them (see OrderedProvisioner). A start the broker cannot give
+	// is a permanent error saying why.
+	ProvisionGroup(ctx context.Context, topic string, group GroupSpec) error
 
 	// Rules says what this broker carries unchanged; PublishBatch fails a
 	// message they refuse permanently instead of sending it.
@@ -42,6 +54,33 @@ type Broker interface {
 
 	// Close releases every connection. It is idempotent.
 	Close() error
+}
+
+// Start is where a consumer group that does not exist yet starts reading
+// its topic: consumer.start in config.yaml.
+type Start string
+
+const (
+	// StartNew starts a new group after the last message the topic holds
+	// when the group is created: it gets every message published from then
+	// on, none from before. A group is created when it is first
+	// provisioned, which bus.Run does before it relays or consumes.
+	StartNew Start = "new"
+	// StartAll starts a new group at the oldest message the topic still
+	// holds (its retention decides how far back that is). RabbitMQ cannot:
+	// a queue holds only what was routed to it after it was bound.
+	StartAll Start = "all"
+)
+
+// GroupSpec is a consumer group as a handler wants it provisioned.
+type GroupSpec struct {
+	// Name is the consumer group.
+	Name string
+	// Start is where the group starts if it does not exist yet.
+	Start Start
+	// Ordered asks for the settings that keep per-key order across
+	// redeliveries (consumer.ordered).
+	Ordered bool
 }
 
 // Deprovisioner is a Broker that can remove what Provision made for a topic
@@ -193,8 +232,8 @@ type BacklogReporter interface {
 // OrderedProvisioner is a Broker whose consumer groups need settings of
 // their own to keep per-key order across redeliveries (a consumer restarted,
 // crashed or stopped, a message nacked), not only while a consumer runs.
-// bus.Run provisions the group of a handler with consumer.ordered: true with
-// it instead of Provision. Brokers that keep that order anyway (Kafka
+// ProvisionGroup with GroupSpec.Ordered gives a group those settings too.
+// Brokers that keep that order anyway (Kafka
 // re-reads from the committed offset; a RabbitMQ queue returns an unacked
 // message to its head) do not implement it.
 type OrderedProvisioner interface {

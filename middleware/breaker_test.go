@@ -1,6 +1,7 @@
 package middleware_test
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"sync"
@@ -148,4 +149,41 @@ func TestBreakerDoesNotShieldABadMessage(t *testing.T) {
 	var attempts int
 	require.NoError(t, e.db.QueryRow(`SELECT attempts FROM `+e.table("millrace_poison")+` WHERE event_id = 'bad'`).Scan(&attempts))
 	require.Equal(t, 4, attempts)
+}
+
+// Only a message's first failed attempt counts toward opening the breaker:
+// one message failing all its attempts, then another doing the same, never
+// open a breaker that takes three messages, however many attempts failed in
+// a row; a success in between starts the count again; three new messages
+// failing open it, and the third then waits for it (an outage) instead of
+// using up its attempts.
+func TestBreakerCountsMessagesNotAttempts(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	cfg := middleware.Config{Breaker: middleware.BreakerConfig{ConsecutiveFailures: 3, OpenTimeout: time.Minute}}
+	fastRetry(&cfg, 4)
+	handle, c := chainOn(t, e, cfg, func(msg *message.Message) error {
+		if msg.Metadata.Get(bus.EventIDKey) == "good" {
+			return e.write(msg.Context(), "billing", msg)
+		}
+		return errors.New("pricing service answered 503")
+	})
+	state := func() float64 {
+		return c.metric(t, middleware.MetricBreakerState, map[string]string{"handler": "billing"})
+	}
+	for _, id := range []string{"bad-1", "bad-2", "good", "bad-3", "bad-4"} {
+		require.NoError(t, handle(event(id, "o-"+id, 1, `{}`)), id)
+		require.EqualValues(t, middleware.BreakerClosed, state(), "after %s: attempts failed in a row, but of at most two new messages", id)
+	}
+	require.EqualValues(t, 4, c.messages(t, "billing", middleware.OutcomePoisoned), "each bad one poisoned after its attempts")
+
+	ctx, stop := context.WithCancel(context.Background())
+	last := event("bad-5", "o-bad-5", 1, `{}`)
+	last.SetContext(ctx)
+	returned := make(chan error, 1)
+	go func() { returned <- handle(last) }()
+	testkit.Eventually(t, 30*time.Second, "the breaker open", func() bool { return state() == middleware.BreakerOpen })
+	stop()
+	require.Error(t, <-returned, "held for the breaker, then nacked by the stop")
+	require.EqualValues(t, 4, c.messages(t, "billing", middleware.OutcomePoisoned), "bad-5 was not poisoned")
 }

@@ -6,6 +6,7 @@ import (
 	"sort"
 	"time"
 
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/confload"
 	"github.com/millrace-io/millrace/internal/names"
 )
@@ -35,8 +36,17 @@ type Config struct {
 	// Workers. Defaults to twice Workers.
 	Prefetch int `yaml:"prefetch"`
 	// Ordered keeps the events of one aggregate (the aggregate-id header) in
-	// order: the next is started only after the previous was acked. Defaults to false.
+	// order: the next is started only after the previous was acked. Defaults
+	// to false (true for a saga's handlers, see bus.Saga.Handle).
 	Ordered *bool `yaml:"ordered"`
+	// Start is where the handler's consumer group starts reading its topic
+	// when the group does not exist yet: adapters.StartNew ("new": the
+	// events published from the moment bus.Run first provisions the group)
+	// or adapters.StartAll ("all": every event the topic still holds, then
+	// the new ones; not on RabbitMQ, whose queues keep no history). A group
+	// that exists keeps its position whatever Start says. Defaults to
+	// "new".
+	Start adapters.Start `yaml:"start"`
 	// OrderingGuard drops (acks and counts as stale) an event whose
 	// aggregate-version is not newer than the version this consumer group
 	// already applied for its aggregate, inside the inbox transaction.
@@ -110,8 +120,11 @@ const (
 type BreakerConfig struct {
 	// Enabled turns the breaker on. Defaults to true.
 	Enabled *bool `yaml:"enabled"`
-	// ConsecutiveFailures is how many failed attempts in a row, across the
-	// handler's messages, open the breaker. Defaults to 5.
+	// ConsecutiveFailures is how many different messages must fail their
+	// first attempt, with no attempt of the handler succeeding since, to
+	// open the breaker. A message's later failures (retries, attempts
+	// abandoned again at handler_timeout) do not count: they say nothing
+	// new about the dependency. Defaults to 5.
 	ConsecutiveFailures int `yaml:"consecutive_failures"`
 	// OpenTimeout is how long the breaker stays open before it lets trial
 	// attempts through (half-open). Defaults to 10s.
@@ -213,6 +226,7 @@ const (
 func (c Config) WithDefaults() Config {
 	c.Workers = cmp.Or(c.Workers, DefaultWorkers)
 	c.Ordered = orDefault(c.Ordered, false)
+	c.Start = cmp.Or(c.Start, adapters.StartNew)
 	c.OrderingGuard = orDefault(c.OrderingGuard, false)
 	c.HandlerTimeout = cmp.Or(c.HandlerTimeout, DefaultHandlerTimeout)
 	c.MaxMetadataBytes = cmp.Or(c.MaxMetadataBytes, DefaultMaxMetadataBytes)
@@ -338,6 +352,7 @@ func (c Config) Validate(path string) []error {
 func (c Config) validateHandler(chk *confload.Checker, path string) {
 	at := func(field string) string { return confload.Join(path, field) }
 	chk.Positive(at("workers"), c.Workers)
+	chk.OneOf(at("start"), string(c.Start), string(adapters.StartNew), string(adapters.StartAll))
 	if c.Prefetch < 0 || (c.Prefetch > 0 && c.Prefetch < c.Workers) {
 		chk.Add(at("prefetch"), "must be at least workers (%d); got %d", c.Workers, c.Prefetch)
 	}

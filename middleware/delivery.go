@@ -13,12 +13,14 @@ import (
 
 // Outcomes counted by millrace_consumer_messages_total.
 const (
-	OutcomeOK        = "ok"        // the handler committed; the message was acked
-	OutcomeDuplicate = "duplicate" // the inbox had the event id; acked without calling the handler
-	OutcomeStale     = "stale"     // the ordering guard dropped an old aggregate version; acked
-	OutcomePoisoned  = "poisoned"  // stored in the poison destination; acked
-	OutcomeRetried   = "retried"   // one failed attempt that is retried (counted per attempt)
-	OutcomeNacked    = "nacked"    // returned to the broker for redelivery (shutdown, poison store down)
+	OutcomeOK          = "ok"           // the handler committed; the message was acked
+	OutcomeDuplicate   = "duplicate"    // the inbox had the event id; acked without calling the handler
+	OutcomeStale       = "stale"        // the ordering guard dropped an old aggregate version; acked
+	OutcomeOtherType   = "other_type"   // not a type the handler takes (Handler.Takes); acked without an attempt
+	OutcomePoisoned    = "poisoned"     // stored in the poison destination; acked
+	OutcomeRetried     = "retried"      // one failed attempt that is retried (counted per attempt)
+	OutcomeNacked      = "nacked"       // returned to the broker for redelivery (shutdown, poison store down)
+	OutcomeNotTargeted = "not_targeted" // a replay for other consumer groups (ReplayGroupsKey); acked without the handler or an inbox row
 )
 
 // delivery is what the chain knows about one message while it processes it.
@@ -53,6 +55,8 @@ func (d *delivery) failed(err error, now time.Time) {
 // mutable state with the next attempt or with the poison queue.
 type attemptState struct {
 	eventID string
+	// number is the attempt's number, 1 for the first (see Attempt).
+	number int
 	// outcome is OutcomeOK, OutcomeDuplicate or OutcomeStale once the
 	// transaction stage acked the message, empty otherwise.
 	outcome string
@@ -74,6 +78,21 @@ func deliveryFrom(ctx context.Context) *delivery {
 func attemptFrom(ctx context.Context) *attemptState {
 	a, _ := ctx.Value(attemptKey).(*attemptState)
 	return a
+}
+
+// Attempt returns the number of the attempt at the message being handled:
+// 1 for the first, 2 for the first retry, and so on; an attempt that failed
+// while a dependency or the database was down counts too, though it does
+// not use up retry.max_attempts. It counts the attempts of this delivery,
+// or of every delivery when the broker schedules the retries (RetryAuto),
+// starting from the broker's delivery count, which survives restarts. It
+// is the count the poison-attempts key records. It returns 0 when ctx is
+// not a handler's context.
+func Attempt(ctx context.Context) int {
+	if a := attemptFrom(ctx); a != nil {
+		return a.number
+	}
+	return 0
 }
 
 // Tx returns the database transaction of the message being handled: the one

@@ -84,6 +84,9 @@ type Dispatcher struct {
 	stopCtx  context.Context
 	stop     context.CancelFunc
 	finished chan struct{} // closed when run has returned
+	// slots carries the pause and resume requests of released messages'
+	// worker slots to the scheduler (see workerSlot).
+	slots chan slotRequest
 
 	mu         sync.Mutex
 	subscribed bool
@@ -103,6 +106,9 @@ type DispatchConfig struct {
 	// DrainTimeout bounds how long stopping waits for the acks of messages
 	// in flight. Defaults to 30s.
 	DrainTimeout time.Duration
+	// Key is the key Ordered keeps the order of, "" for the aggregate-id
+	// header. Defaults to the aggregate-id header.
+	Key func(msg *message.Message) string
 	// Logger defaults to no logging.
 	Logger watermill.LoggerAdapter
 }
@@ -120,6 +126,7 @@ func (c *Chain) Subscriber(src Source) *Dispatcher {
 		Ordered:      *c.cfg.Ordered,
 		DrainTimeout: c.cfg.HandlerTimeout + 5*time.Second,
 		Logger:       c.stack.logger,
+		Key:          c.spec.OrderKey,
 	})
 	if c.batcher != nil && d.subs == 1 && src.Competing && !src.KeyPartitioned && !src.Concurrent {
 		// One subscription of a stock subscriber holds one message at a
@@ -193,7 +200,8 @@ func NewDispatcher(src Source, cfg DispatchConfig) *Dispatcher {
 		subs = 1
 	}
 	stopCtx, stop := context.WithCancel(context.Background())
-	return &Dispatcher{src: src, cfg: cfg, subs: subs, stopCtx: stopCtx, stop: stop, finished: make(chan struct{})}
+	return &Dispatcher{src: src, cfg: cfg, subs: subs, stopCtx: stopCtx, stop: stop, finished: make(chan struct{}),
+		slots: make(chan slotRequest)}
 }
 
 // ackGrace is how long a stopping Dispatcher waits, after the last message in
@@ -291,7 +299,7 @@ func (d *Dispatcher) run(subs []subscription, out chan<- *message.Message) {
 	// A watcher per released message reports its ack or nack here; the
 	// buffer (one per worker slot) means a watcher never blocks.
 	finished := make(chan finishedMsg, d.cfg.Workers)
-	s := newSchedule(d.cfg.Ordered)
+	s := newSchedule(d.cfg.Ordered, d.cfg.Workers, d.cfg.Key)
 	d.dispatch(s, in, out, inputsDone, finished)
 	d.stop() // when the subscriptions ended by themselves
 	s.nackHeld()
@@ -390,16 +398,18 @@ func (d *Dispatcher) dispatch(s *schedule, in <-chan *message.Message, out chan<
 		}
 		var send chan<- *message.Message
 		var next *message.Message
-		if len(s.ready) > 0 && s.inFlight < d.cfg.Workers {
+		if len(s.ready) > 0 && s.working() < d.cfg.Workers && len(s.resumers) == 0 {
 			send, next = out, s.ready[0]
 		}
 		select {
 		case msg := <-recv:
 			// The message's context ends when it is finished or the
-			// Dispatcher stops, whichever is first (see watch).
+			// Dispatcher stops, whichever is first (see watch), and
+			// carries its worker slot.
 			ctx, cancel := context.WithCancel(msg.Context())
-			msg.SetContext(ctx)
-			s.add(msg, cancel)
+			slot := &workerSlot{d: d}
+			msg.SetContext(context.WithValue(ctx, slotKey{}, slot))
+			s.add(msg, cancel, slot)
 		case send <- next:
 			cancel := s.release()
 			d.wg.Add(1)
@@ -408,6 +418,8 @@ func (d *Dispatcher) dispatch(s *schedule, in <-chan *message.Message, out chan<
 			for _, m := range s.finish(f.msg, f.acked) {
 				m.Nack()
 			}
+		case req := <-d.slots:
+			s.onSlotRequest(req)
 		case <-inputsDone:
 			return
 		case <-stopping:
@@ -428,10 +440,16 @@ func (d *Dispatcher) drain(s *schedule, finished <-chan finishedMsg) {
 		select {
 		case f := <-finished:
 			s.finish(f.msg, f.acked)
+		case req := <-d.slots:
+			s.onSlotRequest(req)
 		case <-timeout.C:
 			d.cfg.Logger.Error("Dispatcher stopped before every message in flight was acked; they will be redelivered",
 				nil, watermill.LogFields{"in_flight": s.inFlight, "drain_timeout": d.cfg.DrainTimeout.String()})
 			s.inFlight = 0
+			for _, req := range s.resumers {
+				close(req.grant)
+			}
+			s.resumers = nil
 		}
 	}
 	// Watermill's subscribers pick at random between an ack and a close
@@ -472,6 +490,8 @@ func (d *Dispatcher) watch(msg *message.Message, cancel context.CancelFunc, fini
 // finished: ready to release, in flight, or waiting for their key.
 type schedule struct {
 	ordered bool
+	workers int
+	key     func(msg *message.Message) string // nil: the aggregate
 	ready   []*message.Message
 	// waiting maps each key with a message ready or in flight to the
 	// messages queued behind it, in delivery order.
@@ -480,26 +500,47 @@ type schedule struct {
 	cancels  map[*message.Message]context.CancelFunc
 	held     int // received and not finished
 	inFlight int // released and not finished
+	// workerSlots are the slots of the messages held; paused counts those
+	// in flight waiting off their worker, resumers those asking for one
+	// back.
+	workerSlots map[*message.Message]*workerSlot
+	paused      int
+	resumers    []slotRequest
 }
 
-func newSchedule(ordered bool) *schedule {
+func newSchedule(ordered bool, workers int, key func(*message.Message) string) *schedule {
 	return &schedule{
-		ordered: ordered,
-		waiting: map[string][]*message.Message{},
-		cancels: map[*message.Message]context.CancelFunc{},
+		ordered:     ordered,
+		workers:     workers,
+		key:         key,
+		waiting:     map[string][]*message.Message{},
+		cancels:     map[*message.Message]context.CancelFunc{},
+		workerSlots: map[*message.Message]*workerSlot{},
 	}
 }
 
-func keyOf(msg *message.Message) string { return msg.Metadata.Get(envelope.AggregateIDKey) }
+// working counts the messages in flight that hold a worker.
+func (s *schedule) working() int { return s.inFlight - s.paused }
 
-func (s *schedule) add(msg *message.Message, cancel context.CancelFunc) {
+// keyOf is the key msg is ordered by: the schedule's key, else its aggregate.
+func (s *schedule) keyOf(msg *message.Message) string {
+	if s.key != nil {
+		if k := s.key(msg); k != "" {
+			return k
+		}
+	}
+	return msg.Metadata.Get(envelope.AggregateIDKey)
+}
+
+func (s *schedule) add(msg *message.Message, cancel context.CancelFunc, slot *workerSlot) {
 	s.held++
 	s.cancels[msg] = cancel
+	s.workerSlots[msg] = slot
 	if !s.ordered {
 		s.ready = append(s.ready, msg)
 		return
 	}
-	k := keyOf(msg)
+	k := s.keyOf(msg)
 	if queue, busy := s.waiting[k]; busy {
 		s.waiting[k] = append(queue, msg)
 		return
@@ -526,10 +567,12 @@ func (s *schedule) release() context.CancelFunc {
 func (s *schedule) finish(msg *message.Message, acked bool) (nack []*message.Message) {
 	s.held--
 	s.inFlight--
+	s.releaseSlot(msg)
+	s.grantResumers()
 	if !s.ordered {
 		return nil
 	}
-	k := keyOf(msg)
+	k := s.keyOf(msg)
 	queue := s.waiting[k]
 	switch {
 	case len(queue) == 0:
@@ -549,6 +592,7 @@ func (s *schedule) finish(msg *message.Message, acked bool) (nack []*message.Mes
 }
 
 func (s *schedule) drop(msg *message.Message) {
+	delete(s.workerSlots, msg)
 	if cancel, ok := s.cancels[msg]; ok {
 		cancel()
 		delete(s.cancels, msg)

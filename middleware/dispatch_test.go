@@ -267,3 +267,107 @@ func TestDispatcherSubscriptionCount(t *testing.T) {
 		require.Equal(t, tc.want, NewDispatcher(tc.src, DispatchConfig{Workers: 8, Ordered: tc.ordered}).Subscriptions(), "%+v", tc)
 	}
 }
+
+// With DispatchConfig.Key an ordered Dispatcher keeps the order of that key
+// (a saga's correlation id) across aggregates, and runs other keys
+// concurrently.
+func TestDispatcherOrdersByItsKey(t *testing.T) {
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent()) // what runs already is not this test's (the process's Kafka dev cluster on a later -count)
+	var msgs []*message.Message
+	for i := range 20 {
+		msg := keyed(fmt.Sprintf("agg-%d", i), i) // every message its own aggregate
+		msg.Metadata.Set("correlation", fmt.Sprintf("c%d", i%2))
+		msgs = append(msgs, msg)
+	}
+	sub := newAhead(msgs...)
+	d := NewDispatcher(Source{NewSubscriber: func() (message.Subscriber, error) { return sub, nil }},
+		DispatchConfig{Workers: 4, Prefetch: 20, Ordered: true, Key: func(m *message.Message) string { return m.Metadata.Get("correlation") }})
+	out, err := d.Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+	var mu sync.Mutex
+	busy := map[string]int{}
+	seen := map[string][]string{}
+	var inFlight, maxInFlight atomic.Int32
+	var done sync.WaitGroup
+	done.Add(len(msgs))
+	wg := routerLike(t, out, func(msg *message.Message) {
+		defer done.Done()
+		key := msg.Metadata.Get("correlation")
+		n := inFlight.Add(1)
+		for m := maxInFlight.Load(); n > m && !maxInFlight.CompareAndSwap(m, n); m = maxInFlight.Load() {
+		}
+		mu.Lock()
+		busy[key]++
+		require.Equal(t, 1, busy[key], "two messages of %s at once", key)
+		seen[key] = append(seen[key], msg.UUID)
+		mu.Unlock()
+		time.Sleep(2 * time.Millisecond)
+		mu.Lock()
+		busy[key]--
+		mu.Unlock()
+		inFlight.Add(-1)
+		msg.Ack()
+	})
+	done.Wait()
+	require.NoError(t, d.Close())
+	wg.Wait()
+	require.Equal(t, int32(2), maxInFlight.Load(), "one message per key, both keys at once")
+	for k := range 2 {
+		var want []string
+		for i := k; i < 20; i += 2 {
+			want = append(want, fmt.Sprintf("agg-%d-%03d", i, i))
+		}
+		require.Equal(t, want, seen[fmt.Sprintf("c%d", k)], "c%d in delivery order", k)
+	}
+}
+
+// A released message that pauses its worker slot (a message waiting for its
+// next attempt) lets the next message run on its worker, and takes a worker
+// again, before any new message, once one is free.
+func TestDispatcherGivesAPausedWorkerToTheNextMessage(t *testing.T) {
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent()) // what runs already is not this test's (the process's Kafka dev cluster on a later -count)
+	msgs := []*message.Message{keyed("a", 0), keyed("b", 0), keyed("c", 0)}
+	sub := newAhead(msgs...)
+	d := NewDispatcher(Source{NewSubscriber: func() (message.Subscriber, error) { return sub, nil }},
+		DispatchConfig{Workers: 1, Prefetch: 3})
+	out, err := d.Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+	var mu sync.Mutex
+	var order []string
+	note := func(s string) {
+		mu.Lock()
+		order = append(order, s)
+		mu.Unlock()
+	}
+	bDone := make(chan struct{})
+	var done sync.WaitGroup
+	done.Add(len(msgs))
+	wg := routerLike(t, out, func(msg *message.Message) {
+		defer done.Done()
+		id := msg.Metadata.Get("aggregate-id")
+		note("start " + id)
+		if id == "a" {
+			slot := slotFrom(msg.Context())
+			require.NotNil(t, slot)
+			slot.pause()
+			select {
+			case <-bDone:
+			case <-time.After(10 * time.Second):
+				t.Error("b never ran while a was paused")
+			}
+			require.NoError(t, slot.resume(msg.Context()))
+			note("resumed a")
+		}
+		if id == "b" {
+			close(bDone)
+			time.Sleep(50 * time.Millisecond) // a asks for its worker back meanwhile
+		}
+		note("end " + id)
+		msg.Ack()
+	})
+	done.Wait()
+	require.NoError(t, d.Close())
+	wg.Wait()
+	require.Equal(t, []string{"start a", "start b", "end b", "resumed a", "end a", "start c", "end c"}, order,
+		"b ran on a's worker while a was paused; a took the worker back before c")
+}

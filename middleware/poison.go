@@ -39,6 +39,20 @@ const (
 // that is poisoned again updates the original's row instead of adding one.
 const ReplayOfKey = "replay-of"
 
+// ReplayGroupsKey names the consumer groups a replay from the poison table
+// is for, separated by commas: the groups whose poisoned rows of the event
+// the replay re-sends. The broker hands the replay to every group of its
+// topic; the chain of any other group acks it without calling the handler
+// and without writing an inbox row, and counts it as OutcomeNotTargeted, so
+// that a replay takes effect only where the event failed (a group created
+// after the event, or whose inbox no longer holds it, would otherwise
+// process it again). A message without the key is for every group.
+const ReplayGroupsKey = "replay-groups"
+
+// ReplayGroupsSeparator separates the groups in ReplayGroupsKey's value;
+// consumer group names cannot contain it.
+const ReplayGroupsSeparator = ","
+
 // MaxPoisonReasonBytes bounds the reason in the poison topic's metadata
 // (brokers limit header sizes); the poison table keeps the whole text.
 const MaxPoisonReasonBytes = 2048
@@ -134,8 +148,8 @@ func (p *poisonPublisher) Publish(_ string, msgs ...*message.Message) error {
 			}
 		}
 		d.outcome = OutcomePoisoned
-		c.stack.logger.Error("Message poisoned", d.finalErr, c.logFields(d, watermill.LogFields{
-			"error_class": f.class, "destination": c.cfg.Poison.Destination,
+		c.stack.warn("Message poisoned", c.logFields(d, watermill.LogFields{
+			"reason": f.reason, "error_class": f.class, "destination": c.cfg.Poison.Destination,
 		}))
 	}
 	return nil

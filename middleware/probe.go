@@ -63,8 +63,8 @@ func (b *breaker) ask(ctx context.Context) (err error) {
 
 // waitUp returns once the dependency probe passes (at once when it has not
 // failed), or when ctx ends. One waiter asks the probe, once per
-// open_timeout; the others wait for its verdict.
-func (b *breaker) waitUp(ctx context.Context) error {
+// open_timeout; the others wait for its verdict. w is told before it waits.
+func (b *breaker) waitUp(ctx context.Context, w *breakerWaiter) error {
 	for {
 		b.mu.Lock()
 		if !b.down {
@@ -74,6 +74,7 @@ func (b *breaker) waitUp(ctx context.Context) error {
 		changed, mine := b.changed, !b.probing
 		b.probing = true
 		b.mu.Unlock()
+		w.block()
 		if !mine {
 			t := time.NewTimer(b.timeout)
 			select {

@@ -57,6 +57,9 @@ func newBackOff(cfg RetryConfig) *backoff.ExponentialBackOff {
 // unavailable-database waits above stay in process: they do not use up
 // attempts, and the delivery count cannot be given back.
 //
+// The backoff between two attempts in process holds no worker (offWorker):
+// the messages behind one that keeps failing or hanging are not held back.
+//
 // Written here instead of using Watermill's Retry middleware, which advances
 // the backoff once more for every ShouldRetry and OnRetryHook call (the ladder
 // you get is not the one configured), cannot keep an outage from using up
@@ -136,7 +139,7 @@ func (c *Chain) retry(h message.HandlerFunc) message.HandlerFunc {
 			c.stack.logger.Info("Attempt failed, retrying", c.logFields(d, watermill.LogFields{
 				"err": err.Error(), "wait": wait.String(), "max_attempts": cfg.MaxAttempts,
 			}))
-			if err := c.stack.sleep(ctx, wait); err != nil {
+			if err := offWorker(ctx, func() error { return c.stack.sleep(ctx, wait) }); err != nil {
 				return nil, &shutdownError{cause: err}
 			}
 		}

@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"runtime"
 	"runtime/debug"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -36,7 +38,10 @@ type Deps struct {
 	// Registerer receives the metrics collectors (nothing is registered
 	// globally). Nil means no metrics.
 	Registerer prometheus.Registerer
-	// Logger receives the chain's logs. Defaults to no logging.
+	// Logger receives the chain's logs: one line at info per failed
+	// attempt, one per poisoned message (with its reason) at warn when
+	// Logger has a Warn(msg string, fields watermill.LogFields) method, as
+	// bus.WithLogger's has, else at info. Defaults to no logging.
 	Logger watermill.LoggerAdapter
 	// BeginTx begins the inbox transaction of one attempt on the attempt's
 	// context (see Transaction), when it is not to be a database/sql one.
@@ -59,6 +64,17 @@ type Handler struct {
 	// waits until the probe passes) from a bad message (poisoned after its
 	// attempts); see ProbeFunc. It needs breaker.enabled. Defaults to none.
 	Probe ProbeFunc
+	// Takes, when set, says whether the handler takes a message: one it
+	// does not take (an event of a type a typed handler has no route for)
+	// is acked at once, without an attempt, an inbox row or a call of the
+	// handler, and counted as OutcomeOtherType. Defaults to taking every
+	// message.
+	Takes func(msg *message.Message) bool
+	// OrderKey, when set, is the key an ordered handler keeps the order of
+	// (a saga's correlation id) in place of the aggregate-id header; a
+	// message it gives "" is ordered by its aggregate. Defaults to the
+	// aggregate.
+	OrderKey func(msg *message.Message) string
 }
 
 // Stack builds the middleware chain of each handler of a service and owns
@@ -210,7 +226,7 @@ func (s *Stack) Chain(h Handler) (*Chain, error) {
 	}
 	// Every outcome's series exists from the start, so dashboards and
 	// alerts see zeros rather than nothing before the first message.
-	for _, outcome := range []string{OutcomeOK, OutcomeDuplicate, OutcomeStale, OutcomePoisoned, OutcomeRetried, OutcomeNacked} {
+	for _, outcome := range []string{OutcomeOK, OutcomeDuplicate, OutcomeStale, OutcomeOtherType, OutcomePoisoned, OutcomeRetried, OutcomeNacked, OutcomeNotTargeted} {
 		c.counter(outcome)
 	}
 	if *cfg.Breaker.Enabled {
@@ -239,11 +255,17 @@ func (c *Chain) Handler() Handler { return c.spec }
 func (c *Chain) stages() []message.HandlerMiddleware {
 	mws := []message.HandlerMiddleware{
 		c.observe,
+		c.target,
 		wmw.Recoverer, // a panic in the chain itself: nack, never lose the message
+	}
+	if c.spec.Takes != nil {
+		mws = append(mws, c.sift)
+	}
+	mws = append(mws,
 		c.poison,
 		c.validate,
 		c.retry,
-	}
+	)
 	if c.breaker != nil {
 		mws = append(mws, c.breaker.middleware)
 	}
@@ -296,6 +318,33 @@ func (c *Chain) observe(h message.HandlerFunc) message.HandlerFunc {
 	}
 }
 
+// target acks a replay meant for other consumer groups (ReplayGroupsKey)
+// at once: nothing below runs, so neither the handler nor the inbox nor
+// the ordering guard sees it. It is the one place that rule is applied,
+// for every handler (plain, typed, batch, saga, ordered) on every broker.
+func (c *Chain) target(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		groups, replay := msg.Metadata[ReplayGroupsKey]
+		if replay && !slices.Contains(strings.Split(groups, ReplayGroupsSeparator), c.spec.ConsumerGroup) {
+			deliveryFrom(msg.Context()).outcome = OutcomeNotTargeted
+			return nil, nil
+		}
+		return h(msg)
+	}
+}
+
+// sift acks a message the handler does not take (Handler.Takes) without
+// running the rest of the chain: no attempt, no inbox row, no handler call.
+func (c *Chain) sift(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		if c.spec.Takes(msg) {
+			return h(msg)
+		}
+		deliveryFrom(msg.Context()).outcome = OutcomeOtherType
+		return nil, nil
+	}
+}
+
 // attempt bounds one attempt by handler_timeout. The attempt runs on a
 // context that a shutdown does not cancel (context.WithoutCancel): work
 // that started finishes and commits. Watermill's Timeout middleware is not
@@ -322,7 +371,7 @@ func (c *Chain) attempt(h message.HandlerFunc) message.HandlerFunc {
 		d.attempts++
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(msg.Context()), timeout)
 		defer cancel()
-		state := &attemptState{eventID: d.eventID}
+		state := &attemptState{eventID: d.eventID, number: d.attempts}
 		inner := msg.Copy()
 		// The delivery stays with this goroutine: the inner part gets nil.
 		inner.SetContext(context.WithValue(context.WithValue(ctx, deliveryKey, nil), attemptKey, state))
@@ -417,6 +466,22 @@ func (c *Chain) runInner(h message.HandlerFunc, msg *message.Message, run *inner
 	}()
 	run.out, run.err = h(msg)
 	returned = true
+}
+
+// warner is a logger with a warn level; Watermill's LoggerAdapter has
+// none.
+type warner interface {
+	Warn(msg string, fields watermill.LogFields)
+}
+
+// warn logs msg at warn level, or at info on a logger without one: what an
+// operator should look at, which is no fault of the process.
+func (s *Stack) warn(msg string, fields watermill.LogFields) {
+	if w, ok := s.logger.(warner); ok {
+		w.Warn(msg, fields)
+		return
+	}
+	s.logger.Info(msg, fields)
 }
 
 func (c *Chain) logFields(d *delivery, extra watermill.LogFields) watermill.LogFields {

@@ -286,8 +286,10 @@ func compressionCodec(name string) (kgo.CompressionCodec, error) {
 }
 
 // consumerConfig is the Sarama configuration of the watermill-kafka
-// subscribers: new groups start at the oldest offset (Sarama's default, the
-// newest, would skip every event published before the group first joined),
+// subscribers: a group with no committed offset starts at the oldest offset
+// (Sarama's default, the newest, would skip every event published before
+// the group first joined; Provision and ProvisionGroup commit a new
+// group's start, so this only applies to a group nobody provisioned),
 // only acked messages are committed, records of aborted transactions are
 // never read, and topics are never auto-created by a subscription.
 func consumerConfig(cfg Config, opts adapters.Options) (*sarama.Config, error) {

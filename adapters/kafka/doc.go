@@ -36,8 +36,12 @@
 // # Consuming
 //
 // Subscriber(group) is a watermill-kafka subscriber, one Kafka consumer
-// group per group. A new group starts at the oldest record (Sarama would
-// start at the newest and miss every earlier event). Each partition is
+// group per group. A group starts where it was provisioned: Provision
+// commits a new group's offsets at the oldest record, ProvisionGroup at the
+// oldest or at the end (consumer.start), so that its start does not depend
+// on when its first consumer joins; a group nobody provisioned starts at
+// the oldest record (Sarama would start at the newest and miss every
+// earlier event). Each partition is
 // processed one message at a time: the next message of a partition comes
 // after the previous one is acked, so one aggregate's events are handled in
 // order, and different partitions are handled concurrently. Offsets are

@@ -7,6 +7,7 @@ import (
 	"strconv"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
@@ -27,11 +28,30 @@ import (
 // per-aggregate order while old events are still being consumed. Fix it
 // explicitly: set broker.kafka.partitions to the topic's count.
 //
-// Consumer groups need no provisioning in Kafka: a group exists once a
-// consumer joins it, and a new group starts at the oldest record. Their
-// names are checked; with broker.kafka.retry_topics each gets its retry
-// topic (RetryTopicName), provisioned as topic is.
+// A Kafka consumer group exists once it has committed offsets: Provision
+// commits, for each of consumerGroups, the oldest offset of every partition
+// of topic on which the group has committed none, so that the group starts
+// at the oldest record (ProvisionGroup can start it at the newest instead)
+// and keeps that start however long before its first consumer joins.
+// Partitions the group committed on keep their position. With
+// broker.kafka.retry_topics each group gets its retry topic
+// (RetryTopicName), provisioned as topic is.
 func (b *Broker) Provision(ctx context.Context, topic string, consumerGroups ...string) error {
+	return b.provision(ctx, topic, adapters.StartAll, consumerGroups...)
+}
+
+// ProvisionGroup is Provision for one group, which starts, on each partition
+// of topic where it has committed no offset, at group.Start: the partition's
+// end (adapters.StartNew: it reads what is published from then on) or its
+// oldest record (adapters.StartAll). Kafka keeps a group's order across
+// redeliveries without settings of its own, so group.Ordered changes
+// nothing. See adapters.Broker.
+func (b *Broker) ProvisionGroup(ctx context.Context, topic string, group adapters.GroupSpec) error {
+	return b.provision(ctx, topic, group.Start, group.Name)
+}
+
+// provision is Provision, with new groups starting at start.
+func (b *Broker) provision(ctx context.Context, topic string, start adapters.Start, consumerGroups ...string) error {
 	if err := names.Topic(topic); err != nil {
 		return adapters.Permanent(fmt.Errorf("kafka: topic %q: %w", topic, err))
 	}
@@ -58,14 +78,66 @@ func (b *Broker) Provision(ctx context.Context, topic string, consumerGroups ...
 		}
 	}
 	b.provisioned.Store(topic, true)
-	if b.cfg.RetryTopics {
-		for _, g := range consumerGroups {
+	for _, g := range consumerGroups {
+		if b.cfg.RetryTopics {
 			if err := b.Provision(ctx, RetryTopicName(topic, g)); err != nil {
 				return err
 			}
 		}
+		if err := b.startGroup(ctx, topic, g, start); err != nil {
+			return err
+		}
 	}
 	return nil
+}
+
+// startGroup commits group's offset at start (the end or the oldest record)
+// on every partition of topic on which it has committed none. The commit is
+// a simple one, as for a group without members; a group that has members
+// is not new, and keeps their position.
+func (b *Broker) startGroup(ctx context.Context, topic, group string, start adapters.Start) error {
+	committed, err := b.admin.FetchOffsetsForTopics(ctx, group, topic)
+	if err == nil {
+		err = committed.Error()
+	}
+	if errors.Is(err, kerr.GroupIDNotFound) {
+		committed, err = nil, nil // a group that never committed (kfake says so; Kafka lists no offsets)
+	}
+	if err != nil {
+		return fmt.Errorf("kafka: read the committed offsets of consumer group %q on topic %s: %w", group, topic, err)
+	}
+	list := b.admin.ListStartOffsets
+	if start == adapters.StartNew {
+		list = b.admin.ListEndOffsets
+	}
+	listed, err := list(ctx, topic)
+	if err == nil {
+		err = listed.Error()
+	}
+	if err != nil {
+		return fmt.Errorf("kafka: read the offsets of topic %s: %w", topic, err)
+	}
+	offsets := kadm.Offsets{}
+	listed.Each(func(l kadm.ListedOffset) {
+		if o, ok := committed.Lookup(topic, l.Partition); !ok || o.At < 0 {
+			offsets.Add(kadm.Offset{Topic: topic, Partition: l.Partition, At: l.Offset, LeaderEpoch: -1})
+		}
+	})
+	if len(offsets) == 0 {
+		return nil
+	}
+	resps, err := b.admin.CommitOffsets(ctx, group, offsets)
+	if err == nil {
+		err = resps.Error()
+	}
+	switch {
+	case err == nil:
+		b.logger.Info("Consumer group created", watermill.LogFields{"topic": topic, "consumer_group": group, "start": string(start)})
+		return nil
+	case errors.Is(err, kerr.UnknownMemberID), errors.Is(err, kerr.IllegalGeneration), errors.Is(err, kerr.RebalanceInProgress):
+		return nil // the group has members: it is not new, and their position stands
+	}
+	return fmt.Errorf("kafka: start consumer group %q on topic %s at %s: %w", group, topic, start, err)
 }
 
 // Deprovision deletes topic, with its records, and consumerGroups' committed

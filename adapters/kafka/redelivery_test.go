@@ -161,3 +161,17 @@ func TestConcurrentSubscribersManyInFlight(t *testing.T) {
 	b := open(t, cfg)
 	adaptertest.ConcurrentFlight(t, b, time.Minute)
 }
+
+// Every header Kafka or this adapter adds to a delivery is one the Rules
+// refuse, so a replay leaves it out and Publish never sends it: a retry
+// topic's records carry x-millrace-delivery and x-millrace-retry-due, which
+// the subscriber takes out of the metadata; Kafka itself adds none.
+func TestDeliveryHeadersAreRefusedByTheRules(t *testing.T) {
+	t.Parallel()
+	cfg := newEnv(t).config()
+	cfg.RetryTopics = true
+	b := open(t, cfg)
+	require.True(t, b.SchedulesRedeliveries())
+	added := adaptertest.DeliveryHeaders(t, b, time.Minute)
+	t.Logf("added on delivery: %v", added)
+}

@@ -43,7 +43,8 @@ func TestOpenUnreachableServer(t *testing.T) {
 		t.Parallel()
 		port := servers.FreePort(t)
 		err := openWithin(t, Config{URL: fmt.Sprintf("nats://app:s3cret-pw@127.0.0.1:%d", port)}, 2*time.Second)
-		require.ErrorContains(t, err, fmt.Sprintf("cannot connect to nats://app:xxxxx@127.0.0.1:%d within 2s", port))
+		require.ErrorContains(t, err, fmt.Sprintf("cannot connect to nats://app:xxxxx@127.0.0.1:%d: connection refused", port))
+		require.NotContains(t, err.Error(), "within", "refused at once: no timeout elapsed")
 		require.NotContains(t, err.Error(), "s3cret-pw")
 	})
 	t.Run("SilentListener", func(t *testing.T) {
@@ -71,7 +72,8 @@ func TestOpenUnreachableServer(t *testing.T) {
 		url := "nats://app:s3cret-pw@" + l.Addr().String()
 		err = openWithin(t, Config{URL: url}, 500*time.Millisecond)
 		require.Error(t, err)
-		require.ErrorContains(t, err, "cannot connect to nats://app:xxxxx@"+l.Addr().String()+" within 500ms")
+		require.ErrorContains(t, err, "cannot connect to nats://app:xxxxx@"+l.Addr().String()+": no answer within 500ms")
+		require.NotContains(t, err.Error(), "refused")
 		require.NotContains(t, err.Error(), "s3cret-pw")
 	})
 }

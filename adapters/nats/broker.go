@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/url"
 	"strings"
 	"sync"
@@ -197,22 +198,34 @@ func (b *Broker) connect(ctx context.Context, name string, extra ...nats.Option)
 	}()
 	timer := time.NewTimer(b.opts.ConnectTimeout)
 	defer timer.Stop()
-	fail := func(err error) error {
-		return fmt.Errorf("nats: cannot connect to %s within %s: %s", redact(b.url), b.opts.ConnectTimeout, b.scrub(err))
-	}
 	select {
 	case r := <-done:
 		if r.err != nil {
-			return nil, fail(r.err)
+			return nil, b.connectError(r.err)
 		}
 		return r.nc, nil
 	case <-timer.C:
 		go closeLate(done)
-		return nil, fail(errors.New("timed out"))
+		return nil, b.connectError(nats.ErrTimeout)
 	case <-ctx.Done():
 		go closeLate(done)
-		return nil, fail(ctx.Err())
+		return nil, fmt.Errorf("nats: cannot connect to %s: %w", redact(b.url), ctx.Err())
 	}
+}
+
+// connectError says why connecting failed, naming the URL without its
+// password: "within" the connect timeout only when it elapsed, refused
+// when no server accepted the connection (nats.go reports that as
+// ErrNoServers), else the client's own reason.
+func (b *Broker) connectError(err error) error {
+	var netErr net.Error
+	switch {
+	case errors.Is(err, nats.ErrTimeout), errors.As(err, &netErr) && netErr.Timeout():
+		return fmt.Errorf("nats: cannot connect to %s: no answer within %s (broker.connect_timeout)", redact(b.url), b.opts.ConnectTimeout)
+	case errors.Is(err, nats.ErrNoServers):
+		return fmt.Errorf("nats: cannot connect to %s: connection refused (is nats-server running and listening there?)", redact(b.url))
+	}
+	return fmt.Errorf("nats: cannot connect to %s: %s", redact(b.url), b.scrub(err))
 }
 
 type connResult struct {

@@ -37,6 +37,14 @@ var (
 // (OrderedSubscriber). The Broker remembers the groups for its later
 // Provision and Subscribe calls.
 func (b *Broker) ProvisionOrdered(ctx context.Context, topic string, consumerGroups ...string) error {
+	if err := b.markOrdered(topic, consumerGroups...); err != nil {
+		return err
+	}
+	return b.Provision(ctx, topic, consumerGroups...)
+}
+
+// markOrdered remembers consumerGroups of topic as ordered groups.
+func (b *Broker) markOrdered(topic string, consumerGroups ...string) error {
 	if err := checkTopic(topic); err != nil {
 		return adapters.Permanent(err)
 	}
@@ -54,7 +62,7 @@ func (b *Broker) ProvisionOrdered(ctx context.Context, topic string, consumerGro
 		}
 	}
 	b.mu.Unlock()
-	return b.Provision(ctx, topic, consumerGroups...)
+	return nil
 }
 
 // isOrdered reports whether group's consumer on topic was provisioned by
@@ -298,6 +306,12 @@ func (o *orderedSubscription) recreate(ctx context.Context, nc *nats.Conn, l *le
 			return nil, fmt.Errorf("reading consumer %q of stream %q: %w", o.durable, o.stream, err)
 		}
 		floor = max(floor, info.AckFloor.Stream)
+		if info.Config.DeliverPolicy == jetstream.DeliverByStartSequencePolicy {
+			// Nothing before where the consumer was made to start: a
+			// group that started new (ProvisionGroup), or this
+			// subscriber's last recreation.
+			floor = max(floor, info.Config.OptStartSeq-1)
+		}
 	case !errors.Is(err, jetstream.ErrConsumerNotFound):
 		return nil, fmt.Errorf("reading consumer %q of stream %q: %w", o.durable, o.stream, err)
 	}

@@ -17,12 +17,36 @@ import (
 const codeSubjectOverlap = 10065
 
 // Provision makes topic's stream and a durable consumer for each of
-// consumerGroups exist with the configured settings. It is idempotent. An
-// existing stream or consumer with other settings is left alone and reported
-// (wrapping adapters.ErrTopologyConflict) with each difference; so is a server that
-// silently ignored a setting. Both, and a topic or group that is not a valid
-// name, are permanent errors (adapters.IsPermanent): retrying cannot fix them.
+// consumerGroups exist with the configured settings; a consumer it creates
+// delivers the stream from its first message (DeliverAll). It is
+// idempotent. An existing stream or consumer with other settings is left
+// alone and reported (wrapping adapters.ErrTopologyConflict) with each
+// difference; so is a server that silently ignored a setting. Both, and a
+// topic or group that is not a valid name, are permanent errors
+// (adapters.IsPermanent): retrying cannot fix them.
 func (b *Broker) Provision(ctx context.Context, topic string, consumerGroups ...string) error {
+	return b.provision(ctx, topic, adapters.StartAll, consumerGroups...)
+}
+
+// ProvisionGroup is Provision for one group, whose consumer, when it
+// creates it, starts at group.Start: after the last message the stream
+// holds then (adapters.StartNew: DeliverByStartSequence, the sequence
+// after it, which the consumer's config keeps, so that a later start from
+// an ack floor, as an ordered subscriber's, never goes back before it) or
+// at its first message (DeliverAll). An existing consumer keeps its
+// position. With group.Ordered it is ProvisionOrdered. See
+// adapters.Broker.
+func (b *Broker) ProvisionGroup(ctx context.Context, topic string, group adapters.GroupSpec) error {
+	if group.Ordered {
+		if err := b.markOrdered(topic, group.Name); err != nil {
+			return err
+		}
+	}
+	return b.provision(ctx, topic, group.Start, group.Name)
+}
+
+// provision is Provision, with new consumers starting at start.
+func (b *Broker) provision(ctx context.Context, topic string, start adapters.Start, consumerGroups ...string) error {
 	if err := checkTopic(topic); err != nil {
 		return adapters.Permanent(err)
 	}
@@ -35,7 +59,7 @@ func (b *Broker) Provision(ctx context.Context, topic string, consumerGroups ...
 		return err
 	}
 	for _, g := range consumerGroups {
-		if err := b.ensureConsumer(ctx, topic, g); err != nil {
+		if err := b.ensureConsumer(ctx, topic, g, start); err != nil {
 			return err
 		}
 	}
@@ -72,8 +96,9 @@ func (b *Broker) streamConfig(topic string) jetstream.StreamConfig {
 }
 
 // consumerConfig is the durable push consumer millrace wants for group on
-// topic: explicit acks, every message from the start of the stream, and a
-// deliver group so the group's subscribers compete.
+// topic: explicit acks, every message from the start of the stream (see
+// ensureConsumer for a group that starts new), and a deliver group so the
+// group's subscribers compete.
 func (b *Broker) consumerConfig(topic, group string) jetstream.ConsumerConfig {
 	cc := b.cfg.Consumer
 	name := ConsumerName(group)
@@ -142,11 +167,12 @@ func (b *Broker) forgetStream(topic string) {
 	b.mu.Unlock()
 }
 
-// ensureConsumer creates group's durable consumer on topic's stream if it is
-// missing and checks it against the config. The consumer must exist before
-// a subscription binds to it: a consumer that nats.go creates itself is
-// deleted when the subscription ends, taking the group's position with it.
-func (b *Broker) ensureConsumer(ctx context.Context, topic, group string) error {
+// ensureConsumer creates group's durable consumer on topic's stream, starting
+// at start, if it is missing and checks it against the config. The consumer
+// must exist before a subscription binds to it: a consumer that nats.go
+// creates itself is deleted when the subscription ends, taking the group's
+// position with it.
+func (b *Broker) ensureConsumer(ctx context.Context, topic, group string, start adapters.Start) error {
 	key := topic + "\x00" + group
 	b.mu.Lock()
 	known := b.consumers[key]
@@ -161,11 +187,7 @@ func (b *Broker) ensureConsumer(ctx context.Context, topic, group string) error 
 	if errors.Is(err, jetstream.ErrConsumerNotFound) {
 		// Look first, create only when missing: nats-server 2.9 ignores the
 		// create-only flag and would update an existing consumer instead.
-		c, err = b.js.CreatePushConsumer(ctx, stream, want)
-		created = err == nil
-		if errors.Is(err, jetstream.ErrConsumerExists) {
-			c, err = b.js.PushConsumer(ctx, stream, want.Durable)
-		}
+		c, created, err = b.createConsumer(ctx, stream, want, start)
 	}
 	if err != nil {
 		if errors.Is(err, jetstream.ErrNotPushConsumer) {
@@ -181,6 +203,30 @@ func (b *Broker) ensureConsumer(ctx context.Context, topic, group string) error 
 	b.consumers[key] = true
 	b.mu.Unlock()
 	return nil
+}
+
+// createConsumer creates want on stream, starting at start: for
+// adapters.StartNew at the sequence after the last message the stream
+// holds now. It reports whether this call created it (another process may
+// have first).
+func (b *Broker) createConsumer(ctx context.Context, stream string, want jetstream.ConsumerConfig, start adapters.Start) (jetstream.PushConsumer, bool, error) {
+	if start == adapters.StartNew {
+		s, err := b.js.Stream(ctx, stream)
+		if err != nil {
+			return nil, false, err
+		}
+		info, err := s.Info(ctx)
+		if err != nil {
+			return nil, false, err
+		}
+		want.DeliverPolicy, want.OptStartSeq = jetstream.DeliverByStartSequencePolicy, info.State.LastSeq+1
+	}
+	c, err := b.js.CreatePushConsumer(ctx, stream, want)
+	if errors.Is(err, jetstream.ErrConsumerExists) {
+		c, err = b.js.PushConsumer(ctx, stream, want.Durable)
+		return c, false, err
+	}
+	return c, err == nil, err
 }
 
 // conflict builds the error for a stream or consumer that differs from the
@@ -216,17 +262,16 @@ func diffStream(want, got jetstream.StreamConfig) []string {
 
 // diffConsumer is diffStream for consumers.
 // A filter equal to the topic is the same as none: the stream holds only it.
-// An ordered group's max_ack_pending and start are its ordered
-// subscriber's to set (Broker.OrderedSubscriber), so they are not compared.
+// The deliver policy is not compared: it is where the group started when it
+// was created (consumer.start then), and an ordered group's ordered
+// subscriber sets it to its ack floor, as it sets its max_ack_pending
+// (Broker.OrderedSubscriber), which is not compared either.
 func diffConsumer(want, got jetstream.ConsumerConfig, topic string, ordered bool) []string {
 	var d diffs
 	if got.DeliverSubject == "" {
 		d = append(d, "it has no deliver subject (a pull consumer); millrace subscribes to push consumers")
 	}
 	d.check("deliver_group", got.DeliverGroup, want.DeliverGroup, "")
-	if !ordered || got.DeliverPolicy != jetstream.DeliverByStartSequencePolicy {
-		d.check("deliver_policy", got.DeliverPolicy, want.DeliverPolicy, "")
-	}
 	d.check("ack_policy", got.AckPolicy, want.AckPolicy, "")
 	d.check("ack_wait", got.AckWait, want.AckWait, "consumer.ack_wait")
 	d.check("max_deliver", got.MaxDeliver, want.MaxDeliver, "consumer.max_deliver")

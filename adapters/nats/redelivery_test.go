@@ -78,3 +78,14 @@ func TestConcurrentSubscribersManyInFlight(t *testing.T) {
 	b := openBroker(t, sharedURL(), func(c *Config) { c.Consumer.NakDelay = 100 * time.Millisecond })
 	adaptertest.ConcurrentFlight(t, b, time.Minute)
 }
+
+// Every header JetStream or this adapter adds to a delivery is one the
+// Rules refuse (every Nats-* header), so a replay leaves it out and Publish
+// never sends it; a redelivery after a nak, with or without a delay, adds
+// none.
+func TestDeliveryHeadersAreRefusedByTheRules(t *testing.T) {
+	t.Parallel()
+	b := openBroker(t, sharedURL(), func(c *Config) { c.Consumer.NakDelay = 50 * time.Millisecond })
+	added := adaptertest.DeliveryHeaders(t, b, time.Minute)
+	t.Logf("added on delivery: %v", added)
+}

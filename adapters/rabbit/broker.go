@@ -261,6 +261,25 @@ func (b *Broker) Provision(ctx context.Context, topic string, consumerGroups ...
 	return nil
 }
 
+// ProvisionGroup is Provision for one group, which gets what is published
+// to topic after its queue is bound. A queue holds only what was routed to
+// it, so a new group cannot start at the topic's history: adapters.StartAll
+// is a permanent error, and bus refuses consumer.start: all for RabbitMQ
+// in its config. A RabbitMQ queue returns an unacked message to its head,
+// so group.Ordered needs no settings of its own. See adapters.Broker.
+func (b *Broker) ProvisionGroup(ctx context.Context, topic string, group adapters.GroupSpec) error {
+	if group.Start == adapters.StartAll {
+		return adapters.Permanent(fmt.Errorf("rabbitmq: consumer group %q of topic %q cannot start at the topic's history (start all): %s",
+			group.Name, topic, ErrNoHistory))
+	}
+	return b.Provision(ctx, topic, group.Name)
+}
+
+// ErrNoHistory says why a RabbitMQ consumer group cannot start at its
+// topic's history.
+var ErrNoHistory = errors.New("a RabbitMQ queue gets only what is published after it is bound to the topic's exchange; " +
+	"the quorum queues millrace uses keep no history for a new queue to replay (that would take a RabbitMQ stream)")
+
 // Publisher returns a message.Publisher over PublishBatch: each Publish call
 // is one pipelined batch that returns once the broker confirmed every
 // message. Its Close does not close the Broker. It publishes consumed

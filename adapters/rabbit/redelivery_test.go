@@ -113,3 +113,17 @@ func TestConcurrentSubscribersManyInFlight(t *testing.T) {
 	b := openBroker(t, testConfig(serverURL()))
 	adaptertest.ConcurrentFlight(t, b, time.Minute)
 }
+
+// Every header RabbitMQ or this adapter adds to a delivery is one the Rules
+// refuse, so a replay leaves it out and Publish never sends it: the quorum
+// queue's x-delivery-count on a redelivery, and on the retry queue's path
+// the dead-lettering's x-death and x-first-death-* (x-last-death-* too from
+// RabbitMQ 3.13) and the adapter's x-millrace-delivery.
+func TestDeliveryHeadersAreRefusedByTheRules(t *testing.T) {
+	t.Parallel()
+	added := adaptertest.DeliveryHeaders(t, openBroker(t, testConfig(serverURL())), time.Minute)
+	t.Logf("added on delivery: %v", added)
+	for _, k := range []string{DeliveryCountKey, DeathKey, "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason", DeliveryNumberKey} {
+		require.Contains(t, added, k)
+	}
+}

@@ -72,7 +72,8 @@ saga: ## the order saga example: payment, stock, notify, a refund and a timeout 
 	$(if $(BROKER),MILLRACE_BROKER_KIND=$(BROKER)) $(GO) run ./examples/saga
 
 bench: up ## benchmarks, millrace side by side with stock Watermill and a hand-written reference
-	$(GO) test -run '^$$' -bench . -benchmem $(PKGS)
+	@# BenchmarkRelay alone takes more than go test's default 10-minute timeout.
+	$(GO) test -run '^$$' -bench . -benchmem -timeout 60m $(PKGS)
 
 reliability: up ## the fault-injection suite on every broker; rewrites docs/RELIABILITY.md from its results
 	MILLRACE_RELIABILITY_DOC=$(CURDIR)/docs/RELIABILITY.md $(GO) test -race -count=1 -timeout 60m -v $(FAULTS)

@@ -2,6 +2,7 @@ package bus
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -53,6 +54,20 @@ func (c BrokerConfig) Rules() adapters.Rules {
 		return s.Rules()
 	}
 	return c.NATS.Rules()
+}
+
+// checkTopicOnEveryBroker reports why topic cannot carry messages on each
+// broker kind that refuses it, naming the kind and its rule: a Topic is
+// declared once, in code that services on any broker share, so it must be
+// valid on all of them.
+func checkTopicOnEveryBroker(topic string) error {
+	var errs []error
+	for _, kind := range []string{KindKafka, KindRabbitMQ, KindNATS} {
+		if err := (BrokerConfig{Kind: kind}).Rules().CheckTopic(topic); err != nil {
+			errs = append(errs, fmt.Errorf("topic on broker.kind %s: %w", kind, err))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // cloudEventsPrefix is the header prefix of the CloudEvents binding of

@@ -29,6 +29,7 @@ import (
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/names"
 	"github.com/millrace-io/millrace/internal/store"
+	"github.com/millrace-io/millrace/internal/wmslog"
 )
 
 // Bus is a service's handle on millrace: it writes events into the outbox in
@@ -87,9 +88,11 @@ func WithRouterMiddleware(m ...message.HandlerMiddleware) Option {
 	return func(b *Bus) { b.routerMiddleware = append(b.routerMiddleware, m...) }
 }
 
-// WithLogger sets the logger. Defaults to slog.Default().
+// WithLogger sets the logger. Defaults to slog.Default(). A line's
+// attributes come in the order of their keys. A failed attempt is one line
+// at info, and a poisoned message one at warn, with its reason.
 func WithLogger(l *slog.Logger) Option {
-	return func(b *Bus) { b.logger = watermill.NewSlogLogger(l) }
+	return func(b *Bus) { b.logger = wmslog.New(l) }
 }
 
 // WithRegistry makes the Bus register its relay and consumer metrics on reg
@@ -144,7 +147,7 @@ func open(ctx context.Context, cfg Config, db *sql.DB, ownsDB bool, opts []Optio
 		tables:   tablesOf(cfg),
 		rules:    cfg.Broker.Rules(),
 		cePrefix: cfg.cloudEventsPrefix(),
-		logger:   watermill.NewSlogLogger(slog.Default()),
+		logger:   wmslog.New(nil),
 		now:      time.Now,
 	}
 	reg := prometheus.NewRegistry()
@@ -160,7 +163,29 @@ func open(ctx context.Context, cfg Config, db *sql.DB, ownsDB bool, opts []Optio
 		b.Close() //nolint:errcheck // reporting the first error
 		return nil, err
 	}
+	if err := b.checkBroker(ctx); err != nil {
+		b.Close() //nolint:errcheck // reporting the first error
+		return nil, err
+	}
 	return b, nil
+}
+
+// checkBroker refuses a config whose broker.kind is not the one the outbox
+// is relayed to while events for that one are pending: its events would
+// wait for a relay of its kind, and a relay of its kind would refuse to
+// lead. With nothing pending the switch may go on: it warns.
+func (b *Bus) checkBroker(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, b.cfg.Database.ConnectTimeout)
+	defer cancel()
+	recorded, err := b.tables.CheckBroker(ctx, b.db, b.cfg.Broker.Kind, store.RelayCursors(b.cfg.Relay.ConsumerGroup, *b.cfg.Relay.Shards))
+	if err != nil {
+		return fmt.Errorf("millrace: broker.kind: %w; finish (or undo) the switch by the procedure in the README (Switching brokers)", err)
+	}
+	if recorded != "" && recorded != b.cfg.Broker.Kind {
+		b.logger.Info("The outbox is relayed to another broker.kind, with nothing pending: a switch of brokers. "+
+			"This service's events wait for a relay of its broker.kind", watermill.LogFields{"outbox_broker": recorded, "broker": b.cfg.Broker.Kind})
+	}
+	return nil
 }
 
 func tablesOf(cfg Config) store.Tables {
@@ -193,6 +218,19 @@ func OpenDB(cfg DatabaseConfig) (*sql.DB, error) {
 	db, err := sql.Open("pgx", cfg.URL)
 	if err != nil {
 		return nil, fmt.Errorf("millrace: open database %s: %w", redactURL(cfg.URL), err)
+	}
+	return db, nil
+}
+
+// openDirect opens a pool on database.direct_url for the relay's LISTEN,
+// or returns nil when none is set.
+func (b *Bus) openDirect() (*sql.DB, error) {
+	if b.cfg.Database.DirectURL == "" {
+		return nil, nil
+	}
+	db, err := sql.Open("pgx", b.cfg.Database.DirectURL)
+	if err != nil {
+		return nil, fmt.Errorf("millrace: open database.direct_url %s: %w", redactURL(b.cfg.Database.DirectURL), err)
 	}
 	return db, nil
 }
@@ -329,6 +367,7 @@ func (b *Bus) outboxRows(ctx context.Context, topic string, events []Event) (row
 			rowID = watermill.NewUUID()
 		}
 		rows[i] = message.NewMessage(rowID, payload)
+		rows[i].Metadata.Set(store.BrokerKindKey, b.cfg.Broker.Kind) // the relay forwards it to this kind only
 		ids[i] = msg.UUID
 	}
 	return rows, ids, nil

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/url"
 	"os"
@@ -14,6 +15,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/kafka"
 	"github.com/millrace-io/millrace/adapters/nats"
 	"github.com/millrace-io/millrace/adapters/rabbit"
@@ -96,6 +98,15 @@ type DatabaseConfig struct {
 	// (a CA file, or "system"), sslcert and sslkey (checked readable),
 	// sslpassword. Errors and logs show it without its password.
 	URL string `yaml:"url"`
+	// DirectURL reaches the same database without a pooler in transaction
+	// mode between (PgBouncer, RDS Proxy), when URL goes through one. The
+	// relay LISTENs on it, to wake at each commit and to tie its lease to a
+	// session (a standby takes over at once when the active relay's process
+	// dies); nothing else uses it. Without it, a relay whose URL is pooled
+	// finds that notifications do not reach it and polls every
+	// relay.poll_interval. Defaults to none (the relay LISTENs on URL).
+	// DATABASE_DIRECT_URL overrides it.
+	DirectURL string `yaml:"direct_url"`
 	// Schema is the PostgreSQL schema holding millrace's tables. Defaults to "public".
 	Schema string `yaml:"schema"`
 	// ConnectTimeout bounds the first connection check in Open. Defaults to 5s.
@@ -176,7 +187,7 @@ type MetricsConfig struct {
 type HealthConfig struct {
 	// StallTimeout is how long the relay loop, or a handler with messages
 	// in its chain, may go without moving on before liveness fails (the
-	// process is wedged). A relay standing by for the leader lock, and a
+	// process is wedged). A relay standing by for the lease, and a
 	// handler with nothing to do, are live however long they wait. Must
 	// exceed relay.poll_interval and relay.retry_max, and each handler's
 	// handler_timeout plus the longer of its retry.max_interval and
@@ -227,7 +238,11 @@ func (c Config) Validate() error { return c.validate(true) }
 func (c Config) validate(broker bool) error {
 	var chk confload.Checker
 	chk.URL("database.url", c.Database.URL, "postgres", "postgresql")
-	checkDatabaseTLS(&chk, c.Database.URL)
+	checkDatabaseTLS(&chk, "database.url", c.Database.URL)
+	if c.Database.DirectURL != "" {
+		chk.URL("database.direct_url", c.Database.DirectURL, "postgres", "postgresql")
+		checkDatabaseTLS(&chk, "database.direct_url", c.Database.DirectURL)
+	}
 	chk.Check("database.schema", names.Schema(c.Database.Schema, store.MaxIdentifierLength))
 	chk.PositiveDuration("database.connect_timeout", c.Database.ConnectTimeout)
 
@@ -263,6 +278,9 @@ func (c Config) validate(broker bool) error {
 	if broker && c.Broker.Kind == KindNATS {
 		c.validateMaxDeliver(&chk)
 	}
+	if broker && c.Broker.Kind == KindRabbitMQ {
+		c.validateStart(&chk)
+	}
 	c.validateHealth(&chk)
 	if len(chk.Problems) == 0 {
 		return nil
@@ -297,6 +315,23 @@ func (c Config) validateMaxDeliver(chk *confload.Checker) {
 			chk.Add("broker.nats.consumer.max_deliver", "must be -1 (no limit) or at least %s.retry.max_attempts (%d): "+
 				"an unordered handler's attempts are JetStream deliveries, and the server would drop a failing message "+
 				"for the group before it is poisoned; got %d", path, h.Retry.MaxAttempts, limit)
+		}
+	}
+}
+
+// validateStart refuses consumer.start: all on RabbitMQ, for the consumer
+// section and each handler override that sets it: a new group's queue
+// cannot start at the topic's history (rabbit.ErrNoHistory).
+func (c Config) validateStart(chk *confload.Checker) {
+	paths := map[string]adapters.Start{"consumer.start": c.Consumer.Start}
+	for name, h := range c.Consumer.Handlers {
+		if h.Start != "" {
+			paths["consumer.handlers."+name+".start"] = h.Start
+		}
+	}
+	for _, path := range slices.Sorted(maps.Keys(paths)) {
+		if paths[path] == adapters.StartAll {
+			chk.Add(path, "must be new with broker.kind rabbitmq: %v; got all", rabbit.ErrNoHistory)
 		}
 	}
 }
@@ -348,37 +383,38 @@ func handlerQuiet(h middleware.Config) time.Duration {
 // one named in the URL; require encrypts without checking who answers.
 var sslModes = []string{"disable", "allow", "prefer", "require", "verify-ca", "verify-full"}
 
-// checkDatabaseTLS checks the TLS parameters of database.url: pgx does the
-// TLS, but a mistyped sslmode or a missing certificate file should be a
-// config error naming the key, not a failure at the first connection.
-func checkDatabaseTLS(chk *confload.Checker, raw string) {
+// checkDatabaseTLS checks the TLS parameters of the database URL raw at
+// key: pgx does the TLS, but a mistyped sslmode or a missing certificate
+// file should be a config error naming the key, not a failure at the first
+// connection.
+func checkDatabaseTLS(chk *confload.Checker, key, raw string) {
 	u, err := url.Parse(raw)
 	if err != nil {
 		return // reported by chk.URL
 	}
 	q := u.Query()
 	if mode := q.Get("sslmode"); q.Has("sslmode") && !slices.Contains(sslModes, mode) {
-		chk.Add("database.url", "sslmode must be one of %s; got %q", strings.Join(sslModes, ", "), mode)
+		chk.Add(key, "sslmode must be one of %s; got %q", strings.Join(sslModes, ", "), mode)
 	}
 	if root := q.Get("sslrootcert"); root != "" && root != "system" {
-		checkReadable(chk, "sslrootcert", root)
+		checkReadable(chk, key, "sslrootcert", root)
 	}
-	cert, key := q.Get("sslcert"), q.Get("sslkey")
-	if (cert == "") != (key == "") {
-		chk.Add("database.url", "sslcert and sslkey go together (a client certificate needs its key)")
+	cert, certKey := q.Get("sslcert"), q.Get("sslkey")
+	if (cert == "") != (certKey == "") {
+		chk.Add(key, "sslcert and sslkey go together (a client certificate needs its key)")
 	}
 	if cert != "" {
-		checkReadable(chk, "sslcert", cert)
+		checkReadable(chk, key, "sslcert", cert)
 	}
-	if key != "" {
-		checkReadable(chk, "sslkey", key)
+	if certKey != "" {
+		checkReadable(chk, key, "sslkey", certKey)
 	}
 }
 
-func checkReadable(chk *confload.Checker, param, path string) {
+func checkReadable(chk *confload.Checker, key, param, path string) {
 	f, err := os.Open(path)
 	if err != nil {
-		chk.Add("database.url", "%s %s cannot be read: %v", param, path, errors.Unwrap(err))
+		chk.Add(key, "%s %s cannot be read: %v", param, path, errors.Unwrap(err))
 		return
 	}
 	_ = f.Close()
@@ -450,6 +486,7 @@ var envOverrides = []struct {
 	apply     func(c *Config, v string)
 }{
 	{"DATABASE_URL", "database.url", func(c *Config, v string) { c.Database.URL = v }},
+	{"DATABASE_DIRECT_URL", "database.direct_url", func(c *Config, v string) { c.Database.DirectURL = v }},
 	{"MILLRACE_BROKER_KIND", "broker.kind", func(c *Config, v string) { c.Broker.Kind = v }},
 	{"KAFKA_BROKERS", "broker.kafka.brokers", func(c *Config, v string) { c.Broker.Kafka.Brokers = splitList(v) }},
 	{"AMQP_URL", "broker.rabbitmq.url", func(c *Config, v string) { c.Broker.RabbitMQ.URL = v }},

@@ -5,6 +5,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -58,17 +61,26 @@ type handlerSpec struct {
 	topic, name, group string
 	fn                 HandlerFunc
 	// batch, for a batch handler, is called instead of fn with the events
-	// of a batch and the span contexts that published them.
-	batch func(ctx context.Context, evs []Event, remotes []trace.SpanContext) error
+	// of a batch and how each arrived.
+	batch func(ctx context.Context, evs []Event, arrivals []arrival) error
 	// probe checks the handler's dependencies; nil for none.
 	probe middleware.ProbeFunc
 	// unknown is a typed handler's rule for event types it has no route for.
 	unknown UnknownTypes
+	// takes, when set, says which messages the handler takes (a typed
+	// handler's event types); the chain acks the others (Handler.Takes).
+	takes func(msg *message.Message) bool
+	// orderKey, when set, is the key the handler is ordered by (a saga's
+	// correlation id; Handler.OrderKey), and ordered makes the handler
+	// ordered unless its consumer.handlers override says otherwise.
+	orderKey func(msg *message.Message) string
+	ordered  bool
 }
 
 // Handle registers fn to consume topic under the handler name name (the key
 // of its overrides under consumer.handlers, a metric label, and by default
-// its consumer group). Register every handler before Run.
+// its consumer group). Register every handler before Run. After Close it
+// returns ErrClosed, as every registration does.
 func (b *Bus) Handle(topic, name string, fn HandlerFunc, opts ...HandleOption) error {
 	spec, errs := newHandlerSpec(handlerSpec{topic: topic, name: name, fn: fn}, opts)
 	return b.register(spec, errs, "Handle")
@@ -87,6 +99,9 @@ func (b *Bus) register(spec handlerSpec, errs []error, call string) error {
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if err := b.checkOpen(); err != nil {
+		return fmt.Errorf("millrace: %s(%q, %q): %w", call, topic, name, err)
+	}
 	if b.running {
 		errs = append(errs, errors.New("Run has started; register handlers before it"))
 	}
@@ -144,7 +159,7 @@ func (b *Bus) ConsumerChain(ctx context.Context, topic, name string, fn HandlerF
 	if len(errs) > 0 {
 		return nil, fmt.Errorf("millrace: ConsumerChain(%q, %q): %w", topic, name, errors.Join(errs...))
 	}
-	stack, err := b.consumerStack(ctx, poison)
+	stack, err := b.consumerStack(ctx, poison, b.consumerConfig([]handlerSpec{spec}))
 	if err != nil {
 		return nil, err
 	}
@@ -152,30 +167,27 @@ func (b *Bus) ConsumerChain(ctx context.Context, topic, name string, fn HandlerF
 	return handle, err
 }
 
-// Run connects to the broker and runs, until ctx is cancelled, the relay
-// (unless relay.enabled is false) and every registered handler. It returns
-// nil after a graceful stop: the relay acks only what the broker confirmed,
-// handlers finish or give back what they hold, nothing is poisoned by the
-// stop. The stop is bounded: the relay's by relay.shutdown_timeout, the
-// handlers' by the longest consumer handler_timeout plus 10s, even for a
-// handler that ignores its context (its attempt is abandoned at
-// handler_timeout and the message nacked; its goroutine may outlive Run).
-// Run may be called once.
+// Run connects to the broker and runs, until ctx ends (cancelled, or its
+// deadline passed), the relay (unless relay.enabled is false) and every
+// registered handler. It returns nil after such a graceful stop, whichever
+// way ctx ended: the relay acks only what the broker confirmed, handlers
+// finish or give back what they hold, nothing is poisoned by the stop. The
+// stop is bounded: the relay's by relay.shutdown_timeout, the handlers' by
+// the longest consumer handler_timeout plus 10s, even for a handler that
+// ignores its context (its attempt is abandoned at handler_timeout and the
+// message nacked; its goroutine may outlive Run).
+//
+// With handlers registered, every override under consumer.handlers must
+// name one of them: a misspelt name is a *ConfigError listing the
+// registered handlers, before anything connects. (A process that runs only
+// the relay reads no consumer section.) Run may be called once, and not
+// after Close (ErrClosed).
 func (b *Bus) Run(ctx context.Context) error {
-	b.mu.Lock()
-	if b.running {
-		b.mu.Unlock()
-		return errors.New("millrace: Run was already called")
+	handlers, sagas, err := b.start()
+	if err != nil {
+		return err
 	}
-	b.running = true
-	handlers := append([]handlerSpec(nil), b.handlers...)
-	sagas := append([]sagaRetention(nil), b.sagas...)
-	b.mu.Unlock()
 	relayOn := *b.cfg.Relay.Enabled
-	if !relayOn && len(handlers) == 0 {
-		return errors.New("millrace: nothing to run: relay.enabled is false and no handler is registered")
-	}
-
 	broker, err := connectBroker(ctx, b.cfg, b.logger) // b.cfg was validated by Open
 	if err != nil {
 		return err
@@ -200,9 +212,16 @@ func (b *Bus) Run(ctx context.Context) error {
 		}
 	}
 	if relayOn {
-		rs.relay, err = forwarder.New(b.db, broker, forwarder.Outbox{Schema: b.cfg.Database.Schema, Topic: b.cfg.Outbox.Topic},
+		direct, err := b.openDirect()
+		if err != nil {
+			return err
+		}
+		if direct != nil {
+			defer direct.Close()
+		}
+		rs.relay, err = forwarder.New(b.db, broker, forwarder.Outbox{Schema: b.cfg.Database.Schema, Topic: b.cfg.Outbox.Topic, BrokerKind: b.cfg.Broker.Kind},
 			b.cfg.Relay, forwarder.Options{Logger: b.logger, Registerer: b.registerer,
-				TracerProvider: b.tracerProvider, Propagator: b.propagator})
+				TracerProvider: b.tracerProvider, Propagator: b.propagator, Direct: direct})
 		if err != nil {
 			return err
 		}
@@ -240,15 +259,69 @@ func (b *Bus) Run(ctx context.Context) error {
 		}
 		wg.Go(func() { errs <- router.Run(runCtx) })
 	}
-	var first error
 	go func() { wg.Wait(); close(errs) }()
+	return firstFailure(ctx, errs, cancel)
+}
+
+// start marks the Bus running and returns what Run runs: the registered
+// handlers and sagas, checked against the config.
+func (b *Bus) start() ([]handlerSpec, []sagaRetention, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.running {
+		return nil, nil, errors.New("millrace: Run was already called")
+	}
+	if err := b.checkOpen(); err != nil {
+		return nil, nil, err
+	}
+	b.running = true
+	handlers := append([]handlerSpec(nil), b.handlers...)
+	sagas := append([]sagaRetention(nil), b.sagas...)
+	if len(handlers) == 0 {
+		if !*b.cfg.Relay.Enabled {
+			return nil, nil, errors.New("millrace: nothing to run: relay.enabled is false and no handler is registered")
+		}
+		return nil, nil, nil
+	}
+	return handlers, sagas, checkOverrides(b.cfg.Consumer, handlers)
+}
+
+// firstFailure reads the results of Run's parts until every part has
+// returned, and returns the first failure, cancelling the other parts at
+// it. The stop is no failure: a cancellation, or ctx's deadline once it
+// has passed.
+func firstFailure(ctx context.Context, errs <-chan error, cancel context.CancelFunc) error {
+	var first error
 	for err := range errs {
-		if err != nil && !errors.Is(err, context.Canceled) && first == nil {
+		stopped := errors.Is(err, context.Canceled) || (ctx.Err() != nil && errors.Is(err, context.DeadlineExceeded))
+		if err != nil && !stopped && first == nil {
 			first = err
 			cancel() // one part failed: stop the others
 		}
 	}
 	return first
+}
+
+// checkOverrides refuses an override under consumer.handlers that names
+// none of handlers: misspelt, it would leave its handler on the defaults
+// without a word.
+func checkOverrides(c middleware.Config, handlers []handlerSpec) error {
+	registered := make([]string, len(handlers))
+	for i, h := range handlers {
+		registered[i] = h.name
+	}
+	slices.Sort(registered)
+	var problems []error
+	for _, name := range slices.Sorted(maps.Keys(c.Handlers)) {
+		if !slices.Contains(registered, name) {
+			problems = append(problems, &FieldError{Path: "consumer.handlers." + name, Problem: fmt.Sprintf(
+				"no handler %q is registered; the registered handlers are %s", name, strings.Join(registered, ", "))})
+		}
+	}
+	if len(problems) == 0 {
+		return nil
+	}
+	return &ConfigError{Problems: problems}
 }
 
 // refreshInboxRows counts the inbox rows every metrics.inbox_rows_interval
@@ -297,7 +370,8 @@ func (b *Bus) refreshBacklog(ctx context.Context, reporter adapters.BacklogRepor
 // router builds the Watermill router with one chained handler per spec,
 // each followed for the health checks.
 func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []handlerSpec) (*message.Router, *middleware.Stack, []*activity, error) {
-	stack, err := b.consumerStack(ctx, broker.Publisher())
+	cfg := b.consumerConfig(handlers)
+	stack, err := b.consumerStack(ctx, broker.Publisher(), cfg)
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -309,7 +383,7 @@ func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []han
 	for _, h := range handlers {
 		longest = max(longest, b.cfg.Consumer.For(h.name).HandlerTimeout)
 	}
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: longest + 10*time.Second}, b.logger)
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: longest + 10*time.Second}, routerLogger{b.logger})
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -319,10 +393,12 @@ func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []han
 	}
 	activities := map[string]*activity{}
 	for _, h := range handlers {
-		if err := provision(ctx, broker, h.topic, h.group, *b.cfg.Consumer.For(h.name).Ordered); err != nil {
+		hc := cfg.For(h.name)
+		group := adapters.GroupSpec{Name: h.group, Start: hc.Start, Ordered: *hc.Ordered}
+		if err := broker.ProvisionGroup(ctx, h.topic, group); err != nil {
 			return nil, nil, nil, fmt.Errorf("millrace: provision %s for handler %s: %w", h.topic, h.name, err)
 		}
-		act := newActivity(h.name, b.cfg.Consumer.For(h.name).HandlerTimeout, lag.WithLabelValues(h.name, h.group))
+		act := newActivity(h.name, hc.HandlerTimeout, lag.WithLabelValues(h.name, h.group))
 		activities[h.name] = act
 		chain, handle, err := b.chain(stack, h, act)
 		if err != nil {
@@ -337,19 +413,49 @@ func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []han
 	return router, stack, sortedActivities(activities), nil
 }
 
-// provision makes the topology of group on topic exist, with the settings
-// that keep per-aggregate order across redeliveries when ordered and the
-// broker needs them (adapters.OrderedProvisioner).
-func provision(ctx context.Context, broker adapters.Broker, topic, group string, ordered bool) error {
-	if op, ok := broker.(adapters.OrderedProvisioner); ok && ordered {
-		return op.ProvisionOrdered(ctx, topic, group)
+// handlerErrorLine is the line Watermill's router logs when a handler
+// returns an error, before it nacks the message.
+const handlerErrorLine = "Handler returned error"
+
+// routerLogger is the logger of Run's Watermill router: the chain logs
+// each failed attempt, and each message it gives back to the broker, once
+// with the handler, event id and attempt, so the router's own line for the
+// same error is demoted to debug.
+type routerLogger struct{ watermill.LoggerAdapter }
+
+func (l routerLogger) Error(msg string, err error, fields watermill.LogFields) {
+	if msg == handlerErrorLine {
+		l.Debug(msg, fields.Add(watermill.LogFields{"error": err}))
+		return
 	}
-	return broker.Provision(ctx, topic, group)
+	l.LoggerAdapter.Error(msg, err, fields)
 }
 
-// consumerStack builds the middleware stack of the consumer config and
+func (l routerLogger) With(fields watermill.LogFields) watermill.LoggerAdapter {
+	return routerLogger{l.LoggerAdapter.With(fields)}
+}
+
+// consumerConfig is the consumer section as handlers run with it: a handler
+// registered as ordered by default (a saga's) is ordered unless its own
+// override under consumer.handlers sets ordered.
+func (b *Bus) consumerConfig(handlers []handlerSpec) middleware.Config {
+	cfg := b.cfg.Consumer
+	cfg.Handlers = maps.Clone(cfg.Handlers)
+	for _, h := range handlers {
+		if o := cfg.Handlers[h.name]; h.ordered && o.Ordered == nil {
+			if cfg.Handlers == nil {
+				cfg.Handlers = map[string]middleware.Config{}
+			}
+			o.Ordered = new(true)
+			cfg.Handlers[h.name] = o
+		}
+	}
+	return cfg
+}
+
+// consumerStack builds the middleware stack of the consumer config cfg and
 // checks that its tables exist.
-func (b *Bus) consumerStack(ctx context.Context, poison message.Publisher) (*middleware.Stack, error) {
+func (b *Bus) consumerStack(ctx context.Context, poison message.Publisher, cfg middleware.Config) (*middleware.Stack, error) {
 	deps := middleware.Deps{
 		DB: b.db, Schema: b.cfg.Database.Schema, PoisonPublisher: poison,
 		Registerer: b.registerer, Logger: b.logger,
@@ -357,7 +463,7 @@ func (b *Bus) consumerStack(ctx context.Context, poison message.Publisher) (*mid
 	if b.pool != nil {
 		deps.BeginTx = b.beginPgx
 	}
-	stack, err := middleware.New(b.cfg.Consumer, deps)
+	stack, err := middleware.New(cfg, deps)
 	if err != nil {
 		return nil, err
 	}
@@ -371,7 +477,8 @@ func (b *Bus) consumerStack(ctx context.Context, poison message.Publisher) (*mid
 // place Run and ConsumerChain build a handler. act, when not nil, records
 // each call of the handler for the health checks.
 func (b *Bus) chain(stack *middleware.Stack, h handlerSpec, act *activity) (*middleware.Chain, message.NoPublishHandlerFunc, error) {
-	chain, err := stack.Chain(middleware.Handler{Name: h.name, Topic: h.topic, ConsumerGroup: h.group, Probe: h.probe})
+	chain, err := stack.Chain(middleware.Handler{Name: h.name, Topic: h.topic, ConsumerGroup: h.group, Probe: h.probe,
+		Takes: h.takes, OrderKey: h.orderKey})
 	if err != nil {
 		return nil, nil, err
 	}

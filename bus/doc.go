@@ -7,9 +7,13 @@
 // Config maps one to one onto config.yaml. LoadConfig reads the file, expands
 // ${VAR} and ${VAR:-default}, applies the environment overrides (DATABASE_URL,
 // MILLRACE_BROKER_KIND, KAFKA_BROKERS, AMQP_URL, NATS_URL), fills defaults and
-// validates. A *ConfigError lists every problem at once, each naming its YAML
-// path: `broker.kind: must be one of kafka, rabbitmq, nats; got "kafak"`.
-// Unknown keys are errors.
+// validates. A *ConfigError lists every problem at once, type errors
+// included, each naming its YAML path: `broker.kind: must be one of kafka,
+// rabbitmq, nats; got "kafak"`. Unknown keys are errors, and booleans are
+// YAML 1.2's: true and false, unquoted (yes, on and "true" are refused).
+// Overrides under consumer.handlers.<name> are checked against the
+// registered handlers when Run starts: a name that none has is a
+// *ConfigError listing them (Saga.Handlers gives a saga's names).
 //
 // # Publishing
 //
@@ -52,6 +56,10 @@
 // version conflict reruns the step on the newer state. Timeouts are
 // scheduled events to the saga (SagaContext.ScheduleTimeout,
 // CancelTimeout); Complete ends an instance, deleted after its retention.
+// A saga's handlers are ordered by its correlation id: two events of one
+// instance on one topic are handled one after the other, in delivery
+// order, so a cancellation never overtakes the event that started the
+// instance (consumer.handlers.<handler>.ordered: false turns it off).
 // Choreography needs nothing of this: handlers that publish in their
 // inbox transaction are atomic already.
 //
@@ -71,14 +79,29 @@
 //		return err
 //	})
 //
+// NewTopic checks the name against the rules of every broker kind, not
+// only the configured one: "shop.orders." works on Kafka and is no NATS
+// subject, so it is refused everywhere.
 // Publish accepts only T; the aggregate comes from T's Aggregate method.
-// A handler gets the value at its Topic's version: older events arrive
+// A handler gets the value at its Topic's version, with the attempt's
+// number (Message.Attempt, 1 at the first delivery): older events arrive
 // upcast, newer ones, payloads that do not decode and content types of
 // another codec are poisoned at once with a reason naming the versions or
 // the field. Several types on one topic are several Topics of one name, and
 // HandleTypes routes them by event-type within one handler and consumer
-// group; what happens to a type no route names is WithUnknownTypes'
-// choice, counted by millrace_consumer_unknown_types_total.
+// group. An event of a type no route names (another handler's, on a shared
+// topic) is acked without an attempt, as a saga does, and counted
+// (millrace_consumer_messages_total{outcome="other_type"}, and by type in
+// millrace_consumer_unknown_types_total); WithUnknownTypes(PoisonUnknown)
+// poisons it instead, for a handler that owns its topic.
+//
+// # Where a new consumer group starts
+//
+// consumer.start says where a handler's consumer group starts reading its
+// topic when the group does not exist yet: "new" (the default), the events
+// published from the moment Run first provisions the group, or "all", every
+// event the topic still holds (NATS, Kafka; RabbitMQ queues keep no history,
+// and the config refuses it there). A group that exists keeps its position.
 //
 // # Batch handlers
 //
@@ -93,6 +116,16 @@
 // typed topic sets ContentType from its codec, so protobuf topics publish
 // under outbox.codec "json" too (a JSON content type is always checked to
 // be JSON).
+//
+// # Running
+//
+// Run connects to the broker and runs the relay and the registered
+// handlers until its ctx ends, cancelled or at its deadline: either is a
+// graceful stop, and Run returns nil. Register handlers before Run; after
+// Close, every registration (Handle, the typed ones, Saga.Handle) and Run
+// return ErrClosed. In the log (WithLogger) a failed attempt is one line
+// at info and a poisoned message one at warn with its reason, each line's
+// attributes in the order of their keys.
 //
 // # pgx
 //
@@ -110,9 +143,10 @@
 // the pool's pgx.ConnConfig for OpenPgx and MigratePgx), and writes what
 // Publish accepts byte for byte in each: a service behind a pooler in
 // transaction mode that keeps no prepared statements (PgBouncer before
-// 1.21) uses exec or simple_protocol. The relay holds an advisory lock and
-// a LISTEN on its connection, which such a pooler does not keep: run it on
-// a direct connection.
+// 1.21) uses exec or simple_protocol. No part of millrace keeps state in a
+// session: the relay's leadership is a lease row with a fencing token, and
+// it LISTENs on database.direct_url when one is set (else it polls; see
+// the forwarder package).
 //
 // # CloudEvents
 //
@@ -154,4 +188,8 @@
 // no broker: outbox status, the dead-letter queue (the poison table) and
 // the relay quarantine with list, show, replay and purge, and inbox
 // pruning. The millrace command-line tool is flags and formatting over it.
+// A replay from the poison table carries the event's own metadata (what
+// Publish accepted, none of the broker's delivery headers) and reaches only
+// the consumer groups the event was poisoned in: the chain of every other
+// group acks it unprocessed (middleware.ReplayGroupsKey).
 package bus

@@ -25,7 +25,8 @@ var (
 	ErrPayloadTooLarge = errors.New("millrace: payload too large")
 	// ErrMetadataTooLarge: the metadata exceeds outbox.max_metadata_bytes.
 	ErrMetadataTooLarge = errors.New("millrace: metadata too large")
-	// ErrClosed: the Bus was closed.
+	// ErrClosed: the Bus was closed. Every registration (Handle and the
+	// typed, batch and saga ones) and Run return it too.
 	ErrClosed = errors.New("millrace: bus is closed")
 	// ErrRefusedByBroker: the configured broker (broker.kind) would refuse
 	// the event, or not carry it unchanged: a header name it reserves, a

@@ -128,9 +128,9 @@ func (e Event) toMessage(ctx context.Context, cfg OutboxConfig, now time.Time, p
 	case !e.OccurredAt.IsZero() && (e.OccurredAt.UTC().Year() < 0 || e.OccurredAt.UTC().Year() > 9999):
 		return nil, fieldErr("OccurredAt", ErrInvalidField,
 			fmt.Sprintf("year %d is outside 0000-9999, which RFC 3339 (the occurred-at header) can hold", e.OccurredAt.UTC().Year()))
-	case len(e.Payload) > cfg.MaxPayloadBytes:
-		return nil, fieldErr("Payload", ErrPayloadTooLarge,
-			fmt.Sprintf("%d bytes, the limit (outbox.max_payload_bytes) is %d", len(e.Payload), cfg.MaxPayloadBytes))
+	}
+	if err := cfg.checkPayloadSize(e.Payload); err != nil {
+		return nil, err
 	}
 	contentType, err := checkPayload(cfg.Codec, e.ContentType, e.Payload)
 	if err != nil {
@@ -146,7 +146,6 @@ func (e Event) toMessage(ctx context.Context, cfg OutboxConfig, now time.Time, p
 		occurred = now
 	}
 	meta := make(message.Metadata, len(e.Metadata)+12)
-	size := 0
 	for k, v := range e.Metadata {
 		if err := checkMetadata(k, v); err != nil {
 			err.Key = k
@@ -189,16 +188,35 @@ func (e Event) toMessage(ctx context.Context, cfg OutboxConfig, now time.Time, p
 		meta[cePrefix+"time"] = meta[OccurredAtKey]
 	}
 	prop.Inject(ctx, propagation.MapCarrier(meta))
-	for k, v := range meta {
-		size += len(k) + len(v)
-	}
-	if size > cfg.MaxMetadataBytes {
-		return nil, fieldErr("Metadata", ErrMetadataTooLarge,
-			fmt.Sprintf("%d bytes with the envelope keys, the limit (outbox.max_metadata_bytes) is %d", size, cfg.MaxMetadataBytes))
+	if err := cfg.checkMetadataSize(meta); err != nil {
+		return nil, err
 	}
 	msg := message.NewMessage(id, e.Payload)
 	msg.Metadata = meta
 	return msg, nil
+}
+
+// checkPayloadSize refuses a payload over outbox.max_payload_bytes.
+func (c OutboxConfig) checkPayloadSize(payload []byte) error {
+	if len(payload) > c.MaxPayloadBytes {
+		return fieldErr("Payload", ErrPayloadTooLarge,
+			fmt.Sprintf("%d bytes, the limit (outbox.max_payload_bytes) is %d", len(payload), c.MaxPayloadBytes))
+	}
+	return nil
+}
+
+// checkMetadataSize refuses metadata, the envelope keys included, over
+// outbox.max_metadata_bytes.
+func (c OutboxConfig) checkMetadataSize(meta message.Metadata) error {
+	size := 0
+	for k, v := range meta {
+		size += len(k) + len(v)
+	}
+	if size > c.MaxMetadataBytes {
+		return fieldErr("Metadata", ErrMetadataTooLarge,
+			fmt.Sprintf("%d bytes with the envelope keys, the limit (outbox.max_metadata_bytes) is %d", size, c.MaxMetadataBytes))
+	}
+	return nil
 }
 
 // checkMetadata checks one metadata entry against what every broker and
@@ -222,9 +240,9 @@ func checkMetadata(k, v string) *EventError {
 }
 
 // reservedKey reports a key of the consumer chain's failure envelope or
-// replay marker.
+// replay markers.
 func reservedKey(k string) bool {
-	return k == middleware.ReplayOfKey || strings.HasPrefix(k, "poison-") || k == middleware.PoisonedAtKey
+	return k == middleware.ReplayOfKey || k == middleware.ReplayGroupsKey || strings.HasPrefix(k, "poison-") || k == middleware.PoisonedAtKey
 }
 
 // checkPayload returns the content type of a payload: contentType, or

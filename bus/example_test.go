@@ -356,3 +356,73 @@ func ExampleOps_ScheduledEvents() {
 	// Output:
 	// timeout-ord-1 orders.saga-timeouts 2099-01-02T03:04:05Z
 }
+
+// The events forwarded and processed per minute of the last hour, as the
+// console charts them: three events processed by billing's chain, two
+// published and not forwarded yet (no relay runs here).
+func ExampleOps_Throughput() {
+	ctx := context.Background()
+	var cfg bus.Config
+	cfg.Database.URL = testdb.URL()
+	cfg.Database.Schema = testdb.UniqueName("example_throughput")
+	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
+
+	db, err := bus.OpenDB(cfg.Database)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer db.Close()
+	defer db.Exec(`DROP SCHEMA "` + cfg.Database.Schema + `" CASCADE`)
+	if err := bus.Migrate(ctx, db, cfg); err != nil {
+		log.Fatal(err)
+	}
+	b, err := bus.Open(ctx, cfg, db)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer b.Close()
+	handle, err := b.ConsumerChain(ctx, "orders.events", "billing", func(context.Context, bus.Event) error { return nil }, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	for i := range 3 {
+		id := fmt.Sprintf("evt-%d", i)
+		msg := message.NewMessage(id, []byte(`{}`))
+		msg.Metadata = message.Metadata{bus.EventIDKey: id, bus.EventTypeKey: "OrderPlaced",
+			bus.AggregateTypeKey: "order", bus.AggregateIDKey: "ord-1"}
+		msg.SetContext(ctx)
+		if err := handle(msg); err != nil {
+			log.Fatal(err)
+		}
+	}
+	for range 2 {
+		if err := b.PublishInOwnTx(ctx, "orders.events", bus.Event{Type: "OrderPlaced", AggregateType: "order",
+			AggregateID: "ord-2", Payload: []byte(`{}`)}); err != nil {
+			log.Fatal(err)
+		}
+	}
+
+	ops, err := bus.NewOps(ctx, db, cfg)
+	if err != nil {
+		log.Fatal(err)
+	}
+	tp, err := ops.Throughput(ctx)
+	if err != nil {
+		log.Fatal(err)
+	}
+	total := func(perMinute []int64) (n int64) {
+		for _, c := range perMinute {
+			n += c
+		}
+		return n
+	}
+	for group, perMinute := range tp.Forwarded {
+		fmt.Printf("relay group %s: %d minutes, %d forwarded\n", group, len(perMinute), total(perMinute))
+	}
+	for group, perMinute := range tp.Processed {
+		fmt.Printf("consumer group %s: %d minutes, %d processed\n", group, len(perMinute), total(perMinute))
+	}
+	// Output:
+	// relay group millrace_relay: 60 minutes, 0 forwarded
+	// consumer group billing: 60 minutes, 3 processed
+}

@@ -107,8 +107,8 @@ func ExampleTopic_Publish() {
 
 // One handler, one consumer group, routes each event type on a topic to
 // its own function: version 1 arrives upcast, a version this consumer does
-// not know yet and a type it has no route for are poisoned, with reasons
-// naming them.
+// not know yet is poisoned with a reason naming both, and a type it has no
+// route for (another handler's) is acked without a call.
 func ExampleBus_HandleTypes() {
 	ctx := context.Background()
 	var cfg bus.Config
@@ -178,7 +178,6 @@ func ExampleBus_HandleTypes() {
 	// placed ord-1: 4250 cents (published as version 1)
 	// cancelled ord-1
 	// poisoned evt-3: invalid metadata.schema-version: event type OrderPlaced has schema version 3, newer than version 2, the newest this consumer knows: deploy a consumer that knows version 3, then replay the event
-	// poisoned evt-4: invalid metadata.event-type: event type "OrderShipped" has no route in handler billing (it routes OrderCancelled, OrderPlaced); deploy a handler for it and replay the event, or register the handler with bus.WithUnknownTypes(bus.AckUnknown)
 }
 
 // OrderCancelled is another event type of the orders.events topic.

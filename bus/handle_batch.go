@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"maps"
 
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
@@ -56,7 +55,7 @@ type UnknownBatchMessageError = middleware.UnknownBatchMessageError
 func (b *Bus) HandleBatch(topic, name string, fn BatchHandlerFunc, opts ...HandleOption) error {
 	spec := handlerSpec{topic: topic, name: name}
 	if fn != nil {
-		spec.batch = func(ctx context.Context, evs []Event, _ []trace.SpanContext) error { return fn(ctx, evs) }
+		spec.batch = func(ctx context.Context, evs []Event, _ []arrival) error { return fn(ctx, evs) }
 	}
 	spec, errs := newHandlerSpec(spec, opts)
 	return b.register(spec, errs, "HandleBatch")
@@ -75,27 +74,19 @@ func (t *Topic[T]) HandleBatch(b *Bus, name string, fn func(ctx context.Context,
 	case fn == nil:
 		return b.HandleBatch(t.name, name, nil, opts...)
 	}
-	var rules handlerSpec
-	for _, o := range opts {
-		o(&rules)
-	}
 	unknown, err := b.unknownTypesCounter()
 	if err != nil {
 		return err
 	}
-	spec := handlerSpec{topic: t.name, name: name, batch: func(ctx context.Context, evs []Event, remotes []trace.SpanContext) error {
+	// With AckUnknown the chain acks the other types before a batch forms.
+	spec := handlerSpec{topic: t.name, name: name, batch: func(ctx context.Context, evs []Event, arrivals []arrival) error {
 		failures := BatchFailures{}
 		ms := make([]Message[T], 0, len(evs))
 		for i, ev := range evs {
 			if ev.Type != t.typ.name {
 				unknown.WithLabelValues(name, typeLabel(ev.Type)).Inc()
-				if rules.unknown == AckUnknown {
-					b.logger.Info("Event of a type this handler has no route for acked (WithUnknownTypes(AckUnknown))",
-						watermill.LogFields{"handler": name, "topic": t.name, "event_type": ev.Type, "event_id": ev.ID})
-					continue
-				}
-				failures[ev.ID] = Permanent(middleware.Invalid("metadata."+EventTypeKey, "event type %q, but batch handler %s takes %q only; "+
-					"deploy a handler for it and replay the event, or register the handler with bus.WithUnknownTypes(bus.AckUnknown)",
+				failures[ev.ID] = Permanent(middleware.Invalid("metadata."+EventTypeKey, "event type %q, but batch handler %s takes %q only "+
+					"(and bus.WithUnknownTypes(bus.PoisonUnknown) poisons the others); deploy a handler for it and replay the event",
 					ev.Type, name, t.typ.name))
 				continue
 			}
@@ -104,7 +95,7 @@ func (t *Topic[T]) HandleBatch(b *Bus, name string, fn func(ctx context.Context,
 				failures[ev.ID] = Permanent(err)
 				continue
 			}
-			ms = append(ms, Message[T]{Value: v, Event: ev, Trace: remotes[i]})
+			ms = append(ms, Message[T]{Value: v, Event: ev, Trace: arrivals[i].remote, Attempt: arrivals[i].attempt})
 		}
 		if len(ms) == 0 {
 			return batchResult(failures, nil, nil)
@@ -115,7 +106,8 @@ func (t *Topic[T]) HandleBatch(b *Bus, name string, fn func(ctx context.Context,
 		}
 		return batchResult(failures, ids, fn(ctx, ms))
 	}}
-	spec, errs := newHandlerSpec(spec, opts)
+	takes := b.takeTypes(name, t.name, unknown, func(eventType string) bool { return eventType == t.typ.name }, opts)
+	spec, errs := newHandlerSpec(spec, append(opts, takes))
 	return b.register(spec, errs, "HandleBatch")
 }
 
@@ -154,7 +146,7 @@ func (b *Bus) adaptBatch(h handlerSpec, act *activity) middleware.BatchHandlerFu
 		}
 		failures := BatchFailures{}
 		evs := make([]Event, 0, len(msgs))
-		remotes := make([]trace.SpanContext, 0, len(msgs))
+		arrivals := make([]arrival, 0, len(msgs))
 		links := make([]trace.Link, 0, len(msgs))
 		for _, msg := range msgs {
 			ev, err := EventFromMessage(msg)
@@ -164,7 +156,7 @@ func (b *Bus) adaptBatch(h handlerSpec, act *activity) middleware.BatchHandlerFu
 			}
 			remote := trace.SpanContextFromContext(forwarder.Propagator(b.propagator).Extract(ctx, propagation.MapCarrier(msg.Metadata)))
 			evs = append(evs, ev)
-			remotes = append(remotes, remote)
+			arrivals = append(arrivals, arrival{remote: remote, attempt: middleware.Attempt(msg.Context())})
 			if remote.IsValid() {
 				links = append(links, trace.Link{SpanContext: remote, Attributes: []attribute.KeyValue{attribute.String("messaging.message.id", ev.ID)}})
 			}
@@ -185,7 +177,7 @@ func (b *Bus) adaptBatch(h handlerSpec, act *activity) middleware.BatchHandlerFu
 		for i, ev := range evs {
 			ids[i] = ev.ID
 		}
-		err := batchResult(failures, ids, callBatchHandler(h.batch, ctx, evs, remotes))
+		err := batchResult(failures, ids, callBatchHandler(h.batch, ctx, evs, arrivals))
 		if err != nil {
 			span.RecordError(err)
 			span.SetStatus(codes.Error, err.Error())
@@ -194,9 +186,16 @@ func (b *Bus) adaptBatch(h handlerSpec, act *activity) middleware.BatchHandlerFu
 	}
 }
 
+// arrival is how one event of a batch arrived: the span context that
+// published it and the attempt's number.
+type arrival struct {
+	remote  trace.SpanContext
+	attempt int
+}
+
 // callBatchHandler calls fn; Tx and PgxTx panicking in it make a permanent
 // error.
-func callBatchHandler(fn func(context.Context, []Event, []trace.SpanContext) error, ctx context.Context, evs []Event, remotes []trace.SpanContext) (err error) {
+func callBatchHandler(fn func(context.Context, []Event, []arrival) error, ctx context.Context, evs []Event, arrivals []arrival) (err error) {
 	defer noTxPanic(&err)
-	return fn(ctx, evs, remotes)
+	return fn(ctx, evs, arrivals)
 }

@@ -33,6 +33,11 @@ type Message[T any] struct {
 	// traceparent); the handler's ctx continues that trace in a span of its
 	// own. Invalid when the event carried none.
 	Trace trace.SpanContext
+	// Attempt is this attempt's number: 1 at the first, 2 at the first
+	// retry, and so on (see middleware.Attempt, which a HandlerFunc asks
+	// for the same number). A handler that behaves differently on a late
+	// attempt reads it here rather than counting deliveries itself.
+	Attempt int
 }
 
 // A Route sends the events of one Topic's type to one function; On makes
@@ -62,7 +67,7 @@ func On[T any](t *Topic[T], fn func(ctx context.Context, m Message[T]) error) Ro
 			return Permanent(err)
 		}
 		remote, _ := ctx.Value(remoteSpanKey{}).(trace.SpanContext)
-		return fn(ctx, Message[T]{Value: v, Event: ev, Trace: remote})
+		return fn(ctx, Message[T]{Value: v, Event: ev, Trace: remote, Attempt: middleware.Attempt(ctx)})
 	}}
 }
 
@@ -76,23 +81,29 @@ func (t *Topic[T]) Handle(b *Bus, name string, fn func(ctx context.Context, m Me
 }
 
 // UnknownTypes is what a typed handler does with an event whose event-type
-// none of its routes names. Either way millrace_consumer_unknown_types_total
-// counts it, by handler and event type.
+// none of its routes names: on a topic that carries several types, every
+// event of the types another handler consumes. Either way
+// millrace_consumer_unknown_types_total counts it, by handler and event
+// type.
 type UnknownTypes int
 
 const (
-	// PoisonUnknown poisons the event (the default): it waits in the poison
-	// table for a deploy that handles its type and a replay. Nothing is
-	// dropped unless the service says so.
-	PoisonUnknown UnknownTypes = iota
-	// AckUnknown acks the event without calling a handler, logging it: for a
-	// handler that wants only some of the types a topic carries.
-	AckUnknown
+	// AckUnknown acks the event without an attempt (the default): no inbox
+	// row, no handler call, no transaction. It is counted as
+	// millrace_consumer_messages_total{outcome="other_type"} and logged at
+	// debug level. A handler takes the types it has routes for, as a saga
+	// does.
+	AckUnknown UnknownTypes = iota
+	// PoisonUnknown poisons the event: it waits in the poison table for a
+	// deploy that handles its type and a replay. For a handler that owns
+	// its topic, where an event of another type is a mistake.
+	PoisonUnknown
 )
 
-// WithUnknownTypes sets what a typed handler (HandleTypes, Topic.Handle)
-// does with event types it has no route for. Defaults to PoisonUnknown.
-// Handlers registered with Bus.Handle see every event and ignore it.
+// WithUnknownTypes sets what a typed handler (HandleTypes, Topic.Handle,
+// Topic.HandleBatch, a saga) does with event types it has no route for.
+// Defaults to AckUnknown. Handlers registered with Bus.Handle see every
+// event and ignore it.
 func WithUnknownTypes(rule UnknownTypes) HandleOption {
 	return func(s *handlerSpec) { s.unknown = rule }
 }
@@ -108,11 +119,11 @@ const MetricUnknownTypes = "millrace_consumer_unknown_types_total"
 // under consumer.handlers.<name>, its inbox transaction (Tx, PgxTx), its
 // options. Register every handler before Run.
 func (b *Bus) HandleTypes(name string, routes []Route, opts ...HandleOption) error {
-	topic, dispatch, err := b.typedHandler(name, routes, opts)
+	topic, dispatch, takes, err := b.typedHandler(name, routes, opts)
 	if err != nil {
 		return err
 	}
-	return b.Handle(topic, name, dispatch, opts...)
+	return b.Handle(topic, name, dispatch, append(opts, takes)...)
 }
 
 // ConsumerChainTypes is ConsumerChain for a typed handler: the routes
@@ -120,16 +131,17 @@ func (b *Bus) HandleTypes(name string, routes []Route, opts ...HandleOption) err
 // HandleTypes(name, routes, opts...), for code that drives deliveries
 // itself.
 func (b *Bus) ConsumerChainTypes(ctx context.Context, name string, routes []Route, poison message.Publisher, opts ...HandleOption) (message.NoPublishHandlerFunc, error) {
-	topic, dispatch, err := b.typedHandler(name, routes, opts)
+	topic, dispatch, takes, err := b.typedHandler(name, routes, opts)
 	if err != nil {
 		return nil, err
 	}
-	return b.ConsumerChain(ctx, topic, name, dispatch, poison, opts...)
+	return b.ConsumerChain(ctx, topic, name, dispatch, poison, append(opts, takes)...)
 }
 
-// typedHandler checks routes and returns their topic and the HandlerFunc
-// that dispatches its events to them.
-func (b *Bus) typedHandler(name string, routes []Route, opts []HandleOption) (string, HandlerFunc, error) {
+// typedHandler checks routes and returns their topic, the HandlerFunc that
+// dispatches its events to them, and the option that makes the chain ack
+// the events of other types (AckUnknown; takeTypes).
+func (b *Bus) typedHandler(name string, routes []Route, opts []HandleOption) (string, HandlerFunc, HandleOption, error) {
 	var errs []error
 	byType := map[string]Route{}
 	topic := ""
@@ -154,36 +166,56 @@ func (b *Bus) typedHandler(name string, routes []Route, opts []HandleOption) (st
 		errs = append(errs, errors.New("no routes"))
 	}
 	if len(errs) > 0 {
-		return "", nil, fmt.Errorf("millrace: HandleTypes(%q): %w", name, errors.Join(errs...))
-	}
-	var spec handlerSpec
-	for _, o := range opts {
-		o(&spec)
+		return "", nil, nil, fmt.Errorf("millrace: HandleTypes(%q): %w", name, errors.Join(errs...))
 	}
 	unknown, err := b.unknownTypesCounter()
 	if err != nil {
-		return "", nil, err
+		return "", nil, nil, err
 	}
 	known := make([]string, 0, len(byType))
 	for t := range byType {
 		known = append(known, t)
 	}
 	slices.Sort(known)
+	// With AckUnknown the chain acks the other types before dispatch sees them.
 	dispatch := func(ctx context.Context, ev Event) error {
 		if r, ok := byType[ev.Type]; ok {
 			return r.call(ctx, ev)
 		}
 		unknown.WithLabelValues(name, typeLabel(ev.Type)).Inc()
-		if spec.unknown == AckUnknown {
-			b.logger.Info("Event of a type this handler has no route for acked (WithUnknownTypes(AckUnknown))",
-				watermill.LogFields{"handler": name, "topic": topic, "event_type": ev.Type, "event_id": ev.ID})
-			return nil
-		}
-		return Permanent(middleware.Invalid("metadata."+EventTypeKey, "event type %q has no route in handler %s (it routes %s); "+
-			"deploy a handler for it and replay the event, or register the handler with bus.WithUnknownTypes(bus.AckUnknown)",
+		return Permanent(middleware.Invalid("metadata."+EventTypeKey, "event type %q has no route in handler %s (it routes %s, "+
+			"and bus.WithUnknownTypes(bus.PoisonUnknown) poisons the others); deploy a handler for it and replay the event",
 			ev.Type, name, strings.Join(known, ", ")))
 	}
-	return topic, dispatch, nil
+	takes := b.takeTypes(name, topic, unknown, func(t string) bool { _, ok := byType[t]; return ok }, opts)
+	return topic, dispatch, takes, nil
+}
+
+// takeTypes is the HandleOption that, under the rule opts give
+// (WithUnknownTypes), makes handler name's chain ack the events whose type
+// routes does not take without an attempt (AckUnknown), counting them in
+// unknown by type; with PoisonUnknown it changes nothing, and the handler
+// poisons them.
+func (b *Bus) takeTypes(name, topic string, unknown *prometheus.CounterVec, routes func(eventType string) bool, opts []HandleOption) HandleOption {
+	var rule handlerSpec
+	for _, o := range opts {
+		o(&rule)
+	}
+	return func(s *handlerSpec) {
+		if rule.unknown != AckUnknown {
+			return
+		}
+		s.takes = func(msg *message.Message) bool {
+			t := msg.Metadata.Get(EventTypeKey)
+			if routes(t) {
+				return true
+			}
+			unknown.WithLabelValues(name, typeLabel(t)).Inc()
+			b.logger.Debug("Event of a type this handler has no route for acked", watermill.LogFields{
+				"handler": name, "topic": topic, "event_type": t, "event_id": msg.Metadata.Get(EventIDKey)})
+			return false
+		}
+	}
 }
 
 // unknownTypesCounter registers millrace_consumer_unknown_types_total on

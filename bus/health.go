@@ -27,13 +27,17 @@ type HealthCheck struct {
 	OK bool `json:"ok"`
 	// Detail says what was found, and why the check failed when it did.
 	Detail string `json:"detail"`
+	// Degraded is true for a check that passed but found the work slowed
+	// down: a relay waiting for a lock another transaction holds.
+	Degraded bool `json:"degraded,omitempty"`
 }
 
 // HealthReport is the outcome of the liveness or the readiness checks.
 type HealthReport struct {
 	// OK is true when every check passed.
 	OK bool `json:"ok"`
-	// Status is "ok" or "failing".
+	// Status is "ok", "degraded" (every check passed, some with Degraded)
+	// or "failing".
 	Status string `json:"status"`
 	// Checks are the checks made, in a stable order.
 	Checks []HealthCheck `json:"checks"`
@@ -57,6 +61,12 @@ func report(checks []HealthCheck) HealthReport {
 	}
 	if len(r.Failed()) > 0 {
 		r.OK, r.Status = false, "failing"
+		return r
+	}
+	for _, c := range r.Checks {
+		if c.Degraded {
+			r.Status = "degraded"
+		}
 	}
 	return r
 }
@@ -74,7 +84,7 @@ func (b *Bus) Health(ctx context.Context) Health {
 
 // Liveness reports whether the process is wedged: it fails when the relay
 // loop, or a handler that holds messages, has not moved on for
-// health.stall_timeout. A relay standing by for the leader lock and an
+// health.stall_timeout. A relay standing by for the lease and an
 // idle handler are live; so is a relay retrying through a database or
 // broker outage (each retry is a step). Restart a process whose liveness
 // fails. Before Run starts, and after it returns, there is nothing to
@@ -141,12 +151,7 @@ func (b *Bus) Readiness(ctx context.Context) HealthReport {
 		checks = append(checks, HealthCheck{Name: "broker", OK: true, Detail: "connected (the adapter cannot be pinged)"})
 	}
 	if rs.relay != nil {
-		role := rs.relay.Status().Role
-		c := HealthCheck{Name: "relay", OK: role != forwarder.RoleStarting, Detail: role.String()}
-		if !c.OK {
-			c.Detail = "role not known yet: connecting to the database for the leader lock"
-		}
-		checks = append(checks, c)
+		checks = append(checks, relayReadiness(rs.relay.Status(), b.cfg.Relay.PollInterval))
 	}
 	now := time.Now()
 	var stuck []string
@@ -301,4 +306,27 @@ func sortedActivities(m map[string]*activity) []*activity {
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].name < out[j].name })
 	return out
+}
+
+// relayReadiness is the readiness check of a relay with status st: ready
+// once it knows its role, degraded while it waits for a lock another
+// transaction holds, and saying when it polls instead of waking at commits.
+func relayReadiness(st forwarder.Status, poll time.Duration) HealthCheck {
+	c := HealthCheck{Name: "relay", OK: st.Role != forwarder.RoleStarting, Detail: st.Role.String()}
+	if !c.OK {
+		c.Detail = "role not known yet: connecting to the database for the lease"
+		return c
+	}
+	if st.Polling {
+		c.Detail += fmt.Sprintf(", polling every %s (notifications do not reach it: set database.direct_url)", poll)
+	}
+	if len(st.Waits) > 0 {
+		w := st.Waits[0]
+		c.Degraded = true
+		c.Detail += fmt.Sprintf(", waiting %s for a lock held by %s", w.Waited.Round(time.Second), w)
+		if n := len(st.Waits) - 1; n > 0 {
+			c.Detail += fmt.Sprintf(" (and %d more)", n)
+		}
+	}
+	return c
 }

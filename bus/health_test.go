@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -15,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/bus/console"
 	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/servers"
 	"github.com/millrace-io/millrace/internal/testdb"
@@ -186,20 +188,23 @@ func TestLivenessFailsWhenALoopIsWedged(t *testing.T) {
 	publish("Ok")
 	require.Equal(t, "Ok", <-handled)
 
-	// The relay blocks on its offsets row, which another transaction holds.
+	// The relay blocks recording its position in its cursor row, which
+	// another transaction holds, once it has an event to ack.
 	lock, err := db.BeginTx(ctx, nil)
 	require.NoError(t, err)
-	_, err = lock.Exec(`SELECT 1 FROM "` + cfg.Database.Schema + `"."watermill_offsets_millrace_outbox" FOR UPDATE`)
+	_, err = lock.Exec(`SELECT 1 FROM "` + cfg.Database.Schema + `"."millrace_relay_cursors" FOR UPDATE`)
 	require.NoError(t, err)
+	publish("Ok")
 	checks := waitHealth(t, base+"/livez", false, "relay")
 	require.Contains(t, checks["relay"].Detail, "blocked")
 	require.True(t, checks["handler:wedge-handler"].OK, "the consumer is idle: %v", checks)
 	require.NoError(t, lock.Rollback())
+	require.Equal(t, "Ok", <-handled)
 	waitHealth(t, base+"/livez", true, "")
 
 	// The consumer blocks storing a poisoned message in a locked poison
-	// table. The lock is taken once the relay has forwarded the message: its
-	// transaction would hide the outbox row from the relay until it ends.
+	// table. The lock is taken once the relay has forwarded the message, so
+	// that the relay's ack does not wait for it.
 	publish("Reject")
 	require.Equal(t, "Reject", <-handled)
 	lock, err = db.BeginTx(ctx, nil)
@@ -252,4 +257,104 @@ func TestHealthHandlerPaths(t *testing.T) {
 	rec := httptest.NewRecorder()
 	mux.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, "/ops/livez", nil))
 	require.Equal(t, http.StatusMethodNotAllowed, rec.Code)
+}
+
+// A relay statement waiting for a lock that another transaction holds (an
+// operator's SELECT FOR UPDATE on the relay's cursor, left idle in
+// transaction) is reported with that transaction's pid, application_name,
+// state, age and query: readiness says degraded, outbox status lists it,
+// the console shows it, and the relay's gauges measure it. Once the
+// transaction ends the event goes through and readiness is ok again.
+func TestTheRelayReportsTheTransactionItWaitsFor(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.Open(t)
+	var cfg bus.Config
+	cfg.Database.Schema = testdb.Schema(t, db)
+	brokertest.Apply(t, bus.KindNATS, &cfg)
+	listen := fmt.Sprintf("127.0.0.1:%d", servers.FreePort(t))
+	healthConfig(&cfg, listen)
+	cfg.Relay.BacklogInterval = 100 * time.Millisecond
+	require.NoError(t, bus.Migrate(ctx, db, cfg))
+	b, err := bus.Open(ctx, cfg, db)
+	require.NoError(t, err)
+	defer b.Close()
+	topic := "waits-" + cfg.Database.Schema[len(cfg.Database.Schema)-8:]
+	brokertest.Cleanup(t, bus.KindNATS, topic, "waits-handler")
+	handled := make(chan string, 10)
+	require.NoError(t, b.Handle(topic, "waits-handler", func(ctx context.Context, ev bus.Event) error {
+		handled <- ev.AggregateID
+		return nil
+	}))
+	runCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	go b.Run(runCtx)
+	base := "http://" + listen
+	waitHealth(t, base+"/readyz", true, "")
+	publish := func(id string) {
+		require.NoError(t, b.PublishInOwnTx(ctx, topic, bus.Event{Type: "T", AggregateType: "a", AggregateID: id, Payload: []byte(`{}`)}))
+	}
+	publish("first")
+	require.Equal(t, "first", <-handled)
+
+	lock, err := db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer lock.Rollback()
+	var holder int32
+	require.NoError(t, lock.QueryRow(`SELECT pg_backend_pid()`).Scan(&holder))
+	_, err = lock.Exec(`SELECT 1 FROM "` + cfg.Database.Schema + `"."millrace_relay_cursors" FOR UPDATE`)
+	require.NoError(t, err)
+	publish("second")
+
+	var relay bus.HealthCheck
+	require.Eventually(t, func() bool {
+		_, checks := probe(t, base+"/readyz")
+		relay = checks["relay"]
+		return relay.Degraded
+	}, 90*time.Second, 100*time.Millisecond, "readiness to say the relay waits")
+	require.True(t, relay.OK, "a waiting relay is ready, degraded")
+	require.Contains(t, relay.Detail, fmt.Sprintf("pid %d", holder))
+	require.Contains(t, relay.Detail, "idle in transaction")
+
+	ops, err := bus.NewOps(ctx, db, cfg)
+	require.NoError(t, err)
+	st, err := ops.OutboxStatus(ctx, "")
+	require.NoError(t, err)
+	require.NotEmpty(t, st.Waits, "outbox status lists the wait")
+	w := st.Waits[0]
+	require.Equal(t, holder, w.PID)
+	require.Equal(t, "idle in transaction", w.State)
+	require.Contains(t, w.Query, "FOR UPDATE")
+	require.GreaterOrEqual(t, w.Waited, time.Second)
+
+	page := httptest.NewRecorder()
+	handler, err := console.New(ops, console.Options{})
+	require.NoError(t, err)
+	defer handler.Close()
+	handler.ServeHTTP(page, httptest.NewRequest(http.MethodGet, "/", nil))
+	require.Contains(t, page.Body.String(), `id="relay-waits"`)
+	require.Contains(t, page.Body.String(), fmt.Sprintf("<td class=\"num\">%d</td>", holder))
+
+	metrics := scrapeMetrics(t, base)
+	require.Contains(t, metrics, fmt.Sprintf(`pid="%d"`, holder), "millrace_relay_blocker_age_seconds names the holder")
+	require.Regexp(t, `millrace_relay_blocked_seconds\{[^}]*\} [1-9]`, metrics)
+
+	require.NoError(t, lock.Rollback())
+	require.Equal(t, "second", <-handled)
+	require.Eventually(t, func() bool {
+		code, checks := probe(t, base+"/readyz")
+		return code == http.StatusOK && !checks["relay"].Degraded
+	}, 90*time.Second, 100*time.Millisecond, "readiness to be ok again")
+}
+
+// scrapeMetrics returns the text of base's /metrics.
+func scrapeMetrics(t *testing.T, base string) string {
+	t.Helper()
+	resp, err := http.Get(base + "/metrics")
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	var body strings.Builder
+	_, err = io.Copy(&body, resp.Body)
+	require.NoError(t, err)
+	return body.String()
 }

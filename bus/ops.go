@@ -13,6 +13,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/names"
 	"github.com/millrace-io/millrace/internal/store"
 )
@@ -26,9 +27,10 @@ import (
 // from Go. It is safe for concurrent use.
 //
 // Replays keep every guarantee of the command-line tool's: they go back
-// through the outbox in one transaction, keep the event id (so consumer
-// groups that processed the event already ack it as a duplicate) and can be
-// tried with DryRun first.
+// through the outbox in one transaction, keep the event id (so a consumer
+// group that processed the event already acks it as a duplicate), reach
+// only the consumer groups the message was poisoned in, and can be tried
+// with DryRun first.
 type Ops struct {
 	db     *sql.DB
 	cfg    Config
@@ -269,6 +271,14 @@ type OutboxStatus struct {
 	Shards int `json:"shards"`
 	// ShardStates lists each shard's owner and backlog when Shards > 1.
 	ShardStates []ShardState `json:"shard_states,omitempty"`
+	// Broker is the broker.kind the outbox is relayed to, as its relays
+	// recorded it; "" before a relay of this version ran.
+	Broker string `json:"broker,omitempty"`
+	// Waits lists the transactions whose locks statements of the outbox's
+	// relays have waited for a second or longer, longest first: the relay
+	// waits for no transaction's commit, only for locks (an operator's
+	// SELECT FOR UPDATE on its cursor, a migration's lock on the outbox).
+	Waits []forwarder.Wait `json:"waits,omitempty"`
 }
 
 // ShardState is one shard of the outbox as one relay consumer group sees it.
@@ -312,21 +322,25 @@ func (o *Ops) OutboxStatus(ctx context.Context, relayGroup string) (OutboxStatus
 	if err != nil {
 		return OutboxStatus{}, err
 	}
+	waits, err := o.tables.RelayWaits(ctx, o.db)
+	if err != nil {
+		return OutboxStatus{}, err
+	}
+	broker, err := o.tables.RecordedBroker(ctx, o.db)
+	if err != nil {
+		return OutboxStatus{}, err
+	}
 	return OutboxStatus{RelayGroup: relayGroup, Pending: st.Pending, OldestPendingAge: st.OldestPendingAge,
 		LastForwardedAt: st.LastForwardedAt, Forwarded: st.Forwarded, Quarantined: st.Quarantined,
-		Shards: shards, ShardStates: states}, nil
+		Shards: shards, ShardStates: states, Broker: broker, Waits: waits}, nil
 }
 
 // OutboxStatuses reads the outbox's state for every relay consumer group
 // that has relayed from it, and for relay.consumer_group in any case.
 func (o *Ops) OutboxStatuses(ctx context.Context) ([]OutboxStatus, error) {
-	groups, err := o.tables.RelayGroups(ctx, o.db)
+	groups, err := o.relayGroups(ctx)
 	if err != nil {
 		return nil, err
-	}
-	if !slices.Contains(groups, o.cfg.Relay.ConsumerGroup) {
-		groups = append(groups, o.cfg.Relay.ConsumerGroup)
-		slices.Sort(groups)
 	}
 	out := make([]OutboxStatus, 0, len(groups))
 	for _, g := range groups {
@@ -337,6 +351,20 @@ func (o *Ops) OutboxStatuses(ctx context.Context) ([]OutboxStatus, error) {
 		out = append(out, st)
 	}
 	return out, nil
+}
+
+// relayGroups lists, sorted, the relay consumer groups that have relayed
+// from the outbox, and relay.consumer_group in any case.
+func (o *Ops) relayGroups(ctx context.Context) ([]string, error) {
+	groups, err := o.tables.RelayGroups(ctx, o.db)
+	if err != nil {
+		return nil, err
+	}
+	if !slices.Contains(groups, o.cfg.Relay.ConsumerGroup) {
+		groups = append(groups, o.cfg.Relay.ConsumerGroup)
+		slices.Sort(groups)
+	}
+	return groups, nil
 }
 
 // InboxPrune says which inbox rows PruneInbox deletes.

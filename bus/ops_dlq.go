@@ -5,8 +5,9 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
-	"maps"
+	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -23,6 +24,11 @@ const (
 	PoisonStatePoisoned = "poisoned"
 	// PoisonStateReplayed: sent back through the outbox, not (yet) processed.
 	PoisonStateReplayed = "replayed"
+	// PoisonStateQuarantined: replayed, but the relay moved the replay to
+	// its quarantine (PoisonedMessage.ReplayQuarantine says which row and
+	// why): it reaches no consumer until that row is replayed
+	// (ReplayQuarantined) once the cause is fixed.
+	PoisonStateQuarantined = "quarantined"
 	// PoisonStateProcessed: its consumer group's inbox records the event.
 	PoisonStateProcessed = "processed"
 )
@@ -99,6 +105,19 @@ type PoisonedMessage struct {
 	PayloadBytes   int        `json:"payload_bytes"`
 	// Fingerprint names the message's failure group (PoisonGroups).
 	Fingerprint string `json:"fingerprint"`
+	// ReplayQuarantine is the relay quarantine's row holding the last
+	// replay, in state PoisonStateQuarantined; nil otherwise.
+	ReplayQuarantine *ReplayQuarantine `json:"replay_quarantine"`
+}
+
+// ReplayQuarantine is the relay quarantine's row of a replay the relay
+// could not publish.
+type ReplayQuarantine struct {
+	// ID is the quarantined row's id (Ops.Quarantined, ReplayQuarantined).
+	ID int64 `json:"id"`
+	// Reason says why the relay quarantined it.
+	Reason        string    `json:"reason"`
+	QuarantinedAt time.Time `json:"quarantined_at"`
 }
 
 // PoisonedDetail is a poisoned message with its payload, metadata and
@@ -132,6 +151,10 @@ func poisonedMessage(r store.PoisonRow) PoisonedMessage {
 	switch {
 	case r.ProcessedAt != nil:
 		m.State = PoisonStateProcessed
+	case r.ReplayQuarantine != nil:
+		m.State = PoisonStateQuarantined
+		m.ReplayQuarantine = &ReplayQuarantine{ID: r.ReplayQuarantine.ID, Reason: r.ReplayQuarantine.Reason,
+			QuarantinedAt: r.ReplayQuarantine.QuarantinedAt}
 	case r.ReplayedAt != nil:
 		m.State = PoisonStateReplayed
 	default:
@@ -262,7 +285,8 @@ type ReplayOptions struct {
 	// DryRun reports what would be replayed and changes nothing.
 	DryRun bool
 	// Force also replays messages whose event the consumer group's inbox
-	// already records (that group acks them as duplicates).
+	// already records (that group acks them as duplicates), and messages
+	// the configured broker would refuse (the relay quarantines them).
 	Force bool
 	// By names who replays, for the replay history (e.g. user@host).
 	// Defaults to "unknown".
@@ -297,18 +321,28 @@ type ReplayedEntry struct {
 	EventType     string `json:"event_type"`
 	// MessageID is the replay's new message id; "" with DryRun.
 	MessageID string `json:"message_id"`
+	// TargetGroups are the consumer groups the replay is for, sorted: those
+	// of the event's rows it replays (rows of one event share it). Every
+	// other group of the topic acks it without processing it.
+	TargetGroups []string `json:"target_groups"`
 }
 
 // SkippedEntry is a selected poisoned message that was not replayed.
 type SkippedEntry struct {
-	ID            int64     `json:"id"`
-	ConsumerGroup string    `json:"consumer_group"`
-	Handler       string    `json:"handler"`
-	Topic         string    `json:"topic"`
-	EventID       string    `json:"event_id"`
-	EventType     string    `json:"event_type"`
-	Reason        string    `json:"reason"` // SkipAlreadyProcessed
-	ProcessedAt   time.Time `json:"processed_at"`
+	ID            int64  `json:"id"`
+	ConsumerGroup string `json:"consumer_group"`
+	Handler       string `json:"handler"`
+	Topic         string `json:"topic"`
+	EventID       string `json:"event_id"`
+	EventType     string `json:"event_type"`
+	// Reason is SkipAlreadyProcessed or SkipRefusedByBroker.
+	Reason string `json:"reason"`
+	// ProcessedAt is when the group's inbox recorded the event, for
+	// SkipAlreadyProcessed; nil otherwise.
+	ProcessedAt *time.Time `json:"processed_at"`
+	// Detail says why the broker refuses the replay, for
+	// SkipRefusedByBroker; "" otherwise.
+	Detail string `json:"detail"`
 }
 
 // SkipAlreadyProcessed is the reason of a message not replayed because its
@@ -318,11 +352,18 @@ const SkipAlreadyProcessed = "already_processed"
 // ReplayPoisoned sends the selected poisoned messages back to their topics
 // through the outbox, in one transaction: one outbox message per event and
 // topic, with a new message id (brokers that deduplicate by message id would
-// drop the original's), the original event id (the inbox key), payload and
-// metadata, and middleware.ReplayOfKey naming the original message. The rows
-// get replayed_at and a history record. Messages whose consumer group's
-// inbox already records the event are skipped unless opts.Force. A selected
-// id that does not exist is a *NotFoundError, and nothing changes.
+// drop the original's), the original event id (the inbox key) and payload,
+// the event's own metadata (what Publish accepted: nothing a broker or the
+// consumer chain added on the way, see eventMetadata),
+// middleware.ReplayOfKey naming the original message and
+// middleware.ReplayGroupsKey naming the consumer groups of the replayed
+// rows: only those groups process it, every other group of the topic acks
+// it without calling its handler or writing its inbox. The rows get
+// replayed_at and a history record. Messages whose consumer group's inbox
+// already records the event are skipped unless opts.Force; so are those the
+// configured broker would refuse (SkipRefusedByBroker: the relay would
+// quarantine them), which Force replays with a warning. A selected id that
+// does not exist is a *NotFoundError, and nothing changes.
 func (o *Ops) ReplayPoisoned(ctx context.Context, sel PoisonSelection, opts ReplayOptions) (ReplayResult, error) {
 	res := ReplayResult{DryRun: opts.DryRun, Replayed: []ReplayedEntry{}, Skipped: []SkippedEntry{}, Warnings: []string{}}
 	q, err := sel.query(!opts.DryRun)
@@ -333,6 +374,25 @@ func (o *Ops) ReplayPoisoned(ctx context.Context, sel PoisonSelection, opts Repl
 		return o.replayPoisoned(ctx, tx, q, sel.IDs, sel.Expect, opts, &res)
 	})
 	return res, err
+}
+
+// replayBatch is what a replay of poisoned messages writes: the outbox
+// messages, and the poison rows replayed with the message id of each.
+type replayBatch struct {
+	opts       ReplayOptions
+	res        *ReplayResult
+	warned     map[string]bool
+	outbox     []*message.Message
+	ids        []int64
+	messageIDs []string
+}
+
+// warn adds a warning to the result once.
+func (b *replayBatch) warn(format string, args ...any) {
+	if w := fmt.Sprintf(format, args...); !b.warned[w] {
+		b.warned[w] = true
+		b.res.Warnings = append(b.res.Warnings, w)
+	}
 }
 
 // replayPoisoned is ReplayPoisoned's work in tx.
@@ -347,77 +407,113 @@ func (o *Ops) replayPoisoned(ctx context.Context, tx *sql.Tx, q store.PoisonQuer
 	if res.Selection, err = checkSelection("poisoned message", rows, poisonVersion, expect); err != nil {
 		return err
 	}
-
-	// One message per event: the broker gives it to every consumer group of
-	// the topic, so several poisoned rows of one event need one message.
-	type eventKey struct{ topic, eventID string }
-	var order []eventKey
-	byEvent := map[eventKey][]store.PoisonRow{}
-	for _, r := range rows {
-		k := eventKey{r.Topic, r.EventID}
-		if _, ok := byEvent[k]; !ok {
-			order = append(order, k)
-		}
-		byEvent[k] = append(byEvent[k], r)
-	}
-	var outbox []*message.Message
-	var replayed []int64
-	var messageIDs []string
-	warned := map[string]bool{}
-	warn := func(format string, args ...any) {
-		if w := fmt.Sprintf(format, args...); !warned[w] {
-			warned[w] = true
-			res.Warnings = append(res.Warnings, w)
+	b := &replayBatch{opts: opts, res: res, warned: map[string]bool{}}
+	for _, event := range byEvent(rows) {
+		if err := o.replayEvent(ctx, tx, event, b); err != nil {
+			return err
 		}
 	}
-	for _, k := range order {
-		var chosen []store.PoisonRow
-		for _, r := range byEvent[k] {
-			if r.ProcessedAt != nil && !opts.Force {
-				res.Skipped = append(res.Skipped, SkippedEntry{ID: r.ID, ConsumerGroup: r.ConsumerGroup, Handler: r.Handler,
-					Topic: r.Topic, EventID: r.EventID, EventType: r.EventType, Reason: SkipAlreadyProcessed, ProcessedAt: *r.ProcessedAt})
-				continue
-			}
-			chosen = append(chosen, r)
-		}
-		if len(chosen) == 0 {
-			continue
-		}
-		first := chosen[0]
-		messageID := ""
-		if !opts.DryRun {
-			messageID = uuid.Must(uuid.NewV7()).String()
-			msg, err := replayMessage(first, messageID)
-			if err != nil {
-				return fmt.Errorf("millrace: poisoned message %d: %w", first.ID, err)
-			}
-			outbox = append(outbox, msg)
-		}
-		res.Messages++
-		for _, r := range chosen {
-			res.Replayed = append(res.Replayed, ReplayedEntry{ID: r.ID, ConsumerGroup: r.ConsumerGroup, Handler: r.Handler,
-				Topic: r.Topic, EventID: r.EventID, EventType: r.EventType, MessageID: messageID})
-			replayed = append(replayed, r.ID)
-			messageIDs = append(messageIDs, messageID)
-			if err := o.replayWarnings(ctx, tx, r, warn); err != nil {
-				return err
-			}
-		}
-		if age := time.Since(occurredAt(first)); age > o.cfg.Consumer.Inbox.Retention {
-			warn("event %s on topic %s is older than consumer.inbox.retention (%s): consumer groups that processed it may have pruned it from their inbox and would process it again",
-				k.eventID, k.topic, o.cfg.Consumer.Inbox.Retention)
-		}
-	}
-	if opts.DryRun || len(replayed) == 0 {
+	if opts.DryRun || len(b.ids) == 0 {
 		return nil
 	}
-	if err := o.tables.WriteOutbox(ctx, tx, outbox); err != nil {
+	if err := o.tables.WriteOutbox(ctx, tx, b.outbox); err != nil {
 		return fmt.Errorf("millrace: %w", err)
 	}
-	if err := o.tables.MarkPoisonReplayed(ctx, tx, replayed, messageIDs, cmp.Or(opts.By, "unknown")); err != nil {
+	if err := o.tables.MarkPoisonReplayed(ctx, tx, b.ids, b.messageIDs, cmp.Or(opts.By, "unknown")); err != nil {
 		return fmt.Errorf("millrace: %w", err)
 	}
 	return nil
+}
+
+// byEvent groups rows by topic and event, in the order of their first
+// rows: the broker gives one message to every consumer group of the topic,
+// so several poisoned rows of one event need one message.
+func byEvent(rows []store.PoisonRow) [][]store.PoisonRow {
+	type eventKey struct{ topic, eventID string }
+	index := map[eventKey]int{}
+	var events [][]store.PoisonRow
+	for _, r := range rows {
+		k := eventKey{r.Topic, r.EventID}
+		i, ok := index[k]
+		if !ok {
+			i = len(events)
+			index[k] = i
+			events = append(events, nil)
+		}
+		events[i] = append(events[i], r)
+	}
+	return events
+}
+
+// replayEvent adds to b the replay of one event's poisoned rows, or
+// records why they are skipped.
+func (o *Ops) replayEvent(ctx context.Context, tx *sql.Tx, rows []store.PoisonRow, b *replayBatch) error {
+	var chosen []store.PoisonRow
+	for _, r := range rows {
+		if r.ProcessedAt != nil && !b.opts.Force {
+			b.res.Skipped = append(b.res.Skipped, skipped(r, SkipAlreadyProcessed, ""))
+			continue
+		}
+		if q := r.ReplayQuarantine; q != nil {
+			b.warn("message %d: its last replay is in the relay quarantine as row %d (%s); this replay sends a new message and leaves that row there: replay that row instead once the cause is fixed, or purge it",
+				r.ID, q.ID, q.Reason)
+		}
+		chosen = append(chosen, r)
+	}
+	if len(chosen) == 0 {
+		return nil
+	}
+	first := chosen[0]
+	messageID := uuid.Must(uuid.NewV7()).String()
+	groups := targetGroups(chosen)
+	msg := o.replayMessage(first, messageID, groups)
+	refused, overLimit := o.checkReplay(first.Topic, msg)
+	if overLimit != nil {
+		b.warn("message %d (event %s): Publish would refuse its replay now: %v", first.ID, first.EventID, overLimit)
+	}
+	if refused != nil {
+		if !b.opts.Force {
+			b.warn("message %d (event %s) is skipped: %v; the relay would quarantine its replay (fix the cause, or force the replay)", first.ID, first.EventID, refused)
+			for _, r := range chosen {
+				b.res.Skipped = append(b.res.Skipped, skipped(r, SkipRefusedByBroker, refused.Error()))
+			}
+			return nil
+		}
+		b.warn("message %d (event %s): %v; replayed because of Force, the relay will quarantine it", first.ID, first.EventID, refused)
+	}
+	payload, err := envelope.Wrap(first.Topic, msg)
+	if err != nil {
+		return fmt.Errorf("millrace: poisoned message %d: %w", first.ID, err)
+	}
+	b.outbox = append(b.outbox, message.NewMessage(messageID, payload))
+	if b.opts.DryRun {
+		messageID = ""
+	}
+	b.res.Messages++
+	for _, r := range chosen {
+		b.res.Replayed = append(b.res.Replayed, ReplayedEntry{ID: r.ID, ConsumerGroup: r.ConsumerGroup, Handler: r.Handler,
+			Topic: r.Topic, EventID: r.EventID, EventType: r.EventType, MessageID: messageID, TargetGroups: groups})
+		b.ids = append(b.ids, r.ID)
+		b.messageIDs = append(b.messageIDs, messageID)
+		if err := o.replayWarnings(ctx, tx, r, b.warn); err != nil {
+			return err
+		}
+	}
+	if age := time.Since(occurredAt(first)); age > o.cfg.Consumer.Inbox.Retention {
+		b.warn("event %s on topic %s is older than consumer.inbox.retention (%s): consumer groups that processed it may have pruned it from their inbox and would process it again",
+			first.EventID, first.Topic, o.cfg.Consumer.Inbox.Retention)
+	}
+	return nil
+}
+
+// skipped is the entry of r, not replayed for reason.
+func skipped(r store.PoisonRow, reason, detail string) SkippedEntry {
+	e := SkippedEntry{ID: r.ID, ConsumerGroup: r.ConsumerGroup, Handler: r.Handler, Topic: r.Topic,
+		EventID: r.EventID, EventType: r.EventType, Reason: reason, Detail: detail}
+	if reason == SkipAlreadyProcessed {
+		e.ProcessedAt = r.ProcessedAt
+	}
+	return e
 }
 
 // replayWarnings warns when r's handler will not deduplicate its replay
@@ -454,21 +550,29 @@ func foundPoison(rows []store.PoisonRow) map[int64]bool {
 	return found
 }
 
-// replayMessage is the outbox row that re-sends r to its topic.
-func replayMessage(r store.PoisonRow, messageID string) (*message.Message, error) {
+// targetGroups are the consumer groups of rows, sorted, once each.
+func targetGroups(rows []store.PoisonRow) []string {
+	groups := make([]string, 0, len(rows))
+	for _, r := range rows {
+		groups = append(groups, r.ConsumerGroup)
+	}
+	slices.Sort(groups)
+	return slices.Compact(groups)
+}
+
+// replayMessage is the message that re-sends r to its topic as messageID,
+// for the consumer groups groups: the event's own metadata (eventMetadata)
+// and the replay markers.
+func (o *Ops) replayMessage(r store.PoisonRow, messageID string, groups []string) *message.Message {
 	msg := message.NewMessage(messageID, r.Payload)
-	msg.Metadata = make(message.Metadata, len(r.Metadata)+2)
-	maps.Copy(msg.Metadata, r.Metadata)
+	msg.Metadata = eventMetadata(r.Topic, r.Metadata, o.cfg.Broker.Rules())
 	if r.EventID != "" {
 		// A message from plain Watermill had only its UUID as event id.
 		msg.Metadata.Set(EventIDKey, r.EventID)
 	}
 	msg.Metadata.Set(middleware.ReplayOfKey, r.MessageID)
-	payload, err := envelope.Wrap(r.Topic, msg)
-	if err != nil {
-		return nil, err
-	}
-	return message.NewMessage(messageID, payload), nil
+	msg.Metadata.Set(middleware.ReplayGroupsKey, strings.Join(groups, middleware.ReplayGroupsSeparator))
+	return msg
 }
 
 // occurredAt is when r's event happened, or when it first failed if it does
@@ -527,11 +631,15 @@ func (o *Ops) PurgePoisoned(ctx context.Context, sel PoisonSelection, dryRun boo
 }
 
 // poisonVersion is what identifies a poison row's state: replaying it,
-// poisoning it again or its event being processed changes it.
+// poisoning it again, the relay quarantining its replay or its event being
+// processed changes it.
 func poisonVersion(r store.PoisonRow) string {
 	v := fmt.Sprintf("%d/%d/%d", r.ID, r.TimesPoisoned, r.ReplayCount)
 	if r.ReplayedAt != nil {
 		v += "/r" + strconv.FormatInt(r.ReplayedAt.UnixNano(), 10)
+	}
+	if r.ReplayQuarantine != nil {
+		v += "/q" + strconv.FormatInt(r.ReplayQuarantine.ID, 10)
 	}
 	if r.ProcessedAt != nil {
 		v += "/p"

@@ -13,6 +13,7 @@ import (
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/store"
+	"github.com/millrace-io/millrace/middleware"
 )
 
 // The relay quarantine holds outbox rows the relay could not publish and no
@@ -180,7 +181,10 @@ type QuarantineSkipped struct {
 // ReplayQuarantined writes the selected quarantined rows back into the
 // outbox as they were (same envelope, so the same event id: consumer groups
 // that processed the event already ack it as a duplicate), in one
-// transaction, and marks them replayed. A row whose envelope is unreadable
+// transaction, and marks them replayed. A row written by a replay from the
+// poison table is written with the event's own metadata only (see
+// ReplayPoisoned), without the broker headers of the delivery it came from
+// that made the relay refuse it. A row whose envelope is unreadable
 // is skipped; so is one the configured broker's Rules still refuse, unless
 // opts.Force. A selected id that does not exist is a *NotFoundError, and
 // nothing changes. A replayed row joins the end of the outbox: events of its
@@ -206,12 +210,16 @@ func (o *Ops) ReplayQuarantined(ctx context.Context, sel QuarantineSelection, op
 		var outbox []*message.Message
 		var ids []int64
 		for _, r := range rows {
-			if !o.replayable(r, opts.Force, &res) {
+			payload, ok, err := o.replayable(ctx, tx, r, opts.Force, &res)
+			if err != nil {
+				return err
+			}
+			if !ok {
 				continue
 			}
 			res.Replayed = append(res.Replayed, quarantinedRow(r))
 			ids = append(ids, r.ID)
-			outbox = append(outbox, message.NewMessage(r.OutboxUUID, r.Payload))
+			outbox = append(outbox, message.NewMessage(r.OutboxUUID, payload))
 		}
 		res.Messages = len(outbox)
 		if opts.DryRun || len(ids) == 0 {
@@ -225,27 +233,46 @@ func (o *Ops) ReplayQuarantined(ctx context.Context, sel QuarantineSelection, op
 	return res, err
 }
 
-// replayable reports whether r can be replayed, and records in res why not
-// (or, with force, that the broker will refuse it again).
-func (o *Ops) replayable(r store.QuarantineRow, force bool, res *QuarantineReplayResult) bool {
+// replayable returns the outbox payload that replays r, and false when r
+// cannot be replayed, recording in res why not (or, with force, that the
+// broker will refuse it again). The payload is r's, except that a row
+// written by a replay from the poison table carries only the event's own
+// metadata and its replay markers (ownMetadataOfReplay): one written
+// before replays did so carries its delivery's broker headers, which the
+// relay refuses, and names no consumer groups, which the replay history
+// (read in tx) does.
+func (o *Ops) replayable(ctx context.Context, tx *sql.Tx, r store.QuarantineRow, force bool, res *QuarantineReplayResult) ([]byte, bool, error) {
 	row := quarantinedRow(r)
+	rules := o.cfg.Broker.Rules()
 	topic, msg, err := envelope.Unwrap(r.Payload)
 	if err != nil {
 		res.Skipped = append(res.Skipped, QuarantineSkipped{QuarantinedRow: row, Skip: SkipUnreadable, Detail: err.Error()})
-		return false
+		return nil, false, nil
 	}
-	err = o.cfg.Broker.Rules().CheckMessage(topic, msg)
+	payload := r.Payload
+	if replayOfDLQ(msg) {
+		var groups []string
+		if _, named := msg.Metadata[middleware.ReplayGroupsKey]; !named {
+			if groups, err = o.tables.ReplayedGroups(ctx, tx, msg.UUID); err != nil {
+				return nil, false, err
+			}
+		}
+		if payload, err = ownMetadataOfReplay(topic, msg, rules, groups); err != nil {
+			return nil, false, fmt.Errorf("millrace: quarantined row %d: %w", r.ID, err)
+		}
+	}
+	err = rules.CheckMessage(topic, msg)
 	var refused *adapters.RefusedError
 	switch {
 	case err == nil:
-		return true
+		return payload, true, nil
 	case !force || !errors.As(err, &refused):
 		res.Skipped = append(res.Skipped, QuarantineSkipped{QuarantinedRow: row, Skip: SkipRefusedByBroker, Detail: err.Error()})
-		return false
+		return nil, false, nil
 	}
 	res.Warnings = append(res.Warnings, fmt.Sprintf("row %d is still refused by broker.kind %s (%v); replayed because of Force, the relay will quarantine it again",
 		r.ID, o.cfg.Broker.Kind, err))
-	return true
+	return payload, true, nil
 }
 
 func foundQuarantined(rows []store.QuarantineRow) map[int64]bool {

@@ -209,7 +209,7 @@ func TestOpsQuarantineListShowReplayPurge(t *testing.T) {
 	}
 	reserved := message.NewMessage(watermill.NewUUID(), []byte(`{}`))
 	reserved.Metadata.Set("Nats-Rollup", "all") // written by plain Watermill: nothing checked it
-	writeOutboxWithWatermill(t, w, w.topic, reserved)
+	writeOutboxWithWatermill(t, w.db, w.cfg, w.topic, reserved)
 	testkit.Eventually(t, time.Minute, "three rows quarantined", func() bool {
 		st, err := w.ops.OutboxStatus(ctx, "")
 		return err == nil && st.Quarantined == 3 && st.Pending == 0
@@ -312,13 +312,16 @@ func TestOpsRefusesAnUnmigratedDatabase(t *testing.T) {
 	require.ErrorContains(t, err, "does not exist: run `millrace migrate`")
 }
 
-func writeOutboxWithWatermill(t *testing.T, w *opsWorld, topic string, msg *message.Message) {
+// writeOutboxWithWatermill writes msg for topic into cfg's outbox in db
+// with Watermill's own forwarder publisher, as a writer other than
+// Publish does.
+func writeOutboxWithWatermill(t *testing.T, db *sql.DB, cfg bus.Config, topic string, msg *message.Message) {
 	t.Helper()
-	tx, err := w.db.Begin()
+	tx, err := db.Begin()
 	require.NoError(t, err)
 	sqlPub, err := watermillsql.NewPublisher(tx, watermillsql.PublisherConfig{
 		SchemaAdapter: watermillsql.DefaultPostgreSQLSchema{
-			GenerateMessagesTableName: func(topic string) string { return `"` + w.cfg.Database.Schema + `"."watermill_` + topic + `"` },
+			GenerateMessagesTableName: func(topic string) string { return `"` + cfg.Database.Schema + `"."watermill_` + topic + `"` },
 		},
 	}, nil)
 	require.NoError(t, err)

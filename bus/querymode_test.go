@@ -433,7 +433,10 @@ func (f *modeFlow) publishAndConsume() {
 	var value modeNote
 	require.NoError(f.t, json.Unmarshal(typed.Payload, &value))
 	require.Equal(f.t, note, value)
-	require.Equal(f.t, 1, f.effects(f.handler, typed.ID))
+	// The handler saw it before its inbox transaction committed the effect.
+	testkit.Eventually(f.t, 90*time.Second, "the typed event's effect is committed", func() bool {
+		return f.effects(f.handler, typed.ID) == 1
+	})
 	f.requireBatched(events)
 }
 

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -47,6 +48,9 @@ type sagaStep[S any] struct {
 	topic string
 	typ   string
 	route func(run func(ctx context.Context, id string, fn func(sc *SagaContext[S]) error) error) Route
+	// correlate is the saga id an event of the step names, "" when it
+	// names none (it does not decode, or correlate panics).
+	correlate func(ev Event) string
 }
 
 // Unmatched is what a saga does with an event that finds no running
@@ -194,7 +198,18 @@ func addStep[S, T any](s *Saga[S], start bool, t *Topic[T], correlate func(Messa
 	case correlate == nil:
 		s.errs = append(s.errs, fmt.Errorf("%s step for event type %q: no correlation (its correlate func is nil)", kind, t.typ.name))
 	}
-	step := sagaStep[S]{start: start, topic: t.name, typ: t.typ.name}
+	step := sagaStep[S]{start: start, topic: t.name, typ: t.typ.name, correlate: func(ev Event) (id string) {
+		defer func() {
+			if recover() != nil {
+				id = "" // the step itself reports it, with the message
+			}
+		}()
+		v, err := decodeEvent[T](t.typ, ev)
+		if err != nil || correlate == nil {
+			return ""
+		}
+		return correlate(Message[T]{Value: v, Event: ev})
+	}}
 	step.route = func(run func(ctx context.Context, id string, fn func(sc *SagaContext[S]) error) error) Route {
 		return On(t, func(ctx context.Context, m Message[T]) error {
 			id := correlate(m)
@@ -290,28 +305,25 @@ func (s *Saga[S]) Routes(b *Bus) (map[string][]Route, error) {
 
 // Handle registers the saga's handlers on b under name: one handler (and
 // consumer group) per topic its steps read, called name when they read one
-// topic and name.<topic> otherwise. Events of a topic's other types are
-// acked (WithUnknownTypes(AckUnknown)) unless opts say otherwise.
+// topic and name.<topic> otherwise (Handlers lists them). Events of a
+// topic's other types are acked (WithUnknownTypes(AckUnknown), the
+// default) unless opts say otherwise. The handlers are ordered by the
+// saga's correlation id: two events of one saga instance on one topic are
+// handled one after the other, in the order the broker delivers them
+// (consumer.ordered is true for them unless
+// consumer.handlers.<handler>.ordered sets it).
 func (s *Saga[S]) Handle(b *Bus, name string, opts ...HandleOption) error {
 	routes, err := s.Routes(b)
 	if err != nil {
 		return err
 	}
-	topics := make([]string, 0, len(routes))
-	for t := range routes {
-		topics = append(topics, t)
-	}
-	slices.Sort(topics)
-	opts = append([]HandleOption{WithUnknownTypes(AckUnknown)}, opts...)
-	for _, topic := range topics {
-		handler := name
-		if len(topics) > 1 {
-			handler = name + "." + topic
-		}
+	handlers, topics := s.handlers(name)
+	for i, topic := range topics {
+		handler := handlers[i]
 		if err := checkSagaBatch(b.cfg.Consumer, s.name, handler); err != nil {
 			return err
 		}
-		if err := b.HandleTypes(handler, routes[topic], opts...); err != nil {
+		if err := b.HandleTypes(handler, routes[topic], append(opts, s.ordering(topic))...); err != nil {
 			return err
 		}
 	}
@@ -319,6 +331,62 @@ func (s *Saga[S]) Handle(b *Bus, name string, opts ...HandleOption) error {
 	b.sagas = append(b.sagas, sagaRetention{name: s.name, retention: s.retention})
 	b.mu.Unlock()
 	return nil
+}
+
+// Handlers returns the names of the handlers Handle(b, name) registers, in
+// the order it registers them: name when the saga's steps read one topic,
+// name.<topic> for each topic (sorted) otherwise. They are the keys of the
+// saga's overrides under consumer.handlers and, unless WithConsumerGroup
+// says otherwise, its consumer groups, to provision or configure before
+// the saga runs.
+func (s *Saga[S]) Handlers(name string) []string {
+	handlers, _ := s.handlers(name)
+	return handlers
+}
+
+// handlers returns the handlers Handle(b, name) registers and the topic
+// each reads, sorted by topic.
+func (s *Saga[S]) handlers(name string) (handlers, topics []string) {
+	for _, st := range s.steps {
+		if !slices.Contains(topics, st.topic) {
+			topics = append(topics, st.topic)
+		}
+	}
+	slices.Sort(topics)
+	handlers = make([]string, len(topics))
+	for i, topic := range topics {
+		handlers[i] = name
+		if len(topics) > 1 {
+			handlers[i] = name + "." + topic
+		}
+	}
+	return handlers, topics
+}
+
+// ordering is the HandleOption of the saga's handler on topic: ordered
+// unless its config says otherwise, by the saga id its events name (the
+// aggregate for an event that names none).
+func (s *Saga[S]) ordering(topic string) HandleOption {
+	byType := map[string]func(Event) string{}
+	for _, st := range s.steps {
+		if st.topic == topic {
+			byType[st.typ] = st.correlate
+		}
+	}
+	return func(spec *handlerSpec) {
+		spec.ordered = true
+		spec.orderKey = func(msg *message.Message) string {
+			correlate, ok := byType[msg.Metadata.Get(EventTypeKey)]
+			if !ok {
+				return ""
+			}
+			ev, err := EventFromMessage(msg)
+			if err != nil {
+				return ""
+			}
+			return correlate(ev)
+		}
+	}
 }
 
 // step runs fn on row's state and returns whether the saga completed.

@@ -222,6 +222,31 @@ func keys(m map[string]string) []string {
 	return out
 }
 
+// A replay for other consumer groups starts no saga instance and sends no
+// command: the chain acks it before the saga's step (not_targeted). The
+// same replay for the saga's own group runs the step.
+func TestSagaIgnoresAReplayForOtherGroups(t *testing.T) {
+	t.Parallel()
+	w := newChainWorld(t)
+	sw := newSagaWorld(t, w, orderSaga(w.tb.bus, time.Hour))
+	replay := func(groups string) *message.Message {
+		msg := delivered(context.Background(), "e1", mustEvent(t, sagaOrders, sagaOrderPlaced{OrderID: "o-1"}))
+		msg.Metadata.Set(middleware.ReplayOfKey, "e0")
+		msg.Metadata.Set(middleware.ReplayGroupsKey, groups)
+		return msg
+	}
+	require.NoError(t, sw.chains["orders.events"](replay("billing,analytics")))
+	rows, err := w.tb.tables().ListSagas(context.Background(), w.tb.db, "order_fulfilment", true, -1)
+	require.NoError(t, err)
+	require.Empty(t, rows, "no saga started")
+	require.Empty(t, sw.commands(t))
+	require.EqualValues(t, 1, w.counter(t, middleware.MetricMessages, map[string]string{"handler": "saga.orders.events", "outcome": middleware.OutcomeNotTargeted}))
+
+	require.NoError(t, sw.chains["orders.events"](replay("billing,saga.orders.events")))
+	require.Equal(t, map[string]int{"ChargePayment": 1}, sw.commands(t))
+	require.Equal(t, "OrderPlaced", sw.instance(t, "order_fulfilment", "o-1").Step)
+}
+
 // A failed reservation after the payment sends the refund once, even when
 // every event is delivered twice; an event of the completed saga is
 // ignored and counted.

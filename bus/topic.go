@@ -118,10 +118,14 @@ type upcaster struct {
 }
 
 // NewTopic declares topic name with event type T. It checks everything it
-// can before any event is published or handled: the topic name, T's wire
-// name (its EventType method or TypeName), the version, that the codec is
-// registered and can encode T, and that the upcasters chain every older
-// version to T. The error names what is wrong.
+// can before any event is published or handled: the topic name, against
+// the rules of every broker kind (a Topic is shared by services whatever
+// their broker.kind: "shop.orders." is refused for NATS, whose subjects
+// have no empty token, even in a service on Kafka), T's wire name (its
+// EventType method or TypeName), the version, that the codec is registered
+// and can encode T, and that the upcasters chain every older version to T.
+// The error names what is wrong and, for the topic, the broker kind and
+// its rule.
 func NewTopic[T any](name string, opts ...TopicOption) (*Topic[T], error) {
 	o := topicOptions{version: 1, codec: CodecJSON}
 	for _, opt := range opts {
@@ -134,6 +138,8 @@ func NewTopic[T any](name string, opts ...TopicOption) (*Topic[T], error) {
 	var errs []error
 	if err := names.Topic(name); err != nil {
 		errs = append(errs, fmt.Errorf("topic: %w", err))
+	} else if err := checkTopicOnEveryBroker(name); err != nil {
+		errs = append(errs, err)
 	}
 	typeName, err := wireName[T](o.typeName)
 	if err != nil {

@@ -97,13 +97,13 @@ func testTypedEvents(t *testing.T, kind string) {
 			seen.cancelled = append(seen.cancelled, m.Value.OrderID)
 			return nil
 		}),
-	}))
+	}, bus.WithUnknownTypes(bus.PoisonUnknown)))
 	require.NoError(t, cancel.Handle(pgxBus, audit, func(_ context.Context, m bus.Message[cancelled]) error {
 		seen.mu.Lock()
 		defer seen.mu.Unlock()
 		seen.audited = append(seen.audited, m.Value.OrderID)
 		return nil
-	}, bus.WithUnknownTypes(bus.AckUnknown)))
+	}))
 	require.NoError(t, pb.Handle(pgxBus, shipping, func(ctx context.Context, m bus.Message[*testpb.OrderPlaced]) error {
 		if _, err := bus.PgxTx(ctx).Exec(ctx, `INSERT INTO "`+cfg.Database.Schema+`".shipments VALUES ($1, $2)`, m.Value.GetOrderId(), m.ID); err != nil {
 			return err

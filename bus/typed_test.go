@@ -16,6 +16,7 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/bus/internal/testpb"
 	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/middleware"
 )
 
 // Every declaration mistake is an error of NewTopic naming the type and
@@ -302,8 +303,9 @@ func mustEvent[T any](t *testing.T, topic *bus.Topic[T], v T) bus.Event {
 
 // A typed handler gets each event decoded at its version: version 2 as is,
 // version 1 upcast, version 3 poisoned naming both versions, a payload that
-// does not decode poisoned naming the field or byte, an unknown type
-// poisoned or acked as the handler says, and counted.
+// does not decode poisoned naming the field or byte, a type it has no route
+// for acked without an attempt (the default) or poisoned
+// (WithUnknownTypes(PoisonUnknown)), and counted.
 func TestTypedHandlerDecodesUpcastsAndPoisons(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -322,9 +324,9 @@ func TestTypedHandlerDecodesUpcastsAndPoisons(t *testing.T) {
 			gotCancelled = append(gotCancelled, m.Value.OrderID)
 			return nil
 		}),
-	})
-	audit := w.chain(t, "audit", []bus.Route{bus.On(cancel, func(context.Context, bus.Message[cancelled]) error { return nil })},
-		bus.WithUnknownTypes(bus.AckUnknown))
+	}, bus.WithUnknownTypes(bus.PoisonUnknown))
+	audited := 0
+	audit := w.chain(t, "audit", []bus.Route{bus.On(cancel, func(context.Context, bus.Message[cancelled]) error { audited++; return nil })})
 	var gotPB []*testpb.OrderPlaced
 	shipping := w.chain(t, "shipping", []bus.Route{bus.On(pb, func(_ context.Context, m bus.Message[*testpb.OrderPlaced]) error {
 		gotPB = append(gotPB, m.Value)
@@ -370,7 +372,8 @@ func TestTypedHandlerDecodesUpcastsAndPoisons(t *testing.T) {
 	require.True(t, containsAll(reasons["e-4"], "payload.total_cents", "expected int64"), reasons["e-4"])
 	require.True(t, containsAll(reasons["e-5"], "content-type", "application/x-protobuf", "codec json"), reasons["e-5"])
 	require.True(t, containsAll(reasons["e-6"], `event type "OrderShipped" has no route in handler billing`, "OrderCancelled, OrderPlaced"), reasons["e-6"])
-	require.Empty(t, w.poisonReasons(t, "audit"), "audit acks the types it has no route for")
+	require.Equal(t, 1, audited)
+	requireOtherTypesAcked(t, w, "audit", 6, "billing")
 	pbReasons := w.poisonReasons(t, "shipping")
 	require.True(t, containsAll(pbReasons["e-9"], "invalid payload.total_cents: event type OrderPlaced version 1 does not decode with codec protobuf",
 		"at byte 3, field 2 (total_cents): unexpected EOF"), pbReasons["e-9"])
@@ -381,6 +384,22 @@ func TestTypedHandlerDecodesUpcastsAndPoisons(t *testing.T) {
 	require.EqualValues(t, 1, unknown("billing", "OrderShipped"))
 	require.EqualValues(t, 5, unknown("audit", "OrderPlaced"), "e-1 to e-5")
 	require.EqualValues(t, 1, unknown("audit", "OrderShipped"))
+}
+
+// requireOtherTypesAcked checks that handler acked others events of types it
+// has no route for without an attempt (no poison, no inbox row, counted as
+// other_type), and that strict, with PoisonUnknown, acked none that way.
+func requireOtherTypesAcked(t *testing.T, w chainWorld, handler string, others int, strict string) {
+	t.Helper()
+	require.Empty(t, w.poisonReasons(t, handler), "%s acks the types it has no route for", handler)
+	outcome := func(handler, outcome string) float64 {
+		return w.counter(t, middleware.MetricMessages, map[string]string{"handler": handler, "outcome": outcome})
+	}
+	require.EqualValues(t, others, outcome(handler, middleware.OutcomeOtherType), "acked without an attempt")
+	require.Zero(t, outcome(strict, middleware.OutcomeOtherType))
+	var inboxRows int
+	require.NoError(t, w.tb.db.QueryRow(`SELECT count(*) FROM "`+w.tb.cfg.Database.Schema+`".millrace_inbox WHERE consumer_group = $1`, handler).Scan(&inboxRows))
+	require.EqualValues(t, outcome(handler, middleware.OutcomeOK), inboxRows, "no inbox row for the types %s does not take", handler)
 }
 
 // bus.Tx in a handler whose inbox and ordering guard are off panics with

@@ -9,11 +9,14 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/chromedp/chromedp"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
@@ -124,8 +127,10 @@ func TestConsoleInABrowser(t *testing.T) {
 	cfg.Database.Schema = testdb.Schema(t, db)
 	brokertest.Apply(t, bus.KindNATS, &cfg)
 	cfg.Relay.PollInterval = 100 * time.Millisecond
+	cfg.Metrics.BacklogInterval = 100 * time.Millisecond
 	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	b, err := bus.Open(ctx, cfg, db)
+	reg := prometheus.NewRegistry()
+	b, err := bus.Open(ctx, cfg, db, bus.WithRegistry(reg))
 	require.NoError(t, err)
 	defer b.Close()
 	topic := "console-" + cfg.Database.Schema[len(cfg.Database.Schema)-8:]
@@ -170,8 +175,9 @@ func TestConsoleInABrowser(t *testing.T) {
 	broken = false
 	mu.Unlock()
 
-	h, err := console.New(ops, console.Options{})
+	h, err := console.New(ops, console.Options{SampleInterval: 100 * time.Millisecond, Metrics: reg})
 	require.NoError(t, err)
+	defer h.Close()
 	srv := httptest.NewServer(h)
 	defer srv.Close()
 	shots := t.TempDir()
@@ -247,12 +253,61 @@ func TestConsoleInABrowser(t *testing.T) {
 	require.Equal(t, 3, count("#messages td.state-processed"), "the list shows them processed")
 	shoot(t, bctx, shots, "dlq-processed")
 
+	checkCharts(t, bctx, srv.URL, ops)
+	shoot(t, bctx, shots, "outbox-charts")
+
 	do(t, bctx, chromedp.Navigate(srv.URL+"/quarantine"), chromedp.WaitVisible("#empty"))
 	shoot(t, bctx, shots, "quarantine")
 
 	// A bad filter typed into the address bar is answered with its reason.
 	do(t, bctx, chromedp.Navigate(srv.URL+"/dlq?since=tomorrow"), chromedp.WaitVisible("#error"))
 	require.Contains(t, get(t, bctx, chromedp.Text("#error")), `since "tomorrow"`)
+}
+
+// checkCharts checks the overview's charts once the events of
+// TestConsoleInABrowser are through: seven forwarded by the relay group
+// (four published, three replayed), three processed by the consumer group
+// stock (the replays; the poisoned attempts wrote no inbox row), and the
+// samples of the oldest pending age and the lag at 0 since.
+func checkCharts(t *testing.T, bctx context.Context, base string, ops *bus.Ops) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		st, err := ops.OutboxStatus(context.Background(), "")
+		return err == nil && st.Pending == 0
+	}, time.Minute, 20*time.Millisecond, "the relay's cursor past every event")
+	relay := ops.Config().Relay.ConsumerGroup
+	chart := func(kind, group string) string {
+		return strconv.Quote(fmt.Sprintf(`svg[data-chart=%q][data-group=%q]`, kind, group))
+	}
+	desc := func(kind, group string) string {
+		return `document.querySelector(` + chart(kind, group) + `)?.querySelector("desc")?.textContent ?? ""`
+	}
+	// The samples catch up with the events: the overview, reloaded until
+	// its samples say nothing is pending or unconsumed any more.
+	require.Eventually(t, func() bool {
+		ctx, cancel := context.WithTimeout(bctx, 10*time.Second)
+		defer cancel()
+		if chromedp.Do(ctx, chromedp.Navigate(base+"/"), chromedp.WaitVisible("#relay-charts")) != nil {
+			return false
+		}
+		oldest, err := chromedp.Run(ctx, chromedp.Evaluate[string](desc("oldest", relay)))
+		if err != nil {
+			return false
+		}
+		lag, err := chromedp.Run(ctx, chromedp.Evaluate[string](desc("lag", "stock")))
+		return err == nil && strings.HasSuffix(oldest, "now 0s.") && strings.HasSuffix(lag, "now 0.")
+	}, time.Minute, 100*time.Millisecond, "samples with nothing pending and no lag")
+	require.Contains(t, get(t, bctx, chromedp.Evaluate[string](desc("oldest", relay))), "since the console started at")
+
+	bars := func(kind, group string) int {
+		return get(t, bctx, chromedp.Evaluate[int](`[...document.querySelectorAll(`+chart(kind, group)+` + " rect")]`+
+			`.reduce((n, r) => n + Number(r.dataset.v), 0)`))
+	}
+	require.Contains(t, get(t, bctx, chromedp.Evaluate[string](desc("forwarded", relay))), "total 7 over the last hour")
+	require.Equal(t, 7, bars("forwarded", relay), "the bars add up to the seven events")
+	require.Contains(t, get(t, bctx, chromedp.Evaluate[string](desc("processed", "stock"))), "total 3 over the last hour")
+	require.Equal(t, 3, bars("processed", "stock"), "the bars add up to the three events")
+	require.Equal(t, bus.ThroughputMinutes, get(t, bctx, chromedp.Evaluate[int](`document.querySelectorAll(`+chart("processed", "stock")+` + " rect").length`)))
 }
 
 // The saga pages in a real browser: the nav leads to the saga list, whose

@@ -16,6 +16,9 @@ import (
 	"log/slog"
 	"net/http"
 	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/millrace-io/millrace/bus"
 )
@@ -37,8 +40,21 @@ type Options struct {
 	// By names who acts, in replay histories. Defaults to "console"; with
 	// basic authentication, "console:<user>".
 	By string
-	// Logger receives the errors of pages that failed. Defaults to slog.Default().
+	// Logger receives the errors of pages that failed, and of samples.
+	// Defaults to slog.Default().
 	Logger *slog.Logger
+	// SampleInterval is how often the console samples, for the overview's
+	// charts, what the database keeps no history of: each relay group's
+	// oldest pending age and, with Metrics, each consumer group's backlog.
+	// It keeps the last hour of samples in memory (at most 3600 per group),
+	// until Close. Defaults to 1m.
+	SampleInterval time.Duration
+	// Metrics is the Prometheus registry of the Bus that runs the consumers
+	// in this process (the one given to bus.WithRegistry): the console
+	// samples their millrace_consumer_backlog (on brokers that report it)
+	// for the overview's lag charts. Defaults to none: no lag charts, as in
+	// `millrace ui`, which runs apart from the consumers.
+	Metrics prometheus.Gatherer
 }
 
 // Cookie names.
@@ -50,26 +66,32 @@ const (
 //go:embed assets
 var assets embed.FS
 
-// console is the handler New returns.
-type console struct {
-	ops   *bus.Ops
-	opts  Options
-	key   []byte // MACs of CSRF tokens and auth cookies; new per process
-	pages *template.Template
-	mux   *http.ServeMux
-	log   *slog.Logger
+// Console is the web console: an http.Handler, and the sampler behind the
+// overview's charts, which Close stops.
+type Console struct {
+	ops     *bus.Ops
+	opts    Options
+	key     []byte // MACs of CSRF tokens and auth cookies; new per process
+	pages   *template.Template
+	mux     *http.ServeMux
+	handler http.Handler // mux behind the cross-origin protection and serve
+	log     *slog.Logger
+	samples *sampler
 }
 
-// New returns the console over ops. It fails when Options are
-// contradictory (a basic-auth user without a password, or the reverse).
-func New(ops *bus.Ops, opts Options) (http.Handler, error) {
-	if ops == nil {
+// New returns the console over ops, sampling for its charts until Close.
+// It fails when Options are contradictory (a basic-auth user without a
+// password, or the reverse) or SampleInterval is negative.
+func New(ops *bus.Ops, opts Options) (*Console, error) {
+	switch {
+	case ops == nil:
 		return nil, errors.New("console: New needs the operations API (bus.NewOps)")
-	}
-	if (opts.BasicUser == "") != (opts.BasicPassword == "") {
+	case (opts.BasicUser == "") != (opts.BasicPassword == ""):
 		return nil, errors.New("console: BasicUser and BasicPassword go together")
+	case opts.SampleInterval < 0:
+		return nil, fmt.Errorf("console: SampleInterval must not be negative; got %s", opts.SampleInterval)
 	}
-	c := &console{ops: ops, opts: opts, key: make([]byte, 32), log: cmp.Or(opts.Logger, slog.Default())}
+	c := &Console{ops: ops, opts: opts, key: make([]byte, 32), log: cmp.Or(opts.Logger, slog.Default())}
 	if _, err := rand.Read(c.key); err != nil {
 		return nil, fmt.Errorf("console: session key: %w", err)
 	}
@@ -98,12 +120,25 @@ func New(ops *bus.Ops, opts Options) (http.Handler, error) {
 	protect.SetDenyHandler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		c.fail(w, r, http.StatusForbidden, "cross-origin request refused")
 	}))
-	return protect.Handler(http.HandlerFunc(c.serve)), nil
+	c.handler = protect.Handler(http.HandlerFunc(c.serve))
+	c.samples = startSampler(ops, opts.Metrics, cmp.Or(opts.SampleInterval, time.Minute), c.log)
+	return c, nil
+}
+
+// ServeHTTP serves the console's pages.
+func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) { c.handler.ServeHTTP(w, r) }
+
+// Close stops the sampling and waits for it to end; the pages keep
+// working, their sampled charts no longer move. It is idempotent and
+// returns nil.
+func (c *Console) Close() error {
+	c.samples.close()
+	return nil
 }
 
 // serve sets the security headers, the session, and checks authentication
 // and, for actions, the CSRF token, before the page runs.
-func (c *console) serve(w http.ResponseWriter, r *http.Request) {
+func (c *Console) serve(w http.ResponseWriter, r *http.Request) {
 	h := w.Header()
 	h.Set("Content-Security-Policy", "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "+
 		"form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
@@ -148,7 +183,7 @@ type sessionKey struct{}
 
 // session returns the visitor's session id, setting a new one when there
 // is none.
-func (c *console) session(w http.ResponseWriter, r *http.Request) string {
+func (c *Console) session(w http.ResponseWriter, r *http.Request) string {
 	if ck, err := r.Cookie(sessionCookie); err == nil && len(ck.Value) == 64 {
 		if _, err := hex.DecodeString(ck.Value); err == nil {
 			return ck.Value
@@ -165,16 +200,16 @@ func (c *console) session(w http.ResponseWriter, r *http.Request) string {
 }
 
 // csrf is the CSRF token of session: a MAC only this process can make.
-func (c *console) csrf(session string) string { return c.mac("csrf:" + session) }
+func (c *Console) csrf(session string) string { return c.mac("csrf:" + session) }
 
-func (c *console) mac(s string) string {
+func (c *Console) mac(s string) string {
 	m := hmac.New(sha256.New, c.key)
 	m.Write([]byte(s))
 	return hex.EncodeToString(m.Sum(nil))
 }
 
 // authenticated reports whether r passes the configured authentication.
-func (c *console) authenticated(r *http.Request) bool {
+func (c *Console) authenticated(r *http.Request) bool {
 	if c.opts.BasicUser != "" {
 		user, pass, ok := r.BasicAuth()
 		return ok && equal(user, c.opts.BasicUser) && equal(pass, c.opts.BasicPassword)
@@ -192,14 +227,14 @@ func (c *console) authenticated(r *http.Request) bool {
 func equal(a, b string) bool { return subtle.ConstantTimeCompare([]byte(a), []byte(b)) == 1 }
 
 // by names who acts for the replay history.
-func (c *console) by(r *http.Request) string {
+func (c *Console) by(r *http.Request) string {
 	if user, _, ok := r.BasicAuth(); ok && c.opts.BasicUser != "" {
 		return "console:" + user
 	}
 	return cmp.Or(c.opts.By, "console")
 }
 
-func (c *console) loginPage(w http.ResponseWriter, r *http.Request) {
+func (c *Console) loginPage(w http.ResponseWriter, r *http.Request) {
 	if c.opts.Token == "" {
 		http.Redirect(w, r, base(r)+"/", http.StatusSeeOther)
 		return
@@ -208,7 +243,7 @@ func (c *console) loginPage(w http.ResponseWriter, r *http.Request) {
 }
 
 // login checks the token entered in the login form and sets the auth cookie.
-func (c *console) login(w http.ResponseWriter, r *http.Request) {
+func (c *Console) login(w http.ResponseWriter, r *http.Request) {
 	if c.opts.Token == "" || !equal(r.PostForm.Get("token"), c.opts.Token) {
 		w.WriteHeader(http.StatusUnauthorized)
 		c.render(w, r, "login", page{Title: "Sign in", CSRF: c.csrf(c.session(w, r)), Error: "wrong token"})
@@ -240,7 +275,7 @@ type page struct {
 }
 
 // render writes the template name with p, filling in the request's parts.
-func (c *console) render(w http.ResponseWriter, r *http.Request, name string, p page) {
+func (c *Console) render(w http.ResponseWriter, r *http.Request, name string, p page) {
 	p.Base, p.ReadOnly = base(r), c.opts.ReadOnly
 	if session, ok := r.Context().Value(sessionKey{}).(string); ok && p.CSRF == "" {
 		p.CSRF = c.csrf(session)
@@ -252,14 +287,14 @@ func (c *console) render(w http.ResponseWriter, r *http.Request, name string, p 
 }
 
 // fail answers status with the reason, as a page.
-func (c *console) fail(w http.ResponseWriter, r *http.Request, status int, reason string) {
+func (c *Console) fail(w http.ResponseWriter, r *http.Request, status int, reason string) {
 	w.WriteHeader(status)
 	c.render(w, r, "error", page{Title: http.StatusText(status), Error: reason, Data: status})
 }
 
 // failErr answers a failed operation: 404 for ids that do not exist, 409
 // for a selection that changed, 400 for an invalid one, 500 otherwise.
-func (c *console) failErr(w http.ResponseWriter, r *http.Request, err error) {
+func (c *Console) failErr(w http.ResponseWriter, r *http.Request, err error) {
 	switch {
 	case errors.Is(err, bus.ErrNotFound) && r.Method == http.MethodGet:
 		c.fail(w, r, http.StatusNotFound, err.Error())

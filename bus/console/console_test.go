@@ -79,8 +79,10 @@ func newFixture(t *testing.T, n int, cfg bus.Config) *fixture {
 // serve starts the console over f with opts, under prefix ("" for the root).
 func (f *fixture) serve(t *testing.T, opts console.Options, prefix string) *httptest.Server {
 	t.Helper()
-	h, err := console.New(f.ops, opts)
+	c, err := console.New(f.ops, opts)
 	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, c.Close()) })
+	var h http.Handler = c
 	if prefix != "" {
 		mux := http.NewServeMux()
 		mux.Handle(prefix+"/", http.StripPrefix(prefix, h))
@@ -404,6 +406,41 @@ func TestAChangedSelectionIsReported(t *testing.T) {
 	code, body = c.post("/dlq/purge", one)
 	require.Equal(t, http.StatusConflict, code)
 	require.Contains(t, body, "purged meanwhile")
+}
+
+// A replay's dry run names the consumer groups that will process it; a
+// replay the relay quarantined shows on the message's page as state
+// quarantined, with a link to the quarantine's row and its reason.
+func TestReplayGroupsAndAQuarantinedReplayAreShown(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newFixture(t, 1, bus.Config{})
+	srv := f.serve(t, console.Options{}, "")
+	c := newClient(t, srv.URL)
+	token := c.csrf("/dlq")
+	code, body := c.post("/dlq/replay", url.Values{"csrf": {token}, "id": {fmt.Sprint(f.ids[0])}})
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, "replay, processed only by consumer group(s) billing")
+
+	res, err := f.ops.ReplayPoisoned(ctx, bus.PoisonSelection{IDs: f.ids}, bus.ReplayOptions{})
+	require.NoError(t, err)
+	tables := store.Tables{Schema: f.cfg.Database.Schema, OutboxTopic: "millrace_outbox"}
+	var row store.OutboxRow
+	require.NoError(t, f.db.QueryRow(`SELECT "offset", uuid, payload FROM "`+f.cfg.Database.Schema+`".watermill_millrace_outbox`).Scan(&row.Offset, &row.UUID, &row.Payload))
+	require.Equal(t, res.Replayed[0].MessageID, row.UUID)
+	tx, err := f.db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	require.NoError(t, tables.Quarantine(ctx, tx, row, "orders.events", "e-0", "nats: size: over the stream's max_msg_size"))
+	require.NoError(t, tx.Commit())
+	q, err := f.ops.ListQuarantined(ctx, bus.QuarantineFilter{Reason: "max_msg_size"}, 0)
+	require.NoError(t, err)
+	require.Len(t, q.Rows, 1)
+
+	_, body = c.get(fmt.Sprintf("/dlq/%d", f.ids[0]))
+	require.Contains(t, body, `<dd class="state-quarantined">quarantined</dd>`)
+	require.Contains(t, body, fmt.Sprintf(`as <a href="/quarantine/%d">row %d</a>: nats: size: over the stream&#39;s max_msg_size`, q.Rows[0].ID, q.Rows[0].ID))
+	_, body = c.get("/dlq")
+	require.Contains(t, body, `<td class="state-quarantined">quarantined</td>`)
 }
 
 // The order saga of the saga pages' tests: an order starts it with a

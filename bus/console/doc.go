@@ -7,9 +7,21 @@
 // instances (state and pending timeouts with their due times) and
 // scheduled events. It runs no SQL of its own.
 //
-// New returns an http.Handler a service mounts behind its own
+// The overview charts the last hour per minute, as inline SVG drawn on the
+// server (no script), each with a description giving its numbers: per relay
+// group, the events forwarded (the outbox rows its cursor has passed, in
+// the minute they were written: the database keeps no time of forwarding,
+// and rows deleted after relay.retention are missing) and the oldest
+// pending age; per consumer group, the events processed (inbox rows by
+// processed_at) and the lag (millrace_consumer_backlog, with
+// Options.Metrics). The counts come from the database (bus.Ops.Throughput);
+// the ages and lags, of which it keeps no history, the console samples
+// itself every Options.SampleInterval into a ring of the last hour, in
+// memory, so that they cover only the time since it started.
+//
+// New returns a *Console, an http.Handler a service mounts behind its own
 // authentication (it works under any path prefix with http.StripPrefix);
-// `millrace ui` serves it on 127.0.0.1.
+// Close stops its sampling goroutine. `millrace ui` serves it on 127.0.0.1.
 //
 // Safe by default: every action (a POST) needs the CSRF token of the
 // visitor's session and passes http.CrossOriginProtection; Options.Token or

@@ -17,6 +17,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/forwarder"
 )
 
 // funcs are the templates' helpers.
@@ -81,11 +82,16 @@ type overviewData struct {
 	Groups                      int
 	Quarantined                 int
 	QuarantinedMore             bool
+	// Waits are the transactions whose locks the outbox's relays wait for
+	// (the same for every relay group's status).
+	Waits []forwarder.Wait
+	// Charts are the last hour's, per relay group and consumer group.
+	Charts chartsData
 }
 
 // overview is the outbox status per relay group, with the DLQ and
-// quarantine at a glance.
-func (c *console) overview(w http.ResponseWriter, r *http.Request) {
+// quarantine at a glance, and the last hour's charts.
+func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 	if err := errNoFilters(r); err != nil {
 		c.failErr(w, r, err)
 		return
@@ -94,6 +100,13 @@ func (c *console) overview(w http.ResponseWriter, r *http.Request) {
 	d := overviewData{Schema: cfg.Database.Schema, OutboxTopic: cfg.Outbox.Topic, Broker: cfg.Broker.Kind}
 	var err error
 	if d.Statuses, err = c.ops.OutboxStatuses(r.Context()); err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	if len(d.Statuses) > 0 {
+		d.Waits = d.Statuses[0].Waits
+	}
+	if d.Charts, err = c.charts(r.Context()); err != nil {
 		c.failErr(w, r, err)
 		return
 	}
@@ -127,7 +140,7 @@ type listData struct {
 	Group     *bus.FailureGroup // the group a fingerprint filter selects
 }
 
-func (c *console) dlqList(w http.ResponseWriter, r *http.Request) {
+func (c *Console) dlqList(w http.ResponseWriter, r *http.Request) {
 	f, err := parseFilter(r.URL.Query(), dlqKeys)
 	if err != nil {
 		c.failErr(w, r, err)
@@ -158,7 +171,7 @@ type groupsData struct {
 	Groups []bus.FailureGroup
 }
 
-func (c *console) dlqGroups(w http.ResponseWriter, r *http.Request) {
+func (c *Console) dlqGroups(w http.ResponseWriter, r *http.Request) {
 	f, err := parseFilter(r.URL.Query(), groupKeys)
 	if err != nil {
 		c.failErr(w, r, err)
@@ -230,7 +243,7 @@ func detailID(r *http.Request) (int64, error) {
 	return id, nil
 }
 
-func (c *console) dlqShow(w http.ResponseWriter, r *http.Request) {
+func (c *Console) dlqShow(w http.ResponseWriter, r *http.Request) {
 	id, err := detailID(r)
 	if err != nil {
 		c.failErr(w, r, err)
@@ -245,7 +258,7 @@ func (c *console) dlqShow(w http.ResponseWriter, r *http.Request) {
 		Data: detailData{Poisoned: &d, Metadata: sortedEntries(d.Metadata), Payload: viewPayload(d.Payload)}})
 }
 
-func (c *console) quarantineList(w http.ResponseWriter, r *http.Request) {
+func (c *Console) quarantineList(w http.ResponseWriter, r *http.Request) {
 	f, err := parseFilter(r.URL.Query(), quarantineKeys)
 	if err != nil {
 		c.failErr(w, r, err)
@@ -260,7 +273,7 @@ func (c *console) quarantineList(w http.ResponseWriter, r *http.Request) {
 		Data: listData{Filter: f, Rows: list.Rows, Truncated: list.Truncated}})
 }
 
-func (c *console) quarantineShow(w http.ResponseWriter, r *http.Request) {
+func (c *Console) quarantineShow(w http.ResponseWriter, r *http.Request) {
 	id, err := detailID(r)
 	if err != nil {
 		c.failErr(w, r, err)
@@ -298,7 +311,7 @@ type row struct {
 
 // checkAction refuses unknown actions (serve refuses every action in
 // read-only mode).
-func (c *console) checkAction(w http.ResponseWriter, r *http.Request) (string, bool) {
+func (c *Console) checkAction(w http.ResponseWriter, r *http.Request) (string, bool) {
 	action := r.PathValue("action")
 	if action != "replay" && action != "purge" {
 		c.fail(w, r, http.StatusNotFound, fmt.Sprintf("no action %q: replay or purge", action))
@@ -311,7 +324,7 @@ func (c *console) checkAction(w http.ResponseWriter, r *http.Request) (string, b
 // parses the selection from the form, lets fill run it (a dry run whose page
 // asks for confirmation when the form has no expect token, the action itself
 // when it has) and renders the result under nav.
-func (c *console) runAction(w http.ResponseWriter, r *http.Request, what string, keys []string,
+func (c *Console) runAction(w http.ResponseWriter, r *http.Request, what string, keys []string,
 	fill func(d *actionData, dryRun bool) error) {
 	action, ok := c.checkAction(w, r)
 	if !ok {
@@ -332,7 +345,7 @@ func (c *console) runAction(w http.ResponseWriter, r *http.Request, what string,
 }
 
 // dlqAction replays or purges poisoned messages.
-func (c *console) dlqAction(w http.ResponseWriter, r *http.Request) {
+func (c *Console) dlqAction(w http.ResponseWriter, r *http.Request) {
 	c.runAction(w, r, "dlq", dlqKeys, func(d *actionData, dryRun bool) error {
 		if d.Action == "replay" {
 			res, err := c.ops.ReplayPoisoned(r.Context(), d.Selection.poison(), bus.ReplayOptions{DryRun: dryRun, By: c.by(r)})
@@ -341,11 +354,15 @@ func (c *console) dlqAction(w http.ResponseWriter, r *http.Request) {
 			}
 			d.Token, d.Count, d.Skipped, d.Messages, d.Warnings = res.Selection, len(res.Replayed), len(res.Skipped), res.Messages, res.Warnings
 			for _, e := range res.Replayed {
-				d.Rows = append(d.Rows, row{ID: e.ID, Topic: e.Topic, Handler: e.Handler, Event: e.EventType, Note: "replay"})
+				d.Rows = append(d.Rows, row{ID: e.ID, Topic: e.Topic, Handler: e.Handler, Event: e.EventType,
+					Note: "replay, processed only by consumer group(s) " + strings.Join(e.TargetGroups, ", ")})
 			}
 			for _, e := range res.Skipped {
-				d.Rows = append(d.Rows, row{ID: e.ID, Topic: e.Topic, Handler: e.Handler, Event: e.EventType,
-					Note: "skipped: its group's inbox recorded the event at " + e.ProcessedAt.UTC().Format(time.RFC3339)})
+				note := "skipped: " + e.Detail
+				if e.Reason == bus.SkipAlreadyProcessed {
+					note = "skipped: its group's inbox recorded the event at " + e.ProcessedAt.UTC().Format(time.RFC3339)
+				}
+				d.Rows = append(d.Rows, row{ID: e.ID, Topic: e.Topic, Handler: e.Handler, Event: e.EventType, Note: note})
 			}
 			return nil
 		}
@@ -362,7 +379,7 @@ func (c *console) dlqAction(w http.ResponseWriter, r *http.Request) {
 }
 
 // quarantineAction replays or purges quarantined outbox rows.
-func (c *console) quarantineAction(w http.ResponseWriter, r *http.Request) {
+func (c *Console) quarantineAction(w http.ResponseWriter, r *http.Request) {
 	c.runAction(w, r, "quarantine", quarantineKeys, func(d *actionData, dryRun bool) error {
 		if d.Action == "replay" {
 			res, err := c.ops.ReplayQuarantined(r.Context(), d.Selection.quarantine(), bus.ReplayOptions{DryRun: dryRun, By: c.by(r)})
@@ -406,7 +423,7 @@ type sagasData struct {
 	Truncated bool
 }
 
-func (c *console) sagaList(w http.ResponseWriter, r *http.Request) {
+func (c *Console) sagaList(w http.ResponseWriter, r *http.Request) {
 	f, err := parseSagaFilter(r.URL.Query())
 	if err != nil {
 		c.failErr(w, r, err)
@@ -433,7 +450,7 @@ type sagaData struct {
 	Timeouts []sagaTimeout
 }
 
-func (c *console) sagaShow(w http.ResponseWriter, r *http.Request) {
+func (c *Console) sagaShow(w http.ResponseWriter, r *http.Request) {
 	if err := errNoFilters(r); err != nil {
 		c.failErr(w, r, err)
 		return
@@ -468,7 +485,7 @@ type scheduledData struct {
 	Truncated bool
 }
 
-func (c *console) scheduledList(w http.ResponseWriter, r *http.Request) {
+func (c *Console) scheduledList(w http.ResponseWriter, r *http.Request) {
 	err := checkKeys(r.URL.Query(), scheduledKeys, nil)
 	limit := defaultLimit
 	if err == nil {

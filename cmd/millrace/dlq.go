@@ -184,6 +184,10 @@ func writeShow(w io.Writer, r showResult) {
 	field("poisoned at", r.PoisonedAt.Format(time.RFC3339Nano))
 	field("traceparent", cmp.Or(r.Traceparent, "-"))
 	field("replayed at", timeText(r.ReplayedAt, "not since it was last poisoned"))
+	if q := r.ReplayQuarantine; q != nil {
+		field("replay", fmt.Sprintf("in the relay quarantine since %s as row %d: %s (fix the cause, then `millrace quarantine replay %d`)",
+			q.QuarantinedAt.Format(time.RFC3339), q.ID, cell(q.Reason, 200), q.ID))
+	}
 	field("processed at", timeText(r.ProcessedAt, "not recorded in the consumer group's inbox"))
 	fmt.Fprintln(w, "reason:")
 	writeIndented(w, r.Reason)
@@ -243,7 +247,7 @@ func bindReplay(fs *flag.FlagSet) runFunc {
 	var sel selection
 	sel.register(fs)
 	dryRun := fs.Bool("dry-run", false, "show what would be replayed; change nothing")
-	force := fs.Bool("force", false, "also replay messages whose event the consumer group's inbox already records (the group acks them as duplicates)")
+	force := fs.Bool("force", false, "also replay messages whose event the consumer group's inbox already records (the group acks them as duplicates), and those the broker would refuse (the relay quarantines them)")
 	return func(ctx context.Context, e env, args []string) error {
 		if err := sel.resolve(args, "replay"); err != nil {
 			return err
@@ -277,19 +281,23 @@ func writeReplay(w io.Writer, res bus.ReplayResult) {
 		if r.MessageID != "" {
 			fmt.Fprintf(w, " as message %s", r.MessageID)
 		}
-		fmt.Fprintln(w)
+		fmt.Fprintf(w, " for consumer group(s) %s\n", strings.Join(r.TargetGroups, ", "))
 	}
 	for _, s := range res.Skipped {
-		fmt.Fprintf(w, "skipped %d (group %s, handler %s, topic %s, event %s): already processed, the group's inbox recorded the event at %s (--force replays it anyway)\n",
-			s.ID, s.ConsumerGroup, s.Handler, s.Topic, s.EventID, s.ProcessedAt.Format(time.RFC3339))
+		fmt.Fprintf(w, "skipped %d (group %s, handler %s, topic %s, event %s): ", s.ID, s.ConsumerGroup, s.Handler, s.Topic, s.EventID)
+		if s.Reason == bus.SkipAlreadyProcessed {
+			fmt.Fprintf(w, "already processed, the group's inbox recorded the event at %s (--force replays it anyway)\n", timeText(s.ProcessedAt, "-"))
+		} else {
+			fmt.Fprintf(w, "%s (--force replays it anyway, and the relay quarantines it)\n", s.Detail)
+		}
 	}
 	switch {
 	case len(res.Replayed) == 0 && len(res.Skipped) == 0:
 		fmt.Fprintln(w, "no poisoned messages match")
 	case res.DryRun:
-		fmt.Fprintf(w, "dry run: %d message(s) would be written to the outbox; nothing changed\n", res.Messages)
+		fmt.Fprintf(w, "dry run: %d message(s) would be written to the outbox, each processed only by the group(s) it is for; nothing changed\n", res.Messages)
 	default:
-		fmt.Fprintf(w, "%d message(s) written to the outbox; the relay delivers each to every consumer group of its topic, and groups that processed the event already ack it as a duplicate\n", res.Messages)
+		fmt.Fprintf(w, "%d message(s) written to the outbox; the relay delivers each to every consumer group of its topic, and only the group(s) it is for process it\n", res.Messages)
 	}
 }
 

@@ -17,6 +17,7 @@ import (
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/envelope"
+	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/internal/testdb"
 	"github.com/millrace-io/millrace/middleware"
 )
@@ -523,6 +524,9 @@ func TestDLQReplayWritesTheOutbox(t *testing.T) {
 	cliJSON(t, path, &dry, "dlq", "replay", "--all", "--dry-run")
 	require.True(t, dry.DryRun)
 	require.Equal(t, []int64{guarded, unguarded, plain}, []int64{dry.WouldReplay[0].ID, dry.WouldReplay[1].ID, dry.WouldReplay[2].ID})
+	require.Equal(t, [][]string{{"guarded", "unguarded"}, {"guarded", "unguarded"}, {"guarded"}},
+		[][]string{dry.WouldReplay[0].TargetGroups, dry.WouldReplay[1].TargetGroups, dry.WouldReplay[2].TargetGroups},
+		"a replay is for the groups whose rows of its event it replays")
 	require.Equal(t, 2, dry.WouldWrite, "one message per event")
 	require.Empty(t, outbox(), "a dry run writes nothing")
 	require.ElementsMatch(t, []string{
@@ -548,21 +552,21 @@ func TestDLQReplayWritesTheOutbox(t *testing.T) {
 	require.Equal(t, res.Replayed[0].MessageID, r.uuid)
 	require.Equal(t, r.uuid, r.msg.UUID)
 	require.Equal(t, `{"order":"o-1"}`, string(r.msg.Payload))
-	want := message.Metadata{middleware.ReplayOfKey: "e-1"}
+	want := message.Metadata{middleware.ReplayOfKey: "e-1", middleware.ReplayGroupsKey: "guarded,unguarded"}
 	for k, v := range meta {
 		want[k] = v
 	}
-	require.Equal(t, want, r.msg.Metadata, "the original metadata, event id included, and replay-of")
+	require.Equal(t, want, r.msg.Metadata, "the original metadata, event id included, replay-of and replay-groups")
 
 	code, out, errOut := cli(t, path, "dlq", "replay", strconv.FormatInt(plain, 10))
 	require.Equal(t, exitOK, code, errOut)
-	require.Regexp(t, `^replayed `+strconv.FormatInt(plain, 10)+` \(group guarded, handler guarded, topic invoices, event wm-uuid-1\) as message \S+\n`+
+	require.Regexp(t, `^replayed `+strconv.FormatInt(plain, 10)+` \(group guarded, handler guarded, topic invoices, event wm-uuid-1\) as message \S+ for consumer group\(s\) guarded\n`+
 		`1 message\(s\) written to the outbox; `, out)
 	rows = outbox()
 	require.Len(t, rows, 2)
 	require.Equal(t, "invoices", rows[1].dest)
 	require.Equal(t, []byte{1, 2, 3}, []byte(rows[1].msg.Payload))
-	require.Equal(t, message.Metadata{"event-id": "wm-uuid-1", middleware.ReplayOfKey: "wm-uuid-1"}, rows[1].msg.Metadata)
+	require.Equal(t, message.Metadata{"event-id": "wm-uuid-1", middleware.ReplayOfKey: "wm-uuid-1", middleware.ReplayGroupsKey: "guarded"}, rows[1].msg.Metadata)
 
 	var list bus.PoisonList
 	cliJSON(t, path, &list, "dlq", "list", "--replayed")
@@ -571,4 +575,67 @@ func TestDLQReplayWritesTheOutbox(t *testing.T) {
 		require.Equal(t, bus.PoisonStateReplayed, m.State)
 		require.Equal(t, 1, m.ReplayCount)
 	}
+}
+
+// A replay the relay moved to its quarantine shows in the DLQ as state
+// quarantined with the quarantine's row and reason, in dlq list, dlq show
+// and the next replay's warning; once that row is replayed the message is
+// replayed again.
+func TestDLQShowsAReplayTheRelayQuarantined(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, schema, path := migrated(t)
+	id := insertPoison(t, db, schema, fixture{group: "billing", handler: "billing", topic: "orders", eventID: "e-1",
+		eventType: "OrderPlaced", reason: "boom", class: "permanent", metadata: map[string]string{"event-id": "e-1"}})
+	ids := strconv.FormatInt(id, 10)
+	var res bus.ReplayResult
+	cliJSON(t, path, &res, "dlq", "replay", ids)
+	require.Len(t, res.Replayed, 1)
+
+	// The relay quarantines the replay's outbox row, as it does when the
+	// broker refuses it.
+	tables := store.Tables{Schema: schema, OutboxTopic: "millrace_outbox"}
+	var row store.OutboxRow
+	require.NoError(t, db.QueryRow(`SELECT "offset", uuid, payload FROM "`+schema+`".watermill_millrace_outbox`).Scan(&row.Offset, &row.UUID, &row.Payload))
+	require.Equal(t, res.Replayed[0].MessageID, row.UUID)
+	tx, err := db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	require.NoError(t, tables.Quarantine(ctx, tx, row, "orders", "e-1", "nats: size: 2000000 bytes with headers, over the stream's max_msg_size"))
+	require.NoError(t, tx.Commit())
+	var quarantined bus.QuarantineList
+	cliJSON(t, path, &quarantined, "quarantine", "list")
+	require.Len(t, quarantined.Rows, 1)
+	qid := quarantined.Rows[0].ID
+
+	var list bus.PoisonList
+	cliJSON(t, path, &list, "dlq", "list")
+	require.Len(t, list.Messages, 1)
+	require.Equal(t, bus.PoisonStateQuarantined, list.Messages[0].State)
+	require.NotNil(t, list.Messages[0].ReplayQuarantine)
+	require.Equal(t, qid, list.Messages[0].ReplayQuarantine.ID)
+	require.Contains(t, list.Messages[0].ReplayQuarantine.Reason, "max_msg_size")
+	code, out, errOut := cli(t, path, "dlq", "show", ids)
+	require.Equal(t, exitOK, code, errOut)
+	require.Contains(t, out, "state:           quarantined\n")
+	require.Regexp(t, `replay:\s+in the relay quarantine since \S+ as row `+strconv.FormatInt(qid, 10)+`: nats: size: .*max_msg_size \(fix the cause, then `+
+		"`millrace quarantine replay "+strconv.FormatInt(qid, 10)+"`"+`\)`, out)
+	var dry dryReplay
+	cliJSON(t, path, &dry, "dlq", "replay", "--dry-run", ids)
+	require.Len(t, dry.Warnings, 1)
+	require.Contains(t, dry.Warnings[0], "its last replay is in the relay quarantine as row "+strconv.FormatInt(qid, 10))
+
+	var qres struct {
+		DryRun    bool                    `json:"dry_run"`
+		Replayed  []bus.QuarantinedRow    `json:"replayed"`
+		Skipped   []bus.QuarantineSkipped `json:"skipped"`
+		Messages  int                     `json:"messages"`
+		Selection string                  `json:"selection"`
+		Warnings  []string                `json:"warnings"`
+	}
+	cliJSON(t, path, &qres, "quarantine", "replay", strconv.FormatInt(qid, 10))
+	require.Len(t, qres.Replayed, 1)
+	list = bus.PoisonList{}
+	cliJSON(t, path, &list, "dlq", "list")
+	require.Equal(t, bus.PoisonStateReplayed, list.Messages[0].State, "replayed from the quarantine, on its way again")
+	require.Nil(t, list.Messages[0].ReplayQuarantine)
 }

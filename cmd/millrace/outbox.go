@@ -14,7 +14,7 @@ import (
 func init() {
 	commands = append(commands,
 		command{path: "migrate", summary: "create or update millrace's tables and triggers (idempotent)", bind: noFlags(runMigrate)},
-		command{path: "outbox status", summary: "pending events, oldest pending age, last forwarded, quarantined rows, shards with owners and backlog", bind: noFlags(runOutboxStatus)},
+		command{path: "outbox status", summary: "pending events, oldest pending age, last forwarded, quarantined rows, shards with owners and backlog, and any transaction whose lock the relay waits for", bind: noFlags(runOutboxStatus)},
 	)
 }
 
@@ -46,6 +46,7 @@ func runOutboxStatus(ctx context.Context, e env, args []string) error {
 		}
 		return e.print(st, func(w io.Writer) {
 			fmt.Fprintf(w, "relay group:         %s\n", st.RelayGroup)
+			fmt.Fprintf(w, "relayed to:          %s\n", cmp.Or(st.Broker, "(not recorded yet)"))
 			fmt.Fprintf(w, "pending:             %d\n", st.Pending)
 			fmt.Fprintf(w, "oldest pending age:  %s\n", st.OldestPendingAge.Round(time.Millisecond))
 			last := "never (or already cleaned up)"
@@ -64,6 +65,9 @@ func runOutboxStatus(ctx context.Context, e env, args []string) error {
 					fmt.Fprintf(tw, "%d\t%s\t%d\t%s\n", s.Shard, owner, s.Pending, s.OldestPendingAge.Round(time.Millisecond))
 				}
 				_ = tw.Flush()
+			}
+			for _, wt := range st.Waits {
+				fmt.Fprintf(w, "relay waiting:       %s for a lock held by %s\n", wt.Waited.Round(time.Second), wt)
 			}
 		})
 	})

@@ -77,6 +77,7 @@ func serveUI(ctx context.Context, e env, ops *bus.Ops, listen string, opts conso
 	if err != nil {
 		return err
 	}
+	defer h.Close()
 	ln, err := net.Listen("tcp", listen)
 	if err != nil {
 		return err

@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"reflect"
+	"slices"
 	"sort"
 	"strings"
 
@@ -47,9 +48,12 @@ type LookupEnv func(name string) (string, bool)
 
 // Decode parses YAML from data into out (a pointer to a struct with yaml tags).
 // Scalars have ${VAR} and ${VAR:-default} expanded from lookup ("$$" is a literal "$").
-// Unknown keys, duplicate keys, type mismatches and unset variables are all
-// reported, each as a *FieldError naming its path; decoding goes on after a
-// problem so that one call reports every problem at once.
+// Unknown keys, duplicate keys, type mismatches (each bad item of a list
+// at its index) and unset variables are all reported, each as a
+// *FieldError naming its path and what a value there looks like, never a
+// Go type; decoding goes on after a problem so that one call reports every
+// problem at once. Booleans are YAML 1.2's: true and false (or True, TRUE,
+// False, FALSE), unquoted; YAML 1.1's yes, no, on and off are refused.
 func Decode(data []byte, out any, lookup LookupEnv) []error {
 	if lookup == nil {
 		lookup = os.LookupEnv
@@ -96,7 +100,8 @@ func (d *decoder) decode(n *yaml.Node, v reflect.Value, path string) {
 		d.decodeStruct(n, v, path)
 	case v.Kind() == reflect.Map && n.Kind == yaml.MappingNode:
 		d.decodeMap(n, v, path)
-	case v.Kind() == reflect.Slice && n.Kind == yaml.SequenceNode && !isLeafKind(v.Type().Elem()):
+	case v.Kind() == reflect.Slice && n.Kind == yaml.SequenceNode:
+		// Item by item, so that each bad item is reported with its index.
 		s := reflect.MakeSlice(v.Type(), len(n.Content), len(n.Content))
 		for i, item := range n.Content {
 			d.decode(item, s.Index(i), fmt.Sprintf("%s[%d]", path, i))
@@ -163,12 +168,50 @@ func (d *decoder) decodeLeaf(n *yaml.Node, v reflect.Value, path string) {
 	if !d.expandNode(n, path) {
 		return
 	}
+	if isBool(v.Type()) {
+		if problem := boolProblem(n); problem != "" {
+			d.fail(path, "%s", problem)
+			return
+		}
+	}
 	target := reflect.New(v.Type())
 	if err := n.Decode(target.Interface()); err != nil {
 		d.fail(path, "expected %s, got %s", typeName(v.Type()), describe(n))
 		return
 	}
 	v.Set(target.Elem())
+}
+
+// yamlBools are the booleans of YAML 1.2's core schema.
+var yamlBools = []string{"true", "True", "TRUE", "false", "False", "FALSE"}
+
+// yaml11Bools are YAML 1.1's other spellings of booleans, which yaml.v3
+// still reads into a bool and YAML 1.2 reads as strings.
+var yaml11Bools = []string{"y", "Y", "yes", "Yes", "YES", "n", "N", "no", "No", "NO", "on", "On", "ON", "off", "Off", "OFF"}
+
+// isBool reports whether t is bool or a pointer to one.
+func isBool(t reflect.Type) bool {
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	return t.Kind() == reflect.Bool
+}
+
+// boolProblem says why n is not a YAML 1.2 boolean, or returns "": a
+// quoted "true" is a string, and yes, on and their kin are YAML 1.1's,
+// which a reader of YAML 1.2 (and of config.yaml) takes for strings.
+func boolProblem(n *yaml.Node) string {
+	switch {
+	case n.Kind != yaml.ScalarNode:
+		return fmt.Sprintf("expected true or false, got %s", describe(n))
+	case n.ShortTag() == "!!bool" && slices.Contains(yamlBools, n.Value):
+		return ""
+	case slices.Contains(yamlBools, n.Value):
+		return fmt.Sprintf("expected true or false, got the quoted string %q (remove the quotes)", n.Value)
+	case slices.Contains(yaml11Bools, n.Value):
+		return fmt.Sprintf("expected true or false, got %q (YAML 1.2 booleans are true and false only)", n.Value)
+	}
+	return fmt.Sprintf("expected true or false, got %q", n.Value)
 }
 
 // expandNode substitutes environment variables in every scalar under n.
@@ -319,7 +362,12 @@ func isLeafKind(t reflect.Type) bool {
 
 var unmarshalerType = reflect.TypeOf((*yaml.Unmarshaler)(nil)).Elem()
 
+// typeName says what a value of t looks like in YAML, in words a reader
+// of config.yaml knows (never a Go type).
 func typeName(t reflect.Type) string {
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
 	switch {
 	case t.String() == "time.Duration":
 		return `a duration such as "500ms" or "10s"`
@@ -336,7 +384,7 @@ func typeName(t reflect.Type) string {
 	case t.Kind() == reflect.Map:
 		return "a mapping"
 	}
-	return t.String()
+	return "a value of the kind config.yaml shows"
 }
 
 func describe(n *yaml.Node) string {

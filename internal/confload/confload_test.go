@@ -4,6 +4,7 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 )
@@ -113,4 +114,87 @@ func TestRedactURL(t *testing.T) {
 	c.URL("database.url", "mysql://app:hunter2@db/app?password=hunter2", "postgres")
 	require.Len(t, c.Problems, 1)
 	require.NotContains(t, c.Problems[0].Error(), "hunter2")
+}
+
+// Booleans are YAML 1.2's: yaml.v3 would read yes, on and y into a bool
+// (YAML 1.1), which a reader of the file takes for strings.
+func TestDecodeBooleansAreYAML12(t *testing.T) {
+	t.Parallel()
+	type flags struct {
+		On  bool  `yaml:"on"`
+		Set *bool `yaml:"set"`
+	}
+	for _, ok := range []struct {
+		doc  string
+		want bool
+	}{{"true", true}, {"false", false}, {"True", true}, {"FALSE", false}, {"${FLAG}", true}} {
+		var f flags
+		errs := Decode([]byte("on: "+ok.doc+"\nset: "+ok.doc+"\n"), &f, func(string) (string, bool) { return "true", true })
+		require.Empty(t, errs, ok.doc)
+		require.Equal(t, ok.want, f.On, ok.doc)
+		require.NotNil(t, f.Set, ok.doc)
+		require.Equal(t, ok.want, *f.Set, ok.doc)
+	}
+	for doc, problem := range map[string]string{
+		`yes`:     `expected true or false, got "yes" (YAML 1.2 booleans are true and false only)`,
+		`on`:      `expected true or false, got "on" (YAML 1.2 booleans are true and false only)`,
+		`"true"`:  `expected true or false, got the quoted string "true" (remove the quotes)`,
+		`'false'`: `expected true or false, got the quoted string "false" (remove the quotes)`,
+		`1`:       `expected true or false, got "1"`,
+		`[true]`:  `expected true or false, got a list`,
+	} {
+		var f flags
+		errs := Decode([]byte("on: "+doc+"\nset: "+doc+"\n"), &f, nil)
+		require.Len(t, errs, 2, doc)
+		require.Equal(t, "on: "+problem, errs[0].Error(), doc)
+		require.Equal(t, "set: "+problem, errs[1].Error(), "a *bool reads as a bool: %s", doc)
+		require.False(t, f.On, doc)
+		require.Nil(t, f.Set, doc)
+	}
+}
+
+// Every type error is reported, each at its path, list items at their
+// index, and no message names a Go type.
+func TestDecodeReportsEveryTypeError(t *testing.T) {
+	t.Parallel()
+	var s struct {
+		Name  string            `yaml:"name"`
+		Count int               `yaml:"count"`
+		Tags  []string          `yaml:"tags"`
+		Ints  []int             `yaml:"ints"`
+		Wait  time.Duration     `yaml:"wait"`
+		Opt   *int              `yaml:"opt"`
+		Inner struct{ On bool } `yaml:"inner"`
+		Per   map[string]struct {
+			Limit int `yaml:"limit"`
+		} `yaml:"per"`
+	}
+	errs := Decode([]byte(`
+name: [x]
+count: many
+tags: [a, {x: 1}, b, [c]]
+ints: [1, two, 3, four]
+wait: soon
+opt: some
+inner: {on: yes}
+per: {orders: {limit: x}}
+`), &s, nil)
+	var got []string
+	for _, e := range errs {
+		got = append(got, e.Error())
+		require.NotRegexp(t, `\*|int64|time\.|\[\]`, e.Error(), "no Go type in a message")
+	}
+	require.Equal(t, []string{
+		`name: expected a string, got a list`,
+		`count: expected an integer, got "many"`,
+		`tags[1]: expected a string, got a mapping`,
+		`tags[3]: expected a string, got a list`,
+		`ints[1]: expected an integer, got "two"`,
+		`ints[3]: expected an integer, got "four"`,
+		`wait: expected a duration such as "500ms" or "10s", got "soon"`,
+		`opt: expected an integer, got "some"`,
+		`inner.on: expected true or false, got "yes" (YAML 1.2 booleans are true and false only)`,
+		`per.orders.limit: expected an integer, got "x"`,
+	}, got)
+	require.Equal(t, []int{1, 0, 3, 0}, s.Ints, "the good items are kept")
 }

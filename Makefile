@@ -27,10 +27,10 @@ fmt-check:
 
 lint: vet fmt-check ## go vet and gofmt
 
-FAULTS  := ./internal/faults
+FAULTS  := ./internal/testing/faults
 
 test: up lint ## every test, unit and integration, with -race, against the local services
-	$(GO) test -race -count=1 -timeout 60m $$($(GO) list $(PKGS) | grep -v '/internal/faults$$')
+	$(GO) test -race -count=1 -timeout 60m $$($(GO) list $(PKGS) | grep -v '/internal/testing/faults$$')
 	$(if $(filter ./...,$(PKGS)),$(MAKE) --no-print-directory fuzz FUZZTIME=$(TEST_FUZZTIME))
 	@# The fault-injection suite runs many processes of its own: alone, after the rest.
 	$(if $(filter ./...,$(PKGS)),$(GO) test -race -count=1 -timeout 60m $(FAULTS))

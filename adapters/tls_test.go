@@ -14,7 +14,7 @@ import (
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/confload"
-	"github.com/millrace-io/millrace/internal/testcerts"
+	"github.com/millrace-io/millrace/internal/testing/testcerts"
 )
 
 func paths(errs []error) []string {

@@ -9,9 +9,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/envelope"
-	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testing/brokertest"
+	"github.com/millrace-io/millrace/internal/testing/testdb"
 )
 
 // FuzzPublishRoundTrip publishes arbitrary events for every broker kind and

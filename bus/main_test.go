@@ -4,7 +4,7 @@ import (
 	"os"
 	"testing"
 
-	"github.com/millrace-io/millrace/internal/testkit/child"
+	"github.com/millrace-io/millrace/internal/testing/testkit/child"
 )
 
 func TestMain(m *testing.M) {

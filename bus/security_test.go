@@ -17,11 +17,11 @@ import (
 
 	"github.com/millrace-io/millrace/adapters/kafka"
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/internal/brokertest"
-	"github.com/millrace-io/millrace/internal/servers"
-	"github.com/millrace-io/millrace/internal/testcerts"
-	"github.com/millrace-io/millrace/internal/testdb"
-	"github.com/millrace-io/millrace/internal/testlog"
+	"github.com/millrace-io/millrace/internal/testing/brokertest"
+	"github.com/millrace-io/millrace/internal/testing/servers"
+	"github.com/millrace-io/millrace/internal/testing/testcerts"
+	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/internal/testing/testlog"
 	"github.com/millrace-io/millrace/middleware"
 )
 

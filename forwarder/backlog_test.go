@@ -13,8 +13,8 @@ import (
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/nats"
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/internal/servers"
-	"github.com/millrace-io/millrace/internal/testkit"
+	"github.com/millrace-io/millrace/internal/testing/servers"
+	"github.com/millrace-io/millrace/internal/testing/testkit"
 )
 
 // gauges reads the relay's backlog gauges and forwarded counter from reg.

@@ -10,9 +10,9 @@ import (
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/forwarder"
-	"github.com/millrace-io/millrace/internal/servers"
-	"github.com/millrace-io/millrace/internal/testdb"
-	"github.com/millrace-io/millrace/internal/testkit"
+	"github.com/millrace-io/millrace/internal/testing/servers"
+	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/internal/testing/testkit"
 )
 
 // Two relays and the publishing service reach PostgreSQL only through

@@ -13,10 +13,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/forwarder"
-	"github.com/millrace-io/millrace/internal/brokertest"
-	"github.com/millrace-io/millrace/internal/servers"
-	"github.com/millrace-io/millrace/internal/testkit"
-	"github.com/millrace-io/millrace/internal/testkit/child"
+	"github.com/millrace-io/millrace/internal/testing/brokertest"
+	"github.com/millrace-io/millrace/internal/testing/servers"
+	"github.com/millrace-io/millrace/internal/testing/testkit"
+	"github.com/millrace-io/millrace/internal/testing/testkit/child"
 )
 
 // shardRelay is a relay process of the shard test and where its metrics are.

@@ -19,16 +19,16 @@ import (
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/store"
-	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testing/brokertest"
+	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/middleware"
 )
 
 // The integration tests take the broker as a parameter: a kit is one
 // broker's publisher and per-consumer-group subscribers. gochannel is
 // Watermill's in-memory pub/sub; the others are millrace's own adapters on
-// the servers internal/brokertest points at (the local ones, or the URLs in
+// the servers internal/testing/brokertest points at (the local ones, or the URLs in
 // the environment; Kafka is an in-process kfake cluster unless KAFKA_BROKERS
 // names one). Every test gets its own topic, groups and streams/queues,
 // removed when it ends.

@@ -197,7 +197,7 @@ func (cfg Config) security() string {
 // producer went on sending the batches behind a failed one; with send's
 // rules that keeps each aggregate's order across broker crashes
 // (TestRelayKeepsOrderAcrossClusterCrashes: Sarama 4 to 26 inversions per
-// run, kgo none). Speed: internal/relaybench, the relay in its own process
+// run, kgo none). Speed: internal/testing/relaybench, the relay in its own process
 // draining a 50,000-event backlog into kfake on a 2-core machine, then a
 // 200 events/s trickle for commit-to-consumer latency, alternating runs at
 // a 1-minute load average of 1.0 to 1.9:

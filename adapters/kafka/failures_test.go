@@ -16,10 +16,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters"
-	"github.com/millrace-io/millrace/adapters/adaptertest"
 	"github.com/millrace-io/millrace/adapters/kafka"
 	"github.com/millrace-io/millrace/adapters/kafka/kafkadev"
 	"github.com/millrace-io/millrace/internal/envelope"
+	"github.com/millrace-io/millrace/internal/testing/adaptertest"
 )
 
 func event(aggregate string, version int) *message.Message {

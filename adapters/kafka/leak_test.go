@@ -10,8 +10,8 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/millrace-io/millrace/adapters"
-	"github.com/millrace-io/millrace/adapters/adaptertest"
 	"github.com/millrace-io/millrace/adapters/kafka"
+	"github.com/millrace-io/millrace/internal/testing/adaptertest"
 )
 
 // TestCloseLeavesNoGoroutines: after Close of its subscribers (stock,

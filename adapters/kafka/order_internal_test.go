@@ -33,7 +33,7 @@ import (
 // up on the failed record batch, bumped its idempotent epoch and went on
 // with the record batches queued behind it; kgo fails them with it.
 //
-// Found by internal/faults' broker-restart scenario (a kfake restart of 2s
+// Found by internal/testing/faults' broker-restart scenario (a kfake restart of 2s
 // against a 10 x 250ms retry budget); reproduced here with the broker
 // refusing the first produce requests.
 func TestPublishBatchConfirmsNothingOfAKeyAfterAFailure(t *testing.T) {

@@ -12,9 +12,9 @@ import (
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/kafka"
-	"github.com/millrace-io/millrace/internal/testcerts"
-	"github.com/millrace-io/millrace/internal/testdb"
-	"github.com/millrace-io/millrace/internal/testlog"
+	"github.com/millrace-io/millrace/internal/testing/testcerts"
+	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/internal/testing/testlog"
 )
 
 // These tests need a cluster with known users and certificates, so they run

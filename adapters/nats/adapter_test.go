@@ -5,8 +5,8 @@ import (
 	"time"
 
 	"github.com/millrace-io/millrace/adapters"
-	"github.com/millrace-io/millrace/adapters/adaptertest"
-	"github.com/millrace-io/millrace/internal/servers"
+	"github.com/millrace-io/millrace/internal/testing/adaptertest"
+	"github.com/millrace-io/millrace/internal/testing/servers"
 )
 
 // suiteConfig is what the contract suites change from the defaults: a short

@@ -12,8 +12,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters"
-	"github.com/millrace-io/millrace/adapters/adaptertest"
-	"github.com/millrace-io/millrace/internal/servers"
+	"github.com/millrace-io/millrace/internal/testing/adaptertest"
+	"github.com/millrace-io/millrace/internal/testing/servers"
 )
 
 // openWithin runs Open and fails the test if it has not returned after a
@@ -148,7 +148,7 @@ func TestServerGoneMidRun(t *testing.T) {
 // full, the connection's lock held, so pings cannot fire) is bounded like
 // two unanswered pings and ends in a reconnect; nats.go's own default waits
 // a minute and then keeps the dead connection (the NATS partition scenario
-// of internal/faults showed a relay stalled so for over two minutes).
+// of internal/testing/faults showed a relay stalled so for over two minutes).
 func TestBlockedWriteIsBounded(t *testing.T) {
 	t.Parallel()
 	b := openBroker(t, sharedURL(), func(c *Config) { c.PingInterval = 3 * time.Second })

@@ -9,8 +9,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters"
-	"github.com/millrace-io/millrace/adapters/adaptertest"
 	"github.com/millrace-io/millrace/adapters/nats/natsdev"
+	"github.com/millrace-io/millrace/internal/testing/adaptertest"
 )
 
 // benchServers are the servers the benchmarks compare: the embedded server

@@ -12,7 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters"
-	"github.com/millrace-io/millrace/adapters/adaptertest"
+	"github.com/millrace-io/millrace/internal/testing/adaptertest"
 )
 
 // broker.nats.embedded.enabled runs the server inside Open; Close stops it;

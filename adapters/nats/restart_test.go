@@ -13,8 +13,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters"
-	"github.com/millrace-io/millrace/adapters/adaptertest"
-	"github.com/millrace-io/millrace/internal/servers"
+	"github.com/millrace-io/millrace/internal/testing/adaptertest"
+	"github.com/millrace-io/millrace/internal/testing/servers"
 )
 
 // A server killed before it wrote the consumer's state to disk comes back

@@ -14,10 +14,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters"
-	"github.com/millrace-io/millrace/adapters/adaptertest"
 	"github.com/millrace-io/millrace/internal/confload"
-	"github.com/millrace-io/millrace/internal/testcerts"
-	"github.com/millrace-io/millrace/internal/testlog"
+	"github.com/millrace-io/millrace/internal/testing/adaptertest"
+	"github.com/millrace-io/millrace/internal/testing/testcerts"
+	"github.com/millrace-io/millrace/internal/testing/testlog"
 )
 
 // These tests need servers with known certificates and credentials, so

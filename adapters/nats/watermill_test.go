@@ -8,7 +8,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
 	"github.com/stretchr/testify/require"
 
-	"github.com/millrace-io/millrace/internal/servers"
+	"github.com/millrace-io/millrace/internal/testing/servers"
 )
 
 // watermillFeatures are what this adapter honestly offers Watermill's

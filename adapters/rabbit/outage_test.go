@@ -11,8 +11,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters"
-	"github.com/millrace-io/millrace/adapters/adaptertest"
-	"github.com/millrace-io/millrace/internal/servers"
+	"github.com/millrace-io/millrace/internal/testing/adaptertest"
+	"github.com/millrace-io/millrace/internal/testing/servers"
 )
 
 // TestOutages stops, alarms and reconfigures a private RabbitMQ node, one

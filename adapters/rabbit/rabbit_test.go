@@ -8,8 +8,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
 
 	"github.com/millrace-io/millrace/adapters"
-	"github.com/millrace-io/millrace/adapters/adaptertest"
-	"github.com/millrace-io/millrace/internal/servers"
+	"github.com/millrace-io/millrace/internal/testing/adaptertest"
+	"github.com/millrace-io/millrace/internal/testing/servers"
 )
 
 // TestContract runs millrace's adapter suite against the server at AMQP_URL

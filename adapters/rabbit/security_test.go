@@ -11,11 +11,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters"
-	"github.com/millrace-io/millrace/adapters/adaptertest"
 	"github.com/millrace-io/millrace/internal/confload"
-	"github.com/millrace-io/millrace/internal/servers"
-	"github.com/millrace-io/millrace/internal/testcerts"
-	"github.com/millrace-io/millrace/internal/testlog"
+	"github.com/millrace-io/millrace/internal/testing/adaptertest"
+	"github.com/millrace-io/millrace/internal/testing/servers"
+	"github.com/millrace-io/millrace/internal/testing/testcerts"
+	"github.com/millrace-io/millrace/internal/testing/testlog"
 )
 
 // TestTLSOnPrivateNode runs a private RabbitMQ node with a TLS listener that

@@ -13,7 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters"
-	"github.com/millrace-io/millrace/adapters/adaptertest"
+	"github.com/millrace-io/millrace/internal/testing/adaptertest"
 )
 
 func outgoing(topic string, msgs ...*message.Message) []adapters.Outgoing {

@@ -17,7 +17,7 @@ import (
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/examples/orm"
-	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testing/testdb"
 )
 
 // OrderPlaced is the examples' event.

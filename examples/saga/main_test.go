@@ -18,9 +18,9 @@ import (
 	"github.com/millrace-io/millrace/adapters/rabbit"
 
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/internal/brokertest"
 	"github.com/millrace-io/millrace/internal/envelope"
-	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testing/brokertest"
+	"github.com/millrace-io/millrace/internal/testing/testdb"
 )
 
 // The example runs end to end on every broker, against the local

@@ -219,7 +219,7 @@ restore_policy() {
 	POLICY_SAVED=""
 }
 
-# Tests start private PgBouncers of their own (internal/servers), so `up`
+# Tests start private PgBouncers of their own (internal/testing/servers), so `up`
 # installs the binary only. Debian's package would also start a
 # system-wide pgbouncer on port 6432 and enable it at boot; Homebrew's
 # starts nothing unless asked (brew services).

@@ -17,9 +17,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/internal/envelope"
-	"github.com/millrace-io/millrace/internal/servers"
 	"github.com/millrace-io/millrace/internal/store"
-	"github.com/millrace-io/millrace/internal/testdb"
+	"github.com/millrace-io/millrace/internal/testing/servers"
+	"github.com/millrace-io/millrace/internal/testing/testdb"
 )
 
 // The read rule under random interleavings, on the whole outbox and on

@@ -13,7 +13,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/millrace-io/millrace/adapters/kafka/kafkadev"
-	"github.com/millrace-io/millrace/internal/testkit"
+	"github.com/millrace-io/millrace/internal/testing/testkit"
 )
 
 // A member that dies while its join is pending (a consumer SIGKILLed as its

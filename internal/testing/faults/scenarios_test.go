@@ -20,9 +20,9 @@ import (
 	"github.com/millrace-io/millrace/adapters/nats"
 	"github.com/millrace-io/millrace/adapters/rabbit"
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/internal/brokertest"
-	"github.com/millrace-io/millrace/internal/servers"
-	"github.com/millrace-io/millrace/internal/testkit"
+	"github.com/millrace-io/millrace/internal/testing/brokertest"
+	"github.com/millrace-io/millrace/internal/testing/servers"
+	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/middleware"
 )
 

@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/millrace-io/millrace/internal/testkit/child"
+	"github.com/millrace-io/millrace/internal/testing/testkit/child"
 )
 
 // reportEnv names the file `make reliability` has the results written to.

@@ -144,7 +144,7 @@ func moduleRoot() string {
 	if !ok || !filepath.IsAbs(file) {
 		return "" // built with -trimpath: the working directory, inside the module
 	}
-	return filepath.Join(filepath.Dir(file), "..", "..")
+	return filepath.Join(filepath.Dir(file), "..", "..", "..")
 }
 
 // binaryVersionIs reports whether bin runs and reports version.

@@ -35,7 +35,7 @@
 //
 // A whole run takes more than go test's default 10-minute timeout: `make
 // bench` passes -timeout 60m; `go test -run '^$' -bench BenchmarkRelay
-// -timeout 60m ./internal/relaybench` runs it alone, and
+// -timeout 60m ./internal/testing/relaybench` runs it alone, and
 // -bench 'BenchmarkRelay/nats' one broker.
 //
 // The reference (reference_test.go) is the simplest loop that moves the same

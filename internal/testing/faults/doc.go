@@ -7,7 +7,7 @@
 // that no rolled-back event had any, and that each aggregate's effects ran
 // in version order where millrace promises it.
 //
-// The cluster scenarios run private 3-node clusters (internal/servers) and
+// The cluster scenarios run private 3-node clusters (internal/testing/servers) and
 // hit the node that leads the topic's stream or queue. The partition
 // scenarios (NATS and RabbitMQ) cut that node off the network instead of
 // stopping it: the node runs in a network namespace of its own joined by a

@@ -30,9 +30,9 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/store"
-	"github.com/millrace-io/millrace/internal/testdb"
-	"github.com/millrace-io/millrace/internal/testkit"
-	"github.com/millrace-io/millrace/internal/testkit/child"
+	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/internal/testing/testkit"
+	"github.com/millrace-io/millrace/internal/testing/testkit/child"
 )
 
 // Workload sizes, as the relay's targets are stated.

@@ -125,6 +125,8 @@ func (f *Forwarder) advance(ctx context.Context, b store.Batch, forwarded int, w
 		}
 		return f.flush(ctx)
 	}
+	ctx, cancel := f.recordContext(ctx)
+	defer cancel()
 	tx, err := f.db.BeginTx(ctx, nil)
 	if err != nil {
 		return fmt.Errorf("begin the ack: %w", err)
@@ -154,11 +156,21 @@ func (f *Forwarder) flush(ctx context.Context) error {
 	if f.pos.Equal(f.saved) {
 		return nil
 	}
+	ctx, cancel := f.recordContext(ctx)
+	defer cancel()
 	if err := f.tables.SavePosition(ctx, f.db, f.lease, f.saved, f.pos); err != nil {
 		return err
 	}
 	f.saved, f.savedAt = f.pos, time.Now()
 	return nil
+}
+
+// recordContext is the context a position record runs in: not cancelled by
+// a stop, bounded by shutdown_timeout. A record cancelled halfway may commit
+// on the server while the relay sees "context canceled", and the relay's
+// next record, over the one it believes current, is then refused.
+func (f *Forwarder) recordContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(ctx), f.cfg.ShutdownTimeout)
 }
 
 // unwrap unwraps each row's forwarder envelope; a row whose envelope is

@@ -220,7 +220,8 @@ func (f *Forwarder) forwardLoop(ctx context.Context, wake <-chan struct{}, lost 
 		f.health.beat()
 		select {
 		case <-ctx.Done():
-			return f.flushAtStop(ctx)
+			f.flushAtStop(ctx)
+			return nil
 		case <-lost:
 			return fmt.Errorf("%w: the LISTEN connection ended", errLeadershipLost)
 		case <-cleanup.C:
@@ -244,6 +245,7 @@ func (f *Forwarder) forwardLoop(ctx context.Context, wake <-chan struct{}, lost 
 				return fmt.Errorf("%w: %v", errLeadershipLost, err)
 			}
 			if errors.Is(err, ErrBrokerChanged) {
+				f.flushAtStop(ctx)
 				return err
 			}
 			if err != nil {
@@ -267,15 +269,13 @@ func (f *Forwarder) forwardLoop(ctx context.Context, wake <-chan struct{}, lost 
 	}
 }
 
-// flushAtStop records the position once the loop stops, within
-// shutdown_timeout: what was forwarded is not sent again.
-func (f *Forwarder) flushAtStop(ctx context.Context) error {
-	bye, cancel := context.WithTimeout(context.WithoutCancel(ctx), f.cfg.ShutdownTimeout)
-	defer cancel()
-	if err := f.flush(bye); err != nil {
+// flushAtStop records the position once the loop stops (cancelled, or
+// refusing a row of another broker.kind): what was
+// forwarded is not sent again, and counts as pending for no broker.
+func (f *Forwarder) flushAtStop(ctx context.Context) {
+	if err := f.flush(ctx); err != nil {
 		f.logger.Error("Relay could not record its position at stop; the next relay sends its last rows again", err, nil)
 	}
-	return nil
 }
 
 func (f *Forwarder) newBackoff() *backoff.ExponentialBackOff {

@@ -57,11 +57,23 @@ func newReplayWorld(t *testing.T, kind string, groups ...string) *replayWorld {
 // of its name, until the test ends or the returned func stops it.
 func (w *replayWorld) run(t *testing.T, cfg bus.Config, handlers map[string]bus.HandlerFunc, opts ...bus.Option) (b *bus.Bus, stop func()) {
 	t.Helper()
+	return w.serve(t, cfg, func(b *bus.Bus) error {
+		for _, group := range slices.Sorted(maps.Keys(handlers)) {
+			if err := b.Handle(w.topic, group, handlers[group]); err != nil {
+				return err
+			}
+		}
+		return nil
+	}, opts...)
+}
+
+// serve runs a service with cfg and the handlers register registers on
+// it, until the test ends or the returned func stops it.
+func (w *replayWorld) serve(t *testing.T, cfg bus.Config, register func(*bus.Bus) error, opts ...bus.Option) (b *bus.Bus, stop func()) {
+	t.Helper()
 	b, err := bus.Open(context.Background(), cfg, w.db, opts...)
 	require.NoError(t, err)
-	for _, group := range slices.Sorted(maps.Keys(handlers)) {
-		require.NoError(t, b.Handle(w.topic, group, handlers[group]))
-	}
+	require.NoError(t, register(b))
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- b.Run(ctx) }()

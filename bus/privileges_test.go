@@ -329,7 +329,7 @@ func TestLeastPrivilegeRoleRunsEverything(t *testing.T) {
 
 // Every listed privilege is needed: with any single one revoked, the run
 // above fails with PostgreSQL's "permission denied" for that object. So the
-// list in the README is not broader than what millrace uses.
+// list in docs/SECURITY.md is not broader than what millrace uses.
 func TestEveryListedPrivilegeIsNeeded(t *testing.T) {
 	t.Parallel()
 	template := store.Tables{Schema: "schema", OutboxTopic: bus.Config{}.WithDefaults().Outbox.Topic}
@@ -357,16 +357,17 @@ func TestEveryListedPrivilegeIsNeeded(t *testing.T) {
 	}
 }
 
-// The statements in the README's Security section are the ones millrace
-// generates (and the tests above run) for the default schema and topic.
-func TestReadmeListsTheGeneratedGrants(t *testing.T) {
+// The statements in docs/SECURITY.md's Database privileges section are the
+// ones millrace generates (and the tests above run) for the default schema
+// and topic.
+func TestDocsListTheGeneratedGrants(t *testing.T) {
 	t.Parallel()
-	readme, err := os.ReadFile("../README.md")
+	doc, err := os.ReadFile("../docs/SECURITY.md")
 	require.NoError(t, err)
-	_, security, ok := strings.Cut(string(readme), "\n## Security\n")
-	require.True(t, ok, "README.md has a Security section")
-	_, block, ok := strings.Cut(security, "```sql\n")
-	require.True(t, ok, "the Security section has an sql block")
+	_, privileges, ok := strings.Cut(string(doc), "\n## Database privileges\n")
+	require.True(t, ok, "docs/SECURITY.md has a Database privileges section")
+	_, block, ok := strings.Cut(privileges, "```sql\n")
+	require.True(t, ok, "the Database privileges section has an sql block")
 	block, _, _ = strings.Cut(block, "```")
 	want, err := bus.GrantSQL(bus.Config{}, "orders_app")
 	require.NoError(t, err)

@@ -2,7 +2,7 @@
 // transaction from the data-access libraries Go services use: GORM, and
 // sqlc in its database/sql and pgx modes. Its examples run against the
 // local PostgreSQL. bun and ent work the same way as GORM, on the *sql.Tx:
-// see the README's "Your ORM and millrace's transaction".
+// see "Your ORM and millrace's transaction" in docs/EVENTS.md.
 package orm
 
 import (

@@ -71,9 +71,9 @@ saga: ## the order saga example: payment, stock, notify, a refund and a timeout 
 	@$(STACK) up postgres $(if $(filter kafka,$(BROKER)),,$(if $(filter rabbitmq,$(BROKER)),rabbitmq,nats))
 	$(if $(BROKER),MILLRACE_BROKER_KIND=$(BROKER)) $(GO) run ./examples/saga
 
-bench: up ## benchmarks, millrace side by side with stock Watermill and a hand-written reference
+bench: up ## benchmarks, millrace side by side with stock Watermill and a hand-written reference; rewrites the relay tables of docs/PERFORMANCE.md
 	@# BenchmarkRelay alone takes more than go test's default 10-minute timeout.
-	$(GO) test -run '^$$' -bench . -benchmem -timeout 60m $(PKGS)
+	MILLRACE_PERFORMANCE_DOC=$(CURDIR)/docs/PERFORMANCE.md $(GO) test -run '^$$' -bench . -benchmem -timeout 60m $(PKGS)
 
 reliability: up ## the fault-injection suite on every broker; rewrites docs/RELIABILITY.md from its results
 	MILLRACE_RELIABILITY_DOC=$(CURDIR)/docs/RELIABILITY.md $(GO) test -race -count=1 -timeout 60m -v $(FAULTS)

@@ -33,6 +33,16 @@
 // statements and peak RSS are the three processes' sums), beside the
 // single millrace relay.
 //
+// With MILLRACE_PERFORMANCE_DOC naming a file (`make bench` names
+// docs/PERFORMANCE.md), a run that passed and measured every broker and
+// relay also writes these tables there as markdown, between the lines
+// "<!-- relaybench:begin" and "<!-- relaybench:end -->", leaving the rest
+// of the file alone: each relay's drain and share of the reference's, the
+// latencies, idle statements, peak RSS and duplicates, millrace's ratios
+// to stock Watermill and to the reference, and above them the date, the
+// Go version, the cores and the load average before and during the run.
+// A run of one broker leaves the file as it was.
+//
 // A whole run takes more than go test's default 10-minute timeout: `make
 // bench` passes -timeout 60m; `go test -run '^$' -bench BenchmarkRelay
 // -timeout 60m ./internal/testing/relaybench` runs it alone, and

@@ -116,8 +116,15 @@ func TestMain(m *testing.M) {
 	if child.Role() == relayRole {
 		os.Exit(runChild())
 	}
+	startRun()
 	code := m.Run()
 	printTable()
+	if path := os.Getenv(perfDocEnv); path != "" && code == 0 && len(results) > 0 {
+		if err := writePerformanceDoc(path, finishRun(), results); err != nil {
+			fmt.Fprintln(os.Stderr, "relaybench:", err)
+			code = 1
+		}
+	}
 	os.Exit(code)
 }
 
@@ -131,6 +138,7 @@ func BenchmarkRelay(b *testing.B) {
 		for _, relay := range relays {
 			b.Run(kind+"/"+relay, func(b *testing.B) {
 				r := measure(b, kind, relay)
+				sampleLoad()
 				b.ReportMetric(r.drainRate, "msg/s")
 				for _, l := range r.latency {
 					b.ReportMetric(float64(l.p50.Microseconds())/1000, "p50-ms@"+strconv.Itoa(l.rate))

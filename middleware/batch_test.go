@@ -30,17 +30,21 @@ type txCall struct {
 	txid    int64
 }
 
-// record notes the call of msg and returns the calls made before it.
-func (l *txLog) record(t testing.TB, msg *message.Message) (txCall, []txCall) {
+// record notes the call of msg and returns the calls made before it. Its
+// error, the transaction's (say, the batch's deadline passed on a loaded
+// machine), is for the handler to return: the chain retries the message.
+func (l *txLog) record(msg *message.Message) (txCall, []txCall, error) {
 	ctx := msg.Context()
 	var txid int64
-	require.NoError(t, middleware.Tx(ctx).QueryRowContext(ctx, `SELECT txid_current()`).Scan(&txid))
+	if err := middleware.Tx(ctx).QueryRowContext(ctx, `SELECT txid_current()`).Scan(&txid); err != nil {
+		return txCall{}, nil, fmt.Errorf("read the transaction id: %w", err)
+	}
 	c := txCall{eventID: msg.Metadata.Get(bus.EventIDKey), txid: txid}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	before := append([]txCall(nil), l.calls...)
 	l.calls = append(l.calls, c)
-	return c, before
+	return c, before, nil
 }
 
 func (l *txLog) of(eventID string) []txCall {
@@ -97,7 +101,10 @@ func TestBatchPoisonsOnlyTheBadMessage(t *testing.T) {
 			var poisoned, panicked string
 			var poisonTx int64
 			c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group, handle: func(msg *message.Message) error {
-				call, before := log.record(t, msg)
+				call, before, err := log.record(msg)
+				if err != nil {
+					return err
+				}
 				mu.Lock()
 				shared := false
 				for _, b := range before {
@@ -190,7 +197,9 @@ func TestBatchSlowTurnSendsTheRestToAnotherBatch(t *testing.T) {
 				Batch: middleware.BatchConfig{MaxMessages: events, MaxWait: time.Second}}
 			var log txLog
 			c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group, handle: func(msg *message.Message) error {
-				log.record(t, msg)
+				if _, _, err := log.record(msg); err != nil {
+					return err
+				}
 				time.Sleep(300 * time.Millisecond) // past handler_timeout/10
 				return e.write(msg.Context(), group, msg)
 			}})
@@ -236,7 +245,10 @@ func TestBatchTrickleRunsAfterMaxWait(t *testing.T) {
 				MaxElapsed: 10 * time.Minute, Jitter: new(false)}
 			var log txLog
 			startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group, handle: func(msg *message.Message) error {
-				call, _ := log.record(t, msg)
+				call, _, err := log.record(msg)
+				if err != nil {
+					return err
+				}
 				if call.eventID == "blocker" {
 					return errors.New("not yet") // retried after 20s
 				}

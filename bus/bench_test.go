@@ -77,12 +77,14 @@ func BenchmarkPublish(b *testing.B) {
 			}
 			return nil
 		})},
-		{"pgx-raw-1", pgxTx(func(b *testing.B, t txs) error { return tb.pgx.PublishPgx(ctx, t.pgx, "orders.events", raw(one)...) })},
-		{"pgx-typed-1", pgxTx(func(b *testing.B, t txs) error { return topic.PublishPgx(ctx, tb.pgx, t.pgx, one...) })},
-		{"pgx-raw-100", pgxTx(func(b *testing.B, t txs) error {
-			return tb.pgx.PublishPgx(ctx, t.pgx, "orders.events", raw(hundred)...)
+		{"pgx-raw-1", pgxTx(func(b *testing.B, t txs) error {
+			return tb.pgx.Publish(ctx, bus.Pgx(t.pgx), "orders.events", raw(one)...)
 		})},
-		{"pgx-typed-100", pgxTx(func(b *testing.B, t txs) error { return topic.PublishPgx(ctx, tb.pgx, t.pgx, hundred...) })},
+		{"pgx-typed-1", pgxTx(func(b *testing.B, t txs) error { return topic.Publish(ctx, tb.pgx, bus.Pgx(t.pgx), one...) })},
+		{"pgx-raw-100", pgxTx(func(b *testing.B, t txs) error {
+			return tb.pgx.Publish(ctx, bus.Pgx(t.pgx), "orders.events", raw(hundred)...)
+		})},
+		{"pgx-typed-100", pgxTx(func(b *testing.B, t txs) error { return topic.Publish(ctx, tb.pgx, bus.Pgx(t.pgx), hundred...) })},
 	}
 	spent := make([][]time.Duration, len(variants))
 	round := 0
@@ -142,7 +144,7 @@ func setupBench(b *testing.B) benchBundle {
 	require.NoError(b, err)
 	b.Cleanup(func() { sqlBus.Close() })
 	pool := newPool(b)
-	pgxBus, err := bus.OpenPgx(ctx, cfg, pool)
+	pgxBus, err := bus.Open(ctx, cfg, pool)
 	require.NoError(b, err)
 	b.Cleanup(func() { pgxBus.Close() })
 	return benchBundle{db: db, schema: cfg.Database.Schema, bus: sqlBus, pool: pool, pgx: pgxBus}

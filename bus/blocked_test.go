@@ -2,6 +2,7 @@ package bus_test
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"strings"
 	"sync"
@@ -110,7 +111,7 @@ func testBlockedHandlers(t *testing.T, kind string) {
 	// (ledger-A-1) was poisoned when the row was written.
 	handle := func(name string) bus.HandlerFunc {
 		return func(ctx context.Context, ev bus.Event) error {
-			tx := bus.Tx(ctx)
+			tx := bus.Tx[*sql.Tx](ctx)
 			_, err := tx.ExecContext(ctx, `INSERT INTO `+schema+`.handled (handler, event_id, aggregate_id, blocked_one_poisoned)
 				SELECT $1, $2, $3, EXISTS (SELECT 1 FROM `+schema+`.millrace_poison WHERE event_id = 'ledger-A-1')`,
 				name, ev.ID, ev.AggregateID)

@@ -63,7 +63,7 @@ func testFlakyAfterRestart(t *testing.T, kind string) {
 				return errors.New("pricing service answered 503 for this order")
 			}
 		}
-		if _, err := bus.Tx(ctx).ExecContext(ctx, `INSERT INTO `+r.schema+`.handled (event_id) VALUES ($1)`, ev.ID); err != nil {
+		if _, err := bus.Tx[*sql.Tx](ctx).ExecContext(ctx, `INSERT INTO `+r.schema+`.handled (event_id) VALUES ($1)`, ev.ID); err != nil {
 			return err
 		}
 		tl.add("ok", ev.ID)
@@ -163,7 +163,7 @@ func testHungHandlers(t *testing.T, kind string) {
 			<-release // ignores its context
 			return nil
 		}
-		if _, err := bus.Tx(ctx).ExecContext(ctx, `INSERT INTO `+r.schema+`.handled (event_id) VALUES ($1)`, ev.ID); err != nil {
+		if _, err := bus.Tx[*sql.Tx](ctx).ExecContext(ctx, `INSERT INTO `+r.schema+`.handled (event_id) VALUES ($1)`, ev.ID); err != nil {
 			return err
 		}
 		tl.add("ok", ev.ID)

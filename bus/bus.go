@@ -14,7 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
-	_ "github.com/jackc/pgx/v5/stdlib" // registers the "pgx" database/sql driver
+	"github.com/jackc/pgx/v5/stdlib" // also registers the "pgx" database/sql driver
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"go.opentelemetry.io/otel"
@@ -38,7 +38,7 @@ type Bus struct {
 	cfg    Config
 	db     *sql.DB
 	ownsDB bool
-	// pool is the pgxpool of a Bus opened with OpenPgx: handlers' inbox
+	// pool is the pgxpool a Bus was opened on, if any: handlers' inbox
 	// transactions are begun on it.
 	pool   *pgxpool.Pool
 	tables store.Tables
@@ -118,32 +118,59 @@ func WithPropagator(p propagation.TextMapPropagator) Option {
 
 const tracerName = "github.com/millrace-io/millrace"
 
+// DB is the database a Bus runs on, what Open and Migrate take: a
+// database/sql pool opened with pgx/v5's stdlib driver, or a pgxpool.Pool.
+type DB interface{ *sql.DB | *pgxpool.Pool }
+
 // Open validates cfg (after WithDefaults), checks that the database answers
-// and that the outbox table exists, and returns a Bus. db is the service's
-// own pool, opened with pgx/v5's stdlib driver (Open refuses another
-// driver, naming it); when it is nil, Open connects to database.url and
-// Close closes that pool. A service on pgxpool uses OpenPgx.
-func Open(ctx context.Context, cfg Config, db *sql.DB, opts ...Option) (*Bus, error) {
+// and that the outbox table exists, and returns a Bus on db, the service's
+// own pool:
+//
+//   - a *sql.DB opened with pgx/v5's stdlib driver (Open refuses another
+//     driver, naming it): handlers' inbox transactions are *sql.Tx;
+//   - a *pgxpool.Pool: handlers' inbox transactions are pgx.Tx, begun on
+//     it. The relay, the poison table and the other statements millrace
+//     runs on its own use a database/sql pool of their own, opened through
+//     pgx's stdlib with the pool's connection config and closed by Close:
+//     a connection released to a pgxpool keeps its session state, and the
+//     relay's session lock and LISTEN must end with the connection that
+//     holds them.
+//
+// Either way Publish and Schedule take the caller's transaction of either
+// driver (a pgx.Tx through Pgx), and Tx gives a handler its own. When db
+// is nil (bus.Open[*sql.DB](ctx, cfg, nil)), Open connects to database.url
+// and Close closes that pool; Close never closes a db it was given.
+func Open[D DB](ctx context.Context, cfg Config, db D, opts ...Option) (*Bus, error) {
 	cfg, err := cfg.check()
 	if err != nil {
 		return nil, err
 	}
-	if db != nil {
-		return open(ctx, cfg, db, false, opts)
+	switch db := any(db).(type) {
+	case *sql.DB:
+		if db != nil {
+			return open(ctx, cfg, db, nil, false, opts)
+		}
+	case *pgxpool.Pool:
+		if db != nil {
+			return open(ctx, cfg, stdlib.OpenDB(*db.Config().ConnConfig), db, true, opts)
+		}
 	}
-	if db, err = OpenDB(cfg.Database); err != nil {
+	own, err := OpenDB(cfg.Database)
+	if err != nil {
 		return nil, err
 	}
-	return open(ctx, cfg, db, true, opts)
+	return open(ctx, cfg, own, nil, true, opts)
 }
 
-// open is Open and OpenPgx with cfg checked, on db; Close closes db when
-// ownsDB is set, and so does a failed open.
-func open(ctx context.Context, cfg Config, db *sql.DB, ownsDB bool, opts []Option) (*Bus, error) {
+// open is Open with cfg checked, on db, and with handlers' transactions
+// begun on pool when it is not nil. Close closes db when ownsDB is set, and
+// so does a failed open.
+func open(ctx context.Context, cfg Config, db *sql.DB, pool *pgxpool.Pool, ownsDB bool, opts []Option) (*Bus, error) {
 	b := &Bus{
 		cfg:      cfg,
 		db:       db,
 		ownsDB:   ownsDB,
+		pool:     pool,
 		tables:   tablesOf(cfg),
 		rules:    cfg.Broker.Rules(),
 		cePrefix: cfg.cloudEventsPrefix(),
@@ -236,14 +263,29 @@ func (b *Bus) openDirect() (*sql.DB, error) {
 }
 
 // Migrate creates the outbox, offsets, inbox, poison and aggregate-versions
-// tables and the outbox NOTIFY trigger in cfg's schema. It is idempotent and safe to run from several
-// instances at once. It needs no broker: cfg's broker section is not checked.
-func Migrate(ctx context.Context, db *sql.DB, cfg Config) error {
+// tables and the outbox NOTIFY trigger in cfg's schema, in one transaction
+// on db (a *sql.DB, or a *pgxpool.Pool). It is idempotent and safe to run
+// from several instances at once. It needs no broker: cfg's broker section
+// is not checked.
+func Migrate[D DB](ctx context.Context, db D, cfg Config) error {
 	cfg, err := cfg.checkFor(false)
 	if err != nil {
 		return err
 	}
-	return store.Migrate(ctx, db, tablesOf(cfg))
+	var sqlDB *sql.DB
+	switch db := any(db).(type) {
+	case *sql.DB:
+		sqlDB = db
+	case *pgxpool.Pool:
+		if db != nil {
+			sqlDB = stdlib.OpenDBFromPool(db)
+			defer sqlDB.Close()
+		}
+	}
+	if sqlDB == nil {
+		return errors.New("millrace: Migrate needs a database; it is nil")
+	}
+	return store.Migrate(ctx, sqlDB, tablesOf(cfg))
 }
 
 // GrantSQL returns the GRANT statements that give role exactly the
@@ -262,16 +304,31 @@ func (b *Bus) Config() Config { return b.cfg }
 // DB returns the database pool the Bus uses.
 func (b *Bus) DB() *sql.DB { return b.db }
 
+// Execer runs a statement in the caller's transaction: what Publish,
+// Schedule and CancelScheduled write in. A *sql.Tx is one, and so is what
+// the ORMs on database/sql hand out for theirs (sqlx's *sqlx.Tx, bun's
+// bun.Tx, GORM's tx.Statement.ConnPool inside db.Transaction); a pgx.Tx
+// is one through Pgx; a handler's own is Tx[Execer](ctx), whatever the
+// driver. Pass a transaction, not a pool: a pool's statement commits on
+// its own, outside the business change.
+type Execer interface {
+	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
+}
+
 // Publish writes events for topic into the outbox within tx, the caller's
-// business transaction: they are relayed to the broker only if tx commits,
-// and never if it rolls back. Every event is checked before anything is
-// written; on any error nothing is written. Publishing no events is a no-op.
+// business transaction (a *sql.Tx, bus.Pgx(tx) for a pgx.Tx, bus.Tx[bus.Execer](ctx)
+// in a handler): they are relayed to the broker only if tx commits, and
+// never if it rolls back. Every event is checked before anything is
+// written; on any error nothing is written. Publishing no events is a
+// no-op. The events go in one INSERT (per 1000 events), the same bytes in
+// every pgx query exec mode. A transaction already committed or rolled
+// back yields an error wrapping sql.ErrTxDone (pgx.ErrTxClosed for pgx).
 //
 // Publish runs in a producer span ("<topic> publish") whose trace context,
 // with the context's baggage, goes into each event's metadata: the relay's
 // and the handler's spans continue that trace.
-func (b *Bus) Publish(ctx context.Context, tx *sql.Tx, topic string, events ...Event) (err error) {
-	if tx == nil {
+func (b *Bus) Publish(ctx context.Context, tx Execer, topic string, events ...Event) (err error) {
+	if isNil(tx) {
 		return ErrNilTx
 	}
 	if len(events) == 0 {

@@ -28,7 +28,8 @@ import (
 // HandlerFunc processes one event. Returning nil acks it (after the inbox
 // transaction commits); an error is retried with backoff, and poisoned when
 // it is Permanent or retries run out. Do business writes in Tx(ctx) so they
-// commit with the inbox row; events published with Publish(ctx, Tx(ctx), ...)
+// commit with the inbox row; events published with
+// Publish(ctx, Tx[Execer](ctx), ...)
 // commit with them too and get this event as their causation.
 type HandlerFunc func(ctx context.Context, ev Event) error
 
@@ -522,7 +523,7 @@ func (b *Bus) adapt(h handlerSpec, act *activity) message.NoPublishHandlerFunc {
 	}
 }
 
-// callHandler calls fn; Tx and PgxTx panicking in it make a permanent error.
+// callHandler calls fn; Tx panicking in it makes a permanent error.
 func callHandler(fn HandlerFunc, ctx context.Context, ev Event) (err error) {
 	defer noTxPanic(&err)
 	return fn(ctx, ev)

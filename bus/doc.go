@@ -18,8 +18,8 @@
 // # Publishing
 //
 // Migrate creates the tables once (or run `millrace migrate`). Open returns a
-// Bus; Publish writes events into the outbox table on the caller's *sql.Tx
-// with the INSERT of watermill-sql's schema adapter (what Watermill's SQL
+// Bus; Publish writes events into the outbox table in the caller's
+// transaction (an Execer: a *sql.Tx, or bus.Pgx(tx) for a pgx.Tx) with the INSERT of watermill-sql's schema adapter (what Watermill's SQL
 // publisher runs), each wrapped in Watermill's forwarder envelope (typed
 // topics, below, build these events from Go values):
 //
@@ -75,7 +75,7 @@
 //
 //	err := OrderPlaced.Publish(ctx, b, tx, orders.Placed{ID: id, TotalCents: 4200})
 //	err = OrderPlaced.Handle(b, "billing", func(ctx context.Context, m bus.Message[orders.Placed]) error {
-//		_, err := bus.Tx(ctx).ExecContext(ctx, `INSERT INTO invoices ...`, m.Value.ID, m.ID)
+//		_, err := bus.Tx[*sql.Tx](ctx).ExecContext(ctx, `INSERT INTO invoices ...`, m.Value.ID, m.ID)
 //		return err
 //	})
 //
@@ -129,18 +129,20 @@
 //
 // # pgx
 //
-// PublishPgx publishes on a pgx.Tx (from a pgxpool.Pool or a pgx.Conn) and
-// writes exactly the rows Publish writes on a *sql.Tx. OpenPgx opens a Bus
-// on a *pgxpool.Pool whose handlers get their inbox transaction as a pgx.Tx
-// from PgxTx, for pgx and sqlc in pgx mode; Open keeps database/sql for
-// everyone else, and refuses a *sql.DB whose driver is not pgx/v5's stdlib.
-// Tx and PgxTx panic, naming the cause, where ctx holds no inbox
-// transaction of their kind; a handler that does so is poisoned at once
+// database/sql and pgx are served by the same calls. Open and Migrate take
+// a *sql.DB (opened with pgx/v5's stdlib driver: Open refuses another) or a
+// *pgxpool.Pool. Publish, Schedule and CancelScheduled take an Execer: a
+// *sql.Tx (or an ORM's transaction on database/sql), or a pgx.Tx (from a
+// pgxpool.Pool or a pgx.Conn) through Pgx, and write the same rows either
+// way. A handler's inbox transaction is Tx[T](ctx): a *sql.Tx on a Bus
+// opened on a *sql.DB, a pgx.Tx on one opened on a *pgxpool.Pool, an
+// Execer on either. Tx panics, naming the cause, where ctx holds no inbox
+// transaction of that type; a handler that does so is poisoned at once
 // with that reason.
 //
 // Every statement millrace runs works in each of pgx's query exec modes
 // (default_query_exec_mode in database.url, or the DefaultQueryExecMode of
-// the pool's pgx.ConnConfig for OpenPgx and MigratePgx), and writes what
+// the pool's pgx.ConnConfig for a *pgxpool.Pool), and writes what
 // Publish accepts byte for byte in each: a service behind a pooler in
 // transaction mode that keeps no prepared statements (PgBouncer before
 // 1.21) uses exec or simple_protocol. No part of millrace keeps state in a

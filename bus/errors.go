@@ -12,7 +12,7 @@ import (
 // back yields an error wrapping database/sql's sql.ErrTxDone.
 var (
 	// ErrNilTx: Publish was given no transaction.
-	ErrNilTx = errors.New("millrace: Publish needs the caller's transaction (*sql.Tx, or pgx.Tx for PublishPgx); use PublishInOwnTx to publish without a business transaction")
+	ErrNilTx = errors.New("millrace: Publish needs the caller's transaction (a *sql.Tx, or bus.Pgx(tx) for a pgx.Tx); use PublishInOwnTx to publish without a business transaction")
 	// ErrInvalidTopic: the destination topic is empty or has characters brokers reject.
 	ErrInvalidTopic = errors.New("millrace: invalid topic")
 	// ErrMissingField: a required Event field is empty.

@@ -65,7 +65,7 @@ func ExampleNewSaga() {
 			if err := sc.ScheduleTimeout(ctx, "payment", timeouts.Name(), bus.DueIn(10*time.Minute), late); err != nil {
 				return err
 			}
-			return b.Publish(ctx, bus.Tx(ctx), "payments.commands", bus.Event{Type: "ChargePayment",
+			return b.Publish(ctx, bus.Tx[bus.Execer](ctx), "payments.commands", bus.Event{Type: "ChargePayment",
 				AggregateType: "order", AggregateID: sc.ID, Payload: []byte(`{}`)})
 		})
 	bus.Then(saga, payments, func(m bus.Message[PaymentCharged]) string { return m.Value.OrderID },

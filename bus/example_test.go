@@ -2,6 +2,7 @@ package bus_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"log"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
@@ -106,7 +108,7 @@ func ExampleBus_ConsumerChain() {
 	calls := 0
 	handle, err := b.ConsumerChain(ctx, "orders.events", "billing", func(ctx context.Context, ev bus.Event) error {
 		calls++
-		fmt.Println("handling", ev.Type, ev.AggregateID, "in a transaction:", bus.Tx(ctx) != nil)
+		fmt.Println("handling", ev.Type, ev.AggregateID, "in a transaction:", bus.Tx[*sql.Tx](ctx) != nil)
 		return nil
 	}, nil)
 	if err != nil {
@@ -425,4 +427,55 @@ func ExampleOps_Throughput() {
 	// Output:
 	// relay group millrace_relay: 60 minutes, 0 forwarded
 	// consumer group billing: 60 minutes, 3 processed
+}
+
+// On pgx, the same Open, Migrate and Publish: Open takes the
+// *pgxpool.Pool, and Publish the pgx.Tx through bus.Pgx. Its handlers get
+// their transaction as bus.Tx[pgx.Tx](ctx).
+func ExamplePgx() {
+	ctx := context.Background()
+	var cfg bus.Config
+	cfg.Database.Schema = testdb.UniqueName("example_pgx")
+	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
+
+	pool, err := pgxpool.New(ctx, testdb.URL())
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+	defer pool.Exec(ctx, `DROP SCHEMA "`+cfg.Database.Schema+`" CASCADE`)
+	if err := bus.Migrate(ctx, pool, cfg); err != nil {
+		log.Fatal(err)
+	}
+	b, err := bus.Open(ctx, cfg, pool)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer b.Close()
+
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
+	// ... the business write goes here, on tx ...
+	err = b.Publish(ctx, bus.Pgx(tx), "orders.events", bus.Event{
+		Type:          "OrderCreated",
+		AggregateType: "order",
+		AggregateID:   "ord-1",
+		Payload:       []byte(`{"order_id":"ord-1","total_cents":4200}`),
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		log.Fatal(err)
+	}
+
+	var rows int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM "`+cfg.Database.Schema+`".watermill_millrace_outbox`).Scan(&rows); err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("outbox rows:", rows)
+	// Output: outbox rows: 1
 }

@@ -17,8 +17,7 @@ import (
 )
 
 // BatchHandlerFunc processes the events of one batch together, in one inbox
-// transaction: do the business writes of all of them in Tx(ctx) (or
-// PgxTx(ctx)), say one bulk insert or one call to another service. The
+// transaction: do the business writes of all of them in Tx(ctx), say one bulk insert or one call to another service. The
 // events are in delivery order (an ordered handler's batch holds at most one
 // event per aggregate), each with its inbox row inserted in that
 // transaction; redeliveries of events already processed never reach it.
@@ -36,7 +35,7 @@ import (
 //
 // Batches form as consumer.batch configures them (max_messages, max_wait);
 // with max_messages 1 every batch holds one event. Events published with
-// Publish(ctx, Tx(ctx), ...) get no causation: a batch has no single event
+// Publish(ctx, Tx[Execer](ctx), ...) get no causation: a batch has no single event
 // that caused them.
 type BatchHandlerFunc func(ctx context.Context, evs []Event) error
 
@@ -193,8 +192,7 @@ type arrival struct {
 	attempt int
 }
 
-// callBatchHandler calls fn; Tx and PgxTx panicking in it make a permanent
-// error.
+// callBatchHandler calls fn; Tx panicking in it makes a permanent error.
 func callBatchHandler(fn func(context.Context, []Event, []arrival) error, ctx context.Context, evs []Event, arrivals []arrival) (err error) {
 	defer noTxPanic(&err)
 	return fn(ctx, evs, arrivals)

@@ -2,6 +2,7 @@ package bus_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"slices"
@@ -71,7 +72,7 @@ func testTypedBatchHandler(t *testing.T, kind string) {
 		batches = append(batches, ids)
 		mu.Unlock()
 		// One statement for the whole batch.
-		if _, err := bus.Tx(ctx).ExecContext(ctx, `INSERT INTO `+invoices+` SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])`,
+		if _, err := bus.Tx[*sql.Tx](ctx).ExecContext(ctx, `INSERT INTO `+invoices+` SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])`,
 			ids, events, totals); err != nil {
 			return err
 		}

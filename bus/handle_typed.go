@@ -116,7 +116,7 @@ const MetricUnknownTypes = "millrace_consumer_unknown_types_total"
 // type the event's event-type names. The routes must be on one topic and
 // name distinct types. An event of no route's type follows
 // WithUnknownTypes. Everything else is as Bus.Handle: the handler's config
-// under consumer.handlers.<name>, its inbox transaction (Tx, PgxTx), its
+// under consumer.handlers.<name>, its inbox transaction (Tx), its
 // options. Register every handler before Run.
 func (b *Bus) HandleTypes(name string, routes []Route, opts ...HandleOption) error {
 	topic, dispatch, takes, err := b.typedHandler(name, routes, opts)

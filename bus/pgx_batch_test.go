@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
@@ -39,7 +40,7 @@ func TestPgxBatchedInboxTransaction(t *testing.T) {
 			blockedOnce.Do(func() { close(blocked) })
 			return errors.New("not now")
 		}
-		tx := bus.PgxTx(ctx)
+		tx := bus.Tx[pgx.Tx](ctx)
 		var txid int64
 		if err := tx.QueryRow(ctx, `SELECT txid_current()`).Scan(&txid); err != nil {
 			return err

@@ -24,7 +24,7 @@ func newPool(t testing.TB) *pgxpool.Pool {
 	return pool
 }
 
-// pgxBundle is a Bus opened with OpenPgx on a migrated schema.
+// pgxBundle is a Bus opened on a *pgxpool.Pool on a migrated schema.
 type pgxBundle struct {
 	testBundle
 	pool *pgxpool.Pool
@@ -35,7 +35,7 @@ func setupPgx(t *testing.T, change ...func(*bus.Config)) pgxBundle {
 	t.Helper()
 	tb := setup(t, change...)
 	pool := newPool(t)
-	b, err := bus.OpenPgx(context.Background(), tb.cfg, pool)
+	b, err := bus.Open(context.Background(), tb.cfg, pool)
 	require.NoError(t, err)
 	t.Cleanup(func() { b.Close() })
 	return pgxBundle{testBundle: tb, pool: pool, pgx: b}
@@ -69,7 +69,7 @@ func TestPgxAndSQLWriteByteIdenticalRows(t *testing.T) {
 	require.NoError(t, sqlTx.Commit())
 	pgxTx, err := pb.pool.Begin(ctx)
 	require.NoError(t, err)
-	require.NoError(t, pb.pgx.PublishPgx(ctx, pgxTx, "orders.events", events()...))
+	require.NoError(t, pb.pgx.Publish(ctx, bus.Pgx(pgxTx), "orders.events", events()...))
 	require.NoError(t, pgxTx.Commit(ctx))
 
 	stored := func() [][2]string {
@@ -95,7 +95,7 @@ func TestPgxAndSQLWriteByteIdenticalRows(t *testing.T) {
 	require.NoError(t, sqlTx.Commit())
 	pgxTx, err = pb.pool.Begin(ctx)
 	require.NoError(t, err)
-	require.NoError(t, placed.PublishPgx(ctx, pb.pgx, pgxTx, value))
+	require.NoError(t, placed.Publish(ctx, pb.pgx, bus.Pgx(pgxTx), value))
 	require.NoError(t, pgxTx.Commit(ctx))
 	out := pb.outbox(t)
 	require.Len(t, out, 8)
@@ -105,16 +105,16 @@ func TestPgxAndSQLWriteByteIdenticalRows(t *testing.T) {
 	require.Equal(t, viaSQL, viaPgx)
 }
 
-// PublishPgx in a rolled-back transaction leaves nothing; a refused event
-// writes nothing and leaves the transaction usable; a nil or finished
-// transaction is an error.
-func TestPublishPgxRollbackAndRefusal(t *testing.T) {
+// Publish on a pgx.Tx (through Pgx) in a rolled-back transaction leaves
+// nothing; a refused event writes nothing and leaves the transaction
+// usable; a nil or finished transaction is an error.
+func TestPublishOnPgxRollbackAndRefusal(t *testing.T) {
 	t.Parallel()
 	pb := setupPgx(t)
 	ctx := context.Background()
 	tx, err := pb.pool.Begin(ctx)
 	require.NoError(t, err)
-	require.NoError(t, pb.pgx.PublishPgx(ctx, tx, "orders.events", orderCreated("o-1"), orderCreated("o-2")))
+	require.NoError(t, pb.pgx.Publish(ctx, bus.Pgx(tx), "orders.events", orderCreated("o-1"), orderCreated("o-2")))
 	require.NoError(t, tx.Rollback(ctx))
 	require.Empty(t, pb.outbox(t))
 
@@ -122,21 +122,21 @@ func TestPublishPgxRollbackAndRefusal(t *testing.T) {
 	require.NoError(t, err)
 	bad := orderCreated("o-3")
 	bad.Payload = []byte(`{not json`)
-	err = pb.pgx.PublishPgx(ctx, tx, "orders.events", orderCreated("o-2"), bad)
+	err = pb.pgx.Publish(ctx, bus.Pgx(tx), "orders.events", orderCreated("o-2"), bad)
 	require.ErrorIs(t, err, bus.ErrInvalidPayload)
 	var n int
 	require.NoError(t, tx.QueryRow(ctx, `SELECT count(*) FROM "`+pb.schema+`".watermill_millrace_outbox`).Scan(&n))
 	require.Zero(t, n, "nothing of the refused call was written, and the transaction still answers")
 	require.NoError(t, tx.Commit(ctx))
 
-	require.ErrorIs(t, pb.pgx.PublishPgx(ctx, nil, "orders.events", orderCreated("o-4")), bus.ErrNilTx)
-	require.ErrorIs(t, pb.pgx.PublishPgx(ctx, tx, "orders.events", orderCreated("o-4")), pgx.ErrTxClosed)
+	require.ErrorIs(t, pb.pgx.Publish(ctx, bus.Pgx(nil), "orders.events", orderCreated("o-4")), bus.ErrNilTx)
+	require.ErrorIs(t, pb.pgx.Publish(ctx, bus.Pgx(tx), "orders.events", orderCreated("o-4")), pgx.ErrTxClosed)
 	require.Empty(t, pb.outbox(t))
 }
 
-// A handler of a Bus opened with OpenPgx writes through its pgx.Tx: a
-// duplicate delivery has one effect, a failing handler none, and bus.Tx
-// there names PgxTx.
+// A handler of a Bus opened on a *pgxpool.Pool writes through its pgx.Tx: a
+// duplicate delivery has one effect, a failing handler none, and
+// bus.Tx[*sql.Tx] there names bus.Tx[pgx.Tx].
 func TestPgxHandlerWritesInItsInboxTransactionOnce(t *testing.T) {
 	t.Parallel()
 	pb := setupPgx(t, func(c *bus.Config) { c.Consumer.Retry.MaxAttempts = 1 })
@@ -146,7 +146,7 @@ func TestPgxHandlerWritesInItsInboxTransactionOnce(t *testing.T) {
 	calls := 0
 	handle, err := pb.pgx.ConsumerChain(ctx, "orders.events", "billing", func(ctx context.Context, ev bus.Event) error {
 		calls++
-		tx := bus.PgxTx(ctx)
+		tx := bus.Tx[pgx.Tx](ctx)
 		if _, err := tx.Exec(ctx, `INSERT INTO "`+pb.schema+`".invoices VALUES ($1, $2)`, ev.AggregateID, ev.ID); err != nil {
 			return err
 		}
@@ -154,7 +154,7 @@ func TestPgxHandlerWritesInItsInboxTransactionOnce(t *testing.T) {
 			return bus.Permanent(sql.ErrNoRows) // after the write: it must roll back
 		}
 		if ev.AggregateID == "o-sqltx" {
-			bus.Tx(ctx)
+			bus.Tx[*sql.Tx](ctx)
 		}
 		return nil
 	}, nil)
@@ -185,7 +185,7 @@ func TestPgxHandlerWritesInItsInboxTransactionOnce(t *testing.T) {
 	for _, m := range list.Messages {
 		reasons[m.EventID] = m.Reason
 	}
-	require.Contains(t, reasons["e-3"], "opened with bus.OpenPgx, so the handler's transaction is a pgx.Tx: use bus.PgxTx(ctx)")
+	require.Contains(t, reasons["e-3"], "bus.Tx[*sql.Tx]: the Bus was opened on a *pgxpool.Pool, so the handler's transaction is a pgx.Tx: use bus.Tx[pgx.Tx](ctx)")
 }
 
 // Open refuses a *sql.DB of another driver at once, naming it and the fix.
@@ -199,7 +199,6 @@ func TestOpenRefusesAnotherDriver(t *testing.T) {
 	_, err = bus.Open(context.Background(), cfg, db)
 	require.ErrorContains(t, err, "the *sql.DB uses the database/sql driver *pq.Driver, not pgx/v5's")
 	require.ErrorContains(t, err, `sql.Open("pgx", url)`)
-	require.ErrorContains(t, err, "bus.OpenPgx")
-	_, err = bus.OpenPgx(context.Background(), cfg, nil)
-	require.ErrorContains(t, err, "OpenPgx needs a *pgxpool.Pool")
+	require.ErrorContains(t, err, "pass bus.Open a *pgxpool.Pool")
+	require.ErrorContains(t, bus.Migrate(context.Background(), (*pgxpool.Pool)(nil), cfg), "Migrate needs a database")
 }

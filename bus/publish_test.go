@@ -306,6 +306,8 @@ func TestBadInputIsRefusedAndWritesNothing(t *testing.T) {
 	}
 
 	require.ErrorIs(t, tb.bus.Publish(ctx, nil, "orders", orderCreated("o-1")), bus.ErrNilTx)
+	var none *sql.Tx
+	require.ErrorIs(t, tb.bus.Publish(ctx, none, "orders", orderCreated("o-1")), bus.ErrNilTx, "a nil *sql.Tx in the Execer")
 
 	committed, err := tb.db.BeginTx(ctx, nil)
 	require.NoError(t, err)
@@ -344,7 +346,7 @@ func TestOpenNamesUnreachableDatabase(t *testing.T) {
 	cfg.Database.URL = "postgres://app:hunter2@127.0.0.1:1/app?connect_timeout=1"
 	cfg.Database.ConnectTimeout = 2 * time.Second
 	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
-	_, err := bus.Open(context.Background(), cfg, nil)
+	_, err := bus.Open[*sql.DB](context.Background(), cfg, nil)
 	require.ErrorContains(t, err, "127.0.0.1:1")
 	require.NotContains(t, err.Error(), "hunter2")
 }

@@ -78,7 +78,7 @@ type modeFlow struct {
 	cfg  bus.Config
 	// witness reads and writes what the test checks in the default mode.
 	witness *sql.DB
-	// pool is the pgx pool of a Bus opened with OpenPgx; nil with Open.
+	// pool is the pgx pool a Bus was opened on; nil for a *sql.DB.
 	pool   *pgxpool.Pool
 	b      *bus.Bus
 	ops    *bus.Ops
@@ -175,8 +175,8 @@ func startModeFlow(t *testing.T, modeName string, mode pgx.QueryExecMode, viaPgx
 		f.pool, err = pgxpool.NewWithConfig(ctx, pcfg)
 		require.NoError(t, err)
 		t.Cleanup(f.pool.Close)
-		require.NoError(t, bus.MigratePgx(ctx, f.pool, f.cfg))
-		f.b, err = bus.OpenPgx(ctx, f.cfg, f.pool, opts...)
+		require.NoError(t, bus.Migrate(ctx, f.pool, f.cfg))
+		f.b, err = bus.Open(ctx, f.cfg, f.pool, opts...)
 		require.NoError(t, err)
 	} else {
 		db, err := sql.Open("pgx", withQueryExecMode(t, testdb.URL(), modeName))
@@ -244,9 +244,9 @@ func (f *modeFlow) handle(group string) bus.HandlerFunc {
 		insert := `INSERT INTO "` + f.cfg.Database.Schema + `".effects VALUES ($1, $2, $3)`
 		var err error
 		if f.pool != nil {
-			_, err = bus.PgxTx(ctx).Exec(ctx, insert, group, ev.ID, ev.Metadata["note"])
+			_, err = bus.Tx[pgx.Tx](ctx).Exec(ctx, insert, group, ev.ID, ev.Metadata["note"])
 		} else {
-			_, err = bus.Tx(ctx).ExecContext(ctx, insert, group, ev.ID, ev.Metadata["note"])
+			_, err = bus.Tx[*sql.Tx](ctx).ExecContext(ctx, insert, group, ev.ID, ev.Metadata["note"])
 		}
 		if err != nil || group != f.handler {
 			return err
@@ -329,7 +329,7 @@ func (f *modeFlow) publish(events ...bus.Event) {
 	f.t.Helper()
 	f.inTx(func(sqlTx *sql.Tx, pgxTx pgx.Tx) error {
 		if pgxTx != nil {
-			return f.b.PublishPgx(f.ctx, pgxTx, f.topic, events...)
+			return f.b.Publish(f.ctx, bus.Pgx(pgxTx), f.topic, events...)
 		}
 		return f.b.Publish(f.ctx, sqlTx, f.topic, events...)
 	})
@@ -410,7 +410,7 @@ func (f *modeFlow) publishAndConsume() {
 	f.publish(events[:2]...)
 	if f.pool != nil {
 		f.publish(events[2:4]...)
-		f.inTx(func(_ *sql.Tx, tx pgx.Tx) error { return f.notes.PublishPgx(f.ctx, f.b, tx, note) })
+		f.inTx(func(_ *sql.Tx, tx pgx.Tx) error { return f.notes.Publish(f.ctx, f.b, bus.Pgx(tx), note) })
 	} else {
 		require.NoError(f.t, f.b.PublishInOwnTx(f.ctx, f.topic, events[2:4]...))
 		f.inTx(func(tx *sql.Tx, _ pgx.Tx) error { return f.notes.Publish(f.ctx, f.b, tx, note) })
@@ -574,7 +574,7 @@ func (f *modeFlow) schedule(when bus.When, events ...bus.Event) []string {
 	var ids []string
 	f.inTx(func(sqlTx *sql.Tx, pgxTx pgx.Tx) (err error) {
 		if pgxTx != nil {
-			ids, err = f.b.SchedulePgx(f.ctx, pgxTx, f.topic, when, events...)
+			ids, err = f.b.Schedule(f.ctx, bus.Pgx(pgxTx), f.topic, when, events...)
 		} else {
 			ids, err = f.b.Schedule(f.ctx, sqlTx, f.topic, when, events...)
 		}
@@ -606,7 +606,7 @@ func (f *modeFlow) scheduleAndCancel() {
 	require.True(f.t, at.Truncate(time.Microsecond).Equal(events[1].DueAt), "due at %s, listed at %s", at, events[1].DueAt)
 	f.inTx(func(sqlTx *sql.Tx, pgxTx pgx.Tx) error {
 		if pgxTx != nil {
-			return f.b.CancelScheduledPgx(f.ctx, pgxTx, later.ID)
+			return f.b.CancelScheduled(f.ctx, bus.Pgx(pgxTx), later.ID)
 		}
 		return f.b.CancelScheduled(f.ctx, sqlTx, later.ID)
 	})
@@ -641,9 +641,9 @@ func (f *modeFlow) saga() *bus.Saga[modeSagaState] {
 			}
 			command := f.awkwardEvent("command", "o-saga", "", []byte(`{"from":"saga"}`))
 			if f.pool != nil {
-				return f.b.PublishPgx(ctx, bus.PgxTx(ctx), f.topic, command)
+				return f.b.Publish(ctx, bus.Tx[bus.Execer](ctx), f.topic, command)
 			}
-			return f.b.Publish(ctx, bus.Tx(ctx), f.topic, command)
+			return f.b.Publish(ctx, bus.Tx[bus.Execer](ctx), f.topic, command)
 		})
 	return s
 }
@@ -652,7 +652,7 @@ func (f *modeFlow) saga() *bus.Saga[modeSagaState] {
 func (f *modeFlow) publishSagaEvent(v modeSagaEvent) {
 	f.inTx(func(sqlTx *sql.Tx, pgxTx pgx.Tx) error {
 		if pgxTx != nil {
-			return f.sagaEvents.PublishPgx(f.ctx, f.b, pgxTx, v)
+			return f.sagaEvents.Publish(f.ctx, f.b, bus.Pgx(pgxTx), v)
 		}
 		return f.sagaEvents.Publish(f.ctx, f.b, sqlTx, v)
 	})

@@ -91,7 +91,7 @@ func (w *replayWorld) serve(t *testing.T, cfg bus.Config, register func(*bus.Bus
 
 // effect records ev's effect for group in the handler's transaction.
 func (w *replayWorld) effect(ctx context.Context, group string, ev bus.Event) error {
-	_, err := bus.Tx(ctx).ExecContext(ctx, `INSERT INTO "`+w.cfg.Database.Schema+`".effects VALUES ($1, $2)`, group, ev.ID)
+	_, err := bus.Tx[*sql.Tx](ctx).ExecContext(ctx, `INSERT INTO "`+w.cfg.Database.Schema+`".effects VALUES ($1, $2)`, group, ev.ID)
 	return err
 }
 

@@ -2,6 +2,7 @@ package bus_test
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"sync"
 	"testing"
@@ -57,7 +58,7 @@ func testServiceRoundTrip(t *testing.T, kind string) {
 	// billing writes an invoice and publishes InvoiceIssued in the inbox
 	// transaction; audit records what arrives.
 	require.NoError(t, b.Handle(orders, billing, func(ctx context.Context, ev bus.Event) error {
-		tx := bus.Tx(ctx)
+		tx := bus.Tx[*sql.Tx](ctx)
 		if _, err := tx.ExecContext(ctx, `INSERT INTO "`+cfg.Database.Schema+`".invoices VALUES ($1, $2)`, ev.AggregateID, ev.ID); err != nil {
 			return err
 		}

@@ -127,7 +127,7 @@ func (sc *SagaContext[S]) ScheduleTimeout(ctx context.Context, name, topic strin
 	if err := sc.CancelTimeout(ctx, name); err != nil {
 		return err
 	}
-	ids, err := sc.b.schedule(ctx, sc.tx, topic, when, []Event{ev})
+	ids, err := sc.b.Schedule(ctx, sc.tx, topic, when, ev)
 	if err != nil {
 		return err
 	}
@@ -143,7 +143,7 @@ func (sc *SagaContext[S]) CancelTimeout(ctx context.Context, name string) error 
 		return nil
 	}
 	delete(sc.timeouts, name)
-	if err := sc.b.cancelScheduled(ctx, sc.tx, id); err != nil && !errors.Is(err, ErrNotScheduled) {
+	if err := sc.b.CancelScheduled(ctx, sc.tx, id); err != nil && !errors.Is(err, ErrNotScheduled) {
 		return err
 	}
 	return nil
@@ -160,7 +160,7 @@ func (sc *SagaContext[S]) Timeouts() []string {
 }
 
 // SagaStepFunc is a saga step: it changes sc.State and sends commands in
-// the handler's transaction (Tx(ctx) or PgxTx(ctx)). It may run more than
+// the handler's transaction (Tx(ctx)). It may run more than
 // once for one event (after a version conflict, or a retry): it must do
 // nothing outside that transaction. An error is handled as a handler's
 // error (retried, or poisoned when permanent), and nothing of the step is

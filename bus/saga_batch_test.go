@@ -47,7 +47,7 @@ func TestSagaStepsInInboxBatches(t *testing.T) {
 	saga := func(b *bus.Bus) *bus.Saga[counterState] {
 		s := bus.NewSaga[counterState]("counter")
 		send := func(ctx context.Context, id, typ string) error {
-			return b.Publish(ctx, bus.Tx(ctx), commands, bus.Event{Type: typ, AggregateType: "counter", AggregateID: id, Payload: []byte(`{}`)})
+			return b.Publish(ctx, bus.Tx[bus.Execer](ctx), commands, bus.Event{Type: typ, AggregateType: "counter", AggregateID: id, Payload: []byte(`{}`)})
 		}
 		bus.StartWith(s, opened, func(m bus.Message[counterOpened]) string { return m.Value.ID },
 			func(ctx context.Context, sc *bus.SagaContext[counterState], m bus.Message[counterOpened]) error {

@@ -87,7 +87,7 @@ func orderSagaOn(b *bus.Bus, tp sagaTopics, paymentTimeout time.Duration, opts .
 	sagaOrders, sagaPayments, sagaReserved, sagaNoStock, sagaTimeouts := tp.orders, tp.payments, tp.reserved, tp.noStock, tp.timeouts
 	// command publishes a command of type typ for order id in the step's transaction.
 	command := func(ctx context.Context, b *bus.Bus, typ, id string) error {
-		return b.Publish(ctx, bus.Tx(ctx), tp.commands, bus.Event{Type: typ, AggregateType: "order", AggregateID: id, Payload: []byte(`{}`)})
+		return b.Publish(ctx, bus.Tx[bus.Execer](ctx), tp.commands, bus.Event{Type: typ, AggregateType: "order", AggregateID: id, Payload: []byte(`{}`)})
 	}
 	s := bus.NewSaga("order_fulfilment", opts...)
 	bus.StartWith(s, sagaOrders, func(m bus.Message[sagaOrderPlaced]) string { return m.Value.OrderID },
@@ -457,16 +457,16 @@ func TestSagaEndToEnd(t *testing.T) {
 		if ev.Type != "ChargePayment" {
 			return nil
 		}
-		return tp.payments.Publish(ctx, b, bus.Tx(ctx), sagaCharged{OrderID: ev.AggregateID})
+		return tp.payments.Publish(ctx, b, bus.Tx[bus.Execer](ctx), sagaCharged{OrderID: ev.AggregateID})
 	}))
 	require.NoError(t, b.Handle(tp.commands, "inventory"+suffix, func(ctx context.Context, ev bus.Event) error {
 		switch {
 		case ev.Type != "ReserveStock":
 			return nil
 		case ev.AggregateID == "o-missing":
-			return tp.noStock.Publish(ctx, b, bus.Tx(ctx), sagaStockFailed{OrderID: ev.AggregateID})
+			return tp.noStock.Publish(ctx, b, bus.Tx[bus.Execer](ctx), sagaStockFailed{OrderID: ev.AggregateID})
 		}
-		return tp.reserved.Publish(ctx, b, bus.Tx(ctx), sagaStockReserved{OrderID: ev.AggregateID})
+		return tp.reserved.Publish(ctx, b, bus.Tx[bus.Execer](ctx), sagaStockReserved{OrderID: ev.AggregateID})
 	}))
 	runCtx, stop := context.WithCancel(ctx)
 	done := make(chan error, 1)

@@ -2,12 +2,10 @@ package bus
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/millrace-io/millrace/internal/store"
@@ -107,24 +105,13 @@ func (w When) check() error {
 // the outbox. With consumer.ordering_guard, give a scheduled event an
 // aggregate version of 0 (none), or one above every version published until
 // it is due: the guard drops an event older than what it applied.
-func (b *Bus) Schedule(ctx context.Context, tx *sql.Tx, topic string, when When, events ...Event) ([]string, error) {
-	if tx == nil {
+//
+// tx is what Publish takes: a *sql.Tx, bus.Pgx(tx) for a pgx.Tx, or a
+// handler's Tx[Execer](ctx).
+func (b *Bus) Schedule(ctx context.Context, tx Execer, topic string, when When, events ...Event) ([]string, error) {
+	if isNil(tx) {
 		return nil, ErrNilTx
 	}
-	return b.schedule(ctx, tx, topic, when, events)
-}
-
-// SchedulePgx is Schedule in a pgx transaction.
-func (b *Bus) SchedulePgx(ctx context.Context, tx pgx.Tx, topic string, when When, events ...Event) ([]string, error) {
-	if tx == nil {
-		return nil, ErrNilTx
-	}
-	return b.schedule(ctx, pgxExecer{tx}, topic, when, events)
-}
-
-// schedule is Schedule on any transaction that executes statements: a
-// *sql.Tx, a pgx.Tx, or a handler's inbox transaction.
-func (b *Bus) schedule(ctx context.Context, tx store.Execer, topic string, when When, events []Event) ([]string, error) {
 	if err := when.check(); err != nil {
 		return nil, err
 	}
@@ -158,23 +145,11 @@ func (b *Bus) schedule(ctx context.Context, tx store.Execer, topic string, when 
 // no such event: the id is unknown, it was cancelled already, or it was
 // due and the relay has moved it into the outbox (it will be published).
 // An event whose due time has passed but which the relay has not moved yet
-// is still cancelled.
-func (b *Bus) CancelScheduled(ctx context.Context, tx *sql.Tx, id string) error {
-	if tx == nil {
+// is still cancelled. tx is what Publish takes.
+func (b *Bus) CancelScheduled(ctx context.Context, tx Execer, id string) error {
+	if isNil(tx) {
 		return ErrNilTx
 	}
-	return b.cancelScheduled(ctx, tx, id)
-}
-
-// CancelScheduledPgx is CancelScheduled in a pgx transaction.
-func (b *Bus) CancelScheduledPgx(ctx context.Context, tx pgx.Tx, id string) error {
-	if tx == nil {
-		return ErrNilTx
-	}
-	return b.cancelScheduled(ctx, pgxExecer{tx}, id)
-}
-
-func (b *Bus) cancelScheduled(ctx context.Context, tx store.Execer, id string) error {
 	if err := b.checkOpen(); err != nil {
 		return err
 	}
@@ -190,7 +165,7 @@ func (b *Bus) cancelScheduled(ctx context.Context, tx store.Execer, id string) e
 
 // Schedule writes values within tx to be published when they are due, as
 // Bus.Schedule does with the events Publish would write for them.
-func (t *Topic[T]) Schedule(ctx context.Context, b *Bus, tx *sql.Tx, when When, values ...T) ([]string, error) {
+func (t *Topic[T]) Schedule(ctx context.Context, b *Bus, tx Execer, when When, values ...T) ([]string, error) {
 	if b == nil {
 		return nil, errNilBus
 	}
@@ -199,27 +174,4 @@ func (t *Topic[T]) Schedule(ctx context.Context, b *Bus, tx *sql.Tx, when When, 
 		return nil, err
 	}
 	return b.Schedule(ctx, tx, t.name, when, events...)
-}
-
-// SchedulePgx is Schedule in a pgx transaction.
-func (t *Topic[T]) SchedulePgx(ctx context.Context, b *Bus, tx pgx.Tx, when When, values ...T) ([]string, error) {
-	if b == nil {
-		return nil, errNilBus
-	}
-	events, err := t.events(values)
-	if err != nil {
-		return nil, err
-	}
-	return b.SchedulePgx(ctx, tx, t.name, when, events...)
-}
-
-// pgxExecer runs the store's statements on a pgx transaction.
-type pgxExecer struct{ tx pgx.Tx }
-
-func (p pgxExecer) ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error) {
-	tag, err := p.tx.Exec(ctx, query, args...)
-	if err != nil {
-		return nil, err
-	}
-	return rowsAffected(tag.RowsAffected()), nil
 }

@@ -152,7 +152,7 @@ func TestCancelScheduled(t *testing.T) {
 	require.NoError(t, tx.Commit())
 	ptx, err := pb.pool.Begin(ctx)
 	require.NoError(t, err)
-	viaPgx, err := placed.SchedulePgx(ctx, pb.pgx, ptx, bus.DueIn(time.Hour), placedV2{OrderID: "o-4"})
+	viaPgx, err := placed.Schedule(ctx, pb.pgx, bus.Pgx(ptx), bus.DueIn(time.Hour), placedV2{OrderID: "o-4"})
 	require.NoError(t, err)
 	require.NoError(t, ptx.Commit(ctx))
 	require.Equal(t, 4, tb.scheduledCount(t))
@@ -181,7 +181,7 @@ func TestCancelScheduled(t *testing.T) {
 	require.ErrorIs(t, cancel(later[0]), bus.ErrNotScheduled, "cancelled already")
 	ptx, err = pb.pool.Begin(ctx)
 	require.NoError(t, err)
-	require.NoError(t, pb.pgx.CancelScheduledPgx(ctx, ptx, viaPgx[0]))
+	require.NoError(t, pb.pgx.CancelScheduled(ctx, bus.Pgx(ptx), viaPgx[0]))
 	require.NoError(t, ptx.Commit(ctx))
 
 	ops, err := bus.NewOps(ctx, tb.db, tb.cfg)

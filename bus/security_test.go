@@ -59,7 +59,7 @@ func TestDatabaseTLS(t *testing.T) {
 		t.Helper()
 		c := cfg
 		c.Database.URL = dbURL
-		b, err := bus.Open(ctx, c, nil)
+		b, err := bus.Open[*sql.DB](ctx, c, nil)
 		require.NoError(t, err)
 		defer b.Close()
 		var on bool
@@ -75,7 +75,7 @@ func TestDatabaseTLS(t *testing.T) {
 	for _, mode := range []string{"verify-ca", "verify-full"} {
 		c := cfg
 		c.Database.URL = withQuery(t, pg.URL, map[string]string{"sslmode": mode, "sslrootcert": wrong.CertFile})
-		_, err := bus.Open(ctx, c, nil)
+		_, err := bus.Open[*sql.DB](ctx, c, nil)
 		require.Error(t, err, mode)
 		// verify-ca fails on the unknown signer; verify-full may fail on the
 		// name first (a server certificate made for another host).
@@ -157,7 +157,7 @@ func TestSecretsNeverPrinted(t *testing.T) {
 			var cfg bus.Config
 			cfg.Database.URL = dbURL
 			brokertest.Apply(t, bus.KindNATS, &cfg)
-			_, err := bus.Open(ctx, cfg, nil, bus.WithLogger(logs.Slog()))
+			_, err := bus.Open[*sql.DB](ctx, cfg, nil, bus.WithLogger(logs.Slog()))
 			require.Error(t, err, dbURL)
 			require.ErrorContains(t, err, "database")
 			require.NotContains(t, err.Error(), s)

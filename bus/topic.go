@@ -2,13 +2,10 @@ package bus
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
 	"reflect"
 	"slices"
-
-	"github.com/jackc/pgx/v5"
 
 	"github.com/millrace-io/millrace/internal/names"
 )
@@ -254,7 +251,7 @@ func (t *Topic[T]) Version() int { return t.typ.version }
 // content type, the aggregate from T's Aggregate method. Every value is
 // checked (and encoded) before anything is written; on any error nothing
 // is written. The error of a refused value is an *EventError with its Index.
-func (t *Topic[T]) Publish(ctx context.Context, b *Bus, tx *sql.Tx, values ...T) error {
+func (t *Topic[T]) Publish(ctx context.Context, b *Bus, tx Execer, values ...T) error {
 	if b == nil {
 		return errNilBus
 	}
@@ -263,18 +260,6 @@ func (t *Topic[T]) Publish(ctx context.Context, b *Bus, tx *sql.Tx, values ...T)
 		return err
 	}
 	return b.Publish(ctx, tx, t.name, events...)
-}
-
-// PublishPgx is Publish in a pgx transaction.
-func (t *Topic[T]) PublishPgx(ctx context.Context, b *Bus, tx pgx.Tx, values ...T) error {
-	if b == nil {
-		return errNilBus
-	}
-	events, err := t.events(values)
-	if err != nil {
-		return err
-	}
-	return b.PublishPgx(ctx, tx, t.name, events...)
 }
 
 // errNilBus is a typed Publish given no Bus.

@@ -5,51 +5,56 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-
-	"github.com/jackc/pgx/v5"
+	"reflect"
 
 	"github.com/millrace-io/millrace/middleware"
 )
 
-// ErrNoTx is what Tx and PgxTx panic with (wrapped, with the cause) when
-// ctx holds no inbox transaction of the kind asked for. A handler that
+// ErrNoTx is what Tx panics with (wrapped, with the cause) when ctx holds
+// no inbox transaction, or none of the type asked for. A handler that
 // meets it has its message poisoned at once with that reason: retrying
 // cannot give it a transaction.
 var ErrNoTx = errors.New("millrace: no inbox transaction")
 
-// Tx returns the transaction of the message a handler is processing: the
-// one its inbox row was inserted in, committed by millrace after the handler
-// returns nil and before the message is acked. Do the handler's business
-// writes, and any Publish of follow-up events, in it. Never commit or roll
-// it back yourself.
+// Tx returns the transaction of the message a handler is processing, as T:
+// the one its inbox row was inserted in, committed by millrace after the
+// handler returns nil and before the message is acked. Do the handler's
+// business writes, and any Publish of follow-up events, in it. Never commit
+// or roll it back yourself. T is
+//
+//   - *sql.Tx on a Bus opened on a *sql.DB, pgx.Tx on one opened on a
+//     *pgxpool.Pool;
+//   - Execer on either, what Publish and Schedule take:
+//     b.Publish(ctx, bus.Tx[bus.Execer](ctx), topic, ev);
+//   - any interface the transaction satisfies, such as sqlc's DBTX for
+//     database/sql or for pgx.
 //
 // It panics with an error wrapping ErrNoTx, naming the cause, when there is
 // no such transaction: ctx is not a handler's context, the handler's inbox
 // and ordering guard are both off (consumer.inbox.enabled,
-// consumer.ordering_guard), or the Bus was opened with OpenPgx (use PgxTx).
-// A handler that panics so is poisoned with that message at once.
-func Tx(ctx context.Context) *sql.Tx {
+// consumer.ordering_guard), or the transaction is not a T (a *sql.Tx asked
+// of a Bus on a *pgxpool.Pool, say). A handler that panics so is poisoned
+// with that message at once.
+func Tx[T any](ctx context.Context) T {
+	fn := "bus.Tx[" + reflect.TypeFor[T]().String() + "]"
 	switch tx := middleware.CurrentTx(ctx).(type) {
 	case *sql.Tx:
-		return tx
+		if t, ok := any(tx).(T); ok {
+			return t
+		}
+		panic(fmt.Errorf("%w for %s: the Bus was opened on a *sql.DB, so the handler's transaction is a *sql.Tx: "+
+			"use bus.Tx[*sql.Tx](ctx), or bus.Tx[bus.Execer](ctx) to publish", ErrNoTx, fn))
 	case *pgxInboxTx:
-		panic(fmt.Errorf("%w for bus.Tx: the Bus was opened with bus.OpenPgx, so the handler's transaction is a pgx.Tx: use bus.PgxTx(ctx)", ErrNoTx))
+		if t, ok := any(tx.tx).(T); ok {
+			return t
+		}
+		if t, ok := tx.Execer.(T); ok {
+			return t
+		}
+		panic(fmt.Errorf("%w for %s: the Bus was opened on a *pgxpool.Pool, so the handler's transaction is a pgx.Tx: "+
+			"use bus.Tx[pgx.Tx](ctx), or bus.Tx[bus.Execer](ctx) to publish", ErrNoTx, fn))
 	default:
-		panic(noTx(ctx, "bus.Tx"))
-	}
-}
-
-// PgxTx is Tx for a Bus opened with OpenPgx: the handler's inbox
-// transaction as a pgx.Tx, for pgx and sqlc in pgx mode. It panics like Tx
-// when there is none, and for a Bus opened with Open (use Tx).
-func PgxTx(ctx context.Context) pgx.Tx {
-	switch tx := middleware.CurrentTx(ctx).(type) {
-	case *pgxInboxTx:
-		return tx.tx
-	case *sql.Tx:
-		panic(fmt.Errorf("%w for bus.PgxTx: the Bus was opened with bus.Open on a *sql.DB, so the handler's transaction is a *sql.Tx: use bus.Tx(ctx), or open the Bus with bus.OpenPgx", ErrNoTx))
-	default:
-		panic(noTx(ctx, "bus.PgxTx"))
+		panic(noTx(ctx, fn))
 	}
 }
 
@@ -62,8 +67,8 @@ func noTx(ctx context.Context, fn string) error {
 	return fmt.Errorf("%w for %s: ctx is not the context of a handler millrace is running (or one derived from it)", ErrNoTx, fn)
 }
 
-// noTxPanic turns a panic of Tx or PgxTx in a handler into a permanent
-// error with its message; any other panic goes on.
+// noTxPanic turns a panic of Tx in a handler into a permanent error with
+// its message; any other panic goes on.
 func noTxPanic(err *error) {
 	if p := recover(); p != nil {
 		if e, ok := p.(error); ok && errors.Is(e, ErrNoTx) {

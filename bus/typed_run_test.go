@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
@@ -76,7 +77,7 @@ func testTypedEvents(t *testing.T, kind string) {
 	// outbox, only publishes.
 	reg := prometheus.NewRegistry()
 	pool := newPool(t)
-	pgxBus, err := bus.OpenPgx(ctx, cfg, pool, bus.WithRegistry(reg))
+	pgxBus, err := bus.Open(ctx, cfg, pool, bus.WithRegistry(reg))
 	require.NoError(t, err)
 	defer pgxBus.Close()
 	sqlBus, err := bus.Open(ctx, cfg, db)
@@ -105,7 +106,7 @@ func testTypedEvents(t *testing.T, kind string) {
 		return nil
 	}))
 	require.NoError(t, pb.Handle(pgxBus, shipping, func(ctx context.Context, m bus.Message[*testpb.OrderPlaced]) error {
-		if _, err := bus.PgxTx(ctx).Exec(ctx, `INSERT INTO "`+cfg.Database.Schema+`".shipments VALUES ($1, $2)`, m.Value.GetOrderId(), m.ID); err != nil {
+		if _, err := bus.Tx[pgx.Tx](ctx).Exec(ctx, `INSERT INTO "`+cfg.Database.Schema+`".shipments VALUES ($1, $2)`, m.Value.GetOrderId(), m.ID); err != nil {
 			return err
 		}
 		seen.mu.Lock()
@@ -139,11 +140,11 @@ func testTypedEvents(t *testing.T, kind string) {
 	// pgx publishers, protobuf.
 	ptx, err := pool.Begin(ctx)
 	require.NoError(t, err)
-	require.NoError(t, pb.PublishPgx(ctx, pgxBus, ptx, &testpb.OrderPlaced{OrderId: "p-1", TotalCents: 4200, Items: []string{"book", "lamp"}}))
+	require.NoError(t, pb.Publish(ctx, pgxBus, bus.Pgx(ptx), &testpb.OrderPlaced{OrderId: "p-1", TotalCents: 4200, Items: []string{"book", "lamp"}}))
 	require.NoError(t, ptx.Commit(ctx))
 	ptx, err = pool.Begin(ctx)
 	require.NoError(t, err)
-	require.NoError(t, pb.PublishPgx(ctx, pgxBus, ptx, &testpb.OrderPlaced{OrderId: "p-rolled-back"}))
+	require.NoError(t, pb.Publish(ctx, pgxBus, bus.Pgx(ptx), &testpb.OrderPlaced{OrderId: "p-rolled-back"}))
 	require.NoError(t, ptx.Rollback(ctx))
 
 	ops, err := bus.NewOps(ctx, db, cfg)

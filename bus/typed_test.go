@@ -2,6 +2,7 @@ package bus_test
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -412,7 +413,7 @@ func TestTxWithoutInboxTransactionIsAClearPermanentFailure(t *testing.T) {
 	calls := 0
 	handle, err := w.tb.bus.ConsumerChain(ctx, "orders.events", "billing", func(ctx context.Context, ev bus.Event) error {
 		calls++
-		_, err := bus.Tx(ctx).ExecContext(ctx, `SELECT 1`)
+		_, err := bus.Tx[*sql.Tx](ctx).ExecContext(ctx, `SELECT 1`)
 		return err
 	}, nil)
 	require.NoError(t, err)
@@ -427,7 +428,7 @@ func TestTxWithoutInboxTransactionIsAClearPermanentFailure(t *testing.T) {
 		require.ErrorIs(t, err, bus.ErrNoTx)
 		require.ErrorContains(t, err, "ctx is not the context of a handler")
 	}()
-	bus.Tx(ctx)
+	bus.Tx[*sql.Tx](ctx)
 }
 
 // A panic other than Tx's stays a retryable failure of the handler.

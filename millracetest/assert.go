@@ -158,7 +158,7 @@ func (h *Harness) explain(ev bus.Event, effects int) string {
 		rolledBack := runs - commits
 		why = fmt.Sprintf("The handler ran %d times: %d %s committed, %d %s rolled back, undoing what %s wrote in bus.Tx(ctx). "+
 			"Yet %d effects remain, so the handler has effects outside bus.Tx(ctx) (a write on its own connection or pool, a call to another service, a message sent directly) that no rollback undoes. "+
-			"Write them in bus.Tx(ctx), publish follow-ups with bus.Publish(ctx, bus.Tx(ctx), ...), or make the outside effect idempotent, keyed by the event id.",
+			"Write them in bus.Tx(ctx), publish follow-ups with bus.Publish(ctx, bus.Tx[bus.Execer](ctx), ...), or make the outside effect idempotent, keyed by the event id.",
 			runs, commits, plural(commits, "run", "runs"), rolledBack, plural(rolledBack, "was", "were"), plural(rolledBack, "it", "they"), effects)
 	case effects > 1 && runs <= 1:
 		why = fmt.Sprintf("The handler ran %d %s and made %d effects: does the CountFunc count the effects of this event only?", runs, plural(runs, "time", "times"), effects)

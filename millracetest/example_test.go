@@ -50,7 +50,7 @@ func Example() {
 		panic(err)
 	}
 	billing := func(ctx context.Context, ev bus.Event) error {
-		_, err := bus.Tx(ctx).ExecContext(ctx, `INSERT INTO `+invoices+` VALUES ($1, $2)`, ev.AggregateID, ev.ID)
+		_, err := bus.Tx[*sql.Tx](ctx).ExecContext(ctx, `INSERT INTO `+invoices+` VALUES ($1, $2)`, ev.AggregateID, ev.ID)
 		return err
 	}
 	countInvoices := func(ctx context.Context, tx *sql.Tx, ev bus.Event) (int, error) {
@@ -117,7 +117,7 @@ func ExampleHarness_AssertOnce() {
 	// millracetest: event ord-1-placed (OrderPlaced of order ord-1): 2 effects, want exactly 1
 	//     delivery 1 (CrashBeforeCommit, process 1: the process dies when the handler returns, before the commit): crashed, handler ran 1 time, not acked
 	//     delivery 2 (CrashBeforeCommit, process 2: redelivered to the restarted process): ok, handler ran 1 time, acked
-	//     The handler ran 2 times: 1 run committed, 1 was rolled back, undoing what it wrote in bus.Tx(ctx). Yet 2 effects remain, so the handler has effects outside bus.Tx(ctx) (a write on its own connection or pool, a call to another service, a message sent directly) that no rollback undoes. Write them in bus.Tx(ctx), publish follow-ups with bus.Publish(ctx, bus.Tx(ctx), ...), or make the outside effect idempotent, keyed by the event id.
+	//     The handler ran 2 times: 1 run committed, 1 was rolled back, undoing what it wrote in bus.Tx(ctx). Yet 2 effects remain, so the handler has effects outside bus.Tx(ctx) (a write on its own connection or pool, a call to another service, a message sent directly) that no rollback undoes. Write them in bus.Tx(ctx), publish follow-ups with bus.Publish(ctx, bus.Tx[bus.Execer](ctx), ...), or make the outside effect idempotent, keyed by the event id.
 }
 
 // Two status events of one order arrive newest first. With
@@ -131,7 +131,7 @@ func ExampleHarness_Reorder() {
 		panic(err)
 	}
 	project := func(ctx context.Context, ev bus.Event) error {
-		_, err := bus.Tx(ctx).ExecContext(ctx, `INSERT INTO `+statuses+` VALUES ($1, $2::jsonb->>'status')
+		_, err := bus.Tx[*sql.Tx](ctx).ExecContext(ctx, `INSERT INTO `+statuses+` VALUES ($1, $2::jsonb->>'status')
 			ON CONFLICT (order_id) DO UPDATE SET status = EXCLUDED.status`, ev.AggregateID, string(ev.Payload))
 		return err
 	}

@@ -87,7 +87,7 @@ func (s *service) table(name string) string { return `"` + s.schema + `".` + nam
 
 // inTx is a correct handler: its write is in the inbox transaction.
 func (s *service) inTx(ctx context.Context, ev bus.Event) error {
-	_, err := bus.Tx(ctx).ExecContext(ctx, `INSERT INTO `+s.table("invoices")+` (order_id, event_id) VALUES ($1, $2)`, ev.AggregateID, ev.ID)
+	_, err := bus.Tx[*sql.Tx](ctx).ExecContext(ctx, `INSERT INTO `+s.table("invoices")+` (order_id, event_id) VALUES ($1, $2)`, ev.AggregateID, ev.ID)
 	return err
 }
 
@@ -255,7 +255,7 @@ func (s *service) createStatus(t *testing.T) {
 }
 
 func (s *service) setStatus(ctx context.Context, ev bus.Event) error {
-	_, err := bus.Tx(ctx).ExecContext(ctx, `INSERT INTO `+s.table("order_status")+` (order_id, status, version)
+	_, err := bus.Tx[*sql.Tx](ctx).ExecContext(ctx, `INSERT INTO `+s.table("order_status")+` (order_id, status, version)
 		VALUES ($1, $2::jsonb->>'status', $3)
 		ON CONFLICT (order_id) DO UPDATE SET status = EXCLUDED.status, version = EXCLUDED.version`,
 		ev.AggregateID, string(ev.Payload), ev.AggregateVersion)
@@ -419,7 +419,7 @@ func TestFollowUpEventsThroughCrashes(t *testing.T) {
 		if err := s.inTx(ctx, ev); err != nil {
 			return err
 		}
-		return b.Publish(ctx, bus.Tx(ctx), "invoices.events", bus.Event{
+		return b.Publish(ctx, bus.Tx[bus.Execer](ctx), "invoices.events", bus.Event{
 			Type: "InvoiceIssued", AggregateType: "invoice", AggregateID: ev.AggregateID, Payload: []byte(`{}`),
 		})
 	}

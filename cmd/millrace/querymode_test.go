@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"encoding/hex"
 	"net/url"
 	"strconv"
@@ -71,7 +72,7 @@ func testCommandsInMode(t *testing.T, mode string) {
 
 	cfg, err := bus.LoadConfig(path)
 	require.NoError(t, err)
-	b, err := bus.Open(ctx, cfg, nil) // on database.url, in the mode
+	b, err := bus.Open[*sql.DB](ctx, cfg, nil) // on database.url, in the mode
 	require.NoError(t, err)
 	defer b.Close()
 	tx, err := b.DB().BeginTx(ctx, nil)

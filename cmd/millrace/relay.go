@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"flag"
 	"fmt"
 	"io"
@@ -33,7 +34,7 @@ func runRelay(ctx context.Context, e env, args []string, metrics string) error {
 			return usageError{fmt.Errorf("--metrics: %w", err)}
 		}
 	}
-	b, err := bus.Open(ctx, cfg, nil)
+	b, err := bus.Open[*sql.DB](ctx, cfg, nil)
 	if err != nil {
 		return err
 	}

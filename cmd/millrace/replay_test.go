@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"strconv"
 	"sync"
@@ -69,7 +70,7 @@ func testReplayAfterFix(t *testing.T, kind string) {
 			if group == billing && ev.AggregateID == "bad" && broken.Load() {
 				return middleware.Permanent(errors.New("billing: no price list for order bad"))
 			}
-			_, err := bus.Tx(ctx).ExecContext(ctx, `INSERT INTO "`+schema+`".effects VALUES ($1, $2, $3)`,
+			_, err := bus.Tx[*sql.Tx](ctx).ExecContext(ctx, `INSERT INTO "`+schema+`".effects VALUES ($1, $2, $3)`,
 				group, ev.ID, ev.Metadata[middleware.ReplayOfKey])
 			return err
 		}

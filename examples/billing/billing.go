@@ -32,7 +32,7 @@ func Handler(schema string) bus.HandlerFunc {
 		if err := json.Unmarshal(ev.Payload, &o); err != nil || o.OrderID == "" {
 			return middleware.Invalid("payload", "not an OrderCreated: %s", ev.Payload)
 		}
-		_, err := bus.Tx(ctx).ExecContext(ctx,
+		_, err := bus.Tx[*sql.Tx](ctx).ExecContext(ctx,
 			`INSERT INTO "`+schema+`".billing (order_id, amount_cents, event_id) VALUES ($1, $2, $3)`,
 			o.OrderID, o.TotalCents, ev.ID)
 		return err

@@ -30,7 +30,7 @@ type DBTX interface {
 // New returns Queries on db.
 func New(db DBTX) *Queries { return &Queries{db: db} }
 
-// WithTx returns Queries on tx, such as bus.Tx(ctx).
+// WithTx returns Queries on tx, such as bus.Tx[*sql.Tx](ctx).
 func (q *Queries) WithTx(tx *sql.Tx) *Queries { return &Queries{db: tx} }
 
 // CreateInvoice inserts an invoice.
@@ -52,7 +52,7 @@ type PgxDBTX interface {
 // NewPgx returns PgxQueries on db.
 func NewPgx(db PgxDBTX) *PgxQueries { return &PgxQueries{db: db} }
 
-// WithTx returns PgxQueries on tx, such as bus.PgxTx(ctx).
+// WithTx returns PgxQueries on tx, such as bus.Tx[pgx.Tx](ctx).
 func (q *PgxQueries) WithTx(tx pgx.Tx) *PgxQueries { return &PgxQueries{db: tx} }
 
 // CreateInvoice inserts an invoice.

@@ -3,13 +3,13 @@ package orm_test
 import (
 	"context"
 	"database/sql"
-	"errors"
 	"fmt"
 	"log"
 	"net/url"
 	"strconv"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"gorm.io/driver/postgres"
 	"gorm.io/gorm"
@@ -43,7 +43,7 @@ type Invoice struct {
 }
 
 // GORM: publish in the *sql.Tx of gorm's Transaction; in a handler, run
-// gorm on bus.Tx(ctx).
+// gorm on bus.Tx[*sql.Tx](ctx).
 func Example_gorm() {
 	ctx := context.Background()
 	cfg, db, cleanup := exampleDatabase("example_gorm")
@@ -58,17 +58,14 @@ func Example_gorm() {
 		log.Fatal(err)
 	}
 
-	// Publish: gorm's transaction is a *sql.Tx underneath.
+	// Publish: in gorm's Transaction, tx.Statement.ConnPool is its *sql.Tx,
+	// a bus.Execer.
 	order := OrderPlaced{OrderID: "ord-1", TotalCents: 4200}
 	err = gdb.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
 		if err := tx.Create(&Order{ID: order.OrderID, TotalCents: order.TotalCents}).Error; err != nil {
 			return err
 		}
-		sqlTx, ok := tx.Statement.ConnPool.(*sql.Tx)
-		if !ok {
-			return errors.New("not in a transaction")
-		}
-		return orderPlaced.Publish(ctx, b, sqlTx, order)
+		return orderPlaced.Publish(ctx, b, tx.Statement.ConnPool, order)
 	})
 	if err != nil {
 		log.Fatal(err)
@@ -78,7 +75,7 @@ func Example_gorm() {
 	// the inbox row.
 	handle, err := b.ConsumerChainTypes(ctx, "billing", []bus.Route{bus.On(orderPlaced, func(ctx context.Context, m bus.Message[OrderPlaced]) error {
 		tx := gdb.WithContext(ctx).Session(&gorm.Session{NewDB: true})
-		tx.Statement.ConnPool = bus.Tx(ctx)
+		tx.Statement.ConnPool = bus.Tx[*sql.Tx](ctx)
 		return tx.Create(&Invoice{OrderID: m.Value.OrderID, EventID: m.ID}).Error
 	})}, nil) // b.HandleTypes("billing", routes) for Run; here the chain without a broker
 	if err != nil {
@@ -95,8 +92,8 @@ func Example_gorm() {
 	// Output: events: 1 invoices: 1
 }
 
-// sqlc, database/sql mode: WithTx(bus.Tx(ctx)). pgx mode, on a Bus opened
-// with OpenPgx: WithTx(bus.PgxTx(ctx)).
+// sqlc, database/sql mode: WithTx(bus.Tx[*sql.Tx](ctx)). pgx mode, on a
+// Bus opened on a *pgxpool.Pool: WithTx(bus.Tx[pgx.Tx](ctx)).
 func Example_sqlc() {
 	ctx := context.Background()
 	cfg, db, cleanup := exampleDatabase("example_sqlc")
@@ -110,7 +107,7 @@ func Example_sqlc() {
 	defer b.Close()
 	queries := orm.New(db)
 	handle, err := b.ConsumerChainTypes(ctx, "billing", []bus.Route{bus.On(orderPlaced, func(ctx context.Context, m bus.Message[OrderPlaced]) error {
-		return queries.WithTx(bus.Tx(ctx)).CreateInvoice(ctx, m.Value.OrderID, m.ID)
+		return queries.WithTx(bus.Tx[*sql.Tx](ctx)).CreateInvoice(ctx, m.Value.OrderID, m.ID)
 	})}, nil)
 	if err != nil {
 		log.Fatal(err)
@@ -123,14 +120,14 @@ func Example_sqlc() {
 		log.Fatal(err)
 	}
 	defer pool.Close()
-	pb, err := bus.OpenPgx(ctx, cfg, pool)
+	pb, err := bus.Open(ctx, cfg, pool)
 	if err != nil {
 		log.Fatal(err)
 	}
 	defer pb.Close()
 	pgxQueries := orm.NewPgx(pool)
 	handle, err = pb.ConsumerChainTypes(ctx, "billing-pgx", []bus.Route{bus.On(orderPlaced, func(ctx context.Context, m bus.Message[OrderPlaced]) error {
-		return pgxQueries.WithTx(bus.PgxTx(ctx)).CreateInvoice(ctx, m.Value.OrderID, m.ID)
+		return pgxQueries.WithTx(bus.Tx[pgx.Tx](ctx)).CreateInvoice(ctx, m.Value.OrderID, m.ID)
 	})}, nil)
 	if err != nil {
 		log.Fatal(err)

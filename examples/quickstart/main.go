@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/millrace-io/millrace/bus"
@@ -54,7 +55,7 @@ func run(ctx context.Context, cfg bus.Config, topic string, out io.Writer) error
 	}
 	defer pool.Close()
 	// millrace's tables (or `millrace migrate`), then the service's own.
-	if err := bus.MigratePgx(ctx, pool, cfg); err != nil {
+	if err := bus.Migrate(ctx, pool, cfg); err != nil {
 		return err
 	}
 	if _, err := pool.Exec(ctx, `
@@ -62,7 +63,7 @@ func run(ctx context.Context, cfg bus.Config, topic string, out io.Writer) error
 		CREATE TABLE IF NOT EXISTS invoices (order_id text PRIMARY KEY, event_id text NOT NULL)`); err != nil {
 		return err
 	}
-	b, err := bus.OpenPgx(ctx, cfg, pool)
+	b, err := bus.Open(ctx, cfg, pool)
 	if err != nil {
 		return err
 	}
@@ -72,10 +73,10 @@ func run(ctx context.Context, cfg bus.Config, topic string, out io.Writer) error
 		return err
 	}
 
-	// Consume: the invoice is written in bus.PgxTx(ctx), the transaction of
+	// Consume: the invoice is written in bus.Tx[pgx.Tx](ctx), the transaction of
 	// the inbox row that makes a redelivered event a no-op.
 	err = orderPlaced.Handle(b, "billing", func(ctx context.Context, m bus.Message[OrderPlaced]) error {
-		_, err := bus.PgxTx(ctx).Exec(ctx, `INSERT INTO invoices (order_id, event_id) VALUES ($1, $2)`, m.Value.OrderID, m.ID)
+		_, err := bus.Tx[pgx.Tx](ctx).Exec(ctx, `INSERT INTO invoices (order_id, event_id) VALUES ($1, $2)`, m.Value.OrderID, m.ID)
 		return err
 	})
 	if err != nil {
@@ -98,7 +99,7 @@ func run(ctx context.Context, cfg bus.Config, topic string, out io.Writer) error
 			_ = tx.Rollback(ctx)
 			return err
 		}
-		if err := orderPlaced.PublishPgx(ctx, b, tx, order); err != nil {
+		if err := orderPlaced.Publish(ctx, b, bus.Pgx(tx), order); err != nil {
 			_ = tx.Rollback(ctx)
 			return err
 		}

@@ -144,7 +144,7 @@ func run(ctx context.Context, cfg bus.Config, prefix string, paymentTimeout time
 	// send publishes a command in the step's transaction: it is sent only
 	// if the step's state change commits.
 	send := func(ctx context.Context, command, order string) error {
-		return b.Publish(ctx, bus.Tx(ctx), tp.commands, bus.Event{Type: command, AggregateType: "order", AggregateID: order, Payload: []byte(`{}`)})
+		return b.Publish(ctx, bus.Tx[bus.Execer](ctx), tp.commands, bus.Event{Type: command, AggregateType: "order", AggregateID: order, Payload: []byte(`{}`)})
 	}
 	saga := bus.NewSaga[OrderProcess]("order_process")
 	bus.StartWith(saga, placed, func(m bus.Message[OrderPlaced]) string { return m.Value.OrderID },
@@ -199,7 +199,7 @@ func run(ctx context.Context, cfg bus.Config, prefix string, paymentTimeout time
 		if ev.Type != "ChargePayment" || strings.Contains(ev.AggregateID, "unpaid") {
 			return nil
 		}
-		return charged.Publish(ctx, b, bus.Tx(ctx), PaymentCharged{OrderID: ev.AggregateID})
+		return charged.Publish(ctx, b, bus.Tx[bus.Execer](ctx), PaymentCharged{OrderID: ev.AggregateID})
 	}); err != nil {
 		return err
 	}
@@ -208,9 +208,9 @@ func run(ctx context.Context, cfg bus.Config, prefix string, paymentTimeout time
 		case ev.Type != "ReserveStock":
 			return nil
 		case strings.Contains(ev.AggregateID, "nostock"):
-			return missing.Publish(ctx, b, bus.Tx(ctx), StockMissing{OrderID: ev.AggregateID})
+			return missing.Publish(ctx, b, bus.Tx[bus.Execer](ctx), StockMissing{OrderID: ev.AggregateID})
 		}
-		return reserved.Publish(ctx, b, bus.Tx(ctx), StockReserved{OrderID: ev.AggregateID})
+		return reserved.Publish(ctx, b, bus.Tx[bus.Execer](ctx), StockReserved{OrderID: ev.AggregateID})
 	}); err != nil {
 		return err
 	}

@@ -10,9 +10,9 @@
 // written by plain Watermill land in, and are relayed from, the same table.
 //
 // Functions take a DBTX: a *sql.DB, *sql.Tx or *sql.Conn, so each runs in
-// the transaction its caller holds, if any. The inbox statements need only
-// an Execer, which the consumer chain's pgx transactions provide too; the
-// outbox write has a pgx twin (WriteOutboxPgx) for callers holding a pgx.Tx.
+// the transaction its caller holds, if any. The outbox write, the scheduled
+// events' statements and the inbox statements need only an Execer, which a
+// pgx.Tx is through Pgx: one code path for both drivers.
 //
 // Every statement works in each of pgx's query exec modes, the exec and
 // simple_protocol modes a pooler in transaction mode calls for included.

@@ -16,18 +16,11 @@ const rowsPerInsert = 1000
 
 // WriteOutbox inserts rows (each a Watermill forwarder envelope as its
 // payload) into the outbox in tx, through watermill-sql's PostgreSQL
-// insert, in statements of at most 1000 rows, in every query exec mode of
-// pgx.
-func (t Tables) WriteOutbox(ctx context.Context, tx DBTX, rows []*message.Message) error {
-	return t.writeOutbox(rows, func(query string, args []any) error {
-		_, err := tx.ExecContext(ctx, query, args...)
-		return err
-	})
-}
-
-// writeOutbox runs exec with each INSERT of rows: watermill-sql's
-// PostgreSQL insert of at most rowsPerInsert rows, its arguments as text.
-func (t Tables) writeOutbox(rows []*message.Message, exec func(query string, args []any) error) error {
+// insert: one statement of at most 1000 rows (PostgreSQL's bind parameter
+// limit) per 1000 rows, its arguments as text, so that it writes the same
+// bytes in every query exec mode of pgx. tx is a *sql.Tx, or a pgx.Tx
+// through Pgx.
+func (t Tables) WriteOutbox(ctx context.Context, tx Execer, rows []*message.Message) error {
 	schema := t.SchemaAdapter()
 	for start := 0; start < len(rows); start += rowsPerInsert {
 		chunk := rows[start:min(start+rowsPerInsert, len(rows))]
@@ -35,7 +28,7 @@ func (t Tables) writeOutbox(rows []*message.Message, exec func(query string, arg
 		if err != nil {
 			return fmt.Errorf("build outbox insert: %w", err)
 		}
-		if err := exec(q.Query, jsonArgs(q.Args)); err != nil {
+		if _, err := tx.ExecContext(ctx, q.Query, jsonArgs(q.Args)...); err != nil {
 			return fmt.Errorf("write %d events to outbox %s: %w", len(chunk), t.OutboxTable(), err)
 		}
 	}

@@ -35,9 +35,9 @@ func openPool(t testing.TB) *pgxpool.Pool {
 	return pool
 }
 
-// What WriteOutboxPgx stores is byte for byte what WriteOutbox stores, for
-// more rows than one INSERT holds.
-func TestWriteOutboxPgxStoresWhatWriteOutboxStores(t *testing.T) {
+// What WriteOutbox stores through Pgx is byte for byte what it stores on
+// a *sql.Tx, for more rows than one INSERT holds.
+func TestWriteOutboxOnPgxStoresWhatItStoresOnSQL(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := testdb.Open(t)
@@ -51,7 +51,7 @@ func TestWriteOutboxPgxStoresWhatWriteOutboxStores(t *testing.T) {
 	require.NoError(t, sqlTx.Commit())
 	pgxTx, err := pool.Begin(ctx)
 	require.NoError(t, err)
-	require.NoError(t, tables.WriteOutboxPgx(ctx, pgxTx, outboxRows("pgx", 1001)))
+	require.NoError(t, tables.WriteOutbox(ctx, store.Pgx(pgxTx), outboxRows("pgx", 1001)))
 	require.NoError(t, pgxTx.Commit(ctx))
 
 	stored := func(prefix string) [][3]string {
@@ -74,7 +74,7 @@ func TestWriteOutboxPgxStoresWhatWriteOutboxStores(t *testing.T) {
 }
 
 // BenchmarkOutboxPgxInsert compares ways to write 100 outbox rows in one
-// transaction: on pgx, one multi-row INSERT (what WriteOutboxPgx does) and
+// transaction: on pgx, one multi-row INSERT (what WriteOutbox does through Pgx) and
 // a pgx.Batch of single-row INSERTs, both one round trip; on database/sql,
 // one multi-row INSERT (WriteOutbox) and 100 single-row INSERTs. Each
 // variant runs once per iteration in turn; it reports their median times
@@ -108,7 +108,7 @@ func BenchmarkOutboxPgxInsert(b *testing.B) {
 		name string
 		run  func()
 	}{
-		{"pgx-multi-row-insert", pgxTx(func(tx pgx.Tx) error { return tables.WriteOutboxPgx(ctx, tx, rows) })},
+		{"pgx-multi-row-insert", pgxTx(func(tx pgx.Tx) error { return tables.WriteOutbox(ctx, store.Pgx(tx), rows) })},
 		{"pgx-batch-of-single-row-inserts", pgxTx(func(tx pgx.Tx) error {
 			batch := &pgx.Batch{}
 			for _, r := range rows {

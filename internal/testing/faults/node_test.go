@@ -149,7 +149,7 @@ func effectHandler(spec nodeSpec, db *sql.DB, schema string) bus.HandlerFunc {
 				return err
 			}
 		}
-		_, err := bus.Tx(ctx).ExecContext(ctx, insert, ev.ID, ev.AggregateID, ev.AggregateVersion, pid)
+		_, err := bus.Tx[*sql.Tx](ctx).ExecContext(ctx, insert, ev.ID, ev.AggregateID, ev.AggregateVersion, pid)
 		return err
 	}
 }

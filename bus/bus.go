@@ -358,10 +358,10 @@ func (b *Bus) Publish(ctx context.Context, tx Execer, topic string, events ...Ev
 	return nil
 }
 
-// checkOpen returns ErrClosed once the Bus is closed.
+// checkOpen returns an error matching ErrClosed once the Bus is closed.
 func (b *Bus) checkOpen() error {
 	if b.closed.Load() {
-		return ErrClosed
+		return errBusClosed
 	}
 	return nil
 }

@@ -500,7 +500,7 @@ func (b *Bus) adapt(h handlerSpec, act *activity) message.NoPublishHandlerFunc {
 		}
 		ev, err := EventFromMessage(msg)
 		if err != nil {
-			return middleware.Permanent(fmt.Errorf("invalid event envelope: %w", err))
+			return Permanent(fmt.Errorf("invalid event envelope: %w", err))
 		}
 		ctx := forwarder.Propagator(b.propagator).Extract(msg.Context(), propagation.MapCarrier(msg.Metadata))
 		ctx = context.WithValue(ctx, remoteSpanKey{}, trace.SpanContextFromContext(ctx))

@@ -25,9 +25,12 @@ var (
 	ErrPayloadTooLarge = errors.New("millrace: payload too large")
 	// ErrMetadataTooLarge: the metadata exceeds outbox.max_metadata_bytes.
 	ErrMetadataTooLarge = errors.New("millrace: metadata too large")
-	// ErrClosed: the Bus was closed. Every registration (Handle and the
-	// typed, batch and saga ones) and Run return it too.
-	ErrClosed = errors.New("millrace: bus is closed")
+	// ErrClosed: the Bus, or a broker, was closed. Every registration
+	// (Handle and the typed, batch and saga ones) and Run on a closed Bus
+	// return it too. It is adapters.ErrClosed, the one sentinel for closed
+	// things: errors.Is(err, bus.ErrClosed) matches a closed broker's error
+	// as well.
+	ErrClosed = adapters.ErrClosed
 	// ErrRefusedByBroker: the configured broker (broker.kind) would refuse
 	// the event, or not carry it unchanged: a header name it reserves, a
 	// message over its size limit. The *EventError's Err is the broker's
@@ -79,8 +82,8 @@ func (e *EventError) Permanent() bool { return true }
 // Permanent marks err as one that retrying cannot fix; a handler returns it
 // for a payload that does not decode, an unknown schema version or a broken
 // business invariant, and the message is poisoned at once instead of
-// retried. The relay and the adapters recognise it too (it is
-// adapters.Permanent, which middleware.Permanent is as well). Permanent(nil)
+// retried. The relay, the consumer chain and the adapters recognise it too
+// (it is adapters.Permanent, which the adapters use inside). Permanent(nil)
 // is nil.
 func Permanent(err error) error { return adapters.Permanent(err) }
 
@@ -93,3 +96,12 @@ func IsPermanent(err error) bool { return adapters.IsPermanent(err) }
 func fieldErr(field string, kind error, detail string) *EventError {
 	return &EventError{Field: field, Kind: kind, Detail: detail}
 }
+
+// errBusClosed is what a closed Bus returns: ErrClosed, saying it is the
+// Bus that is closed.
+var errBusClosed error = busClosedError{}
+
+type busClosedError struct{}
+
+func (busClosedError) Error() string { return "millrace: bus is closed" }
+func (busClosedError) Unwrap() error { return ErrClosed }

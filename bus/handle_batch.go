@@ -150,7 +150,7 @@ func (b *Bus) adaptBatch(h handlerSpec, act *activity) middleware.BatchHandlerFu
 		for _, msg := range msgs {
 			ev, err := EventFromMessage(msg)
 			if err != nil {
-				failures[middleware.EventID(msg)] = middleware.Permanent(fmt.Errorf("invalid event envelope: %w", err))
+				failures[middleware.EventID(msg)] = Permanent(fmt.Errorf("invalid event envelope: %w", err))
 				continue
 			}
 			remote := trace.SpanContextFromContext(forwarder.Propagator(b.propagator).Extract(ctx, propagation.MapCarrier(msg.Metadata)))

@@ -58,7 +58,7 @@ func newOpsWorld(t *testing.T) *opsWorld {
 		w.mu.Lock()
 		defer w.mu.Unlock()
 		if w.bad[ev.AggregateID] {
-			return middleware.Permanent(fmt.Errorf("payment gateway refused %s", ev.AggregateID))
+			return bus.Permanent(fmt.Errorf("payment gateway refused %s", ev.AggregateID))
 		}
 		w.handled[ev.ID]++
 		return nil

@@ -182,7 +182,7 @@ func startService(t *testing.T, revoke int) *serviceRun {
 	t.Cleanup(func() { b.Close() })
 	require.NoError(t, b.Handle(topic, "billing", func(ctx context.Context, ev bus.Event) error {
 		if ev.Type == "Bad" {
-			return middleware.Permanent(errors.New("refused on purpose"))
+			return bus.Permanent(errors.New("refused on purpose"))
 		}
 		s.mu.Lock()
 		s.handled[ev.AggregateID] = true

@@ -271,7 +271,7 @@ func TestAReplayTheBrokerRefuses(t *testing.T) {
 	broken.Store(true)
 	handlers := map[string]bus.HandlerFunc{"billing": func(ctx context.Context, ev bus.Event) error {
 		if broken.Load() {
-			return middleware.Permanent(errors.New("billing: no price list"))
+			return bus.Permanent(errors.New("billing: no price list"))
 		}
 		return w.effect(ctx, "billing", ev)
 	}}
@@ -431,7 +431,7 @@ func testReplayReachesOnlyItsGroup(t *testing.T, kind string) {
 	effect := func(group string) bus.HandlerFunc {
 		return func(ctx context.Context, ev bus.Event) error {
 			if group == "billing" && broken.Load() {
-				return middleware.Permanent(errors.New("billing: no price list"))
+				return bus.Permanent(errors.New("billing: no price list"))
 			}
 			return w.effect(ctx, group, ev)
 		}

@@ -22,7 +22,6 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/testcerts"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testlog"
-	"github.com/millrace-io/millrace/middleware"
 )
 
 // withQuery returns raw with the query parameters set.
@@ -254,7 +253,7 @@ func TestSecretsNeverPrinted(t *testing.T) {
 		handled := make(chan struct{}, 1)
 		require.NoError(t, b.Handle(topic, "h", func(context.Context, bus.Event) error {
 			handled <- struct{}{}
-			return middleware.Permanent(errTestPoison)
+			return bus.Permanent(errTestPoison)
 		}))
 		runCtx, stop := context.WithCancel(ctx)
 		done := make(chan error, 1)

@@ -420,7 +420,7 @@ func TestTxWithoutInboxTransactionIsAClearPermanentFailure(t *testing.T) {
 	require.NoError(t, handle(delivered(ctx, "e-1", orderCreated("o-1"))), "poisoned, then acked")
 	require.Equal(t, 1, calls, "a missing transaction is not retried")
 	reason := w.poisonReasons(t, "billing")["e-1"]
-	require.True(t, containsAll(reason, "no inbox transaction for bus.Tx while handling event e-1",
+	require.True(t, containsAll(reason, "no inbox transaction for bus.Tx[*sql.Tx] while handling event e-1",
 		"consumer.inbox.enabled and consumer.ordering_guard are both false"), reason)
 
 	defer func() {

@@ -12,6 +12,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/store"
 )
 
@@ -361,7 +362,7 @@ func (b *batcher) execute(members []*member) {
 			switch {
 			case errors.Is(undo, sql.ErrTxDone) && r.byHandler:
 				// The handler ended the transaction itself.
-				m.done <- Permanent(errTxEnded)
+				m.done <- adapters.Permanent(errTxEnded)
 			case unreachable(undo) && r.byHandler && IsRetryable(r.err):
 				m.done <- &unavailableError{err: r.err}
 			default:

@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
+	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/middleware"
 )
@@ -197,7 +198,7 @@ func TestBatchHandlerFailsOneMessage(t *testing.T) {
 				switch {
 				case bad == "" && len(ids) > 1:
 					bad, failedCall = ids[0], n
-					failures := middleware.BatchFailures{bad: middleware.Permanent(errors.New("this message can never be processed"))}
+					failures := middleware.BatchFailures{bad: bus.Permanent(errors.New("this message can never be processed"))}
 					if len(ids) > 2 {
 						flaky = ids[len(ids)-1]
 						failures[flaky] = errors.New("not yet")

@@ -125,7 +125,7 @@ func TestBatchPoisonsOnlyTheBadMessage(t *testing.T) {
 					return err
 				}
 				if bad {
-					return middleware.Permanent(errors.New("this message can never be processed"))
+					return bus.Permanent(errors.New("this message can never be processed"))
 				}
 				return nil
 			}})

@@ -31,16 +31,9 @@ const (
 	ClassTransient = "transient"
 )
 
-// Permanent marks err as one that retrying the same message cannot fix: the
-// chain skips the retries and poisons the message at once. Use it for a
-// payload that does not decode, an unknown schema version or a broken
-// business invariant. Permanent(nil) is nil. It is adapters.Permanent: the
-// relay and the adapters recognise it too.
-func Permanent(err error) error { return adapters.Permanent(err) }
-
 // IsPermanent reports whether err, or any error it wraps, is permanent:
-// marked Permanent (here, in bus or in adapters), an *InvalidError, a
-// broker's refusal. It is adapters.IsPermanent.
+// marked with bus.Permanent, an *InvalidError, a broker's refusal. It is
+// adapters.IsPermanent.
 func IsPermanent(err error) bool { return adapters.IsPermanent(err) }
 
 // IsRetryable is the one error classification every stage of the chain uses:

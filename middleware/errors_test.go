@@ -8,6 +8,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/adapters"
 )
 
 func TestErrorClasses(t *testing.T) {
@@ -21,12 +23,12 @@ func TestErrorClasses(t *testing.T) {
 		{nil, false, false},
 		{base, true, false},
 		{context.DeadlineExceeded, true, false},
-		{Permanent(base), false, true},
-		{fmt.Errorf("wrapped: %w", Permanent(base)), false, true},
+		{adapters.Permanent(base), false, true},
+		{fmt.Errorf("wrapped: %w", adapters.Permanent(base)), false, true},
 		{Invalid("payload", "bad"), false, true},
 		{&exhaustedError{attempts: 3, err: base}, true, true},
 		{&shutdownError{cause: context.Canceled}, true, false},
-		{&shutdownError{cause: Permanent(base)}, false, false},
+		{&shutdownError{cause: adapters.Permanent(base)}, false, false},
 		{&outageError{err: base}, true, false},
 	}
 	for _, tc := range cases {
@@ -35,8 +37,8 @@ func TestErrorClasses(t *testing.T) {
 			require.Equal(t, tc.poison, shouldPoison(tc.err), "shouldPoison(%v)", tc.err)
 		}
 	}
-	require.Nil(t, Permanent(nil))
-	require.True(t, errors.Is(Permanent(base), base), "Permanent keeps the cause")
+	require.Nil(t, adapters.Permanent(nil))
+	require.True(t, errors.Is(adapters.Permanent(base), base), "Permanent keeps the cause")
 	require.Equal(t, ClassPermanent, classOf(Invalid("payload", "x")))
 	require.Equal(t, ClassTransient, classOf(&exhaustedError{attempts: 1, err: base}))
 }

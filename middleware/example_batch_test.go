@@ -64,7 +64,7 @@ func ExampleChain_WrapBatch() {
 				continue
 			}
 			if order.Amount < 0 {
-				failures[middleware.EventID(msg)] = middleware.Permanent(errors.New("negative amount"))
+				failures[middleware.EventID(msg)] = bus.Permanent(errors.New("negative amount"))
 				continue
 			}
 			ids, amounts = append(ids, order.ID), append(amounts, order.Amount)

@@ -63,7 +63,7 @@ func Example() {
 			return err // permanent: poisoned at once, with the field named
 		}
 		if order.Amount < 0 {
-			return middleware.Permanent(errors.New("negative amount"))
+			return bus.Permanent(errors.New("negative amount"))
 		}
 		_, err := middleware.Tx(msg.Context()).ExecContext(msg.Context(),
 			`INSERT INTO invoices (order_id, amount) VALUES ($1, $2)`, order.ID, order.Amount)
@@ -135,8 +135,8 @@ func ExampleConfig_Validate() {
 func ExampleIsRetryable() {
 	timeout := errors.New("ledger: i/o timeout")
 	fmt.Println(middleware.IsRetryable(timeout))
-	fmt.Println(middleware.IsRetryable(middleware.Permanent(errors.New("negative amount"))))
-	fmt.Println(middleware.IsRetryable(fmt.Errorf("decode: %w", middleware.Invalid("payload.amount", "must be positive"))))
+	fmt.Println(middleware.IsRetryable(bus.Permanent(errors.New("negative amount"))))
+	fmt.Println(middleware.IsRetryable(fmt.Errorf("decode: %w", middleware.DecodeJSON(message.NewMessage("m-1", []byte(`{"amount":"ten"}`)), &struct{ Amount int }{}))))
 	// Output:
 	// true
 	// false

@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/envelope"
 )
 
@@ -92,7 +93,7 @@ func commitError(ctx context.Context, err error) error {
 		// the retry is a duplicate.
 		return fmt.Errorf("inbox: commit failed, handler_timeout passed: %w", err)
 	case errors.Is(err, sql.ErrTxDone):
-		return Permanent(errTxEnded)
+		return adapters.Permanent(errTxEnded)
 	default:
 		return ownStatement(fmt.Errorf("inbox: commit: %w", err))
 	}

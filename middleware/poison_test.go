@@ -117,7 +117,7 @@ func TestPoisonQueue(t *testing.T) {
 				}
 				switch {
 				case o.Amount < 0:
-					return middleware.Permanent(errors.New("order total is negative"))
+					return bus.Permanent(errors.New("order total is negative"))
 				case id == "flaky" && n < 3:
 					return fmt.Errorf("payment service timeout (attempt %d)", n)
 				case id == "broken":

@@ -126,7 +126,7 @@ func TestRetrySkipsPermanentErrorsAndStopsOnShutdown(t *testing.T) {
 	calls := 0
 	_, err := runRetry(context.Background(), c, func(*message.Message) ([]*message.Message, error) {
 		calls++
-		return nil, Permanent(errors.New("negative total"))
+		return nil, adapters.Permanent(errors.New("negative total"))
 	})
 	require.Equal(t, 1, calls)
 	require.Empty(t, clock.sleeps)

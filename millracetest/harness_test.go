@@ -365,7 +365,7 @@ func TestPoisonedEventsAreExplained(t *testing.T) {
 			cfg.Consumer.Retry.MaxAttempts = 3
 			handler := func(ctx context.Context, ev bus.Event) error {
 				if ev.AggregateID == "unknown-customer" {
-					return middleware.Permanent(errors.New("customer c-9 does not exist"))
+					return bus.Permanent(errors.New("customer c-9 does not exist"))
 				}
 				return errors.New("payment service unavailable")
 			}

@@ -68,7 +68,7 @@ func testReplayAfterFix(t *testing.T, kind string) {
 	effect := func(group string) bus.HandlerFunc {
 		return func(ctx context.Context, ev bus.Event) error {
 			if group == billing && ev.AggregateID == "bad" && broken.Load() {
-				return middleware.Permanent(errors.New("billing: no price list for order bad"))
+				return bus.Permanent(errors.New("billing: no price list for order bad"))
 			}
 			_, err := bus.Tx[*sql.Tx](ctx).ExecContext(ctx, `INSERT INTO "`+schema+`".effects VALUES ($1, $2, $3)`,
 				group, ev.ID, ev.Metadata[middleware.ReplayOfKey])

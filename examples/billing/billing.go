@@ -7,10 +7,10 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
+	"fmt"
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/examples/orders"
-	"github.com/millrace-io/millrace/middleware"
 )
 
 // HandlerName is the handler's name and consumer group.
@@ -30,7 +30,7 @@ func Handler(schema string) bus.HandlerFunc {
 	return func(ctx context.Context, ev bus.Event) error {
 		var o orders.OrderCreated
 		if err := json.Unmarshal(ev.Payload, &o); err != nil || o.OrderID == "" {
-			return middleware.Invalid("payload", "not an OrderCreated: %s", ev.Payload)
+			return bus.Permanent(fmt.Errorf("payload: not an OrderCreated: %s", ev.Payload))
 		}
 		_, err := bus.Tx[*sql.Tx](ctx).ExecContext(ctx,
 			`INSERT INTO "`+schema+`".billing (order_id, amount_cents, event_id) VALUES ($1, $2, $3)`,

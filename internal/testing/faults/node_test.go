@@ -16,7 +16,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/middleware"
 )
 
 // nodeEnv carries a node's spec, as JSON, to a child process: this test
@@ -133,7 +132,7 @@ func effectHandler(spec nodeSpec, db *sql.DB, schema string) bus.HandlerFunc {
 	return func(ctx context.Context, ev bus.Event) error {
 		var p payload
 		if err := json.Unmarshal(ev.Payload, &p); err != nil || p.N == 0 {
-			return middleware.Invalid("payload", "not a counted event: %s", ev.Payload)
+			return bus.Permanent(fmt.Errorf("payload: not a counted event: %s", ev.Payload))
 		}
 		if spec.FailFirstEvery > 0 && p.N%spec.FailFirstEvery == 0 {
 			res, err := db.ExecContext(ctx, failed, ev.ID)

@@ -27,7 +27,7 @@ import (
 
 // HandlerFunc processes one event. Returning nil acks it (after the inbox
 // transaction commits); an error is retried with backoff, and poisoned when
-// it is Permanent or retries run out. Do business writes in Tx(ctx) so they
+// it is Permanent or retries run out. Do business writes in Tx so they
 // commit with the inbox row; events published with
 // Publish(ctx, Tx[Execer](ctx), ...)
 // commit with them too and get this event as their causation.

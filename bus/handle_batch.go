@@ -17,7 +17,7 @@ import (
 )
 
 // BatchHandlerFunc processes the events of one batch together, in one inbox
-// transaction: do the business writes of all of them in Tx(ctx), say one bulk insert or one call to another service. The
+// transaction: do the business writes of all of them in Tx, say one bulk insert or one call to another service. The
 // events are in delivery order (an ordered handler's batch holds at most one
 // event per aggregate), each with its inbox row inserted in that
 // transaction; redeliveries of events already processed never reach it.

@@ -27,7 +27,7 @@ import (
 // of typed topics start an instance (StartWith) or move one on (Then),
 // found by a correlation id taken from the event (usually the aggregate
 // id). A step runs in its handler's inbox transaction: it loads the state,
-// the step changes it and sends commands (Publish or Schedule in Tx(ctx)),
+// the step changes it and sends commands (Publish or Schedule in Tx),
 // and the state is saved with optimistic concurrency (a version column), so
 // that the state change, the commands and the inbox mark commit together or
 // not at all.
@@ -160,7 +160,7 @@ func (sc *SagaContext[S]) Timeouts() []string {
 }
 
 // SagaStepFunc is a saga step: it changes sc.State and sends commands in
-// the handler's transaction (Tx(ctx)). It may run more than
+// the handler's transaction (Tx). It may run more than
 // once for one event (after a version conflict, or a retry): it must do
 // nothing outside that transaction. An error is handled as a handler's
 // error (retried, or poisoned when permanent), and nothing of the step is

@@ -30,7 +30,7 @@ func (h *Harness) Effects(count CountFunc, ev bus.Event) int {
 // AssertOnce checks that each of evs (every event delivered so far when
 // none is given) has exactly one effect by count, and reports each one that
 // has not with its deliveries and what they mean (effects written outside
-// bus.Tx(ctx), the inbox off, a poisoned or stale event). It returns whether
+// bus.Tx, the inbox off, a poisoned or stale event). It returns whether
 // all passed.
 func (h *Harness) AssertOnce(count CountFunc, evs ...bus.Event) bool {
 	h.t.Helper()
@@ -156,9 +156,9 @@ func (h *Harness) explain(ev bus.Event, effects int) string {
 			h.name, runs, plural(runs, "run", "runs"))
 	case effects > 1 && inTx && runs > commits:
 		rolledBack := runs - commits
-		why = fmt.Sprintf("The handler ran %d times: %d %s committed, %d %s rolled back, undoing what %s wrote in bus.Tx(ctx). "+
-			"Yet %d effects remain, so the handler has effects outside bus.Tx(ctx) (a write on its own connection or pool, a call to another service, a message sent directly) that no rollback undoes. "+
-			"Write them in bus.Tx(ctx), publish follow-ups with bus.Publish(ctx, bus.Tx[bus.Execer](ctx), ...), or make the outside effect idempotent, keyed by the event id.",
+		why = fmt.Sprintf("The handler ran %d times: %d %s committed, %d %s rolled back, undoing what %s wrote in bus.Tx. "+
+			"Yet %d effects remain, so the handler has effects outside bus.Tx (a write on its own connection or pool, a call to another service, a message sent directly) that no rollback undoes. "+
+			"Write them in bus.Tx, publish follow-ups with bus.Publish(ctx, bus.Tx[bus.Execer](ctx), ...), or make the outside effect idempotent, keyed by the event id.",
 			runs, commits, plural(commits, "run", "runs"), rolledBack, plural(rolledBack, "was", "were"), plural(rolledBack, "it", "they"), effects)
 	case effects > 1 && runs <= 1:
 		why = fmt.Sprintf("The handler ran %d %s and made %d effects: does the CountFunc count the effects of this event only?", runs, plural(runs, "time", "times"), effects)
@@ -170,7 +170,7 @@ func (h *Harness) explain(ev bus.Event, effects int) string {
 		why = fmt.Sprintf("The ordering guard dropped it as stale: version %d of %s %s is not newer than the version consumer group %s had already applied.",
 			ev.AggregateVersion, ev.AggregateType, ev.AggregateID, h.group)
 	case commits > 0 || (!inTx && outcomes[middleware.OutcomeOK] > 0):
-		why = "The handler ran and the chain acked it, but the CountFunc finds no effect: does the handler write what the CountFunc counts, in bus.Tx(ctx)?"
+		why = "The handler ran and the chain acked it, but the CountFunc finds no effect: does the handler write what the CountFunc counts, in bus.Tx?"
 	case runs == 0 && outcomes[middleware.OutcomeDuplicate] > 0:
 		why = fmt.Sprintf("Every delivery was a duplicate: the inbox already held event %s for consumer group %s before this harness delivered it (another test on the same group?).", ev.ID, h.group)
 	default:

@@ -71,7 +71,7 @@
 //
 // # What a failure says
 //
-// A handler whose effects are all in bus.Tx(ctx) passes every pattern. One
+// A handler whose effects are all in bus.Tx passes every pattern. One
 // that writes on its own connection, calls another service or sends a
 // message directly passes Deliver, DeliverTwice and CrashAfterEffectBeforeAck
 // (the inbox absorbs those) and fails CrashBeforeCommit and FailCommitOnce:
@@ -81,8 +81,8 @@
 //	millracetest: event ord-1-placed (OrderPlaced of order ord-1): 2 effects, want exactly 1
 //	    delivery 1 (CrashBeforeCommit, process 1: the process dies when the handler returns, before the commit): crashed, handler ran 1 time, not acked
 //	    delivery 2 (CrashBeforeCommit, process 2: redelivered to the restarted process): ok, handler ran 1 time, acked
-//	    The handler ran 2 times: 1 run committed, 1 was rolled back, undoing what it wrote in bus.Tx(ctx).
-//	    Yet 2 effects remain, so the handler has effects outside bus.Tx(ctx) (...) that no rollback undoes. ...
+//	    The handler ran 2 times: 1 run committed, 1 was rolled back, undoing what it wrote in bus.Tx.
+//	    Yet 2 effects remain, so the handler has effects outside bus.Tx (...) that no rollback undoes. ...
 //
 // It also explains a count of zero: a poisoned event (with the stored
 // reason), a stale one, an inbox that already held the event.

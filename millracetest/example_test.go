@@ -40,7 +40,7 @@ func (printTB) Logf(string, ...any)               {}
 // quiet keeps the chain's logs out of the examples' output.
 var quiet = slog.New(slog.DiscardHandler)
 
-// A billing handler that writes its invoice in bus.Tx(ctx) has one invoice
+// A billing handler that writes its invoice in bus.Tx has one invoice
 // per order event, whatever the delivery does. In a test, pass t to New.
 func Example() {
 	db, schema, drop := exampleDB()
@@ -87,7 +87,7 @@ func Example() {
 	// one invoice per event: true
 }
 
-// A handler that writes on its own connection instead of bus.Tx(ctx): the
+// A handler that writes on its own connection instead of bus.Tx: the
 // run that the crash rolled back left its invoice behind, and AssertOnce
 // says what happened.
 func ExampleHarness_AssertOnce() {
@@ -98,7 +98,7 @@ func ExampleHarness_AssertOnce() {
 		panic(err)
 	}
 	notIdempotent := func(ctx context.Context, ev bus.Event) error {
-		_, err := db.ExecContext(ctx, `INSERT INTO `+invoices+` VALUES ($1, $2)`, ev.AggregateID, ev.ID) // not bus.Tx(ctx)
+		_, err := db.ExecContext(ctx, `INSERT INTO `+invoices+` VALUES ($1, $2)`, ev.AggregateID, ev.ID) // not bus.Tx
 		return err
 	}
 
@@ -117,7 +117,7 @@ func ExampleHarness_AssertOnce() {
 	// millracetest: event ord-1-placed (OrderPlaced of order ord-1): 2 effects, want exactly 1
 	//     delivery 1 (CrashBeforeCommit, process 1: the process dies when the handler returns, before the commit): crashed, handler ran 1 time, not acked
 	//     delivery 2 (CrashBeforeCommit, process 2: redelivered to the restarted process): ok, handler ran 1 time, acked
-	//     The handler ran 2 times: 1 run committed, 1 was rolled back, undoing what it wrote in bus.Tx(ctx). Yet 2 effects remain, so the handler has effects outside bus.Tx(ctx) (a write on its own connection or pool, a call to another service, a message sent directly) that no rollback undoes. Write them in bus.Tx(ctx), publish follow-ups with bus.Publish(ctx, bus.Tx[bus.Execer](ctx), ...), or make the outside effect idempotent, keyed by the event id.
+	//     The handler ran 2 times: 1 run committed, 1 was rolled back, undoing what it wrote in bus.Tx. Yet 2 effects remain, so the handler has effects outside bus.Tx (a write on its own connection or pool, a call to another service, a message sent directly) that no rollback undoes. Write them in bus.Tx, publish follow-ups with bus.Publish(ctx, bus.Tx[bus.Execer](ctx), ...), or make the outside effect idempotent, keyed by the event id.
 }
 
 // Two status events of one order arrive newest first. With

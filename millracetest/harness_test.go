@@ -129,7 +129,7 @@ func sorted(s []string) []string {
 	return s
 }
 
-// A handler whose write is in bus.Tx(ctx) has one effect per event in every
+// A handler whose write is in bus.Tx has one effect per event in every
 // pattern, and each pattern delivers exactly as it says.
 func TestHandlerInTxHasOneEffectInEveryPattern(t *testing.T) {
 	t.Parallel()
@@ -191,7 +191,7 @@ func TestHandlerInTxHasOneEffectInEveryPattern(t *testing.T) {
 }
 
 // The same patterns, the same assertion: a handler whose write is in
-// bus.Tx(ctx) passes; one that writes on its own connection passes the
+// bus.Tx passes; one that writes on its own connection passes the
 // patterns the inbox absorbs and fails those where a run is rolled back,
 // and AssertOnce names the cause.
 func TestAssertOnceFailsAHandlerWritingOutsideTx(t *testing.T) {
@@ -237,8 +237,8 @@ func TestAssertOnceFailsAHandlerWritingOutsideTx(t *testing.T) {
 		require.Len(t, errs, 2, "one report per failing event")
 		for i, ev := range rolledBack {
 			require.Contains(t, errs[i], "event "+ev.ID+" (OrderPlaced of order "+ev.AggregateID+"): 2 effects, want exactly 1")
-			require.Contains(t, errs[i], "The handler ran 2 times: 1 run committed, 1 was rolled back, undoing what it wrote in bus.Tx(ctx). Yet 2 effects remain")
-			require.Contains(t, errs[i], "effects outside bus.Tx(ctx)")
+			require.Contains(t, errs[i], "The handler ran 2 times: 1 run committed, 1 was rolled back, undoing what it wrote in bus.Tx. Yet 2 effects remain")
+			require.Contains(t, errs[i], "effects outside bus.Tx")
 			require.Equal(t, 2, h.Effects(s.invoices, ev))
 		}
 		require.Contains(t, errs[0], "crashed, handler ran 1 time, not acked")
@@ -402,7 +402,7 @@ func TestPoisonedEventsAreExplained(t *testing.T) {
 	}
 }
 
-// Follow-up events published in bus.Tx(ctx) are effects like any other: one
+// Follow-up events published in bus.Tx are effects like any other: one
 // per event through a crash before the commit, with the event as causation.
 func TestFollowUpEventsThroughCrashes(t *testing.T) {
 	t.Parallel()

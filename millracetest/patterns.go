@@ -126,7 +126,7 @@ func (h *Harness) CrashAfterEffectBeforeAck(ev bus.Event) bus.Event {
 // returns), then the process dies before the chain commits or retries. The
 // handler's transaction rolls back, inbox row and all, and the broker
 // delivers ev again to a restarted consumer process, where the handler runs
-// again. Whatever the handler did outside bus.Tx(ctx) in the first run (a
+// again. Whatever the handler did outside bus.Tx in the first run (a
 // write on its own connection, a call to another service) is not rolled
 // back: this is the pattern that shows it.
 //
@@ -155,7 +155,7 @@ func (h *Harness) CrashBeforeCommit(ev bus.Event) bus.Event {
 // PostgreSQL rolls it back at COMMIT, as with a serialization failure or a
 // connection lost at commit). The chain rolls back and retries in the same
 // process, and the handler runs again. Like CrashBeforeCommit, it shows
-// effects made outside bus.Tx(ctx), here without a crash.
+// effects made outside bus.Tx, here without a crash.
 func (h *Harness) FailCommitOnce(ev bus.Event) bus.Event {
 	h.t.Helper()
 	msg, delivered := h.prepareOne(ev)

@@ -1,0 +1,157 @@
+package wal
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// LSN is a position in the write-ahead log.
+type LSN = pglogrepl.LSN
+
+// SlotStatus is a replication slot's state, from pg_replication_slots.
+type SlotStatus struct {
+	// Name and Plugin are the slot's name and output plugin.
+	Name, Plugin string
+	// Active is true while a replication connection reads the slot.
+	Active bool
+	// WALStatus is "reserved", "extended", "unreserved" or "lost" (the
+	// slot was invalidated and can never be read again).
+	WALStatus string
+	// RestartLSN is the oldest WAL the slot retains; ConfirmedFlushLSN is
+	// where its reader resumes.
+	RestartLSN, ConfirmedFlushLSN LSN
+	// RetainedBytes is the WAL the slot keeps on disk,
+	// pg_current_wal_lsn() - restart_lsn.
+	RetainedBytes int64
+}
+
+// Status returns the state of slot on the server at url (ErrNoSlot when it
+// does not exist). It reads pg_replication_slots on an ordinary
+// connection.
+func Status(ctx context.Context, url, slot string) (SlotStatus, error) {
+	conn, err := pgconn.Connect(ctx, url)
+	if err != nil {
+		return SlotStatus{}, fmt.Errorf("wal: connect: %w", err)
+	}
+	defer closeConn(conn)
+	return slotStatus(ctx, conn, slot)
+}
+
+// slotStatus reads slot's row of pg_replication_slots on conn.
+func slotStatus(ctx context.Context, conn *pgconn.PgConn, slot string) (SlotStatus, error) {
+	row, err := queryRow(ctx, conn, `SELECT slot_name, coalesce(plugin, ''), active, coalesce(wal_status, ''),
+		coalesce(restart_lsn, '0/0')::text, coalesce(confirmed_flush_lsn, '0/0')::text,
+		coalesce(pg_current_wal_lsn() - restart_lsn, 0)::bigint, slot_type, coalesce(database = current_database(), false)
+		FROM pg_replication_slots WHERE slot_name = `+quoteLiteral(slot))
+	if errors.Is(err, errNoRows) {
+		return SlotStatus{}, fmt.Errorf("wal: %w: %q", ErrNoSlot, slot)
+	}
+	if err != nil {
+		return SlotStatus{}, fmt.Errorf("wal: read slot %q: %w", slot, err)
+	}
+	s := SlotStatus{Name: string(row[0]), Plugin: string(row[1]), Active: string(row[2]) == "t", WALStatus: string(row[3])}
+	if s.RestartLSN, err = pglogrepl.ParseLSN(string(row[4])); err == nil {
+		s.ConfirmedFlushLSN, err = pglogrepl.ParseLSN(string(row[5]))
+	}
+	if err == nil {
+		s.RetainedBytes, err = strconv.ParseInt(string(row[6]), 10, 64)
+	}
+	if err != nil {
+		return SlotStatus{}, fmt.Errorf("wal: read slot %q: %w", slot, err)
+	}
+	if string(row[7]) != "logical" || s.Plugin != "pgoutput" || string(row[8]) != "t" {
+		return s, fmt.Errorf("wal: slot %q is a %s slot with plugin %q in another or no database, not a pgoutput slot of this database: "+
+			"choose another Config.Slot", slot, row[7], s.Plugin)
+	}
+	return s, nil
+}
+
+// DropSlot drops slot on the server at url, releasing the WAL it retains.
+// A relay reading it must be stopped first; ErrNoSlot when it does not
+// exist. The events committed since the slot's confirmed LSN and not yet
+// relayed are then no longer in any slot.
+func DropSlot(ctx context.Context, url, slot string) error {
+	conn, err := pgconn.Connect(ctx, url)
+	if err != nil {
+		return fmt.Errorf("wal: connect: %w", err)
+	}
+	defer closeConn(conn)
+	err = exec(ctx, conn, `SELECT pg_drop_replication_slot(`+quoteLiteral(slot)+`)`)
+	switch sqlState(err) {
+	case "":
+		return nil
+	case "42704": // undefined_object
+		return fmt.Errorf("wal: %w: %q", ErrNoSlot, slot)
+	case "55006": // object_in_use
+		return fmt.Errorf("wal: slot %q is in use by a relay: stop it first: %w", slot, err)
+	}
+	return fmt.Errorf("wal: drop slot %q: %w", slot, err)
+}
+
+// lostError is ErrSlotLost for slot, with what to do.
+func lostError(slot string, cause error) error {
+	err := fmt.Errorf("wal: %w: PostgreSQL removed WAL that slot %q still needed (max_slot_wal_keep_size was passed) "+
+		"and can never stream from it again; events committed since its confirmed LSN may not have been relayed: "+
+		"drop the slot (wal.DropSlot), reconcile those events from the outbox table, and start the relay again, "+
+		"which creates a new slot", ErrSlotLost, slot)
+	if cause != nil {
+		err = fmt.Errorf("%w (%w)", err, cause)
+	}
+	return err
+}
+
+// ensureSlot creates cfg's slot when it is missing and returns its state;
+// a lost slot is ErrSlotLost.
+func ensureSlot(ctx context.Context, conn *pgconn.PgConn, slot string) (SlotStatus, error) {
+	s, err := slotStatus(ctx, conn, slot)
+	if errors.Is(err, ErrNoSlot) {
+		// Creating a slot waits for the transactions running at that
+		// moment to end; a concurrent creation of the same slot is fine.
+		err = exec(ctx, conn, `SELECT pg_create_logical_replication_slot(`+quoteLiteral(slot)+`, 'pgoutput')`)
+		if err != nil && sqlState(err) != "42710" { // duplicate_object
+			return s, fmt.Errorf("wal: create slot %q: %w", slot, err)
+		}
+		s, err = slotStatus(ctx, conn, slot)
+	}
+	if err != nil {
+		return s, err
+	}
+	if s.WALStatus == "lost" {
+		return s, lostError(slot, nil)
+	}
+	return s, nil
+}
+
+// ensurePublication creates cfg's publication of the outbox's inserts when
+// it is missing, and checks that an existing one publishes the outbox.
+func ensurePublication(ctx context.Context, conn *pgconn.PgConn, cfg Config) error {
+	schema, table := cfg.outboxTable()
+	qualified := quoteIdent(schema) + "." + quoteIdent(table)
+	row, err := queryRow(ctx, conn, `SELECT to_regclass(`+quoteLiteral(qualified)+`) IS NOT NULL,
+		EXISTS (SELECT 1 FROM pg_publication WHERE pubname = `+quoteLiteral(cfg.Publication)+`),
+		EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = `+quoteLiteral(cfg.Publication)+`
+			AND schemaname = `+quoteLiteral(schema)+` AND tablename = `+quoteLiteral(table)+`)`)
+	if err != nil {
+		return fmt.Errorf("wal: read publication %q: %w", cfg.Publication, err)
+	}
+	switch {
+	case string(row[0]) != "t":
+		return fmt.Errorf("wal: the outbox table %s does not exist: run millrace migrate", qualified)
+	case string(row[2]) == "t":
+		return nil
+	case string(row[1]) == "t":
+		return fmt.Errorf("wal: publication %q does not publish the outbox table: run ALTER PUBLICATION %s ADD TABLE %s",
+			cfg.Publication, quoteIdent(cfg.Publication), qualified)
+	}
+	err = exec(ctx, conn, `CREATE PUBLICATION `+quoteIdent(cfg.Publication)+` FOR TABLE `+qualified+
+		` WITH (publish = 'insert')`)
+	if err != nil && sqlState(err) != "42710" { // duplicate_object: created meanwhile
+		return fmt.Errorf("wal: create publication %q (the role must own %s): %w", cfg.Publication, qualified, err)
+	}
+	return nil
+}

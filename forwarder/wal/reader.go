@@ -24,7 +24,6 @@ type Handler func(ctx context.Context, b Batch) error
 type Reader struct {
 	cfg      Config
 	interval time.Duration // between standby status updates
-	start    LSN           // the slot's confirmed_flush_lsn when New read it
 }
 
 // New checks the requirements (see Check), creates the publication and
@@ -47,11 +46,10 @@ func New(ctx context.Context, cfg Config) (*Reader, error) {
 	if err := ensurePublication(ctx, conn, cfg); err != nil {
 		return nil, err
 	}
-	slot, err := ensureSlot(ctx, conn, cfg.Slot)
-	if err != nil {
+	if _, err := ensureSlot(ctx, conn, cfg.Slot); err != nil {
 		return nil, err
 	}
-	return &Reader{cfg: cfg, interval: req.statusInterval(cfg.StatusInterval), start: slot.ConfirmedFlushLSN}, nil
+	return &Reader{cfg: cfg, interval: req.statusInterval(cfg.StatusInterval)}, nil
 }
 
 // Slot is the name of the Reader's replication slot.
@@ -63,21 +61,21 @@ func (r *Reader) Slot() string { return r.cfg.Slot }
 // Only one Run may read a slot at a time: another gets an error saying
 // the slot is active.
 func (r *Reader) Run(ctx context.Context, handle Handler) error {
-	conn, err := r.startReplication(ctx)
+	conn, start, err := r.startReplication(ctx)
 	if err != nil {
 		return err
 	}
 	defer closeConn(conn)
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	q := newQueue(r.cfg.MaxBatchEvents, r.start)
+	q := newQueue(r.cfg.MaxBatchEvents, start)
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
 		cancel(deliver(ctx, q, handle))
 	}()
-	s := &stream{conn: conn, q: q, dec: newDecoder(r.cfg), interval: r.interval, confirmed: r.start}
+	s := &stream{conn: conn, q: q, dec: newDecoder(r.cfg), interval: r.interval, confirmed: start}
 	err = s.run(ctx)
 	cancel(err)
 	wg.Wait()
@@ -89,16 +87,26 @@ func (r *Reader) Run(ctx context.Context, handle Handler) error {
 }
 
 // startReplication opens the replication connection and starts streaming
-// the slot from its confirmed LSN.
-func (r *Reader) startReplication(ctx context.Context) (*pgconn.PgConn, error) {
+// the slot from its confirmed LSN, which it returns: the status updates
+// start from it, since PostgreSQL 15 lets a lower flush position move the
+// slot back.
+func (r *Reader) startReplication(ctx context.Context) (*pgconn.PgConn, LSN, error) {
 	pgcfg, err := pgconn.ParseConfig(r.cfg.URL)
 	if err != nil {
-		return nil, fmt.Errorf("wal: parse Config.URL: %w", err)
+		return nil, 0, fmt.Errorf("wal: parse Config.URL: %w", err)
 	}
 	pgcfg.RuntimeParams["replication"] = "database"
 	conn, err := pgconn.ConnectConfig(ctx, pgcfg)
 	if err != nil {
-		return nil, fmt.Errorf("wal: open the replication connection: %w", err)
+		return nil, 0, fmt.Errorf("wal: open the replication connection: %w", err)
+	}
+	slot, err := slotStatus(ctx, conn, r.cfg.Slot) // a replication=database connection runs SQL too
+	if err == nil && slot.WALStatus == "lost" {
+		err = lostError(r.cfg.Slot, nil)
+	}
+	if err != nil {
+		closeConn(conn)
+		return nil, 0, err
 	}
 	args := []string{"proto_version '1'", "publication_names " + quoteLiteral(quoteIdent(r.cfg.Publication))}
 	if r.cfg.MessagePrefix != "" {
@@ -109,9 +117,9 @@ func (r *Reader) startReplication(ctx context.Context) (*pgconn.PgConn, error) {
 		pglogrepl.StartReplicationOptions{Mode: pglogrepl.LogicalReplication, PluginArgs: args})
 	if err != nil {
 		closeConn(conn)
-		return nil, r.startError(err)
+		return nil, 0, r.startError(err)
 	}
-	return conn, nil
+	return conn, slot.ConfirmedFlushLSN, nil
 }
 
 // startError explains START_REPLICATION's err.

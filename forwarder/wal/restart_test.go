@@ -88,3 +88,22 @@ func receive(t *testing.T, c chan wal.Batch) wal.Batch {
 		return wal.Batch{}
 	}
 }
+
+// A Handler's error stops Run with that error, and the batch comes again
+// on the next Run of the same Reader.
+func testHandlerErrorStopsRun(t *testing.T, s *logicalServer) {
+	cfg := s.outbox(t)
+	r := newReader(t, cfg)
+	insert(t, s.db, cfg, "e1")
+	down := errors.New("broker down")
+	err := r.Run(context.Background(), func(context.Context, wal.Batch) error { return down })
+	if !errors.Is(err, down) {
+		t.Fatalf("Run returned %v, want the Handler's error", err)
+	}
+	slotStatus(t, cfg, r.Slot(), "the slot is released", func(st wal.SlotStatus) bool { return !st.Active })
+	got := newCollector()
+	run(t, r, got.handle)
+	if id := uuids(got.next(t)); id != "e1" {
+		t.Fatalf("after the error got %q, want e1 again", id)
+	}
+}

@@ -21,6 +21,7 @@ func TestWAL(t *testing.T) {
 		"LogicalMessages":        testLogicalMessages,
 		"RestartRedelivers":      testRestartRedelivers,
 		"HeartbeatAdvances":      testHeartbeatAdvances,
+		"HandlerErrorStopsRun":   testHandlerErrorStopsRun,
 		"NoReplicationPrivilege": testNoReplicationPrivilege,
 	}
 	for name, test := range tests {

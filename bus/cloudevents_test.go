@@ -80,7 +80,7 @@ func TestCloudEventsAttributesReachTheBroker(t *testing.T) {
 			}
 
 			if kind == bus.KindNATS {
-				js := natsJetStream(t, cfg.Broker.NATS.URL)
+				js := brokertest.NATSJetStream(t, cfg.Broker.NATS.URL)
 				stream, err := js.Stream(ctx, nats.StreamName(topic))
 				require.NoError(t, err)
 				raw, err := stream.GetMsg(ctx, 1)

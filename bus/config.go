@@ -64,7 +64,7 @@ type Config struct {
 	// envSources maps a YAML path to the environment variable that overrode it.
 	envSources map[string]string
 	// valid is the config as LoadConfig or ParseConfig validated it, so
-	// Open, Migrate and NewOps do not check it (and read its TLS files)
+	// Open, Migrate and ops.New do not check it (and read its TLS files)
 	// again unless it changed since.
 	valid *Config
 }
@@ -74,7 +74,7 @@ type Config struct {
 func (c Config) check() (Config, error) { return c.checkFor(true) }
 
 // checkFor is check, leaving the broker section out unless broker: for
-// what needs only the database (Migrate, NewOps).
+// what needs only the database (Migrate, ValidateDatabase).
 func (c Config) checkFor(broker bool) (Config, error) {
 	c = c.WithDefaults()
 	if c.valid != nil {
@@ -85,6 +85,15 @@ func (c Config) checkFor(broker bool) (Config, error) {
 		}
 	}
 	return c, c.validate(broker)
+}
+
+// ValidateDatabase applies c's defaults and validates all but the broker
+// section: the check of what needs only the database (Migrate, the ops
+// package). A config LoadConfig or ParseConfig validated, unchanged since,
+// is not checked again.
+func (c Config) ValidateDatabase() error {
+	_, err := c.checkFor(false)
+	return err
 }
 
 // DatabaseConfig is the database section.

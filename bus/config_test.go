@@ -217,7 +217,7 @@ func FuzzParseConfig(f *testing.F) {
 	})
 }
 
-// A start checks its config once: Open, Migrate and NewOps do not validate
+// A start checks its config once: Open, Migrate and ops.New do not validate
 // (and read the files of) a config LoadConfig validated, unless it changed.
 func TestConfigIsCheckedOncePerStart(t *testing.T) {
 	t.Parallel()

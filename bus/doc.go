@@ -171,10 +171,10 @@
 //
 // Liveness and Readiness say whether a running Bus is wedged and whether it
 // can work now; HealthHandler serves them at /livez, /readyz and /healthz,
-// as Run does beside /metrics on metrics.listen. Ops is the operations API
-// (outbox status, the DLQ with failure groups, the relay quarantine, replay
-// and purge with dry runs and selection tokens); package bus/console is
-// the web console over it.
+// as Run does beside /metrics on metrics.listen. Package ops is the
+// operations API (outbox status, the DLQ with failure groups, the relay
+// quarantine, replay and purge with dry runs and selection tokens);
+// package ops/console is the web console over it.
 //
 // # Compatibility with plain Watermill
 //
@@ -186,12 +186,13 @@
 //
 // # Operations
 //
-// Ops (NewOps) is the operations API over an installation's tables, with
-// no broker: outbox status, the dead-letter queue (the poison table) and
-// the relay quarantine with list, show, replay and purge, and inbox
-// pruning. The millrace command-line tool is flags and formatting over it.
-// A replay from the poison table carries the event's own metadata (what
-// Publish accepted, none of the broker's delivery headers) and reaches only
+// Package ops (ops.New, ops.Open) is the operations API over an
+// installation's tables, with no broker: outbox status, the dead-letter
+// queue (the poison table) and the relay quarantine with list, show, replay
+// and purge, and inbox pruning. The millrace command-line tool is flags and
+// formatting over it. A replay from the poison table carries the event's
+// own metadata (EventMetadata: what Publish accepted, none of the broker's
+// delivery headers) and reaches only
 // the consumer groups the event was poisoned in: the chain of every other
 // group acks it unprocessed (middleware.ReplayGroupsKey).
 package bus

@@ -10,6 +10,7 @@ import (
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // OrderPlacedV1 is the first version of the OrderPlaced event: the total
@@ -162,16 +163,16 @@ func ExampleBus_HandleTypes() {
 	deliver("evt-3", "OrderPlaced", 3, `{"order_id":"ord-1","total_cents":1,"currency":"EUR"}`)
 	deliver("evt-4", "OrderShipped", 1, `{"order_id":"ord-1"}`)
 
-	ops, err := bus.NewOps(ctx, db, cfg)
+	oc, err := ops.New(ctx, db, cfg)
 	if err != nil {
 		log.Fatal(err)
 	}
-	poisoned, err := ops.ListPoisoned(ctx, bus.PoisonFilter{Handler: "billing"}, 0)
+	poisoned, err := oc.DLQ().List(ctx, ops.Filter{Handler: "billing"}, 0)
 	if err != nil {
 		log.Fatal(err)
 	}
-	for i := len(poisoned.Messages) - 1; i >= 0; i-- { // oldest first
-		m := poisoned.Messages[i]
+	for i := len(poisoned.Rows) - 1; i >= 0; i-- { // oldest first
+		m := poisoned.Rows[i]
 		fmt.Println("poisoned", m.EventID+":", m.Reason)
 	}
 	// Output:

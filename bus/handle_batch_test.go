@@ -16,6 +16,7 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // A typed batch handler through the relay and a real broker of each kind:
@@ -101,13 +102,13 @@ func testTypedBatchHandler(t *testing.T, kind string) {
 		ContentType: "application/json", Payload: []byte(`{"order_id":5}`)}))
 	require.NoError(t, tx.Commit())
 
-	ops, err := bus.NewOps(ctx, db, cfg)
+	oc, err := ops.New(ctx, db, cfg)
 	require.NoError(t, err)
 	poisoned := func() map[string]string {
-		list, err := ops.ListPoisoned(ctx, bus.PoisonFilter{Handler: billing}, 0)
+		list, err := oc.DLQ().List(ctx, ops.Filter{Handler: billing}, 0)
 		require.NoError(t, err)
 		out := map[string]string{}
-		for _, m := range list.Messages {
+		for _, m := range list.Rows {
 			out[m.AggregateID] = m.Reason
 		}
 		return out

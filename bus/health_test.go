@@ -16,10 +16,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/bus/console"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/servers"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/ops"
+	"github.com/millrace-io/millrace/ops/console"
 )
 
 // healthConfig is a config whose loops are quiet for at most about 2s, so
@@ -316,9 +317,9 @@ func TestTheRelayReportsTheTransactionItWaitsFor(t *testing.T) {
 	require.Contains(t, relay.Detail, fmt.Sprintf("pid %d", holder))
 	require.Contains(t, relay.Detail, "idle in transaction")
 
-	ops, err := bus.NewOps(ctx, db, cfg)
+	oc, err := ops.New(ctx, db, cfg)
 	require.NoError(t, err)
-	st, err := ops.OutboxStatus(ctx, "")
+	st, err := oc.OutboxStatus(ctx, "")
 	require.NoError(t, err)
 	require.NotEmpty(t, st.Waits, "outbox status lists the wait")
 	w := st.Waits[0]
@@ -328,7 +329,7 @@ func TestTheRelayReportsTheTransactionItWaitsFor(t *testing.T) {
 	require.GreaterOrEqual(t, w.Waited, time.Second)
 
 	page := httptest.NewRecorder()
-	handler, err := console.New(ops, console.Options{})
+	handler, err := console.New(oc, console.Options{})
 	require.NoError(t, err)
 	defer handler.Close()
 	handler.ServeHTTP(page, httptest.NewRequest(http.MethodGet, "/", nil))

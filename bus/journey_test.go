@@ -19,6 +19,7 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // TestNewcomersJourney walks, on every broker, what a new adopter does
@@ -185,15 +186,15 @@ func (j *journey) once(what string, want map[string]int, until func() bool) {
 }
 
 // poisoned lists the DLQ as `millrace dlq list` does, by order id.
-func (j *journey) poisoned(f bus.PoisonFilter) map[string]bus.PoisonedMessage {
+func (j *journey) poisoned(f ops.Filter) map[string]ops.PoisonedMessage {
 	j.t.Helper()
-	l, err := j.w.ops.ListPoisoned(context.Background(), f, 0)
+	l, err := j.w.ops.DLQ().List(context.Background(), f, 0)
 	require.NoError(j.t, err)
-	byOrder := map[string]bus.PoisonedMessage{}
-	for _, m := range l.Messages {
+	byOrder := map[string]ops.PoisonedMessage{}
+	for _, m := range l.Rows {
 		byOrder[m.AggregateID] = m
 	}
-	require.Len(j.t, byOrder, len(l.Messages), "one poisoned message per order")
+	require.Len(j.t, byOrder, len(l.Rows), "one poisoned message per order")
 	return byOrder
 }
 
@@ -209,11 +210,11 @@ func (j *journey) firstSteps() (stop func()) {
 	// audit all 7 events; each group acked the other's type unprocessed;
 	// the refused and the doomed order are in the DLQ.
 	j.once("every event handled or poisoned", map[string]int{"billing": 3, "support": 2, "audit": 7}, func() bool {
-		return len(j.poisoned(bus.PoisonFilter{})) == 2 &&
+		return len(j.poisoned(ops.Filter{})) == 2 &&
 			outcomes(t, reg, "billing", middleware.OutcomeOtherType) == 2 &&
 			outcomes(t, reg, "support", middleware.OutcomeOtherType) == 5
 	})
-	dlq := j.poisoned(bus.PoisonFilter{})
+	dlq := j.poisoned(ops.Filter{})
 	refused, doomed := dlq["refused-4"], dlq["doomed-5"]
 	require.Equal(t, "billing", refused.ConsumerGroup)
 	require.Equal(t, 1, refused.Attempts, "a permanent error is not retried")
@@ -224,7 +225,7 @@ func (j *journey) firstSteps() (stop func()) {
 	require.Equal(t, middleware.ClassTransient, doomed.ErrorClass)
 	require.Contains(t, doomed.Reason, "tax service")
 	for _, m := range dlq {
-		require.Equal(t, bus.PoisonStatePoisoned, m.State)
+		require.Equal(t, ops.PoisonStatePoisoned, m.State)
 	}
 	for group, n := range map[string]float64{"billing": 2, "support": 0, "audit": 0} {
 		require.EqualValues(t, n, outcomes(t, reg, group, middleware.OutcomePoisoned), group)
@@ -239,17 +240,17 @@ func (j *journey) firstSteps() (stop func()) {
 
 // replay replays doomed from the DLQ, as `millrace dlq replay ID` does,
 // and checks that it took effect once, in billing only.
-func (j *journey) replay(reg *prometheus.Registry, doomed bus.PoisonedMessage) {
+func (j *journey) replay(reg *prometheus.Registry, doomed ops.PoisonedMessage) {
 	t, ctx := j.t, context.Background()
-	res, err := j.w.ops.ReplayPoisoned(ctx, bus.PoisonSelection{IDs: []int64{doomed.ID}}, bus.ReplayOptions{By: "newcomer"})
+	res, err := j.w.ops.DLQ().Replay(ctx, ops.Selection{IDs: []int64{doomed.ID}}, ops.ReplayOptions{By: "newcomer"})
 	require.NoError(t, err)
 	require.Len(t, res.Replayed, 1)
 	require.Equal(t, []string{"billing"}, res.Replayed[0].TargetGroups)
 	require.Empty(t, res.Skipped)
 	j.once("the replay billed, the other groups acked it", map[string]int{"billing": 4, "support": 2, "audit": 7}, func() bool {
-		d, err := j.w.ops.Poisoned(ctx, doomed.ID)
+		d, err := j.w.ops.DLQ().Get(ctx, doomed.ID)
 		require.NoError(t, err)
-		return d.State == bus.PoisonStateProcessed &&
+		return d.State == ops.PoisonStateProcessed &&
 			outcomes(t, reg, "support", middleware.OutcomeNotTargeted) == 1 &&
 			outcomes(t, reg, "audit", middleware.OutcomeNotTargeted) == 1
 	})
@@ -258,13 +259,13 @@ func (j *journey) replay(reg *prometheus.Registry, doomed bus.PoisonedMessage) {
 	require.Zero(t, j.w.effects(t, "support", doomed.EventID))
 	require.Zero(t, outcomes(t, reg, "billing", middleware.OutcomeNotTargeted))
 
-	q, err := j.w.ops.ListQuarantined(ctx, bus.QuarantineFilter{}, 0)
+	q, err := j.w.ops.Quarantine().List(ctx, ops.Filter{}, 0)
 	require.NoError(t, err)
 	require.Empty(t, q.Rows, "nothing in the relay quarantine")
 	replayed, waiting := true, false
-	require.Equal(t, []string{"doomed-5"}, slices.Sorted(maps.Keys(j.poisoned(bus.PoisonFilter{Replayed: &replayed}))))
-	require.Equal(t, []string{"refused-4"}, slices.Sorted(maps.Keys(j.poisoned(bus.PoisonFilter{Replayed: &waiting}))))
-	d, err := j.w.ops.Poisoned(ctx, doomed.ID)
+	require.Equal(t, []string{"doomed-5"}, slices.Sorted(maps.Keys(j.poisoned(ops.Filter{Replayed: &replayed}))))
+	require.Equal(t, []string{"refused-4"}, slices.Sorted(maps.Keys(j.poisoned(ops.Filter{Replayed: &waiting}))))
+	d, err := j.w.ops.DLQ().Get(ctx, doomed.ID)
 	require.NoError(t, err)
 	require.Equal(t, 1, d.ReplayCount)
 	require.Len(t, d.Replays, 1)
@@ -304,14 +305,14 @@ func (j *journey) switchBrokers(stopFrom func()) {
 	j.w.serve(t, cfg, j.register)
 	j.once("the waiting event handled once", map[string]int{"billing": 7, "support": 3, "audit": 11}, func() bool { return true })
 	j.drained(j.to)
-	require.Len(t, j.poisoned(bus.PoisonFilter{}), 2, "the DLQ holds what it held before the switch")
+	require.Len(t, j.poisoned(ops.Filter{}), 2, "the DLQ holds what it held before the switch")
 }
 
 // drained waits until the outbox has nothing pending, relayed to kind,
 // and checks that the relay quarantined nothing.
 func (j *journey) drained(kind string) {
 	j.t.Helper()
-	var st bus.OutboxStatus
+	var st ops.OutboxStatus
 	testkit.Eventually(j.t, time.Minute, "the outbox drained", func() bool {
 		var err error
 		st, err = j.w.ops.OutboxStatus(context.Background(), "")

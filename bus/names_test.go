@@ -28,6 +28,7 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // hostileNames are refused as topics, consumer groups and handler names.
@@ -188,7 +189,7 @@ func TestHostileNamesAreRefusedEverywhere(t *testing.T) {
 			if name != "" {
 				bad := cfg
 				bad.Database.Schema = name
-				_, err = bus.NewOps(ctx, db, bad)
+				_, err = ops.New(ctx, db, bad)
 				requireClear(t, err, label)
 			}
 		}
@@ -199,9 +200,9 @@ func TestHostileNamesAreRefusedEverywhere(t *testing.T) {
 			_, err := forwarder.New(db, broker, forwarder.Outbox{Schema: cfg.Database.Schema, Topic: "millrace_outbox"},
 				forwarder.Config{ConsumerGroup: name}, forwarder.Options{})
 			requireClear(t, err, label)
-			ops, err := bus.NewOps(ctx, db, cfg)
+			oc, err := ops.New(ctx, db, cfg)
 			require.NoError(t, err)
-			_, err = ops.OutboxStatus(ctx, name)
+			_, err = oc.OutboxStatus(ctx, name)
 			requireClear(t, err, label)
 		}
 	})

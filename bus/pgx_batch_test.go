@@ -13,6 +13,7 @@ import (
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // Batched inbox transactions on a pgx pool: four events share one pgx
@@ -84,10 +85,10 @@ func TestPgxBatchedInboxTransaction(t *testing.T) {
 	var inbox int
 	require.NoError(t, pb.db.QueryRow(`SELECT count(*) FROM "`+pb.schema+`".millrace_inbox`).Scan(&inbox))
 	require.Equal(t, 3, inbox)
-	ops, err := bus.NewOps(ctx, pb.db, pb.cfg)
+	oc, err := ops.New(ctx, pb.db, pb.cfg)
 	require.NoError(t, err)
-	list, err := ops.ListPoisoned(ctx, bus.PoisonFilter{Handler: "billing"}, 0)
+	list, err := oc.DLQ().List(ctx, ops.Filter{Handler: "billing"}, 0)
 	require.NoError(t, err)
-	require.Len(t, list.Messages, 1)
-	require.Equal(t, "e-2", list.Messages[0].EventID)
+	require.Len(t, list.Rows, 1)
+	require.Equal(t, "e-2", list.Rows[0].EventID)
 }

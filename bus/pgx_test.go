@@ -13,6 +13,7 @@ import (
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // newPool opens a pgxpool on the test server, closed when the test ends.
@@ -176,13 +177,13 @@ func TestPgxHandlerWritesInItsInboxTransactionOnce(t *testing.T) {
 		invoices = append(invoices, id)
 	}
 	require.Equal(t, []string{"o-1"}, invoices, "one effect of e-1; the failed handlers' writes rolled back")
-	ops, err := bus.NewOps(ctx, pb.db, pb.cfg)
+	oc, err := ops.New(ctx, pb.db, pb.cfg)
 	require.NoError(t, err)
-	list, err := ops.ListPoisoned(ctx, bus.PoisonFilter{Handler: "billing"}, 0)
+	list, err := oc.DLQ().List(ctx, ops.Filter{Handler: "billing"}, 0)
 	require.NoError(t, err)
-	require.Len(t, list.Messages, 2)
+	require.Len(t, list.Rows, 2)
 	reasons := map[string]string{}
-	for _, m := range list.Messages {
+	for _, m := range list.Rows {
 		reasons[m.EventID] = m.Reason
 	}
 	require.Contains(t, reasons["e-3"], "bus.Tx[*sql.Tx]: the Bus was opened on a *pgxpool.Pool, so the handler's transaction is a pgx.Tx: use bus.Tx[pgx.Tx](ctx)")

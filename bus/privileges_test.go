@@ -23,6 +23,7 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/internal/testing/testlog"
 	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // roles is an owner role that runs the migration and a service role that
@@ -264,15 +265,15 @@ func (s *serviceRun) count(t *testing.T, table string) int {
 	return n
 }
 
-func (s *serviceRun) inspect() (bus.OutboxStatus, error) {
-	ops, err := bus.NewOps(context.Background(), s.r.service, s.cfg)
+func (s *serviceRun) inspect() (ops.OutboxStatus, error) {
+	oc, err := ops.New(context.Background(), s.r.service, s.cfg)
 	if err != nil {
-		return bus.OutboxStatus{}, err
+		return ops.OutboxStatus{}, err
 	}
-	if _, err := ops.ListScheduled(context.Background(), 10); err != nil {
-		return bus.OutboxStatus{}, err
+	if _, err := oc.ListScheduled(context.Background(), 10); err != nil {
+		return ops.OutboxStatus{}, err
 	}
-	return ops.OutboxStatus(context.Background(), "")
+	return oc.OutboxStatus(context.Background(), "")
 }
 
 // The service role with exactly the listed privileges runs everything:

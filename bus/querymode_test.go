@@ -26,6 +26,7 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // queryExecModes are pgx's five ways of running a statement, by the name
@@ -81,7 +82,7 @@ type modeFlow struct {
 	// pool is the pgx pool a Bus was opened on; nil for a *sql.DB.
 	pool   *pgxpool.Pool
 	b      *bus.Bus
-	ops    *bus.Ops
+	ops    *ops.Client
 	reg    *prometheus.Registry
 	suffix string
 	// topic is consumed by handler (its consumer group too, with the
@@ -188,7 +189,7 @@ func startModeFlow(t *testing.T, modeName string, mode pgx.QueryExecMode, viaPgx
 	}
 	t.Cleanup(func() { f.b.Close() })
 	f.checkModeInEffect()
-	f.ops, err = bus.NewOps(ctx, f.b.DB(), f.cfg)
+	f.ops, err = ops.New(ctx, f.b.DB(), f.cfg)
 	require.NoError(t, err)
 	require.NoError(t, f.b.Handle(f.topic, f.handler, f.handle(f.handler)))
 	require.NoError(t, f.b.Handle(f.topic, f.batched, f.handle(f.batched)))
@@ -443,14 +444,14 @@ func (f *modeFlow) publishAndConsume() {
 // requireBatched checks the batched group's share of events: every one
 // committed once, but the binary one, poisoned with its bytes intact.
 func (f *modeFlow) requireBatched(events []bus.Event) {
-	var list bus.PoisonList
+	var list ops.List[ops.PoisonedMessage]
 	testkit.Eventually(f.t, 90*time.Second, "batched poisons the binary event", func() bool {
 		var err error
-		list, err = f.ops.ListPoisoned(f.ctx, bus.PoisonFilter{Handler: f.batched}, 0)
+		list, err = f.ops.DLQ().List(f.ctx, ops.Filter{Handler: f.batched}, 0)
 		require.NoError(f.t, err)
-		return len(list.Messages) == 1
+		return len(list.Rows) == 1
 	})
-	detail, err := f.ops.Poisoned(f.ctx, list.Messages[0].ID)
+	detail, err := f.ops.DLQ().Get(f.ctx, list.Rows[0].ID)
 	require.NoError(f.t, err)
 	require.Equal(f.t, "batched: "+awkwardText, detail.Reason)
 	for _, ev := range events {
@@ -503,24 +504,24 @@ func (f *modeFlow) poisonAndReplay() {
 	f.broken.Store(true)
 	sent := f.awkwardEvent("poison", poisonedAggregate, "", []byte(`{"poison":"Zoë \"q\" \\ \u2603"}`))
 	f.publish(sent)
-	filter := bus.PoisonFilter{Topic: f.topic, Handler: f.handler, Group: f.handler, Reason: `"QUOTED" BACK\SLASH`,
-		Since: bus.Ago(time.Hour), Until: bus.At(time.Now().Add(time.Hour))}
-	var list bus.PoisonList
+	filter := ops.Filter{Topic: f.topic, Handler: f.handler, Group: f.handler, Reason: `"QUOTED" BACK\SLASH`,
+		Since: ops.Ago(time.Hour), Until: ops.At(time.Now().Add(time.Hour))}
+	var list ops.List[ops.PoisonedMessage]
 	testkit.Eventually(f.t, 90*time.Second, "the event is poisoned", func() bool {
 		var err error
-		list, err = f.ops.ListPoisoned(f.ctx, filter, 10)
+		list, err = f.ops.DLQ().List(f.ctx, filter, 10)
 		require.NoError(f.t, err)
-		return len(list.Messages) == 1
+		return len(list.Rows) == 1
 	})
-	row := list.Messages[0]
+	row := list.Rows[0]
 	require.Equal(f.t, sent.ID, row.EventID)
 	require.Equal(f.t, "cannot take it yet: "+awkwardText, row.Reason)
-	require.Equal(f.t, bus.PoisonStatePoisoned, row.State)
-	groups, err := f.ops.PoisonGroups(f.ctx, bus.PoisonFilter{Fingerprint: row.Fingerprint})
+	require.Equal(f.t, ops.PoisonStatePoisoned, row.State)
+	groups, err := f.ops.PoisonGroups(f.ctx, ops.Filter{Fingerprint: row.Fingerprint})
 	require.NoError(f.t, err)
 	require.Len(f.t, groups, 1)
 	require.EqualValues(f.t, 1, groups[0].Messages)
-	detail, err := f.ops.Poisoned(f.ctx, row.ID)
+	detail, err := f.ops.DLQ().Get(f.ctx, row.ID)
 	require.NoError(f.t, err)
 	require.True(f.t, bytes.Equal(sent.Payload, detail.Payload), "poisoned payload: sent %q, stored %q", sent.Payload, detail.Payload)
 	for k, v := range sent.Metadata {
@@ -528,26 +529,26 @@ func (f *modeFlow) poisonAndReplay() {
 	}
 
 	f.broken.Store(false)
-	sel := bus.PoisonSelection{IDs: []int64{row.ID}}
-	dry, err := f.ops.ReplayPoisoned(f.ctx, sel, bus.ReplayOptions{DryRun: true})
+	sel := ops.Selection{IDs: []int64{row.ID}}
+	dry, err := f.ops.DLQ().Replay(f.ctx, sel, ops.ReplayOptions{DryRun: true})
 	require.NoError(f.t, err)
 	sel.Expect = dry.Selection
-	res, err := f.ops.ReplayPoisoned(f.ctx, sel, bus.ReplayOptions{By: `op "ü" \ `})
+	res, err := f.ops.DLQ().Replay(f.ctx, sel, ops.ReplayOptions{By: `op "ü" \ `})
 	require.NoError(f.t, err)
 	require.Len(f.t, res.Replayed, 1)
 	f.requireArrived(sent)
 	f.mu.Lock()
 	require.Equal(f.t, row.MessageID, f.got[sent.ID].Metadata[middleware.ReplayOfKey])
 	f.mu.Unlock()
-	detail, err = f.ops.Poisoned(f.ctx, row.ID)
+	detail, err = f.ops.DLQ().Get(f.ctx, row.ID)
 	require.NoError(f.t, err)
-	require.Equal(f.t, bus.PoisonStateProcessed, detail.State)
+	require.Equal(f.t, ops.PoisonStateProcessed, detail.State)
 	require.Len(f.t, detail.Replays, 1)
 	require.Equal(f.t, `op "ü" \ `, detail.Replays[0].ReplayedBy)
 
 	// Replayed again by force: the inbox acks the duplicate.
 	sel.Expect = ""
-	res, err = f.ops.ReplayPoisoned(f.ctx, sel, bus.ReplayOptions{Force: true})
+	res, err = f.ops.DLQ().Replay(f.ctx, sel, ops.ReplayOptions{Force: true})
 	require.NoError(f.t, err)
 	require.Len(f.t, res.Replayed, 1)
 	testkit.Eventually(f.t, 90*time.Second, "the duplicate is acked", func() bool {
@@ -555,17 +556,17 @@ func (f *modeFlow) poisonAndReplay() {
 	})
 	require.Equal(f.t, 1, f.effects(f.handler, sent.ID), "the duplicate had no effect")
 
-	purge := bus.PoisonSelection{Filter: bus.PoisonFilter{Handler: f.handler}}
-	would, err := f.ops.PurgePoisoned(f.ctx, purge, true)
+	purge := ops.Selection{Filter: ops.Filter{Handler: f.handler}}
+	would, err := f.ops.DLQ().Purge(f.ctx, purge, true)
 	require.NoError(f.t, err)
 	require.Len(f.t, would.Purged, 1)
 	purge.Expect = would.Selection
-	_, err = f.ops.PurgePoisoned(f.ctx, purge, false)
+	_, err = f.ops.DLQ().Purge(f.ctx, purge, false)
 	require.NoError(f.t, err)
-	list, err = f.ops.ListPoisoned(f.ctx, bus.PoisonFilter{}, 0)
+	list, err = f.ops.DLQ().List(f.ctx, ops.Filter{}, 0)
 	require.NoError(f.t, err)
-	require.Len(f.t, list.Messages, 1, "batched's poisoned event is left")
-	require.Equal(f.t, f.batched, list.Messages[0].Handler)
+	require.Len(f.t, list.Rows, 1, "batched's poisoned event is left")
+	require.Equal(f.t, f.batched, list.Rows[0].Handler)
 }
 
 // schedule schedules events through the flow's API.
@@ -690,7 +691,7 @@ func (f *modeFlow) sagaSteps() {
 	scheduled, err = f.ops.ScheduledEvents(f.ctx, timeout)
 	require.NoError(f.t, err)
 	require.Empty(f.t, scheduled, "completing the saga cancelled its timeout")
-	list, err := f.ops.ListSagas(f.ctx, bus.SagaFilter{Saga: "mode_saga", Completed: true}, 10)
+	list, err := f.ops.ListSagas(f.ctx, ops.SagaFilter{Saga: "mode_saga", Completed: true}, 10)
 	require.NoError(f.t, err)
 	require.Len(f.t, list.Instances, 1)
 }
@@ -706,44 +707,44 @@ func (f *modeFlow) quarantineAndReplay() {
 	_, err = f.witness.Exec(`INSERT INTO "`+f.cfg.Database.Schema+`".watermill_millrace_outbox (uuid, payload, metadata, transaction_id)
 		VALUES ($1, $2, '{}', pg_current_xact_id())`, msg.UUID, string(env))
 	require.NoError(f.t, err)
-	filter := bus.QuarantineFilter{Topic: f.topic, Reason: "BAD:KEY", Since: bus.Ago(time.Hour)}
-	var list bus.QuarantineList
+	filter := ops.Filter{Topic: f.topic, Reason: "BAD:KEY", Since: ops.Ago(time.Hour)}
+	var list ops.List[ops.QuarantinedRow]
 	testkit.Eventually(f.t, 90*time.Second, "the relay quarantines the refused row", func() bool {
-		list, err = f.ops.ListQuarantined(f.ctx, filter, 10)
+		list, err = f.ops.Quarantine().List(f.ctx, filter, 10)
 		require.NoError(f.t, err)
 		return len(list.Rows) == 1
 	})
 	row := list.Rows[0]
 	require.Equal(f.t, msg.UUID, row.EventID)
-	detail, err := f.ops.Quarantined(f.ctx, row.ID)
+	detail, err := f.ops.Quarantine().Get(f.ctx, row.ID)
 	require.NoError(f.t, err)
 	require.True(f.t, bytes.Equal(env, detail.Envelope), "quarantined envelope: wrote %q, stored %q", env, detail.Envelope)
 	require.Equal(f.t, awkwardText, detail.Metadata["bad:key"])
 
-	res, err := f.ops.ReplayQuarantined(f.ctx, bus.QuarantineSelection{IDs: []int64{row.ID}}, bus.ReplayOptions{Force: true})
+	res, err := f.ops.Quarantine().Replay(f.ctx, ops.Selection{IDs: []int64{row.ID}}, ops.ReplayOptions{Force: true})
 	require.NoError(f.t, err)
 	require.Len(f.t, res.Replayed, 1)
 	testkit.Eventually(f.t, 90*time.Second, "the relay quarantines the replayed row again", func() bool {
-		list, err = f.ops.ListQuarantined(f.ctx, filter, 10)
+		list, err = f.ops.Quarantine().List(f.ctx, filter, 10)
 		require.NoError(f.t, err)
 		return len(list.Rows) == 2
 	})
-	detail, err = f.ops.Quarantined(f.ctx, list.Rows[0].ID)
+	detail, err = f.ops.Quarantine().Get(f.ctx, list.Rows[0].ID)
 	require.NoError(f.t, err)
 	require.True(f.t, bytes.Equal(env, detail.Envelope), "replayed envelope: wrote %q, stored %q", env, detail.Envelope)
-	all := bus.QuarantineSelection{All: true}
-	would, err := f.ops.PurgeQuarantined(f.ctx, all, true)
+	all := ops.Selection{All: true}
+	would, err := f.ops.Quarantine().Purge(f.ctx, all, true)
 	require.NoError(f.t, err)
 	require.Len(f.t, would.Purged, 2)
 	all.Expect = would.Selection
-	_, err = f.ops.PurgeQuarantined(f.ctx, all, false)
+	_, err = f.ops.Quarantine().Purge(f.ctx, all, false)
 	require.NoError(f.t, err)
 }
 
 // statusAndPrune reads the outbox status once the relay is done, and
 // prunes the handler's inbox.
 func (f *modeFlow) statusAndPrune() {
-	var st bus.OutboxStatus
+	var st ops.OutboxStatus
 	testkit.Eventually(f.t, 90*time.Second, "the relay forwarded every row", func() bool {
 		var err error
 		st, err = f.ops.OutboxStatus(f.ctx, "")
@@ -763,7 +764,7 @@ func (f *modeFlow) statusAndPrune() {
 	processed := int64(len(f.got)) + 1 // the stale event's id is in the inbox too
 	f.mu.Unlock()
 	require.Equal(f.t, processed, rows[f.handler])
-	prune := bus.InboxPrune{OlderThan: time.Microsecond, Group: f.handler, Batch: 3, DryRun: true}
+	prune := ops.InboxPrune{OlderThan: time.Microsecond, Group: f.handler, Batch: 3, DryRun: true}
 	res, err := f.ops.PruneInbox(f.ctx, prune)
 	require.NoError(f.t, err)
 	require.Equal(f.t, processed, res.Deleted)

@@ -24,6 +24,7 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // replayWorld is a schema, a topic and its consumer groups on one broker,
@@ -32,7 +33,7 @@ type replayWorld struct {
 	kind, topic string
 	db          *sql.DB
 	cfg         bus.Config
-	ops         *bus.Ops
+	ops         *ops.Client
 }
 
 func newReplayWorld(t *testing.T, kind string, groups ...string) *replayWorld {
@@ -48,7 +49,7 @@ func newReplayWorld(t *testing.T, kind string, groups ...string) *replayWorld {
 	require.NoError(t, err)
 	w := &replayWorld{kind: kind, topic: "replay-" + testdb.UniqueName("")[2:], db: db, cfg: cfg}
 	brokertest.Cleanup(t, kind, w.topic, groups...)
-	w.ops, err = bus.NewOps(ctx, db, cfg)
+	w.ops, err = ops.New(ctx, db, cfg)
 	require.NoError(t, err)
 	return w
 }
@@ -125,16 +126,16 @@ func (w *replayWorld) published(t *testing.T, eventID string) map[string]string 
 }
 
 // poisoned waits until one message is poisoned and returns it.
-func (w *replayWorld) poisoned(t *testing.T) bus.PoisonedMessage {
+func (w *replayWorld) poisoned(t *testing.T) ops.PoisonedMessage {
 	t.Helper()
-	var poisoned bus.PoisonedMessage
+	var poisoned ops.PoisonedMessage
 	testkit.Eventually(t, 2*time.Minute, "a message poisoned", func() bool {
-		l, err := w.ops.ListPoisoned(context.Background(), bus.PoisonFilter{}, 0)
+		l, err := w.ops.DLQ().List(context.Background(), ops.Filter{}, 0)
 		require.NoError(t, err)
-		if len(l.Messages) == 1 {
-			poisoned = l.Messages[0]
+		if len(l.Rows) == 1 {
+			poisoned = l.Rows[0]
 		}
-		return len(l.Messages) == 1
+		return len(l.Rows) == 1
 	})
 	return poisoned
 }
@@ -196,11 +197,11 @@ func testReplayAfterRetries(t *testing.T, kind string) {
 	mu.Lock()
 	broken = false
 	mu.Unlock()
-	dry, err := w.ops.ReplayPoisoned(ctx, bus.PoisonSelection{IDs: []int64{poisoned.ID}}, bus.ReplayOptions{DryRun: true})
+	dry, err := w.ops.DLQ().Replay(ctx, ops.Selection{IDs: []int64{poisoned.ID}}, ops.ReplayOptions{DryRun: true})
 	require.NoError(t, err)
 	require.Len(t, dry.Replayed, 1)
 	require.Empty(t, dry.Warnings)
-	res, err := w.ops.ReplayPoisoned(ctx, bus.PoisonSelection{IDs: []int64{poisoned.ID}}, bus.ReplayOptions{})
+	res, err := w.ops.DLQ().Replay(ctx, ops.Selection{IDs: []int64{poisoned.ID}}, ops.ReplayOptions{})
 	require.NoError(t, err)
 	require.Len(t, res.Replayed, 1)
 
@@ -209,13 +210,13 @@ func testReplayAfterRetries(t *testing.T, kind string) {
 		require.NoError(t, err)
 		return st.Quarantined > 0 || w.effects(t, "billing", id) == 1
 	})
-	q, err := w.ops.ListQuarantined(ctx, bus.QuarantineFilter{}, 0)
+	q, err := w.ops.Quarantine().List(ctx, ops.Filter{}, 0)
 	require.NoError(t, err)
 	require.Empty(t, q.Rows, "the relay quarantined the replay")
 	testkit.Eventually(t, time.Minute, "the poison row shows the event processed", func() bool {
-		d, err := w.ops.Poisoned(ctx, poisoned.ID)
+		d, err := w.ops.DLQ().Get(ctx, poisoned.ID)
 		require.NoError(t, err)
-		return d.State == bus.PoisonStateProcessed
+		return d.State == ops.PoisonStateProcessed
 	})
 	require.Equal(t, 1, w.effects(t, "billing", id), "one effect")
 
@@ -234,7 +235,7 @@ func testReplayAfterRetries(t *testing.T, kind string) {
 // lacks, sorted, and checks that the others are as published.
 func (w *replayWorld) added(t *testing.T, id int64, published map[string]string) []string {
 	t.Helper()
-	d, err := w.ops.Poisoned(context.Background(), id)
+	d, err := w.ops.DLQ().Get(context.Background(), id)
 	require.NoError(t, err)
 	var added []string
 	for k, v := range d.Metadata {
@@ -285,46 +286,46 @@ func TestAReplayTheBrokerRefuses(t *testing.T) {
 	lowered := w.cfg
 	lowered.Broker.RabbitMQ.MaxMessageBytes = 1024
 	_, stop = w.run(t, lowered, handlers)
-	ops, err := bus.NewOps(ctx, w.db, lowered)
+	oc, err := ops.New(ctx, w.db, lowered)
 	require.NoError(t, err)
 	for _, dryRun := range []bool{true, false} {
-		res, err := ops.ReplayPoisoned(ctx, bus.PoisonSelection{All: true}, bus.ReplayOptions{DryRun: dryRun})
+		res, err := oc.DLQ().Replay(ctx, ops.Selection{All: true}, ops.ReplayOptions{DryRun: dryRun})
 		require.NoError(t, err)
 		require.Empty(t, res.Replayed, "dry run %v", dryRun)
 		require.Zero(t, res.Messages)
 		require.Len(t, res.Skipped, 1)
-		require.Equal(t, bus.SkipRefusedByBroker, res.Skipped[0].Reason)
+		require.Equal(t, ops.SkipRefusedByBroker, res.Skipped[0].Reason)
 		require.Contains(t, res.Skipped[0].Detail, "max_message_bytes")
 		require.Nil(t, res.Skipped[0].ProcessedAt)
 		require.Len(t, res.Warnings, 1)
 		require.Contains(t, res.Warnings[0], "the relay would quarantine its replay")
 	}
-	forced, err := ops.ReplayPoisoned(ctx, bus.PoisonSelection{All: true}, bus.ReplayOptions{Force: true})
+	forced, err := oc.DLQ().Replay(ctx, ops.Selection{All: true}, ops.ReplayOptions{Force: true})
 	require.NoError(t, err)
 	require.Len(t, forced.Replayed, 1)
 	require.Contains(t, forced.Warnings[0], "the relay will quarantine it")
-	var shown bus.PoisonedDetail
+	var shown ops.PoisonedDetail
 	testkit.Eventually(t, time.Minute, "the DLQ shows the replay quarantined", func() bool {
-		shown, err = ops.Poisoned(ctx, poisoned.ID)
+		shown, err = oc.DLQ().Get(ctx, poisoned.ID)
 		require.NoError(t, err)
-		return shown.State == bus.PoisonStateQuarantined
+		return shown.State == ops.PoisonStateQuarantined
 	})
-	q, err := ops.ListQuarantined(ctx, bus.QuarantineFilter{}, 0)
+	q, err := oc.Quarantine().List(ctx, ops.Filter{}, 0)
 	require.NoError(t, err)
 	require.Len(t, q.Rows, 1)
-	require.Equal(t, &bus.ReplayQuarantine{ID: q.Rows[0].ID, Reason: q.Rows[0].Reason, QuarantinedAt: q.Rows[0].QuarantinedAt}, shown.ReplayQuarantine)
+	require.Equal(t, &ops.ReplayQuarantine{ID: q.Rows[0].ID, Reason: q.Rows[0].Reason, QuarantinedAt: q.Rows[0].QuarantinedAt}, shown.ReplayQuarantine)
 	require.Contains(t, shown.ReplayQuarantine.Reason, "max_message_bytes")
 	stop()
 
 	broken.Store(false)
 	w.run(t, w.cfg, handlers)
-	res, err := w.ops.ReplayQuarantined(ctx, bus.QuarantineSelection{IDs: []int64{q.Rows[0].ID}}, bus.ReplayOptions{})
+	res, err := w.ops.Quarantine().Replay(ctx, ops.Selection{IDs: []int64{q.Rows[0].ID}}, ops.ReplayOptions{})
 	require.NoError(t, err)
 	require.Len(t, res.Replayed, 1)
 	testkit.Eventually(t, time.Minute, "the DLQ shows the event processed", func() bool {
-		shown, err = w.ops.Poisoned(ctx, poisoned.ID)
+		shown, err = w.ops.DLQ().Get(ctx, poisoned.ID)
 		require.NoError(t, err)
-		return shown.State == bus.PoisonStateProcessed
+		return shown.State == ops.PoisonStateProcessed
 	})
 	require.Equal(t, 1, w.effects(t, "billing", id))
 	require.Nil(t, shown.ReplayQuarantine)
@@ -364,14 +365,14 @@ func TestQuarantineReplayOfAnOlderDLQReplay(t *testing.T) {
 		old.Metadata.Set(k, v)
 	}
 	w.poisonedAndReplayedAs(t, "billing", id, "original-message", old.UUID)
-	writeOutboxWithWatermill(t, w.db, w.cfg, w.topic, old)
+	brokertest.WriteOutboxWithWatermill(t, w.db, w.cfg, w.topic, old)
 	testkit.Eventually(t, time.Minute, "the old replay quarantined", func() bool {
 		st, err := w.ops.OutboxStatus(ctx, "")
 		require.NoError(t, err)
 		return st.Quarantined == 1
 	})
 
-	res, err := w.ops.ReplayQuarantined(ctx, bus.QuarantineSelection{All: true}, bus.ReplayOptions{})
+	res, err := w.ops.Quarantine().Replay(ctx, ops.Selection{All: true}, ops.ReplayOptions{})
 	require.NoError(t, err)
 	require.Len(t, res.Replayed, 1)
 	require.Empty(t, res.Skipped)
@@ -383,7 +384,7 @@ func TestQuarantineReplayOfAnOlderDLQReplay(t *testing.T) {
 	defer mu.Unlock()
 	require.Equal(t, map[string]string{"tenant": "acme", middleware.ReplayOfKey: "original-message", middleware.ReplayGroupsKey: "billing"}, seen)
 	replayed := false
-	l, err := w.ops.ListQuarantined(ctx, bus.QuarantineFilter{Replayed: &replayed}, 0)
+	l, err := w.ops.Quarantine().List(ctx, ops.Filter{Replayed: &replayed}, 0)
 	require.NoError(t, err)
 	require.Empty(t, l.Rows, "the quarantined row is marked replayed")
 }
@@ -399,10 +400,10 @@ func (w *replayWorld) poisonedAndReplayedAs(t *testing.T, group, eventID, messag
 	require.NoError(t, tables.StorePoisoned(ctx, w.db, store.Poisoned{ConsumerGroup: group, Handler: group, SourceTopic: w.topic,
 		MessageID: messageID, EventID: eventID, EventType: "OrderPlaced", Payload: []byte(`{"total":1}`), Metadata: map[string]string{},
 		Reason: "boom", ErrorClass: middleware.ClassTransient, Attempts: 3, FirstFailureAt: now, LastFailureAt: now, PoisonedAt: now}))
-	l, err := w.ops.ListPoisoned(ctx, bus.PoisonFilter{Group: group}, 0)
+	l, err := w.ops.DLQ().List(ctx, ops.Filter{Group: group}, 0)
 	require.NoError(t, err)
-	require.Len(t, l.Messages, 1)
-	require.NoError(t, tables.MarkPoisonReplayed(ctx, w.db, []int64{l.Messages[0].ID}, []string{replayID}, "an earlier version"))
+	require.Len(t, l.Rows, 1)
+	require.NoError(t, tables.MarkPoisonReplayed(ctx, w.db, []int64{l.Rows[0].ID}, []string{replayID}, "an earlier version"))
 }
 
 // A replay reaches only the consumer group it was poisoned in, on every
@@ -459,12 +460,12 @@ func testReplayReachesOnlyItsGroup(t *testing.T, kind string) {
 	require.NoError(t, err)
 
 	broken.Store(false)
-	sel := bus.PoisonSelection{IDs: []int64{poisoned.ID}}
-	dry, err := w.ops.ReplayPoisoned(ctx, sel, bus.ReplayOptions{DryRun: true})
+	sel := ops.Selection{IDs: []int64{poisoned.ID}}
+	dry, err := w.ops.DLQ().Replay(ctx, sel, ops.ReplayOptions{DryRun: true})
 	require.NoError(t, err)
 	require.Len(t, dry.Replayed, 1)
 	require.Equal(t, []string{"billing"}, dry.Replayed[0].TargetGroups)
-	_, err = w.ops.ReplayPoisoned(ctx, sel, bus.ReplayOptions{})
+	_, err = w.ops.DLQ().Replay(ctx, sel, ops.ReplayOptions{})
 	require.NoError(t, err)
 	first := map[string]int{"audit": 1, "analytics": map[bool]int{true: 1, false: 0}[fromTheStart]}
 	settled := func(group string) bool { // acked, or processed again
@@ -481,9 +482,9 @@ func testReplayReachesOnlyItsGroup(t *testing.T, kind string) {
 	require.NoError(t, w.db.QueryRow(`SELECT count(*) FROM `+inbox+` WHERE consumer_group IN ('audit', 'analytics') AND event_id = $1`, id).Scan(&rows))
 	require.Zero(t, rows, "no inbox row written for the replay in other groups")
 	testkit.Eventually(t, time.Minute, "the poison row shows the event processed", func() bool {
-		d, err := w.ops.Poisoned(ctx, poisoned.ID)
+		d, err := w.ops.DLQ().Get(ctx, poisoned.ID)
 		require.NoError(t, err)
-		return d.State == bus.PoisonStateProcessed
+		return d.State == ops.PoisonStateProcessed
 	})
 }
 

@@ -463,7 +463,7 @@ func (b *Bus) runSagaStep(ctx context.Context, saga, id string, start bool,
 	var q store.RowQuerier
 	switch tx := inbox.(type) {
 	case *sql.Tx:
-		q = sqlRowQuerier{tx}
+		q = sqlRowQuerier{DB: tx}
 	case *pgxInboxTx:
 		q = pgxRowQuerier{tx.tx}
 	default:
@@ -521,15 +521,7 @@ func (b *Bus) recordSagaError(ctx context.Context, saga, id, step string, err er
 }
 
 // sqlRowQuerier is a *sql.Tx or *sql.DB as a store.RowQuerier.
-type sqlRowQuerier struct {
-	db interface {
-		QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
-	}
-}
-
-func (q sqlRowQuerier) QueryRow(ctx context.Context, query string, args ...any) store.Row {
-	return q.db.QueryRowContext(ctx, query, args...)
-}
+type sqlRowQuerier = store.SQLRowQuerier
 
 type pgxRowQuerier struct{ tx pgx.Tx }
 

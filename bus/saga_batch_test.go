@@ -17,6 +17,7 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // Saga steps under group commit (consumer.batch.max_messages 8), on two
@@ -89,7 +90,7 @@ func TestSagaStepsInInboxBatches(t *testing.T) {
 	}
 	publish(t, w, func(tx *sql.Tx) error { return opened.Publish(ctx, w.tb.bus, tx, opens...) })
 	testkit.Eventually(t, time.Minute, "every counter opened", func() bool {
-		list, err := w.ops.ListSagas(ctx, bus.SagaFilter{Saga: "counter"}, 0)
+		list, err := w.ops.ListSagas(ctx, ops.SagaFilter{Saga: "counter"}, 0)
 		require.NoError(t, err)
 		return len(list.Instances) == counters
 	})
@@ -104,7 +105,7 @@ func TestSagaStepsInInboxBatches(t *testing.T) {
 	}
 	publish(t, w, func(tx *sql.Tx) error { return added.Publish(ctx, w.tb.bus, tx, all...) })
 	testkit.Eventually(t, 2*time.Minute, "every counter closed", func() bool {
-		list, err := w.ops.ListSagas(ctx, bus.SagaFilter{Saga: "counter", Completed: true}, 0)
+		list, err := w.ops.ListSagas(ctx, ops.SagaFilter{Saga: "counter", Completed: true}, 0)
 		require.NoError(t, err)
 		closed := 0
 		for _, inst := range list.Instances {

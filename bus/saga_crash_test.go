@@ -20,6 +20,7 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/internal/testing/testkit/child"
+	"github.com/millrace-io/millrace/ops"
 )
 
 const (
@@ -121,7 +122,7 @@ func TestSagaStepNotAppliedTwiceAfterConsumerKill(t *testing.T) {
 	b, err := bus.Open(ctx, cfg, db)
 	require.NoError(t, err)
 	defer b.Close()
-	ops, err := bus.NewOps(ctx, db, cfg)
+	oc, err := ops.New(ctx, db, cfg)
 	require.NoError(t, err)
 	suffix := "-" + testdb.UniqueName("")[3:]
 	tp := newSagaTopics(suffix)
@@ -142,8 +143,8 @@ func TestSagaStepNotAppliedTwiceAfterConsumerKill(t *testing.T) {
 		}
 		return out
 	}
-	instance := func() (bus.SagaInstance, bool) {
-		inst, err := ops.Saga(ctx, "order_fulfilment", "o-1")
+	instance := func() (ops.SagaInstance, bool) {
+		inst, err := oc.Saga(ctx, "order_fulfilment", "o-1")
 		return inst, err == nil
 	}
 

@@ -17,6 +17,7 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/ops"
 )
 
 type (
@@ -93,10 +94,10 @@ func runCancelRace(t *testing.T, kind string, ordered *bool) (overtaken, cancell
 		require.NoError(t, tx.Commit())
 	}
 	w := chainWorld{reg: reg}
-	ops, err := bus.NewOps(ctx, tb.db, tb.cfg)
+	oc, err := ops.New(ctx, tb.db, tb.cfg)
 	require.NoError(t, err)
 	states := func() map[string]int {
-		list, err := ops.ListSagas(ctx, bus.SagaFilter{Saga: name, Completed: true}, 0)
+		list, err := oc.ListSagas(ctx, ops.SagaFilter{Saga: name, Completed: true}, 0)
 		require.NoError(t, err)
 		out := map[string]int{}
 		for _, inst := range list.Instances {

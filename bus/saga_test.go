@@ -19,6 +19,7 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // The order saga of the tests: order placed -> charge payment (with a
@@ -192,12 +193,12 @@ func TestSagaHappyPath(t *testing.T) {
 	require.Equal(t, []string{"payment"}, keys(sw.instance(t, "order_fulfilment", "o-1").Timeouts))
 	sw.deliver(t, "payments.events", "e2", mustEvent(t, sagaPayments, sagaCharged{OrderID: "o-1"}))
 	require.Zero(t, w.tb.scheduledCount(t), "the payment timeout is cancelled when the payment answers")
-	running, err := w.ops.ListSagas(context.Background(), bus.SagaFilter{Saga: "order_fulfilment"}, 10)
+	running, err := w.ops.ListSagas(context.Background(), ops.SagaFilter{Saga: "order_fulfilment"}, 10)
 	require.NoError(t, err)
 	require.Len(t, running.Instances, 1)
 	require.Equal(t, "PaymentCharged", running.Instances[0].Step)
 	sw.deliver(t, "inventory.events", "e3", mustEvent(t, sagaReserved, sagaStockReserved{OrderID: "o-1"}))
-	running, err = w.ops.ListSagas(context.Background(), bus.SagaFilter{}, 10)
+	running, err = w.ops.ListSagas(context.Background(), ops.SagaFilter{}, 10)
 	require.NoError(t, err)
 	require.Empty(t, running.Instances, "a completed saga is listed only with Completed")
 	shown, err := w.ops.Saga(context.Background(), "order_fulfilment", "o-1")
@@ -205,7 +206,7 @@ func TestSagaHappyPath(t *testing.T) {
 	require.NotNil(t, shown.CompletedAt)
 	require.Equal(t, "StockReserved", shown.Step)
 	_, err = w.ops.Saga(context.Background(), "order_fulfilment", "nobody")
-	require.ErrorIs(t, err, bus.ErrNotFound)
+	require.ErrorIs(t, err, ops.ErrNotFound)
 
 	require.Equal(t, map[string]int{"ChargePayment": 1, "ReserveStock": 1, "NotifyCustomer": 1}, sw.commands(t))
 	row := sw.instance(t, "order_fulfilment", "o-1")
@@ -479,7 +480,7 @@ func TestSagaEndToEnd(t *testing.T) {
 	require.NoError(t, tx.Commit())
 
 	testkit.Eventually(t, 2*time.Minute, "both sagas completed", func() bool {
-		list, err := w.ops.ListSagas(ctx, bus.SagaFilter{Completed: true}, 0)
+		list, err := w.ops.ListSagas(ctx, ops.SagaFilter{Completed: true}, 0)
 		require.NoError(t, err)
 		completed := 0
 		for _, inst := range list.Instances {

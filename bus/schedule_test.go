@@ -10,6 +10,7 @@ import (
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/store"
+	"github.com/millrace-io/millrace/ops"
 )
 
 func (tb testBundle) tables() store.Tables {
@@ -184,23 +185,23 @@ func TestCancelScheduled(t *testing.T) {
 	require.NoError(t, pb.pgx.CancelScheduled(ctx, bus.Pgx(ptx), viaPgx[0]))
 	require.NoError(t, ptx.Commit(ctx))
 
-	ops, err := bus.NewOps(ctx, tb.db, tb.cfg)
+	oc, err := ops.New(ctx, tb.db, tb.cfg)
 	require.NoError(t, err)
-	list, err := ops.ListScheduled(ctx, 0)
+	list, err := oc.ListScheduled(ctx, 0)
 	require.NoError(t, err)
 	require.Equal(t, int64(1), list.Total)
 	require.Len(t, list.Events, 1)
 	require.Equal(t, later[1], list.Events[0].ID)
 	require.Equal(t, "OrderPlaced", list.Events[0].Type)
 	require.Equal(t, "o-2", list.Events[0].AggregateID)
-	byID, err := ops.ScheduledEvents(ctx, later[0], later[1], due[0], "no-such-id")
+	byID, err := oc.ScheduledEvents(ctx, later[0], later[1], due[0], "no-such-id")
 	require.NoError(t, err)
 	require.Equal(t, list.Events, byID, "only the ids still scheduled: not the cancelled, the due nor the unknown")
-	none, err := ops.ScheduledEvents(ctx)
+	none, err := oc.ScheduledEvents(ctx)
 	require.NoError(t, err)
 	require.Empty(t, none)
-	require.NoError(t, ops.CancelScheduled(ctx, later[1]))
-	err = ops.CancelScheduled(ctx, later[1])
+	require.NoError(t, oc.CancelScheduled(ctx, later[1]))
+	err = oc.CancelScheduled(ctx, later[1])
 	require.True(t, errors.Is(err, bus.ErrNotScheduled), "%v", err)
 	require.Zero(t, tb.scheduledCount(t))
 }

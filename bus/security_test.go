@@ -22,6 +22,7 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/testcerts"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testlog"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // withQuery returns raw with the query parameters set.
@@ -269,10 +270,10 @@ func TestSecretsNeverPrinted(t *testing.T) {
 			require.NoError(t, db.QueryRow(`SELECT count(*) FROM "`+cfg.Database.Schema+`".millrace_poison`).Scan(&n))
 			return n == 1
 		}, 60*time.Second, 20*time.Millisecond)
-		ops, err := bus.NewOps(ctx, db, b.Config())
+		oc, err := ops.New(ctx, db, b.Config())
 		require.NoError(t, err)
 		require.Eventually(t, func() bool { // the relay records its position at most every 100ms
-			st, err := ops.OutboxStatus(ctx, "")
+			st, err := oc.OutboxStatus(ctx, "")
 			require.NoError(t, err)
 			return st.Pending == 0
 		}, 60*time.Second, 20*time.Millisecond)

@@ -17,6 +17,7 @@ import (
 	"github.com/millrace-io/millrace/bus/internal/testpb"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // Typed events through the relay and a real broker of each kind: published
@@ -147,13 +148,13 @@ func testTypedEvents(t *testing.T, kind string) {
 	require.NoError(t, pb.Publish(ctx, pgxBus, bus.Pgx(ptx), &testpb.OrderPlaced{OrderId: "p-rolled-back"}))
 	require.NoError(t, ptx.Rollback(ctx))
 
-	ops, err := bus.NewOps(ctx, db, cfg)
+	oc, err := ops.New(ctx, db, cfg)
 	require.NoError(t, err)
 	poisoned := func() map[string]string {
-		list, err := ops.ListPoisoned(ctx, bus.PoisonFilter{Handler: billing}, 0)
+		list, err := oc.DLQ().List(ctx, ops.Filter{Handler: billing}, 0)
 		require.NoError(t, err)
 		out := map[string]string{}
-		for _, m := range list.Messages {
+		for _, m := range list.Rows {
 			out[m.AggregateID] = m.Reason
 		}
 		return out

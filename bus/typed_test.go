@@ -18,6 +18,7 @@ import (
 	"github.com/millrace-io/millrace/bus/internal/testpb"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // Every declaration mistake is an error of NewTopic naming the type and
@@ -223,7 +224,7 @@ func TestHandleTypesRefusesBadRoutes(t *testing.T) {
 type chainWorld struct {
 	tb  testBundle
 	reg *prometheus.Registry
-	ops *bus.Ops
+	ops *ops.Client
 }
 
 func newChainWorld(t *testing.T, change ...func(*bus.Config)) chainWorld {
@@ -233,9 +234,9 @@ func newChainWorld(t *testing.T, change ...func(*bus.Config)) chainWorld {
 	require.NoError(t, err)
 	t.Cleanup(func() { b.Close() })
 	tb.bus = b
-	ops, err := bus.NewOps(context.Background(), tb.db, tb.cfg)
+	oc, err := ops.New(context.Background(), tb.db, tb.cfg)
 	require.NoError(t, err)
-	return chainWorld{tb: tb, reg: reg, ops: ops}
+	return chainWorld{tb: tb, reg: reg, ops: oc}
 }
 
 // chain returns the chain of the typed handler name over routes.
@@ -249,10 +250,10 @@ func (w chainWorld) chain(t *testing.T, name string, routes []bus.Route, opts ..
 // poisonReasons are the reasons of handler's poisoned messages by event id.
 func (w chainWorld) poisonReasons(t *testing.T, handler string) map[string]string {
 	t.Helper()
-	list, err := w.ops.ListPoisoned(context.Background(), bus.PoisonFilter{Handler: handler}, 0)
+	list, err := w.ops.DLQ().List(context.Background(), ops.Filter{Handler: handler}, 0)
 	require.NoError(t, err)
 	out := map[string]string{}
-	for _, m := range list.Messages {
+	for _, m := range list.Rows {
 		out[m.EventID] = m.Reason
 	}
 	return out

@@ -15,6 +15,7 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/servers"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // gauges reads the relay's backlog gauges and forwarded counter from reg.
@@ -48,10 +49,10 @@ func TestBacklogGaugesRiseWhileTheBrokerIsDown(t *testing.T) {
 	broker, err := nats.Open(ctx, nats.Config{URL: srv.URL}, adapters.Options{})
 	require.NoError(t, err)
 	t.Cleanup(func() { broker.Close() })
-	ops, err := bus.NewOps(ctx, tb.db, tb.cfg)
+	oc, err := ops.New(ctx, tb.db, tb.cfg)
 	require.NoError(t, err)
-	status := func() bus.OutboxStatus {
-		st, err := ops.OutboxStatus(ctx, "")
+	status := func() ops.OutboxStatus {
+		st, err := oc.OutboxStatus(ctx, "")
 		require.NoError(t, err)
 		return st
 	}

@@ -21,6 +21,7 @@ import (
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // memoryBroker records what it is asked to publish; fail decides per message
@@ -535,9 +536,9 @@ func TestOutboxStatusReportsTheOutboxState(t *testing.T) {
 	t.Parallel()
 	tb := setup(t)
 	publish(t, tb, "things", interleaved(2, 5), 5)
-	ops, err := bus.NewOps(context.Background(), tb.db, tb.cfg)
+	oc, err := ops.New(context.Background(), tb.db, tb.cfg)
 	require.NoError(t, err)
-	st, err := ops.OutboxStatus(context.Background(), "")
+	st, err := oc.OutboxStatus(context.Background(), "")
 	require.NoError(t, err)
 	require.EqualValues(t, 10, st.Pending)
 	require.Positive(t, st.OldestPendingAge)
@@ -547,7 +548,7 @@ func TestOutboxStatusReportsTheOutboxState(t *testing.T) {
 	broker := newMemoryBroker()
 	f, _ := start(t, tb, broker, testConfig(), nil)
 	testkit.Eventually(t, waitLimit, "nothing pending", func() bool { return pending(t, f) == 0 })
-	st, err = ops.OutboxStatus(context.Background(), "")
+	st, err = oc.OutboxStatus(context.Background(), "")
 	require.NoError(t, err)
 	require.Zero(t, st.Pending)
 	require.Zero(t, st.OldestPendingAge)

@@ -17,6 +17,7 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // arrivals records when each event id first reached a consumer group.
@@ -280,9 +281,9 @@ func TestScheduledEventsSurviveRelayKills(t *testing.T) {
 	startRelayProcess(t, e.cfg, "") // a clean relay, killed when the test ends
 	testkit.Eventually(t, waitLimit, "every scheduled event published", func() bool { return e.got.distinct() >= events })
 
-	ops, err := bus.NewOps(ctx, e.db, e.cfg)
+	oc, err := ops.New(ctx, e.db, e.cfg)
 	require.NoError(t, err)
-	left, err := ops.ListScheduled(ctx, 10)
+	left, err := oc.ListScheduled(ctx, 10)
 	require.NoError(t, err)
 	require.Zero(t, left.Total, "events left scheduled: %v", left.Events)
 	e.got.mu.Lock()

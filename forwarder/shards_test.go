@@ -11,11 +11,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters"
-	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
+	"github.com/millrace-io/millrace/ops"
 )
 
 func shardedConfig(n int) forwarder.Config {
@@ -85,9 +85,9 @@ func TestShardedRelaysSpreadTheShardsAndTakeOverAStoppedOne(t *testing.T) {
 
 	// The ops API (`millrace outbox status`) shows the shards, their owners
 	// (the two running relays) and their backlog.
-	ops, err := bus.NewOps(context.Background(), tb.db, tb.cfg)
+	oc, err := ops.New(context.Background(), tb.db, tb.cfg)
 	require.NoError(t, err)
-	st, err := ops.OutboxStatus(context.Background(), "")
+	st, err := oc.OutboxStatus(context.Background(), "")
 	require.NoError(t, err)
 	require.Equal(t, 8, st.Shards)
 	require.Zero(t, st.Pending)
@@ -129,9 +129,9 @@ func TestOutboxStatusShowsEachShardsBacklog(t *testing.T) {
 	tables := store.Tables{Schema: tb.outbox.Schema, OutboxTopic: tb.outbox.Topic}
 	require.NoError(t, tables.RecordShards(context.Background(), tb.db, tb.cfg.Relay.ConsumerGroup, 8))
 	publish(t, tb, "things", interleaved(50, 2), 10)
-	ops, err := bus.NewOps(context.Background(), tb.db, tb.cfg)
+	oc, err := ops.New(context.Background(), tb.db, tb.cfg)
 	require.NoError(t, err)
-	st, err := ops.OutboxStatus(context.Background(), "")
+	st, err := oc.OutboxStatus(context.Background(), "")
 	require.NoError(t, err)
 	require.Equal(t, 8, st.Shards)
 	require.EqualValues(t, 100, st.Pending)

@@ -17,50 +17,44 @@ import (
 	"time"
 	"unicode/utf8"
 
-	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/ops"
 )
 
-func init() {
-	commands = append(commands,
-		command{path: "dlq list", summary: "list poisoned messages, newest first, with their failure reason and state", bind: bindList},
-		command{path: "dlq groups", summary: "poisoned messages grouped by failure fingerprint (error class and reason, ids and numbers set aside), largest first", bind: bindGroups},
-		command{path: "dlq show", args: "ID", summary: "one poisoned message: failure envelope, metadata, payload, replay history", bind: bindShow},
-		command{path: "dlq replay", args: "[ID...]", summary: "send poisoned messages back to their topic through the outbox (same event id: the inbox keeps the effect single)", bind: bindReplay},
-		command{path: "dlq purge", args: "[ID...]", summary: "delete poisoned messages and their replay history", bind: bindPurge},
-	)
+// dlq is the dead-letter queue's table of commands.
+var dlq = table[ops.PoisonedMessage, ops.PoisonedDetail, ops.ReplayedEntry, ops.SkippedEntry]{
+	name: "dlq",
+	of:   (*ops.Client).DLQ,
+	flags: tableFlags{rows: "messages", idNoun: "poison message", listCommand: "millrace dlq list", idKind: "message",
+		topic: "only messages of this source `topic`", reason: "only messages whose failure reason contains `text` (case-insensitive)",
+		at: "poisoned", replayed: " since they were last poisoned", dlq: true,
+		all: "select every message of the poison table (instead of IDs or filters)"},
+	none:        "no poisoned messages match",
+	unit:        "message(s)",
+	writeTable:  writeTable,
+	show:        dlqShow,
+	writeReplay: writeReplay,
+	forceUsage:  "also replay messages whose event the consumer group's inbox already records (the group acks them as duplicates), and those the broker would refuse (the relay quarantines them)",
+	purgeQuestion: func(n int) string {
+		return fmt.Sprintf("purge all %d poisoned message(s) and their replay history for good?", n)
+	},
+	summaries: map[string]string{
+		"list":   "list poisoned messages, newest first, with their failure reason and state",
+		"show":   "one poisoned message: failure envelope, metadata, payload, replay history",
+		"replay": "send poisoned messages back to their topic through the outbox (same event id: the inbox keeps the effect single)",
+		"purge":  "delete poisoned messages and their replay history",
+	},
 }
 
-func bindList(fs *flag.FlagSet) runFunc {
-	var f filter
-	f.register(fs, 100, "show at most `N` messages (0: no limit)")
-	return func(ctx context.Context, e env, args []string) error {
-		if err := noArgs(args); err != nil {
-			return err
-		}
-		if err := f.check(); err != nil {
-			return err
-		}
-		return withOps(ctx, e, func(ops *bus.Ops) error {
-			res, err := ops.ListPoisoned(ctx, f.poisonFilter(), f.limit)
-			if err != nil {
-				return err
-			}
-			return e.print(res, func(w io.Writer) {
-				if len(res.Messages) == 0 {
-					fmt.Fprintln(w, "no poisoned messages match")
-					return
-				}
-				writeTable(w, res.Messages)
-				if res.Truncated {
-					fmt.Fprintf(w, "(more messages match; showing %d, raise --limit to see more)\n", f.limit)
-				}
-			})
-		})
-	}
+func init() {
+	// dlq groups comes second, after dlq list, in usages.
+	table := dlq.commands()
+	commands = append(commands, table[0],
+		command{path: "dlq groups", summary: "poisoned messages grouped by failure fingerprint (error class and reason, ids and numbers set aside), largest first", bind: bindGroups})
+	commands = append(commands, table[1:]...)
 }
 
 func bindGroups(fs *flag.FlagSet) runFunc {
-	var f filter
+	f := filter{tableFlags: dlq.flags}
 	f.register(fs, 0, "")
 	return func(ctx context.Context, e env, args []string) error {
 		if err := noArgs(args); err != nil {
@@ -69,8 +63,8 @@ func bindGroups(fs *flag.FlagSet) runFunc {
 		if err := f.check(); err != nil {
 			return err
 		}
-		return withOps(ctx, e, func(ops *bus.Ops) error {
-			groups, err := ops.PoisonGroups(ctx, f.poisonFilter())
+		return withOps(ctx, e, func(oc *ops.Client) error {
+			groups, err := oc.PoisonGroups(ctx, f.filter())
 			if err != nil {
 				return err
 			}
@@ -93,7 +87,7 @@ func bindGroups(fs *flag.FlagSet) runFunc {
 }
 
 // writeTable writes rows as the text table of dlq list and dlq purge.
-func writeTable(w io.Writer, rows []bus.PoisonedMessage) {
+func writeTable(w io.Writer, rows []ops.PoisonedMessage) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "ID\tPOISONED AT\tGROUP\tHANDLER\tTOPIC\tEVENT TYPE\tAGGREGATE\tCLASS\tTIMES\tSTATE\tREASON")
 	for _, r := range rows {
@@ -121,11 +115,11 @@ func cell(s string, n int) string {
 
 // showResult is the --json output of dlq show: the list fields plus these.
 type showResult struct {
-	bus.PoisonedMessage
+	ops.PoisonedMessage
 	Traceparent string             `json:"traceparent"`
 	Metadata    map[string]string  `json:"metadata"`
 	Payload     payloadView        `json:"payload"`
-	Replays     []bus.PoisonReplay `json:"replays"`
+	Replays     []ops.PoisonReplay `json:"replays"`
 }
 
 // payloadView is a payload as JSON (encoding "json", value the JSON itself) or
@@ -136,23 +130,11 @@ type payloadView struct {
 	Value    any    `json:"value"`
 }
 
-func bindShow(fs *flag.FlagSet) runFunc {
-	asHex := fs.Bool("hex", false, "show a payload that is not JSON in hex instead of base64")
-	return func(ctx context.Context, e env, args []string) error {
-		id, err := rowID(args, "poison message", "millrace dlq list")
-		if err != nil {
-			return err
-		}
-		return withOps(ctx, e, func(ops *bus.Ops) error {
-			d, err := ops.Poisoned(ctx, id)
-			if err != nil {
-				return err
-			}
-			res := showResult{PoisonedMessage: d.PoisonedMessage, Traceparent: d.Traceparent, Metadata: d.Metadata,
-				Replays: d.Replays, Payload: viewPayload(d.Payload, *asHex)}
-			return e.print(res, func(w io.Writer) { writeShow(w, res) })
-		})
-	}
+// dlqShow is the --json value and the text of dlq show.
+func dlqShow(d ops.PoisonedDetail, asHex bool) (any, func(w io.Writer)) {
+	res := showResult{PoisonedMessage: d.PoisonedMessage, Traceparent: d.Traceparent, Metadata: d.Metadata,
+		Replays: d.Replays, Payload: viewPayload(d.Payload, asHex)}
+	return res, func(w io.Writer) { writeShow(w, res) }
 }
 
 func viewPayload(p []byte, asHex bool) payloadView {
@@ -243,35 +225,7 @@ func writeIndented(w io.Writer, s string) {
 	}
 }
 
-func bindReplay(fs *flag.FlagSet) runFunc {
-	var sel selection
-	sel.register(fs)
-	dryRun := fs.Bool("dry-run", false, "show what would be replayed; change nothing")
-	force := fs.Bool("force", false, "also replay messages whose event the consumer group's inbox already records (the group acks them as duplicates), and those the broker would refuse (the relay quarantines them)")
-	return func(ctx context.Context, e env, args []string) error {
-		if err := sel.resolve(args, "replay"); err != nil {
-			return err
-		}
-		return withOps(ctx, e, func(ops *bus.Ops) error {
-			res, err := ops.ReplayPoisoned(ctx, sel.poisonSelection(), bus.ReplayOptions{DryRun: *dryRun, Force: *force, By: operator()})
-			if err != nil {
-				return err
-			}
-			if !e.asJSON {
-				for _, w := range res.Warnings {
-					fmt.Fprintln(e.errOut, "warning:", w)
-				}
-			}
-			out, err := dryRunJSON(res, res.DryRun, map[string]string{"replayed": "would_replay", "skipped": "would_skip", "messages": "would_write"})
-			if err != nil {
-				return err
-			}
-			return e.print(out, func(w io.Writer) { writeReplay(w, res) })
-		})
-	}
-}
-
-func writeReplay(w io.Writer, res bus.ReplayResult) {
+func writeReplay(w io.Writer, res ops.ReplayResult[ops.ReplayedEntry, ops.SkippedEntry]) {
 	verb := "replayed"
 	if res.DryRun {
 		verb = "would replay"
@@ -285,60 +239,16 @@ func writeReplay(w io.Writer, res bus.ReplayResult) {
 	}
 	for _, s := range res.Skipped {
 		fmt.Fprintf(w, "skipped %d (group %s, handler %s, topic %s, event %s): ", s.ID, s.ConsumerGroup, s.Handler, s.Topic, s.EventID)
-		if s.Reason == bus.SkipAlreadyProcessed {
+		if s.Reason == ops.SkipAlreadyProcessed {
 			fmt.Fprintf(w, "already processed, the group's inbox recorded the event at %s (--force replays it anyway)\n", timeText(s.ProcessedAt, "-"))
 		} else {
 			fmt.Fprintf(w, "%s (--force replays it anyway, and the relay quarantines it)\n", s.Detail)
 		}
 	}
 	switch {
-	case len(res.Replayed) == 0 && len(res.Skipped) == 0:
-		fmt.Fprintln(w, "no poisoned messages match")
 	case res.DryRun:
 		fmt.Fprintf(w, "dry run: %d message(s) would be written to the outbox, each processed only by the group(s) it is for; nothing changed\n", res.Messages)
 	default:
 		fmt.Fprintf(w, "%d message(s) written to the outbox; the relay delivers each to every consumer group of its topic, and only the group(s) it is for process it\n", res.Messages)
-	}
-}
-
-func bindPurge(fs *flag.FlagSet) runFunc {
-	var sel selection
-	sel.register(fs)
-	dryRun := fs.Bool("dry-run", false, "show what would be deleted; change nothing")
-	yes := fs.Bool("yes", false, "purge --all without asking for confirmation")
-	return func(ctx context.Context, e env, args []string) error {
-		if err := sel.resolve(args, "purge"); err != nil {
-			return err
-		}
-		return withOps(ctx, e, func(ops *bus.Ops) error {
-			selected := sel.poisonSelection()
-			question := func(n int) string {
-				return fmt.Sprintf("purge all %d poisoned message(s) and their replay history for good?", n)
-			}
-			res, err := confirmedPurge(e, sel.all, *dryRun, *yes, question, func(expect string, dryRun bool) (bus.PurgeResult, int, string, error) {
-				selected.Expect = expect
-				res, err := ops.PurgePoisoned(ctx, selected, dryRun)
-				return res, len(res.Purged), res.Selection, err
-			})
-			if err != nil {
-				return err
-			}
-			out, err := dryRunJSON(res, res.DryRun, map[string]string{"purged": "would_purge"})
-			if err != nil {
-				return err
-			}
-			return e.print(out, func(w io.Writer) {
-				if len(res.Purged) == 0 {
-					fmt.Fprintln(w, "no poisoned messages match")
-					return
-				}
-				writeTable(w, res.Purged)
-				if res.DryRun {
-					fmt.Fprintf(w, "dry run: %d message(s) would be purged; nothing changed\n", len(res.Purged))
-				} else {
-					fmt.Fprintf(w, "purged %d message(s)\n", len(res.Purged))
-				}
-			})
-		})
 	}
 }

@@ -15,11 +15,11 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
-	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // cli runs the tool with the config at path and returns its exit code, stdout and stderr.
@@ -87,7 +87,7 @@ VALUES ($1, $2, $3, $4, $4, $5, $6, $7, $8, $9, 3, now() - make_interval(secs =>
 	return id
 }
 
-func idsOf(rows []bus.PoisonedMessage) []int64 {
+func idsOf(rows []ops.PoisonedMessage) []int64 {
 	ids := make([]int64, len(rows))
 	for i, r := range rows {
 		ids[i] = r.ID
@@ -105,22 +105,22 @@ func TestDLQListFiltersAndStates(t *testing.T) {
 	timeout := insertPoison(t, db, schema, fixture{group: "billing", handler: "billing", topic: "invoices", eventID: "e-3",
 		eventType: "InvoiceIssued", reason: "context deadline exceeded", class: "transient", poisonedAgo: 10 * time.Minute, processed: true})
 
-	list := func(args ...string) bus.PoisonList {
-		var res bus.PoisonList
+	list := func(args ...string) poisonList {
+		var res poisonList
 		cliJSON(t, path, &res, append([]string{"dlq", "list"}, args...)...)
 		return res
 	}
 	all := list()
 	require.Equal(t, []int64{timeout, decode, gateway}, idsOf(all.Messages), "newest first")
 	require.False(t, all.Truncated)
-	byID := map[int64]bus.PoisonedMessage{}
+	byID := map[int64]ops.PoisonedMessage{}
 	for _, r := range all.Messages {
 		byID[r.ID] = r
 	}
-	require.Equal(t, bus.PoisonStatePoisoned, byID[gateway].State)
-	require.Equal(t, bus.PoisonStateReplayed, byID[decode].State)
+	require.Equal(t, ops.PoisonStatePoisoned, byID[gateway].State)
+	require.Equal(t, ops.PoisonStateReplayed, byID[decode].State)
 	require.NotNil(t, byID[decode].ReplayedAt)
-	require.Equal(t, bus.PoisonStateProcessed, byID[timeout].State)
+	require.Equal(t, ops.PoisonStateProcessed, byID[timeout].State)
 	require.NotNil(t, byID[timeout].ProcessedAt)
 	g := byID[gateway]
 	require.Equal(t, "billing", g.ConsumerGroup)
@@ -243,7 +243,7 @@ func TestDLQPurge(t *testing.T) {
 	_, err := db.Exec(`INSERT INTO "`+schema+`".millrace_poison_replays (poison_id, message_id, replayed_by, times_poisoned) VALUES ($1, 'm', 'op', 1)`, ids[0])
 	require.NoError(t, err)
 	remaining := func() []int64 {
-		var res bus.PoisonList
+		var res poisonList
 		cliJSON(t, path, &res, "dlq", "list", "--limit", "0")
 		got := idsOf(res.Messages)
 		for i, j := 0, len(got)-1; i < j; i, j = i+1, j-1 {
@@ -255,20 +255,20 @@ func TestDLQPurge(t *testing.T) {
 	var dry struct {
 		DryRun     bool                  `json:"dry_run"`
 		Selection  string                `json:"selection"`
-		WouldPurge []bus.PoisonedMessage `json:"would_purge"`
+		WouldPurge []ops.PoisonedMessage `json:"would_purge"`
 	}
 	cliJSON(t, path, &dry, "dlq", "purge", "--dry-run", "--group", "shipping")
 	require.True(t, dry.DryRun)
 	require.Equal(t, []int64{ids[3], ids[4]}, idsOf(dry.WouldPurge), "a dry run says what it would purge")
 	require.Equal(t, ids, remaining(), "a dry run deletes nothing")
-	var res bus.PurgeResult
+	var res ops.PurgeResult[ops.PoisonedMessage]
 
 	code, _, errOut := cli(t, path, "dlq", "purge", strconv.FormatInt(ids[0], 10), "999999")
 	require.Equal(t, exitFailed, code)
 	require.Contains(t, errOut, "no poisoned message with id 999999")
 	require.Equal(t, ids, remaining(), "an unknown ID purges nothing")
 
-	res = bus.PurgeResult{}
+	res = ops.PurgeResult[ops.PoisonedMessage]{}
 	cliJSON(t, path, &res, "dlq", "purge", strconv.FormatInt(ids[0], 10))
 	require.False(t, res.DryRun)
 	require.Equal(t, []int64{ids[0]}, idsOf(res.Purged))
@@ -299,9 +299,9 @@ func TestDLQPurge(t *testing.T) {
 	require.Equal(t, exitOK, runIO(context.Background(), []string{"--config", path, "dlq", "purge", "--all"}, strings.NewReader("yes\n"), &stdout, &stderr), stderr.String())
 	require.Contains(t, stdout.String(), "purged 3 message(s)")
 	require.Empty(t, remaining())
-	res = bus.PurgeResult{}
+	res = ops.PurgeResult[ops.PoisonedMessage]{}
 	cliJSON(t, path, &res, "dlq", "purge", "--all", "--yes")
-	require.Equal(t, []bus.PoisonedMessage{}, res.Purged)
+	require.Equal(t, []ops.PoisonedMessage{}, res.Purged)
 }
 
 func TestInboxPurge(t *testing.T) {
@@ -337,11 +337,11 @@ func TestInboxPurge(t *testing.T) {
 	require.EqualValues(t, 7, dry.WouldDelete, "a dry run says what it would delete")
 	require.Equal(t, 10000, dry.Batch)
 	require.Equal(t, []string{"the prune window (24h0m0s) is shorter than consumer.inbox.retention (720h0m0s): a redelivery or replay of an event whose row is deleted is processed again"}, dry.Warnings)
-	var res bus.InboxPruneResult
+	var res ops.InboxPruneResult
 	require.Equal(t, 5, count("billing"))
 	require.Equal(t, 5, count("audit"))
 
-	res = bus.InboxPruneResult{}
+	res = ops.InboxPruneResult{}
 	cliJSON(t, path, &res, "inbox", "purge", "--older-than", "1d", "--group", "billing", "--batch", "2")
 	require.EqualValues(t, 3, res.Deleted, "two batches of at most 2")
 	require.Equal(t, "billing", res.Group)
@@ -356,7 +356,7 @@ func TestInboxPurge(t *testing.T) {
 	require.Equal(t, 2, count("billing"))
 	require.Equal(t, 1, count("audit"))
 
-	res = bus.InboxPruneResult{}
+	res = ops.InboxPruneResult{}
 	cliJSON(t, path, &res, "inbox", "purge", "--older-than", "800h")
 	require.Zero(t, res.Deleted)
 	require.Equal(t, []string{}, res.Warnings, "no warning at or beyond the retention")
@@ -441,8 +441,8 @@ func TestHelpOnEveryCommand(t *testing.T) {
 type dryReplay struct {
 	DryRun      bool                `json:"dry_run"`
 	Selection   string              `json:"selection"`
-	WouldReplay []bus.ReplayedEntry `json:"would_replay"`
-	WouldSkip   []bus.SkippedEntry  `json:"would_skip"`
+	WouldReplay []ops.ReplayedEntry `json:"would_replay"`
+	WouldSkip   []ops.SkippedEntry  `json:"would_skip"`
 	WouldWrite  int                 `json:"would_write"`
 	Warnings    []string            `json:"warnings"`
 }
@@ -540,7 +540,7 @@ func TestDLQReplayWritesTheOutbox(t *testing.T) {
 	require.Equal(t, "millrace dlq replay: no poisoned message with id 424242\n", errOut)
 	require.Empty(t, outbox(), "an unknown ID replays nothing")
 
-	var res bus.ReplayResult
+	var res ops.ReplayResult[ops.ReplayedEntry, ops.SkippedEntry]
 	cliJSON(t, path, &res, "dlq", "replay", "--topic", "orders")
 	require.Len(t, res.Replayed, 2)
 	require.Equal(t, 1, res.Messages)
@@ -568,11 +568,11 @@ func TestDLQReplayWritesTheOutbox(t *testing.T) {
 	require.Equal(t, []byte{1, 2, 3}, []byte(rows[1].msg.Payload))
 	require.Equal(t, message.Metadata{"event-id": "wm-uuid-1", middleware.ReplayOfKey: "wm-uuid-1", middleware.ReplayGroupsKey: "guarded"}, rows[1].msg.Metadata)
 
-	var list bus.PoisonList
+	var list poisonList
 	cliJSON(t, path, &list, "dlq", "list", "--replayed")
 	require.Len(t, list.Messages, 3)
 	for _, m := range list.Messages {
-		require.Equal(t, bus.PoisonStateReplayed, m.State)
+		require.Equal(t, ops.PoisonStateReplayed, m.State)
 		require.Equal(t, 1, m.ReplayCount)
 	}
 }
@@ -588,7 +588,7 @@ func TestDLQShowsAReplayTheRelayQuarantined(t *testing.T) {
 	id := insertPoison(t, db, schema, fixture{group: "billing", handler: "billing", topic: "orders", eventID: "e-1",
 		eventType: "OrderPlaced", reason: "boom", class: "permanent", metadata: map[string]string{"event-id": "e-1"}})
 	ids := strconv.FormatInt(id, 10)
-	var res bus.ReplayResult
+	var res ops.ReplayResult[ops.ReplayedEntry, ops.SkippedEntry]
 	cliJSON(t, path, &res, "dlq", "replay", ids)
 	require.Len(t, res.Replayed, 1)
 
@@ -602,15 +602,15 @@ func TestDLQShowsAReplayTheRelayQuarantined(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, tables.Quarantine(ctx, tx, row, "orders", "e-1", "nats: size: 2000000 bytes with headers, over the stream's max_msg_size"))
 	require.NoError(t, tx.Commit())
-	var quarantined bus.QuarantineList
+	var quarantined ops.List[ops.QuarantinedRow]
 	cliJSON(t, path, &quarantined, "quarantine", "list")
 	require.Len(t, quarantined.Rows, 1)
 	qid := quarantined.Rows[0].ID
 
-	var list bus.PoisonList
+	var list poisonList
 	cliJSON(t, path, &list, "dlq", "list")
 	require.Len(t, list.Messages, 1)
-	require.Equal(t, bus.PoisonStateQuarantined, list.Messages[0].State)
+	require.Equal(t, ops.PoisonStateQuarantined, list.Messages[0].State)
 	require.NotNil(t, list.Messages[0].ReplayQuarantine)
 	require.Equal(t, qid, list.Messages[0].ReplayQuarantine.ID)
 	require.Contains(t, list.Messages[0].ReplayQuarantine.Reason, "max_msg_size")
@@ -626,16 +626,16 @@ func TestDLQShowsAReplayTheRelayQuarantined(t *testing.T) {
 
 	var qres struct {
 		DryRun    bool                    `json:"dry_run"`
-		Replayed  []bus.QuarantinedRow    `json:"replayed"`
-		Skipped   []bus.QuarantineSkipped `json:"skipped"`
+		Replayed  []ops.QuarantinedRow    `json:"replayed"`
+		Skipped   []ops.QuarantineSkipped `json:"skipped"`
 		Messages  int                     `json:"messages"`
 		Selection string                  `json:"selection"`
 		Warnings  []string                `json:"warnings"`
 	}
 	cliJSON(t, path, &qres, "quarantine", "replay", strconv.FormatInt(qid, 10))
 	require.Len(t, qres.Replayed, 1)
-	list = bus.PoisonList{}
+	list = poisonList{}
 	cliJSON(t, path, &list, "dlq", "list")
-	require.Equal(t, bus.PoisonStateReplayed, list.Messages[0].State, "replayed from the quarantine, on its way again")
+	require.Equal(t, ops.PoisonStateReplayed, list.Messages[0].State, "replayed from the quarantine, on its way again")
 	require.Nil(t, list.Messages[0].ReplayQuarantine)
 }

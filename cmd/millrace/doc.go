@@ -1,6 +1,6 @@
 // Command millrace operates a millrace installation from the same config.yaml
-// the services use. It is flags and formatting over bus.Ops, the operations
-// API a service or an admin tool can call from Go.
+// the services use. It is flags and formatting over package ops, the
+// operations API a service or an admin tool can call from Go.
 //
 //	millrace [--config config.yaml] migrate
 //	millrace [--config config.yaml] outbox status

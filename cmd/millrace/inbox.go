@@ -6,7 +6,7 @@ import (
 	"fmt"
 	"io"
 
-	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/ops"
 )
 
 func init() {
@@ -33,8 +33,8 @@ func bindInboxPurge(fs *flag.FlagSet) runFunc {
 		if flagSet(fs, "batch") && *batch <= 0 {
 			return usagef("--batch must be positive; got %d", *batch)
 		}
-		return withOps(ctx, e, func(ops *bus.Ops) error {
-			res, err := ops.PruneInbox(ctx, bus.InboxPrune{OlderThan: olderThan.d, Group: *group, Batch: *batch, DryRun: *dryRun})
+		return withOps(ctx, e, func(oc *ops.Client) error {
+			res, err := oc.PruneInbox(ctx, ops.InboxPrune{OlderThan: olderThan.d, Group: *group, Batch: *batch, DryRun: *dryRun})
 			if err != nil {
 				return err
 			}

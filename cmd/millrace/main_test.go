@@ -14,6 +14,7 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/ops"
 )
 
 func writeConfig(t *testing.T, body string) string {
@@ -116,11 +117,11 @@ func TestRelayCommandForwardsAndStopsOnSignal(t *testing.T) {
 	code := make(chan int, 1)
 	var relayOut, relayErr bytes.Buffer
 	go func() { code <- run(ctx, []string{"--config", path, "relay"}, &relayOut, &relayErr) }()
-	ops, err := bus.NewOps(context.Background(), db, cfg)
+	oc, err := ops.New(context.Background(), db, cfg)
 	require.NoError(t, err)
 	deadline := time.Now().Add(60 * time.Second)
 	for {
-		st, err := ops.OutboxStatus(context.Background(), "")
+		st, err := oc.OutboxStatus(context.Background(), "")
 		require.NoError(t, err)
 		if st.Pending == 0 {
 			break
@@ -130,4 +131,10 @@ func TestRelayCommandForwardsAndStopsOnSignal(t *testing.T) {
 	}
 	cancel()
 	require.Equal(t, exitOK, <-code, relayErr.String())
+}
+
+// poisonList is the --json output of dlq list.
+type poisonList struct {
+	Messages  []ops.PoisonedMessage `json:"messages"`
+	Truncated bool                  `json:"truncated"`
 }

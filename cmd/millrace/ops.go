@@ -7,22 +7,18 @@ import (
 	"os/user"
 	"time"
 
-	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // withOps connects to database.url, builds the operations API (which
 // checks the tables exist) and runs f with it.
-func withOps(ctx context.Context, e env, f func(*bus.Ops) error) error {
-	db, err := bus.OpenDB(e.cfg.Database)
+func withOps(ctx context.Context, e env, f func(*ops.Client) error) error {
+	oc, err := ops.Open(ctx, e.cfg)
 	if err != nil {
 		return err
 	}
-	defer db.Close()
-	ops, err := bus.NewOps(ctx, db, e.cfg)
-	if err != nil {
-		return err
-	}
-	return f(ops)
+	defer oc.Close()
+	return f(oc)
 }
 
 // operator names who runs the tool, for replay histories.

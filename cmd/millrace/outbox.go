@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/ops"
 )
 
 func init() {
@@ -39,8 +40,8 @@ func runOutboxStatus(ctx context.Context, e env, args []string) error {
 	if err := noArgs(args); err != nil {
 		return err
 	}
-	return withOps(ctx, e, func(ops *bus.Ops) error {
-		st, err := ops.OutboxStatus(ctx, "")
+	return withOps(ctx, e, func(oc *ops.Client) error {
+		st, err := oc.OutboxStatus(ctx, "")
 		if err != nil {
 			return err
 		}

@@ -9,8 +9,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // --config and --json are accepted before or after the command.
@@ -24,9 +24,9 @@ func TestGlobalFlagsGoBeforeOrAfterTheCommand(t *testing.T) {
 	} {
 		var out, errOut bytes.Buffer
 		require.Equal(t, exitOK, run(context.Background(), args, &out, &errOut), "%v: %s", args, errOut.String())
-		var list bus.PoisonList
+		var list poisonList
 		require.NoError(t, json.Unmarshal(out.Bytes(), &list), "%v: %s", args, out.String())
-		require.Equal(t, []bus.PoisonedMessage{}, list.Messages)
+		require.Equal(t, []ops.PoisonedMessage{}, list.Messages)
 	}
 }
 
@@ -93,10 +93,10 @@ func TestDLQGroupsAndFingerprints(t *testing.T) {
 	t.Parallel()
 	_, _, path := migrated(t)
 	var res struct {
-		Groups []bus.FailureGroup `json:"groups"`
+		Groups []ops.FailureGroup `json:"groups"`
 	}
 	cliJSON(t, path, &res, "dlq", "groups")
-	require.Equal(t, []bus.FailureGroup{}, res.Groups)
+	require.Equal(t, []ops.FailureGroup{}, res.Groups)
 	code, _, errOut := cli(t, path, "dlq", "list", "--fingerprint", "ZZ")
 	require.Equal(t, exitUsage, code)
 	require.Contains(t, errOut, "--fingerprint")

@@ -13,6 +13,7 @@ import (
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // Every command that reads or writes the database works when database.url
@@ -47,11 +48,11 @@ func testCommandsInMode(t *testing.T, mode string) {
 	id := insertPoison(t, db, schema, fixture{group: "billing", handler: "billing", topic: "orders", eventID: `e-'1"\`,
 		eventType: "OrderCreated", reason: `boom "ü" \`, class: "permanent", payload: payload, metadata: metadata})
 	ref := strconv.FormatInt(id, 10)
-	var list bus.PoisonList
+	var list poisonList
 	cliJSON(t, path, &list, "dlq", "list", "--reason", `"Ü" \`, "--since", "1h")
 	require.Len(t, list.Messages, 1)
 	var groups struct {
-		Groups []bus.FailureGroup `json:"groups"`
+		Groups []ops.FailureGroup `json:"groups"`
 	}
 	cliJSON(t, path, &groups, "dlq", "groups")
 	require.Len(t, groups.Groups, 1)
@@ -60,13 +61,13 @@ func testCommandsInMode(t *testing.T, mode string) {
 	require.Equal(t, hex.EncodeToString(payload), show.Payload.Value)
 	require.Equal(t, metadata, show.Metadata)
 
-	var replay bus.ReplayResult
+	var replay ops.ReplayResult[ops.ReplayedEntry, ops.SkippedEntry]
 	cliJSON(t, path, &replay, "dlq", "replay", ref)
 	require.Len(t, replay.Replayed, 1)
-	var status bus.OutboxStatus
+	var status ops.OutboxStatus
 	cliJSON(t, path, &status, "outbox", "status")
 	require.EqualValues(t, 1, status.Pending, "the replay is in the outbox")
-	var purged bus.PurgeResult
+	var purged ops.PurgeResult[ops.PoisonedMessage]
 	cliJSON(t, path, &purged, "dlq", "purge", ref)
 	require.Len(t, purged.Purged, 1)
 
@@ -81,19 +82,19 @@ func testCommandsInMode(t *testing.T, mode string) {
 		AggregateType: "order", AggregateID: "o-1", Payload: []byte(`{"ü":"\\"}`)})
 	require.NoError(t, err)
 	require.NoError(t, tx.Commit())
-	var scheduled bus.ScheduledList
+	var scheduled ops.ScheduledList
 	cliJSON(t, path, &scheduled, "scheduled", "list")
 	require.Len(t, scheduled.Events, 1)
 	code, _, errOut = cli(t, path, "scheduled", "cancel", ids[0])
 	require.Equal(t, exitOK, code, errOut)
 
-	var sagas bus.SagaList
+	var sagas ops.SagaList
 	cliJSON(t, path, &sagas, "saga", "list", "--completed")
 	require.Empty(t, sagas.Instances)
-	var quarantined bus.QuarantineList
+	var quarantined ops.List[ops.QuarantinedRow]
 	cliJSON(t, path, &quarantined, "quarantine", "list", "--since", "1h")
 	require.Empty(t, quarantined.Rows)
-	var pruned bus.InboxPruneResult
+	var pruned ops.InboxPruneResult
 	cliJSON(t, path, &pruned, "inbox", "purge", "--older-than", "1h", "--group", "billing")
 	require.Zero(t, pruned.Deleted)
 }

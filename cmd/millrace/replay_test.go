@@ -18,6 +18,7 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // A poisoned event, replayed with `millrace dlq replay` after its handler is
@@ -95,8 +96,8 @@ func testReplayAfterFix(t *testing.T, kind string) {
 		bus.Event{ID: "ev-bad-" + suffix, Type: "OrderPlaced", AggregateType: "order", AggregateID: "bad", Payload: []byte(`{"order":"bad"}`)}))
 	good, bad := "ev-good-"+suffix, "ev-bad-"+suffix
 
-	list := func() []bus.PoisonedMessage {
-		var res bus.PoisonList
+	list := func() []ops.PoisonedMessage {
+		var res poisonList
 		cliJSON(t, path, &res, "dlq", "list", "--topic", topic)
 		return res.Messages
 	}
@@ -109,7 +110,7 @@ func testReplayAfterFix(t *testing.T, kind string) {
 	require.Equal(t, bad, row.EventID)
 	require.Equal(t, "permanent", row.ErrorClass)
 	require.Contains(t, row.Reason, "no price list for order bad")
-	require.Equal(t, bus.PoisonStatePoisoned, row.State)
+	require.Equal(t, ops.PoisonStatePoisoned, row.State)
 	require.Nil(t, row.ProcessedAt, "a poisoned event's inbox row rolled back with its transaction")
 	id := strconv.FormatInt(row.ID, 10)
 	show := func() showResult {
@@ -121,7 +122,7 @@ func testReplayAfterFix(t *testing.T, kind string) {
 	billingDuplicates := func() float64 { return messagesTotal(t, reg, billing, middleware.OutcomeDuplicate) }
 
 	// A replay before the fix is poisoned again, in the same row.
-	var res bus.ReplayResult
+	var res ops.ReplayResult[ops.ReplayedEntry, ops.SkippedEntry]
 	cliJSON(t, path, &res, "dlq", "replay", id)
 	require.Len(t, res.Replayed, 1)
 	require.NotEmpty(t, res.Replayed[0].MessageID)
@@ -138,20 +139,20 @@ func testReplayAfterFix(t *testing.T, kind string) {
 	var dry dryReplay
 	cliJSON(t, path, &dry, "dlq", "replay", "--dry-run", id)
 	require.True(t, dry.DryRun)
-	require.Equal(t, []bus.ReplayedEntry{{ID: row.ID, ConsumerGroup: billing, Handler: billing, Topic: topic, EventID: bad, EventType: "OrderPlaced",
+	require.Equal(t, []ops.ReplayedEntry{{ID: row.ID, ConsumerGroup: billing, Handler: billing, Topic: topic, EventID: bad, EventType: "OrderPlaced",
 		TargetGroups: []string{billing}}}, dry.WouldReplay)
 	require.Equal(t, 1, dry.WouldWrite)
 	require.Equal(t, 1, show().ReplayCount, "a dry run records no replay")
 	require.Nil(t, show().ReplayedAt)
 
-	res = bus.ReplayResult{}
+	res = ops.ReplayResult[ops.ReplayedEntry, ops.SkippedEntry]{}
 	cliJSON(t, path, &res, "dlq", "replay", "--topic", topic, "--not-replayed")
 	require.Len(t, res.Replayed, 1)
 	testkit.Eventually(t, 90*time.Second, "the replay processed by billing", func() bool { return effects(billing, bad) == 1 })
 	var replayOf string
 	require.NoError(t, db.QueryRow(`SELECT replay_of FROM "`+schema+`".effects WHERE grp = $1 AND event_id = $2`, billing, bad).Scan(&replayOf))
 	require.Equal(t, row.MessageID, replayOf, "the handler sees which message the replay re-sends")
-	testkit.Eventually(t, 90*time.Second, "the poison row shows the event processed", func() bool { return show().State == bus.PoisonStateProcessed })
+	testkit.Eventually(t, 90*time.Second, "the poison row shows the event processed", func() bool { return show().State == ops.PoisonStateProcessed })
 	s := show()
 	require.NotNil(t, s.ReplayedAt)
 	require.NotNil(t, s.ProcessedAt)
@@ -159,11 +160,11 @@ func testReplayAfterFix(t *testing.T, kind string) {
 	require.Equal(t, 2, s.TimesPoisoned)
 
 	// Replaying it again is skipped: billing's inbox has the event.
-	res = bus.ReplayResult{}
+	res = ops.ReplayResult[ops.ReplayedEntry, ops.SkippedEntry]{}
 	cliJSON(t, path, &res, "dlq", "replay", id)
 	require.Empty(t, res.Replayed)
 	require.Len(t, res.Skipped, 1)
-	require.Equal(t, bus.SkipAlreadyProcessed, res.Skipped[0].Reason)
+	require.Equal(t, ops.SkipAlreadyProcessed, res.Skipped[0].Reason)
 	require.Zero(t, res.Messages)
 	code, out, errOut := cli(t, path, "dlq", "replay", id)
 	require.Equal(t, exitOK, code, errOut)
@@ -171,7 +172,7 @@ func testReplayAfterFix(t *testing.T, kind string) {
 
 	// Forced, it is delivered again and billing's inbox acks it as a duplicate.
 	before := billingDuplicates()
-	res = bus.ReplayResult{}
+	res = ops.ReplayResult[ops.ReplayedEntry, ops.SkippedEntry]{}
 	cliJSON(t, path, &res, "dlq", "replay", "--force", id)
 	require.Len(t, res.Replayed, 1)
 	testkit.Eventually(t, 90*time.Second, "billing acked the forced replay as a duplicate", func() bool { return billingDuplicates() > before })

@@ -10,7 +10,7 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/ops"
 )
 
 func init() {
@@ -28,8 +28,8 @@ func bindSagaList(fs *flag.FlagSet) runFunc {
 		if err := errors.Join(noArgs(args), checkLimit(*limit)); err != nil {
 			return err
 		}
-		return withOps(ctx, e, func(ops *bus.Ops) error {
-			res, err := ops.ListSagas(ctx, bus.SagaFilter{Saga: *saga, Completed: *completed}, *limit)
+		return withOps(ctx, e, func(oc *ops.Client) error {
+			res, err := oc.ListSagas(ctx, ops.SagaFilter{Saga: *saga, Completed: *completed}, *limit)
 			if err != nil {
 				return err
 			}
@@ -61,8 +61,8 @@ func runSagaShow(ctx context.Context, e env, args []string) error {
 	if len(args) != 2 {
 		return usagef("want a saga type and an instance id; got %d arguments", len(args))
 	}
-	return withOps(ctx, e, func(ops *bus.Ops) error {
-		inst, err := ops.Saga(ctx, args[0], args[1])
+	return withOps(ctx, e, func(oc *ops.Client) error {
+		inst, err := oc.Saga(ctx, args[0], args[1])
 		if err != nil {
 			return err
 		}

@@ -5,7 +5,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // saga list and saga show read the saga table; an unknown instance fails.
@@ -16,7 +16,7 @@ func TestSagaCommands(t *testing.T) {
 		VALUES ('order_fulfilment', 'o-1', '{"Step":"charging"}', 1, 'OrderPlaced', '{"payment":"ev-timeout-1"}')`)
 	require.NoError(t, err)
 
-	var list bus.SagaList
+	var list ops.SagaList
 	cliJSON(t, path, &list, "saga", "list")
 	require.Len(t, list.Instances, 1)
 	require.Equal(t, "o-1", list.Instances[0].ID)
@@ -33,7 +33,7 @@ func TestSagaCommands(t *testing.T) {
 	code, out, errOut = cli(t, path, "saga", "show", "order_fulfilment", "o-1")
 	require.Equal(t, exitOK, code, errOut)
 	require.Regexp(t, `last error: step PaymentCharged at \S+ \(the saga has not moved on since\): card declined`, out)
-	var shown bus.SagaInstance
+	var shown ops.SagaInstance
 	cliJSON(t, path, &shown, "saga", "show", "order_fulfilment", "o-1")
 	require.NotNil(t, shown.LastError)
 	require.True(t, shown.LastError.Current)

@@ -9,7 +9,7 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/ops"
 )
 
 func init() {
@@ -25,8 +25,8 @@ func bindScheduledList(fs *flag.FlagSet) runFunc {
 		if err := errors.Join(noArgs(args), checkLimit(*limit)); err != nil {
 			return err
 		}
-		return withOps(ctx, e, func(ops *bus.Ops) error {
-			res, err := ops.ListScheduled(ctx, *limit)
+		return withOps(ctx, e, func(oc *ops.Client) error {
+			res, err := oc.ListScheduled(ctx, *limit)
 			if err != nil {
 				return err
 			}
@@ -54,8 +54,8 @@ func runScheduledCancel(ctx context.Context, e env, args []string) error {
 	if len(args) != 1 {
 		return usagef("want exactly one event ID; got %d arguments", len(args))
 	}
-	return withOps(ctx, e, func(ops *bus.Ops) error {
-		if err := ops.CancelScheduled(ctx, args[0]); err != nil {
+	return withOps(ctx, e, func(oc *ops.Client) error {
+		if err := oc.CancelScheduled(ctx, args[0]); err != nil {
 			return err
 		}
 		return e.print(map[string]string{"cancelled": args[0]}, func(w io.Writer) {

@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // scheduled list shows what waits, soonest first; scheduled cancel deletes
@@ -30,7 +31,7 @@ func TestScheduledCommands(t *testing.T) {
 	}
 	require.NoError(t, tx.Commit())
 
-	var list bus.ScheduledList
+	var list ops.ScheduledList
 	cliJSON(t, path, &list, "scheduled", "list")
 	require.Equal(t, int64(2), list.Total)
 	require.Len(t, list.Events, 2)

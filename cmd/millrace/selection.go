@@ -7,11 +7,35 @@ import (
 	"strings"
 	"time"
 
-	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/ops"
 )
 
-// filter selects rows of the poison table; list, replay and purge share it.
+// tableFlags are the words a table's filter flags and selection errors use.
+type tableFlags struct {
+	// rows names the rows: "messages", "rows".
+	rows string
+	// idNoun names one row in errors: "poison message"; listCommand lists
+	// their ids: "millrace dlq list".
+	idNoun, listCommand string
+	// idKind is what an id argument is in the selection errors: "message", "row".
+	idKind string
+	// topic and reason are the usages of --topic and --reason.
+	topic, reason string
+	// at is what the time of a row is: "poisoned", "quarantined".
+	at string
+	// replayed is what --replayed adds to "only messages replayed".
+	replayed string
+	// all is the usage of --all.
+	all string
+	// dlq registers --handler, --group and --fingerprint: the poison
+	// table has handlers, consumer groups and failure groups.
+	dlq bool
+}
+
+// filter selects rows of the poison table or the relay quarantine; list,
+// replay and purge share it.
 type filter struct {
+	tableFlags
 	topic, handler, group, reason string
 	fingerprint                   string
 	since, until                  timeFlag
@@ -19,31 +43,24 @@ type filter struct {
 	limit                         int
 }
 
+// register registers the filter flags, and --limit with limitUsage unless
+// it is "" (a command without --limit).
 func (f *filter) register(fs *flag.FlagSet, limit int, limitUsage string) {
-	fs.StringVar(&f.topic, "topic", "", "only messages of this source `topic`")
-	fs.StringVar(&f.handler, "handler", "", "only messages of this `handler`")
-	fs.StringVar(&f.group, "group", "", "only messages of this consumer `group`")
-	fs.StringVar(&f.reason, "reason", "", "only messages whose failure reason contains `text` (case-insensitive)")
-	fs.StringVar(&f.fingerprint, "fingerprint", "", "only messages of the failure group `FP` (12 hex digits, as `millrace dlq groups` shows)")
-	fs.Var(&f.since, "since", "only messages poisoned at or after `TIME`: RFC 3339 (2025-05-01T12:00:00Z) or a duration ago (90m, 2h, 7d)")
-	fs.Var(&f.until, "until", "only messages poisoned before `TIME`: RFC 3339 or a duration ago")
-	fs.BoolVar(&f.replayed, "replayed", false, "only messages replayed since they were last poisoned")
-	fs.BoolVar(&f.notReplayed, "not-replayed", false, "only messages not replayed since they were last poisoned")
-	if limitUsage != "" { // "": a command without --limit
+	t := f.tableFlags
+	fs.StringVar(&f.topic, "topic", "", t.topic)
+	if t.dlq {
+		fs.StringVar(&f.handler, "handler", "", "only messages of this `handler`")
+		fs.StringVar(&f.group, "group", "", "only messages of this consumer `group`")
+		fs.StringVar(&f.fingerprint, "fingerprint", "", "only messages of the failure group `FP` (12 hex digits, as `millrace dlq groups` shows)")
+	}
+	fs.StringVar(&f.reason, "reason", "", t.reason)
+	fs.Var(&f.since, "since", fmt.Sprintf("only %s %s at or after `TIME`: RFC 3339 (2025-05-01T12:00:00Z) or a duration ago (90m, 2h, 7d)", t.rows, t.at))
+	fs.Var(&f.until, "until", fmt.Sprintf("only %s %s before `TIME`: RFC 3339 or a duration ago", t.rows, t.at))
+	fs.BoolVar(&f.replayed, "replayed", false, "only "+t.rows+" replayed"+t.replayed)
+	fs.BoolVar(&f.notReplayed, "not-replayed", false, "only "+t.rows+" not replayed"+t.replayed)
+	if limitUsage != "" {
 		fs.IntVar(&f.limit, "limit", limit, limitUsage)
 	}
-}
-
-// registerQuarantine registers the flags that apply to the relay
-// quarantine, which has no handlers or consumer groups.
-func (f *filter) registerQuarantine(fs *flag.FlagSet, limit int, limitUsage string) {
-	fs.StringVar(&f.topic, "topic", "", "only rows for this destination `topic`")
-	fs.StringVar(&f.reason, "reason", "", "only rows whose reason contains `text` (case-insensitive)")
-	fs.Var(&f.since, "since", "only rows quarantined at or after `TIME`: RFC 3339 (2025-05-01T12:00:00Z) or a duration ago (90m, 2h, 7d)")
-	fs.Var(&f.until, "until", "only rows quarantined before `TIME`: RFC 3339 or a duration ago")
-	fs.BoolVar(&f.replayed, "replayed", false, "only rows replayed")
-	fs.BoolVar(&f.notReplayed, "not-replayed", false, "only rows not replayed")
-	fs.IntVar(&f.limit, "limit", limit, limitUsage)
 }
 
 // check reports contradictory or invalid filter flags.
@@ -54,54 +71,28 @@ func (f *filter) check() error {
 	if err := checkLimit(f.limit); err != nil {
 		return err
 	}
-	if f.fingerprint != "" && !isFingerprint(f.fingerprint) {
+	if f.fingerprint != "" && !ops.IsFingerprint(f.fingerprint) {
 		return usagef("--fingerprint %q: want 12 lowercase hex digits, as `millrace dlq groups` shows", f.fingerprint)
 	}
 	return nil
 }
 
-func isFingerprint(s string) bool {
-	if len(s) != 12 {
-		return false
-	}
-	for _, r := range s {
-		if (r < '0' || r > '9') && (r < 'a' || r > 'f') {
-			return false
-		}
-	}
-	return true
-}
-
 // selects reports whether any criterion (not --limit) is set.
 func (f *filter) selects() bool {
-	return f.topic != "" || f.handler != "" || f.group != "" || f.reason != "" || f.fingerprint != "" ||
-		f.since.set || f.until.set || f.replayed || f.notReplayed
+	return f.filter() != ops.Filter{}
 }
 
-// poisonFilter is the filter as the operations API takes it.
-func (f *filter) poisonFilter() bus.PoisonFilter {
-	pf := bus.PoisonFilter{Topic: f.topic, Handler: f.handler, Group: f.group, Reason: f.reason,
+// filter is the filter as the operations API takes it.
+func (f *filter) filter() ops.Filter {
+	of := ops.Filter{Topic: f.topic, Handler: f.handler, Group: f.group, Reason: f.reason,
 		Fingerprint: f.fingerprint, Since: f.since.bound(), Until: f.until.bound()}
 	switch {
 	case f.replayed:
-		pf.Replayed = new(true)
+		of.Replayed = new(true)
 	case f.notReplayed:
-		pf.Replayed = new(false)
+		of.Replayed = new(false)
 	}
-	return pf
-}
-
-// quarantineFilter is the filter for the relay quarantine, which has no
-// handlers or consumer groups.
-func (f *filter) quarantineFilter() bus.QuarantineFilter {
-	qf := bus.QuarantineFilter{Topic: f.topic, Reason: f.reason, Since: f.since.bound(), Until: f.until.bound()}
-	switch {
-	case f.replayed:
-		qf.Replayed = new(true)
-	case f.notReplayed:
-		qf.Replayed = new(false)
-	}
-	return qf
+	return of
 }
 
 // selection is what replay and purge act on: IDs, a filter, or --all.
@@ -109,19 +100,11 @@ type selection struct {
 	filter
 	all bool
 	ids []int64
-	// quarantine selects rows of the relay quarantine instead of the poison table.
-	quarantine bool
 }
 
 func (s *selection) register(fs *flag.FlagSet) {
-	s.filter.register(fs, 0, "act on at most `N` matching messages, oldest first (0: no limit)")
-	fs.BoolVar(&s.all, "all", false, "select every message of the poison table (instead of IDs or filters)")
-}
-
-func (s *selection) registerQuarantine(fs *flag.FlagSet) {
-	s.quarantine = true
-	s.filter.registerQuarantine(fs, 0, "act on at most `N` matching rows, oldest first (0: no limit)")
-	fs.BoolVar(&s.all, "all", false, "select every row of the relay quarantine (instead of IDs or filters)")
+	s.filter.register(fs, 0, fmt.Sprintf("act on at most `N` matching %s, oldest first (0: no limit)", s.rows))
+	fs.BoolVar(&s.all, "all", false, s.tableFlags.all)
 }
 
 // resolve reads the IDs among args and checks that exactly one kind of
@@ -133,10 +116,7 @@ func (s *selection) resolve(args []string, verb string) error {
 	for _, a := range args {
 		id, err := strconv.ParseInt(a, 10, 64)
 		if err != nil || id <= 0 {
-			if s.quarantine {
-				return usagef("%q is not a quarantined row ID (a positive integer, as `millrace quarantine list` shows)", a)
-			}
-			return usagef("%q is not a poison message ID (a positive integer, as `millrace dlq list` shows)", a)
+			return usagef("%q is not a %s ID (a positive integer, as `%s` shows)", a, s.idNoun, s.listCommand)
 		}
 		s.ids = append(s.ids, id)
 	}
@@ -147,10 +127,12 @@ func (s *selection) resolve(args []string, verb string) error {
 		}
 	}
 	switch {
-	case kinds == 0 && s.quarantine:
-		return usagef("choose what to %s: row IDs, filters (--topic, --reason, --since, --until, --replayed, --not-replayed) or --all", verb)
 	case kinds == 0:
-		return usagef("choose what to %s: message IDs, filters (--topic, --handler, --group, --reason, --fingerprint, --since, --until, --replayed, --not-replayed) or --all", verb)
+		filters := "--topic, --reason, --since, --until, --replayed, --not-replayed"
+		if s.dlq {
+			filters = "--topic, --handler, --group, --reason, --fingerprint, --since, --until, --replayed, --not-replayed"
+		}
+		return usagef("choose what to %s: %s IDs, filters (%s) or --all", verb, s.idKind, filters)
 	case kinds > 1:
 		return usagef("give message IDs, filters or --all, not several of them")
 	case len(s.ids) > 0 && s.limit > 0:
@@ -159,14 +141,9 @@ func (s *selection) resolve(args []string, verb string) error {
 	return nil
 }
 
-// poisonSelection is the selection as the operations API takes it.
-func (s *selection) poisonSelection() bus.PoisonSelection {
-	return bus.PoisonSelection{IDs: s.ids, Filter: s.poisonFilter(), All: s.all, Limit: s.limit}
-}
-
-// quarantineSelection is the selection of relay quarantine rows.
-func (s *selection) quarantineSelection() bus.QuarantineSelection {
-	return bus.QuarantineSelection{IDs: s.ids, Filter: s.quarantineFilter(), All: s.all, Limit: s.limit}
+// selection is the selection as the operations API takes it.
+func (s *selection) selection() ops.Selection {
+	return ops.Selection{IDs: s.ids, Filter: s.filter.filter(), All: s.all, Limit: s.limit}
 }
 
 // timeFlag is an RFC 3339 time or a duration meaning "that long ago",
@@ -202,14 +179,14 @@ func (t *timeFlag) Set(v string) error {
 }
 
 // bound is the flag as a filter bound; unset flags leave it open.
-func (t *timeFlag) bound() bus.TimeBound {
+func (t *timeFlag) bound() ops.TimeBound {
 	switch {
 	case !t.set:
-		return bus.TimeBound{}
+		return ops.TimeBound{}
 	case !t.at.IsZero():
-		return bus.At(t.at)
+		return ops.At(t.at)
 	default:
-		return bus.Ago(t.ago)
+		return ops.Ago(t.ago)
 	}
 }
 

@@ -12,8 +12,8 @@ import (
 	"strings"
 	"time"
 
-	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/bus/console"
+	"github.com/millrace-io/millrace/ops"
+	"github.com/millrace-io/millrace/ops/console"
 )
 
 func init() {
@@ -68,12 +68,12 @@ func bindUI(fs *flag.FlagSet) runFunc {
 		if ip := net.ParseIP(host); (ip == nil || !ip.IsLoopback()) && host != "localhost" && opts.Token == "" && *user == "" {
 			return usagef("--listen %s is reachable from other machines: require a token (--token-file or %s) or --user", *listen, envUIToken)
 		}
-		return withOps(ctx, e, func(ops *bus.Ops) error { return serveUI(ctx, e, ops, *listen, opts) })
+		return withOps(ctx, e, func(oc *ops.Client) error { return serveUI(ctx, e, oc, *listen, opts) })
 	}
 }
 
-func serveUI(ctx context.Context, e env, ops *bus.Ops, listen string, opts console.Options) error {
-	h, err := console.New(ops, opts)
+func serveUI(ctx context.Context, e env, oc *ops.Client, listen string, opts console.Options) error {
+	h, err := console.New(oc, opts)
 	if err != nil {
 		return err
 	}

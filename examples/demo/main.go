@@ -45,6 +45,7 @@ import (
 	"github.com/millrace-io/millrace/examples/orders"
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // Demo settings.
@@ -184,13 +185,13 @@ func run(ctx context.Context, configPath, schema string, count int, out io.Write
 	relayCtx, stopRelay := context.WithCancel(ctx)
 	relayDone := make(chan error, 1)
 	go func() { relayDone <- relay.Run(relayCtx) }()
-	ops, err := bus.NewOps(ctx, db, cfg)
+	oc, err := ops.New(ctx, db, cfg)
 	if err != nil {
 		stopRelay()
 		<-relayDone
 		return Counts{}, err
 	}
-	st, err := waitPending(ctx, ops, out)
+	st, err := waitPending(ctx, oc, out)
 	stopRelay()
 	if rerr := <-relayDone; err == nil {
 		err = rerr
@@ -288,10 +289,10 @@ func (k killAfterConfirm) PublishBatch(ctx context.Context, msgs []adapters.Outg
 	return err
 }
 
-func waitPending(ctx context.Context, ops *bus.Ops, out io.Writer) (bus.OutboxStatus, error) {
+func waitPending(ctx context.Context, oc *ops.Client, out io.Writer) (ops.OutboxStatus, error) {
 	deadline := time.Now().Add(2 * time.Minute)
 	for {
-		st, err := ops.OutboxStatus(ctx, "")
+		st, err := oc.OutboxStatus(ctx, "")
 		if err != nil || st.Pending == 0 {
 			return st, err
 		}

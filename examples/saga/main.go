@@ -34,6 +34,7 @@ import (
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/kafka/kafkadev"
 	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // The events the saga reads.
@@ -236,11 +237,11 @@ func run(ctx context.Context, cfg bus.Config, prefix string, paymentTimeout time
 		return err
 	}
 
-	ops, err := bus.NewOps(ctx, db, cfg)
+	oc, err := ops.New(ctx, db, cfg)
 	if err != nil {
 		return err
 	}
-	done, err := waitForSagas(ctx, ops, orders, ran)
+	done, err := waitForSagas(ctx, oc, orders, ran)
 	if err != nil {
 		return err
 	}
@@ -280,11 +281,11 @@ func deprovision(ctx context.Context, cfg bus.Config, tp topics, prefix string, 
 
 // waitForSagas polls until every order's saga has completed, Run fails, or
 // ctx ends.
-func waitForSagas(ctx context.Context, ops *bus.Ops, orders []string, ran <-chan error) (map[string]bus.SagaInstance, error) {
+func waitForSagas(ctx context.Context, oc *ops.Client, orders []string, ran <-chan error) (map[string]ops.SagaInstance, error) {
 	for {
-		done := map[string]bus.SagaInstance{}
+		done := map[string]ops.SagaInstance{}
 		for _, id := range orders {
-			inst, err := ops.Saga(ctx, "order_process", id)
+			inst, err := oc.Saga(ctx, "order_process", id)
 			if err == nil && inst.CompletedAt != nil {
 				done[id] = inst
 			}

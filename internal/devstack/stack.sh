@@ -237,7 +237,7 @@ up_pgbouncer() {
 	say pgbouncer "installed $bin ($("$bin" --version | head -n1)); its system service neither started nor enabled"
 }
 
-# The console's browser tests (bus/console) drive chromium headless; they
+# The console's browser tests (ops/console) drive chromium headless; they
 # fail, naming this target, when it is missing.
 up_chromium() {
 	local b

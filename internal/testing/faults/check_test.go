@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // aggregates is how many aggregates a world's events are spread over.
@@ -301,11 +302,11 @@ func (w *world) settleWhen(timeout time.Duration, poll func() (progress, error))
 // outboxState says how many events the relay has not forwarded yet, for
 // failure messages.
 func (w *world) outboxState() string {
-	ops, err := bus.NewOps(context.Background(), w.db, w.cfg)
+	oc, err := ops.New(context.Background(), w.db, w.cfg)
 	if err != nil {
 		return err.Error()
 	}
-	st, err := ops.OutboxStatus(context.Background(), w.cfg.Relay.ConsumerGroup)
+	st, err := oc.OutboxStatus(context.Background(), w.cfg.Relay.ConsumerGroup)
 	if err != nil {
 		return err.Error()
 	}

@@ -24,6 +24,7 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/servers"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // The scenarios, in the order docs/RELIABILITY.md lists them.
@@ -100,11 +101,11 @@ func TestRelayOutageThenDrain(t *testing.T) {
 		began := time.Now()
 		w.start("relay", nodeSpec{Relay: true})
 		// The relay's own drain: until the outbox has nothing pending.
-		ops, err := bus.NewOps(context.Background(), w.db, w.cfg)
+		oc, err := ops.New(context.Background(), w.db, w.cfg)
 		require.NoError(t, err)
 		var relayed time.Duration
 		testkit.Eventually(t, settleTimeout+outage, "the relay to drain the outbox", func() bool {
-			st, err := ops.OutboxStatus(context.Background(), w.cfg.Relay.ConsumerGroup)
+			st, err := oc.OutboxStatus(context.Background(), w.cfg.Relay.ConsumerGroup)
 			relayed = time.Since(began)
 			return err == nil && st.Pending == 0
 		})

@@ -33,6 +33,7 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/internal/testing/testkit/child"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // Workload sizes, as the relay's targets are stated.
@@ -320,11 +321,11 @@ func (r *run) drain(b *testing.B, ctx context.Context) (time.Duration, bool) {
 	}
 	took := time.Since(began)
 	if r.relay != "watermill" {
-		ops, err := bus.NewOps(ctx, r.db, r.pub.Config())
+		oc, err := ops.New(ctx, r.db, r.pub.Config())
 		if err != nil {
 			b.Fatal(err)
 		}
-		if st, err := ops.OutboxStatus(ctx, relayGroup(r.relay)); err != nil || st.Pending != 0 {
+		if st, err := oc.OutboxStatus(ctx, relayGroup(r.relay)); err != nil || st.Pending != 0 {
 			b.Fatalf("after the drain: outbox status %+v, %v", st, err)
 		}
 	}

@@ -1,5 +1,5 @@
 // Package console is millrace's web console: server-rendered pages over
-// bus.Ops for the outbox (status per relay group), the dead-letter queue
+// the operations API (package ops) for the outbox (status per relay group), the dead-letter queue
 // (filters, failure groups by fingerprint, one message's envelope,
 // metadata, payload and replay history) and the relay quarantine, with
 // replay and purge of a selection or a whole group, each shown as a dry
@@ -14,7 +14,7 @@
 // and rows deleted after relay.retention are missing) and the oldest
 // pending age; per consumer group, the events processed (inbox rows by
 // processed_at) and the lag (millrace_consumer_backlog, with
-// Options.Metrics). The counts come from the database (bus.Ops.Throughput);
+// Options.Metrics). The counts come from the database (ops.Client.Throughput);
 // the ages and lags, of which it keeps no history, the console samples
 // itself every Options.SampleInterval into a ring of the last hour, in
 // memory, so that they cover only the time since it started.
@@ -31,7 +31,8 @@
 // strict Content-Security-Policy; the little JavaScript (select all) comes
 // from the handler itself, and every page works without it.
 //
-// It lives in a package of its own because it renders bus's types (bus
-// cannot import it back), and so that a service that does not mount it
-// does not link its templates.
+// It lives under ops, in a package of its own, because it is a view of the
+// operations API and of nothing else (it imports ops, never bus's runtime),
+// and so that a service that does not mount it does not link its
+// templates.
 package console

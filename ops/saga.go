@@ -1,4 +1,4 @@
-package bus
+package ops
 
 import (
 	"context"
@@ -77,7 +77,7 @@ func sagaInstance(r store.SagaRow) SagaInstance {
 
 // ListSagas lists the saga instances f selects, the most recently changed
 // first, at most limit of them (0: all).
-func (o *Ops) ListSagas(ctx context.Context, f SagaFilter, limit int) (SagaList, error) {
+func (c *Client) ListSagas(ctx context.Context, f SagaFilter, limit int) (SagaList, error) {
 	read, err := listLimit(limit)
 	if err != nil {
 		return SagaList{}, err
@@ -85,7 +85,7 @@ func (o *Ops) ListSagas(ctx context.Context, f SagaFilter, limit int) (SagaList,
 	if read == 0 {
 		read = -1
 	}
-	rows, err := o.tables.ListSagas(ctx, o.db, f.Saga, f.Completed, read)
+	rows, err := c.tables.ListSagas(ctx, c.db, f.Saga, f.Completed, read)
 	if err != nil {
 		return SagaList{}, err
 	}
@@ -98,12 +98,12 @@ func (o *Ops) ListSagas(ctx context.Context, f SagaFilter, limit int) (SagaList,
 // with its steps' last error; an instance whose starting step failed and
 // never committed is returned with Version 0 and that error. Otherwise the
 // error matches ErrNotFound.
-func (o *Ops) Saga(ctx context.Context, saga, id string) (SagaInstance, error) {
-	row, found, err := o.tables.LoadSaga(ctx, sqlRowQuerier{o.db}, saga, id)
+func (c *Client) Saga(ctx context.Context, saga, id string) (SagaInstance, error) {
+	row, found, err := c.tables.LoadSaga(ctx, store.SQLRowQuerier{DB: c.db}, saga, id)
 	if err != nil {
 		return SagaInstance{}, err
 	}
-	stepErr, failed, err := o.tables.LoadSagaError(ctx, sqlRowQuerier{o.db}, saga, id)
+	stepErr, failed, err := c.tables.LoadSagaError(ctx, store.SQLRowQuerier{DB: c.db}, saga, id)
 	if err != nil {
 		return SagaInstance{}, err
 	}

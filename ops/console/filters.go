@@ -8,7 +8,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // Filter keys each list accepts; any other key is a 400 naming it.
@@ -42,7 +42,7 @@ type filter struct {
 	Since, Until                               string // as given, for links and forms
 	State                                      string
 	Limit                                      int
-	since, until                               bus.TimeBound
+	since, until                               ops.TimeBound
 }
 
 // badInput is a request the console refuses with 400 and this reason.
@@ -140,8 +140,8 @@ func parseSagaFilter(values url.Values) (sagaFilter, error) {
 	return f, err
 }
 
-func (f sagaFilter) ops() bus.SagaFilter {
-	return bus.SagaFilter{Saga: f.Saga, Completed: f.State == sagaAll}
+func (f sagaFilter) ops() ops.SagaFilter {
+	return ops.SagaFilter{Saga: f.Saga, Completed: f.State == sagaAll}
 }
 
 func isHex(s string, n int) bool {
@@ -157,18 +157,18 @@ func isHex(s string, n int) bool {
 }
 
 // parseTime reads a time bound: RFC 3339, or a duration ago ("90m", "7d").
-func parseTime(key, v string) (bus.TimeBound, error) {
+func parseTime(key, v string) (ops.TimeBound, error) {
 	if v == "" {
-		return bus.TimeBound{}, nil
+		return ops.TimeBound{}, nil
 	}
 	if t, err := time.Parse(time.RFC3339Nano, v); err == nil {
-		return bus.At(t), nil
+		return ops.At(t), nil
 	}
 	d, err := parseAge(v)
 	if err != nil {
-		return bus.TimeBound{}, badf("%s %q: want an RFC 3339 time such as 2025-05-01T12:00:00Z or a duration ago such as 90m, 2h or 7d", key, v)
+		return ops.TimeBound{}, badf("%s %q: want an RFC 3339 time such as 2025-05-01T12:00:00Z or a duration ago such as 90m, 2h or 7d", key, v)
 	}
-	return bus.Ago(d), nil
+	return ops.Ago(d), nil
 }
 
 // parseAge parses a non-negative Go duration or a whole number of days.
@@ -197,13 +197,11 @@ func (f filter) replayed() *bool {
 	return nil
 }
 
-func (f filter) poison() bus.PoisonFilter {
-	return bus.PoisonFilter{Topic: f.Topic, Handler: f.Handler, Group: f.Group, Reason: f.Reason,
+// ops is the filter as the operations API takes it; a filter of the relay
+// quarantine's page has no handler, group or fingerprint (quarantineKeys).
+func (f filter) ops() ops.Filter {
+	return ops.Filter{Topic: f.Topic, Handler: f.Handler, Group: f.Group, Reason: f.Reason,
 		Since: f.since, Until: f.until, Replayed: f.replayed(), Fingerprint: f.Fingerprint}
-}
-
-func (f filter) quarantine() bus.QuarantineFilter {
-	return bus.QuarantineFilter{Topic: f.Topic, Reason: f.Reason, Since: f.since, Until: f.until, Replayed: f.replayed()}
 }
 
 // IsSet reports whether any criterion (not the limit) is given.
@@ -270,18 +268,12 @@ func parseSelection(form url.Values, filterKeys []string) (selection, error) {
 	return s, nil
 }
 
-func (s selection) poison() bus.PoisonSelection {
+// ops is the selection as the operations API takes it.
+func (s selection) ops() ops.Selection {
 	if len(s.ids) > 0 {
-		return bus.PoisonSelection{IDs: s.ids, Expect: s.expect}
+		return ops.Selection{IDs: s.ids, Expect: s.expect}
 	}
-	return bus.PoisonSelection{Filter: s.filter.poison(), Expect: s.expect}
-}
-
-func (s selection) quarantine() bus.QuarantineSelection {
-	if len(s.ids) > 0 {
-		return bus.QuarantineSelection{IDs: s.ids, Expect: s.expect}
-	}
-	return bus.QuarantineSelection{Filter: s.filter.quarantine(), Expect: s.expect}
+	return ops.Selection{Filter: s.filter.ops(), Expect: s.expect}
 }
 
 // Fields are the selection as hidden form fields, for the confirmation.

@@ -17,8 +17,9 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/bus/console"
 	"github.com/millrace-io/millrace/internal/store"
+	"github.com/millrace-io/millrace/ops"
+	"github.com/millrace-io/millrace/ops/console"
 )
 
 // overviewPage renders c's overview.
@@ -85,7 +86,7 @@ func TestOverviewChartsTheLastHour(t *testing.T) {
 
 	desc, bars, _ := chartOf(page, "forwarded", relay)
 	require.Contains(t, desc, "total 0 over the last hour", "both rows are pending")
-	require.Len(t, bars, bus.ThroughputMinutes, "a bar per minute")
+	require.Len(t, bars, ops.ThroughputMinutes, "a bar per minute")
 	desc, _, _ = chartOf(page, "oldest", relay)
 	require.Contains(t, desc, "since the console started at")
 	require.Regexp(t, `now [0-9.]+m?s\.$`, desc)

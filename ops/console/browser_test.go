@@ -20,9 +20,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/bus/console"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/ops"
+	"github.com/millrace-io/millrace/ops/console"
 )
 
 // chromium finds Debian's chromium (or another Chrome) and fails the test
@@ -160,13 +161,13 @@ func TestConsoleInABrowser(t *testing.T) {
 			AggregateID: fmt.Sprint(1000 + i), Payload: []byte(fmt.Sprintf(`{"sku":%d,"quantity":2}`, 1000+i))}))
 	}
 	require.NoError(t, b.PublishInOwnTx(ctx, topic, bus.Event{Type: "Unknown", AggregateType: "sku", AggregateID: "a-b-c", Payload: []byte(`{}`)}))
-	ops, err := bus.NewOps(ctx, db, cfg)
+	oc, err := ops.New(ctx, db, cfg)
 	require.NoError(t, err)
 	require.Eventually(t, func() bool {
-		l, err := ops.ListPoisoned(ctx, bus.PoisonFilter{}, 0)
-		return err == nil && len(l.Messages) == 4
+		l, err := oc.DLQ().List(ctx, ops.Filter{}, 0)
+		return err == nil && len(l.Rows) == 4
 	}, time.Minute, 20*time.Millisecond, "four messages poisoned")
-	groups, err := ops.PoisonGroups(ctx, bus.PoisonFilter{})
+	groups, err := oc.PoisonGroups(ctx, ops.Filter{})
 	require.NoError(t, err)
 	require.Len(t, groups, 2)
 	fp := groups[0].Fingerprint
@@ -175,7 +176,7 @@ func TestConsoleInABrowser(t *testing.T) {
 	broken = false
 	mu.Unlock()
 
-	h, err := console.New(ops, console.Options{SampleInterval: 100 * time.Millisecond, Metrics: reg})
+	h, err := console.New(oc, console.Options{SampleInterval: 100 * time.Millisecond, Metrics: reg})
 	require.NoError(t, err)
 	defer h.Close()
 	srv := httptest.NewServer(h)
@@ -222,9 +223,9 @@ func TestConsoleInABrowser(t *testing.T) {
 	follow(t, bctx, chromedp.Click(`button[data-group="`+fp+`"]`))
 	do(t, bctx, chromedp.WaitVisible("#dry-run"))
 	require.Contains(t, get(t, bctx, chromedp.Text("#dry-run")), "3 selected would be replayed as 3 outbox message(s)")
-	l, err := ops.ListPoisoned(ctx, bus.PoisonFilter{Replayed: new(true)}, 0)
+	l, err := oc.DLQ().List(ctx, ops.Filter{Replayed: new(true)}, 0)
 	require.NoError(t, err)
-	require.Empty(t, l.Messages, "the dry run replayed nothing")
+	require.Empty(t, l.Rows, "the dry run replayed nothing")
 	shoot(t, bctx, shots, "confirm")
 	follow(t, bctx, chromedp.Click("#confirm"))
 	do(t, bctx, chromedp.WaitVisible("#done"))
@@ -232,12 +233,12 @@ func TestConsoleInABrowser(t *testing.T) {
 	shoot(t, bctx, shots, "replayed")
 
 	require.Eventually(t, func() bool {
-		l, err := ops.ListPoisoned(ctx, bus.PoisonFilter{Fingerprint: fp}, 0)
-		if err != nil || len(l.Messages) != 3 {
+		l, err := oc.DLQ().List(ctx, ops.Filter{Fingerprint: fp}, 0)
+		if err != nil || len(l.Rows) != 3 {
 			return false
 		}
-		for _, m := range l.Messages {
-			if m.State != bus.PoisonStateProcessed {
+		for _, m := range l.Rows {
+			if m.State != ops.PoisonStateProcessed {
 				return false
 			}
 		}
@@ -253,7 +254,7 @@ func TestConsoleInABrowser(t *testing.T) {
 	require.Equal(t, 3, count("#messages td.state-processed"), "the list shows them processed")
 	shoot(t, bctx, shots, "dlq-processed")
 
-	checkCharts(t, bctx, srv.URL, ops)
+	checkCharts(t, bctx, srv.URL, oc)
 	shoot(t, bctx, shots, "outbox-charts")
 
 	do(t, bctx, chromedp.Navigate(srv.URL+"/quarantine"), chromedp.WaitVisible("#empty"))
@@ -269,13 +270,13 @@ func TestConsoleInABrowser(t *testing.T) {
 // (four published, three replayed), three processed by the consumer group
 // stock (the replays; the poisoned attempts wrote no inbox row), and the
 // samples of the oldest pending age and the lag at 0 since.
-func checkCharts(t *testing.T, bctx context.Context, base string, ops *bus.Ops) {
+func checkCharts(t *testing.T, bctx context.Context, base string, oc *ops.Client) {
 	t.Helper()
 	require.Eventually(t, func() bool {
-		st, err := ops.OutboxStatus(context.Background(), "")
+		st, err := oc.OutboxStatus(context.Background(), "")
 		return err == nil && st.Pending == 0
 	}, time.Minute, 20*time.Millisecond, "the relay's cursor past every event")
-	relay := ops.Config().Relay.ConsumerGroup
+	relay := oc.Config().Relay.ConsumerGroup
 	chart := func(kind, group string) string {
 		return strconv.Quote(fmt.Sprintf(`svg[data-chart=%q][data-group=%q]`, kind, group))
 	}
@@ -307,7 +308,7 @@ func checkCharts(t *testing.T, bctx context.Context, base string, ops *bus.Ops) 
 	require.Equal(t, 7, bars("forwarded", relay), "the bars add up to the seven events")
 	require.Contains(t, get(t, bctx, chromedp.Evaluate[string](desc("processed", "stock"))), "total 3 over the last hour")
 	require.Equal(t, 3, bars("processed", "stock"), "the bars add up to the three events")
-	require.Equal(t, bus.ThroughputMinutes, get(t, bctx, chromedp.Evaluate[int](`document.querySelectorAll(`+chart("processed", "stock")+` + " rect").length`)))
+	require.Equal(t, ops.ThroughputMinutes, get(t, bctx, chromedp.Evaluate[int](`document.querySelectorAll(`+chart("processed", "stock")+` + " rect").length`)))
 }
 
 // The saga pages in a real browser: the nav leads to the saga list, whose

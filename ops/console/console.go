@@ -20,7 +20,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // Options configure the console. The zero Options is a console without
@@ -69,7 +69,7 @@ var assets embed.FS
 // Console is the web console: an http.Handler, and the sampler behind the
 // overview's charts, which Close stops.
 type Console struct {
-	ops     *bus.Ops
+	ops     *ops.Client
 	opts    Options
 	key     []byte // MACs of CSRF tokens and auth cookies; new per process
 	pages   *template.Template
@@ -82,16 +82,16 @@ type Console struct {
 // New returns the console over ops, sampling for its charts until Close.
 // It fails when Options are contradictory (a basic-auth user without a
 // password, or the reverse) or SampleInterval is negative.
-func New(ops *bus.Ops, opts Options) (*Console, error) {
+func New(oc *ops.Client, opts Options) (*Console, error) {
 	switch {
-	case ops == nil:
-		return nil, errors.New("console: New needs the operations API (bus.NewOps)")
+	case oc == nil:
+		return nil, errors.New("console: New needs the operations API (ops.New)")
 	case (opts.BasicUser == "") != (opts.BasicPassword == ""):
 		return nil, errors.New("console: BasicUser and BasicPassword go together")
 	case opts.SampleInterval < 0:
 		return nil, fmt.Errorf("console: SampleInterval must not be negative; got %s", opts.SampleInterval)
 	}
-	c := &Console{ops: ops, opts: opts, key: make([]byte, 32), log: cmp.Or(opts.Logger, slog.Default())}
+	c := &Console{ops: oc, opts: opts, key: make([]byte, 32), log: cmp.Or(opts.Logger, slog.Default())}
 	if _, err := rand.Read(c.key); err != nil {
 		return nil, fmt.Errorf("console: session key: %w", err)
 	}
@@ -121,7 +121,7 @@ func New(ops *bus.Ops, opts Options) (*Console, error) {
 		c.fail(w, r, http.StatusForbidden, "cross-origin request refused")
 	}))
 	c.handler = protect.Handler(http.HandlerFunc(c.serve))
-	c.samples = startSampler(ops, opts.Metrics, cmp.Or(opts.SampleInterval, time.Minute), c.log)
+	c.samples = startSampler(oc, opts.Metrics, cmp.Or(opts.SampleInterval, time.Minute), c.log)
 	return c, nil
 }
 
@@ -296,13 +296,13 @@ func (c *Console) fail(w http.ResponseWriter, r *http.Request, status int, reaso
 // for a selection that changed, 400 for an invalid one, 500 otherwise.
 func (c *Console) failErr(w http.ResponseWriter, r *http.Request, err error) {
 	switch {
-	case errors.Is(err, bus.ErrNotFound) && r.Method == http.MethodGet:
+	case errors.Is(err, ops.ErrNotFound) && r.Method == http.MethodGet:
 		c.fail(w, r, http.StatusNotFound, err.Error())
-	case errors.Is(err, bus.ErrNotFound):
+	case errors.Is(err, ops.ErrNotFound):
 		c.fail(w, r, http.StatusConflict, err.Error()+": purged meanwhile? nothing was done; review the selection again")
-	case errors.Is(err, bus.ErrChanged):
+	case errors.Is(err, ops.ErrChanged):
 		c.fail(w, r, http.StatusConflict, err.Error())
-	case errors.As(err, new(badInput)), errors.Is(err, bus.ErrInvalidSelection), errors.Is(err, bus.ErrInvalidFilter):
+	case errors.As(err, new(badInput)), errors.Is(err, ops.ErrInvalidSelection), errors.Is(err, ops.ErrInvalidFilter):
 		c.fail(w, r, http.StatusBadRequest, err.Error())
 	default:
 		c.log.Error("console: operation failed", "path", r.URL.Path, "error", err)

@@ -1,4 +1,4 @@
-package bus_test
+package ops_test
 
 import (
 	"context"
@@ -9,9 +9,9 @@ import (
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
-	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // Failures group by error class and normalised reason; a whole group is
@@ -34,11 +34,11 @@ func TestOpsFailureGroupsAndChangedSelections(t *testing.T) {
 		events[agg] = w.publish(t, agg)
 	}
 	testkit.Eventually(t, time.Minute, "four messages poisoned", func() bool {
-		l, err := w.ops.ListPoisoned(ctx, bus.PoisonFilter{}, 0)
-		return err == nil && len(l.Messages) == 4
+		l, err := w.ops.DLQ().List(ctx, ops.Filter{}, 0)
+		return err == nil && len(l.Rows) == 4
 	})
 
-	groups, err := w.ops.PoisonGroups(ctx, bus.PoisonFilter{})
+	groups, err := w.ops.PoisonGroups(ctx, ops.Filter{})
 	require.NoError(t, err)
 	require.Len(t, groups, 2, "%+v", groups)
 	g := groups[0]
@@ -52,17 +52,17 @@ func TestOpsFailureGroupsAndChangedSelections(t *testing.T) {
 	require.Contains(t, groups[1].Reason, "payment gateway refused <uuid>")
 	require.Len(t, g.Fingerprint, 12)
 
-	list, err := w.ops.ListPoisoned(ctx, bus.PoisonFilter{Fingerprint: g.Fingerprint}, 0)
+	list, err := w.ops.DLQ().List(ctx, ops.Filter{Fingerprint: g.Fingerprint}, 0)
 	require.NoError(t, err)
-	require.Len(t, list.Messages, 3)
-	for _, m := range list.Messages {
+	require.Len(t, list.Rows, 3)
+	for _, m := range list.Rows {
 		require.Equal(t, g.Fingerprint, m.Fingerprint)
 		require.NotEqual(t, events[other], m.EventID)
 	}
-	_, err = w.ops.ListPoisoned(ctx, bus.PoisonFilter{Fingerprint: "not-hex"}, 0)
-	require.ErrorIs(t, err, bus.ErrInvalidFilter)
-	_, err = w.ops.PoisonGroups(ctx, bus.PoisonFilter{Fingerprint: "ABCDEF012345"})
-	require.ErrorIs(t, err, bus.ErrInvalidFilter)
+	_, err = w.ops.DLQ().List(ctx, ops.Filter{Fingerprint: "not-hex"}, 0)
+	require.ErrorIs(t, err, ops.ErrInvalidFilter)
+	_, err = w.ops.PoisonGroups(ctx, ops.Filter{Fingerprint: "ABCDEF012345"})
+	require.ErrorIs(t, err, ops.ErrInvalidFilter)
 
 	// The dry run of the group says what a replay would do.
 	w.mu.Lock()
@@ -70,28 +70,28 @@ func TestOpsFailureGroupsAndChangedSelections(t *testing.T) {
 		w.bad[agg] = false
 	}
 	w.mu.Unlock()
-	group := bus.PoisonSelection{Filter: bus.PoisonFilter{Fingerprint: g.Fingerprint}}
-	dry, err := w.ops.ReplayPoisoned(ctx, group, bus.ReplayOptions{DryRun: true})
+	group := ops.Selection{Filter: ops.Filter{Fingerprint: g.Fingerprint}}
+	dry, err := w.ops.DLQ().Replay(ctx, group, ops.ReplayOptions{DryRun: true})
 	require.NoError(t, err)
 	require.Equal(t, 3, dry.Messages)
 	require.NotEmpty(t, dry.Selection)
 
 	// Someone else replays one of them meanwhile.
-	first := list.Messages[0]
-	_, err = w.ops.ReplayPoisoned(ctx, bus.PoisonSelection{IDs: []int64{first.ID}}, bus.ReplayOptions{By: "someone else"})
+	first := list.Rows[0]
+	_, err = w.ops.DLQ().Replay(ctx, ops.Selection{IDs: []int64{first.ID}}, ops.ReplayOptions{By: "someone else"})
 	require.NoError(t, err)
 	testkit.Eventually(t, time.Minute, "the other replay processed", func() bool { return w.effects(first.EventID) == 1 })
 
 	reviewed := group
 	reviewed.Expect = dry.Selection
-	_, err = w.ops.ReplayPoisoned(ctx, reviewed, bus.ReplayOptions{By: "console"})
-	var changed *bus.ChangedError
+	_, err = w.ops.DLQ().Replay(ctx, reviewed, ops.ReplayOptions{By: "console"})
+	var changed *ops.ChangedError
 	require.ErrorAs(t, err, &changed)
-	require.ErrorIs(t, err, bus.ErrChanged)
+	require.ErrorIs(t, err, ops.ErrChanged)
 	require.Equal(t, 3, changed.Rows)
-	again, err := w.ops.ListPoisoned(ctx, bus.PoisonFilter{Fingerprint: g.Fingerprint}, 0)
+	again, err := w.ops.DLQ().List(ctx, ops.Filter{Fingerprint: g.Fingerprint}, 0)
 	require.NoError(t, err)
-	for _, m := range again.Messages {
+	for _, m := range again.Rows {
 		if m.ID != first.ID {
 			require.Zero(t, m.ReplayCount, "a changed selection replays nothing")
 		}
@@ -99,11 +99,11 @@ func TestOpsFailureGroupsAndChangedSelections(t *testing.T) {
 
 	// Reviewed again, the replay goes ahead: the one processed meanwhile is
 	// skipped, the others are replayed once and processed once.
-	dry, err = w.ops.ReplayPoisoned(ctx, group, bus.ReplayOptions{DryRun: true})
+	dry, err = w.ops.DLQ().Replay(ctx, group, ops.ReplayOptions{DryRun: true})
 	require.NoError(t, err)
 	require.Equal(t, 2, dry.Messages)
 	reviewed.Expect = dry.Selection
-	res, err := w.ops.ReplayPoisoned(ctx, reviewed, bus.ReplayOptions{By: "console"})
+	res, err := w.ops.DLQ().Replay(ctx, reviewed, ops.ReplayOptions{By: "console"})
 	require.NoError(t, err)
 	require.Len(t, res.Replayed, 2)
 	require.Len(t, res.Skipped, 1)
@@ -115,20 +115,20 @@ func TestOpsFailureGroupsAndChangedSelections(t *testing.T) {
 	// A purge reviewed before the group changed state changes nothing.
 	purgeReviewed := group
 	purgeReviewed.Expect = dry.Selection
-	_, err = w.ops.PurgePoisoned(ctx, purgeReviewed, false)
-	require.ErrorIs(t, err, bus.ErrChanged, "the rows were replayed and processed since")
-	dryPurge, err := w.ops.PurgePoisoned(ctx, group, true)
+	_, err = w.ops.DLQ().Purge(ctx, purgeReviewed, false)
+	require.ErrorIs(t, err, ops.ErrChanged, "the rows were replayed and processed since")
+	dryPurge, err := w.ops.DLQ().Purge(ctx, group, true)
 	require.NoError(t, err)
 	require.Len(t, dryPurge.Purged, 3)
 	purgeReviewed.Expect = dryPurge.Selection
-	purged, err := w.ops.PurgePoisoned(ctx, purgeReviewed, false)
+	purged, err := w.ops.DLQ().Purge(ctx, purgeReviewed, false)
 	require.NoError(t, err)
 	require.Len(t, purged.Purged, 3)
 	// Purged meanwhile: acting on the ids again reports them missing.
-	_, err = w.ops.PurgePoisoned(ctx, bus.PoisonSelection{IDs: []int64{first.ID}}, false)
-	require.True(t, errors.Is(err, bus.ErrNotFound), "%v", err)
+	_, err = w.ops.DLQ().Purge(ctx, ops.Selection{IDs: []int64{first.ID}}, false)
+	require.True(t, errors.Is(err, ops.ErrNotFound), "%v", err)
 
-	groups, err = w.ops.PoisonGroups(ctx, bus.PoisonFilter{})
+	groups, err = w.ops.PoisonGroups(ctx, ops.Filter{})
 	require.NoError(t, err)
 	require.Len(t, groups, 1, "only the other group is left")
 

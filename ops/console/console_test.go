@@ -20,10 +20,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/bus/console"
 	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/ops"
+	"github.com/millrace-io/millrace/ops/console"
 )
 
 // fixture is a migrated schema with poisoned messages and quarantined
@@ -31,7 +32,7 @@ import (
 type fixture struct {
 	db   *sql.DB
 	cfg  bus.Config
-	ops  *bus.Ops
+	ops  *ops.Client
 	ids  []int64 // poison row ids
 	qids []int64 // quarantine row ids
 }
@@ -44,9 +45,9 @@ func newFixture(t *testing.T, n int, cfg bus.Config) *fixture {
 	db := testdb.Open(t)
 	cfg.Database.Schema = testdb.Schema(t, db)
 	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	ops, err := bus.NewOps(ctx, db, cfg)
+	oc, err := ops.New(ctx, db, cfg)
 	require.NoError(t, err)
-	f := &fixture{db: db, cfg: cfg, ops: ops}
+	f := &fixture{db: db, cfg: cfg, ops: oc}
 	tables := store.Tables{Schema: cfg.Database.Schema, OutboxTopic: "millrace_outbox"}
 	now := time.Now().UTC()
 	for i := range n {
@@ -58,9 +59,9 @@ func newFixture(t *testing.T, n int, cfg bus.Config) *fixture {
 			FirstFailureAt: now, LastFailureAt: now, PoisonedAt: now,
 		}))
 	}
-	list, err := ops.ListPoisoned(ctx, bus.PoisonFilter{}, 0)
+	list, err := oc.DLQ().List(ctx, ops.Filter{}, 0)
 	require.NoError(t, err)
-	for _, m := range list.Messages {
+	for _, m := range list.Rows {
 		f.ids = append(f.ids, m.ID)
 	}
 	tx, err := db.BeginTx(ctx, nil)
@@ -68,7 +69,7 @@ func newFixture(t *testing.T, n int, cfg bus.Config) *fixture {
 	require.NoError(t, tables.Quarantine(ctx, tx, store.OutboxRow{Offset: 7, UUID: "u-7", Payload: []byte("not an envelope"), Metadata: []byte("{}")},
 		"", "", "unreadable envelope"))
 	require.NoError(t, tx.Commit())
-	q, err := ops.ListQuarantined(ctx, bus.QuarantineFilter{}, 0)
+	q, err := oc.Quarantine().List(ctx, ops.Filter{}, 0)
 	require.NoError(t, err)
 	for _, r := range q.Rows {
 		f.qids = append(f.qids, r.ID)
@@ -160,9 +161,9 @@ func (f *fixture) pages() []string {
 }
 
 func (f *fixture) remaining(t *testing.T) int {
-	list, err := f.ops.ListPoisoned(context.Background(), bus.PoisonFilter{}, 0)
+	list, err := f.ops.DLQ().List(context.Background(), ops.Filter{}, 0)
 	require.NoError(t, err)
-	return len(list.Messages)
+	return len(list.Rows)
 }
 
 // Every action needs its session's CSRF token, and a browser's
@@ -388,20 +389,20 @@ func TestAChangedSelectionIsReported(t *testing.T) {
 	require.Contains(t, body, "3 selected would be replayed as 3 outbox message(s)")
 	expect := expectField.FindStringSubmatch(body)[1]
 
-	_, err := f.ops.ReplayPoisoned(ctx, bus.PoisonSelection{IDs: f.ids[:1]}, bus.ReplayOptions{By: "cli"})
+	_, err := f.ops.DLQ().Replay(ctx, ops.Selection{IDs: f.ids[:1]}, ops.ReplayOptions{By: "cli"})
 	require.NoError(t, err)
 	group.Set("expect", expect)
 	code, body = c.post("/dlq/replay", group)
 	require.Equal(t, http.StatusConflict, code)
 	require.Contains(t, body, "changed since they were reviewed")
-	d, err := f.ops.Poisoned(ctx, f.ids[1])
+	d, err := f.ops.DLQ().Get(ctx, f.ids[1])
 	require.NoError(t, err)
 	require.Empty(t, d.Replays, "nothing was replayed by the stale confirmation")
 
 	one := url.Values{"csrf": {token}, "id": {fmt.Sprint(f.ids[2])}}
 	_, body = c.post("/dlq/purge", one)
 	one.Set("expect", expectField.FindStringSubmatch(body)[1])
-	_, err = f.ops.PurgePoisoned(ctx, bus.PoisonSelection{IDs: f.ids[2:]}, false)
+	_, err = f.ops.DLQ().Purge(ctx, ops.Selection{IDs: f.ids[2:]}, false)
 	require.NoError(t, err)
 	code, body = c.post("/dlq/purge", one)
 	require.Equal(t, http.StatusConflict, code)
@@ -422,7 +423,7 @@ func TestReplayGroupsAndAQuarantinedReplayAreShown(t *testing.T) {
 	require.Equal(t, http.StatusOK, code, body)
 	require.Contains(t, body, "replay, processed only by consumer group(s) billing")
 
-	res, err := f.ops.ReplayPoisoned(ctx, bus.PoisonSelection{IDs: f.ids}, bus.ReplayOptions{})
+	res, err := f.ops.DLQ().Replay(ctx, ops.Selection{IDs: f.ids}, ops.ReplayOptions{})
 	require.NoError(t, err)
 	tables := store.Tables{Schema: f.cfg.Database.Schema, OutboxTopic: "millrace_outbox"}
 	var row store.OutboxRow
@@ -432,7 +433,7 @@ func TestReplayGroupsAndAQuarantinedReplayAreShown(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, tables.Quarantine(ctx, tx, row, "orders.events", "e-0", "nats: size: over the stream's max_msg_size"))
 	require.NoError(t, tx.Commit())
-	q, err := f.ops.ListQuarantined(ctx, bus.QuarantineFilter{Reason: "max_msg_size"}, 0)
+	q, err := f.ops.Quarantine().List(ctx, ops.Filter{Reason: "max_msg_size"}, 0)
 	require.NoError(t, err)
 	require.Len(t, q.Rows, 1)
 

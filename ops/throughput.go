@@ -1,4 +1,4 @@
-package bus
+package ops
 
 import (
 	"context"
@@ -38,25 +38,25 @@ type Throughput struct {
 // consumer group in each minute of the last hour. Both counts come from one
 // transaction, over the same minutes. It reads every outbox row of the
 // hour once per relay group, as OutboxStatus reads the whole outbox.
-func (o *Ops) Throughput(ctx context.Context) (Throughput, error) {
-	groups, err := o.relayGroups(ctx)
+func (c *Client) Throughput(ctx context.Context) (Throughput, error) {
+	groups, err := c.relayGroups(ctx)
 	if err != nil {
 		return Throughput{}, err
 	}
-	shards, err := o.tables.RecordedShards(ctx, o.db)
+	shards, err := c.tables.RecordedShards(ctx, c.db)
 	if err != nil {
 		return Throughput{}, err
 	}
-	tx, err := o.db.BeginTx(ctx, &sql.TxOptions{ReadOnly: true})
+	tx, err := c.db.BeginTx(ctx, &sql.TxOptions{ReadOnly: true})
 	if err != nil {
 		return Throughput{}, fmt.Errorf("millrace: begin transaction: %w", err)
 	}
 	defer tx.Rollback() //nolint:errcheck // it only read
-	forwarded, err := o.tables.ForwardedPerMinute(ctx, tx, groups, shards, ThroughputMinutes)
+	forwarded, err := c.tables.ForwardedPerMinute(ctx, tx, groups, shards, ThroughputMinutes)
 	if err != nil {
 		return Throughput{}, err
 	}
-	processed, err := o.tables.ProcessedPerMinute(ctx, tx, ThroughputMinutes)
+	processed, err := c.tables.ProcessedPerMinute(ctx, tx, ThroughputMinutes)
 	if err != nil {
 		return Throughput{}, err
 	}

@@ -1,4 +1,4 @@
-package bus_test
+package ops_test
 
 import (
 	"context"
@@ -9,10 +9,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
-	wmforwarder "github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
-	natsgo "github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
@@ -22,6 +19,7 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // opsWorld is a service on NATS with one handler that poisons the events a
@@ -30,7 +28,7 @@ type opsWorld struct {
 	db    *sql.DB
 	cfg   bus.Config
 	bus   *bus.Bus
-	ops   *bus.Ops
+	ops   *ops.Client
 	topic string
 	group string
 
@@ -67,7 +65,7 @@ func newOpsWorld(t *testing.T) *opsWorld {
 	done := make(chan error, 1)
 	go func() { done <- b.Run(runCtx) }()
 	t.Cleanup(func() { stop(); require.NoError(t, <-done) })
-	w.ops, err = bus.NewOps(ctx, db, cfg)
+	w.ops, err = ops.New(ctx, db, cfg)
 	require.NoError(t, err)
 	return w
 }
@@ -96,42 +94,42 @@ func TestOpsDLQListShowReplayPurge(t *testing.T) {
 	bad1, bad2 := w.publish(t, "o-bad-1"), w.publish(t, "o-bad-2")
 	good := w.publish(t, "o-good")
 	testkit.Eventually(t, time.Minute, "two messages poisoned", func() bool {
-		l, err := w.ops.ListPoisoned(ctx, bus.PoisonFilter{}, 0)
-		return err == nil && len(l.Messages) == 2
+		l, err := w.ops.DLQ().List(ctx, ops.Filter{}, 0)
+		return err == nil && len(l.Rows) == 2
 	})
 	testkit.Eventually(t, time.Minute, "the good event handled", func() bool { return w.effects(good) == 1 })
 
-	list, err := w.ops.ListPoisoned(ctx, bus.PoisonFilter{Reason: "O-BAD-2"}, 0)
+	list, err := w.ops.DLQ().List(ctx, ops.Filter{Reason: "O-BAD-2"}, 0)
 	require.NoError(t, err)
-	require.Len(t, list.Messages, 1, "the reason filter is case-insensitive")
-	m := list.Messages[0]
+	require.Len(t, list.Rows, 1, "the reason filter is case-insensitive")
+	m := list.Rows[0]
 	require.Equal(t, bad2, m.EventID)
 	require.Equal(t, "o-bad-2", m.AggregateID)
-	require.Equal(t, bus.PoisonStatePoisoned, m.State)
+	require.Equal(t, ops.PoisonStatePoisoned, m.State)
 	require.Equal(t, middleware.ClassPermanent, m.ErrorClass)
-	list, err = w.ops.ListPoisoned(ctx, bus.PoisonFilter{Group: w.group, Since: bus.Ago(time.Hour), Until: bus.Ago(-time.Hour)}, 1)
+	list, err = w.ops.DLQ().List(ctx, ops.Filter{Group: w.group, Since: ops.Ago(time.Hour), Until: ops.Ago(-time.Hour)}, 1)
 	require.NoError(t, err)
-	require.Len(t, list.Messages, 1)
+	require.Len(t, list.Rows, 1)
 	require.True(t, list.Truncated, "two match, the limit is one")
-	list, err = w.ops.ListPoisoned(ctx, bus.PoisonFilter{Topic: "other"}, 0)
+	list, err = w.ops.DLQ().List(ctx, ops.Filter{Topic: "other"}, 0)
 	require.NoError(t, err)
-	require.Empty(t, list.Messages)
+	require.Empty(t, list.Rows)
 
-	d, err := w.ops.Poisoned(ctx, m.ID)
+	d, err := w.ops.DLQ().Get(ctx, m.ID)
 	require.NoError(t, err)
 	require.JSONEq(t, `{"total":1}`, string(d.Payload))
 	require.Equal(t, "o-bad-2", d.Metadata[bus.AggregateIDKey])
 	require.Empty(t, d.Replays)
-	_, err = w.ops.Poisoned(ctx, 999999)
-	require.ErrorIs(t, err, bus.ErrNotFound)
+	_, err = w.ops.DLQ().Get(ctx, 999999)
+	require.ErrorIs(t, err, ops.ErrNotFound)
 
 	// Selections must say what they act on, and ids must exist.
-	_, err = w.ops.ReplayPoisoned(ctx, bus.PoisonSelection{}, bus.ReplayOptions{})
-	require.ErrorIs(t, err, bus.ErrInvalidSelection)
-	_, err = w.ops.ReplayPoisoned(ctx, bus.PoisonSelection{IDs: []int64{m.ID}, All: true}, bus.ReplayOptions{})
-	require.ErrorIs(t, err, bus.ErrInvalidSelection)
-	_, err = w.ops.PurgePoisoned(ctx, bus.PoisonSelection{IDs: []int64{m.ID, 999999}}, false)
-	var nf *bus.NotFoundError
+	_, err = w.ops.DLQ().Replay(ctx, ops.Selection{}, ops.ReplayOptions{})
+	require.ErrorIs(t, err, ops.ErrInvalidSelection)
+	_, err = w.ops.DLQ().Replay(ctx, ops.Selection{IDs: []int64{m.ID}, All: true}, ops.ReplayOptions{})
+	require.ErrorIs(t, err, ops.ErrInvalidSelection)
+	_, err = w.ops.DLQ().Purge(ctx, ops.Selection{IDs: []int64{m.ID, 999999}}, false)
+	var nf *ops.NotFoundError
 	require.ErrorAs(t, err, &nf)
 	require.Equal(t, []int64{999999}, nf.IDs, "nothing was purged: the selection named a missing id")
 
@@ -141,7 +139,7 @@ func TestOpsDLQListShowReplayPurge(t *testing.T) {
 		st, err := w.ops.OutboxStatus(ctx, "")
 		return err == nil && st.Pending == 0
 	})
-	dry, err := w.ops.ReplayPoisoned(ctx, bus.PoisonSelection{All: true}, bus.ReplayOptions{DryRun: true})
+	dry, err := w.ops.DLQ().Replay(ctx, ops.Selection{All: true}, ops.ReplayOptions{DryRun: true})
 	require.NoError(t, err)
 	require.Len(t, dry.Replayed, 2)
 	require.Equal(t, 2, dry.Messages)
@@ -152,40 +150,40 @@ func TestOpsDLQListShowReplayPurge(t *testing.T) {
 	w.mu.Lock()
 	w.bad = map[string]bool{} // the gateway is fixed
 	w.mu.Unlock()
-	res, err := w.ops.ReplayPoisoned(ctx, bus.PoisonSelection{Filter: bus.PoisonFilter{Handler: w.group}}, bus.ReplayOptions{By: "tester@host"})
+	res, err := w.ops.DLQ().Replay(ctx, ops.Selection{Filter: ops.Filter{Handler: w.group}}, ops.ReplayOptions{By: "tester@host"})
 	require.NoError(t, err)
 	require.Len(t, res.Replayed, 2)
 	for _, r := range res.Replayed {
 		require.NotEmpty(t, r.MessageID, "a replay has a message id of its own")
 	}
 	testkit.Eventually(t, time.Minute, "both replays handled once", func() bool { return w.effects(bad1) == 1 && w.effects(bad2) == 1 })
-	d, err = w.ops.Poisoned(ctx, m.ID)
+	d, err = w.ops.DLQ().Get(ctx, m.ID)
 	require.NoError(t, err)
 	require.Len(t, d.Replays, 1)
 	require.Equal(t, "tester@host", d.Replays[0].ReplayedBy)
 	testkit.Eventually(t, time.Minute, "the inbox records the replayed event", func() bool {
-		d, err := w.ops.Poisoned(ctx, m.ID)
-		return err == nil && d.State == bus.PoisonStateProcessed
+		d, err := w.ops.DLQ().Get(ctx, m.ID)
+		return err == nil && d.State == ops.PoisonStateProcessed
 	})
 
-	again, err := w.ops.ReplayPoisoned(ctx, bus.PoisonSelection{IDs: []int64{m.ID}}, bus.ReplayOptions{})
+	again, err := w.ops.DLQ().Replay(ctx, ops.Selection{IDs: []int64{m.ID}}, ops.ReplayOptions{})
 	require.NoError(t, err)
 	require.Empty(t, again.Replayed)
 	require.Len(t, again.Skipped, 1)
-	require.Equal(t, bus.SkipAlreadyProcessed, again.Skipped[0].Reason)
+	require.Equal(t, ops.SkipAlreadyProcessed, again.Skipped[0].Reason)
 
-	purged, err := w.ops.PurgePoisoned(ctx, bus.PoisonSelection{All: true}, true)
+	purged, err := w.ops.DLQ().Purge(ctx, ops.Selection{All: true}, true)
 	require.NoError(t, err)
 	require.Len(t, purged.Purged, 2)
-	list, err = w.ops.ListPoisoned(ctx, bus.PoisonFilter{}, 0)
+	list, err = w.ops.DLQ().List(ctx, ops.Filter{}, 0)
 	require.NoError(t, err)
-	require.Len(t, list.Messages, 2, "a dry run purges nothing")
-	purged, err = w.ops.PurgePoisoned(ctx, bus.PoisonSelection{All: true}, false)
+	require.Len(t, list.Rows, 2, "a dry run purges nothing")
+	purged, err = w.ops.DLQ().Purge(ctx, ops.Selection{All: true}, false)
 	require.NoError(t, err)
 	require.Len(t, purged.Purged, 2)
-	list, err = w.ops.ListPoisoned(ctx, bus.PoisonFilter{}, 0)
+	list, err = w.ops.DLQ().List(ctx, ops.Filter{}, 0)
 	require.NoError(t, err)
-	require.Empty(t, list.Messages)
+	require.Empty(t, list.Rows)
 	require.Equal(t, 1, w.effects(bad1), "one effect per event, replays included")
 }
 
@@ -199,7 +197,7 @@ func TestOpsQuarantineListShowReplayPurge(t *testing.T) {
 	w := newOpsWorld(t)
 	conflicted := "ops-conflict-" + testdb.UniqueName("")[2:]
 	brokertest.Cleanup(t, bus.KindNATS, conflicted)
-	js := natsJetStream(t, w.cfg.Broker.NATS.URL)
+	js := brokertest.NATSJetStream(t, w.cfg.Broker.NATS.URL)
 	_, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: nats.StreamName(conflicted), Subjects: []string{conflicted}, MaxAge: time.Hour})
 	require.NoError(t, err)
 
@@ -209,33 +207,33 @@ func TestOpsQuarantineListShowReplayPurge(t *testing.T) {
 	}
 	reserved := message.NewMessage(watermill.NewUUID(), []byte(`{}`))
 	reserved.Metadata.Set("Nats-Rollup", "all") // written by plain Watermill: nothing checked it
-	writeOutboxWithWatermill(t, w.db, w.cfg, w.topic, reserved)
+	brokertest.WriteOutboxWithWatermill(t, w.db, w.cfg, w.topic, reserved)
 	testkit.Eventually(t, time.Minute, "three rows quarantined", func() bool {
 		st, err := w.ops.OutboxStatus(ctx, "")
 		return err == nil && st.Quarantined == 3 && st.Pending == 0
 	})
 
-	list, err := w.ops.ListQuarantined(ctx, bus.QuarantineFilter{Topic: conflicted}, 0)
+	list, err := w.ops.Quarantine().List(ctx, ops.Filter{Topic: conflicted}, 0)
 	require.NoError(t, err)
 	require.Len(t, list.Rows, 2)
 	require.Contains(t, list.Rows[0].Reason, "max_age")
-	d, err := w.ops.Quarantined(ctx, list.Rows[0].ID)
+	d, err := w.ops.Quarantine().Get(ctx, list.Rows[0].ID)
 	require.NoError(t, err)
 	require.Empty(t, d.EnvelopeError)
 	require.Contains(t, ids, d.Metadata[bus.EventIDKey])
 
 	// Not fixed yet: the broker still refuses the reserved header.
-	all, err := w.ops.ReplayQuarantined(ctx, bus.QuarantineSelection{All: true}, bus.ReplayOptions{DryRun: true})
+	all, err := w.ops.Quarantine().Replay(ctx, ops.Selection{All: true}, ops.ReplayOptions{DryRun: true})
 	require.NoError(t, err)
 	require.Len(t, all.Replayed, 2)
 	require.Len(t, all.Skipped, 1)
-	require.Equal(t, bus.SkipRefusedByBroker, all.Skipped[0].Skip)
+	require.Equal(t, ops.SkipRefusedByBroker, all.Skipped[0].Skip)
 	require.Contains(t, all.Skipped[0].Detail, "Nats-Rollup")
 
 	// Fix the stream, then replay the conflicted rows.
 	require.NoError(t, js.DeleteStream(ctx, nats.StreamName(conflicted)))
 	got := subscribe(t, w, conflicted)
-	res, err := w.ops.ReplayQuarantined(ctx, bus.QuarantineSelection{Filter: bus.QuarantineFilter{Topic: conflicted}}, bus.ReplayOptions{})
+	res, err := w.ops.Quarantine().Replay(ctx, ops.Selection{Filter: ops.Filter{Topic: conflicted}}, ops.ReplayOptions{})
 	require.NoError(t, err)
 	require.Len(t, res.Replayed, 2)
 	for _, id := range ids {
@@ -247,14 +245,14 @@ func TestOpsQuarantineListShowReplayPurge(t *testing.T) {
 		}
 	}
 	replayed := true
-	list, err = w.ops.ListQuarantined(ctx, bus.QuarantineFilter{Replayed: &replayed}, 0)
+	list, err = w.ops.Quarantine().List(ctx, ops.Filter{Replayed: &replayed}, 0)
 	require.NoError(t, err)
 	require.Len(t, list.Rows, 2)
 	require.Equal(t, 1, list.Rows[0].TimesReplayed)
 
-	_, err = w.ops.PurgeQuarantined(ctx, bus.QuarantineSelection{IDs: []int64{999999}}, false)
-	require.ErrorIs(t, err, bus.ErrNotFound)
-	purged, err := w.ops.PurgeQuarantined(ctx, bus.QuarantineSelection{Filter: bus.QuarantineFilter{Reason: "nats-rollup"}}, false)
+	_, err = w.ops.Quarantine().Purge(ctx, ops.Selection{IDs: []int64{999999}}, false)
+	require.ErrorIs(t, err, ops.ErrNotFound)
+	purged, err := w.ops.Quarantine().Purge(ctx, ops.Selection{Filter: ops.Filter{Reason: "nats-rollup"}}, false)
 	require.NoError(t, err)
 	require.Len(t, purged.Purged, 1)
 	st, err := w.ops.OutboxStatus(ctx, "")
@@ -280,53 +278,36 @@ func TestOpsPruneInbox(t *testing.T) {
 	_, err := w.db.Exec(`UPDATE "`+w.cfg.Database.Schema+`".millrace_inbox SET processed_at = now() - interval '40 days' WHERE event_id = ANY($1)`, ids[:2])
 	require.NoError(t, err)
 
-	res, err := w.ops.PruneInbox(ctx, bus.InboxPrune{OlderThan: 30 * 24 * time.Hour, DryRun: true})
+	res, err := w.ops.PruneInbox(ctx, ops.InboxPrune{OlderThan: 30 * 24 * time.Hour, DryRun: true})
 	require.NoError(t, err)
 	require.EqualValues(t, 2, res.Deleted)
 	require.Empty(t, res.Warnings)
-	res, err = w.ops.PruneInbox(ctx, bus.InboxPrune{OlderThan: 30 * 24 * time.Hour, Group: "another-group"})
+	res, err = w.ops.PruneInbox(ctx, ops.InboxPrune{OlderThan: 30 * 24 * time.Hour, Group: "another-group"})
 	require.NoError(t, err)
 	require.Zero(t, res.Deleted)
-	res, err = w.ops.PruneInbox(ctx, bus.InboxPrune{OlderThan: 30 * 24 * time.Hour, Group: w.group, Batch: 1})
+	res, err = w.ops.PruneInbox(ctx, ops.InboxPrune{OlderThan: 30 * 24 * time.Hour, Group: w.group, Batch: 1})
 	require.NoError(t, err)
 	require.EqualValues(t, 2, res.Deleted)
 	rows, err := w.ops.InboxRows(ctx)
 	require.NoError(t, err)
 	require.EqualValues(t, 1, rows[w.group])
 
-	res, err = w.ops.PruneInbox(ctx, bus.InboxPrune{OlderThan: time.Hour, DryRun: true})
+	res, err = w.ops.PruneInbox(ctx, ops.InboxPrune{OlderThan: time.Hour, DryRun: true})
 	require.NoError(t, err)
 	require.Len(t, res.Warnings, 1)
 	require.Contains(t, res.Warnings[0], "shorter than consumer.inbox.retention")
-	_, err = w.ops.PruneInbox(ctx, bus.InboxPrune{})
+	_, err = w.ops.PruneInbox(ctx, ops.InboxPrune{})
 	require.ErrorContains(t, err, "OlderThan must be positive")
 }
 
-// NewOps names a database that is not migrated.
+// New names a database that is not migrated.
 func TestOpsRefusesAnUnmigratedDatabase(t *testing.T) {
 	t.Parallel()
 	db := testdb.Open(t)
 	var cfg bus.Config
 	cfg.Database.Schema = testdb.Schema(t, db)
-	_, err := bus.NewOps(context.Background(), db, cfg)
+	_, err := ops.New(context.Background(), db, cfg)
 	require.ErrorContains(t, err, "does not exist: run `millrace migrate`")
-}
-
-// writeOutboxWithWatermill writes msg for topic into cfg's outbox in db
-// with Watermill's own forwarder publisher, as a writer other than
-// Publish does.
-func writeOutboxWithWatermill(t *testing.T, db *sql.DB, cfg bus.Config, topic string, msg *message.Message) {
-	t.Helper()
-	tx, err := db.Begin()
-	require.NoError(t, err)
-	sqlPub, err := watermillsql.NewPublisher(tx, watermillsql.PublisherConfig{
-		SchemaAdapter: watermillsql.DefaultPostgreSQLSchema{
-			GenerateMessagesTableName: func(topic string) string { return `"` + cfg.Database.Schema + `"."watermill_` + topic + `"` },
-		},
-	}, nil)
-	require.NoError(t, err)
-	require.NoError(t, wmforwarder.NewPublisher(sqlPub, wmforwarder.PublisherConfig{ForwarderTopic: "millrace_outbox"}).Publish(topic, msg))
-	require.NoError(t, tx.Commit())
 }
 
 // subscribe returns the event ids that reach topic, for a group of the test's.
@@ -352,14 +333,4 @@ func subscribe(t *testing.T, w *opsWorld, topic string) <-chan string {
 		}
 	}()
 	return out
-}
-
-func natsJetStream(t *testing.T, url string) jetstream.JetStream {
-	t.Helper()
-	nc, err := natsgo.Connect(url)
-	require.NoError(t, err)
-	t.Cleanup(nc.Close)
-	js, err := jetstream.New(nc)
-	require.NoError(t, err)
-	return js
 }

@@ -1,10 +1,11 @@
-package bus
+package ops
 
 import (
 	"context"
 	"fmt"
 	"time"
 
+	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/store"
 )
 
@@ -33,7 +34,7 @@ type ScheduledList struct {
 
 // ListScheduled lists the scheduled events, the soonest due first, at most
 // limit of them (0: all).
-func (o *Ops) ListScheduled(ctx context.Context, limit int) (ScheduledList, error) {
+func (c *Client) ListScheduled(ctx context.Context, limit int) (ScheduledList, error) {
 	read, err := listLimit(limit)
 	if err != nil {
 		return ScheduledList{}, err
@@ -41,7 +42,7 @@ func (o *Ops) ListScheduled(ctx context.Context, limit int) (ScheduledList, erro
 	if read == 0 {
 		read = -1
 	}
-	rows, total, err := o.tables.ListScheduled(ctx, o.db, read)
+	rows, total, err := c.tables.ListScheduled(ctx, c.db, read)
 	if err != nil {
 		return ScheduledList{}, err
 	}
@@ -54,8 +55,8 @@ func (o *Ops) ListScheduled(ctx context.Context, limit int) (ScheduledList, erro
 // scheduled, the soonest due first: an id that is not (due and moved into
 // the outbox, or cancelled) is left out. A saga instance's Timeouts are
 // such ids.
-func (o *Ops) ScheduledEvents(ctx context.Context, ids ...string) ([]ScheduledEvent, error) {
-	rows, err := o.tables.ScheduledByID(ctx, o.db, ids)
+func (c *Client) ScheduledEvents(ctx context.Context, ids ...string) ([]ScheduledEvent, error) {
+	rows, err := c.tables.ScheduledByID(ctx, c.db, ids)
 	if err != nil {
 		return nil, fmt.Errorf("millrace: %w", err)
 	}
@@ -70,14 +71,14 @@ func scheduledEvent(r store.ScheduledRow) ScheduledEvent {
 
 // CancelScheduled deletes the scheduled event id in a transaction of its
 // own, as Bus.CancelScheduled does in the caller's: it returns an error
-// matching ErrNotScheduled when there is no such event.
-func (o *Ops) CancelScheduled(ctx context.Context, id string) error {
-	found, err := o.tables.CancelScheduled(ctx, o.db, id)
+// matching bus.ErrNotScheduled when there is no such event.
+func (c *Client) CancelScheduled(ctx context.Context, id string) error {
+	found, err := c.tables.CancelScheduled(ctx, c.db, id)
 	switch {
 	case err != nil:
 		return fmt.Errorf("millrace: %w", err)
 	case !found:
-		return fmt.Errorf("%w: %q", ErrNotScheduled, id)
+		return fmt.Errorf("%w: %q", bus.ErrNotScheduled, id)
 	}
 	return nil
 }

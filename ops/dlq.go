@@ -1,4 +1,4 @@
-package bus
+package ops
 
 import (
 	"cmp"
@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
+	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/middleware"
@@ -27,43 +28,24 @@ const (
 	// PoisonStateQuarantined: replayed, but the relay moved the replay to
 	// its quarantine (PoisonedMessage.ReplayQuarantine says which row and
 	// why): it reaches no consumer until that row is replayed
-	// (ReplayQuarantined) once the cause is fixed.
+	// (Client.Quarantine, Replay) once the cause is fixed.
 	PoisonStateQuarantined = "quarantined"
 	// PoisonStateProcessed: its consumer group's inbox records the event.
 	PoisonStateProcessed = "processed"
 )
 
-// PoisonFilter selects poisoned messages; the zero filter selects all.
-type PoisonFilter struct {
-	// Topic, Handler and Group match the source topic, handler and consumer group.
-	Topic, Handler, Group string
-	// Reason matches messages whose failure reason contains it, case-insensitively.
-	Reason string
-	// Since and Until bound when the message was poisoned: Since <= t < Until.
-	Since, Until TimeBound
-	// Replayed, when set, selects messages replayed (true) or not replayed
-	// (false) since they were last poisoned.
-	Replayed *bool
-	// Fingerprint selects the messages of one failure group (PoisonGroups).
-	Fingerprint string
-}
-
-// IsZero reports whether f selects every message.
-func (f PoisonFilter) IsZero() bool {
-	return f.Topic == "" && f.Handler == "" && f.Group == "" && f.Reason == "" &&
-		f.Since.IsZero() && f.Until.IsZero() && f.Replayed == nil && f.Fingerprint == ""
-}
-
-// check reports a filter field that can never match.
-func (f PoisonFilter) check() error {
-	if f.Fingerprint != "" && !isFingerprint(f.Fingerprint) {
+// checkPoison reports a filter field that can never match.
+func checkPoison(f Filter) error {
+	if f.Fingerprint != "" && !IsFingerprint(f.Fingerprint) {
 		return fmt.Errorf("%w: fingerprint %q: want %d lowercase hex digits, as PoisonGroups reports them",
 			ErrInvalidFilter, f.Fingerprint, store.FingerprintLength)
 	}
 	return nil
 }
 
-func isFingerprint(s string) bool {
+// IsFingerprint reports whether s is a failure group's fingerprint, as
+// PoisonGroups reports them: 12 lowercase hex digits.
+func IsFingerprint(s string) bool {
 	if len(s) != store.FingerprintLength {
 		return false
 	}
@@ -75,7 +57,8 @@ func isFingerprint(s string) bool {
 	return true
 }
 
-func (f PoisonFilter) store(ids []int64) store.PoisonFilter {
+// poisonFilter is f as the store takes it, with ids.
+func poisonFilter(f Filter, ids []int64) store.PoisonFilter {
 	return store.PoisonFilter{IDs: ids, Topic: f.Topic, Handler: f.Handler, Group: f.Group, Reason: f.Reason,
 		Since: f.Since.b, Until: f.Until.b, Replayed: f.Replayed, Fingerprint: f.Fingerprint}
 }
@@ -113,7 +96,7 @@ type PoisonedMessage struct {
 // ReplayQuarantine is the relay quarantine's row of a replay the relay
 // could not publish.
 type ReplayQuarantine struct {
-	// ID is the quarantined row's id (Ops.Quarantined, ReplayQuarantined).
+	// ID is the quarantined row's id (Client.Quarantine: Get, Replay).
 	ID int64 `json:"id"`
 	// Reason says why the relay quarantined it.
 	Reason        string    `json:"reason"`
@@ -163,38 +146,12 @@ func poisonedMessage(r store.PoisonRow) PoisonedMessage {
 	return m
 }
 
-// PoisonList is a page of poisoned messages.
-type PoisonList struct {
-	Messages []PoisonedMessage `json:"messages"`
-	// Truncated says more messages match than the limit.
-	Truncated bool `json:"truncated"`
-}
-
-// ListPoisoned lists the poisoned messages f selects, newest first, at most
-// limit of them (0: all).
-func (o *Ops) ListPoisoned(ctx context.Context, f PoisonFilter, limit int) (PoisonList, error) {
-	read, err := listLimit(limit)
-	if err != nil {
-		return PoisonList{}, err
-	}
-	if err := f.check(); err != nil {
-		return PoisonList{}, err
-	}
-	rows, err := o.tables.Poison(ctx, o.db, store.PoisonQuery{Filter: f.store(nil), NewestFirst: true, Limit: read})
-	if err != nil {
-		return PoisonList{}, err
-	}
-	var res PoisonList
-	res.Messages, res.Truncated = page(rows, poisonedMessage, limit)
-	return res, nil
-}
-
 // FailureGroup is one failure group of the poison table: the messages of
 // one error class whose reasons are the same once UUIDs, numbers and
 // runs of white space are set aside (only the first line counts).
 type FailureGroup struct {
 	// Fingerprint names the group: 12 hex digits from its error class and
-	// normalised reason. PoisonFilter.Fingerprint selects its messages.
+	// normalised reason. Filter.Fingerprint selects its messages.
 	Fingerprint string `json:"fingerprint"`
 	ErrorClass  string `json:"error_class"`
 	// Reason is the normalised reason ("order <n> not found").
@@ -214,12 +171,12 @@ type FailureGroup struct {
 
 // PoisonGroups groups the poisoned messages f selects by failure
 // fingerprint, the largest group first. Replay or purge a whole group with
-// PoisonSelection{Filter: PoisonFilter{Fingerprint: g.Fingerprint}}.
-func (o *Ops) PoisonGroups(ctx context.Context, f PoisonFilter) ([]FailureGroup, error) {
-	if err := f.check(); err != nil {
+// Selection{Filter: Filter{Fingerprint: g.Fingerprint}} on the DLQ.
+func (c *Client) PoisonGroups(ctx context.Context, f Filter) ([]FailureGroup, error) {
+	if err := checkPoison(f); err != nil {
 		return nil, err
 	}
-	groups, err := o.tables.PoisonGroups(ctx, o.db, f.store(nil))
+	groups, err := c.tables.PoisonGroups(ctx, c.db, poisonFilter(f, nil))
 	if err != nil {
 		return nil, err
 	}
@@ -230,18 +187,14 @@ func (o *Ops) PoisonGroups(ctx context.Context, f PoisonFilter) ([]FailureGroup,
 	return out, nil
 }
 
-// Poisoned returns the poisoned message id with its payload, metadata and
+// get returns the poisoned message id with its payload, metadata and
 // replay history, or a *NotFoundError.
-func (o *Ops) Poisoned(ctx context.Context, id int64) (PoisonedDetail, error) {
-	rows, err := o.tables.Poison(ctx, o.db, store.PoisonQuery{Filter: store.PoisonFilter{IDs: []int64{id}}, Full: true})
+func (p poisonTable) get(ctx context.Context, id int64) (PoisonedDetail, error) {
+	r, err := p.rows.get(ctx, id)
 	if err != nil {
 		return PoisonedDetail{}, err
 	}
-	if len(rows) == 0 {
-		return PoisonedDetail{}, &NotFoundError{What: "poisoned message", IDs: []int64{id}}
-	}
-	r := rows[0]
-	replays, err := o.tables.PoisonReplays(ctx, o.db, id)
+	replays, err := p.c.tables.PoisonReplays(ctx, p.c.db, id)
 	if err != nil {
 		return PoisonedDetail{}, err
 	}
@@ -251,64 +204,6 @@ func (o *Ops) Poisoned(ctx context.Context, id int64) (PoisonedDetail, error) {
 		d.Replays[i] = PoisonReplay(rp)
 	}
 	return d, nil
-}
-
-// PoisonSelection is what a replay or purge of poisoned messages acts on:
-// IDs, a Filter, or All, exactly one of them.
-type PoisonSelection struct {
-	IDs    []int64
-	Filter PoisonFilter
-	All    bool
-	// Limit acts on at most this many matching messages, oldest first (with
-	// Filter or All; 0: no limit).
-	Limit int
-	// Expect, when set, is the Selection token of an earlier result (a dry
-	// run's): the action goes ahead only if the selection still holds
-	// exactly those messages in the same state, and is a *ChangedError
-	// otherwise, changing nothing. It keeps a reviewed action from acting
-	// on messages replayed, purged or poisoned again since.
-	Expect string
-}
-
-func (s PoisonSelection) query(lock bool) (store.PoisonQuery, error) {
-	if err := selectionError(s.IDs, !s.Filter.IsZero(), s.All, s.Limit); err != nil {
-		return store.PoisonQuery{}, err
-	}
-	if err := s.Filter.check(); err != nil {
-		return store.PoisonQuery{}, err
-	}
-	return store.PoisonQuery{Filter: s.Filter.store(s.IDs), Limit: s.Limit, Full: true, Lock: lock}, nil
-}
-
-// ReplayOptions change how a replay runs.
-type ReplayOptions struct {
-	// DryRun reports what would be replayed and changes nothing.
-	DryRun bool
-	// Force also replays messages whose event the consumer group's inbox
-	// already records (that group acks them as duplicates), and messages
-	// the configured broker would refuse (the relay quarantines them).
-	Force bool
-	// By names who replays, for the replay history (e.g. user@host).
-	// Defaults to "unknown".
-	By string
-}
-
-// ReplayResult is what a replay of poisoned messages did (with DryRun:
-// would do).
-type ReplayResult struct {
-	DryRun bool `json:"dry_run"`
-	// Selection is a token of the selected messages and their state, for
-	// PoisonSelection.Expect.
-	Selection string          `json:"selection"`
-	Replayed  []ReplayedEntry `json:"replayed"`
-	Skipped   []SkippedEntry  `json:"skipped"`
-	// Messages counts the messages written to the outbox (with DryRun:
-	// that would be): one per event and topic, however many consumer groups
-	// poisoned it.
-	Messages int `json:"messages"`
-	// Warnings say where a replay will not have the effect one might expect
-	// (no inbox, the ordering guard, an event older than the inbox keeps ids).
-	Warnings []string `json:"warnings"`
 }
 
 // ReplayedEntry is a poisoned message that was (or would be) replayed.
@@ -349,12 +244,18 @@ type SkippedEntry struct {
 // consumer group's inbox records its event (see ReplayOptions.Force).
 const SkipAlreadyProcessed = "already_processed"
 
-// ReplayPoisoned sends the selected poisoned messages back to their topics
+// poisonTable is the DLQ's side of a Table.
+type poisonTable struct {
+	rows[store.PoisonRow, PoisonedMessage]
+}
+
+// DLQ returns the dead-letter queue, the poison table. Its Replay sends
+// the selected poisoned messages back to their topics
 // through the outbox, in one transaction: one outbox message per event and
 // topic, with a new message id (brokers that deduplicate by message id would
 // drop the original's), the original event id (the inbox key) and payload,
 // the event's own metadata (what Publish accepted: nothing a broker or the
-// consumer chain added on the way, see eventMetadata),
+// consumer chain added on the way, see bus.EventMetadata),
 // middleware.ReplayOfKey naming the original message and
 // middleware.ReplayGroupsKey naming the consumer groups of the replayed
 // rows: only those groups process it, every other group of the topic acks
@@ -364,23 +265,24 @@ const SkipAlreadyProcessed = "already_processed"
 // configured broker would refuse (SkipRefusedByBroker: the relay would
 // quarantine them), which Force replays with a warning. A selected id that
 // does not exist is a *NotFoundError, and nothing changes.
-func (o *Ops) ReplayPoisoned(ctx context.Context, sel PoisonSelection, opts ReplayOptions) (ReplayResult, error) {
-	res := ReplayResult{DryRun: opts.DryRun, Replayed: []ReplayedEntry{}, Skipped: []SkippedEntry{}, Warnings: []string{}}
-	q, err := sel.query(!opts.DryRun)
-	if err != nil {
-		return res, err
-	}
-	err = o.inTx(ctx, opts.DryRun, "replay", func(tx *sql.Tx) error {
-		return o.replayPoisoned(ctx, tx, q, sel.IDs, sel.Expect, opts, &res)
-	})
-	return res, err
+func (c *Client) DLQ() DLQ {
+	return DLQ{t: poisonTable{rows[store.PoisonRow, PoisonedMessage]{c: c, what: "poisoned message",
+		read: func(ctx context.Context, db store.DBTX, f Filter, ids []int64, o readOptions) ([]store.PoisonRow, error) {
+			return c.tables.Poison(ctx, db, store.PoisonQuery{Filter: poisonFilter(f, ids), NewestFirst: o.newestFirst,
+				Full: o.full, Lock: o.lock, Limit: o.limit})
+		},
+		id:      func(r store.PoisonRow) int64 { return r.ID },
+		version: poisonVersion, row: poisonedMessage, del: c.tables.DeletePoison}}}
 }
+
+// check reports a filter field that can never match.
+func (p poisonTable) check(f Filter) error { return checkPoison(f) }
 
 // replayBatch is what a replay of poisoned messages writes: the outbox
 // messages, and the poison rows replayed with the message id of each.
 type replayBatch struct {
 	opts       ReplayOptions
-	res        *ReplayResult
+	res        *ReplayResult[ReplayedEntry, SkippedEntry]
 	warned     map[string]bool
 	outbox     []*message.Message
 	ids        []int64
@@ -395,31 +297,27 @@ func (b *replayBatch) warn(format string, args ...any) {
 	}
 }
 
-// replayPoisoned is ReplayPoisoned's work in tx.
-func (o *Ops) replayPoisoned(ctx context.Context, tx *sql.Tx, q store.PoisonQuery, ids []int64, expect string, opts ReplayOptions, res *ReplayResult) error {
-	rows, err := o.tables.Poison(ctx, tx, q)
+// replay is the DLQ's Replay in tx.
+func (p poisonTable) replay(ctx context.Context, tx *sql.Tx, sel Selection, opts ReplayOptions, res *ReplayResult[ReplayedEntry, SkippedEntry]) error {
+	rows, token, err := p.selected(ctx, tx, sel, true, opts.DryRun)
+	res.Selection = token
 	if err != nil {
 		return err
 	}
-	if err := missingIDs("poisoned message", ids, foundPoison(rows)); err != nil {
-		return err
-	}
-	if res.Selection, err = checkSelection("poisoned message", rows, poisonVersion, expect); err != nil {
-		return err
-	}
+	c := p.c
 	b := &replayBatch{opts: opts, res: res, warned: map[string]bool{}}
 	for _, event := range byEvent(rows) {
-		if err := o.replayEvent(ctx, tx, event, b); err != nil {
+		if err := c.replayEvent(ctx, tx, event, b); err != nil {
 			return err
 		}
 	}
 	if opts.DryRun || len(b.ids) == 0 {
 		return nil
 	}
-	if err := o.tables.WriteOutbox(ctx, tx, b.outbox); err != nil {
+	if err := c.tables.WriteOutbox(ctx, tx, b.outbox); err != nil {
 		return fmt.Errorf("millrace: %w", err)
 	}
-	if err := o.tables.MarkPoisonReplayed(ctx, tx, b.ids, b.messageIDs, cmp.Or(opts.By, "unknown")); err != nil {
+	if err := c.tables.MarkPoisonReplayed(ctx, tx, b.ids, b.messageIDs, cmp.Or(opts.By, "unknown")); err != nil {
 		return fmt.Errorf("millrace: %w", err)
 	}
 	return nil
@@ -447,7 +345,7 @@ func byEvent(rows []store.PoisonRow) [][]store.PoisonRow {
 
 // replayEvent adds to b the replay of one event's poisoned rows, or
 // records why they are skipped.
-func (o *Ops) replayEvent(ctx context.Context, tx *sql.Tx, rows []store.PoisonRow, b *replayBatch) error {
+func (c *Client) replayEvent(ctx context.Context, tx *sql.Tx, rows []store.PoisonRow, b *replayBatch) error {
 	var chosen []store.PoisonRow
 	for _, r := range rows {
 		if r.ProcessedAt != nil && !b.opts.Force {
@@ -466,8 +364,8 @@ func (o *Ops) replayEvent(ctx context.Context, tx *sql.Tx, rows []store.PoisonRo
 	first := chosen[0]
 	messageID := uuid.Must(uuid.NewV7()).String()
 	groups := targetGroups(chosen)
-	msg := o.replayMessage(first, messageID, groups)
-	refused, overLimit := o.checkReplay(first.Topic, msg)
+	msg := c.replayMessage(first, messageID, groups)
+	refused, overLimit := c.checkReplay(first.Topic, msg)
 	if overLimit != nil {
 		b.warn("message %d (event %s): Publish would refuse its replay now: %v", first.ID, first.EventID, overLimit)
 	}
@@ -495,13 +393,13 @@ func (o *Ops) replayEvent(ctx context.Context, tx *sql.Tx, rows []store.PoisonRo
 			Topic: r.Topic, EventID: r.EventID, EventType: r.EventType, MessageID: messageID, TargetGroups: groups})
 		b.ids = append(b.ids, r.ID)
 		b.messageIDs = append(b.messageIDs, messageID)
-		if err := o.replayWarnings(ctx, tx, r, b.warn); err != nil {
+		if err := c.replayWarnings(ctx, tx, r, b.warn); err != nil {
 			return err
 		}
 	}
-	if age := time.Since(occurredAt(first)); age > o.cfg.Consumer.Inbox.Retention {
+	if age := time.Since(occurredAt(first)); age > c.cfg.Consumer.Inbox.Retention {
 		b.warn("event %s on topic %s is older than consumer.inbox.retention (%s): consumer groups that processed it may have pruned it from their inbox and would process it again",
-			first.EventID, first.Topic, o.cfg.Consumer.Inbox.Retention)
+			first.EventID, first.Topic, c.cfg.Consumer.Inbox.Retention)
 	}
 	return nil
 }
@@ -518,20 +416,20 @@ func skipped(r store.PoisonRow, reason, detail string) SkippedEntry {
 
 // replayWarnings warns when r's handler will not deduplicate its replay
 // (no inbox) or will drop it as stale (the ordering guard).
-func (o *Ops) replayWarnings(ctx context.Context, tx *sql.Tx, r store.PoisonRow, warn func(string, ...any)) error {
-	handler := o.cfg.Consumer.For(r.Handler)
+func (c *Client) replayWarnings(ctx context.Context, tx *sql.Tx, r store.PoisonRow, warn func(string, ...any)) error {
+	handler := c.cfg.Consumer.For(r.Handler)
 	if !*handler.Inbox.Enabled {
 		warn("handler %s has consumer.inbox.enabled false: nothing deduplicates its replays, so replaying a message twice processes it twice", r.Handler)
 	}
 	if !*handler.OrderingGuard {
 		return nil
 	}
-	version, _ := strconv.ParseInt(r.Metadata[AggregateVersionKey], 10, 64)
-	aggType, aggID := r.Metadata[AggregateTypeKey], r.Metadata[AggregateIDKey]
+	version, _ := strconv.ParseInt(r.Metadata[bus.AggregateVersionKey], 10, 64)
+	aggType, aggID := r.Metadata[bus.AggregateTypeKey], r.Metadata[bus.AggregateIDKey]
 	if version <= 0 || aggID == "" {
 		return nil
 	}
-	applied, err := o.tables.AppliedVersion(ctx, tx, r.ConsumerGroup, aggType, aggID)
+	applied, err := c.tables.AppliedVersion(ctx, tx, r.ConsumerGroup, aggType, aggID)
 	if err != nil {
 		return err
 	}
@@ -540,14 +438,6 @@ func (o *Ops) replayWarnings(ctx context.Context, tx *sql.Tx, r store.PoisonRow,
 			r.ID, r.Handler, applied, aggType, aggID, version)
 	}
 	return nil
-}
-
-func foundPoison(rows []store.PoisonRow) map[int64]bool {
-	found := make(map[int64]bool, len(rows))
-	for _, r := range rows {
-		found[r.ID] = true
-	}
-	return found
 }
 
 // targetGroups are the consumer groups of rows, sorted, once each.
@@ -561,14 +451,14 @@ func targetGroups(rows []store.PoisonRow) []string {
 }
 
 // replayMessage is the message that re-sends r to its topic as messageID,
-// for the consumer groups groups: the event's own metadata (eventMetadata)
+// for the consumer groups groups: the event's own metadata (bus.EventMetadata)
 // and the replay markers.
-func (o *Ops) replayMessage(r store.PoisonRow, messageID string, groups []string) *message.Message {
+func (c *Client) replayMessage(r store.PoisonRow, messageID string, groups []string) *message.Message {
 	msg := message.NewMessage(messageID, r.Payload)
-	msg.Metadata = eventMetadata(r.Topic, r.Metadata, o.cfg.Broker.Rules())
+	msg.Metadata = bus.EventMetadata(r.Topic, r.Metadata, c.cfg.Broker.Rules())
 	if r.EventID != "" {
 		// A message from plain Watermill had only its UUID as event id.
-		msg.Metadata.Set(EventIDKey, r.EventID)
+		msg.Metadata.Set(bus.EventIDKey, r.EventID)
 	}
 	msg.Metadata.Set(middleware.ReplayOfKey, r.MessageID)
 	msg.Metadata.Set(middleware.ReplayGroupsKey, strings.Join(groups, middleware.ReplayGroupsSeparator))
@@ -578,56 +468,10 @@ func (o *Ops) replayMessage(r store.PoisonRow, messageID string, groups []string
 // occurredAt is when r's event happened, or when it first failed if it does
 // not say.
 func occurredAt(r store.PoisonRow) time.Time {
-	if t, err := time.Parse(time.RFC3339Nano, r.Metadata[OccurredAtKey]); err == nil {
+	if t, err := time.Parse(time.RFC3339Nano, r.Metadata[bus.OccurredAtKey]); err == nil {
 		return t
 	}
 	return r.FirstFailureAt
-}
-
-// PurgeResult is what a purge of poisoned messages did (with DryRun: would do).
-type PurgeResult struct {
-	DryRun bool `json:"dry_run"`
-	// Selection is a token of the selected messages and their state, for
-	// PoisonSelection.Expect.
-	Selection string `json:"selection"`
-	// Purged are the messages deleted; with DryRun, those that would be.
-	Purged []PoisonedMessage `json:"purged"`
-}
-
-// PurgePoisoned deletes the selected poisoned messages and their replay
-// history, in one transaction. A selected id that does not exist is a
-// *NotFoundError, and nothing changes.
-func (o *Ops) PurgePoisoned(ctx context.Context, sel PoisonSelection, dryRun bool) (PurgeResult, error) {
-	res := PurgeResult{DryRun: dryRun, Purged: []PoisonedMessage{}}
-	q, err := sel.query(!dryRun)
-	if err != nil {
-		return res, err
-	}
-	q.Full = false
-	err = o.inTx(ctx, dryRun, "purge", func(tx *sql.Tx) error {
-		rows, err := o.tables.Poison(ctx, tx, q)
-		if err != nil {
-			return err
-		}
-		if err := missingIDs("poisoned message", sel.IDs, foundPoison(rows)); err != nil {
-			return err
-		}
-		if res.Selection, err = checkSelection("poisoned message", rows, poisonVersion, sel.Expect); err != nil {
-			return err
-		}
-		ids := make([]int64, len(rows))
-		for i, r := range rows {
-			ids[i] = r.ID
-		}
-		if len(ids) > 0 && !dryRun {
-			if err := o.tables.DeletePoison(ctx, tx, ids); err != nil {
-				return fmt.Errorf("millrace: %w", err)
-			}
-		}
-		res.Purged, _ = page(rows, poisonedMessage, 0)
-		return nil
-	})
-	return res, err
 }
 
 // poisonVersion is what identifies a poison row's state: replaying it,

@@ -11,7 +11,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // Size of a chart: a column of barWidth pixels per minute, chartHeight high.
@@ -55,7 +55,7 @@ func countChart(kind, group, title string, start time.Time, counts []int64) char
 // levelChart is a line through the largest sample of each minute from
 // start; format writes a value, since says how the samples were taken.
 func levelChart(kind, group, title string, start time.Time, samples []sample, format func(float64) string, since string) chart {
-	minutes := bus.ThroughputMinutes
+	minutes := ops.ThroughputMinutes
 	c := chart{Kind: kind, Group: group, Title: title, Start: start, Values: make([]float64, minutes), Level: true}
 	for i := range c.Values {
 		c.Values[i] = math.NaN()
@@ -216,7 +216,7 @@ func sortedKeys[A, B any](a map[string]A, b map[string]B) []string {
 // group sampled but without rows in the hour).
 func orZeros(counts []int64) []int64 {
 	if counts == nil {
-		return make([]int64, bus.ThroughputMinutes)
+		return make([]int64, ops.ThroughputMinutes)
 	}
 	return counts
 }

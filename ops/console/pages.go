@@ -16,8 +16,8 @@ import (
 	"time"
 	"unicode/utf8"
 
-	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/forwarder"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // funcs are the templates' helpers.
@@ -76,7 +76,7 @@ var funcs = template.FuncMap{
 // overviewData is the outbox page's.
 type overviewData struct {
 	Schema, OutboxTopic, Broker string
-	Statuses                    []bus.OutboxStatus
+	Statuses                    []ops.OutboxStatus
 	Poisoned                    int
 	PoisonedMore                bool
 	Groups                      int
@@ -110,19 +110,19 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 		c.failErr(w, r, err)
 		return
 	}
-	poisoned, err := c.ops.ListPoisoned(r.Context(), bus.PoisonFilter{Replayed: new(false)}, maxLimit)
+	poisoned, err := c.ops.DLQ().List(r.Context(), ops.Filter{Replayed: new(false)}, maxLimit)
 	if err != nil {
 		c.failErr(w, r, err)
 		return
 	}
-	d.Poisoned, d.PoisonedMore = len(poisoned.Messages), poisoned.Truncated
-	groups, err := c.ops.PoisonGroups(r.Context(), bus.PoisonFilter{Replayed: new(false)})
+	d.Poisoned, d.PoisonedMore = len(poisoned.Rows), poisoned.Truncated
+	groups, err := c.ops.PoisonGroups(r.Context(), ops.Filter{Replayed: new(false)})
 	if err != nil {
 		c.failErr(w, r, err)
 		return
 	}
 	d.Groups = len(groups)
-	quarantined, err := c.ops.ListQuarantined(r.Context(), bus.QuarantineFilter{Replayed: new(false)}, maxLimit)
+	quarantined, err := c.ops.Quarantine().List(r.Context(), ops.Filter{Replayed: new(false)}, maxLimit)
 	if err != nil {
 		c.failErr(w, r, err)
 		return
@@ -134,10 +134,10 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 // listData is a list page's.
 type listData struct {
 	Filter    filter
-	Poisoned  []bus.PoisonedMessage
-	Rows      []bus.QuarantinedRow
+	Poisoned  []ops.PoisonedMessage
+	Rows      []ops.QuarantinedRow
 	Truncated bool
-	Group     *bus.FailureGroup // the group a fingerprint filter selects
+	Group     *ops.FailureGroup // the group a fingerprint filter selects
 }
 
 func (c *Console) dlqList(w http.ResponseWriter, r *http.Request) {
@@ -146,14 +146,14 @@ func (c *Console) dlqList(w http.ResponseWriter, r *http.Request) {
 		c.failErr(w, r, err)
 		return
 	}
-	list, err := c.ops.ListPoisoned(r.Context(), f.poison(), f.Limit)
+	list, err := c.ops.DLQ().List(r.Context(), f.ops(), f.Limit)
 	if err != nil {
 		c.failErr(w, r, err)
 		return
 	}
-	d := listData{Filter: f, Poisoned: list.Messages, Truncated: list.Truncated}
+	d := listData{Filter: f, Poisoned: list.Rows, Truncated: list.Truncated}
 	if f.Fingerprint != "" {
-		groups, err := c.ops.PoisonGroups(r.Context(), bus.PoisonFilter{Fingerprint: f.Fingerprint})
+		groups, err := c.ops.PoisonGroups(r.Context(), ops.Filter{Fingerprint: f.Fingerprint})
 		if err != nil {
 			c.failErr(w, r, err)
 			return
@@ -168,7 +168,7 @@ func (c *Console) dlqList(w http.ResponseWriter, r *http.Request) {
 // groupsData is the failure groups page's.
 type groupsData struct {
 	Filter filter
-	Groups []bus.FailureGroup
+	Groups []ops.FailureGroup
 }
 
 func (c *Console) dlqGroups(w http.ResponseWriter, r *http.Request) {
@@ -177,7 +177,7 @@ func (c *Console) dlqGroups(w http.ResponseWriter, r *http.Request) {
 		c.failErr(w, r, err)
 		return
 	}
-	groups, err := c.ops.PoisonGroups(r.Context(), f.poison())
+	groups, err := c.ops.PoisonGroups(r.Context(), f.ops())
 	if err != nil {
 		c.failErr(w, r, err)
 		return
@@ -215,8 +215,8 @@ func viewPayload(p []byte) payloadView {
 
 // detailData is a message's or row's page's.
 type detailData struct {
-	Poisoned   *bus.PoisonedDetail
-	Quarantine *bus.QuarantinedDetail
+	Poisoned   *ops.PoisonedDetail
+	Quarantine *ops.QuarantinedDetail
 	Metadata   []entry
 	Payload    payloadView
 	Envelope   payloadView
@@ -249,7 +249,7 @@ func (c *Console) dlqShow(w http.ResponseWriter, r *http.Request) {
 		c.failErr(w, r, err)
 		return
 	}
-	d, err := c.ops.Poisoned(r.Context(), id)
+	d, err := c.ops.DLQ().Get(r.Context(), id)
 	if err != nil {
 		c.failErr(w, r, err)
 		return
@@ -264,7 +264,7 @@ func (c *Console) quarantineList(w http.ResponseWriter, r *http.Request) {
 		c.failErr(w, r, err)
 		return
 	}
-	list, err := c.ops.ListQuarantined(r.Context(), f.quarantine(), f.Limit)
+	list, err := c.ops.Quarantine().List(r.Context(), f.ops(), f.Limit)
 	if err != nil {
 		c.failErr(w, r, err)
 		return
@@ -279,7 +279,7 @@ func (c *Console) quarantineShow(w http.ResponseWriter, r *http.Request) {
 		c.failErr(w, r, err)
 		return
 	}
-	d, err := c.ops.Quarantined(r.Context(), id)
+	d, err := c.ops.Quarantine().Get(r.Context(), id)
 	if err != nil {
 		c.failErr(w, r, err)
 		return
@@ -346,62 +346,68 @@ func (c *Console) runAction(w http.ResponseWriter, r *http.Request, what string,
 
 // dlqAction replays or purges poisoned messages.
 func (c *Console) dlqAction(w http.ResponseWriter, r *http.Request) {
-	c.runAction(w, r, "dlq", dlqKeys, func(d *actionData, dryRun bool) error {
-		if d.Action == "replay" {
-			res, err := c.ops.ReplayPoisoned(r.Context(), d.Selection.poison(), bus.ReplayOptions{DryRun: dryRun, By: c.by(r)})
-			if err != nil {
-				return err
+	tableAction(c, w, r, "dlq", dlqKeys, c.ops.DLQ(), actionRows[ops.PoisonedMessage, ops.ReplayedEntry, ops.SkippedEntry]{
+		replayed: func(e ops.ReplayedEntry) row {
+			return row{ID: e.ID, Topic: e.Topic, Handler: e.Handler, Event: e.EventType,
+				Note: "replay, processed only by consumer group(s) " + strings.Join(e.TargetGroups, ", ")}
+		},
+		skipped: func(e ops.SkippedEntry) row {
+			note := "skipped: " + e.Detail
+			if e.Reason == ops.SkipAlreadyProcessed {
+				note = "skipped: its group's inbox recorded the event at " + e.ProcessedAt.UTC().Format(time.RFC3339)
 			}
-			d.Token, d.Count, d.Skipped, d.Messages, d.Warnings = res.Selection, len(res.Replayed), len(res.Skipped), res.Messages, res.Warnings
-			for _, e := range res.Replayed {
-				d.Rows = append(d.Rows, row{ID: e.ID, Topic: e.Topic, Handler: e.Handler, Event: e.EventType,
-					Note: "replay, processed only by consumer group(s) " + strings.Join(e.TargetGroups, ", ")})
-			}
-			for _, e := range res.Skipped {
-				note := "skipped: " + e.Detail
-				if e.Reason == bus.SkipAlreadyProcessed {
-					note = "skipped: its group's inbox recorded the event at " + e.ProcessedAt.UTC().Format(time.RFC3339)
-				}
-				d.Rows = append(d.Rows, row{ID: e.ID, Topic: e.Topic, Handler: e.Handler, Event: e.EventType, Note: note})
-			}
-			return nil
-		}
-		res, err := c.ops.PurgePoisoned(r.Context(), d.Selection.poison(), dryRun)
-		if err != nil {
-			return err
-		}
-		d.Token, d.Count = res.Selection, len(res.Purged)
-		for _, m := range res.Purged {
-			d.Rows = append(d.Rows, row{ID: m.ID, Topic: m.Topic, Handler: m.Handler, Event: m.EventType, Note: m.State})
-		}
-		return nil
+			return row{ID: e.ID, Topic: e.Topic, Handler: e.Handler, Event: e.EventType, Note: note}
+		},
+		purged: func(m ops.PoisonedMessage) row {
+			return row{ID: m.ID, Topic: m.Topic, Handler: m.Handler, Event: m.EventType, Note: m.State}
+		},
 	})
 }
 
 // quarantineAction replays or purges quarantined outbox rows.
 func (c *Console) quarantineAction(w http.ResponseWriter, r *http.Request) {
-	c.runAction(w, r, "quarantine", quarantineKeys, func(d *actionData, dryRun bool) error {
+	tableAction(c, w, r, "quarantine", quarantineKeys, c.ops.Quarantine(), actionRows[ops.QuarantinedRow, ops.QuarantinedRow, ops.QuarantineSkipped]{
+		replayed: func(q ops.QuarantinedRow) row { return row{ID: q.ID, Topic: q.Topic, Event: q.EventID, Note: "replay"} },
+		skipped: func(q ops.QuarantineSkipped) row {
+			return row{ID: q.ID, Topic: q.Topic, Event: q.EventID, Note: "skipped (" + q.Skip + "): " + q.Detail}
+		},
+		purged: func(q ops.QuarantinedRow) row { return row{ID: q.ID, Topic: q.Topic, Event: q.EventID, Note: q.Reason} },
+	})
+}
+
+// actionRows turn a table's replayed, skipped and purged entries into the
+// rows of the action page.
+type actionRows[R, E, S any] struct {
+	replayed func(E) row
+	skipped  func(S) row
+	purged   func(R) row
+}
+
+// tableAction replays or purges rows of t, the DLQ or the relay quarantine.
+func tableAction[R, D, E, S any](c *Console, w http.ResponseWriter, r *http.Request, what string, keys []string,
+	t ops.Table[R, D, E, S], rows actionRows[R, E, S]) {
+	c.runAction(w, r, what, keys, func(d *actionData, dryRun bool) error {
 		if d.Action == "replay" {
-			res, err := c.ops.ReplayQuarantined(r.Context(), d.Selection.quarantine(), bus.ReplayOptions{DryRun: dryRun, By: c.by(r)})
+			res, err := t.Replay(r.Context(), d.Selection.ops(), ops.ReplayOptions{DryRun: dryRun, By: c.by(r)})
 			if err != nil {
 				return err
 			}
 			d.Token, d.Count, d.Skipped, d.Messages, d.Warnings = res.Selection, len(res.Replayed), len(res.Skipped), res.Messages, res.Warnings
-			for _, q := range res.Replayed {
-				d.Rows = append(d.Rows, row{ID: q.ID, Topic: q.Topic, Event: q.EventID, Note: "replay"})
+			for _, e := range res.Replayed {
+				d.Rows = append(d.Rows, rows.replayed(e))
 			}
-			for _, q := range res.Skipped {
-				d.Rows = append(d.Rows, row{ID: q.ID, Topic: q.Topic, Event: q.EventID, Note: "skipped (" + q.Skip + "): " + q.Detail})
+			for _, e := range res.Skipped {
+				d.Rows = append(d.Rows, rows.skipped(e))
 			}
 			return nil
 		}
-		res, err := c.ops.PurgeQuarantined(r.Context(), d.Selection.quarantine(), dryRun)
+		res, err := t.Purge(r.Context(), d.Selection.ops(), dryRun)
 		if err != nil {
 			return err
 		}
 		d.Token, d.Count = res.Selection, len(res.Purged)
-		for _, q := range res.Purged {
-			d.Rows = append(d.Rows, row{ID: q.ID, Topic: q.Topic, Event: q.EventID, Note: q.Reason})
+		for _, m := range res.Purged {
+			d.Rows = append(d.Rows, rows.purged(m))
 		}
 		return nil
 	})
@@ -419,7 +425,7 @@ func actionTitle(d actionData) string {
 // sagasData is the saga list's.
 type sagasData struct {
 	Filter    sagaFilter
-	Instances []bus.SagaInstance
+	Instances []ops.SagaInstance
 	Truncated bool
 }
 
@@ -440,12 +446,12 @@ func (c *Console) sagaList(w http.ResponseWriter, r *http.Request) {
 // sagaTimeout is one pending timeout of a saga instance.
 type sagaTimeout struct {
 	Name, EventID string
-	Event         *bus.ScheduledEvent // nil when it is no longer scheduled (due and moved to the outbox, or cancelled)
+	Event         *ops.ScheduledEvent // nil when it is no longer scheduled (due and moved to the outbox, or cancelled)
 }
 
 // sagaData is a saga instance's page's.
 type sagaData struct {
-	Instance bus.SagaInstance
+	Instance ops.SagaInstance
 	State    payloadView
 	Timeouts []sagaTimeout
 }
@@ -467,7 +473,7 @@ func (c *Console) sagaShow(w http.ResponseWriter, r *http.Request) {
 			c.failErr(w, r, err)
 			return
 		}
-		byID := make(map[string]*bus.ScheduledEvent, len(scheduled))
+		byID := make(map[string]*ops.ScheduledEvent, len(scheduled))
 		for i := range scheduled {
 			byID[scheduled[i].ID] = &scheduled[i]
 		}
@@ -480,7 +486,7 @@ func (c *Console) sagaShow(w http.ResponseWriter, r *http.Request) {
 
 // scheduledData is the scheduled events page's.
 type scheduledData struct {
-	Events    []bus.ScheduledEvent
+	Events    []ops.ScheduledEvent
 	Total     int64
 	Truncated bool
 }

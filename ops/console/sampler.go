@@ -10,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // sampleWindow is how long the console keeps its samples: the overview's
@@ -57,12 +58,12 @@ func (r *ring) newest() time.Time {
 }
 
 // sampler measures, every interval, what the database keeps no history
-// of: each relay group's oldest pending age (bus.Ops.OutboxStatuses) and,
+// of: each relay group's oldest pending age (ops.Client.OutboxStatuses) and,
 // given a registry, each consumer group's backlog (millrace_consumer_backlog
 // summed over the group's handlers and partitions). It keeps the last hour
 // of samples in memory, in one goroutine that close ends.
 type sampler struct {
-	ops     *bus.Ops
+	ops     *ops.Client
 	metrics prometheus.Gatherer
 	every   time.Duration
 	keep    int // samples per series
@@ -78,9 +79,9 @@ type sampler struct {
 }
 
 // startSampler starts sampling at once and then every interval.
-func startSampler(ops *bus.Ops, metrics prometheus.Gatherer, every time.Duration, log *slog.Logger) *sampler {
+func startSampler(oc *ops.Client, metrics prometheus.Gatherer, every time.Duration, log *slog.Logger) *sampler {
 	ctx, stop := context.WithCancel(context.Background())
-	s := &sampler{ops: ops, metrics: metrics, every: every, keep: min(maxSamples, int(sampleWindow/every)+1), log: log,
+	s := &sampler{ops: oc, metrics: metrics, every: every, keep: min(maxSamples, int(sampleWindow/every)+1), log: log,
 		started: time.Now(), oldest: map[string]*ring{}, backlog: map[string]*ring{}, stop: stop, done: make(chan struct{})}
 	go s.run(ctx)
 	return s

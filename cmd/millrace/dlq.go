@@ -13,7 +13,6 @@ import (
 	"maps"
 	"slices"
 	"strings"
-	"text/tabwriter"
 	"time"
 	"unicode/utf8"
 
@@ -30,7 +29,8 @@ var dlq = table[ops.PoisonedMessage, ops.PoisonedDetail, ops.ReplayedEntry, ops.
 		all: "select every message of the poison table (instead of IDs or filters)"},
 	none:        "no poisoned messages match",
 	unit:        "message(s)",
-	writeTable:  writeTable,
+	header:      "ID\tPOISONED AT\tGROUP\tHANDLER\tTOPIC\tEVENT TYPE\tAGGREGATE\tCLASS\tTIMES\tSTATE\tREASON",
+	line:        dlqLine,
 	show:        dlqShow,
 	writeReplay: writeReplay,
 	forceUsage:  "also replay messages whose event the consumer group's inbox already records (the group acks them as duplicates), and those the broker would refuse (the relay quarantines them)",
@@ -68,33 +68,21 @@ func bindGroups(fs *flag.FlagSet) runFunc {
 			if err != nil {
 				return err
 			}
-			return e.print(map[string]any{"groups": groups}, func(w io.Writer) {
-				if len(groups) == 0 {
-					fmt.Fprintln(w, "no poisoned messages match")
-					return
-				}
-				tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-				fmt.Fprintln(tw, "FINGERPRINT\tMESSAGES\tWAITING\tCLASS\tHANDLERS\tLAST POISONED\tREASON")
-				for _, g := range groups {
-					fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\t%s\t%s\n", g.Fingerprint, g.Messages, g.Waiting, g.ErrorClass,
+			l := listed[ops.FailureGroup]{rows: groups, none: dlq.none, more: "(replay or purge a group with --fingerprint FP)",
+				header: "FINGERPRINT\tMESSAGES\tWAITING\tCLASS\tHANDLERS\tLAST POISONED\tREASON",
+				line: func(g ops.FailureGroup) string {
+					return fmt.Sprintf("%s\t%d\t%d\t%s\t%s\t%s\t%s", g.Fingerprint, g.Messages, g.Waiting, g.ErrorClass,
 						cell(strings.Join(g.Handlers, ","), 30), g.LastPoisonedAt.Format(time.RFC3339), cell(g.Reason, 70))
-				}
-				tw.Flush()
-				fmt.Fprintln(w, "(replay or purge a group with --fingerprint FP)")
-			})
+				}}
+			return e.print(map[string]any{"groups": groups}, l.write)
 		})
 	}
 }
 
-// writeTable writes rows as the text table of dlq list and dlq purge.
-func writeTable(w io.Writer, rows []ops.PoisonedMessage) {
-	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "ID\tPOISONED AT\tGROUP\tHANDLER\tTOPIC\tEVENT TYPE\tAGGREGATE\tCLASS\tTIMES\tSTATE\tREASON")
-	for _, r := range rows {
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s\n", r.ID, r.PoisonedAt.Format(time.RFC3339),
-			r.ConsumerGroup, r.Handler, r.Topic, cell(r.EventType, 30), cell(r.AggregateID, 30), r.ErrorClass, r.TimesPoisoned, r.State, cell(r.Reason, 60))
-	}
-	tw.Flush()
+// dlqLine is a message's row in dlq list and dlq purge.
+func dlqLine(r ops.PoisonedMessage) string {
+	return fmt.Sprintf("%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s", r.ID, r.PoisonedAt.Format(time.RFC3339),
+		r.ConsumerGroup, r.Handler, r.Topic, cell(r.EventType, 30), cell(r.AggregateID, 30), r.ErrorClass, r.TimesPoisoned, r.State, cell(r.Reason, 60))
 }
 
 // cell shortens s to its first line and at most n characters, for a table.

@@ -3,7 +3,6 @@ package main
 import (
 	"fmt"
 	"io"
-	"text/tabwriter"
 	"time"
 
 	"github.com/millrace-io/millrace/ops"
@@ -18,7 +17,8 @@ var quarantine = table[ops.QuarantinedRow, ops.QuarantinedDetail, ops.Quarantine
 		at: "quarantined", all: "select every row of the relay quarantine (instead of IDs or filters)"},
 	none:          "no quarantined rows match",
 	unit:          "row(s)",
-	writeTable:    writeQuarantineTable,
+	header:        "ID\tQUARANTINED AT\tTOPIC\tEVENT ID\tOFFSET\tREPLAYED\tREASON",
+	line:          quarantineLine,
 	show:          quarantineShow,
 	writeReplay:   writeQuarantineReplay,
 	forceUsage:    "also replay rows the configured broker still refuses (the relay quarantines them again)",
@@ -35,14 +35,10 @@ func init() {
 	commands = append(commands, quarantine.commands()...)
 }
 
-func writeQuarantineTable(w io.Writer, rows []ops.QuarantinedRow) {
-	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "ID\tQUARANTINED AT\tTOPIC\tEVENT ID\tOFFSET\tREPLAYED\tREASON")
-	for _, r := range rows {
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%d\t%s\n", r.ID, r.QuarantinedAt.Format(time.RFC3339),
-			cell(r.Topic, 40), cell(r.EventID, 36), r.OutboxOffset, r.TimesReplayed, cell(r.Reason, 60))
-	}
-	tw.Flush()
+// quarantineLine is a row's line in quarantine list and quarantine purge.
+func quarantineLine(r ops.QuarantinedRow) string {
+	return fmt.Sprintf("%d\t%s\t%s\t%s\t%d\t%d\t%s", r.ID, r.QuarantinedAt.Format(time.RFC3339),
+		cell(r.Topic, 40), cell(r.EventID, 36), r.OutboxOffset, r.TimesReplayed, cell(r.Reason, 60))
 }
 
 // quarantineShowResult is the --json output of quarantine show.

@@ -2,12 +2,10 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"sort"
-	"text/tabwriter"
 	"time"
 
 	"github.com/millrace-io/millrace/ops"
@@ -25,36 +23,28 @@ func bindSagaList(fs *flag.FlagSet) runFunc {
 	completed := fs.Bool("completed", false, "include completed instances (kept for their retention)")
 	limit := fs.Int("limit", 100, "show at most `N` instances (0: no limit)")
 	return func(ctx context.Context, e env, args []string) error {
-		if err := errors.Join(noArgs(args), checkLimit(*limit)); err != nil {
-			return err
+		read := func(oc *ops.Client) (ops.SagaList, error) {
+			return oc.ListSagas(ctx, ops.SagaFilter{Saga: *saga, Completed: *completed}, *limit)
 		}
-		return withOps(ctx, e, func(oc *ops.Client) error {
-			res, err := oc.ListSagas(ctx, ops.SagaFilter{Saga: *saga, Completed: *completed}, *limit)
-			if err != nil {
-				return err
+		return runList(ctx, e, args, *limit, read, func(res ops.SagaList) func(io.Writer) {
+			l := listed[ops.SagaInstance]{rows: res.Instances, none: "no saga instances match",
+				header: "SAGA\tID\tSTEP\tVERSION\tTIMEOUTS\tUPDATED AT\tCOMPLETED", line: sagaLine}
+			if res.Truncated {
+				l.more = fmt.Sprintf("(more instances match; showing %d, raise --limit to see more)", *limit)
 			}
-			return e.print(res, func(w io.Writer) {
-				if len(res.Instances) == 0 {
-					fmt.Fprintln(w, "no saga instances match")
-					return
-				}
-				tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-				fmt.Fprintln(tw, "SAGA\tID\tSTEP\tVERSION\tTIMEOUTS\tUPDATED AT\tCOMPLETED")
-				for _, r := range res.Instances {
-					done := "-"
-					if r.CompletedAt != nil {
-						done = r.CompletedAt.Format(time.RFC3339)
-					}
-					fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%s\t%s\n", cell(r.Saga, 30), cell(r.ID, 36), cell(r.Step, 30), r.Version,
-						len(r.Timeouts), r.UpdatedAt.Format(time.RFC3339), done)
-				}
-				tw.Flush()
-				if res.Truncated {
-					fmt.Fprintf(w, "(more instances match; showing %d, raise --limit to see more)\n", *limit)
-				}
-			})
+			return l.write
 		})
 	}
+}
+
+// sagaLine is an instance's row in saga list.
+func sagaLine(r ops.SagaInstance) string {
+	done := "-"
+	if r.CompletedAt != nil {
+		done = r.CompletedAt.Format(time.RFC3339)
+	}
+	return fmt.Sprintf("%s\t%s\t%s\t%d\t%d\t%s\t%s", cell(r.Saga, 30), cell(r.ID, 36), cell(r.Step, 30), r.Version,
+		len(r.Timeouts), r.UpdatedAt.Format(time.RFC3339), done)
 }
 
 func runSagaShow(ctx context.Context, e env, args []string) error {

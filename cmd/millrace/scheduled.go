@@ -2,11 +2,9 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
-	"text/tabwriter"
 	"time"
 
 	"github.com/millrace-io/millrace/ops"
@@ -22,30 +20,17 @@ func init() {
 func bindScheduledList(fs *flag.FlagSet) runFunc {
 	limit := fs.Int("limit", 100, "show at most `N` events (0: no limit)")
 	return func(ctx context.Context, e env, args []string) error {
-		if err := errors.Join(noArgs(args), checkLimit(*limit)); err != nil {
-			return err
-		}
-		return withOps(ctx, e, func(oc *ops.Client) error {
-			res, err := oc.ListScheduled(ctx, *limit)
-			if err != nil {
-				return err
-			}
-			return e.print(res, func(w io.Writer) {
-				if len(res.Events) == 0 {
-					fmt.Fprintln(w, "no scheduled events")
-					return
-				}
-				tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-				fmt.Fprintln(tw, "DUE AT\tEVENT ID\tTOPIC\tTYPE\tAGGREGATE")
-				for _, r := range res.Events {
-					fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", r.DueAt.Format(time.RFC3339Nano), cell(r.ID, 36), cell(r.Topic, 40),
+		read := func(oc *ops.Client) (ops.ScheduledList, error) { return oc.ListScheduled(ctx, *limit) }
+		return runList(ctx, e, args, *limit, read, func(res ops.ScheduledList) func(io.Writer) {
+			l := listed[ops.ScheduledEvent]{rows: res.Events, none: "no scheduled events", header: "DUE AT\tEVENT ID\tTOPIC\tTYPE\tAGGREGATE",
+				line: func(r ops.ScheduledEvent) string {
+					return fmt.Sprintf("%s\t%s\t%s\t%s\t%s", r.DueAt.Format(time.RFC3339Nano), cell(r.ID, 36), cell(r.Topic, 40),
 						cell(r.Type, 40), cell(r.AggregateType+"/"+r.AggregateID, 40))
-				}
-				tw.Flush()
-				if res.Truncated {
-					fmt.Fprintf(w, "(%d scheduled in all; showing %d, raise --limit to see more)\n", res.Total, *limit)
-				}
-			})
+				}}
+			if res.Truncated {
+				l.more = fmt.Sprintf("(%d scheduled in all; showing %d, raise --limit to see more)", res.Total, *limit)
+			}
+			return l.write
 		})
 	}
 }

@@ -23,8 +23,10 @@ type table[R, D, E, S any] struct {
 	none string
 	// unit counts rows in messages: "message(s)", "row(s)".
 	unit string
-	// writeTable writes rows as the text table of list and purge.
-	writeTable func(w io.Writer, rows []R)
+	// header and line are the text table of list and purge: its header,
+	// and a row's line (columns separated by tabs).
+	header string
+	line   func(R) string
 	// show is the --json value and the text of the show command.
 	show func(d D, asHex bool) (any, func(w io.Writer))
 	// writeReplay writes the text result of a replay.
@@ -62,16 +64,11 @@ func (t table[R, D, E, S]) bindList(fs *flag.FlagSet) runFunc {
 			if err != nil {
 				return err
 			}
-			return e.print(map[string]any{t.flags.rows: res.Rows, "truncated": res.Truncated}, func(w io.Writer) {
-				if len(res.Rows) == 0 {
-					fmt.Fprintln(w, t.none)
-					return
-				}
-				t.writeTable(w, res.Rows)
-				if res.Truncated {
-					fmt.Fprintf(w, "(more %s match; showing %d, raise --limit to see more)\n", t.flags.rows, f.limit)
-				}
-			})
+			l := listed[R]{rows: res.Rows, none: t.none, header: t.header, line: t.line}
+			if res.Truncated {
+				l.more = fmt.Sprintf("(more %s match; showing %d, raise --limit to see more)", t.flags.rows, f.limit)
+			}
+			return e.print(map[string]any{t.flags.rows: res.Rows, "truncated": res.Truncated}, l.write)
 		})
 	}
 }
@@ -160,7 +157,7 @@ func (t table[R, D, E, S]) writePurge(w io.Writer, res ops.PurgeResult[R]) {
 		fmt.Fprintln(w, t.none)
 		return
 	}
-	t.writeTable(w, res.Purged)
+	writeTabbed(w, t.header, res.Purged, t.line)
 	if res.DryRun {
 		fmt.Fprintf(w, "dry run: %d %s would be purged; nothing changed\n", len(res.Purged), t.unit)
 	} else {

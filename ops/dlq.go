@@ -66,26 +66,26 @@ func poisonFilter(f Filter, ids []int64) store.PoisonFilter {
 // PoisonedMessage is one message of the poison table: its failure envelope,
 // replays and state.
 type PoisonedMessage struct {
-	ID             int64      `json:"id"`
-	ConsumerGroup  string     `json:"consumer_group"`
-	Handler        string     `json:"handler"`
-	Topic          string     `json:"topic"`
-	MessageID      string     `json:"message_id"`
-	EventID        string     `json:"event_id"`
-	EventType      string     `json:"event_type"`
-	AggregateID    string     `json:"aggregate_id"`
-	State          string     `json:"state"`
-	ErrorClass     string     `json:"error_class"`
-	Reason         string     `json:"reason"`
-	Attempts       int        `json:"attempts"`
-	TimesPoisoned  int        `json:"times_poisoned"`
-	FirstFailureAt time.Time  `json:"first_failure_at"`
-	LastFailureAt  time.Time  `json:"last_failure_at"`
-	PoisonedAt     time.Time  `json:"poisoned_at"`
-	ReplayedAt     *time.Time `json:"replayed_at"`
-	ReplayCount    int        `json:"replay_count"`
-	ProcessedAt    *time.Time `json:"processed_at"`
-	PayloadBytes   int        `json:"payload_bytes"`
+	ID             int64      `json:"id"`               // the poison row's id (Get, Selection.IDs)
+	ConsumerGroup  string     `json:"consumer_group"`   // the consumer group that poisoned it
+	Handler        string     `json:"handler"`          // the handler that failed on it
+	Topic          string     `json:"topic"`            // the source topic
+	MessageID      string     `json:"message_id"`       // the broker message id of the failed delivery
+	EventID        string     `json:"event_id"`         // the event id (the inbox key)
+	EventType      string     `json:"event_type"`       // the event's type
+	AggregateID    string     `json:"aggregate_id"`     // the event's aggregate id (its ordering key)
+	State          string     `json:"state"`            // PoisonStatePoisoned, -Replayed, -Quarantined or -Processed
+	ErrorClass     string     `json:"error_class"`      // middleware.ClassPermanent or middleware.ClassTransient
+	Reason         string     `json:"reason"`           // the failure's reason, the error text
+	Attempts       int        `json:"attempts"`         // attempts in its last delivery
+	TimesPoisoned  int        `json:"times_poisoned"`   // how often it was poisoned (again after a replay)
+	FirstFailureAt time.Time  `json:"first_failure_at"` // its first failed attempt
+	LastFailureAt  time.Time  `json:"last_failure_at"`  // its last failed attempt
+	PoisonedAt     time.Time  `json:"poisoned_at"`      // when it was last poisoned
+	ReplayedAt     *time.Time `json:"replayed_at"`      // its last replay since it was last poisoned; nil if none
+	ReplayCount    int        `json:"replay_count"`     // how often it was replayed
+	ProcessedAt    *time.Time `json:"processed_at"`     // when its group's inbox recorded the event; nil if not
+	PayloadBytes   int        `json:"payload_bytes"`    // the payload's size
 	// Fingerprint names the message's failure group (PoisonGroups).
 	Fingerprint string `json:"fingerprint"`
 	// ReplayQuarantine is the relay quarantine's row holding the last
@@ -100,22 +100,22 @@ type ReplayQuarantine struct {
 	ID int64 `json:"id"`
 	// Reason says why the relay quarantined it.
 	Reason        string    `json:"reason"`
-	QuarantinedAt time.Time `json:"quarantined_at"`
+	QuarantinedAt time.Time `json:"quarantined_at"` // when the relay quarantined it
 }
 
 // PoisonedDetail is a poisoned message with its payload, metadata and
 // replay history.
 type PoisonedDetail struct {
 	PoisonedMessage
-	Traceparent string            `json:"traceparent"`
-	Metadata    map[string]string `json:"metadata"`
-	Payload     []byte            `json:"payload"`
-	Replays     []PoisonReplay    `json:"replays"`
+	Traceparent string            `json:"traceparent"` // the W3C trace context it carried
+	Metadata    map[string]string `json:"metadata"`    // its metadata as delivered
+	Payload     []byte            `json:"payload"`     // its payload
+	Replays     []PoisonReplay    `json:"replays"`     // its replay history, oldest first
 }
 
 // PoisonReplay is one replay of a poisoned message.
 type PoisonReplay struct {
-	ReplayedAt time.Time `json:"replayed_at"`
+	ReplayedAt time.Time `json:"replayed_at"` // when it was replayed
 	// MessageID is the message id the replay was sent with.
 	MessageID string `json:"message_id"`
 	// ReplayedBy names who replayed it (ReplayOptions.By).
@@ -153,7 +153,7 @@ type FailureGroup struct {
 	// Fingerprint names the group: 12 hex digits from its error class and
 	// normalised reason. Filter.Fingerprint selects its messages.
 	Fingerprint string `json:"fingerprint"`
-	ErrorClass  string `json:"error_class"`
+	ErrorClass  string `json:"error_class"` // the error class of its messages
 	// Reason is the normalised reason ("order <n> not found").
 	Reason string `json:"reason"`
 	// Example is the newest message's own reason.
@@ -161,12 +161,12 @@ type FailureGroup struct {
 	// Messages counts the group's messages; Waiting those not replayed
 	// since they were last poisoned.
 	Messages int64 `json:"messages"`
-	Waiting  int64 `json:"waiting"`
+	Waiting  int64 `json:"waiting"` // see Messages
 	// Handlers and Topics are those of the group's messages, sorted.
 	Handlers        []string  `json:"handlers"`
-	Topics          []string  `json:"topics"`
-	FirstPoisonedAt time.Time `json:"first_poisoned_at"`
-	LastPoisonedAt  time.Time `json:"last_poisoned_at"`
+	Topics          []string  `json:"topics"`            // see Handlers
+	FirstPoisonedAt time.Time `json:"first_poisoned_at"` // its oldest message's poisoning
+	LastPoisonedAt  time.Time `json:"last_poisoned_at"`  // its newest message's poisoning
 }
 
 // PoisonGroups groups the poisoned messages f selects by failure
@@ -208,12 +208,12 @@ func (p poisonTable) get(ctx context.Context, id int64) (PoisonedDetail, error) 
 
 // ReplayedEntry is a poisoned message that was (or would be) replayed.
 type ReplayedEntry struct {
-	ID            int64  `json:"id"`
-	ConsumerGroup string `json:"consumer_group"`
-	Handler       string `json:"handler"`
-	Topic         string `json:"topic"`
-	EventID       string `json:"event_id"`
-	EventType     string `json:"event_type"`
+	ID            int64  `json:"id"`             // the poison row's id
+	ConsumerGroup string `json:"consumer_group"` // the group that poisoned it
+	Handler       string `json:"handler"`        // its handler
+	Topic         string `json:"topic"`          // its topic
+	EventID       string `json:"event_id"`       // its event id, kept by the replay
+	EventType     string `json:"event_type"`     // its event type
 	// MessageID is the replay's new message id; "" with DryRun.
 	MessageID string `json:"message_id"`
 	// TargetGroups are the consumer groups the replay is for, sorted: those
@@ -224,12 +224,12 @@ type ReplayedEntry struct {
 
 // SkippedEntry is a selected poisoned message that was not replayed.
 type SkippedEntry struct {
-	ID            int64  `json:"id"`
-	ConsumerGroup string `json:"consumer_group"`
-	Handler       string `json:"handler"`
-	Topic         string `json:"topic"`
-	EventID       string `json:"event_id"`
-	EventType     string `json:"event_type"`
+	ID            int64  `json:"id"`             // the poison row's id
+	ConsumerGroup string `json:"consumer_group"` // the group that poisoned it
+	Handler       string `json:"handler"`        // its handler
+	Topic         string `json:"topic"`          // its topic
+	EventID       string `json:"event_id"`       // its event id
+	EventType     string `json:"event_type"`     // its event type
 	// Reason is SkipAlreadyProcessed or SkipRefusedByBroker.
 	Reason string `json:"reason"`
 	// ProcessedAt is when the group's inbox recorded the event, for

@@ -143,12 +143,12 @@ type InboxPrune struct {
 
 // InboxPruneResult is what PruneInbox did.
 type InboxPruneResult struct {
-	DryRun bool `json:"dry_run"`
+	DryRun bool `json:"dry_run"` // nothing was deleted
 	// Deleted counts the rows deleted; with DryRun, the rows that would be.
 	Deleted   int64  `json:"deleted"`
-	OlderThan string `json:"older_than"`
-	Group     string `json:"group"`
-	Batch     int    `json:"batch"`
+	OlderThan string `json:"older_than"` // InboxPrune.OlderThan, as a duration
+	Group     string `json:"group"`      // InboxPrune.Group
+	Batch     int    `json:"batch"`      // the batch used
 	// Warnings say what the prune may cost (a window shorter than
 	// consumer.inbox.retention).
 	Warnings []string `json:"warnings"`

@@ -38,17 +38,17 @@ func checkQuarantine(f Filter) error {
 
 // QuarantinedRow is one row of the relay quarantine.
 type QuarantinedRow struct {
-	ID int64 `json:"id"`
+	ID int64 `json:"id"` // the quarantine row's id (Get, Selection.IDs)
 	// OutboxOffset and OutboxUUID identify the outbox row it was.
 	OutboxOffset int64  `json:"outbox_offset"`
-	OutboxUUID   string `json:"outbox_uuid"`
+	OutboxUUID   string `json:"outbox_uuid"` // see OutboxOffset
 	// Topic and EventID come from the row's envelope; "" when it is unreadable.
 	Topic         string     `json:"topic"`
-	EventID       string     `json:"event_id"`
-	Reason        string     `json:"reason"`
-	QuarantinedAt time.Time  `json:"quarantined_at"`
-	ReplayedAt    *time.Time `json:"replayed_at"`
-	TimesReplayed int        `json:"times_replayed"`
+	EventID       string     `json:"event_id"`       // see Topic
+	Reason        string     `json:"reason"`         // why the relay quarantined it
+	QuarantinedAt time.Time  `json:"quarantined_at"` // when the relay quarantined it
+	ReplayedAt    *time.Time `json:"replayed_at"`    // its last replay; nil if none
+	TimesReplayed int        `json:"times_replayed"` // how often it was replayed
 	// PayloadBytes is the size of the outbox row's payload (the envelope).
 	PayloadBytes int `json:"payload_bytes"`
 }
@@ -68,7 +68,7 @@ type QuarantinedDetail struct {
 	EnvelopeError string `json:"envelope_error"`
 	// Metadata and Payload are the event's, from the envelope.
 	Metadata map[string]string `json:"metadata"`
-	Payload  []byte            `json:"payload"`
+	Payload  []byte            `json:"payload"` // see Metadata
 }
 
 // quarantineTable is the relay quarantine's side of a Table.

@@ -25,8 +25,8 @@ type SagaInstance struct {
 	Timeouts map[string]string `json:"timeouts"`
 	// CompletedAt is when it completed; nil while it runs.
 	CompletedAt *time.Time `json:"completed_at"`
-	CreatedAt   time.Time  `json:"created_at"`
-	UpdatedAt   time.Time  `json:"updated_at"`
+	CreatedAt   time.Time  `json:"created_at"` // when its starting step committed
+	UpdatedAt   time.Time  `json:"updated_at"` // when its last step committed
 	// LastError is the last error of its steps, kept for the saga's
 	// retention; nil when no step failed (shown by Saga, not ListSagas).
 	LastError *SagaStepError `json:"last_error,omitempty"`
@@ -57,7 +57,7 @@ type SagaFilter struct {
 
 // SagaList is a page of saga instances.
 type SagaList struct {
-	Instances []SagaInstance `json:"instances"`
+	Instances []SagaInstance `json:"instances"` // the instances of the page
 	// Truncated says more instances match than the limit.
 	Truncated bool `json:"truncated"`
 }

@@ -15,17 +15,17 @@ type ScheduledEvent struct {
 	ID string `json:"id"`
 	// Topic is the destination topic.
 	Topic         string    `json:"topic"`
-	Type          string    `json:"type"`
-	AggregateType string    `json:"aggregate_type"`
-	AggregateID   string    `json:"aggregate_id"`
-	DueAt         time.Time `json:"due_at"`
+	Type          string    `json:"type"`           // the event's type
+	AggregateType string    `json:"aggregate_type"` // the event's aggregate type
+	AggregateID   string    `json:"aggregate_id"`   // the event's aggregate id
+	DueAt         time.Time `json:"due_at"`         // when it is due
 	// ScheduledAt is when the transaction that scheduled it began.
 	ScheduledAt time.Time `json:"scheduled_at"`
 }
 
 // ScheduledList is a page of scheduled events.
 type ScheduledList struct {
-	Events []ScheduledEvent `json:"events"`
+	Events []ScheduledEvent `json:"events"` // the events of the page
 	// Total counts every scheduled event.
 	Total int64 `json:"total"`
 	// Truncated says more events are scheduled than the limit.

@@ -99,39 +99,8 @@ func TestOpsDLQListShowReplayPurge(t *testing.T) {
 	})
 	testkit.Eventually(t, time.Minute, "the good event handled", func() bool { return w.effects(good) == 1 })
 
-	list, err := w.ops.DLQ().List(ctx, ops.Filter{Reason: "O-BAD-2"}, 0)
-	require.NoError(t, err)
-	require.Len(t, list.Rows, 1, "the reason filter is case-insensitive")
-	m := list.Rows[0]
-	require.Equal(t, bad2, m.EventID)
-	require.Equal(t, "o-bad-2", m.AggregateID)
-	require.Equal(t, ops.PoisonStatePoisoned, m.State)
-	require.Equal(t, middleware.ClassPermanent, m.ErrorClass)
-	list, err = w.ops.DLQ().List(ctx, ops.Filter{Group: w.group, Since: ops.Ago(time.Hour), Until: ops.Ago(-time.Hour)}, 1)
-	require.NoError(t, err)
-	require.Len(t, list.Rows, 1)
-	require.True(t, list.Truncated, "two match, the limit is one")
-	list, err = w.ops.DLQ().List(ctx, ops.Filter{Topic: "other"}, 0)
-	require.NoError(t, err)
-	require.Empty(t, list.Rows)
-
-	d, err := w.ops.DLQ().Get(ctx, m.ID)
-	require.NoError(t, err)
-	require.JSONEq(t, `{"total":1}`, string(d.Payload))
-	require.Equal(t, "o-bad-2", d.Metadata[bus.AggregateIDKey])
-	require.Empty(t, d.Replays)
-	_, err = w.ops.DLQ().Get(ctx, 999999)
-	require.ErrorIs(t, err, ops.ErrNotFound)
-
-	// Selections must say what they act on, and ids must exist.
-	_, err = w.ops.DLQ().Replay(ctx, ops.Selection{}, ops.ReplayOptions{})
-	require.ErrorIs(t, err, ops.ErrInvalidSelection)
-	_, err = w.ops.DLQ().Replay(ctx, ops.Selection{IDs: []int64{m.ID}, All: true}, ops.ReplayOptions{})
-	require.ErrorIs(t, err, ops.ErrInvalidSelection)
-	_, err = w.ops.DLQ().Purge(ctx, ops.Selection{IDs: []int64{m.ID, 999999}}, false)
-	var nf *ops.NotFoundError
-	require.ErrorAs(t, err, &nf)
-	require.Equal(t, []int64{999999}, nf.IDs, "nothing was purged: the selection named a missing id")
+	m := checkDLQListAndShow(t, w, bad2)
+	checkSelectionErrors(t, w, m.ID)
 
 	// The relay acks a batch after the broker confirmed it, which can be
 	// after the consumer handled it: wait for the ack before counting.
@@ -157,7 +126,7 @@ func TestOpsDLQListShowReplayPurge(t *testing.T) {
 		require.NotEmpty(t, r.MessageID, "a replay has a message id of its own")
 	}
 	testkit.Eventually(t, time.Minute, "both replays handled once", func() bool { return w.effects(bad1) == 1 && w.effects(bad2) == 1 })
-	d, err = w.ops.DLQ().Get(ctx, m.ID)
+	d, err := w.ops.DLQ().Get(ctx, m.ID)
 	require.NoError(t, err)
 	require.Len(t, d.Replays, 1)
 	require.Equal(t, "tester@host", d.Replays[0].ReplayedBy)
@@ -172,18 +141,7 @@ func TestOpsDLQListShowReplayPurge(t *testing.T) {
 	require.Len(t, again.Skipped, 1)
 	require.Equal(t, ops.SkipAlreadyProcessed, again.Skipped[0].Reason)
 
-	purged, err := w.ops.DLQ().Purge(ctx, ops.Selection{All: true}, true)
-	require.NoError(t, err)
-	require.Len(t, purged.Purged, 2)
-	list, err = w.ops.DLQ().List(ctx, ops.Filter{}, 0)
-	require.NoError(t, err)
-	require.Len(t, list.Rows, 2, "a dry run purges nothing")
-	purged, err = w.ops.DLQ().Purge(ctx, ops.Selection{All: true}, false)
-	require.NoError(t, err)
-	require.Len(t, purged.Purged, 2)
-	list, err = w.ops.DLQ().List(ctx, ops.Filter{}, 0)
-	require.NoError(t, err)
-	require.Empty(t, list.Rows)
+	checkDLQPurge(t, w)
 	require.Equal(t, 1, w.effects(bad1), "one effect per event, replays included")
 }
 
@@ -333,4 +291,74 @@ func subscribe(t *testing.T, w *opsWorld, topic string) <-chan string {
 		}
 	}()
 	return out
+}
+
+// checkDLQListAndShow lists the two poisoned messages with filters and
+// shows the one of event bad2, which it returns.
+func checkDLQListAndShow(t *testing.T, w *opsWorld, bad2 string) ops.PoisonedMessage {
+	t.Helper()
+	ctx := context.Background()
+	list, err := w.ops.DLQ().List(ctx, ops.Filter{Reason: "O-BAD-2"}, 0)
+	require.NoError(t, err)
+	require.Len(t, list.Rows, 1, "the reason filter is case-insensitive")
+	m := list.Rows[0]
+	require.Equal(t, bad2, m.EventID)
+	require.Equal(t, "o-bad-2", m.AggregateID)
+	require.Equal(t, ops.PoisonStatePoisoned, m.State)
+	require.Equal(t, middleware.ClassPermanent, m.ErrorClass)
+	list, err = w.ops.DLQ().List(ctx, ops.Filter{Group: w.group, Since: ops.Ago(time.Hour), Until: ops.Ago(-time.Hour)}, 1)
+	require.NoError(t, err)
+	require.Len(t, list.Rows, 1)
+	require.True(t, list.Truncated, "two match, the limit is one")
+	list, err = w.ops.DLQ().List(ctx, ops.Filter{Topic: "other"}, 0)
+	require.NoError(t, err)
+	require.Empty(t, list.Rows)
+
+	d, err := w.ops.DLQ().Get(ctx, m.ID)
+	require.NoError(t, err)
+	require.JSONEq(t, `{"total":1}`, string(d.Payload))
+	require.Equal(t, "o-bad-2", d.Metadata[bus.AggregateIDKey])
+	require.Empty(t, d.Replays)
+	_, err = w.ops.DLQ().Get(ctx, 999999)
+	require.ErrorIs(t, err, ops.ErrNotFound)
+	return m
+}
+
+// checkSelectionErrors checks that replays and purges refuse selections
+// that say nothing, or several things, or name a missing id (id exists),
+// and that the relay quarantine refuses the DLQ's filter fields.
+func checkSelectionErrors(t *testing.T, w *opsWorld, id int64) {
+	t.Helper()
+	ctx := context.Background()
+	// Selections must say what they act on, and ids must exist.
+	_, err := w.ops.DLQ().Replay(ctx, ops.Selection{}, ops.ReplayOptions{})
+	require.ErrorIs(t, err, ops.ErrInvalidSelection)
+	_, err = w.ops.DLQ().Replay(ctx, ops.Selection{IDs: []int64{id}, All: true}, ops.ReplayOptions{})
+	require.ErrorIs(t, err, ops.ErrInvalidSelection)
+	_, err = w.ops.DLQ().Purge(ctx, ops.Selection{IDs: []int64{id, 999999}}, false)
+	var nf *ops.NotFoundError
+	require.ErrorAs(t, err, &nf)
+	require.Equal(t, []int64{999999}, nf.IDs, "nothing was purged: the selection named a missing id")
+	_, err = w.ops.Quarantine().List(ctx, ops.Filter{Handler: w.group}, 0)
+	require.ErrorIs(t, err, ops.ErrInvalidFilter, "the relay quarantine has no handlers")
+	_, err = w.ops.Quarantine().Purge(ctx, ops.Selection{Filter: ops.Filter{Fingerprint: "0123456789ab"}}, true)
+	require.ErrorIs(t, err, ops.ErrInvalidFilter, "nor failure groups")
+}
+
+// checkDLQPurge purges the DLQ's two messages, first as a dry run.
+func checkDLQPurge(t *testing.T, w *opsWorld) {
+	t.Helper()
+	ctx := context.Background()
+	purged, err := w.ops.DLQ().Purge(ctx, ops.Selection{All: true}, true)
+	require.NoError(t, err)
+	require.Len(t, purged.Purged, 2)
+	list, err := w.ops.DLQ().List(ctx, ops.Filter{}, 0)
+	require.NoError(t, err)
+	require.Len(t, list.Rows, 2, "a dry run purges nothing")
+	purged, err = w.ops.DLQ().Purge(ctx, ops.Selection{All: true}, false)
+	require.NoError(t, err)
+	require.Len(t, purged.Purged, 2)
+	list, err = w.ops.DLQ().List(ctx, ops.Filter{}, 0)
+	require.NoError(t, err)
+	require.Empty(t, list.Rows)
 }

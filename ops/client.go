@@ -46,7 +46,33 @@ func New(ctx context.Context, db *sql.DB, cfg bus.Config) (*Client, error) {
 	if db == nil {
 		return nil, errors.New("millrace: ops.New needs a database")
 	}
+	return newClient(ctx, db, cfg.WithDefaults())
+}
+
+// Open checks cfg as New does, connects to its database.url (bus.OpenDB)
+// and returns the operations API over that connection, which Close
+// closes.
+func Open(ctx context.Context, cfg bus.Config) (*Client, error) {
+	if err := cfg.ValidateDatabase(); err != nil {
+		return nil, err
+	}
 	cfg = cfg.WithDefaults()
+	db, err := bus.OpenDB(cfg.Database)
+	if err != nil {
+		return nil, err
+	}
+	c, err := newClient(ctx, db, cfg)
+	if err != nil {
+		db.Close()
+		return nil, err
+	}
+	c.owned = true
+	return c, nil
+}
+
+// newClient returns the Client over db and cfg (checked, defaults
+// applied) once it found every table.
+func newClient(ctx context.Context, db *sql.DB, cfg bus.Config) (*Client, error) {
 	c := &Client{db: db, cfg: cfg, tables: store.Tables{Schema: cfg.Database.Schema, OutboxTopic: cfg.Outbox.Topic}}
 	cctx, cancel := context.WithTimeout(ctx, cfg.Database.ConnectTimeout)
 	defer cancel()
@@ -60,22 +86,6 @@ func New(ctx context.Context, db *sql.DB, cfg bus.Config) (*Client, error) {
 	if missing != "" {
 		return nil, fmt.Errorf("millrace: table %s does not exist: run `millrace migrate` or bus.Migrate first", missing)
 	}
-	return c, nil
-}
-
-// Open connects to cfg's database.url (bus.OpenDB) and returns the
-// operations API over it, as New does; Close closes that connection.
-func Open(ctx context.Context, cfg bus.Config) (*Client, error) {
-	db, err := bus.OpenDB(cfg.WithDefaults().Database)
-	if err != nil {
-		return nil, err
-	}
-	c, err := New(ctx, db, cfg)
-	if err != nil {
-		db.Close()
-		return nil, err
-	}
-	c.owned = true
 	return c, nil
 }
 

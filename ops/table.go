@@ -127,7 +127,8 @@ type PurgeResult[R any] struct {
 
 // Table is the DLQ or the relay quarantine: list, show, replay and purge
 // in one shape. R is a row as a list shows it, D a row with its details,
-// E and S a replay's replayed and skipped entries.
+// E and S a replay's replayed and skipped entries. Client.DLQ and
+// Client.Quarantine return the two there are; the zero Table is not one.
 type Table[R, D, E, S any] struct {
 	t table[R, D, E, S]
 }
@@ -147,7 +148,8 @@ type table[R, D, E, S any] interface {
 	replay(ctx context.Context, tx *sql.Tx, sel Selection, opts ReplayOptions, res *ReplayResult[E, S]) error
 	purge(ctx context.Context, tx *sql.Tx, sel Selection, dryRun bool, res *PurgeResult[R]) error
 	check(f Filter) error
-	db() *Client
+	// client is the Client whose tables it is.
+	client() *Client
 }
 
 // List lists the rows f selects, newest first, at most limit of them (0:
@@ -173,7 +175,7 @@ func (t Table[R, D, E, S]) Replay(ctx context.Context, sel Selection, opts Repla
 	if err := t.checkSelection(sel); err != nil {
 		return res, err
 	}
-	err := t.t.db().inTx(ctx, opts.DryRun, "replay", func(tx *sql.Tx) error {
+	err := t.t.client().inTx(ctx, opts.DryRun, "replay", func(tx *sql.Tx) error {
 		return t.t.replay(ctx, tx, sel, opts, &res)
 	})
 	return res, err
@@ -187,7 +189,7 @@ func (t Table[R, D, E, S]) Purge(ctx context.Context, sel Selection, dryRun bool
 	if err := t.checkSelection(sel); err != nil {
 		return res, err
 	}
-	err := t.t.db().inTx(ctx, dryRun, "purge", func(tx *sql.Tx) error {
+	err := t.t.client().inTx(ctx, dryRun, "purge", func(tx *sql.Tx) error {
 		return t.t.purge(ctx, tx, sel, dryRun, &res)
 	})
 	return res, err
@@ -223,7 +225,7 @@ type readOptions struct {
 	limit                   int
 }
 
-func (k rows[X, R]) db() *Client { return k.c }
+func (k rows[X, R]) client() *Client { return k.c }
 
 // list is a page of the rows f selects, newest first.
 func (k rows[X, R]) list(ctx context.Context, f Filter, limit int) (List[R], error) {

@@ -483,28 +483,7 @@ func TestDLQReplayWritesTheOutbox(t *testing.T) {
 		"consumer:\n  handlers:\n    guarded: {ordering_guard: true}\n    unguarded: {inbox: {enabled: false}}\n")
 	code, _, errOut := cli(t, path, "migrate")
 	require.Equal(t, exitOK, code, errOut)
-	type outboxRow struct {
-		uuid string
-		msg  *message.Message
-		dest string
-	}
-	outbox := func() []outboxRow {
-		rows, err := db.Query(`SELECT uuid, payload FROM "` + schema + `".watermill_millrace_outbox ORDER BY "offset"`)
-		require.NoError(t, err)
-		defer rows.Close()
-		var out []outboxRow
-		for rows.Next() {
-			var r outboxRow
-			var payload []byte
-			require.NoError(t, rows.Scan(&r.uuid, &payload))
-			var err error
-			r.dest, r.msg, err = envelope.Unwrap(payload)
-			require.NoError(t, err)
-			out = append(out, r)
-		}
-		require.NoError(t, rows.Err())
-		return out
-	}
+	outbox := func() []outboxRow { return readOutbox(t, db, schema) }
 
 	// One event poisoned by two groups, and a message from plain Watermill
 	// (no event-id metadata: its UUID is its event id).
@@ -520,20 +499,8 @@ func TestDLQReplayWritesTheOutbox(t *testing.T) {
 		VALUES ('guarded', 'order', 'o-1', 5, 'e-9')`)
 	require.NoError(t, err)
 
-	var dry dryReplay
-	cliJSON(t, path, &dry, "dlq", "replay", "--all", "--dry-run")
-	require.True(t, dry.DryRun)
-	require.Equal(t, []int64{guarded, unguarded, plain}, []int64{dry.WouldReplay[0].ID, dry.WouldReplay[1].ID, dry.WouldReplay[2].ID})
-	require.Equal(t, [][]string{{"guarded", "unguarded"}, {"guarded", "unguarded"}, {"guarded"}},
-		[][]string{dry.WouldReplay[0].TargetGroups, dry.WouldReplay[1].TargetGroups, dry.WouldReplay[2].TargetGroups},
-		"a replay is for the groups whose rows of its event it replays")
-	require.Equal(t, 2, dry.WouldWrite, "one message per event")
+	checkDryReplay(t, path, guarded, unguarded, plain)
 	require.Empty(t, outbox(), "a dry run writes nothing")
-	require.ElementsMatch(t, []string{
-		"handler unguarded has consumer.inbox.enabled false: nothing deduplicates its replays, so replaying a message twice processes it twice",
-		"message " + strconv.FormatInt(guarded, 10) + ": handler guarded has the ordering guard on and has applied version 5 of order o-1; the event is version 3, so the group drops its replay as stale",
-		"event e-1 on topic orders is older than consumer.inbox.retention (720h0m0s): consumer groups that processed it may have pruned it from their inbox and would process it again",
-	}, dry.Warnings)
 
 	code, _, errOut = cli(t, path, "dlq", "replay", strconv.FormatInt(plain, 10), "424242")
 	require.Equal(t, exitFailed, code)
@@ -638,4 +605,50 @@ func TestDLQShowsAReplayTheRelayQuarantined(t *testing.T) {
 	cliJSON(t, path, &list, "dlq", "list")
 	require.Equal(t, ops.PoisonStateReplayed, list.Messages[0].State, "replayed from the quarantine, on its way again")
 	require.Nil(t, list.Messages[0].ReplayQuarantine)
+}
+
+// outboxRow is a row of the outbox, its envelope read.
+type outboxRow struct {
+	uuid string
+	msg  *message.Message
+	dest string
+}
+
+// readOutbox reads the outbox of schema in db, in offset order.
+func readOutbox(t *testing.T, db *sql.DB, schema string) []outboxRow {
+	t.Helper()
+	rows, err := db.Query(`SELECT uuid, payload FROM "` + schema + `".watermill_millrace_outbox ORDER BY "offset"`)
+	require.NoError(t, err)
+	defer rows.Close()
+	var out []outboxRow
+	for rows.Next() {
+		var r outboxRow
+		var payload []byte
+		require.NoError(t, rows.Scan(&r.uuid, &payload))
+		var err error
+		r.dest, r.msg, err = envelope.Unwrap(payload)
+		require.NoError(t, err)
+		out = append(out, r)
+	}
+	require.NoError(t, rows.Err())
+	return out
+}
+
+// checkDryReplay checks the dry run of dlq replay --all over the rows of
+// TestDLQReplayWritesTheOutbox: their target groups and the warnings.
+func checkDryReplay(t *testing.T, path string, guarded, unguarded, plain int64) {
+	t.Helper()
+	var dry dryReplay
+	cliJSON(t, path, &dry, "dlq", "replay", "--all", "--dry-run")
+	require.True(t, dry.DryRun)
+	require.Equal(t, []int64{guarded, unguarded, plain}, []int64{dry.WouldReplay[0].ID, dry.WouldReplay[1].ID, dry.WouldReplay[2].ID})
+	require.Equal(t, [][]string{{"guarded", "unguarded"}, {"guarded", "unguarded"}, {"guarded"}},
+		[][]string{dry.WouldReplay[0].TargetGroups, dry.WouldReplay[1].TargetGroups, dry.WouldReplay[2].TargetGroups},
+		"a replay is for the groups whose rows of its event it replays")
+	require.Equal(t, 2, dry.WouldWrite, "one message per event")
+	require.ElementsMatch(t, []string{
+		"handler unguarded has consumer.inbox.enabled false: nothing deduplicates its replays, so replaying a message twice processes it twice",
+		"message " + strconv.FormatInt(guarded, 10) + ": handler guarded has the ordering guard on and has applied version 5 of order o-1; the event is version 3, so the group drops its replay as stale",
+		"event e-1 on topic orders is older than consumer.inbox.retention (720h0m0s): consumer groups that processed it may have pruned it from their inbox and would process it again",
+	}, dry.Warnings)
 }

@@ -8,10 +8,10 @@ import (
 	"github.com/millrace-io/millrace/adapters"
 )
 
-// EventMetadata returns the event's own metadata out of delivered, the
-// metadata of a message as a consumer received it: what Publish accepted,
-// and nothing that a broker, an adapter or the consumer chain added on the
-// way. A replay (the ops package) sends only that, plus its own replay markers.
+// EventMetadata returns the event's own metadata on this broker out of
+// delivered, the metadata of a message as a consumer received it: what
+// Publish accepted, and nothing that a broker, an adapter or the consumer
+// chain added on the way. A replay (the ops package) sends only that, plus its own replay markers.
 //
 // The event's own metadata is, by Publish's own rule, the envelope keys
 // Publish writes (reservedKeys) and every other key Publish accepts as
@@ -35,7 +35,8 @@ import (
 // Publish's rule there is one definition, and adaptertest.DeliveryHeaders
 // checks it against what each real broker adds on redelivery and on its
 // retry path.
-func EventMetadata(topic string, delivered map[string]string, rules adapters.Rules) message.Metadata {
+func (c BrokerConfig) EventMetadata(topic string, delivered map[string]string) message.Metadata {
+	rules := c.Rules()
 	own := make(message.Metadata, len(delivered))
 	for k, v := range delivered {
 		if reservedKeys[k] || publishAccepts(topic, k, v, rules) {

@@ -451,11 +451,11 @@ func targetGroups(rows []store.PoisonRow) []string {
 }
 
 // replayMessage is the message that re-sends r to its topic as messageID,
-// for the consumer groups groups: the event's own metadata (bus.EventMetadata)
+// for the consumer groups groups: the event's own metadata (bus.BrokerConfig.EventMetadata)
 // and the replay markers.
 func (c *Client) replayMessage(r store.PoisonRow, messageID string, groups []string) *message.Message {
 	msg := message.NewMessage(messageID, r.Payload)
-	msg.Metadata = bus.EventMetadata(r.Topic, r.Metadata, c.cfg.Broker.Rules())
+	msg.Metadata = c.cfg.Broker.EventMetadata(r.Topic, r.Metadata)
 	if r.EventID != "" {
 		// A message from plain Watermill had only its UUID as event id.
 		msg.Metadata.Set(bus.EventIDKey, r.EventID)

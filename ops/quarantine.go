@@ -191,7 +191,7 @@ func (c *Client) replayable(ctx context.Context, tx *sql.Tx, r store.QuarantineR
 				return nil, false, err
 			}
 		}
-		if payload, err = ownMetadataOfReplay(topic, msg, rules, groups); err != nil {
+		if payload, err = ownMetadataOfReplay(topic, msg, c.cfg.Broker, groups); err != nil {
 			return nil, false, fmt.Errorf("millrace: quarantined row %d: %w", r.ID, err)
 		}
 	}

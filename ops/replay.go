@@ -6,7 +6,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/middleware"
@@ -29,8 +28,8 @@ var replayMarkers = []string{middleware.ReplayOfKey, middleware.ReplayGroupsKey}
 // carry the headers of the delivery they came from, and no replay-groups:
 // they get groups, the consumer groups the replay history names for them
 // (when it does), so that they too reach only those groups.
-func ownMetadataOfReplay(topic string, msg *message.Message, rules adapters.Rules, groups []string) ([]byte, error) {
-	own := bus.EventMetadata(topic, msg.Metadata, rules)
+func ownMetadataOfReplay(topic string, msg *message.Message, broker bus.BrokerConfig, groups []string) ([]byte, error) {
+	own := broker.EventMetadata(topic, msg.Metadata)
 	for _, k := range replayMarkers {
 		if v, ok := msg.Metadata[k]; ok {
 			own[k] = v

@@ -370,128 +370,45 @@ type settlement struct {
 // settled.
 func (o *orderedSubscription) consume(ctx context.Context, l *lease, msgs <-chan *nats.Msg, ncClosed <-chan struct{}) error {
 	ackWait := o.s.b.cfg.Consumer.AckWait
-	var (
-		ready     []*heldMsg                // to hand out, in stream order
-		waiting   = map[string][]*heldMsg{} // per busy aggregate, behind the one handed out
-		bySeq     = map[uint64]*heldMsg{}   // every message held, handed out or not
-		unsettled int
-		nextSeq   uint64 = 1 // the consumer sequence expected next
-		stopErr   error
-		stopping  bool
-		lost      = l.lost
-		done      = ctx.Done()
-	)
-	settled := make(chan settlement, o.s.inFlight) // never more handed out unsettled
-	// Nacked messages waiting for nak_delay: never more than handed out, so
-	// a timer firing after consume returned never blocks.
-	again := make(chan *heldMsg, o.s.inFlight)
-	nakDelay := o.s.b.cfg.Consumer.NakDelay
+	q := newOrderedQueue(ctx, o)
+	defer q.cancelAll()
 	// Held messages must not reach ack_wait: the server would deliver them
 	// again and count it.
 	progress := time.NewTicker(max(ackWait/3, time.Millisecond))
 	defer progress.Stop()
-	cancels := map[*heldMsg]context.CancelFunc{}
-	defer func() {
-		for _, cancel := range cancels {
-			cancel()
-		}
-	}()
-	accept := func(nm *nats.Msg) error {
-		md, err := nm.Metadata()
-		if err != nil {
-			return nil // not a JetStream delivery
-		}
-		if md.Sequence.Consumer != nextSeq {
-			o.logger.Info("An ordered group's delivery was missed; recreating its consumer", watermill.LogFields{"expected": nextSeq, "got": md.Sequence.Consumer})
-			return errRecreate
-		}
-		nextSeq++
-		if h := bySeq[md.Sequence.Stream]; h != nil {
-			h.reply.Store(nm) // delivered again: ack_wait passed
-			return nil
-		}
-		if o.acked[md.Sequence.Stream] {
-			go func() { _ = nm.AckSync() }() // not acked again: it comes once more
-			return nil
-		}
-		msg, _ := marshaler{}.Unmarshal(nm) // never fails; see marshaler
-		msgCtx, cancel := context.WithCancel(ctx)
-		msg.SetContext(msgCtx)
-		h := &heldMsg{seq: md.Sequence.Stream, key: msg.Metadata.Get(envelope.AggregateIDKey), msg: msg, touch: time.Now()}
-		h.reply.Store(nm)
-		bySeq[h.seq], cancels[h] = h, cancel
-		if queued, busy := waiting[h.key]; busy {
-			waiting[h.key] = append(queued, h)
-		} else {
-			waiting[h.key] = nil
-			ready = append(ready, h)
-		}
-		return nil
-	}
+	var (
+		stopErr  error
+		stopping bool
+		lost     = l.lost
+		done     = ctx.Done()
+	)
 	for {
 		if !stopping && !l.fresh() {
 			stopping = true // paused or cut off past ttl/2: maybe taken over
 		}
 		var send chan<- *message.Message
 		var next *message.Message
-		if len(ready) > 0 && !stopping {
-			send, next = o.out, ready[0].msg
-		}
 		var recv <-chan *nats.Msg
-		if !stopping {
-			recv = msgs
-		}
 		var retry <-chan *heldMsg
 		if !stopping {
-			retry = again
+			if len(q.ready) > 0 {
+				send, next = o.out, q.ready[0].msg
+			}
+			recv, retry = msgs, q.again
 		}
 		select {
 		case nm := <-recv:
-			if err := accept(nm); err != nil {
+			if err := q.accept(nm); err != nil {
 				stopping, stopErr = true, err
 			}
 		case h := <-retry:
-			h.msg = h.msg.Copy() // a Watermill message is acked or nacked once
-			msgCtx, cancel := context.WithCancel(ctx)
-			h.msg.SetContext(msgCtx)
-			cancels[h] = cancel
-			ready = append(ready, h)
+			q.requeue(h)
 		case send <- next:
-			h := ready[0]
-			ready[0] = nil
-			ready = ready[1:]
-			unsettled++
-			go func() { settled <- o.settle(h) }()
-		case st := <-settled:
-			unsettled--
-			cancels[st.h]()
-			delete(cancels, st.h)
-			if !st.acked && !stopping {
-				// Handed out again after nak_delay; its aggregate stays
-				// busy meanwhile, the others go on.
-				time.AfterFunc(nakDelay, func() { again <- st.h })
-				break
-			}
-			delete(bySeq, st.h.seq)
-			if st.confirmed && len(o.acked) < maxAckedMemory {
-				o.acked[st.h.seq] = true
-			}
-			if !st.acked {
-				break
-			}
-			if queued := waiting[st.h.key]; len(queued) > 0 {
-				waiting[st.h.key] = queued[1:]
-				ready = append(ready, queued[0])
-			} else {
-				delete(waiting, st.h.key)
-			}
+			q.handOut()
+		case st := <-q.settled:
+			q.settle(st, stopping)
 		case <-progress.C:
-			for _, h := range bySeq {
-				if time.Since(h.touch) >= ackWait/3 {
-					_ = h.reply.Load().InProgress()
-					h.touch = time.Now()
-				}
-			}
+			q.keepInProgress(ackWait / 3)
 		case <-lost:
 			stopping, lost = true, nil
 		case <-done:
@@ -499,8 +416,139 @@ func (o *orderedSubscription) consume(ctx context.Context, l *lease, msgs <-chan
 		case <-ncClosed:
 			stopping, ncClosed = true, nil
 		}
-		if stopping && unsettled == 0 {
+		if stopping && q.unsettled == 0 {
 			return stopErr
+		}
+	}
+}
+
+// orderedQueue is what consume holds: the deliveries it has accepted, in
+// stream order, and which aggregate each waits behind.
+type orderedQueue struct {
+	o         *orderedSubscription
+	ctx       context.Context
+	ready     []*heldMsg            // to hand out, in stream order
+	waiting   map[string][]*heldMsg // per busy aggregate, behind the one handed out
+	bySeq     map[uint64]*heldMsg   // every message held, handed out or not
+	cancels   map[*heldMsg]context.CancelFunc
+	unsettled int
+	nextSeq   uint64 // the consumer sequence expected next
+	settled   chan settlement
+	// Nacked messages waiting for nak_delay: never more than handed out, so
+	// a timer firing after consume returned never blocks.
+	again chan *heldMsg
+}
+
+func newOrderedQueue(ctx context.Context, o *orderedSubscription) *orderedQueue {
+	return &orderedQueue{
+		o:       o,
+		ctx:     ctx,
+		waiting: map[string][]*heldMsg{},
+		bySeq:   map[uint64]*heldMsg{},
+		cancels: map[*heldMsg]context.CancelFunc{},
+		nextSeq: 1,
+		settled: make(chan settlement, o.s.inFlight), // never more handed out unsettled
+		again:   make(chan *heldMsg, o.s.inFlight),
+	}
+}
+
+// cancelAll cancels the contexts of the messages still held.
+func (q *orderedQueue) cancelAll() {
+	for _, cancel := range q.cancels {
+		cancel()
+	}
+}
+
+// accept takes a delivery in: it queues a new message behind its aggregate,
+// refreshes the reply of one held already, and acks again one acked before.
+// It returns errRecreate when a delivery was missed.
+func (q *orderedQueue) accept(nm *nats.Msg) error {
+	md, err := nm.Metadata()
+	if err != nil {
+		return nil // not a JetStream delivery
+	}
+	if md.Sequence.Consumer != q.nextSeq {
+		q.o.logger.Info("An ordered group's delivery was missed; recreating its consumer", watermill.LogFields{"expected": q.nextSeq, "got": md.Sequence.Consumer})
+		return errRecreate
+	}
+	q.nextSeq++
+	if h := q.bySeq[md.Sequence.Stream]; h != nil {
+		h.reply.Store(nm) // delivered again: ack_wait passed
+		return nil
+	}
+	if q.o.acked[md.Sequence.Stream] {
+		go func() { _ = nm.AckSync() }() // not acked again: it comes once more
+		return nil
+	}
+	msg, _ := marshaler{}.Unmarshal(nm) // never fails; see marshaler
+	msgCtx, cancel := context.WithCancel(q.ctx)
+	msg.SetContext(msgCtx)
+	h := &heldMsg{seq: md.Sequence.Stream, key: msg.Metadata.Get(envelope.AggregateIDKey), msg: msg, touch: time.Now()}
+	h.reply.Store(nm)
+	q.bySeq[h.seq], q.cancels[h] = h, cancel
+	if queued, busy := q.waiting[h.key]; busy {
+		q.waiting[h.key] = append(queued, h)
+	} else {
+		q.waiting[h.key] = nil
+		q.ready = append(q.ready, h)
+	}
+	return nil
+}
+
+// requeue makes a nacked message ready to hand out again, as a fresh copy.
+func (q *orderedQueue) requeue(h *heldMsg) {
+	h.msg = h.msg.Copy() // a Watermill message is acked or nacked once
+	msgCtx, cancel := context.WithCancel(q.ctx)
+	h.msg.SetContext(msgCtx)
+	q.cancels[h] = cancel
+	q.ready = append(q.ready, h)
+}
+
+// handOut records that the first ready message went out and waits, aside,
+// for its reader's decision.
+func (q *orderedQueue) handOut() {
+	h := q.ready[0]
+	q.ready[0] = nil
+	q.ready = q.ready[1:]
+	q.unsettled++
+	go func() { q.settled <- q.o.settle(h) }()
+}
+
+// settle applies a handed-out message's outcome: a nack hands it out again
+// after nak_delay (unless stopping), an ack frees its aggregate for the
+// next message waiting behind it.
+func (q *orderedQueue) settle(st settlement, stopping bool) {
+	q.unsettled--
+	q.cancels[st.h]()
+	delete(q.cancels, st.h)
+	if !st.acked && !stopping {
+		// Handed out again after nak_delay; its aggregate stays
+		// busy meanwhile, the others go on.
+		time.AfterFunc(q.o.s.b.cfg.Consumer.NakDelay, func() { q.again <- st.h })
+		return
+	}
+	delete(q.bySeq, st.h.seq)
+	if st.confirmed && len(q.o.acked) < maxAckedMemory {
+		q.o.acked[st.h.seq] = true
+	}
+	if !st.acked {
+		return
+	}
+	if queued := q.waiting[st.h.key]; len(queued) > 0 {
+		q.waiting[st.h.key] = queued[1:]
+		q.ready = append(q.ready, queued[0])
+	} else {
+		delete(q.waiting, st.h.key)
+	}
+}
+
+// keepInProgress tells the server that the messages it has not heard of
+// for every are still being worked on.
+func (q *orderedQueue) keepInProgress(every time.Duration) {
+	for _, h := range q.bySeq {
+		if time.Since(h.touch) >= every {
+			_ = h.reply.Load().InProgress()
+			h.touch = time.Now()
 		}
 	}
 }

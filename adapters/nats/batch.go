@@ -45,7 +45,38 @@ func (b *Broker) PublishBatch(ctx context.Context, msgs []adapters.Outgoing) err
 		return adapters.FailAll(len(msgs), errBrokerClosed)
 	}
 	errs := make([]error, len(msgs))
+	streamErr := b.ensureStreams(ctx, msgs)
+	state := &batchState{}
+	futures := make([]jetstream.PubAckFuture, len(msgs))
+	var halt batchHalt
+	for i, o := range msgs {
+		if err := streamErr[o.Topic]; err != nil {
+			errs[i] = err
+			if !adapters.IsPermanent(err) {
+				halt.stop(err)
+			}
+			continue
+		}
+		if halt.notSent == nil {
+			if err := ctx.Err(); err != nil {
+				halt.notSent = fmt.Errorf("nats: not sent: %w", err)
+			} else if err := state.failure(); err != nil {
+				halt.stop(err)
+			}
+		}
+		if halt.notSent != nil {
+			errs[i] = halt.notSent
+			continue
+		}
+		futures[i], errs[i] = b.publishAsync(ctx, o, state, &halt)
+	}
+	b.waitConfirms(ctx, msgs, futures, errs)
+	return adapters.NewBatchError(errs)
+}
 
+// ensureStreams returns, per topic of msgs, why its stream cannot take
+// messages, or nil.
+func (b *Broker) ensureStreams(ctx context.Context, msgs []adapters.Outgoing) map[string]error {
 	streamErr := map[string]error{}
 	for _, o := range msgs {
 		if _, done := streamErr[o.Topic]; done {
@@ -57,75 +88,67 @@ func (b *Broker) PublishBatch(ctx context.Context, msgs []adapters.Outgoing) err
 			streamErr[o.Topic] = b.ensureStream(ctx, o.Topic)
 		}
 	}
+	return streamErr
+}
 
-	state := &batchState{}
-	futures := make([]jetstream.PubAckFuture, len(msgs))
+// batchHalt is why the rest of a batch is not sent.
+type batchHalt struct {
 	// notSent is the error of every message after the first retryable failure.
-	var notSent error
-	stop := func(cause error) {
-		if notSent == nil {
-			notSent = fmt.Errorf("nats: not sent because an earlier message of the batch failed: %w", cause)
-		}
-	}
-	for i, o := range msgs {
-		if err := streamErr[o.Topic]; err != nil {
-			errs[i] = err
-			if !adapters.IsPermanent(err) {
-				stop(err)
-			}
-			continue
-		}
-		if notSent == nil {
-			if err := ctx.Err(); err != nil {
-				notSent = fmt.Errorf("nats: not sent: %w", err)
-			} else if err := state.failure(); err != nil {
-				stop(err)
-			}
-		}
-		if notSent != nil {
-			errs[i] = notSent
-			continue
-		}
-		if err := b.rules.CheckMessage(o.Topic, o.Msg); err != nil {
-			errs[i] = err // permanent: a header NATS refuses, or too large
-			continue
-		}
-		nm, err := (marshaler{}).Marshal(o.Topic, o.Msg)
-		if err != nil {
-			errs[i] = err // permanent: a bad metadata key
-			continue
-		}
-		if err := b.acquire(ctx); err != nil {
-			errs[i], notSent = err, err
-			continue
-		}
-		// The slot may have been freed by a failed message: look again.
-		if err := state.failure(); err != nil {
-			b.release()
-			stop(err)
-			errs[i] = notSent
-			continue
-		}
-		b.pending.Store(nm, state)
-		f, err := b.js.PublishMsgAsync(nm,
-			jetstream.WithMsgID(msgID(o.Msg.UUID)),
-			// No automatic re-send on "no responders": it would re-send this
-			// message after later ones. The relay retries the batch instead.
-			jetstream.WithRetryAttempts(0),
-		)
-		if err != nil {
-			if _, ok := b.pending.LoadAndDelete(nm); ok {
-				b.release()
-			}
-			errs[i] = b.classify(o.Topic, o.Msg, nm, err)
-			if !adapters.IsPermanent(errs[i]) {
-				stop(errs[i])
-			}
-			continue
-		}
-		futures[i] = f
-	}
+	notSent error
+}
 
+// stop makes the messages not sent yet fail because of cause, unless an
+// earlier failure did already.
+func (h *batchHalt) stop(cause error) {
+	if h.notSent == nil {
+		h.notSent = fmt.Errorf("nats: not sent because an earlier message of the batch failed: %w", cause)
+	}
+}
+
+// publishAsync checks and sends o within the max_pending window and
+// returns the future of its confirm, or its error; a failure the rest of
+// the batch must not pass halts it.
+func (b *Broker) publishAsync(ctx context.Context, o adapters.Outgoing, state *batchState, halt *batchHalt) (jetstream.PubAckFuture, error) {
+	if err := b.rules.CheckMessage(o.Topic, o.Msg); err != nil {
+		return nil, err // permanent: a header NATS refuses, or too large
+	}
+	nm, err := (marshaler{}).Marshal(o.Topic, o.Msg)
+	if err != nil {
+		return nil, err // permanent: a bad metadata key
+	}
+	if err := b.acquire(ctx); err != nil {
+		halt.notSent = err
+		return nil, err
+	}
+	// The slot may have been freed by a failed message: look again.
+	if err := state.failure(); err != nil {
+		b.release()
+		halt.stop(err)
+		return nil, halt.notSent
+	}
+	b.pending.Store(nm, state)
+	f, err := b.js.PublishMsgAsync(nm,
+		jetstream.WithMsgID(msgID(o.Msg.UUID)),
+		// No automatic re-send on "no responders": it would re-send this
+		// message after later ones. The relay retries the batch instead.
+		jetstream.WithRetryAttempts(0),
+	)
+	if err != nil {
+		if _, ok := b.pending.LoadAndDelete(nm); ok {
+			b.release()
+		}
+		err = b.classify(o.Topic, o.Msg, nm, err)
+		if !adapters.IsPermanent(err) {
+			halt.stop(err)
+		}
+		return nil, err
+	}
+	return f, nil
+}
+
+// waitConfirms waits for the confirm of every message sent, until ctx
+// ends, and puts the failures in errs.
+func (b *Broker) waitConfirms(ctx context.Context, msgs []adapters.Outgoing, futures []jetstream.PubAckFuture, errs []error) {
 	for i, f := range futures {
 		if f == nil {
 			continue
@@ -138,7 +161,6 @@ func (b *Broker) PublishBatch(ctx context.Context, msgs []adapters.Outgoing) err
 			errs[i] = fmt.Errorf("nats: gave up waiting for the confirm: %w", ctx.Err())
 		}
 	}
-	return adapters.NewBatchError(errs)
 }
 
 // batchState records the first retryable failure of a batch's in-flight

@@ -293,116 +293,155 @@ type sentMsg struct {
 // publishOn publishes every message of msgs whose errs entry is still nil
 // and records the outcome there. It reports whether cc is still healthy.
 func (b *Broker) publishOn(ctx context.Context, cc *confirmChannel, msgs []adapters.Outgoing, pubs []amqp.Publishing, errs []error) bool {
-	returned := map[string]string{} // exchange + message id -> reply text
-	drainReturns := func() {
-		for {
-			select {
-			case r, ok := <-cc.returns:
-				if !ok {
-					return
-				}
-				returned[r.Exchange+"\x00"+r.MessageId] = r.ReplyText
-			default:
-				return
-			}
-		}
-	}
-
-	healthy := true
-	var inflight []sentMsg
-	var published []int
-	settle := func(s sentMsg) {
-		switch reason := cc.closeReason(); {
-		case s.dc.Acked():
-		case reason != nil:
-			healthy = false
-			errs[s.idx] = fmt.Errorf("rabbitmq: channel to %s closed before the broker confirmed the message: %w", b.redacted, reason)
-		default:
-			// A channel's queue clients can keep a quorum queue's old leader
-			// after a failover and nack every later publish: a nacked
-			// channel is not used again.
-			healthy = false
-			errs[s.idx] = fmt.Errorf("rabbitmq: message %s to %q: %w", msgs[s.idx].Msg.UUID, msgs[s.idx].Topic, ErrNacked)
-		}
-	}
-	// waitOldest settles the oldest message in flight; false when ctx ended first.
-	waitOldest := func() bool {
-		select {
-		case <-inflight[0].dc.Done():
-			settle(inflight[0])
-			inflight = inflight[1:]
-			return true
-		case <-ctx.Done():
-			return false
-		}
-	}
-
-	aborted := false
-	stoppedAt := len(msgs) // messages from here on were not published
-	for i := range msgs {
-		if errs[i] != nil {
-			continue
-		}
-		for len(inflight) >= publishWindow && !aborted {
-			aborted = !waitOldest()
-		}
-		drainReturns()
-		if aborted || ctx.Err() != nil {
-			aborted, stoppedAt = true, i
-			break
-		}
-		dc, err := cc.ch.PublishWithDeferredConfirmWithContext(ctx, msgs[i].Topic, "", true, false, pubs[i])
-		if err != nil {
-			if reason := cc.closeReason(); reason != nil || errors.Is(err, amqp.ErrClosed) {
-				healthy = false
-				failUnsent(errs[i:], fmt.Errorf("rabbitmq: not published: the channel to %s closed: %w", b.redacted, err))
-				break
-			}
-			errs[i] = fmt.Errorf("rabbitmq: publish message %s to %q: %w", msgs[i].Msg.UUID, msgs[i].Topic, err)
-			continue
-		}
-		inflight = append(inflight, sentMsg{idx: i, dc: dc})
-		published = append(published, i)
-	}
-	for len(inflight) > 0 && !aborted {
-		aborted = !waitOldest()
+	r := &confirmRun{b: b, ctx: ctx, cc: cc, msgs: msgs, errs: errs, returned: map[string]string{}, healthy: true}
+	aborted, stoppedAt := r.publishAll(pubs)
+	for len(r.inflight) > 0 && !aborted {
+		aborted = !r.waitOldest()
 	}
 	// Every basic.return precedes the confirm of its message, so once a
 	// message is settled its return, if any, is in the buffer.
-	drainReturns()
+	r.drainReturns()
 	if aborted {
-		healthy = false
-		notConfirmed := fmt.Errorf("rabbitmq: not confirmed before the context ended: %w", ctx.Err())
-		for _, s := range inflight {
-			errs[s.idx] = notConfirmed
-		}
-		failUnsent(errs[stoppedAt:], fmt.Errorf("rabbitmq: not published: %w", ctx.Err()))
+		r.failAborted(stoppedAt)
 	}
-	// A body over the server's max_message_size made the broker close the
-	// channel: the messages too large for it are permanent failures (and
-	// later ones are refused before sending), the others retryable.
+	b.refuseOverServerMax(cc, msgs, errs)
+	if len(r.returned) > 0 {
+		r.failReturned()
+	}
+	return r.healthy
+}
+
+// confirmRun is one publishOn: the messages it sent, their confirms and
+// the broker's returns.
+type confirmRun struct {
+	b         *Broker
+	ctx       context.Context
+	cc        *confirmChannel
+	msgs      []adapters.Outgoing
+	errs      []error
+	returned  map[string]string // exchange + message id -> reply text
+	inflight  []sentMsg
+	published []int
+	healthy   bool
+}
+
+// publishAll sends the messages without an error yet, keeping at most
+// publishWindow unconfirmed. It reports whether ctx ended (aborted) and,
+// then, the first message not sent.
+func (r *confirmRun) publishAll(pubs []amqp.Publishing) (aborted bool, stoppedAt int) {
+	stoppedAt = len(r.msgs) // messages from here on were not published
+	for i := range r.msgs {
+		if r.errs[i] != nil {
+			continue
+		}
+		for len(r.inflight) >= publishWindow && !aborted {
+			aborted = !r.waitOldest()
+		}
+		r.drainReturns()
+		if aborted || r.ctx.Err() != nil {
+			return true, i
+		}
+		dc, err := r.cc.ch.PublishWithDeferredConfirmWithContext(r.ctx, r.msgs[i].Topic, "", true, false, pubs[i])
+		if err != nil {
+			if reason := r.cc.closeReason(); reason != nil || errors.Is(err, amqp.ErrClosed) {
+				r.healthy = false
+				failUnsent(r.errs[i:], fmt.Errorf("rabbitmq: not published: the channel to %s closed: %w", r.b.redacted, err))
+				break
+			}
+			r.errs[i] = fmt.Errorf("rabbitmq: publish message %s to %q: %w", r.msgs[i].Msg.UUID, r.msgs[i].Topic, err)
+			continue
+		}
+		r.inflight = append(r.inflight, sentMsg{idx: i, dc: dc})
+		r.published = append(r.published, i)
+	}
+	return aborted, stoppedAt
+}
+
+// drainReturns takes in the broker's returns buffered so far.
+func (r *confirmRun) drainReturns() {
+	for {
+		select {
+		case ret, ok := <-r.cc.returns:
+			if !ok {
+				return
+			}
+			r.returned[ret.Exchange+"\x00"+ret.MessageId] = ret.ReplyText
+		default:
+			return
+		}
+	}
+}
+
+// waitOldest settles the oldest message in flight; false when ctx ended first.
+func (r *confirmRun) waitOldest() bool {
+	select {
+	case <-r.inflight[0].dc.Done():
+		r.settle(r.inflight[0])
+		r.inflight = r.inflight[1:]
+		return true
+	case <-r.ctx.Done():
+		return false
+	}
+}
+
+// settle records the broker's confirm of s.
+func (r *confirmRun) settle(s sentMsg) {
+	switch reason := r.cc.closeReason(); {
+	case s.dc.Acked():
+	case reason != nil:
+		r.healthy = false
+		r.errs[s.idx] = fmt.Errorf("rabbitmq: channel to %s closed before the broker confirmed the message: %w", r.b.redacted, reason)
+	default:
+		// A channel's queue clients can keep a quorum queue's old leader
+		// after a failover and nack every later publish: a nacked
+		// channel is not used again.
+		r.healthy = false
+		r.errs[s.idx] = fmt.Errorf("rabbitmq: message %s to %q: %w", r.msgs[s.idx].Msg.UUID, r.msgs[s.idx].Topic, ErrNacked)
+	}
+}
+
+// failAborted fails, after ctx ended, the messages still in flight and
+// those from stoppedAt on that were not sent.
+func (r *confirmRun) failAborted(stoppedAt int) {
+	r.healthy = false
+	notConfirmed := fmt.Errorf("rabbitmq: not confirmed before the context ended: %w", r.ctx.Err())
+	for _, s := range r.inflight {
+		r.errs[s.idx] = notConfirmed
+	}
+	failUnsent(r.errs[stoppedAt:], fmt.Errorf("rabbitmq: not published: %w", r.ctx.Err()))
+}
+
+// failReturned fails the published messages the broker returned unrouted.
+func (r *confirmRun) failReturned() {
+	r.b.forgetTopics(r.cc.conn)
+	for _, i := range r.published {
+		if text, ok := r.returned[r.msgs[i].Topic+"\x00"+r.msgs[i].Msg.UUID]; ok {
+			r.errs[i] = fmt.Errorf("rabbitmq: message %s to %q came back %s: no queue was bound, not even the parking queue %q of its alternate exchange: %w",
+				r.msgs[i].Msg.UUID, r.msgs[i].Topic, text, UnroutedQueueName(r.msgs[i].Topic), ErrUnroutable)
+		}
+	}
+}
+
+// refuseOverServerMax handles a body over the server's max_message_size,
+// which made the broker close cc: the messages too large for it are
+// permanent failures (and later ones are refused before sending), the
+// others retryable.
+func (b *Broker) refuseOverServerMax(cc *confirmChannel, msgs []adapters.Outgoing, errs []error) {
 	var ae *amqp.Error
-	if errors.As(cc.closeReason(), &ae) && ae.Code == amqp.PreconditionFailed {
-		if m := serverMaxPattern.FindStringSubmatch(ae.Reason); m != nil {
-			serverMax, _ := strconv.Atoi(m[1])
-			b.mu.Lock()
-			b.serverMax = serverMax
-			b.mu.Unlock()
-			for i, o := range msgs {
-				if errs[i] != nil && !adapters.IsPermanent(errs[i]) && len(o.Msg.Payload) > serverMax {
-					errs[i] = tooLargeForServer(o, len(o.Msg.Payload), serverMax)
-				}
-			}
+	if !errors.As(cc.closeReason(), &ae) || ae.Code != amqp.PreconditionFailed {
+		return
+	}
+	m := serverMaxPattern.FindStringSubmatch(ae.Reason)
+	if m == nil {
+		return
+	}
+	serverMax, _ := strconv.Atoi(m[1])
+	b.mu.Lock()
+	b.serverMax = serverMax
+	b.mu.Unlock()
+	for i, o := range msgs {
+		if errs[i] != nil && !adapters.IsPermanent(errs[i]) && len(o.Msg.Payload) > serverMax {
+			errs[i] = tooLargeForServer(o, len(o.Msg.Payload), serverMax)
 		}
 	}
-	if len(returned) > 0 {
-		b.forgetTopics(cc.conn)
-		for _, i := range published {
-			if text, ok := returned[msgs[i].Topic+"\x00"+msgs[i].Msg.UUID]; ok {
-				errs[i] = fmt.Errorf("rabbitmq: message %s to %q came back %s: no queue was bound, not even the parking queue %q of its alternate exchange: %w",
-					msgs[i].Msg.UUID, msgs[i].Topic, text, UnroutedQueueName(msgs[i].Topic), ErrUnroutable)
-			}
-		}
-	}
-	return healthy
 }

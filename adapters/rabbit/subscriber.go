@@ -424,50 +424,14 @@ var errReturned = errors.New("rabbitmq: unacked messages returned to the queue a
 // It returns nil when ctx ends or the subscriber closes: closing the
 // connection returns the unacked messages the same way.
 func (s *subscriber) consumeOrdered(ctx context.Context, ch *amqp.Channel, queue string, deliveries <-chan amqp.Delivery, closes <-chan *amqp.Error, out chan<- *message.Message) error {
-	type settlement struct {
-		key   string
-		acked bool
-	}
-	var (
-		ready     []*message.Message             // to hand out, in delivery order
-		waiting   = map[string][]amqp.Delivery{} // per busy aggregate, behind the one handed out
-		outCancel = map[*message.Message]context.CancelFunc{}
-		outTag    = map[*message.Message]amqp.Delivery{}
-		unsettled int
-		nacked    bool
-	)
-	// Each settling goroutine reports once; the buffer (the prefetch) means
-	// it never blocks, even after this loop returned.
-	settled := make(chan settlement, s.inFlight)
-	prepare := func(d amqp.Delivery) {
-		msg, _ := Marshaler{}.Unmarshal(d) // never fails; see Marshaler
-		msgCtx, cancel := context.WithCancel(ctx)
-		msg.SetContext(msgCtx)
-		outCancel[msg], outTag[msg] = cancel, d
-		ready = append(ready, msg)
-	}
-	defer func() {
-		for _, cancel := range outCancel {
-			cancel() // not handed out: returned with the channel
-		}
-	}()
-	// drain waits until what was handed out is settled, or the subscriber
-	// closes: the acks need the channel, which consume closes on return.
-	drain := func() {
-		for unsettled > 0 {
-			select {
-			case <-settled:
-				unsettled--
-			case <-s.closing:
-				return
-			}
-		}
-	}
+	q := newOrderedQueue(ctx, s)
+	defer q.cancelAll()
+	nacked := false
 	for {
 		var send chan<- *message.Message
 		var next *message.Message
-		if len(ready) > 0 && !nacked {
-			send, next = out, ready[0]
+		if len(q.ready) > 0 && !nacked {
+			send, next = out, q.ready[0]
 		}
 		var recv <-chan amqp.Delivery
 		if !nacked {
@@ -478,47 +442,23 @@ func (s *subscriber) consumeOrdered(ctx context.Context, ch *amqp.Channel, queue
 			if !ok {
 				return consumeEnded(ch, queue, closes)
 			}
-			key := headerString(d.Headers[envelope.AggregateIDKey])
-			if queued, busy := waiting[key]; busy {
-				waiting[key] = append(queued, d)
-				continue
-			}
-			waiting[key] = nil
-			prepare(d)
+			q.accept(d)
 		case send <- next:
-			ready[0] = nil
-			ready = ready[1:]
-			d, cancel := outTag[next], outCancel[next]
-			delete(outTag, next)
-			delete(outCancel, next)
-			unsettled++
-			key := next.Metadata.Get(envelope.AggregateIDKey)
-			go func(msg *message.Message) {
-				defer cancel()
-				settled <- settlement{key: key, acked: s.settleOrdered(d, msg)}
-			}(next)
-		case st := <-settled:
-			unsettled--
-			if !st.acked {
+			q.handedOut()
+		case st := <-q.settled:
+			if !q.settle(st) {
 				nacked = true
-				break
-			}
-			if queued := waiting[st.key]; len(queued) > 0 {
-				waiting[st.key] = queued[1:]
-				prepare(queued[0])
-			} else {
-				delete(waiting, st.key)
 			}
 		case e := <-closes:
 			return fmt.Errorf("rabbitmq: channel closed: %w", e)
 		case <-ctx.Done():
-			drain()
+			q.drain()
 			return nil
 		case <-s.closing:
 			return nil
 		}
 		if nacked {
-			drain()
+			q.drain()
 			if s.stopping(ctx) {
 				return nil
 			}
@@ -528,6 +468,112 @@ func (s *subscriber) consumeOrdered(ctx context.Context, ch *amqp.Channel, queue
 			// basic.cancel before the close, tried, broke the order.
 			s.b.opts.Logger.Info("Ordered RabbitMQ subscription returns its unacked messages to the queue after a nack", watermill.LogFields{"consumer_group": s.group, "queue": queue})
 			return errReturned
+		}
+	}
+}
+
+// orderedSettlement is a handed-out message's outcome.
+type orderedSettlement struct {
+	key   string
+	acked bool
+}
+
+// orderedQueue is what consumeOrdered holds: the deliveries ready to hand
+// out and, per busy aggregate, those waiting behind the one handed out.
+type orderedQueue struct {
+	ctx       context.Context
+	s         *subscriber
+	ready     []*message.Message         // to hand out, in delivery order
+	waiting   map[string][]amqp.Delivery // per busy aggregate, behind the one handed out
+	outCancel map[*message.Message]context.CancelFunc
+	outTag    map[*message.Message]amqp.Delivery
+	unsettled int
+	// Each settling goroutine reports once; the buffer (the prefetch) means
+	// it never blocks, even after consumeOrdered returned.
+	settled chan orderedSettlement
+}
+
+func newOrderedQueue(ctx context.Context, s *subscriber) *orderedQueue {
+	return &orderedQueue{
+		ctx:       ctx,
+		s:         s,
+		waiting:   map[string][]amqp.Delivery{},
+		outCancel: map[*message.Message]context.CancelFunc{},
+		outTag:    map[*message.Message]amqp.Delivery{},
+		settled:   make(chan orderedSettlement, s.inFlight),
+	}
+}
+
+// cancelAll ends the contexts of the messages not handed out: they return
+// with the channel.
+func (q *orderedQueue) cancelAll() {
+	for _, cancel := range q.outCancel {
+		cancel()
+	}
+}
+
+// accept makes d ready to hand out, or queues it behind its busy aggregate.
+func (q *orderedQueue) accept(d amqp.Delivery) {
+	key := headerString(d.Headers[envelope.AggregateIDKey])
+	if queued, busy := q.waiting[key]; busy {
+		q.waiting[key] = append(queued, d)
+		return
+	}
+	q.waiting[key] = nil
+	q.prepare(d)
+}
+
+// prepare makes d a message ready to hand out.
+func (q *orderedQueue) prepare(d amqp.Delivery) {
+	msg, _ := Marshaler{}.Unmarshal(d) // never fails; see Marshaler
+	msgCtx, cancel := context.WithCancel(q.ctx)
+	msg.SetContext(msgCtx)
+	q.outCancel[msg], q.outTag[msg] = cancel, d
+	q.ready = append(q.ready, msg)
+}
+
+// handedOut records that the first ready message went out and settles it
+// from a goroutine of its own.
+func (q *orderedQueue) handedOut() {
+	next := q.ready[0]
+	q.ready[0] = nil
+	q.ready = q.ready[1:]
+	d, cancel := q.outTag[next], q.outCancel[next]
+	delete(q.outTag, next)
+	delete(q.outCancel, next)
+	q.unsettled++
+	key := next.Metadata.Get(envelope.AggregateIDKey)
+	go func(msg *message.Message) {
+		defer cancel()
+		q.settled <- orderedSettlement{key: key, acked: q.s.settleOrdered(d, msg)}
+	}(next)
+}
+
+// settle applies st: an ack frees its aggregate for the next delivery
+// waiting behind it. It reports false for a nack.
+func (q *orderedQueue) settle(st orderedSettlement) bool {
+	q.unsettled--
+	if !st.acked {
+		return false
+	}
+	if queued := q.waiting[st.key]; len(queued) > 0 {
+		q.waiting[st.key] = queued[1:]
+		q.prepare(queued[0])
+	} else {
+		delete(q.waiting, st.key)
+	}
+	return true
+}
+
+// drain waits until what was handed out is settled, or the subscriber
+// closes: the acks need the channel, which consume closes on return.
+func (q *orderedQueue) drain() {
+	for q.unsettled > 0 {
+		select {
+		case <-q.settled:
+			q.unsettled--
+		case <-q.s.closing:
+			return
 		}
 	}
 }

@@ -215,6 +215,31 @@ func (c Config) WithDefaults() Config {
 func (c Config) Validate(path string) []error {
 	var chk confload.Checker
 	at := func(key string) string { return confload.Join(path, key) }
+	c.validateBrokers(&chk, at)
+	if v, err := sarama.ParseKafkaVersion(c.Version); err != nil {
+		chk.Add(at("version"), "not a Kafka version such as \"2.8.0\"; got %q", c.Version)
+	} else if !v.IsAtLeast(sarama.V0_11_0_0) {
+		chk.Add(at("version"), "must be at least 0.11.0 (read_committed consumers need it); got %q", c.Version)
+	}
+	chk.Positive(at("partitions"), c.Partitions)
+	chk.Positive(at("replication_factor"), c.ReplicationFactor)
+	chk.Positive(at("min_insync_replicas"), c.MinInsyncReplicas)
+	if c.MinInsyncReplicas > c.ReplicationFactor {
+		chk.Add(at("min_insync_replicas"), "must be at most replication_factor (%d); got %d",
+			c.ReplicationFactor, c.MinInsyncReplicas)
+	}
+	c.validateProducer(&chk, at)
+	c.validateGroup(&chk, at)
+	chk.Merge(c.TLS.Validate(at("tls"), c.TLS.Enabled))
+	c.SASL.validate(&chk, at("sasl"))
+	if c.DevCluster && (c.TLS.Enabled || c.SASL.Mechanism != "") {
+		chk.Add(at("dev_cluster"), "the in-process dev cluster speaks neither TLS nor SASL; turn tls and sasl off with dev_cluster: true")
+	}
+	return chk.Problems
+}
+
+// validateBrokers adds the problems of brokers and dev_cluster to chk.
+func (c Config) validateBrokers(chk *confload.Checker, at func(string) string) {
 	if len(c.Brokers) == 0 {
 		chk.Add(at("brokers"), "required: at least one host:port")
 	}
@@ -242,18 +267,10 @@ func (c Config) Validate(path string) []error {
 			}
 		}
 	}
-	if v, err := sarama.ParseKafkaVersion(c.Version); err != nil {
-		chk.Add(at("version"), "not a Kafka version such as \"2.8.0\"; got %q", c.Version)
-	} else if !v.IsAtLeast(sarama.V0_11_0_0) {
-		chk.Add(at("version"), "must be at least 0.11.0 (read_committed consumers need it); got %q", c.Version)
-	}
-	chk.Positive(at("partitions"), c.Partitions)
-	chk.Positive(at("replication_factor"), c.ReplicationFactor)
-	chk.Positive(at("min_insync_replicas"), c.MinInsyncReplicas)
-	if c.MinInsyncReplicas > c.ReplicationFactor {
-		chk.Add(at("min_insync_replicas"), "must be at most replication_factor (%d); got %d",
-			c.ReplicationFactor, c.MinInsyncReplicas)
-	}
+}
+
+// validateProducer adds the problems of the producer's settings to chk.
+func (c Config) validateProducer(chk *confload.Checker, at func(string) string) {
 	if c.MaxMessageBytes < 1024 || c.MaxMessageBytes >= int(sarama.MaxRequestSize) {
 		chk.Add(at("max_message_bytes"), "must be from 1024 to %d; got %d", sarama.MaxRequestSize-1, c.MaxMessageBytes)
 	}
@@ -266,6 +283,10 @@ func (c Config) Validate(path string) []error {
 			c.ProducerRetryBackoff, c.ProducerRetries, c.ProducerRetryBackoff)
 	}
 	chk.PositiveDuration(at("producer_timeout"), c.ProducerTimeout)
+}
+
+// validateGroup adds the problems of the consumer group's settings to chk.
+func (c Config) validateGroup(chk *confload.Checker, at func(string) string) {
 	chk.PositiveDuration(at("session_timeout"), c.SessionTimeout)
 	chk.PositiveDuration(at("heartbeat_interval"), c.HeartbeatInterval)
 	if c.HeartbeatInterval >= c.SessionTimeout {
@@ -286,12 +307,6 @@ func (c Config) Validate(path string) []error {
 	}
 	chk.PositiveDuration(at("nack_redelivery_delay"), c.NackRedeliveryDelay)
 	chk.PositiveDuration(at("reconnect_delay"), c.ReconnectDelay)
-	chk.Merge(c.TLS.Validate(at("tls"), c.TLS.Enabled))
-	c.SASL.validate(&chk, at("sasl"))
-	if c.DevCluster && (c.TLS.Enabled || c.SASL.Mechanism != "") {
-		chk.Add(at("dev_cluster"), "the in-process dev cluster speaks neither TLS nor SASL; turn tls and sasl off with dev_cluster: true")
-	}
-	return chk.Problems
 }
 
 func (s SASLConfig) validate(chk *confload.Checker, path string) {

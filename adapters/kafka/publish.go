@@ -141,54 +141,92 @@ func (b *Broker) resendTooLarge(ctx context.Context, msgs []adapters.Outgoing, e
 //     nothing has been sent yet, and send fails every record of the call
 //     without sending any.
 func (b *Broker) send(ctx context.Context, records []*kgo.Record, errs []error) {
-	var idx []int // indexes of the records to send
+	idx := sendable(records, errs)
+	if len(idx) == 0 {
+		return
+	}
+	limit := b.cfg.deliveryTimeout() + b.cfg.ProducerTimeout
+	if err := b.acquirePublishing(ctx, limit); err != nil {
+		for _, i := range idx {
+			errs[i] = err
+		}
+		return
+	}
+	b.purgeTopics()
+	answers := b.produceFenced(records, idx)
+	if first := answers.firstFailure(); first >= 0 {
+		// Nothing was sent, and nothing else is in the client (rule 1),
+		// so failing everything buffered fails only this call's records,
+		// none of which the broker can have.
+		b.client.UnsafeAbortBufferedRecords()
+		<-answers.done
+		b.releasePublishing()
+		failNotSent(records, idx, errs, answers, first)
+		return
+	}
+	go func() {
+		_ = b.client.Flush(b.flushCtx) // returns once every record is answered, or at Close
+		b.releasePublishing()
+	}()
+	awaitAnswers(ctx, b.closing, limit, answers, idx, errs)
+}
+
+// sendable returns the indexes of the records to send: those without an
+// error yet.
+func sendable(records []*kgo.Record, errs []error) []int {
+	var idx []int
 	for i, r := range records {
 		if r != nil && errs[i] == nil {
 			idx = append(idx, i)
 		}
 	}
-	if len(idx) == 0 {
-		return
-	}
-	fail := func(err error) {
-		for _, i := range idx {
-			errs[i] = err
-		}
-	}
-	limit := b.cfg.deliveryTimeout() + b.cfg.ProducerTimeout
+	return idx
+}
+
+// acquirePublishing waits for the turn to send (rule 1 of send), at most
+// limit, and returns why the records are not sent when it does not get it.
+// Once it has, releasePublishing ends the turn.
+func (b *Broker) acquirePublishing(ctx context.Context, limit time.Duration) error {
 	wait := time.NewTimer(limit)
 	defer wait.Stop()
 	select {
 	case b.publishing <- struct{}{}:
 	case <-ctx.Done():
-		fail(fmt.Errorf("kafka: not sent: %w", ctx.Err()))
-		return
+		return fmt.Errorf("kafka: not sent: %w", ctx.Err())
 	case <-b.closing:
-		fail(errClosed)
-		return
+		return errClosed
 	case <-wait.C:
-		fail(fmt.Errorf("kafka: not sent: the previous publish was still unanswered after %s (broker.kafka.producer_retries x producer_retry_backoff + producer_timeout)", limit))
-		return
+		return fmt.Errorf("kafka: not sent: the previous publish was still unanswered after %s (broker.kafka.producer_retries x producer_retry_backoff + producer_timeout)", limit)
 	}
 	b.closeMu.RLock()
 	if b.closed.Load() {
 		b.closeMu.RUnlock()
 		<-b.publishing
-		fail(errClosed)
-		return
+		return errClosed
 	}
 	b.sending.Add(1) // done once the client has answered every record (or at Close)
 	b.closeMu.RUnlock()
-	release := func() {
-		<-b.publishing
-		b.sending.Done()
-	}
+	return nil
+}
+
+// releasePublishing ends the turn acquirePublishing gave.
+func (b *Broker) releasePublishing() {
+	<-b.publishing
+	b.sending.Done()
+}
+
+// purgeTopics drops from the client's producer the topics marked to purge.
+func (b *Broker) purgeTopics() {
 	b.purge.Range(func(topic, _ any) bool {
 		b.client.PurgeTopicsFromProducing(topic.(string))
 		b.purge.Delete(topic)
 		return true
 	})
+}
 
+// produceFenced puts the records of idx in the client, then the fence
+// (rule 3 of send), and returns once the fence's promise ran.
+func (b *Broker) produceFenced(records []*kgo.Record, idx []int) *answers {
 	answers := newAnswers(len(idx))
 	for k, i := range idx {
 		b.client.Produce(context.Background(), records[i], answers.promise(k))
@@ -196,33 +234,31 @@ func (b *Broker) send(ctx context.Context, records []*kgo.Record, errs []error) 
 	fenced := make(chan struct{})
 	b.client.Produce(context.Background(), &kgo.Record{}, func(*kgo.Record, error) { close(fenced) })
 	<-fenced
-	if first := answers.firstFailure(); first >= 0 {
-		// Nothing was sent, and nothing else is in the client (rule 1),
-		// so failing everything buffered fails only this call's records,
-		// none of which the broker can have.
-		b.client.UnsafeAbortBufferedRecords()
-		<-answers.done
-		release()
-		// The others fail as the first did (closed, or retryably), but
-		// never permanently: nothing is wrong with them.
-		cause := answers.errs[first]
-		notSent := fmt.Errorf("kafka: not sent: another message of the batch failed before it was sent: %w", cause)
-		if adapters.IsPermanent(classify(records[idx[first]].Topic, cause)) {
-			notSent = fmt.Errorf("kafka: not sent: another message of the batch failed before it was sent (%v)", cause)
-		}
-		for k, i := range idx {
-			errs[i] = answers.errs[k]
-			if errors.Is(errs[i], kgo.ErrAborting) {
-				errs[i] = notSent
-			}
-		}
-		return
-	}
+	return answers
+}
 
-	go func() {
-		_ = b.client.Flush(b.flushCtx) // returns once every record is answered, or at Close
-		release()
-	}()
+// failNotSent puts in errs the answers to a call that failed before it was
+// sent, the record at first failing first: the records aborted because of
+// it fail as it did (closed, or retryably), but never permanently: nothing
+// is wrong with them.
+func failNotSent(records []*kgo.Record, idx []int, errs []error, answers *answers, first int) {
+	cause := answers.errs[first]
+	notSent := fmt.Errorf("kafka: not sent: another message of the batch failed before it was sent: %w", cause)
+	if adapters.IsPermanent(classify(records[idx[first]].Topic, cause)) {
+		notSent = fmt.Errorf("kafka: not sent: another message of the batch failed before it was sent (%v)", cause)
+	}
+	for k, i := range idx {
+		errs[i] = answers.errs[k]
+		if errors.Is(errs[i], kgo.ErrAborting) {
+			errs[i] = notSent
+		}
+	}
+}
+
+// awaitAnswers waits, at most limit, until ctx ends or closing is closed,
+// for the client's answers to the records of idx and puts them in errs;
+// those not answered fail retryably.
+func awaitAnswers(ctx context.Context, closing <-chan struct{}, limit time.Duration, answers *answers, idx []int, errs []error) {
 	answered := time.NewTimer(limit)
 	defer answered.Stop()
 	var unanswered error
@@ -230,7 +266,7 @@ func (b *Broker) send(ctx context.Context, records []*kgo.Record, errs []error) 
 	case <-answers.done:
 	case <-ctx.Done():
 		unanswered = fmt.Errorf("kafka: not acknowledged before the context ended (it may still arrive): %w", ctx.Err())
-	case <-b.closing:
+	case <-closing:
 		unanswered = errClosed
 	case <-answered.C:
 		unanswered = fmt.Errorf("kafka: not acknowledged within %s (broker.kafka.producer_retries x producer_retry_backoff + producer_timeout; it may still arrive)", limit)

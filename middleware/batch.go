@@ -278,60 +278,78 @@ func (b *batcher) await(ctx context.Context, m *member, members *[]*member, i in
 // commits (see transaction).
 func (b *batcher) execute(members []*member) {
 	members = b.leaveDuplicates(members)
+	ctx, cancel := context.WithDeadline(context.Background(), earliestDeadline(members))
+	defer cancel()
+	tx, ok := b.beginInboxed(ctx, members)
+	if !ok {
+		return
+	}
+	all := members // members is cut short when a slow turn sends the rest away
+	kept, members, ok := b.takeTurns(ctx, tx, members)
+	if !ok {
+		return
+	}
+	if len(kept) == 0 {
+		_ = tx.Rollback()
+		return
+	}
+	if err := b.uninbox(ctx, tx, all[len(members):]); err != nil {
+		abortBatch(tx, kept, nil, err)
+		return
+	}
+	if b.handler != nil && !b.runHandler(ctx, tx, kept) {
+		return
+	}
+	b.commit(ctx, tx, kept)
+}
+
+// earliestDeadline is the earliest deadline of members' attempts.
+func earliestDeadline(members []*member) time.Time {
 	deadline := members[0].deadline
 	for _, m := range members[1:] {
 		if m.deadline.Before(deadline) {
 			deadline = m.deadline
 		}
 	}
-	ctx, cancel := context.WithDeadline(context.Background(), deadline)
-	defer cancel()
+	return deadline
+}
+
+// beginInboxed begins the batch's transaction with the members' inbox
+// rows, when it can insert them all at once. It returns false when the
+// batch is over: no transaction could begin, or executeBulk ran it.
+func (b *batcher) beginInboxed(ctx context.Context, members []*member) (Transaction, bool) {
 	tx := b.begin(ctx, members)
 	if tx == nil {
-		return
+		return nil, false
 	}
 	switch b.inboxAll(ctx, tx, members) {
 	case inboxedAll:
 		if b.handler != nil {
 			b.executeBulk(ctx, tx, members)
-			return
+			return nil, false
 		}
 	case inboxedNone:
 		// A duplicate among them, or a failure: each turn inserts its own
 		// row, in a transaction without the batch's INSERT.
 		_ = tx.Rollback()
 		if tx = b.begin(ctx, members); tx == nil {
-			return
+			return nil, false
 		}
 	}
-	all := members     // members is cut short when a slow turn sends the rest away
-	var kept []*member // members whose effects wait for the COMMIT
-	// release sends kept and rest their verdict once the transaction will
-	// not commit; abort rolls it back first.
-	release := func(rest []*member, cause error) {
-		if unreachable(cause) {
-			down := &unavailableError{err: cause}
-			for _, m := range append(kept, rest...) {
-				m.done <- down
-			}
-			return
-		}
-		for _, m := range kept {
-			m.done <- errRunAlone
-		}
-		for _, m := range rest {
-			m.done <- errBatchAborted
-		}
-	}
-	abort := func(rest []*member, cause error) {
-		_ = tx.Rollback()
-		release(rest, cause)
-	}
+	return tx, true
+}
+
+// takeTurns runs members one after another in tx, each behind its own
+// savepoint, and tells each failed one its error. It returns the members
+// whose effects wait for the COMMIT (kept) and members, cut short when a
+// slow turn sent the rest away; false when the batch is over, every
+// member told.
+func (b *batcher) takeTurns(ctx context.Context, tx Transaction, members []*member) (kept, _ []*member, ok bool) {
 	for i := 0; i < len(members); i++ {
 		m := members[i]
 		if err := store.Savepoint(ctx, tx); err != nil {
-			abort(members[i:], err)
-			return
+			abortBatch(tx, kept, members[i:], err)
+			return nil, nil, false
 		}
 		m.turn <- tx
 		r, ok := b.await(ctx, m, &members, i)
@@ -342,49 +360,73 @@ func (b *batcher) execute(members []*member) {
 			// and tx is rolled back once the handler returns (database/sql
 			// has rolled it back already with its context; pgx's server
 			// ends it at idle_in_transaction_session_timeout).
-			release(members[i:], ctx.Err())
+			releaseBatch(kept, members[i:], ctx.Err())
 			<-m.result
 			_ = tx.Rollback()
-			return
+			return nil, nil, false
 		}
 		if r.err == nil {
 			m.outcome = r.outcome
 			kept = append(kept, m)
 			continue
 		}
-		undo := store.RollbackToSavepoint(ctx, tx)
-		if undo == nil && m.inboxed {
-			// Its inbox row was inserted before its savepoint: it goes too,
-			// so that the message can be tried again.
-			undo = b.uninbox(ctx, tx, []*member{m})
-		}
-		if undo != nil {
-			switch {
-			case errors.Is(undo, sql.ErrTxDone) && r.byHandler:
-				// The handler ended the transaction itself.
-				m.done <- adapters.Permanent(errTxEnded)
-			case unreachable(undo) && r.byHandler && IsRetryable(r.err):
-				m.done <- &unavailableError{err: r.err}
-			default:
-				m.done <- r.err
-			}
-			abort(members[i+1:], undo)
-			return
+		if undo := b.undoTurn(ctx, tx, m, r); undo != nil {
+			abortBatch(tx, kept, members[i+1:], undo)
+			return nil, nil, false
 		}
 		m.done <- r.err // its effect is undone; the others go on
 	}
-	if len(kept) == 0 {
-		_ = tx.Rollback()
+	return kept, members, true
+}
+
+// undoTurn undoes the effects of m, whose turn failed with r, back to its
+// savepoint. When it cannot, it tells m and returns why: the batch cannot
+// go on.
+func (b *batcher) undoTurn(ctx context.Context, tx Transaction, m *member, r stepResult) error {
+	undo := store.RollbackToSavepoint(ctx, tx)
+	if undo == nil && m.inboxed {
+		// Its inbox row was inserted before its savepoint: it goes too,
+		// so that the message can be tried again.
+		undo = b.uninbox(ctx, tx, []*member{m})
+	}
+	if undo == nil {
+		return nil
+	}
+	switch {
+	case errors.Is(undo, sql.ErrTxDone) && r.byHandler:
+		// The handler ended the transaction itself.
+		m.done <- adapters.Permanent(errTxEnded)
+	case unreachable(undo) && r.byHandler && IsRetryable(r.err):
+		m.done <- &unavailableError{err: r.err}
+	default:
+		m.done <- r.err
+	}
+	return undo
+}
+
+// releaseBatch sends kept, the members whose effects waited for the
+// COMMIT, and rest, those not run, their verdict once the transaction will
+// not commit.
+func releaseBatch(kept, rest []*member, cause error) {
+	if unreachable(cause) {
+		down := &unavailableError{err: cause}
+		for _, m := range append(kept, rest...) {
+			m.done <- down
+		}
 		return
 	}
-	if err := b.uninbox(ctx, tx, all[len(members):]); err != nil {
-		abort(nil, err)
-		return
+	for _, m := range kept {
+		m.done <- errRunAlone
 	}
-	if b.handler != nil && !b.runHandler(ctx, tx, kept) {
-		return
+	for _, m := range rest {
+		m.done <- errBatchAborted
 	}
-	b.commit(ctx, tx, kept)
+}
+
+// abortBatch rolls tx back, then releases kept and rest (see releaseBatch).
+func abortBatch(tx Transaction, kept, rest []*member, cause error) {
+	_ = tx.Rollback()
+	releaseBatch(kept, rest, cause)
 }
 
 // commit commits tx, begun on ctx, and tells kept, the members whose

@@ -59,18 +59,30 @@ END $$`, t.Schema, t.Schema))
 	stmts = append(stmts, t.shardStatements()...)
 	stmts = append(stmts, t.cursorStatements()...)
 	stmts = append(stmts, t.brokerStatements()...)
+	stmts = append(stmts, t.notifyStatements()...)
+	stmts = append(stmts, t.inboxStatements()...)
+	stmts = append(stmts, t.quarantineStatements()...)
+	stmts = append(stmts, t.poisonStatements()...)
+	stmts = append(stmts, t.aggregateVersionStatements()...)
+	stmts = append(stmts, t.scheduledStatements()...)
+	return append(stmts, t.sagaStatements()...)
+}
+
+// notifyStatements create the trigger that notifies the relay of new
+// outbox rows.
+func (t Tables) notifyStatements() []string {
 	notifyFunc := t.qualify("millrace_notify_outbox")
-	stmts = append(stmts,
+	return []string{
 		// One notification per inserting statement (not per row); PostgreSQL
 		// delivers it at commit and folds duplicates within a transaction.
 		// A sharded outbox is notified per shard by the shard trigger instead.
-		`CREATE OR REPLACE FUNCTION `+notifyFunc+`() RETURNS trigger LANGUAGE plpgsql AS $$
+		`CREATE OR REPLACE FUNCTION ` + notifyFunc + `() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
 	n integer;
 BEGIN
-	SELECT shards INTO n FROM `+t.ShardsTable()+` WHERE outbox_topic = '`+t.OutboxTopic+`';
+	SELECT shards INTO n FROM ` + t.ShardsTable() + ` WHERE outbox_topic = '` + t.OutboxTopic + `';
 	IF n IS NULL OR n <= 1 THEN
-		PERFORM pg_notify('`+NotifyChannel+`', TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME);
+		PERFORM pg_notify('` + NotifyChannel + `', TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME);
 	END IF;
 	RETURN NULL;
 END $$`,
@@ -78,19 +90,31 @@ END $$`,
 		// against writers every time an instance starts.
 		`DO $$ BEGIN
 	IF NOT EXISTS (SELECT 1 FROM pg_trigger
-		WHERE tgname = 'millrace_notify_outbox' AND tgrelid = '`+t.OutboxTable()+`'::regclass) THEN
-		CREATE TRIGGER millrace_notify_outbox AFTER INSERT ON `+t.OutboxTable()+`
-			FOR EACH STATEMENT EXECUTE FUNCTION `+notifyFunc+`();
+		WHERE tgname = 'millrace_notify_outbox' AND tgrelid = '` + t.OutboxTable() + `'::regclass) THEN
+		CREATE TRIGGER millrace_notify_outbox AFTER INSERT ON ` + t.OutboxTable() + `
+			FOR EACH STATEMENT EXECUTE FUNCTION ` + notifyFunc + `();
 	END IF;
 END $$`,
-		`CREATE TABLE IF NOT EXISTS `+t.InboxTable()+` (
+	}
+}
+
+// inboxStatements create the consumers' inbox table.
+func (t Tables) inboxStatements() []string {
+	return []string{
+		`CREATE TABLE IF NOT EXISTS ` + t.InboxTable() + ` (
 	consumer_group TEXT NOT NULL,
 	event_id TEXT NOT NULL,
 	processed_at TIMESTAMPTZ NOT NULL DEFAULT now(),
 	PRIMARY KEY (consumer_group, event_id)
 )`,
 		t.index("millrace_inbox_processed_at", t.InboxTable(), `(processed_at)`),
-		`CREATE TABLE IF NOT EXISTS `+t.QuarantineTable()+` (
+	}
+}
+
+// quarantineStatements create the relay's quarantine table.
+func (t Tables) quarantineStatements() []string {
+	return []string{
+		`CREATE TABLE IF NOT EXISTS ` + t.QuarantineTable() + ` (
 	id BIGSERIAL PRIMARY KEY,
 	outbox_offset BIGINT NOT NULL,
 	outbox_uuid TEXT NOT NULL,
@@ -110,10 +134,17 @@ END $$`,
 		// The poison table finds the quarantined rows of its replays by
 		// their outbox uuid, the replay's message id.
 		t.index("millrace_relay_quarantine_outbox_uuid", t.QuarantineTable(), `(outbox_uuid)`),
+	}
+}
+
+// poisonStatements create the consumers' poison table and its replay
+// history.
+func (t Tables) poisonStatements() []string {
+	return []string{
 		// One row per poisoned message and (consumer group, handler); poisoning
 		// the same message again updates it. The envelope fields are columns
 		// so that an operator can list, filter, show, replay and purge.
-		`CREATE TABLE IF NOT EXISTS `+t.PoisonTable()+` (
+		`CREATE TABLE IF NOT EXISTS ` + t.PoisonTable() + ` (
 	id BIGSERIAL PRIMARY KEY,
 	consumer_group TEXT NOT NULL,
 	handler TEXT NOT NULL,
@@ -139,16 +170,23 @@ END $$`,
 		// Replay history of the poison table; a replay re-sends the message with
 		// a new message id (message_id here) and the same event id. Purging a
 		// poison row drops its history.
-		`CREATE TABLE IF NOT EXISTS `+t.PoisonReplaysTable()+` (
+		`CREATE TABLE IF NOT EXISTS ` + t.PoisonReplaysTable() + ` (
 	id BIGSERIAL PRIMARY KEY,
-	poison_id BIGINT NOT NULL REFERENCES `+t.PoisonTable()+` (id) ON DELETE CASCADE,
+	poison_id BIGINT NOT NULL REFERENCES ` + t.PoisonTable() + ` (id) ON DELETE CASCADE,
 	message_id TEXT NOT NULL,
 	replayed_at TIMESTAMPTZ NOT NULL DEFAULT now(),
 	replayed_by TEXT NOT NULL,
 	times_poisoned INTEGER NOT NULL
 )`,
 		t.index("millrace_poison_replays_poison_id", t.PoisonReplaysTable(), `(poison_id)`),
-		`CREATE TABLE IF NOT EXISTS `+t.AggregateVersionsTable()+` (
+	}
+}
+
+// aggregateVersionStatements create the table of the aggregate versions
+// each consumer group has handled.
+func (t Tables) aggregateVersionStatements() []string {
+	return []string{
+		`CREATE TABLE IF NOT EXISTS ` + t.AggregateVersionsTable() + ` (
 	consumer_group TEXT NOT NULL,
 	aggregate_type TEXT NOT NULL,
 	aggregate_id TEXT NOT NULL,
@@ -157,9 +195,7 @@ END $$`,
 	updated_at TIMESTAMPTZ NOT NULL DEFAULT now(),
 	PRIMARY KEY (consumer_group, aggregate_type, aggregate_id)
 )`,
-	)
-	stmts = append(stmts, t.scheduledStatements()...)
-	return append(stmts, t.sagaStatements()...)
+	}
 }
 
 // ifMissing runs ddl only when probe (a query) finds no row. IF NOT EXISTS

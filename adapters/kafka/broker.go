@@ -19,6 +19,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/adapters/internal/adapterkit"
 	"github.com/millrace-io/millrace/adapters/kafka/internal/devcluster"
 )
 
@@ -74,11 +75,7 @@ var _ adapters.Broker = (*Broker)(nil)
 // kafkadev imported. An unreachable
 // cluster is an error within opts.ConnectTimeout naming the addresses.
 func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, error) {
-	cfg = cfg.WithDefaults()
-	if problems := cfg.Validate("broker.kafka"); len(problems) > 0 {
-		return nil, fmt.Errorf("kafka: invalid config: %w", errors.Join(problems...))
-	}
-	return open(ctx, cfg, opts)
+	return adapterkit.Open(ctx, "kafka", "broker.kafka", cfg, opts, open)
 }
 
 // Connect is Open for a Config that has its defaults and that Validate

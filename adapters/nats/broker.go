@@ -18,6 +18,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/adapters/internal/adapterkit"
 	"github.com/millrace-io/millrace/adapters/nats/internal/embed"
 	"github.com/millrace-io/millrace/internal/confload"
 )
@@ -58,11 +59,7 @@ type Broker struct {
 // opts.ConnectTimeout naming the URL (never its password); so is a server
 // without JetStream.
 func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, error) {
-	cfg = cfg.WithDefaults()
-	if problems := cfg.Validate("broker.nats"); len(problems) > 0 {
-		return nil, fmt.Errorf("nats: invalid config: %w", errors.Join(problems...))
-	}
-	return open(ctx, cfg, opts)
+	return adapterkit.Open(ctx, "nats", "broker.nats", cfg, opts, open)
 }
 
 // Connect is Open for a Config that has its defaults and that Validate

@@ -13,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/adapters/internal/adapterkit"
 	"github.com/millrace-io/millrace/adapters/nats/internal/embed"
 	"github.com/millrace-io/millrace/internal/confload"
 )
@@ -275,13 +276,7 @@ func (c Config) Validate(path string) []error {
 }
 
 // urls splits URL into its servers.
-func (c Config) urls() []string {
-	var urls []string
-	for u := range strings.SplitSeq(c.URL, ",") {
-		urls = append(urls, strings.TrimSpace(u))
-	}
-	return urls
-}
+func (c Config) urls() []string { return adapterkit.SplitURLs(c.URL) }
 
 // tlsOn reports whether connections use TLS: tls.enabled or a tls:// URL.
 func (c Config) tlsOn() bool {

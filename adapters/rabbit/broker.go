@@ -15,6 +15,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/adapters/internal/adapterkit"
 	"github.com/millrace-io/millrace/internal/confload"
 )
 
@@ -52,11 +53,7 @@ var _ adapters.Broker = (*Broker)(nil)
 // is validated. An unreachable broker is an error naming the URL (without
 // its password) within opts.ConnectTimeout, or sooner when ctx ends.
 func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, error) {
-	cfg = cfg.WithDefaults()
-	if errs := cfg.Validate("broker.rabbitmq"); len(errs) > 0 {
-		return nil, fmt.Errorf("rabbitmq: invalid configuration: %w", errors.Join(errs...))
-	}
-	return open(ctx, cfg, opts)
+	return adapterkit.Open(ctx, "rabbitmq", "broker.rabbitmq", cfg, opts, open)
 }
 
 // Connect is Open for a Config that has its defaults and that Validate

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/adapters/internal/adapterkit"
 	"github.com/millrace-io/millrace/internal/confload"
 )
 
@@ -129,13 +130,7 @@ func (c Config) Validate(path string) []error {
 }
 
 // urls splits URL into its nodes.
-func (c Config) urls() []string {
-	var urls []string
-	for u := range strings.SplitSeq(c.URL, ",") {
-		urls = append(urls, strings.TrimSpace(u))
-	}
-	return urls
-}
+func (c Config) urls() []string { return adapterkit.SplitURLs(c.URL) }
 
 // scheme is rawURL's scheme, or "" when it does not parse.
 func scheme(rawURL string) string {

@@ -81,23 +81,19 @@ var _ message.SubscribeInitializer = (*concurrentSubscriber)(nil)
 
 // SubscribeInitialize provisions topic's stream and the group's consumer.
 func (s *concurrentSubscriber) SubscribeInitialize(topic string) error {
-	ctx, cancel := context.WithTimeout(context.Background(), s.b.opts.ConnectTimeout)
-	defer cancel()
-	return s.b.Provision(ctx, topic, s.group)
+	return s.b.withinConnectTimeout(func(ctx context.Context) error {
+		return s.b.Provision(ctx, topic, s.group)
+	})
 }
 
 // Subscribe provisions topic's stream and the group's consumer if needed and
 // returns the group's messages of topic, until ctx ends or the subscriber
 // closes; then the channel is closed.
 func (s *concurrentSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
-	if err := s.SubscribeInitialize(topic); err != nil {
+	if err := s.lockOpen(s.SubscribeInitialize, topic); err != nil {
 		return nil, err
 	}
-	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.closed {
-		return nil, errSubscriberClosed
-	}
 	b := s.b
 	infoCtx, cancel := context.WithTimeout(ctx, b.opts.ConnectTimeout)
 	defer cancel()

@@ -134,23 +134,19 @@ var _ message.SubscribeInitializer = (*orderedSubscriber)(nil)
 // SubscribeInitialize provisions topic's stream and the group's consumer,
 // as an ordered group's.
 func (s *orderedSubscriber) SubscribeInitialize(topic string) error {
-	ctx, cancel := context.WithTimeout(context.Background(), s.b.opts.ConnectTimeout)
-	defer cancel()
-	return s.b.ProvisionOrdered(ctx, topic, s.group)
+	return s.b.withinConnectTimeout(func(ctx context.Context) error {
+		return s.b.ProvisionOrdered(ctx, topic, s.group)
+	})
 }
 
 // Subscribe provisions topic's stream and the group's consumer and returns
 // the group's messages of topic once this subscription holds the group's
 // lease. The channel closes when ctx ends or the subscriber closes.
 func (s *orderedSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
-	if err := s.SubscribeInitialize(topic); err != nil {
+	if err := s.lockOpen(s.SubscribeInitialize, topic); err != nil {
 		return nil, err
 	}
-	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.closed {
-		return nil, errSubscriberClosed
-	}
 	stream := StreamName(topic)
 	sub := &orderedSubscription{
 		s:       s,

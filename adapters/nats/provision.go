@@ -16,6 +16,14 @@ import (
 // existing stream".
 const codeSubjectOverlap = 10065
 
+// withinConnectTimeout runs f with a context that ends after
+// connect_timeout.
+func (b *Broker) withinConnectTimeout(f func(context.Context) error) error {
+	ctx, cancel := context.WithTimeout(context.Background(), b.opts.ConnectTimeout)
+	defer cancel()
+	return f(ctx)
+}
+
 // Provision makes topic's stream and a durable consumer for each of
 // consumerGroups exist with the configured settings; a consumer it creates
 // delivers the stream from its first message (DeliverAll). It is

@@ -95,6 +95,21 @@ func (l *lifecycle) start(b *Broker) error {
 	return b.register(l)
 }
 
+// lockOpen runs initialize for topic (provisioning), then locks mu for
+// the caller to add a subscription; once l is closed it returns
+// errSubscriberClosed, with mu unlocked.
+func (l *lifecycle) lockOpen(initialize func(topic string) error, topic string) error {
+	if err := initialize(topic); err != nil {
+		return err
+	}
+	l.mu.Lock()
+	if l.closed {
+		l.mu.Unlock()
+		return errSubscriberClosed
+	}
+	return nil
+}
+
 // Close stops every Subscribe call, waits until each has ended, and is
 // idempotent. Nothing is acked by closing.
 func (l *lifecycle) Close() error {
@@ -162,9 +177,9 @@ func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 
 // SubscribeInitialize provisions topic's stream and the group's consumer.
 func (s *subscriber) SubscribeInitialize(topic string) error {
-	ctx, cancel := context.WithTimeout(context.Background(), s.b.opts.ConnectTimeout)
-	defer cancel()
-	return s.b.Provision(ctx, topic, s.group)
+	return s.b.withinConnectTimeout(func(ctx context.Context) error {
+		return s.b.Provision(ctx, topic, s.group)
+	})
 }
 
 // Close stops every subscription without acking anything still unacked. It

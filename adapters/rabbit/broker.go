@@ -229,14 +229,11 @@ func (b *Broker) dropOnCancel(ctx context.Context, conn *amqp.Connection) (stop 
 // queue for unroutable messages. It is idempotent. An existing object with
 // other settings is an error wrapping adapters.ErrTopologyConflict.
 func (b *Broker) Provision(ctx context.Context, topic string, consumerGroups ...string) error {
-	if err := checkNames(topic, consumerGroups...); err != nil {
-		return err
-	}
-	conn, err := b.connection(ctx)
+	conn, stop, err := b.topologyConnection(ctx, topic, consumerGroups)
 	if err != nil {
 		return err
 	}
-	defer b.dropOnCancel(ctx, conn)()
+	defer stop()
 	tc := &topoChannel{conn: conn}
 	defer tc.close()
 	if err := b.declarer.declareTopic(tc, topic); err != nil {

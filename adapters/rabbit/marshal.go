@@ -117,24 +117,8 @@ func headerString(v any) string {
 		return string(v)
 	case bool:
 		return strconv.FormatBool(v)
-	case int8:
-		return strconv.FormatInt(int64(v), 10)
-	case int16:
-		return strconv.FormatInt(int64(v), 10)
-	case int32:
-		return strconv.FormatInt(int64(v), 10)
-	case int64:
-		return strconv.FormatInt(v, 10)
-	case int:
-		return strconv.Itoa(v)
-	case uint8:
-		return strconv.FormatUint(uint64(v), 10)
-	case uint16:
-		return strconv.FormatUint(uint64(v), 10)
-	case uint32:
-		return strconv.FormatUint(uint64(v), 10)
-	case uint64:
-		return strconv.FormatUint(v, 10)
+	case int, int8, int16, int32, int64, uint8, uint16, uint32, uint64:
+		return fmt.Sprint(v) // decimal
 	case float32:
 		return strconv.FormatFloat(float64(v), 'g', -1, 32)
 	case float64:

@@ -269,19 +269,30 @@ func conflictError(kind, name, what, reason, want string) error {
 		kind, name, what, adapters.ErrTopologyConflict, reason, want, kind))
 }
 
+// topologyConnection checks the names of topic and consumerGroups and
+// returns the connection to declare or delete their topology on, with the
+// function to call when done (see dropOnCancel).
+func (b *Broker) topologyConnection(ctx context.Context, topic string, consumerGroups []string) (*amqp.Connection, func() bool, error) {
+	if err := checkNames(topic, consumerGroups...); err != nil {
+		return nil, nil, err
+	}
+	conn, err := b.connection(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	return conn, b.dropOnCancel(ctx, conn), nil
+}
+
 // Deprovision deletes what Provision declared for topic and consumerGroups:
 // the groups' queues, dead-letter queues and retry queues, the parking queue and the
 // topic's three exchanges, with the messages they hold. Objects already gone
 // are not an error. See adapters.Deprovisioner.
 func (b *Broker) Deprovision(ctx context.Context, topic string, consumerGroups ...string) error {
-	if err := checkNames(topic, consumerGroups...); err != nil {
-		return err
-	}
-	conn, err := b.connection(ctx)
+	conn, stop, err := b.topologyConnection(ctx, topic, consumerGroups)
 	if err != nil {
 		return err
 	}
-	defer b.dropOnCancel(ctx, conn)()
+	defer stop()
 	b.mu.Lock()
 	delete(b.declared, topic)
 	b.mu.Unlock()

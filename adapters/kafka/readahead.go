@@ -160,16 +160,10 @@ func (s *subscriber) subscribeReadAhead(ctx context.Context, topic string) (<-ch
 	if err != nil {
 		return nil, fmt.Errorf("kafka: cannot create subscriber for group %s: %w", s.group, err)
 	}
-	s.mu.Lock()
-	select {
-	case <-s.closing:
-		s.mu.Unlock()
+	if err := s.addRelay(nil); err != nil {
 		_ = group.Close()
-		return nil, errors.New("kafka: subscriber closed")
-	default:
+		return nil, err
 	}
-	s.relays.Add(1) // under mu with closing open, so before Close waits
-	s.mu.Unlock()
 
 	runCtx, cancel := context.WithCancel(ctx)
 	go func() {

@@ -114,16 +114,9 @@ func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	if err != nil {
 		return nil, fmt.Errorf("kafka: cannot create subscriber for group %s: %w", s.group, err)
 	}
-	s.mu.Lock()
-	select {
-	case <-s.closing:
-		s.mu.Unlock()
-		return nil, errors.New("kafka: subscriber closed")
-	default:
+	if err := s.addRelay(func() { s.inner = append(s.inner, inner) }); err != nil {
+		return nil, err
 	}
-	s.inner = append(s.inner, inner)
-	s.relays.Add(1) // under mu with closing open, so before Close waits
-	s.mu.Unlock()
 
 	out, err := inner.Subscribe(ctx, topic)
 	if err != nil {
@@ -135,6 +128,23 @@ func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	go s.relay(ctx, out, deliver, sessions)
 	s.awaitJoin(ctx, topic, joined)
 	return deliver, nil
+}
+
+// addRelay counts one more relay goroutine, which Close waits for, and
+// runs keep (when not nil) with it, under mu; unless s is closing.
+func (s *subscriber) addRelay(keep func()) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	select {
+	case <-s.closing:
+		return errors.New("kafka: subscriber closed")
+	default:
+	}
+	if keep != nil {
+		keep()
+	}
+	s.relays.Add(1) // under mu with closing open, so before Close waits
+	return nil
 }
 
 // awaitJoin waits until joined is closed (the consumer has its

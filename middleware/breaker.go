@@ -244,16 +244,24 @@ func (b *breaker) admit(ctx context.Context, rejected bool, w *breakerWaiter) er
 		}
 		rejected = false
 		w.block()
-		t := time.NewTimer(wait)
-		select {
-		case <-changed:
-		case <-t.C:
-		case <-ctx.Done():
-			t.Stop()
-			return context.Cause(ctx)
+		if err := waitChanged(ctx, changed, wait); err != nil {
+			return err
 		}
-		t.Stop()
 	}
+}
+
+// waitChanged waits until changed is closed or d has passed, and returns
+// ctx's cause when ctx ends first.
+func waitChanged(ctx context.Context, changed <-chan struct{}, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-changed:
+	case <-t.C:
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	}
+	return nil
 }
 
 // note records the result of an attempt of d's message, before gobreaker

@@ -76,15 +76,9 @@ func (b *breaker) waitUp(ctx context.Context, w *breakerWaiter) error {
 		b.mu.Unlock()
 		w.block()
 		if !mine {
-			t := time.NewTimer(b.timeout)
-			select {
-			case <-changed:
-			case <-t.C:
-			case <-ctx.Done():
-				t.Stop()
-				return context.Cause(ctx)
+			if err := waitChanged(ctx, changed, b.timeout); err != nil {
+				return err
 			}
-			t.Stop()
 			continue
 		}
 		err := sleepCtx(ctx, b.timeout)

@@ -92,18 +92,53 @@ func TestScheduledEventsArePublishedWhenDue(t *testing.T) {
 	// Due times are whole microseconds, PostgreSQL's precision, so that
 	// "no earlier than due" compares like with like.
 	start := time.Now().Truncate(time.Microsecond)
-	due := map[string]time.Time{}
-	// When an event was due or, if later, committed: what lateness is
-	// measured from.
-	from := map[string]time.Time{}
+	due, from := scheduleSpread(t, e, start, scheduled, window)
+	cancel := scheduleAndCancel(t, e, cancelled)
+	committed := publishWhileWaiting(t, e, start, immediate, window)
+
+	testkit.Eventually(t, waitLimit, "every event published", func() bool { return got.count() >= scheduled+immediate })
+	entered := outboxEntries(t, e)
+	move := checkScheduledArrivals(t, got, due, from, entered, committed)
+	// Every cancelled event was due seconds ago.
+	for _, id := range cancel {
+		_, ok := got.at(id)
+		require.False(t, ok, "cancelled event %s was published", id)
+	}
+	require.Equal(t, scheduled+immediate, got.count(), "only the events not cancelled are published")
+	behind := 0 // committed after their due time
+	for id, at := range due {
+		if from[id] != at {
+			behind++
+		}
+	}
+	t.Logf("%d of %d scheduled events were committed after their due time", behind, scheduled)
+	// The scheduler's part is bounded by 1 s. From the outbox on, a
+	// scheduled event is relayed and consumed like any other: that part is
+	// logged, not bounded here, since on a machine busy with other test
+	// packages the consumer's backlog alone has taken tens of seconds.
+	require.Less(t, move[len(move)-1], time.Second, "a scheduled event entered the outbox more than 1 s after its due time")
+	// Immediate events never wait for scheduled ones: each is in the outbox
+	// from its own commit on, whatever is scheduled.
+	for id, at := range committed {
+		in, ok := entered[id]
+		require.True(t, ok, "immediate event %s is not in the outbox", id)
+		require.False(t, in.After(at), "immediate event %s entered the outbox %s after its commit", id, in.Sub(at))
+	}
+}
+
+// scheduleSpread schedules n events in ten transactions, each spread over
+// window from start on, written in an order that is not the due order. It
+// returns each event's due time, and when it was due or, if later,
+// committed: what lateness is measured from.
+func scheduleSpread(t *testing.T, e endToEnd, start time.Time, n int, window time.Duration) (due, from map[string]time.Time) {
+	ctx := context.Background()
+	due, from = map[string]time.Time{}, map[string]time.Time{}
 	rng := rand.New(rand.NewPCG(uint64(start.UnixNano()), 17))
-	// Ten transactions of 100, each spread over the whole window, written
-	// in an order that is not the due order.
 	for txn := range 10 {
 		tx, err := e.db.BeginTx(ctx, nil)
 		require.NoError(t, err)
 		var written []string
-		for i := range scheduled / 10 {
+		for i := range n / 10 {
 			at := start.Add(time.Second + time.Duration(rng.Int64N(int64(window-time.Second)))).Truncate(time.Microsecond)
 			ids, err := e.bus.Schedule(ctx, tx, e.topic, bus.DueAt(at), scheduledEvent("due", txn*100+i))
 			require.NoError(t, err)
@@ -116,10 +151,17 @@ func TestScheduledEventsArePublishedWhenDue(t *testing.T) {
 			from[id] = maxTime(due[id], commit)
 		}
 	}
+	return due, from
+}
+
+// scheduleAndCancel schedules n events due in 2 s and more, cancels them
+// in another transaction, and returns their ids.
+func scheduleAndCancel(t *testing.T, e endToEnd, n int) []string {
+	ctx := context.Background()
 	var cancel []string
 	tx, err := e.db.BeginTx(ctx, nil)
 	require.NoError(t, err)
-	for i := range cancelled {
+	for i := range n {
 		ids, err := e.bus.Schedule(ctx, tx, e.topic, bus.DueIn(2*time.Second+time.Duration(i)*100*time.Millisecond), scheduledEvent("cancel", i))
 		require.NoError(t, err)
 		cancel = append(cancel, ids...)
@@ -132,10 +174,16 @@ func TestScheduledEventsArePublishedWhenDue(t *testing.T) {
 	}
 	require.NoError(t, tx.Commit())
 	require.ErrorIs(t, e.bus.CancelScheduled(ctx, mustBegin(t, e), cancel[0]), bus.ErrNotScheduled, "a cancelled event cannot be cancelled again")
+	return cancel
+}
 
-	// The immediate events: 100 every second while the scheduled ones wait.
+// publishWhileWaiting publishes n immediate events, a tenth every tenth of
+// window from start on, while the scheduled ones wait, and returns when
+// each was committed.
+func publishWhileWaiting(t *testing.T, e endToEnd, start time.Time, n int, window time.Duration) map[string]time.Time {
+	ctx := context.Background()
 	committed := map[string]time.Time{}
-	for round := range immediate / 100 {
+	for round := range n / 100 {
 		tx, err := e.db.BeginTx(ctx, nil)
 		require.NoError(t, err)
 		var events []bus.Event
@@ -150,12 +198,14 @@ func TestScheduledEventsArePublishedWhenDue(t *testing.T) {
 		}
 		time.Sleep(time.Until(start.Add(time.Duration(round+1) * window / 10)))
 	}
+	return committed
+}
 
-	testkit.Eventually(t, waitLimit, "every event published", func() bool { return got.count() >= scheduled+immediate })
-	// When each event entered the outbox: its commit, or for a scheduled
-	// one the scheduler's move.
+// outboxEntries returns when each event entered the outbox: its commit,
+// or for a scheduled one the scheduler's move.
+func outboxEntries(t *testing.T, e endToEnd) map[string]time.Time {
 	entered := map[string]time.Time{}
-	rows, err := e.db.QueryContext(ctx, `SELECT uuid, EXTRACT(EPOCH FROM created_at AT TIME ZONE current_setting('TimeZone'))::float8 FROM "`+
+	rows, err := e.db.QueryContext(context.Background(), `SELECT uuid, EXTRACT(EPOCH FROM created_at AT TIME ZONE current_setting('TimeZone'))::float8 FROM "`+
 		e.cfg.Database.Schema+`"."watermill_`+e.cfg.Outbox.Topic+`"`)
 	require.NoError(t, err)
 	for rows.Next() {
@@ -166,10 +216,17 @@ func TestScheduledEventsArePublishedWhenDue(t *testing.T) {
 	}
 	require.NoError(t, rows.Err())
 	require.NoError(t, rows.Close())
+	return entered
+}
 
-	// late is from due (or commit) to the consumer, move from due (or
-	// commit) to the outbox, relayed from the outbox to the consumer.
-	var late, move, relayed, lag []time.Duration
+// checkScheduledArrivals checks that every scheduled event arrived, no
+// earlier than due, and every immediate one arrived, and logs how long
+// each part took. It returns, sorted, how long each scheduled event took
+// from due (or commit) to the outbox.
+func checkScheduledArrivals(t *testing.T, got *arrivals, due, from, entered, committed map[string]time.Time) (move []time.Duration) {
+	// late is from due (or commit) to the consumer, relayed from the outbox
+	// to the consumer, lag from commit to the consumer of an immediate event.
+	var late, relayed, lag []time.Duration
 	for id, at := range due {
 		arrived, ok := got.at(id)
 		require.True(t, ok, "scheduled event %s never published", id)
@@ -185,38 +242,14 @@ func TestScheduledEventsArePublishedWhenDue(t *testing.T) {
 		require.True(t, ok, "immediate event %s never published", id)
 		lag = append(lag, arrived.Sub(at))
 	}
-	// Every cancelled event was due seconds ago.
-	for _, id := range cancel {
-		_, ok := got.at(id)
-		require.False(t, ok, "cancelled event %s was published", id)
-	}
-	require.Equal(t, scheduled+immediate, got.count(), "only the events not cancelled are published")
 	for _, ds := range [][]time.Duration{late, move, relayed, lag} {
 		slices.Sort(ds)
 	}
-	behind := 0 // committed after their due time
-	for id, at := range due {
-		if from[id] != at {
-			behind++
-		}
-	}
-	t.Logf("%d of %d scheduled events were committed after their due time", behind, scheduled)
 	t.Logf("scheduled: lateness p50 %s, p99 %s, max %s (due to outbox p99 %s, max %s; outbox to consumer p99 %s, max %s); "+
 		"immediate: commit to consumer p50 %s, p99 %s, max %s",
 		percentile(late, 50), percentile(late, 99), late[len(late)-1], percentile(move, 99), move[len(move)-1],
 		percentile(relayed, 99), relayed[len(relayed)-1], percentile(lag, 50), percentile(lag, 99), lag[len(lag)-1])
-	// The scheduler's part is bounded by 1 s. From the outbox on, a
-	// scheduled event is relayed and consumed like any other: that part is
-	// logged above, not bounded here, since on a machine busy with other
-	// test packages the consumer's backlog alone has taken tens of seconds.
-	require.Less(t, move[len(move)-1], time.Second, "a scheduled event entered the outbox more than 1 s after its due time")
-	// Immediate events never wait for scheduled ones: each is in the outbox
-	// from its own commit on, whatever is scheduled.
-	for id, at := range committed {
-		in, ok := entered[id]
-		require.True(t, ok, "immediate event %s is not in the outbox", id)
-		require.False(t, in.After(at), "immediate event %s entered the outbox %s after its commit", id, in.Sub(at))
-	}
+	return move
 }
 
 func maxTime(a, b time.Time) time.Time {

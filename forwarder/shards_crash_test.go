@@ -85,56 +85,17 @@ func testShardedRelaysSurviveKills(t *testing.T, kind string) {
 	for i := range relays {
 		relays[i] = &shardRelay{name: prefix + strconv.Itoa(i), addr: freeAddr(t)}
 	}
+	s := sampleUnowned(t)
 	launch := func(r *shardRelay) {
 		r.proc = startNamedRelayProcess(t, cfg, "", r.name, childShardsEnv+"="+strconv.Itoa(shards), childMetrics+"="+r.addr)
+		s.setLive(r, true)
 	}
-	var mu sync.Mutex
-	live := map[*shardRelay]bool{}
-	maxUnowned := 0.0
-	sampleCtx, stopSampling := context.WithCancel(context.Background())
-	sampled := make(chan struct{})
-	go func() {
-		defer close(sampled)
-		for sampleCtx.Err() == nil {
-			mu.Lock()
-			rs := make([]*shardRelay, 0, len(live))
-			for r := range live {
-				rs = append(rs, r)
-			}
-			mu.Unlock()
-			for _, r := range rs {
-				if m := r.scrape(); m != nil {
-					mu.Lock()
-					maxUnowned = max(maxUnowned, m["millrace_relay_unowned_shards"])
-					mu.Unlock()
-				}
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
-	}()
-	t.Cleanup(func() { stopSampling(); <-sampled })
-	setLive := func(r *shardRelay, up bool) { mu.Lock(); defer mu.Unlock(); live[r] = up }
-	// owners returns the shards each relay reports it owns, once every relay
-	// in want answers and their shards add up to all of them.
-	spread := func(want ...*shardRelay) bool {
-		total := 0
-		for _, r := range want {
-			m := r.scrape()
-			if m == nil || m["millrace_relay_unowned_shards"] != 0 {
-				return false
-			}
-			n := int(m["millrace_relay_shard_owned"])
-			if n < shards/len(want)-1 { // each owns its share, give or take one
-				return false
-			}
-			total += n
-		}
-		return total == shards
-	}
+	// spread says whether every relay in want answers and their shards add
+	// up to all of them.
+	spread := func(want ...*shardRelay) bool { return shardsSpread(shards, want...) }
 
 	for _, r := range relays {
 		launch(r)
-		setLive(r, true)
 	}
 	testkit.Eventually(t, waitLimit, "three relays sharing the shards", func() bool { return spread(relays...) })
 
@@ -146,25 +107,15 @@ func testShardedRelaysSurviveKills(t *testing.T, kind string) {
 		written <- w
 	}()
 
-	kill := func(r *shardRelay) {
-		setLive(r, false)
-		r.proc.Kill()
-		<-r.proc.Done()
-		require.True(t, r.proc.KilledBySIGKILL(), "%s: %v", r.name, r.proc.Err())
-	}
 	testkit.Eventually(t, waitLimit, "a first part forwarded", func() bool { return got.distinct() > events/5 })
-	mu.Lock()
-	atStart := maxUnowned
-	maxUnowned = 0 // from here on, what the kills and restarts leave unowned
-	mu.Unlock()
-	kill(relays[0])
+	atStart := s.takeMax() // from here on, what the kills and restarts leave unowned
+	s.kill(t, relays[0])
 	testkit.Eventually(t, waitLimit, "two relays own every shard", func() bool { return spread(relays[1], relays[2]) })
 	testkit.Eventually(t, waitLimit, "a second part forwarded", func() bool { return got.distinct() > events/2 })
-	kill(relays[1])
+	s.kill(t, relays[1])
 	testkit.Eventually(t, waitLimit, "the last relay owns every shard", func() bool { return spread(relays[2]) })
 	for _, r := range relays[:2] {
 		launch(r)
-		setLive(r, true)
 	}
 	w := <-written
 	testkit.Eventually(t, waitLimit, "every committed event on the broker", func() bool { return got.distinct() >= len(w.committed) })
@@ -176,11 +127,95 @@ func testShardedRelaysSurviveKills(t *testing.T, kind string) {
 	for _, r := range relays {
 		require.NoError(t, r.proc.Stop(waitLimit), "%s stops gracefully", r.name)
 	}
-	mu.Lock()
-	require.Positive(t, maxUnowned, "the unowned-shards gauge rose while a killed relay's shards had no owner")
-	afterKills := maxUnowned
-	mu.Unlock()
+	afterKills := s.takeMax()
+	require.Positive(t, afterKills, "the unowned-shards gauge rose while a killed relay's shards had no owner")
 
+	checkShardedDelivery(t, got, w, aggregates)
+	t.Logf("%s: %d committed events, %d deliveries (%d duplicates), unowned shards peaked at %v at start, %v after the kills",
+		kind, len(w.committed), got.total, got.total-len(got.count), atStart, afterKills)
+}
+
+// unownedSampler follows the highest unowned-shards gauge the live relays
+// report.
+type unownedSampler struct {
+	mu         sync.Mutex
+	live       map[*shardRelay]bool
+	maxUnowned float64
+}
+
+// sampleUnowned scrapes the live relays every 10 ms until the test ends.
+func sampleUnowned(t *testing.T) *unownedSampler {
+	s := &unownedSampler{live: map[*shardRelay]bool{}}
+	sampleCtx, stopSampling := context.WithCancel(context.Background())
+	sampled := make(chan struct{})
+	go func() {
+		defer close(sampled)
+		for sampleCtx.Err() == nil {
+			s.mu.Lock()
+			rs := make([]*shardRelay, 0, len(s.live))
+			for r := range s.live {
+				rs = append(rs, r)
+			}
+			s.mu.Unlock()
+			for _, r := range rs {
+				if m := r.scrape(); m != nil {
+					s.mu.Lock()
+					s.maxUnowned = max(s.maxUnowned, m["millrace_relay_unowned_shards"])
+					s.mu.Unlock()
+				}
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}()
+	t.Cleanup(func() { stopSampling(); <-sampled })
+	return s
+}
+
+func (s *unownedSampler) setLive(r *shardRelay, up bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.live[r] = up
+}
+
+// takeMax returns the highest gauge seen since the last takeMax and starts
+// over.
+func (s *unownedSampler) takeMax() float64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	peak := s.maxUnowned
+	s.maxUnowned = 0
+	return peak
+}
+
+// kill stops sampling r and kills it with SIGKILL.
+func (s *unownedSampler) kill(t *testing.T, r *shardRelay) {
+	s.setLive(r, false)
+	r.proc.Kill()
+	<-r.proc.Done()
+	require.True(t, r.proc.KilledBySIGKILL(), "%s: %v", r.name, r.proc.Err())
+}
+
+// shardsSpread says whether every relay in want answers, owns its share of
+// the shards (give or take one) and their shards add up to all of them.
+func shardsSpread(shards int, want ...*shardRelay) bool {
+	total := 0
+	for _, r := range want {
+		m := r.scrape()
+		if m == nil || m["millrace_relay_unowned_shards"] != 0 {
+			return false
+		}
+		n := int(m["millrace_relay_shard_owned"])
+		if n < shards/len(want)-1 { // each owns its share, give or take one
+			return false
+		}
+		total += n
+	}
+	return total == shards
+}
+
+// checkShardedDelivery checks that exactly the events w committed reached
+// the broker, each aggregate's in order.
+func checkShardedDelivery(t *testing.T, got *collector, w *writer, aggregates int) {
 	got.mu.Lock()
 	defer got.mu.Unlock()
 	for id := range w.committed {
@@ -194,6 +229,4 @@ func testShardedRelaysSurviveKills(t *testing.T, kind string) {
 			require.Greater(t, versions[i], versions[i-1], "%s: versions first arrived out of order: %v", agg, versions)
 		}
 	}
-	t.Logf("%s: %d committed events, %d deliveries (%d duplicates), unowned shards peaked at %v at start, %v after the kills",
-		kind, len(w.committed), got.total, got.total-len(got.count), atStart, afterKills)
 }

@@ -191,41 +191,15 @@ func testOrderAcrossCrashes(t *testing.T, kcfg kafka.Config) {
 	cluster := startClusterProcess(t, rng)
 	t.Logf("seed %d, cluster on %v", seed, cluster.addrs)
 
-	// A PostgreSQL cluster of its own: an old transaction open anywhere in a
-	// shared one would hide new outbox rows from the relay (the xid8 rule),
-	// so crashes could come while it had nothing to publish.
-	pg := servers.StartPostgreSQL(t)
-	db, err := sql.Open("pgx", pg.URL)
-	require.NoError(t, err)
-	t.Cleanup(func() { db.Close() })
-	var cfg bus.Config
-	cfg.Database.URL = pg.URL
-	cfg.Database.Schema = testdb.Schema(t, db)
-	cfg.Broker.Kind = bus.KindKafka
 	kcfg.Brokers = cluster.addrs
-	cfg.Broker.Kafka = kcfg
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	pub, err := bus.Open(ctx, cfg, db)
-	require.NoError(t, err)
-	t.Cleanup(func() { pub.Close() })
-	cfg = pub.Config()
-
+	db, pub, cfg := openCrashBus(t, kcfg)
 	kb, err := kafka.Open(ctx, cfg.Broker.Kafka, adapters.Options{ConnectTimeout: 30 * time.Second})
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, kb.Close()) })
 	broker := &timedBroker{Broker: kb}
 	topic := adaptertest.Name("crash-order")
 	require.NoError(t, broker.Provision(ctx, topic))
-
-	relay, err := forwarder.New(db, broker, forwarder.Outbox{Schema: cfg.Database.Schema, Topic: cfg.Outbox.Topic},
-		forwarder.Config{BatchSize: 500, MaxInFlight: 250, PollInterval: 100 * time.Millisecond,
-			RetryInitial: 20 * time.Millisecond, RetryMax: 500 * time.Millisecond},
-		forwarder.Options{})
-	require.NoError(t, err)
-	relayCtx, stopRelay := context.WithCancel(ctx)
-	relayDone := make(chan error, 1)
-	go func() { relayDone <- relay.Run(relayCtx) }()
-	t.Cleanup(func() { stopRelay(); <-relayDone })
+	relay := startCrashRelay(t, db, broker, cfg)
 
 	// The writer commits four events of random aggregates every 20ms until
 	// told to stop, so the relay has work in every outage.
@@ -233,19 +207,7 @@ func testOrderAcrossCrashes(t *testing.T, kcfg kafka.Config) {
 	stopWriting := make(chan struct{})
 	written := make(chan error, 1)
 	go func() { written <- w.run(ctx, pub, db, topic, rand.New(rand.NewPCG(seed, 7)), stopWriting) }()
-
-	type outage struct{ killed, restarted time.Time }
-	var outages []outage
-	for range 3 {
-		time.Sleep(time.Duration(1000+rng.IntN(1000)) * time.Millisecond)
-		broker.waitForPublish(t) // crash in the middle of a publish
-		cluster.kill()
-		killed := time.Now()
-		time.Sleep(time.Duration(2000+rng.IntN(3000)) * time.Millisecond)
-		restarted := time.Now()
-		cluster.start(t)
-		outages = append(outages, outage{killed, restarted})
-	}
+	outages := crashDuringPublishes(t, rng, broker, cluster)
 	time.Sleep(time.Second)
 	close(stopWriting)
 	require.NoError(t, <-written)
@@ -260,22 +222,7 @@ func testOrderAcrossCrashes(t *testing.T, kcfg kafka.Config) {
 		time.Sleep(100 * time.Millisecond)
 	}
 
-	broker.mu.Lock()
-	spans := slices.Clone(broker.spans)
-	broker.mu.Unlock()
-	failed := 0
-	for _, s := range spans {
-		if s.failed {
-			failed++
-		}
-	}
-	hit := 0 // outages during which a publish was under way
-	for _, o := range outages {
-		if slices.ContainsFunc(spans, func(s span) bool { return s.start.Before(o.restarted) && s.end.After(o.killed) }) {
-			hit++
-		}
-	}
-
+	spans, failed, hit := broker.publishesIn(outages)
 	firsts, copies := readPartitionLog(t, cluster.addrs, topic)
 	lost := 0
 	for id := range w.event {
@@ -290,8 +237,93 @@ func testOrderAcrossCrashes(t *testing.T, kcfg kafka.Config) {
 		require.True(t, ok, "the log holds event %s, which was never committed", f.id)
 		order[ev.aggregate] = append(order[ev.aggregate], ev)
 	}
-	violations, brokenAggregates := 0, 0
-	var example string
+	violations, brokenAggregates, example := orderViolations(order)
+	t.Logf("%d events committed, %d records in the log (%d duplicates), %d publish calls (%d failed, %d under way in %d outages), %d lost, %d order violations in %d of %d aggregates",
+		len(w.event), copies, copies-len(firsts), spans, failed, hit, len(outages), lost, violations, brokenAggregates, len(order))
+	require.Zero(t, lost, "committed events missing from the partition log")
+	require.Zero(t, violations, "a later version of an aggregate is in the log before an earlier one; e.g. %s", example)
+}
+
+// openCrashBus opens a Bus on a PostgreSQL cluster of its own, publishing
+// to Kafka with kcfg: an old transaction open anywhere in a shared one
+// would hide new outbox rows from the relay (the xid8 rule), so crashes
+// could come while it had nothing to publish.
+func openCrashBus(t *testing.T, kcfg kafka.Config) (*sql.DB, *bus.Bus, bus.Config) {
+	ctx := context.Background()
+	pg := servers.StartPostgreSQL(t)
+	db, err := sql.Open("pgx", pg.URL)
+	require.NoError(t, err)
+	t.Cleanup(func() { db.Close() })
+	var cfg bus.Config
+	cfg.Database.URL = pg.URL
+	cfg.Database.Schema = testdb.Schema(t, db)
+	cfg.Broker.Kind = bus.KindKafka
+	cfg.Broker.Kafka = kcfg
+	require.NoError(t, bus.Migrate(ctx, db, cfg))
+	pub, err := bus.Open(ctx, cfg, db)
+	require.NoError(t, err)
+	t.Cleanup(func() { pub.Close() })
+	return db, pub, pub.Config()
+}
+
+// startCrashRelay runs a relay of cfg's outbox to broker until the test
+// ends.
+func startCrashRelay(t *testing.T, db *sql.DB, broker adapters.Broker, cfg bus.Config) *forwarder.Forwarder {
+	relay, err := forwarder.New(db, broker, forwarder.Outbox{Schema: cfg.Database.Schema, Topic: cfg.Outbox.Topic},
+		forwarder.Config{BatchSize: 500, MaxInFlight: 250, PollInterval: 100 * time.Millisecond,
+			RetryInitial: 20 * time.Millisecond, RetryMax: 500 * time.Millisecond},
+		forwarder.Options{})
+	require.NoError(t, err)
+	relayCtx, stopRelay := context.WithCancel(context.Background())
+	relayDone := make(chan error, 1)
+	go func() { relayDone <- relay.Run(relayCtx) }()
+	t.Cleanup(func() { stopRelay(); <-relayDone })
+	return relay
+}
+
+// outage is when the cluster was down.
+type outage struct{ killed, restarted time.Time }
+
+// crashDuringPublishes kills the cluster three times in the middle of a
+// publish and restarts it a few seconds later.
+func crashDuringPublishes(t *testing.T, rng *rand.Rand, broker *timedBroker, cluster *clusterProcess) []outage {
+	var outages []outage
+	for range 3 {
+		time.Sleep(time.Duration(1000+rng.IntN(1000)) * time.Millisecond)
+		broker.waitForPublish(t) // crash in the middle of a publish
+		cluster.kill()
+		killed := time.Now()
+		time.Sleep(time.Duration(2000+rng.IntN(3000)) * time.Millisecond)
+		restarted := time.Now()
+		cluster.start(t)
+		outages = append(outages, outage{killed, restarted})
+	}
+	return outages
+}
+
+// publishesIn counts the publish calls, those that failed, and the
+// outages during which a publish was under way (hit).
+func (b *timedBroker) publishesIn(outages []outage) (calls, failed, hit int) {
+	b.mu.Lock()
+	spans := slices.Clone(b.spans)
+	b.mu.Unlock()
+	for _, s := range spans {
+		if s.failed {
+			failed++
+		}
+	}
+	for _, o := range outages {
+		if slices.ContainsFunc(spans, func(s span) bool { return s.start.Before(o.restarted) && s.end.After(o.killed) }) {
+			hit++
+		}
+	}
+	return len(spans), failed, hit
+}
+
+// orderViolations counts, in order (per aggregate, its events in the order
+// of their first copies in the log), the events before an earlier version,
+// and the aggregates with one, with an example.
+func orderViolations(order map[string][]versioned) (violations, brokenAggregates int, example string) {
 	for agg, evs := range order {
 		broken := false
 		for i := 1; i < len(evs); i++ {
@@ -308,10 +340,7 @@ func testOrderAcrossCrashes(t *testing.T, kcfg kafka.Config) {
 			brokenAggregates++
 		}
 	}
-	t.Logf("%d events committed, %d records in the log (%d duplicates), %d publish calls (%d failed, %d under way in %d outages), %d lost, %d order violations in %d of %d aggregates",
-		len(w.event), copies, copies-len(firsts), len(spans), failed, hit, len(outages), lost, violations, brokenAggregates, len(order))
-	require.Zero(t, lost, "committed events missing from the partition log")
-	require.Zero(t, violations, "a later version of an aggregate is in the log before an earlier one; e.g. %s", example)
+	return violations, brokenAggregates, example
 }
 
 // versioned is one committed event.

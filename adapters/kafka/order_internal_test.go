@@ -52,29 +52,7 @@ func TestPublishBatchConfirmsNothingOfAKeyAfterAFailure(t *testing.T) {
 
 	// The leader refuses the first record batch and each of its retries,
 	// then accepts everything.
-	var refused atomic.Int32
-	cluster.ControlKey(kmsg.Produce.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
-		cluster.KeepControl()
-		if refused.Load() > retries {
-			cluster.DropControl()
-			return nil, nil, false
-		}
-		refused.Add(1)
-		pr := req.(*kmsg.ProduceRequest)
-		resp := pr.ResponseKind().(*kmsg.ProduceResponse)
-		for _, rt := range pr.Topics {
-			st := kmsg.NewProduceResponseTopic()
-			st.Topic, st.TopicID = rt.Topic, rt.TopicID // produce v13 names topics by id
-			for _, rp := range rt.Partitions {
-				sp := kmsg.NewProduceResponseTopicPartition()
-				sp.Partition = rp.Partition
-				sp.ErrorCode = kerr.NotLeaderForPartition.Code
-				st.Partitions = append(st.Partitions, sp)
-			}
-			resp.Topics = append(resp.Topics, st)
-		}
-		return resp, nil, true
-	})
+	refuseFirstProduces(cluster, retries+1)
 
 	const n = 50
 	batch := make([]adapters.Outgoing, n)
@@ -100,11 +78,48 @@ func TestPublishBatchConfirmsNothingOfAKeyAfterAFailure(t *testing.T) {
 	// As the relay does: send again from the first failed message. The log
 	// then holds every message, each first copy in order.
 	require.NoError(t, b.PublishBatch(ctx, batch[first:]))
-	cl, err := kgo.NewClient(kgo.SeedBrokers(cluster.ListenAddrs()...), kgo.ConsumeTopics(topic),
+	order := firstCopies(t, cluster.ListenAddrs(), topic, n)
+	for i, id := range order {
+		require.Equal(t, fmt.Sprintf("v%02d", i), id, "first copies in the log: %v", order)
+	}
+}
+
+// refuseFirstProduces makes the leader refuse the first times produce
+// requests (NOT_LEADER_FOR_PARTITION), then accept everything.
+func refuseFirstProduces(cluster *kfake.Cluster, times int) {
+	var refused atomic.Int32
+	cluster.ControlKey(kmsg.Produce.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		cluster.KeepControl()
+		if refused.Load() >= int32(times) {
+			cluster.DropControl()
+			return nil, nil, false
+		}
+		refused.Add(1)
+		pr := req.(*kmsg.ProduceRequest)
+		resp := pr.ResponseKind().(*kmsg.ProduceResponse)
+		for _, rt := range pr.Topics {
+			st := kmsg.NewProduceResponseTopic()
+			st.Topic, st.TopicID = rt.Topic, rt.TopicID // produce v13 names topics by id
+			for _, rp := range rt.Partitions {
+				sp := kmsg.NewProduceResponseTopicPartition()
+				sp.Partition = rp.Partition
+				sp.ErrorCode = kerr.NotLeaderForPartition.Code
+				st.Partitions = append(st.Partitions, sp)
+			}
+			resp.Topics = append(resp.Topics, st)
+		}
+		return resp, nil, true
+	})
+}
+
+// firstCopies reads topic from the start until it has seen n messages and
+// returns their UUIDs in the order of their first copies in the log.
+func firstCopies(t *testing.T, brokers []string, topic string, n int) []string {
+	cl, err := kgo.NewClient(kgo.SeedBrokers(brokers...), kgo.ConsumeTopics(topic),
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
 	require.NoError(t, err)
 	defer cl.Close()
-	readCtx, cancel := context.WithTimeout(ctx, time.Minute)
+	readCtx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	var order []string
 	seen := map[string]bool{}
@@ -120,9 +135,7 @@ func TestPublishBatchConfirmsNothingOfAKeyAfterAFailure(t *testing.T) {
 			}
 		})
 	}
-	for i, id := range order {
-		require.Equal(t, fmt.Sprintf("v%02d", i), id, "first copies in the log: %v", order)
-	}
+	return order
 }
 
 // A record that fails while a call is still handing its records to the

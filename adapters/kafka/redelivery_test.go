@@ -86,19 +86,7 @@ func TestConcurrentRedeliverySubscriberParksInTheRetryTopic(t *testing.T) {
 	require.Equal(t, newer.UUID, got.UUID)
 	got.Ack()
 
-	parked := lastRecord(t, env, kafka.RetryTopicName(topic, group))
-	headers := map[string]string{}
-	for _, h := range parked.Headers {
-		headers[string(h.Key)] = string(h.Value)
-	}
-	require.Equal(t, "3", headers[kafka.RetryDeliveryKey])
-	due, err := strconv.ParseInt(headers[kafka.RetryDueKey], 10, 64)
-	require.NoError(t, err)
-	require.InDelta(t, time.Now().Add(time.Hour).UnixMilli(), due, float64(time.Minute.Milliseconds()), "parked for wait(2)")
-	require.Equal(t, string(msg.Payload), string(parked.Value))
-	require.Equal(t, "order-1", string(parked.Key))
-	require.Equal(t, "acme", headers["tenant"])
-
+	checkParkedRecord(t, env, topic, group, msg)
 	testkit.Eventually(t, time.Minute, "the parked message in the group's backlog", func() bool {
 		backlog, err := b.Backlog(ctx, topic, group)
 		require.NoError(t, err)
@@ -111,7 +99,30 @@ func TestConcurrentRedeliverySubscriberParksInTheRetryTopic(t *testing.T) {
 		return parked == 1
 	})
 
-	_, err = b.ConcurrentRedeliverySubscriber(group, 1, nil)
+	checkRetryKeysReserved(t, b, topic, group)
+}
+
+// checkParkedRecord checks the last record of the group's retry topic: a
+// copy of msg, parked for wait(2), for its third delivery.
+func checkParkedRecord(t *testing.T, env *testEnv, topic, group string, msg *message.Message) {
+	parked := lastRecord(t, env, kafka.RetryTopicName(topic, group))
+	headers := map[string]string{}
+	for _, h := range parked.Headers {
+		headers[string(h.Key)] = string(h.Value)
+	}
+	require.Equal(t, "3", headers[kafka.RetryDeliveryKey])
+	due, err := strconv.ParseInt(headers[kafka.RetryDueKey], 10, 64)
+	require.NoError(t, err)
+	require.InDelta(t, time.Now().Add(time.Hour).UnixMilli(), due, float64(time.Minute.Milliseconds()), "parked for wait(2)")
+	require.Equal(t, string(msg.Payload), string(parked.Value))
+	require.Equal(t, "order-1", string(parked.Key))
+	require.Equal(t, "acme", headers["tenant"])
+}
+
+// checkRetryKeysReserved checks that a nil wait is refused, and a message
+// carrying a retry header.
+func checkRetryKeysReserved(t *testing.T, b *kafka.Broker, topic, group string) {
+	_, err := b.ConcurrentRedeliverySubscriber(group, 1, nil)
 	require.True(t, adapters.IsPermanent(err), "a nil wait is refused: %v", err)
 	reserved := event("order-3", 1)
 	reserved.Metadata.Set(kafka.RetryDeliveryKey, "1")

@@ -23,9 +23,82 @@ import (
 // configuration is not ours to change) and connects to it over amqps://.
 func TestTLSOnPrivateNode(t *testing.T) {
 	t.Parallel()
+	n := startTLSNode(t)
+
+	t.Run("round trip over mutual TLS", func(t *testing.T) { testTLSRoundTrip(t, n) })
+	t.Run("TLS in the URL", func(t *testing.T) {
+		var logs testlog.Buffer
+		q := url.Values{"cacertfile": {n.ca.CertFile}, "certfile": {n.client.CertFile}, "keyfile": {n.client.KeyFile}}
+		b, err := n.open(t, testConfig(fmt.Sprintf("amqps://guest:guest@127.0.0.1:%d/?%s", n.tlsPort, q.Encode())), &logs)
+		require.NoError(t, err, "amqp091's URL parameters still work when the tls block is empty")
+		conn, err := b.connection(context.Background())
+		require.NoError(t, err)
+		require.True(t, conn.ConnectionState().HandshakeComplete)
+	})
+	t.Run("unknown CA", func(t *testing.T) {
+		var logs testlog.Buffer
+		c := n.secureCfg()
+		c.TLS.CAFile = testcerts.NewCA(t, "stranger").CertFile
+		_, err := n.open(t, c, &logs)
+		require.ErrorContains(t, err, "certificate signed by unknown authority")
+		require.ErrorContains(t, err, "connect to "+n.amqps)
+	})
+	t.Run("no client certificate", func(t *testing.T) {
+		var logs testlog.Buffer
+		c := n.secureCfg()
+		c.TLS.CertFile, c.TLS.KeyFile = "", ""
+		_, err := n.open(t, c, &logs)
+		// Under TLS 1.3 the node rejects the missing certificate after the
+		// client's side of the handshake has finished, so what the client
+		// reads first varies: the "certificate required" alert, a reset, or
+		// the closed connection under the AMQP handshake. The same settings
+		// with the certificate connect (the subtests above).
+		require.Error(t, err, "the node requires a client certificate")
+		require.ErrorContains(t, err, "connect to "+n.amqps)
+	})
+	t.Run("wrong password", func(t *testing.T) {
+		var logs testlog.Buffer
+		const wrong = "wrong-S3cret-rabbit"
+		c := n.secureCfg()
+		c.Password = wrong
+		_, err := n.open(t, c, &logs)
+		require.ErrorContains(t, err, "username or password not allowed")
+		require.NotContains(t, err.Error(), wrong)
+		require.NotContains(t, logs.String(), wrong)
+	})
+	t.Run("insecure skip verify warns", func(t *testing.T) {
+		var logs testlog.Buffer
+		c := n.secureCfg()
+		c.TLS.CAFile, c.TLS.InsecureSkipVerify = "", true
+		b, err := n.open(t, c, &logs)
+		require.NoError(t, err)
+		require.NoError(t, b.Close())
+		require.Contains(t, logs.String(), "level=ERROR")
+		require.Contains(t, logs.String(), "broker.rabbitmq.tls.insecure_skip_verify is true")
+	})
+	t.Run("plain listener still plain", func(t *testing.T) {
+		var logs testlog.Buffer
+		b, err := n.open(t, testConfig(n.plainURL), &logs)
+		require.NoError(t, err)
+		conn, err := b.connection(context.Background())
+		require.NoError(t, err)
+		require.False(t, conn.ConnectionState().HandshakeComplete, "amqp:// is not TLS")
+	})
+}
+
+// tlsNode is a private RabbitMQ node with a plain listener and a TLS one
+// that requires client certificates of ca.
+type tlsNode struct {
+	ca       *testcerts.CA
+	client   testcerts.Pair
+	tlsPort  int
+	amqps    string // the TLS listener's URL, without credentials
+	plainURL string
+}
+
+func startTLSNode(t *testing.T) *tlsNode {
 	ca := testcerts.NewCA(t, "rabbit")
 	server := ca.Server("rabbit")
-	client := ca.Client("millrace")
 	tlsPort := servers.FreePort(t)
 	node := servers.StartRabbitMQ(t, fmt.Sprintf(`listeners.ssl.1 = 127.0.0.1:%d
 ssl_options.cacertfile = %s
@@ -34,104 +107,52 @@ ssl_options.keyfile = %s
 ssl_options.verify = verify_peer
 ssl_options.fail_if_no_peer_cert = true
 `, tlsPort, ca.CertFile, server.CertFile, server.KeyFile), "")
-	amqps := fmt.Sprintf("amqps://127.0.0.1:%d/", tlsPort)
-	secureCfg := func() Config {
-		c := testConfig(amqps)
-		c.User, c.Password = "guest", "guest"
-		c.TLS = adapters.TLSConfig{CAFile: ca.CertFile, CertFile: client.CertFile, KeyFile: client.KeyFile}
-		return c
-	}
-	open := func(t *testing.T, c Config, logs *testlog.Buffer) (*Broker, error) {
-		b, err := Open(context.Background(), c, adapters.Options{Logger: logs.Watermill(), ConnectTimeout: 10 * time.Second})
-		if err == nil {
-			t.Cleanup(func() { _ = b.Close() })
-		}
-		return b, err
-	}
+	return &tlsNode{ca: ca, client: ca.Client("millrace"), tlsPort: tlsPort,
+		amqps: fmt.Sprintf("amqps://127.0.0.1:%d/", tlsPort), plainURL: node.URL}
+}
 
-	t.Run("round trip over mutual TLS", func(t *testing.T) {
-		var logs testlog.Buffer
-		b, err := open(t, secureCfg(), &logs)
-		require.NoError(t, err)
-		conn, err := b.connection(context.Background())
-		require.NoError(t, err)
-		state := conn.ConnectionState()
-		require.True(t, state.HandshakeComplete, "the connection is TLS")
-		require.NotEmpty(t, state.PeerCertificates)
-		require.Equal(t, "rabbit", state.PeerCertificates[0].Subject.CommonName)
+// secureCfg is a Config for the TLS listener with the client certificate.
+func (n *tlsNode) secureCfg() Config {
+	c := testConfig(n.amqps)
+	c.User, c.Password = "guest", "guest"
+	c.TLS = adapters.TLSConfig{CAFile: n.ca.CertFile, CertFile: n.client.CertFile, KeyFile: n.client.KeyFile}
+	return c
+}
 
-		topic, group := adaptertest.Name("tls"), adaptertest.Name("g")
-		require.NoError(t, b.Provision(context.Background(), topic, group))
-		sub, err := b.Subscriber(group)
-		require.NoError(t, err)
-		defer sub.Close()
-		ctx, cancel := context.WithCancel(context.Background())
-		defer cancel()
-		msgs, err := sub.Subscribe(ctx, topic)
-		require.NoError(t, err)
-		m := newMsg(`{"over":"amqps"}`)
-		require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, m)))
-		got := receiveN(t, msgs, 1)
-		require.Equal(t, m.UUID, got[0].UUID)
-	})
-	t.Run("TLS in the URL", func(t *testing.T) {
-		var logs testlog.Buffer
-		q := url.Values{"cacertfile": {ca.CertFile}, "certfile": {client.CertFile}, "keyfile": {client.KeyFile}}
-		b, err := open(t, testConfig(fmt.Sprintf("amqps://guest:guest@127.0.0.1:%d/?%s", tlsPort, q.Encode())), &logs)
-		require.NoError(t, err, "amqp091's URL parameters still work when the tls block is empty")
-		conn, err := b.connection(context.Background())
-		require.NoError(t, err)
-		require.True(t, conn.ConnectionState().HandshakeComplete)
-	})
-	t.Run("unknown CA", func(t *testing.T) {
-		var logs testlog.Buffer
-		c := secureCfg()
-		c.TLS.CAFile = testcerts.NewCA(t, "stranger").CertFile
-		_, err := open(t, c, &logs)
-		require.ErrorContains(t, err, "certificate signed by unknown authority")
-		require.ErrorContains(t, err, "connect to "+amqps)
-	})
-	t.Run("no client certificate", func(t *testing.T) {
-		var logs testlog.Buffer
-		c := secureCfg()
-		c.TLS.CertFile, c.TLS.KeyFile = "", ""
-		_, err := open(t, c, &logs)
-		// Under TLS 1.3 the node rejects the missing certificate after the
-		// client's side of the handshake has finished, so what the client
-		// reads first varies: the "certificate required" alert, a reset, or
-		// the closed connection under the AMQP handshake. The same settings
-		// with the certificate connect (the subtests above).
-		require.Error(t, err, "the node requires a client certificate")
-		require.ErrorContains(t, err, "connect to "+amqps)
-	})
-	t.Run("wrong password", func(t *testing.T) {
-		var logs testlog.Buffer
-		const wrong = "wrong-S3cret-rabbit"
-		c := secureCfg()
-		c.Password = wrong
-		_, err := open(t, c, &logs)
-		require.ErrorContains(t, err, "username or password not allowed")
-		require.NotContains(t, err.Error(), wrong)
-		require.NotContains(t, logs.String(), wrong)
-	})
-	t.Run("insecure skip verify warns", func(t *testing.T) {
-		var logs testlog.Buffer
-		c := secureCfg()
-		c.TLS.CAFile, c.TLS.InsecureSkipVerify = "", true
-		b, err := open(t, c, &logs)
-		require.NoError(t, err)
-		require.NoError(t, b.Close())
-		require.Contains(t, logs.String(), "level=ERROR")
-		require.Contains(t, logs.String(), "broker.rabbitmq.tls.insecure_skip_verify is true")
-	})
-	t.Run("plain listener still plain", func(t *testing.T) {
-		var logs testlog.Buffer
-		b, err := open(t, testConfig(node.URL), &logs)
-		require.NoError(t, err)
-		conn, err := b.connection(context.Background())
-		require.NoError(t, err)
-		require.False(t, conn.ConnectionState().HandshakeComplete, "amqp:// is not TLS")
-	})
+// open opens c, logging to logs, and closes the Broker when t ends.
+func (n *tlsNode) open(t *testing.T, c Config, logs *testlog.Buffer) (*Broker, error) {
+	b, err := Open(context.Background(), c, adapters.Options{Logger: logs.Watermill(), ConnectTimeout: 10 * time.Second})
+	if err == nil {
+		t.Cleanup(func() { _ = b.Close() })
+	}
+	return b, err
+}
+
+// testTLSRoundTrip publishes and receives a message over mutual TLS.
+func testTLSRoundTrip(t *testing.T, n *tlsNode) {
+	var logs testlog.Buffer
+	b, err := n.open(t, n.secureCfg(), &logs)
+	require.NoError(t, err)
+	conn, err := b.connection(context.Background())
+	require.NoError(t, err)
+	state := conn.ConnectionState()
+	require.True(t, state.HandshakeComplete, "the connection is TLS")
+	require.NotEmpty(t, state.PeerCertificates)
+	require.Equal(t, "rabbit", state.PeerCertificates[0].Subject.CommonName)
+
+	topic, group := adaptertest.Name("tls"), adaptertest.Name("g")
+	require.NoError(t, b.Provision(context.Background(), topic, group))
+	sub, err := b.Subscriber(group)
+	require.NoError(t, err)
+	defer sub.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	m := newMsg(`{"over":"amqps"}`)
+	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, m)))
+	got := receiveN(t, msgs, 1)
+	require.Equal(t, m.UUID, got[0].UUID)
 }
 
 // Credentials in user/password instead of the URL, against the shared server.

@@ -81,95 +81,123 @@ func TestBatchPoisonsOnlyTheBadMessage(t *testing.T) {
 	for _, broker := range batchBrokers {
 		t.Run(broker, func(t *testing.T) {
 			t.Parallel()
-			const events = 8
-			e := newEnv(t)
-			k := newKit(t, broker, kitOptions{maxAckPending: events})
-			topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
-			k.provision(t, topic, group)
-			msgs := make([]*message.Message, events)
-			for i := range msgs {
-				msgs[i] = event(fmt.Sprintf("evt-%d", i), fmt.Sprintf("o-%d", i), 1, `{"amount":1}`)
-			}
-			// The test needs a batch of more than one message: the events are
-			// published together, and a batch closes at MaxMessages, so a long
-			// MaxWait costs nothing when they arrive together and lets a batch
-			// form on a loaded machine, where 500ms between two arrivals was seen.
-			cfg := middleware.Config{Workers: events, Batch: middleware.BatchConfig{MaxMessages: events, MaxWait: 5 * time.Second}}
-			fastRetry(&cfg, 3)
-			var log txLog
-			var mu sync.Mutex
-			var poisoned, panicked string
-			var poisonTx int64
-			c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group, handle: func(msg *message.Message) error {
-				call, before, err := log.record(msg)
-				if err != nil {
-					return err
-				}
-				mu.Lock()
-				shared := false
-				for _, b := range before {
-					shared = shared || b.txid == call.txid
-				}
-				switch {
-				case poisoned == "" && shared:
-					poisoned, poisonTx = call.eventID, call.txid
-				case poisoned == call.eventID:
-				case panicked == "" && poisoned != "" && call.txid == poisonTx:
-					panicked = call.eventID
-					mu.Unlock()
-					panic("a handler bug hit once")
-				}
-				bad := poisoned == call.eventID
-				mu.Unlock()
-				if err := e.write(msg.Context(), group, msg); err != nil {
-					return err
-				}
-				if bad {
-					return bus.Permanent(errors.New("this message can never be processed"))
-				}
-				return nil
-			}})
-			// Published once every subscription is open: a NATS push
-			// consumer gives a backlog waiting at the start to the first
-			// subscription, which holds one message at a time.
-			publish(t, k.pub, topic, msgs...)
-
-			testkit.Eventually(t, 2*time.Minute, "every message settled", func() bool {
-				// An outcome is counted once its attempt has returned
-				// through the chain, after the COMMIT that shows its rows.
-				return e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")) == events-1 &&
-					e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")) == 1 &&
-					c.messages(t, "billing", middleware.OutcomeOK)+c.messages(t, "billing", middleware.OutcomePoisoned) >= events
-			})
-			mu.Lock()
-			defer mu.Unlock()
-			require.NotEmpty(t, poisoned, "some batch held more than one message")
-			require.Equal(t, 1, e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")+` WHERE event_id = $1`, poisoned))
-			require.Zero(t, e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = $1`, poisoned),
-				"the poisoned message's write was rolled back with its savepoint")
-			require.Equal(t, events-1, e.count(t, `SELECT count(*) FROM `+e.table("business")), "one effect per other message")
-			require.Equal(t, events-1, e.count(t, `SELECT count(DISTINCT event_id) FROM `+e.table("business")))
-
-			mates := log.inTx(poisonTx)
-			t.Logf("the poisoned message %s shared its batch with %v; %q panicked once", poisoned, mates, panicked)
-			var committedMates int
-			for _, id := range mates {
-				if id == poisoned || id == panicked {
-					continue
-				}
-				committedMates++
-				require.Len(t, log.of(id), 1, "%s, in the poisoned message's batch, committed there at its first call", id)
-			}
-			require.Positive(t, committedMates, "the poisoned message's batch committed the others: %v", mates)
-			if panicked != "" {
-				calls := log.of(panicked)
-				require.Len(t, calls, 2, "the panicking message was retried once")
-				require.NotEqual(t, poisonTx, calls[1].txid, "and committed in a later transaction")
-			}
-			require.Equal(t, 1.0, c.messages(t, "billing", middleware.OutcomePoisoned))
-			require.Equal(t, float64(events-1), c.messages(t, "billing", middleware.OutcomeOK))
-			require.Positive(t, c.metric(t, middleware.MetricBatchSize, map[string]string{"handler": "billing"}))
+			testBatchPoisonsOnlyTheBadMessage(t, broker)
 		})
+	}
+}
+
+func testBatchPoisonsOnlyTheBadMessage(t *testing.T, broker string) {
+	const events = 8
+	e := newEnv(t)
+	k := newKit(t, broker, kitOptions{maxAckPending: events})
+	topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
+	k.provision(t, topic, group)
+	msgs := make([]*message.Message, events)
+	for i := range msgs {
+		msgs[i] = event(fmt.Sprintf("evt-%d", i), fmt.Sprintf("o-%d", i), 1, `{"amount":1}`)
+	}
+	// The test needs a batch of more than one message: the events are
+	// published together, and a batch closes at MaxMessages, so a long
+	// MaxWait costs nothing when they arrive together and lets a batch
+	// form on a loaded machine, where 500ms between two arrivals was seen.
+	cfg := middleware.Config{Workers: events, Batch: middleware.BatchConfig{MaxMessages: events, MaxWait: 5 * time.Second}}
+	fastRetry(&cfg, 3)
+	p := &batchPoisoner{}
+	c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group, handle: func(msg *message.Message) error {
+		bad, err := p.pick(msg)
+		if err != nil {
+			return err
+		}
+		if err := e.write(msg.Context(), group, msg); err != nil {
+			return err
+		}
+		if bad {
+			return bus.Permanent(errors.New("this message can never be processed"))
+		}
+		return nil
+	}})
+	// Published once every subscription is open: a NATS push
+	// consumer gives a backlog waiting at the start to the first
+	// subscription, which holds one message at a time.
+	publish(t, k.pub, topic, msgs...)
+
+	testkit.Eventually(t, 2*time.Minute, "every message settled", func() bool {
+		// An outcome is counted once its attempt has returned
+		// through the chain, after the COMMIT that shows its rows.
+		return e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")) == events-1 &&
+			e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")) == 1 &&
+			c.messages(t, "billing", middleware.OutcomeOK)+c.messages(t, "billing", middleware.OutcomePoisoned) >= events
+	})
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	poisoned := p.poisoned
+	require.NotEmpty(t, poisoned, "some batch held more than one message")
+	require.Equal(t, 1, e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")+` WHERE event_id = $1`, poisoned))
+	require.Zero(t, e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = $1`, poisoned),
+		"the poisoned message's write was rolled back with its savepoint")
+	require.Equal(t, events-1, e.count(t, `SELECT count(*) FROM `+e.table("business")), "one effect per other message")
+	require.Equal(t, events-1, e.count(t, `SELECT count(DISTINCT event_id) FROM `+e.table("business")))
+	p.checkBatchMates(t)
+	require.Equal(t, 1.0, c.messages(t, "billing", middleware.OutcomePoisoned))
+	require.Equal(t, float64(events-1), c.messages(t, "billing", middleware.OutcomeOK))
+	require.Positive(t, c.metric(t, middleware.MetricBatchSize, map[string]string{"handler": "billing"}))
+}
+
+// batchPoisoner picks, among the handler's calls, the first message whose
+// batch already ran another message (poisoned), and the next message of
+// that batch, which panics once (panicked).
+type batchPoisoner struct {
+	log                txLog
+	mu                 sync.Mutex
+	poisoned, panicked string
+	poisonTx           int64
+}
+
+// pick records msg's call and says whether msg is the poisoned one; it
+// panics for the one picked to panic. Its error is the transaction's.
+func (p *batchPoisoner) pick(msg *message.Message) (bool, error) {
+	call, before, err := p.log.record(msg)
+	if err != nil {
+		return false, err
+	}
+	p.mu.Lock()
+	shared := false
+	for _, b := range before {
+		shared = shared || b.txid == call.txid
+	}
+	switch {
+	case p.poisoned == "" && shared:
+		p.poisoned, p.poisonTx = call.eventID, call.txid
+	case p.poisoned == call.eventID:
+	case p.panicked == "" && p.poisoned != "" && call.txid == p.poisonTx:
+		p.panicked = call.eventID
+		p.mu.Unlock()
+		panic("a handler bug hit once")
+	}
+	bad := p.poisoned == call.eventID
+	p.mu.Unlock()
+	return bad, nil
+}
+
+// checkBatchMates checks that the poisoned message's batch committed the
+// others at their first call, and that the panicking one was retried once,
+// in a later transaction. p.mu is held.
+func (p *batchPoisoner) checkBatchMates(t *testing.T) {
+	mates := p.log.inTx(p.poisonTx)
+	t.Logf("the poisoned message %s shared its batch with %v; %q panicked once", p.poisoned, mates, p.panicked)
+	var committedMates int
+	for _, id := range mates {
+		if id == p.poisoned || id == p.panicked {
+			continue
+		}
+		committedMates++
+		require.Len(t, p.log.of(id), 1, "%s, in the poisoned message's batch, committed there at its first call", id)
+	}
+	require.Positive(t, committedMates, "the poisoned message's batch committed the others: %v", mates)
+	if p.panicked != "" {
+		calls := p.log.of(p.panicked)
+		require.Len(t, calls, 2, "the panicking message was retried once")
+		require.NotEqual(t, p.poisonTx, calls[1].txid, "and committed in a later transaction")
 	}
 }
 

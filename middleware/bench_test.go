@@ -66,66 +66,7 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 			// NATS hands out as many as the widest consumer holds (128
 			// workers, prefetch 256).
 			k := newKit(b, name, kitOptions{maxAckPending: 256})
-			noop := func(*message.Message) error { return nil }
-			bare := func(flush time.Duration) func(*message.Message) error {
-				return func(msg *message.Message) error {
-					tx, err := e.db.BeginTx(msg.Context(), nil)
-					if err != nil {
-						return err
-					}
-					defer tx.Rollback() //nolint:errcheck // a no-op after Commit
-					if _, err := tx.ExecContext(msg.Context(), `INSERT INTO `+e.table("business")+` (consumer_group, event_id, aggregate_id, version) VALUES ($1, $2, $3, 1)`,
-						"bare", msg.Metadata.Get(bus.EventIDKey), msg.Metadata.Get(bus.AggregateIDKey)); err != nil {
-						return err
-					}
-					return slowCommit{tx, flush}.Commit()
-				}
-			}
-			// The chain's write goes through CurrentTx: with a slow COMMIT
-			// the transaction is not a bare *sql.Tx.
-			chained := func(msg *message.Message) error {
-				ctx := msg.Context()
-				_, err := middleware.CurrentTx(ctx).ExecContext(ctx, `INSERT INTO `+e.table("business")+` (consumer_group, event_id, aggregate_id, version) VALUES ($1, $2, $3, 1)`,
-					"chain", msg.Metadata.Get(bus.EventIDKey), msg.Metadata.Get(bus.AggregateIDKey))
-				return err
-			}
-			// The batch handler's write: one INSERT for the batch.
-			bulk := func(ctx context.Context, msgs []*message.Message) error {
-				ids, aggregates := make([]string, len(msgs)), make([]string, len(msgs))
-				for i, msg := range msgs {
-					ids[i], aggregates[i] = msg.Metadata.Get(bus.EventIDKey), msg.Metadata.Get(bus.AggregateIDKey)
-				}
-				_, err := middleware.CurrentTx(ctx).ExecContext(ctx, `INSERT INTO `+e.table("business")+` (consumer_group, event_id, aggregate_id, version) `+
-					`SELECT 'chain', id, aggregate, 1 FROM unnest($1::text[], $2::text[]) AS u(id, aggregate)`, ids, aggregates)
-				return err
-			}
-			const flush = 2 * time.Millisecond
-			batch := func(workers, size int) middleware.Config {
-				return middleware.Config{Workers: workers, Batch: middleware.BatchConfig{MaxMessages: size}}
-			}
-			variants := []benchVariant{
-				{name: "noop", cfg: batch(8, 1), handle: noop},
-				{name: "bare", cfg: batch(8, 1), handle: bare(0)},
-				{name: "chain1", cfg: batch(8, 1), chain: true, handle: chained},
-				{name: "batched", cfg: batch(8, 8), chain: true, handle: chained},
-				{name: "batched32", cfg: batch(32, 32), chain: true, handle: chained},
-				{name: "batched128x32", cfg: batch(128, 32), chain: true, handle: chained},
-				{name: "batchhandler", cfg: batch(8, 8), chain: true, batch: bulk},
-				{name: "batchhandler32x8", cfg: batch(32, 8), chain: true, batch: bulk},
-				{name: "batchhandler128x32", cfg: batch(128, 32), chain: true, batch: bulk},
-				{name: "chain1x64", cfg: batch(64, 1), chain: true, handle: chained},
-				{name: "bare_flush2ms", cfg: batch(8, 1), handle: bare(flush)},
-				{name: "chain1_flush2ms", cfg: batch(8, 1), chain: true, flush: flush, handle: chained},
-				{name: "batched_flush2ms", cfg: batch(8, 8), chain: true, flush: flush, handle: chained},
-				{name: "batched32_flush2ms", cfg: batch(32, 32), chain: true, flush: flush, handle: chained},
-				{name: "batchhandler_flush2ms", cfg: batch(8, 8), chain: true, flush: flush, batch: bulk},
-				{name: "batchhandler128x32_flush2ms", cfg: batch(128, 32), chain: true, flush: flush, batch: bulk},
-				{name: "chain1x64_flush2ms", cfg: batch(64, 1), chain: true, flush: flush, handle: chained},
-			}
-			if v := os.Getenv("MILLRACE_BENCH_VARIANTS"); v != "" {
-				names := strings.Split(v, ",")
-				variants = slices.DeleteFunc(variants, func(v benchVariant) bool { return !slices.Contains(names, v.name) })
-			}
+			variants := throughputVariants(e)
 			// The machine is shared: the variants run in alternating rounds
 			// so that a change of load affects them alike.
 			const rounds = 3
@@ -135,25 +76,97 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 					variants[i].consume(b, k, e, n)
 				}
 			}
-			rate := map[string]float64{}
-			for _, v := range variants {
-				rate[v.name] = float64(v.count) / v.elapsed.Seconds()
-				b.ReportMetric(rate[v.name], v.name+"_effects/s")
-				if v.cfg.Batch.MaxMessages > 1 && v.transactions > 0 {
-					b.ReportMetric(float64(v.count)/v.transactions, v.name+"_msgs/tx")
-				}
-			}
-			for _, r := range [][2]string{
-				{"batched", "chain1"}, {"batched32", "chain1"}, {"batched128x32", "chain1"}, {"batchhandler", "chain1"}, {"batchhandler", "batched"},
-				{"batchhandler32x8", "chain1"}, {"batchhandler128x32", "chain1"}, {"batchhandler128x32", "chain1x64"}, {"batched", "bare"},
-				{"batched_flush2ms", "chain1_flush2ms"}, {"batched32_flush2ms", "chain1_flush2ms"}, {"batchhandler_flush2ms", "chain1_flush2ms"},
-				{"batchhandler128x32_flush2ms", "chain1_flush2ms"}, {"batchhandler128x32_flush2ms", "chain1x64_flush2ms"},
-			} {
-				if rate[r[0]] > 0 && rate[r[1]] > 0 {
-					b.ReportMetric(rate[r[0]]/rate[r[1]], strings.TrimSuffix(r[0], "_flush2ms")+"/"+r[1])
-				}
-			}
+			reportThroughput(b, variants)
 		})
+	}
+}
+
+// throughputVariants are the handlers and settings BenchmarkConsumerThroughput
+// compares, those named in MILLRACE_BENCH_VARIANTS when it is set.
+func throughputVariants(e *env) []benchVariant {
+	noop := func(*message.Message) error { return nil }
+	bare := func(flush time.Duration) func(*message.Message) error {
+		return func(msg *message.Message) error {
+			tx, err := e.db.BeginTx(msg.Context(), nil)
+			if err != nil {
+				return err
+			}
+			defer tx.Rollback() //nolint:errcheck // a no-op after Commit
+			if _, err := tx.ExecContext(msg.Context(), `INSERT INTO `+e.table("business")+` (consumer_group, event_id, aggregate_id, version) VALUES ($1, $2, $3, 1)`,
+				"bare", msg.Metadata.Get(bus.EventIDKey), msg.Metadata.Get(bus.AggregateIDKey)); err != nil {
+				return err
+			}
+			return slowCommit{tx, flush}.Commit()
+		}
+	}
+	// The chain's write goes through CurrentTx: with a slow COMMIT
+	// the transaction is not a bare *sql.Tx.
+	chained := func(msg *message.Message) error {
+		ctx := msg.Context()
+		_, err := middleware.CurrentTx(ctx).ExecContext(ctx, `INSERT INTO `+e.table("business")+` (consumer_group, event_id, aggregate_id, version) VALUES ($1, $2, $3, 1)`,
+			"chain", msg.Metadata.Get(bus.EventIDKey), msg.Metadata.Get(bus.AggregateIDKey))
+		return err
+	}
+	// The batch handler's write: one INSERT for the batch.
+	bulk := func(ctx context.Context, msgs []*message.Message) error {
+		ids, aggregates := make([]string, len(msgs)), make([]string, len(msgs))
+		for i, msg := range msgs {
+			ids[i], aggregates[i] = msg.Metadata.Get(bus.EventIDKey), msg.Metadata.Get(bus.AggregateIDKey)
+		}
+		_, err := middleware.CurrentTx(ctx).ExecContext(ctx, `INSERT INTO `+e.table("business")+` (consumer_group, event_id, aggregate_id, version) `+
+			`SELECT 'chain', id, aggregate, 1 FROM unnest($1::text[], $2::text[]) AS u(id, aggregate)`, ids, aggregates)
+		return err
+	}
+	const flush = 2 * time.Millisecond
+	batch := func(workers, size int) middleware.Config {
+		return middleware.Config{Workers: workers, Batch: middleware.BatchConfig{MaxMessages: size}}
+	}
+	variants := []benchVariant{
+		{name: "noop", cfg: batch(8, 1), handle: noop},
+		{name: "bare", cfg: batch(8, 1), handle: bare(0)},
+		{name: "chain1", cfg: batch(8, 1), chain: true, handle: chained},
+		{name: "batched", cfg: batch(8, 8), chain: true, handle: chained},
+		{name: "batched32", cfg: batch(32, 32), chain: true, handle: chained},
+		{name: "batched128x32", cfg: batch(128, 32), chain: true, handle: chained},
+		{name: "batchhandler", cfg: batch(8, 8), chain: true, batch: bulk},
+		{name: "batchhandler32x8", cfg: batch(32, 8), chain: true, batch: bulk},
+		{name: "batchhandler128x32", cfg: batch(128, 32), chain: true, batch: bulk},
+		{name: "chain1x64", cfg: batch(64, 1), chain: true, handle: chained},
+		{name: "bare_flush2ms", cfg: batch(8, 1), handle: bare(flush)},
+		{name: "chain1_flush2ms", cfg: batch(8, 1), chain: true, flush: flush, handle: chained},
+		{name: "batched_flush2ms", cfg: batch(8, 8), chain: true, flush: flush, handle: chained},
+		{name: "batched32_flush2ms", cfg: batch(32, 32), chain: true, flush: flush, handle: chained},
+		{name: "batchhandler_flush2ms", cfg: batch(8, 8), chain: true, flush: flush, batch: bulk},
+		{name: "batchhandler128x32_flush2ms", cfg: batch(128, 32), chain: true, flush: flush, batch: bulk},
+		{name: "chain1x64_flush2ms", cfg: batch(64, 1), chain: true, flush: flush, handle: chained},
+	}
+	if v := os.Getenv("MILLRACE_BENCH_VARIANTS"); v != "" {
+		names := strings.Split(v, ",")
+		variants = slices.DeleteFunc(variants, func(v benchVariant) bool { return !slices.Contains(names, v.name) })
+	}
+	return variants
+}
+
+// reportThroughput reports each variant's effects per second, its
+// messages per batched transaction, and the ratios of pairs of variants.
+func reportThroughput(b *testing.B, variants []benchVariant) {
+	rate := map[string]float64{}
+	for _, v := range variants {
+		rate[v.name] = float64(v.count) / v.elapsed.Seconds()
+		b.ReportMetric(rate[v.name], v.name+"_effects/s")
+		if v.cfg.Batch.MaxMessages > 1 && v.transactions > 0 {
+			b.ReportMetric(float64(v.count)/v.transactions, v.name+"_msgs/tx")
+		}
+	}
+	for _, r := range [][2]string{
+		{"batched", "chain1"}, {"batched32", "chain1"}, {"batched128x32", "chain1"}, {"batchhandler", "chain1"}, {"batchhandler", "batched"},
+		{"batchhandler32x8", "chain1"}, {"batchhandler128x32", "chain1"}, {"batchhandler128x32", "chain1x64"}, {"batched", "bare"},
+		{"batched_flush2ms", "chain1_flush2ms"}, {"batched32_flush2ms", "chain1_flush2ms"}, {"batchhandler_flush2ms", "chain1_flush2ms"},
+		{"batchhandler128x32_flush2ms", "chain1_flush2ms"}, {"batchhandler128x32_flush2ms", "chain1x64_flush2ms"},
+	} {
+		if rate[r[0]] > 0 && rate[r[1]] > 0 {
+			b.ReportMetric(rate[r[0]]/rate[r[1]], strings.TrimSuffix(r[0], "_flush2ms")+"/"+r[1])
+		}
 	}
 }
 

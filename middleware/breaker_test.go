@@ -42,29 +42,10 @@ func testOutage(t *testing.T, broker string) {
 	topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
 	k.provision(t, topic, group)
 
-	var upAt atomic.Int64 // unix nanos when the dependency comes back
-	var callsWhileDown, calls atomic.Int64
-	// The outage is seen by several messages in flight: the first failing
-	// call waits (a bounded while) for a second message to arrive, as in a
-	// consumer with a backlog. One message failing alone is a different case
-	// (TestBreakerDoesNotShieldABadMessage).
-	second := make(chan struct{})
-	var firstID atomic.Value
-	var secondOnce sync.Once
+	d := &downDependency{second: make(chan struct{})}
 	handle := func(msg *message.Message) error {
-		calls.Add(1)
-		if time.Now().UnixNano() < upAt.Load() {
-			callsWhileDown.Add(1)
-			id := msg.Metadata.Get(bus.EventIDKey)
-			if firstID.CompareAndSwap(nil, id) {
-				select {
-				case <-second:
-				case <-time.After(10 * time.Second):
-				}
-			} else if firstID.Load() != id {
-				secondOnce.Do(func() { close(second) })
-			}
-			return errors.New("inventory service unavailable")
+		if err := d.call(msg); err != nil {
+			return err
 		}
 		return e.write(msg.Context(), group, msg)
 	}
@@ -81,19 +62,10 @@ func testOutage(t *testing.T, broker string) {
 	}
 	publish(t, k.pub, topic, msgs...)
 
-	upAt.Store(time.Now().Add(outage).UnixNano())
+	d.upAt.Store(time.Now().Add(outage).UnixNano())
 	c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group, handle: handle})
 
-	// Watch the breaker state while the dependency is down.
-	sawOpen := false
-	for time.Now().UnixNano() < upAt.Load() {
-		if c.metric(t, middleware.MetricBreakerState, map[string]string{"handler": "billing"}) == middleware.BreakerOpen {
-			sawOpen = true
-		}
-		require.Zero(t, c.messages(t, "billing", middleware.OutcomePoisoned), "nothing is poisoned during the outage")
-		time.Sleep(20 * time.Millisecond)
-	}
-	require.True(t, sawOpen, "the breaker opened during the outage")
+	require.True(t, watchBreakerWhileDown(t, c, d), "the breaker opened during the outage")
 
 	testkit.Eventually(t, time.Minute, "every event processed after recovery", func() bool {
 		// An outcome is counted once its attempt has returned through the
@@ -113,8 +85,54 @@ func testOutage(t *testing.T, broker string) {
 	// open it (each in-flight message's attempts at most), then one trial
 	// per open period.
 	bound := int64(workers*cfg.Retry.MaxAttempts + int(outage/cfg.Breaker.OpenTimeout) + workers)
-	require.LessOrEqual(t, callsWhileDown.Load(), bound, "handler calls while the dependency was down")
-	t.Logf("handler calls while down: %d (bound %d), in all: %d", callsWhileDown.Load(), bound, calls.Load())
+	require.LessOrEqual(t, d.callsWhileDown.Load(), bound, "handler calls while the dependency was down")
+	t.Logf("handler calls while down: %d (bound %d), in all: %d", d.callsWhileDown.Load(), bound, d.calls.Load())
+}
+
+// downDependency is a dependency that is down until upAt. The outage is
+// seen by several messages in flight: the first failing call waits (a
+// bounded while) for a second message to arrive, as in a consumer with a
+// backlog. One message failing alone is a different case
+// (TestBreakerDoesNotShieldABadMessage).
+type downDependency struct {
+	upAt                  atomic.Int64 // unix nanos when the dependency comes back
+	callsWhileDown, calls atomic.Int64
+	second                chan struct{}
+	secondOnce            sync.Once
+	firstID               atomic.Value
+}
+
+// call calls the dependency for msg: an error while it is down.
+func (d *downDependency) call(msg *message.Message) error {
+	d.calls.Add(1)
+	if time.Now().UnixNano() >= d.upAt.Load() {
+		return nil
+	}
+	d.callsWhileDown.Add(1)
+	id := msg.Metadata.Get(bus.EventIDKey)
+	if d.firstID.CompareAndSwap(nil, id) {
+		select {
+		case <-d.second:
+		case <-time.After(10 * time.Second):
+		}
+	} else if d.firstID.Load() != id {
+		d.secondOnce.Do(func() { close(d.second) })
+	}
+	return errors.New("inventory service unavailable")
+}
+
+// watchBreakerWhileDown checks that nothing is poisoned while d is down
+// and reports whether the breaker was seen open meanwhile.
+func watchBreakerWhileDown(t *testing.T, c *consumer, d *downDependency) bool {
+	sawOpen := false
+	for time.Now().UnixNano() < d.upAt.Load() {
+		if c.metric(t, middleware.MetricBreakerState, map[string]string{"handler": "billing"}) == middleware.BreakerOpen {
+			sawOpen = true
+		}
+		require.Zero(t, c.messages(t, "billing", middleware.OutcomePoisoned), "nothing is poisoned during the outage")
+		time.Sleep(20 * time.Millisecond)
+	}
+	return sawOpen
 }
 
 // One message failing alone with a retryable error is a bad message, not an

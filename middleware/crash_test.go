@@ -91,28 +91,7 @@ func testCrash(t *testing.T, broker, mode string, batched bool) {
 	if broker == bus.KindKafka { // the child reaches the parent's in-process cluster
 		env = append(env, "KAFKA_BROKERS="+strings.Join(brokertest.KafkaBrokers(t), ","))
 	}
-	stdout, childOut := io.Pipe()
-	proc := child.Start(t, child.Options{Role: crashRole, Run: "^TestCrashRecovery$", Env: env, Stdout: childOut})
-	go func() { <-proc.Done(); childOut.Close() }()
-	started, ready := make(chan struct{}), make(chan []string, 1)
-	go func() {
-		scanner := bufio.NewScanner(stdout)
-		for scanner.Scan() {
-			fields := strings.Fields(scanner.Text())
-			switch {
-			case len(fields) == 1 && fields[0] == crashStarted:
-				close(started)
-				continue
-			case len(fields) >= 2 && fields[0] == crashReady:
-				ready <- fields[1:]
-			default:
-				continue
-			}
-			break
-		}
-		for scanner.Scan() { // keep the pipe drained
-		}
-	}()
+	proc, started, ready := startCrashChild(t, env)
 	select {
 	case <-started:
 	case <-ctx.Done():
@@ -132,24 +111,61 @@ func testCrash(t *testing.T, broker, mode string, batched bool) {
 	if batched {
 		require.NotEmpty(t, mates, "the victim ran in a batch after other messages")
 	}
+	checkCrashPoint(t, e, mode, victim, mates)
+	proc.Kill()
+	recoverFromCrash(t, k, e, mode, batched, topic, group, victim, events)
+}
+
+// startCrashChild starts the child consumer with env. started is closed
+// once its subscriptions are open; ready gets the victim and its batch
+// mates once it reaches the crash point.
+func startCrashChild(t *testing.T, env []string) (proc *child.Process, started <-chan struct{}, ready <-chan []string) {
+	stdout, childOut := io.Pipe()
+	proc = child.Start(t, child.Options{Role: crashRole, Run: "^TestCrashRecovery$", Env: env, Stdout: childOut})
+	go func() { <-proc.Done(); childOut.Close() }()
+	startedc, readyc := make(chan struct{}), make(chan []string, 1)
+	go func() {
+		scanner := bufio.NewScanner(stdout)
+		for scanner.Scan() {
+			fields := strings.Fields(scanner.Text())
+			switch {
+			case len(fields) == 1 && fields[0] == crashStarted:
+				close(startedc)
+				continue
+			case len(fields) >= 2 && fields[0] == crashReady:
+				readyc <- fields[1:]
+			default:
+				continue
+			}
+			break
+		}
+		for scanner.Scan() { // keep the pipe drained
+		}
+	}()
+	return proc, startedc, readyc
+}
+
+// checkCrashPoint checks what the child has committed at the crash point
+// of mode.
+func checkCrashPoint(t *testing.T, e *env, mode, victim string, mates []string) {
 	rowsOf := func(ids []string) int {
 		return e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = ANY($1)`, ids)
 	}
-
-	victimRows := func() int {
-		return e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = $1`, victim)
-	}
+	victimRows := e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = $1`, victim)
 	switch mode {
 	case beforeCommit:
-		require.Zero(t, victimRows(), "the victim's write is not committed yet")
+		require.Zero(t, victimRows, "the victim's write is not committed yet")
 		require.Zero(t, rowsOf(mates), "nor are those of its batch mates")
 	case afterCommit:
-		require.Equal(t, 1, victimRows(), "the victim's write is committed")
+		require.Equal(t, 1, victimRows, "the victim's write is committed")
 		require.Equal(t, 1, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")+` WHERE event_id = $1`, victim))
 		require.Equal(t, len(mates), rowsOf(mates), "and so are those of its batch mates")
 	}
-	proc.Kill()
+}
 
+// recoverFromCrash runs a clean consumer on the killed child's group and
+// checks that every one of the events is committed once.
+func recoverFromCrash(t *testing.T, k *kit, e *env, mode string, batched bool, topic, group, victim string, events int) {
 	// The child's other workers kept going until the kill: a COMMIT the
 	// server received may still land after this count, and the clean
 	// consumer then finds that event as a duplicate rather than ok.
@@ -173,7 +189,7 @@ func testCrash(t *testing.T, broker, mode string, batched bool) {
 	require.GreaterOrEqual(t, handled(), float64(events-committedByChild), "the clean consumer processed every event the child had not committed")
 	require.Equal(t, events, e.count(t, `SELECT count(*) FROM `+e.table("business")), "no event has two effects")
 	require.Equal(t, events, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")))
-	require.Equal(t, 1, victimRows())
+	require.Equal(t, 1, e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = $1`, victim))
 	require.Zero(t, e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")))
 	if mode == afterCommit {
 		require.GreaterOrEqual(t, c.messages(t, "billing", middleware.OutcomeDuplicate), 1.0,
@@ -187,39 +203,7 @@ func crashChild(t *testing.T) {
 	group, topic := os.Getenv("MILLRACE_CRASH_GROUP"), os.Getenv("MILLRACE_CRASH_TOPIC")
 	e := &env{db: testdb.Open(t), schema: os.Getenv("MILLRACE_CRASH_SCHEMA")}
 	k := newKit(t, os.Getenv("MILLRACE_CRASH_BROKER"), kitOptions{ackWait: 2 * time.Second})
-	crash := func(victim string, mates []string) {
-		fmt.Println(strings.Join(append([]string{crashReady, victim}, mates...), " "))
-		select {} // wait for SIGKILL
-	}
-	// isVictim picks the victim among the handler's calls: evt-10, or,
-	// batched, the first message run in a transaction after another one.
-	var mu sync.Mutex
-	txOf := map[string]int64{}
-	victim, chosen := "", false
-	var mates []string
-	isVictim := func(msg *message.Message) bool {
-		id := msg.Metadata.Get(bus.EventIDKey)
-		mu.Lock()
-		defer mu.Unlock()
-		if chosen {
-			return id == victim
-		}
-		if !batched {
-			chosen, victim = id == "evt-10", id
-			return chosen
-		}
-		ctx := msg.Context()
-		var txid int64
-		require.NoError(t, middleware.Tx(ctx).QueryRowContext(ctx, `SELECT txid_current()`).Scan(&txid))
-		for other, tx := range txOf {
-			if tx == txid {
-				mates = append(mates, other)
-			}
-		}
-		txOf[id] = txid
-		chosen, victim = len(mates) > 0, id
-		return chosen
-	}
+	v := &victimPicker{batched: batched, txOf: map[string]int64{}}
 	// Batched, the first call waits until two more messages have entered the
 	// chain: they gather in the next batch, which runs as soon as the first
 	// call's batch is done and they have joined, so a victim is found there.
@@ -233,8 +217,8 @@ func crashChild(t *testing.T) {
 		if err := e.write(msg.Context(), group, msg); err != nil {
 			return err
 		}
-		if isVictim(msg) && mode == beforeCommit {
-			crash(victim, mates)
+		if v.is(t, msg) && mode == beforeCommit {
+			v.crash()
 		}
 		return nil
 	}}
@@ -246,13 +230,8 @@ func crashChild(t *testing.T) {
 				gatheredOnce.Do(func() { close(gathered) })
 			}
 			out, err := h(msg)
-			if mode == afterCommit {
-				mu.Lock()
-				hit := chosen && msg.Metadata.Get(bus.EventIDKey) == victim
-				mu.Unlock()
-				if err == nil && hit {
-					crash(victim, mates)
-				}
+			if mode == afterCommit && err == nil && v.chosenOne(msg) {
+				v.crash()
 			}
 			return out, err
 		}
@@ -264,4 +243,53 @@ func crashChild(t *testing.T) {
 	startConsumer(t, k, e, cfg, spec)
 	fmt.Println(crashStarted)
 	select {}
+}
+
+// victimPicker picks the victim among the child handler's calls: evt-10,
+// or, batched, the first message run in a transaction after another one.
+type victimPicker struct {
+	batched bool
+	mu      sync.Mutex
+	txOf    map[string]int64
+	victim  string
+	chosen  bool
+	mates   []string
+}
+
+// is says whether msg is the victim, picking it when none is yet.
+func (v *victimPicker) is(t *testing.T, msg *message.Message) bool {
+	id := msg.Metadata.Get(bus.EventIDKey)
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.chosen {
+		return id == v.victim
+	}
+	if !v.batched {
+		v.chosen, v.victim = id == "evt-10", id
+		return v.chosen
+	}
+	ctx := msg.Context()
+	var txid int64
+	require.NoError(t, middleware.Tx(ctx).QueryRowContext(ctx, `SELECT txid_current()`).Scan(&txid))
+	for other, tx := range v.txOf {
+		if tx == txid {
+			v.mates = append(v.mates, other)
+		}
+	}
+	v.txOf[id] = txid
+	v.chosen, v.victim = len(v.mates) > 0, id
+	return v.chosen
+}
+
+// chosenOne says whether msg is the victim picked already.
+func (v *victimPicker) chosenOne(msg *message.Message) bool {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return v.chosen && msg.Metadata.Get(bus.EventIDKey) == v.victim
+}
+
+// crash tells the parent the victim and its mates and waits for SIGKILL.
+func (v *victimPicker) crash() {
+	fmt.Println(strings.Join(append([]string{crashReady, v.victim}, v.mates...), " "))
+	select {} // wait for SIGKILL
 }

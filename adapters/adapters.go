@@ -251,8 +251,9 @@ type OrderedProvisioner interface {
 // consumer.ordered: true through it, and the middleware Dispatcher then
 // keeps one message per aggregate in flight and the others held, so an
 // ordered handler runs consumer.workers aggregates at once from one
-// subscription. RabbitMQ and Kafka implement it; NATS cannot (see its
-// package).
+// subscription. RabbitMQ, Kafka and NATS implement it (NATS on every
+// server version with JetStream: one process of a group consumes at a
+// time, holding a lease; see its package).
 type OrderedFlight interface {
 	// OrderedSubscriber is Subscriber for consumerGroup, except that one
 	// subscription has up to inFlight messages handed out and not settled

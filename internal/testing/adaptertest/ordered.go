@@ -28,6 +28,8 @@ type OrderLedger struct {
 	busy       map[string]bool
 	nacked     map[string]bool // ids nacked once, on purpose
 	handled    int             // deliveries with an effect
+	running    int             // handler calls under way, all aggregates
+	maxRunning int             // the most running at once
 	dups       int
 	violations []string
 	progress   chan int // handled, after each effect
@@ -50,11 +52,14 @@ func (l *OrderLedger) Handle(msg *message.Message, latency time.Duration, nackEv
 		l.violations = append(l.violations, fmt.Sprintf("%s: seq %d handed out while another was in flight", agg, seq))
 	}
 	l.busy[agg] = true
+	l.running++
+	l.maxRunning = max(l.maxRunning, l.running)
 	l.mu.Unlock()
 	time.Sleep(latency)
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.busy[agg] = false
+	l.running--
 	switch {
 	case seq <= l.last[agg]:
 		l.dups++
@@ -70,6 +75,15 @@ func (l *OrderLedger) Handle(msg *message.Message, latency time.Duration, nackEv
 		l.progress <- l.handled
 	}
 	msg.Ack()
+}
+
+// MaxConcurrent is the most handler calls that were under way at once,
+// across aggregates: 1 for a subscription that hands out one message at a
+// time, up to the workers for one with many in flight.
+func (l *OrderLedger) MaxConcurrent() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.maxRunning
 }
 
 // WaitHandled waits up to 3 minutes until l has handled n events, failing

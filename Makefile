@@ -9,7 +9,7 @@ CONFIG  ?= config.yaml
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-up: ## make PostgreSQL, RabbitMQ and NATS reachable locally (reuse, start or install), pgbouncer and chromium installed
+up: ## make PostgreSQL, RabbitMQ and NATS reachable locally (reuse, start or install; a current nats-server on 4223 beside an older one), pgbouncer and chromium installed
 	@$(STACK) up
 
 down: ## stop what `make up` started, nothing else

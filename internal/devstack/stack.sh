@@ -7,13 +7,18 @@
 #   stack.sh up [service...]  reuse running servers, start installed ones,
 #                    install missing ones with apt-get (Debian/Ubuntu) or
 #                    Homebrew (macOS); print what it did. Services:
-#                    postgres rabbitmq nats pgbouncer chromium (default: all)
+#                    postgres rabbitmq nats nats-current pgbouncer chromium
+#                    (default: all)
 #   stack.sh down    stop what `up` started, and nothing else
 #   stack.sh status  show what answers on each port
 #
 # A service whose URL points elsewhere (DATABASE_URL, AMQP_URL, NATS_URL set to
 # a non-local host) is left alone. State lives in $MILLRACE_STACK_DIR (.stack).
-# MILLRACE_STACK_{PG,AMQP,NATS}_PORT move the ports the script looks at (its
+# nats-current is a second, current nats-server (the version go.mod requires,
+# built from the Go module into the cache the tests' private servers share) on
+# port 4223 with a data directory of its own, started only when the server on
+# the NATS port is older than 2.11; the NATS port's server is left as it is.
+# MILLRACE_STACK_{PG,AMQP,NATS,NATS_CURRENT}_PORT move the ports the script looks at (its
 # own tests use them; millrace's default URLs name the standard ports).
 # MILLRACE_STACK_PGBOUNCER and MILLRACE_STACK_POLICY_RC_D move the paths of
 # Debian's pgbouncer binary and of policy-rc.d (for the same tests).
@@ -23,6 +28,9 @@ set -euo pipefail
 PG_PORT=${MILLRACE_STACK_PG_PORT:-5432}
 AMQP_PORT=${MILLRACE_STACK_AMQP_PORT:-5672}
 NATS_PORT=${MILLRACE_STACK_NATS_PORT:-4222}
+NATS_CURRENT_PORT=${MILLRACE_STACK_NATS_CURRENT_PORT:-4223}
+NATS_CURRENT_BELOW=2.11 # a NATS-port server older than this gets a current one beside it
+NATS_MODULE=github.com/nats-io/nats-server/v2
 PGBOUNCER=${MILLRACE_STACK_PGBOUNCER:-/usr/sbin/pgbouncer}
 POLICY_RC_D=${MILLRACE_STACK_POLICY_RC_D:-/usr/sbin/policy-rc.d}
 STATE_DIR=${MILLRACE_STACK_DIR:-.stack}
@@ -57,6 +65,26 @@ nats_info() {
 
 # jetstream_on: the NATS server on port $1 has JetStream enabled.
 jetstream_on() { nats_info "$1" | grep -q '"jetstream":true'; }
+
+# nats_version prints the version the NATS server on port $1 reports
+# (2.9.10), nothing when none answers.
+nats_version() {
+	local line
+	line=$(nats_info "$1")
+	if [[ $line =~ \"version\":\"([0-9.]+) ]]; then echo "${BASH_REMATCH[1]}"; fi
+}
+
+# version_below: dotted version $1 is older than $2.
+version_below() {
+	local IFS=. i a b
+	read -ra a <<<"$1"
+	read -ra b <<<"$2"
+	for i in 0 1 2; do
+		if ((${a[i]:-0} < ${b[i]:-0})); then return 0; fi
+		if ((${a[i]:-0} > ${b[i]:-0})); then return 1; fi
+	done
+	return 1
+}
 
 wait_port() { # port seconds name
 	local i
@@ -182,6 +210,44 @@ up_nats() {
 	say nats "started nats-server with JetStream on 127.0.0.1:$NATS_PORT (data in $STATE_DIR/nats)"
 }
 
+# up_nats_current runs a current nats-server on NATS_CURRENT_PORT beside an
+# older one on NATS_PORT (JetStream's pinned priority groups, for one, need
+# 2.11): the version go.mod requires, built from the Go module into the
+# cache directory the tests' private servers use (internal/testing/servers),
+# with a data directory of its own.
+up_nats_current() {
+	local sys want have cache bin
+	sys=$(nats_version "$NATS_PORT")
+	if [ -n "$sys" ] && ! version_below "$sys" "$NATS_CURRENT_BELOW"; then
+		say nats-current "not needed: the server on 127.0.0.1:$NATS_PORT is $sys, not older than $NATS_CURRENT_BELOW"
+		return
+	fi
+	command -v go >/dev/null || die "the go command is needed to build a current nats-server (the one on 127.0.0.1:$NATS_PORT is ${sys:-not answering})"
+	want=$(go list -m -f '{{.Version}}' "$NATS_MODULE") || die "go list -m $NATS_MODULE failed: run make up from the millrace checkout"
+	if port_open "$NATS_CURRENT_PORT"; then
+		have=$(nats_version "$NATS_CURRENT_PORT")
+		if [ "v$have" != "$want" ] || ! jetstream_on "$NATS_CURRENT_PORT"; then die "127.0.0.1:$NATS_CURRENT_PORT answers as nats-server ${have:-of no version} (JetStream or not), not $want with JetStream: stop it, or set MILLRACE_STACK_NATS_CURRENT_PORT"; fi
+		say nats-current "reused nats-server $have on 127.0.0.1:$NATS_CURRENT_PORT (JetStream on)"
+		return
+	fi
+	cache=${XDG_CACHE_HOME:-$HOME/.cache}
+	if macos; then cache=$HOME/Library/Caches; fi
+	bin="$cache/millrace/nats-server/$want-$(go env GOOS)-$(go env GOARCH)/nats-server"
+	if [ "$("$bin" --version 2>/dev/null)" != "nats-server: $want" ]; then
+		say nats-current "building nats-server $want from the Go module ($NATS_MODULE@$want) into ${bin%/*}"
+		mkdir -p "${bin%/*}"
+		go build -o "$bin.tmp$$" "$NATS_MODULE" || die "go build $NATS_MODULE failed"
+		mv "$bin.tmp$$" "$bin"
+	fi
+	mkdir -p "$STATE_DIR/nats-current"
+	nohup "$bin" -a 127.0.0.1 -p "$NATS_CURRENT_PORT" -js -sd "$(cd "$STATE_DIR" && pwd)/nats-current" >"$STATE_DIR/nats-current.log" 2>&1 &
+	echo $! >"$STATE_DIR/nats-current.pid"
+	record nats-current
+	wait_port "$NATS_CURRENT_PORT" 30 nats-server
+	jetstream_on "$NATS_CURRENT_PORT" || die "nats-server started on 127.0.0.1:$NATS_CURRENT_PORT but reports no JetStream (see $STATE_DIR/nats-current.log)"
+	say nats-current "started nats-server $want with JetStream on 127.0.0.1:$NATS_CURRENT_PORT (data in $STATE_DIR/nats-current), as the one on 127.0.0.1:$NATS_PORT is ${sys:-not answering}, older than $NATS_CURRENT_BELOW; NATS_CURRENT_URL=nats://127.0.0.1:$NATS_CURRENT_PORT points tests at it"
+}
+
 # pgbouncer_bin prints the pgbouncer binary: on PATH, else Debian's (a
 # user's PATH on Debian has no /usr/sbin).
 pgbouncer_bin() {
@@ -267,6 +333,9 @@ down() {
 		nats)
 			if [ -f "$STATE_DIR/nats.pid" ]; then kill "$(cat "$STATE_DIR/nats.pid")" 2>/dev/null || true; rm -f "$STATE_DIR/nats.pid"; fi
 			say nats "stopped" ;;
+		nats-current)
+			if [ -f "$STATE_DIR/nats-current.pid" ]; then kill "$(cat "$STATE_DIR/nats-current.pid")" 2>/dev/null || true; rm -f "$STATE_DIR/nats-current.pid"; fi
+			say nats-current "stopped" ;;
 		esac
 	done <"$STARTED"
 	: >"$STARTED"
@@ -278,6 +347,15 @@ status() {
 	for p in postgresql:$PG_PORT rabbitmq:$AMQP_PORT nats:$NATS_PORT; do
 		if port_open "${p#*:}"; then say "${p%:*}" "up on 127.0.0.1:${p#*:}"; else say "${p%:*}" "down"; fi
 	done
+	local v
+	v=$(nats_version "$NATS_PORT")
+	if port_open "$NATS_CURRENT_PORT"; then
+		say nats-current "up on 127.0.0.1:$NATS_CURRENT_PORT (nats-server $(nats_version "$NATS_CURRENT_PORT"))"
+	elif [ -n "$v" ] && ! version_below "$v" "$NATS_CURRENT_BELOW"; then
+		say nats-current "not needed (nats-server $v on 127.0.0.1:$NATS_PORT)"
+	else
+		say nats-current "down (make up starts it: nats-server ${v:-absent} on 127.0.0.1:$NATS_PORT is older than $NATS_CURRENT_BELOW)"
+	fi
 	if pgbouncer_bin >/dev/null; then say pgbouncer "installed"; else say pgbouncer "missing (make up installs it)"; fi
 	if command -v chromium >/dev/null || [ -x /Applications/Chromium.app/Contents/MacOS/Chromium ]; then say chromium "installed"; else say chromium "missing (make up installs it)"; fi
 }
@@ -285,15 +363,16 @@ status() {
 case "${1:-}" in
 up)
 	shift
-	[ $# -gt 0 ] || set -- postgres rabbitmq nats pgbouncer chromium
+	[ $# -gt 0 ] || set -- postgres rabbitmq nats nats-current pgbouncer chromium
 	for svc in "$@"; do
 		case "$svc" in
 		postgres) up_postgres ;;
 		rabbitmq) up_rabbitmq ;;
 		nats) up_nats ;;
+		nats-current) up_nats_current ;;
 		pgbouncer) up_pgbouncer ;;
 		chromium) up_chromium ;;
-		*) die "unknown service $svc (postgres, rabbitmq, nats, pgbouncer, chromium)" ;;
+		*) die "unknown service $svc (postgres, rabbitmq, nats, nats-current, pgbouncer, chromium)" ;;
 		esac
 	done
 	;;

@@ -334,3 +334,60 @@ mkdir -p %q && printf '#!/bin/sh\necho PgBouncer 1.18.0\n' >%q && chmod 755 %[3]
 		})
 	}
 }
+
+// A NATS server of 2.11 or later on the NATS port needs no current one
+// beside it.
+func TestCurrentNATSIsNotNeededBesideARecentOne(t *testing.T) {
+	t.Parallel()
+	s := newStack(t, map[string]int{"NATS": listen(t, true), "NATS_CURRENT": closedPort(t)})
+	s.fake("uname", `echo Linux`)
+	out, err := s.run("up", "nats-current")
+	require.NoError(t, err, out)
+	require.Contains(t, out, "not needed: the server on 127.0.0.1:")
+	require.Contains(t, out, "is 2.11.0, not older than 2.11")
+	require.Empty(t, s.calls(), "nothing built or started")
+}
+
+// Beside an older NATS server (2.9.11 on the NATS port), up builds
+// nats-server at go.mod's version from the Go module into the cache, starts
+// it on its own port and data directory, and says so; down stops it.
+func TestCurrentNATSIsBuiltAndStartedBesideAnOldOne(t *testing.T) {
+	t.Parallel()
+	self, err := os.Executable()
+	require.NoError(t, err)
+	port := closedPort(t)
+	s := newStack(t, map[string]int{"NATS": listen(t, false), "NATS_CURRENT": port})
+	s.fake("uname", `echo Linux`)
+	built := filepath.Join(s.dir, "built-nats-server")
+	require.NoError(t, os.WriteFile(built, fmt.Appendf(nil, "#!/usr/bin/env bash\n"+
+		"if [ \"$1\" = --version ]; then echo 'nats-server: v2.15.2'; exit; fi\n"+
+		"echo \"nats-server $*\" >>\"$FAKE_LOG\"\n%s=127.0.0.1:%d %s=true exec %q\n",
+		fakeListenEnv, port, fakeJetStreamEnv, self), 0o755))
+	s.fake("go", fmt.Sprintf(`case "$1" in
+list) echo v2.15.2 ;;
+env) echo linux ;;
+build) cat %q >"$3" && chmod +x "$3" ;;
+esac`, built))
+	out, err := s.run("up", "nats-current")
+	t.Cleanup(func() { _, _ = s.run("down") })
+	require.NoError(t, err, out)
+	require.Contains(t, out, "building nats-server v2.15.2 from the Go module (github.com/nats-io/nats-server/v2@v2.15.2)")
+	require.Contains(t, out, "started nats-server v2.15.2 with JetStream on 127.0.0.1:"+strconv.Itoa(port))
+	require.Contains(t, out, "is 2.9.11, older than 2.11")
+	require.Contains(t, s.calls(), "go build -o "+filepath.Join(s.dir, ".cache", "millrace", "nats-server", "v2.15.2-linux-linux"))
+	require.Contains(t, s.calls(), "nats-server -a 127.0.0.1 -p "+strconv.Itoa(port)+" -js -sd ")
+
+	out, err = s.run("status")
+	require.NoError(t, err, out)
+	require.Regexp(t, `nats-current up on 127\.0\.0\.1:\d+ \(nats-server 2\.11\.0\)`, out)
+	out, err = s.run("down")
+	require.NoError(t, err, out)
+	require.Contains(t, out, "nats-current stopped")
+	require.Eventually(t, func() bool {
+		c, err := net.DialTimeout("tcp", "127.0.0.1:"+strconv.Itoa(port), time.Second)
+		if err == nil {
+			_ = c.Close()
+		}
+		return err != nil
+	}, 10*time.Second, 50*time.Millisecond, "down stopped the nats-server it started")
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
@@ -11,6 +12,8 @@ import (
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/nats/natsdev"
 	"github.com/millrace-io/millrace/internal/testing/adaptertest"
+	testservers "github.com/millrace-io/millrace/internal/testing/servers"
+	"github.com/millrace-io/millrace/middleware"
 )
 
 // benchServers are the servers the benchmarks compare: the embedded server
@@ -97,4 +100,54 @@ func BenchmarkConsume(b *testing.B) {
 			})
 		})
 	}
+}
+
+// BenchmarkOrderedConsume is an ordered handler's rate, in effects/s: 64
+// aggregates of 10 events each, interleaved, a 2 ms handler, 16 workers,
+// through the stock Subscriber on the max_ack_pending 1 consumer an ordered
+// group is provisioned with (one in flight for the whole group) and through
+// OrderedSubscriber (one per aggregate, up to the workers), on a private
+// current nats-server (the version go.mod requires) and on the shared one.
+// Each round consumes a topic and group of its own; publishing and
+// stopping are not timed. -benchtime=1x gives one round of each.
+func BenchmarkOrderedConsume(b *testing.B) {
+	servers := map[string]func(b *testing.B) string{
+		"current": func(b *testing.B) string { return testservers.StartNATS(b).URL },
+		"shared":  func(b *testing.B) string { return sharedURL() },
+	}
+	for _, name := range []string{"current", "shared"} {
+		for _, many := range []bool{false, true} {
+			mode := map[bool]string{false: "one-in-flight", true: "many-in-flight"}[many]
+			b.Run(name+"/"+mode, func(b *testing.B) { benchOrdered(b, servers[name](b), many) })
+		}
+	}
+}
+
+// benchOrdered is one of BenchmarkOrderedConsume's runs on the server at url.
+func benchOrdered(b *testing.B, url string, many bool) {
+	const aggregates, per, workers, prefetch = 64, 10, 16, 64
+	const latency = 2 * time.Millisecond
+	br := openBroker(b, url, nil)
+	ctx := context.Background()
+	for b.Loop() {
+		b.StopTimer()
+		topic, group := adaptertest.Name("obench"), adaptertest.Name("g")
+		require.NoError(b, br.ProvisionOrdered(ctx, topic, group))
+		b.Cleanup(func() { _ = br.forgetLeases(context.Background(), topic, []string{group}) })
+		adaptertest.PublishOrdered(b, br, topic, aggregates, per)
+		src := middleware.Source{NewSubscriber: func() (message.Subscriber, error) { return br.Subscriber(group) }, Competing: true}
+		if many {
+			src.NewSubscriber = func() (message.Subscriber, error) { return br.OrderedSubscriber(group, prefetch) }
+			src.Concurrent = true
+		}
+		l := adaptertest.NewOrderLedger()
+		b.StartTimer()
+		c := adaptertest.StartOrdered(b, topic, src, workers, prefetch, l, latency, 0)
+		l.WaitHandled(b, aggregates*per)
+		b.StopTimer()
+		c.Stop(b)
+		l.RequireComplete(b, aggregates, per, false)
+		b.StartTimer()
+	}
+	b.ReportMetric(float64(b.N*aggregates*per)/b.Elapsed().Seconds(), "effects/s")
 }

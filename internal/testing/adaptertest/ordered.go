@@ -88,7 +88,7 @@ func (l *OrderLedger) MaxConcurrent() int {
 
 // WaitHandled waits up to 3 minutes until l has handled n events, failing
 // at the first order violation.
-func (l *OrderLedger) WaitHandled(t *testing.T, n int) {
+func (l *OrderLedger) WaitHandled(t testing.TB, n int) {
 	t.Helper()
 	timeout := time.After(3 * time.Minute)
 	for {
@@ -113,7 +113,7 @@ func (l *OrderLedger) WaitHandled(t *testing.T, n int) {
 // events take effect, once each and in order, and that some were nacked on
 // purpose when nacks were asked for. It returns the duplicates delivered
 // and the nacks.
-func (l *OrderLedger) RequireComplete(t *testing.T, aggregates, per int, nacks bool) (dups, nacked int) {
+func (l *OrderLedger) RequireComplete(t testing.TB, aggregates, per int, nacks bool) (dups, nacked int) {
 	t.Helper()
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -134,7 +134,7 @@ func OrderedAggregate(a int) string { return fmt.Sprintf("agg-%02d", a) }
 // PublishOrdered publishes per events to each of aggregates aggregates,
 // interleaved, with metadata seq 1..per for each aggregate and idx, the
 // event's place in the whole run.
-func PublishOrdered(t *testing.T, b adapters.Broker, topic string, aggregates, per int) {
+func PublishOrdered(t testing.TB, b adapters.Broker, topic string, aggregates, per int) {
 	t.Helper()
 	var batch []adapters.Outgoing
 	flush := func() {
@@ -168,7 +168,7 @@ type OrderedConsumer struct {
 }
 
 // StartOrdered starts an OrderedConsumer on topic.
-func StartOrdered(t *testing.T, topic string, src middleware.Source, workers, prefetch int, l *OrderLedger, latency time.Duration, nackEvery int) *OrderedConsumer {
+func StartOrdered(t testing.TB, topic string, src middleware.Source, workers, prefetch int, l *OrderLedger, latency time.Duration, nackEvery int) *OrderedConsumer {
 	t.Helper()
 	c := &OrderedConsumer{done: make(chan struct{}), Subs: make(chan message.Subscriber, 1)}
 	newSub := src.NewSubscriber
@@ -195,7 +195,7 @@ func StartOrdered(t *testing.T, topic string, src middleware.Source, workers, pr
 }
 
 // Stop closes the consumer and waits until its handlers have returned.
-func (c *OrderedConsumer) Stop(t *testing.T) {
+func (c *OrderedConsumer) Stop(t testing.TB) {
 	t.Helper()
 	require.NoError(t, c.d.Close())
 	<-c.done

@@ -165,8 +165,9 @@ func consumerSIGKILL(t *testing.T, kind string, unordered bool) {
 			o: w.check(false), recovery: recovery})
 		return
 	}
-	// On NATS the ordered group's consumer has max_ack_pending 1: what a
-	// dead consumer held comes back after ack_wait, before anything newer.
+	// On NATS the next holder of the ordered group's lease recreates its
+	// consumer from the ack floor: what a dead consumer held comes back
+	// before anything newer, on every server version.
 	w.record(result{scenario: consumerKilled, broker: kind, faults: fmt.Sprintf("%d SIGKILLs", kills),
 		o: w.check(true), ordered: true, recovery: recovery})
 }
@@ -348,10 +349,10 @@ func TestTwoRelaysTwoConsumers(t *testing.T) {
 		time.Sleep(5 * time.Second)
 		stop()
 		recovery := w.settle(settleTimeout)
-		// Order holds per partition on Kafka, and on NATS, where the ordered
-		// group's consumer hands out one message at a time to all replicas
-		// (max_ack_pending 1). RabbitMQ replicas compete for one queue, so
-		// order there is per process only.
+		// Order holds per partition on Kafka, and on NATS, where one
+		// replica at a time holds the ordered group's lease and its next
+		// holder starts from the consumer's ack floor. RabbitMQ replicas
+		// compete for one queue, so order there is per process only.
 		ordered := kind != bus.KindRabbitMQ
 		w.record(result{scenario: twoOfEach, broker: kind, faults: "1 SIGKILL of a node (relay + consumer), restarted 1s later",
 			o: w.check(ordered), ordered: ordered, recovery: recovery})

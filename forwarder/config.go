@@ -79,6 +79,13 @@ type Config struct {
 	// flight to be confirmed; after it, the batch is abandoned unacked (and
 	// published again by the next relay). Defaults to 10s.
 	ShutdownTimeout time.Duration `yaml:"shutdown_timeout"`
+	// Source is where the relay reads the outbox's events: "table" polls
+	// the outbox table (woken by NOTIFY); "wal" streams its inserts from a
+	// logical replication slot in commit order (wal_level = logical and the
+	// REPLICATION privilege; see docs/WAL.md), deleting each row once the
+	// broker confirmed it, so that relay.retention does not apply. "wal"
+	// needs relay.shards: 1. Defaults to "table".
+	Source string `yaml:"source"`
 }
 
 // minLeaseTTL is the shortest relay.lease_ttl: a renewal every third of it
@@ -108,6 +115,7 @@ func (c Config) WithDefaults() Config {
 	c.BacklogInterval = cmp.Or(c.BacklogInterval, 5*time.Second)
 	c.SchedulePollInterval = cmp.Or(c.SchedulePollInterval, time.Minute)
 	c.ShutdownTimeout = cmp.Or(c.ShutdownTimeout, 10*time.Second)
+	c.Source = cmp.Or(c.Source, SourceTable)
 	return c
 }
 
@@ -144,5 +152,6 @@ func (c Config) Validate(path string) []error {
 	chk.PositiveDuration(at("backlog_interval"), c.BacklogInterval)
 	chk.PositiveDuration(at("schedule_poll_interval"), c.SchedulePollInterval)
 	chk.PositiveDuration(at("shutdown_timeout"), c.ShutdownTimeout)
+	c.validateSource(&chk, at)
 	return chk.Problems
 }

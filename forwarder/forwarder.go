@@ -62,6 +62,10 @@ type Options struct {
 	// relay's db; when notifications do not arrive through it, the relay
 	// polls every poll_interval.
 	Direct *sql.DB
+	// ReplicationURL is the PostgreSQL URL of the replication connection
+	// of a relay with relay.source: wal (database.direct_url, else
+	// database.url: a pooler cannot carry replication). Unused otherwise.
+	ReplicationURL string
 }
 
 // Forwarder is the relay from one outbox table to the broker.
@@ -95,6 +99,7 @@ type Forwarder struct {
 	health        *health       // shared by an instance's shard relays
 	scheduledWake chan struct{} // a NOTIFY of a newly scheduled message
 	tracing       tracing
+	wal           *walSource // with relay.source: wal; nil otherwise
 
 	// Test hooks, set only by this package's tests (see export_test.go).
 	beforePublish func(batch int)
@@ -144,6 +149,11 @@ func New(db *sql.DB, broker Broker, outbox Outbox, cfg Config, opts Options) (*F
 		scheduledWake: make(chan struct{}, 1),
 		tracing:       newTracing(opts.TracerProvider, opts.Propagator),
 	}
+	if cfg.Source == SourceWAL {
+		if f.wal, err = newWALSource(cfg, tables, opts.ReplicationURL, opts.Registerer); err != nil {
+			return nil, err
+		}
+	}
 	if cfg.RateLimit > 0 {
 		// Slices of a tenth of a second's worth keep a limited drain smooth.
 		f.slice = max(1, min(cfg.MaxInFlight, cfg.RateLimit/10))
@@ -167,7 +177,9 @@ var ErrNotPgx = errors.New("forwarder: LISTEN needs a database/sql pool opened w
 // notification pool cannot LISTEN, ErrShardsChanged at once when
 // relay.shards differs from the count the outbox's pending rows were
 // written with, and ErrBrokerChanged when the outbox holds rows for
-// another broker.kind (at start, or at the first such row). With relay.shards > 1 the relay holds the leases of a
+// another broker.kind (at start, or at the first such row); with
+// relay.source: wal, an error naming the setting or GRANT the server or
+// role misses, or an invalidated slot (see streamWAL). With relay.shards > 1 the relay holds the leases of a
 // share of the shards instead of the whole outbox's (see shards.go).
 func (f *Forwarder) Run(ctx context.Context) error {
 	bgCtx, stopBackground := context.WithCancel(ctx)
@@ -175,6 +187,9 @@ func (f *Forwarder) Run(ctx context.Context) error {
 	defer func() { stopBackground(); background.Wait() }()
 	background.Go(func() { f.schedule(bgCtx) })
 	background.Go(func() { f.watchWaits(bgCtx) })
+	if err := f.checkWAL(ctx); err != nil {
+		return err
+	}
 	retry := f.newBackoff()
 	for ctx.Err() == nil {
 		f.health.set(RoleStarting)
@@ -183,7 +198,7 @@ func (f *Forwarder) Run(ctx context.Context) error {
 		if ctx.Err() != nil {
 			break
 		}
-		if errors.Is(err, ErrNotPgx) || errors.Is(err, ErrShardsChanged) || errors.Is(err, ErrBrokerChanged) {
+		if errors.Is(err, ErrNotPgx) || errors.Is(err, ErrShardsChanged) || errors.Is(err, ErrBrokerChanged) || walFatal(err) {
 			return err
 		}
 		wait := retry.NextBackOff()

@@ -56,7 +56,11 @@ func (f *Forwarder) lead(ctx context.Context, n *notifier) error {
 	}()
 	refresherDone := make(chan struct{})
 	go func() { defer close(refresherDone); f.refreshBacklog(leadCtx) }()
-	err = f.forwardLoop(leadCtx, wake, n.lost)
+	if f.wal != nil {
+		err = f.streamWAL(leadCtx, n.lost)
+	} else {
+		err = f.forwardLoop(leadCtx, wake, n.lost)
+	}
 	stop(nil)
 	<-keeperDone
 	<-refresherDone

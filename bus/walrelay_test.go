@@ -1,0 +1,287 @@
+package bus_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
+	wmforwarder "github.com/ThreeDotsLabs/watermill/components/forwarder"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/forwarder"
+	"github.com/millrace-io/millrace/forwarder/wal"
+	"github.com/millrace-io/millrace/internal/testing/brokertest"
+	"github.com/millrace-io/millrace/internal/testing/servers"
+	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/internal/testing/testkit"
+	"github.com/millrace-io/millrace/middleware"
+)
+
+// walWait bounds every wait of the WAL relay tests: it only catches a hang.
+const walWait = 15 * time.Second
+
+// TestWALRelay runs services with relay.source: wal on a private
+// PostgreSQL with wal_level = logical (the shared one stays at replica),
+// each subtest with a schema, slot and topic of its own, on NATS and on
+// Kafka: events reach the consumer once each, in commit order, unheld by
+// an open transaction, across a relay restart, and a row the broker
+// refuses goes to the quarantine.
+func TestWALRelay(t *testing.T) {
+	t.Parallel()
+	pg := servers.StartPostgreSQLWith(t, servers.PostgreSQLOptions{
+		Conf: "wal_level = logical\nmax_replication_slots = 20\nmax_wal_senders = 20"})
+	db, err := sql.Open("pgx", pg.URL)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = db.Close() })
+	tests := map[string]func(*testing.T, *walRig){
+		"CommitOrder": testWALCommitOrder,
+		"Restart":     testWALRestart,
+	}
+	for _, kind := range []string{bus.KindNATS, bus.KindKafka} {
+		for name, test := range tests {
+			t.Run(kind+"/"+name, func(t *testing.T) {
+				t.Parallel()
+				test(t, newWALRig(t, pg.URL, db, kind))
+			})
+		}
+	}
+	t.Run("nats/Quarantine", func(t *testing.T) {
+		t.Parallel()
+		testWALQuarantine(t, newWALRig(t, pg.URL, db, bus.KindNATS))
+	})
+}
+
+// walRig is an outbox of its own on the private server and the config of
+// services relaying it with relay.source: wal.
+type walRig struct {
+	cfg   bus.Config
+	db    *sql.DB
+	topic string
+}
+
+func newWALRig(t *testing.T, url string, db *sql.DB, kind string) *walRig {
+	t.Helper()
+	var cfg bus.Config
+	cfg.Database.URL = url
+	cfg.Database.Schema = testdb.UniqueName("wal") // short: the slot's name is millrace_<schema>_<outbox topic>
+	brokertest.Apply(t, kind, &cfg)
+	cfg.Relay.Source = forwarder.SourceWAL
+	cfg.Relay.PollInterval = 100 * time.Millisecond
+	cfg.Consumer.Handlers = map[string]middleware.Config{"wal": {Ordered: new(true)}}
+	r := &walRig{cfg: cfg, db: db, topic: "wal-" + cfg.Database.Schema[len(cfg.Database.Schema)-8:]}
+	brokertest.Cleanup(t, kind, r.topic, r.topic)
+	require.NoError(t, bus.Migrate(context.Background(), db, cfg))
+	return r
+}
+
+// walService is a running service: its relay and the one handler, which
+// records the aggregate versions it handles.
+type walService struct {
+	bus  *bus.Bus
+	done chan error
+	stop context.CancelFunc
+
+	mu  sync.Mutex
+	got []int64
+}
+
+// start opens and runs a service.
+func (r *walRig) start(t *testing.T) *walService {
+	t.Helper()
+	ctx := context.Background()
+	b, err := bus.Open(ctx, r.cfg, r.db)
+	require.NoError(t, err)
+	t.Cleanup(func() { b.Close() })
+	s := &walService{bus: b, done: make(chan error, 1)}
+	require.NoError(t, b.Handle(r.topic, "wal", func(_ context.Context, ev bus.Event) error {
+		s.mu.Lock()
+		s.got = append(s.got, ev.AggregateVersion)
+		s.mu.Unlock()
+		return nil
+	}, bus.WithConsumerGroup(r.topic)))
+	runCtx, stop := context.WithCancel(ctx)
+	s.stop = stop
+	go func() { s.done <- b.Run(runCtx) }()
+	t.Cleanup(stop)
+	return s
+}
+
+// halt stops the service, which must end cleanly.
+func (s *walService) halt(t *testing.T) {
+	t.Helper()
+	s.stop()
+	require.NoError(t, <-s.done)
+}
+
+// event is the aggregate's event of version v.
+func walEvent(v int64) bus.Event {
+	return bus.Event{Type: "Moved", AggregateType: "thing", AggregateID: "a", AggregateVersion: v, Payload: []byte(`{}`)}
+}
+
+// publish commits the events of the given versions, one transaction each.
+func (s *walService) publish(t *testing.T, topic string, versions ...int64) {
+	t.Helper()
+	for _, v := range versions {
+		require.NoError(t, s.bus.PublishInOwnTx(context.Background(), topic, walEvent(v)))
+	}
+}
+
+// await waits until the handler handled want, in that order, and nothing else.
+func (s *walService) await(t *testing.T, want ...int64) {
+	t.Helper()
+	testkit.Eventually(t, walWait, fmt.Sprintf("versions %v handled", want), func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return len(s.got) >= len(want)
+	})
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	require.Equal(t, want, s.got, "handled once each, in commit order")
+}
+
+// outboxRows counts the rows left in the outbox table.
+func (r *walRig) outboxRows(t *testing.T) int {
+	t.Helper()
+	var n int
+	require.NoError(t, r.db.QueryRow(`SELECT count(*) FROM "`+r.cfg.Database.Schema+`"."watermill_`+
+		r.cfg.WithDefaults().Outbox.Topic+`"`).Scan(&n))
+	return n
+}
+
+// awaitStreaming waits until a relay streams the rig's slot.
+func (r *walRig) awaitStreaming(t *testing.T) {
+	t.Helper()
+	slot := "millrace_" + r.cfg.Database.Schema + "_" + r.cfg.WithDefaults().Outbox.Topic
+	testkit.Eventually(t, walWait, "a relay streaming slot "+slot, func() bool {
+		st, err := wal.Status(context.Background(), r.cfg.Database.URL, slot)
+		return err == nil && st.Active
+	})
+}
+
+// A transaction that began first and is still open holds back nothing
+// committed after it; once it commits its event comes after theirs, and
+// the forwarded rows leave the outbox table.
+func testWALCommitOrder(t *testing.T, r *walRig) {
+	ctx := context.Background()
+	s := r.start(t)
+	// Creating the slot waits for the transactions open at that moment.
+	r.awaitStreaming(t)
+	open, err := r.db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer open.Rollback() //nolint:errcheck // a no-op after Commit
+	require.NoError(t, s.bus.Publish(ctx, open, r.topic, walEvent(3)))
+	s.publish(t, r.topic, 1, 2)
+	s.await(t, 1, 2) // while the first transaction is still open
+	require.NoError(t, open.Commit())
+	s.publish(t, r.topic, 4)
+	s.await(t, 1, 2, 3, 4)
+	testkit.Eventually(t, walWait, "the forwarded rows deleted", func() bool { return r.outboxRows(t) == 0 })
+}
+
+// A relay stopped and started again resumes from its slot: the events
+// committed meanwhile arrive, none lost, none handled twice.
+func testWALRestart(t *testing.T, r *walRig) {
+	s := r.start(t)
+	s.publish(t, r.topic, 1, 2, 3)
+	s.await(t, 1, 2, 3)
+	s.halt(t)
+	s.publish(t, r.topic, 4, 5, 6) // no relay runs
+	again := r.start(t)
+	again.publish(t, r.topic, 7)
+	again.await(t, 4, 5, 6, 7)
+	r.awaitStreaming(t)
+	testkit.Eventually(t, walWait, "the forwarded rows deleted", func() bool { return r.outboxRows(t) == 0 })
+}
+
+// Rows the broker refuses for good (written by plain Watermill, which
+// checks nothing) go to the relay quarantine with their reason; the events
+// around them flow, and no row is left in the outbox.
+func testWALQuarantine(t *testing.T, r *walRig) {
+	s := r.start(t)
+	s.publish(t, r.topic, 1)
+	r.writeWithWatermill(t, map[string]string{"bad key": "v"})
+	r.writeWithWatermill(t, map[string]string{"_watermill_message_uuid": "forged"})
+	s.publish(t, r.topic, 2)
+	s.await(t, 1, 2)
+	testkit.Eventually(t, walWait, "the refused rows quarantined", func() bool { return r.outboxRows(t) == 0 })
+	rows, err := r.db.Query(`SELECT reason FROM "` + r.cfg.Database.Schema + `".millrace_relay_quarantine ORDER BY id`)
+	require.NoError(t, err)
+	defer rows.Close()
+	var reasons []string
+	for rows.Next() {
+		var reason string
+		require.NoError(t, rows.Scan(&reason))
+		reasons = append(reasons, reason)
+	}
+	require.NoError(t, rows.Err())
+	require.Len(t, reasons, 2, "both refused rows, once each: %q", reasons)
+	require.Contains(t, reasons[0], "bad key")
+	require.Contains(t, reasons[1], "_watermill_message_uuid")
+}
+
+// writeWithWatermill commits a row to the outbox through Watermill's own
+// forwarder publisher, with metadata meta.
+func (r *walRig) writeWithWatermill(t *testing.T, meta map[string]string) {
+	t.Helper()
+	tx, err := r.db.Begin()
+	require.NoError(t, err)
+	outbox := r.cfg.WithDefaults().Outbox.Topic
+	sqlPub, err := watermillsql.NewPublisher(tx, watermillsql.PublisherConfig{
+		SchemaAdapter: watermillsql.DefaultPostgreSQLSchema{
+			GenerateMessagesTableName: func(topic string) string {
+				return `"` + r.cfg.Database.Schema + `"."watermill_` + topic + `"`
+			},
+		},
+	}, nil)
+	require.NoError(t, err)
+	msg := message.NewMessage(watermill.NewUUID(), []byte(`{}`))
+	for k, v := range meta {
+		msg.Metadata.Set(k, v)
+	}
+	pub := wmforwarder.NewPublisher(sqlPub, wmforwarder.PublisherConfig{ForwarderTopic: outbox})
+	require.NoError(t, pub.Publish(r.topic, msg))
+	require.NoError(t, tx.Commit())
+}
+
+// relay.source takes table or wal, and wal only with relay.shards: 1; the
+// errors name the key and what it allows.
+func TestWALRelayConfig(t *testing.T) {
+	t.Parallel()
+	cfg := bus.Config{}.WithDefaults()
+	cfg.Relay.Source = "binlog"
+	require.ErrorContains(t, cfg.Validate(), `relay.source: must be one of table, wal; got "binlog"`)
+	cfg.Relay.Source = forwarder.SourceWAL
+	require.NoError(t, cfg.Validate())
+	cfg.Relay.Shards = new(4)
+	require.ErrorContains(t, cfg.Validate(), "relay.source: wal reads one replication slot in commit order and needs relay.shards: 1; got relay.shards: 4")
+}
+
+// On a server with wal_level below logical (the shared one), Run stops at
+// once with an error naming the key, the setting and how to change it.
+func TestWALRelayNeedsLogicalWAL(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.Open(t)
+	var cfg bus.Config
+	cfg.Database.URL = testdb.URL()
+	cfg.Database.Schema = testdb.Schema(t, db)
+	brokertest.Apply(t, bus.KindNATS, &cfg)
+	cfg.Relay.Source = forwarder.SourceWAL
+	require.NoError(t, bus.Migrate(ctx, db, cfg))
+	b, err := bus.Open(ctx, cfg, db)
+	require.NoError(t, err)
+	defer b.Close()
+	runCtx, cancel := context.WithTimeout(ctx, walWait)
+	defer cancel()
+	err = b.Run(runCtx)
+	require.ErrorIs(t, err, wal.ErrWALLevel)
+	require.ErrorContains(t, err, "relay.source: wal")
+	require.ErrorContains(t, err, "ALTER SYSTEM SET wal_level = logical")
+}

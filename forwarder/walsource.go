@@ -1,0 +1,320 @@
+package forwarder
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/millrace-io/millrace/forwarder/wal"
+	"github.com/millrace-io/millrace/internal/confload"
+	"github.com/millrace-io/millrace/internal/store"
+)
+
+// The values of relay.source.
+const (
+	// SourceTable polls the outbox table, woken by NOTIFY (the default).
+	SourceTable = "table"
+	// SourceWAL streams the outbox's inserts from a logical replication
+	// slot (package wal).
+	SourceWAL = "wal"
+)
+
+// validateSource checks relay.source, and that relay.shards is 1 with the
+// WAL source: one slot gives one stream in commit order, which keeps every
+// aggregate's order without shards.
+func (c Config) validateSource(chk *confload.Checker, at func(string) string) {
+	chk.OneOf(at("source"), c.Source, SourceTable, SourceWAL)
+	if c.Source == SourceWAL && c.Shards != nil && *c.Shards > 1 {
+		chk.Add(at("source"), "wal reads one replication slot in commit order and needs relay.shards: 1; got relay.shards: %d", *c.Shards)
+	}
+}
+
+// walSource is what a relay with relay.source: wal adds to the table relay:
+// the reader's config and the gauge of the WAL its slot retains.
+type walSource struct {
+	cfg      wal.Config
+	retained prometheus.Gauge
+	busy     atomic.Bool // a batch is in the handler
+}
+
+// newWALSource prepares the WAL source of the outbox tables on the
+// replication connection url, registering its gauge with reg.
+func newWALSource(cfg Config, tables store.Tables, url string, reg prometheus.Registerer) (*walSource, error) {
+	if url == "" {
+		return nil, errors.New("forwarder: relay.source: wal needs Options.ReplicationURL (database.direct_url, else database.url)")
+	}
+	s := &walSource{
+		cfg: wal.Config{URL: url, Schema: tables.Schema, OutboxTopic: tables.OutboxTopic, MaxBatchEvents: cfg.BatchSize},
+		retained: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "millrace_relay_wal_retained_bytes", ConstLabels: prometheus.Labels{"outbox": tables.OutboxNotifyPayload()},
+			Help: "WAL the relay's replication slot keeps on the server's disk (pg_current_wal_lsn() - restart_lsn), as last measured by the active relay (every relay.backlog_interval; relay.source: wal).",
+		}),
+	}
+	if reg != nil {
+		if err := reg.Register(s.retained); err != nil {
+			return nil, fmt.Errorf("forwarder: register metrics: %w", err)
+		}
+	}
+	return s, nil
+}
+
+// checkWAL reports the requirements of the WAL source that the server or
+// the role miss (wal_level, the REPLICATION privilege, WAL senders), which
+// no retry fixes; an unreachable server is left to the retries.
+func (f *Forwarder) checkWAL(ctx context.Context) error {
+	if f.wal == nil {
+		return nil
+	}
+	err := wal.Check(ctx, f.wal.cfg.URL)
+	if walFatal(err) {
+		return fmt.Errorf("relay.source: wal: %w", err)
+	}
+	if err != nil && ctx.Err() == nil {
+		f.logger.Error("Could not check the WAL relay's requirements; retrying at the lease", err, nil)
+	}
+	return nil
+}
+
+// walFatal tells whether err is one of the WAL source's errors that only
+// an operator fixes, for which Run returns at once.
+func walFatal(err error) bool {
+	for _, target := range []error{wal.ErrWALLevel, wal.ErrNoReplicationPrivilege, wal.ErrNoSenders, wal.ErrSlotLost} {
+		if errors.Is(err, target) {
+			return true
+		}
+	}
+	return false
+}
+
+// streamWAL forwards the batches of the slot while the relay holds the
+// lease: until ctx ends (nil), the LISTEN connection the lease is tied to
+// ends, or the reader fails. The slot lets one reader at a time stream it,
+// and the lease makes that reader the active relay.
+func (f *Forwarder) streamWAL(ctx context.Context, lost <-chan struct{}) error {
+	r, err := wal.New(ctx, f.wal.cfg)
+	if err != nil {
+		if walFatal(err) {
+			return fmt.Errorf("relay.source: wal: %w", err)
+		}
+		return fmt.Errorf("forwarder: %w", err)
+	}
+	if err := f.catchUp(ctx); err != nil {
+		if errors.Is(err, store.ErrLeaseLost) {
+			return fmt.Errorf("%w: %v", errLeadershipLost, err)
+		}
+		return fmt.Errorf("forwarder: catch up with the outbox table: %w", err)
+	}
+	runCtx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	go func() {
+		select {
+		case <-lost:
+			cancel(fmt.Errorf("%w: the LISTEN connection ended", errLeadershipLost))
+		case <-runCtx.Done():
+		}
+	}()
+	refreshed := make(chan struct{})
+	go func() { defer close(refreshed); f.refreshWAL(runCtx, r.Slot()) }()
+	f.logger.Info("Relay streams the outbox from its replication slot", watermill.LogFields{"slot": r.Slot()})
+	err = r.Run(runCtx, f.forwardWAL)
+	cancel(nil)
+	<-refreshed
+	switch cause := context.Cause(runCtx); {
+	case ctx.Err() != nil:
+		return nil
+	case errors.Is(cause, errLeadershipLost):
+		return cause
+	case walFatal(err):
+		return fmt.Errorf("relay.source: wal: %w", err)
+	}
+	return err
+}
+
+// catchUp forwards what the outbox table holds past the relay's cursor,
+// through the table relay's path, once the slot exists and before the
+// stream starts, and deletes it: the rows committed before the slot was
+// created (a first start, or a switch from relay.source: table), which are
+// in no slot. Rows committed since are also in the slot and come again
+// (duplicates, which consumers' inboxes drop); the rows a previous WAL
+// relay confirmed are deleted already. One read when nothing is pending.
+func (f *Forwarder) catchUp(ctx context.Context) error {
+	defer f.dropAhead()
+	for ctx.Err() == nil {
+		n, err := f.forwardBatch(ctx)
+		if err != nil {
+			return err
+		}
+		if n < f.cfg.BatchSize {
+			break
+		}
+	}
+	if err := f.flush(ctx); err != nil {
+		return err
+	}
+	for ctx.Err() == nil {
+		n, err := f.DeleteForwarded(ctx, 0, f.cfg.CleanupBatch)
+		if err != nil {
+			return err
+		}
+		f.metrics.deleted.Add(float64(n))
+		if n < int64(f.cfg.CleanupBatch) {
+			break
+		}
+	}
+	return nil
+}
+
+// refreshWAL measures the WAL the slot retains every backlog_interval,
+// and ticks the relay's health every poll_interval while no batch is in
+// the handler (a batch ticks it when done, or at each retry).
+func (f *Forwarder) refreshWAL(ctx context.Context, slot string) {
+	measure := time.NewTicker(f.cfg.BacklogInterval)
+	defer measure.Stop()
+	beat := time.NewTicker(f.cfg.PollInterval)
+	defer beat.Stop()
+	for {
+		st, err := wal.Status(ctx, f.wal.cfg.URL, slot)
+		switch {
+		case err == nil:
+			f.wal.retained.Set(float64(st.RetainedBytes))
+		case ctx.Err() == nil:
+			f.logger.Error("Could not measure the WAL the relay's slot retains", err, watermill.LogFields{"slot": slot})
+		}
+		if !f.awaitMeasure(ctx, measure.C, beat.C) {
+			return
+		}
+	}
+}
+
+// awaitMeasure ticks the health on each beat while no batch is in the
+// handler, until the next measurement is due (true) or ctx ends (false).
+func (f *Forwarder) awaitMeasure(ctx context.Context, measure, beat <-chan time.Time) bool {
+	for {
+		select {
+		case <-ctx.Done():
+			return false
+		case <-measure:
+			return true
+		case <-beat:
+			if !f.wal.busy.Load() {
+				f.health.beat()
+			}
+		}
+	}
+}
+
+// forwardWAL is the reader's handler: it unwraps the batch's outbox rows,
+// publishes them (retrying what the broker could not take for now), and
+// deletes them from the outbox, moving those the broker refused for good
+// to the quarantine, in one transaction. It returns nil, so that the slot
+// confirms the batch, only after all that. A stopping relay gives the
+// batch shutdown_timeout to finish; a batch abandoned comes again.
+func (f *Forwarder) forwardWAL(ctx context.Context, b wal.Batch) error {
+	if err := ctx.Err(); err != nil {
+		return context.Cause(ctx) // stopping: the batch comes again
+	}
+	f.wal.busy.Store(true)
+	defer f.wal.busy.Store(false)
+	work, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelWork()
+	stop := context.AfterFunc(ctx, func() {
+		t := time.AfterFunc(f.cfg.ShutdownTimeout, cancelWork)
+		context.AfterFunc(work, func() { t.Stop() })
+	})
+	defer stop()
+
+	rows := f.unwrap(walRows(b))
+	rows, foreign := f.ownRows(rows)
+	if err := f.publishWAL(work, rows); err != nil {
+		return err
+	}
+	if err := f.finishWAL(work, rows); err != nil {
+		return err
+	}
+	f.health.beat()
+	return foreign // rows of another broker.kind: Run stops, the batch is not confirmed
+}
+
+// walRows are the outbox rows of b, in commit order.
+func walRows(b wal.Batch) []store.OutboxRow {
+	var rows []store.OutboxRow
+	for _, t := range b.Transactions {
+		for _, e := range t.Events {
+			if r := e.Row; r != nil {
+				rows = append(rows, store.OutboxRow{Offset: r.Offset, UUID: r.UUID, Payload: r.Payload, Metadata: r.Metadata})
+			}
+		}
+	}
+	return rows
+}
+
+// publishWAL publishes rows, marking those the broker refuses for good for
+// the quarantine, and retries a retryable failure with backoff from the
+// first row not confirmed, until every row is done or ctx ends.
+func (f *Forwarder) publishWAL(ctx context.Context, rows []outboxRow) error {
+	retry := f.newBackoff()
+	for done := 0; done < len(rows); {
+		n, err := f.publish(ctx, rows[done:])
+		done += n
+		if err == nil {
+			break
+		}
+		if ctx.Err() != nil {
+			return err
+		}
+		f.metrics.publishErrors.WithLabelValues(errorClassRetryable).Inc()
+		wait := retry.NextBackOff()
+		f.logger.Error("Relay batch failed; backing off", err, watermill.LogFields{"retry_in": wait.String()})
+		if !sleep(ctx, wait) {
+			return err
+		}
+		f.health.beat()
+	}
+	return nil
+}
+
+// finishWAL deletes the published rows from the outbox and moves those
+// marked for the quarantine aside, in one transaction; a row gone already
+// (delivered again after a restart) is not quarantined twice.
+func (f *Forwarder) finishWAL(ctx context.Context, rows []outboxRow) error {
+	if len(rows) == 0 {
+		return nil
+	}
+	offsets := make([]int64, len(rows))
+	for i, r := range rows {
+		offsets[i] = r.row.Offset
+	}
+	ctx, cancel := f.recordContext(ctx)
+	defer cancel()
+	tx, err := f.db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("begin the ack: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
+	present, err := f.tables.DeleteRelayed(ctx, tx, offsets)
+	if err != nil {
+		return err
+	}
+	var quarantined []outboxRow
+	for _, r := range rows {
+		if r.quarantine != "" && present[r.row.Offset] {
+			if err := f.quarantineRow(ctx, tx, r); err != nil {
+				return err
+			}
+			quarantined = append(quarantined, r)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("commit the ack: %w", err)
+	}
+	for _, r := range quarantined {
+		f.reportQuarantined(r)
+	}
+	f.recordBatch(rows)
+	return nil
+}

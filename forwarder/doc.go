@@ -189,4 +189,16 @@
 // `millrace outbox status` counts. A read that finds nothing pending sets
 // them to 0 and makes the next count unnecessary, so an idle relay still
 // makes one query per poll interval.
+//
+// # Reading the write-ahead log
+//
+// With relay.source: wal (Config.Source, SourceWAL) the active relay, holding
+// the same lease, streams the outbox's inserts from a logical replication
+// slot (package wal) on Options.ReplicationURL instead of reading batches
+// from the table. Each batch goes through the same unwrap, publish and
+// quarantine steps; once the broker confirmed it, one transaction deletes
+// its rows from the outbox and moves the refused ones to the quarantine,
+// and only then is the slot's flush position confirmed. It needs
+// relay.shards: 1, and adds millrace_relay_wal_retained_bytes. See
+// docs/WAL.md.
 package forwarder

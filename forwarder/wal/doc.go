@@ -48,6 +48,6 @@
 // WAL and state, and [DropSlot] removes a slot no relay uses any more: an
 // abandoned slot keeps WAL on the server's disk without limit.
 //
-// The integration as the forwarder's relay.source: wal is still to come;
-// this package is the reader it will use.
+// The forwarder's relay.source: wal runs a Reader while it holds the
+// outbox's lease (see forwarder.Config.Source and docs/WAL.md).
 package wal

@@ -43,6 +43,7 @@ func TestWALRelay(t *testing.T) {
 	tests := map[string]func(*testing.T, *walRig){
 		"CommitOrder": testWALCommitOrder,
 		"Restart":     testWALRestart,
+		"Scheduled":   testWALScheduled,
 	}
 	for _, kind := range []string{bus.KindNATS, bus.KindKafka} {
 		for name, test := range tests {
@@ -155,13 +156,18 @@ func (r *walRig) outboxRows(t *testing.T) int {
 	return n
 }
 
-// awaitStreaming waits until a relay streams the rig's slot.
+// awaitStreaming waits until a relay streams the rig's slot: a WAL sender
+// holds it (while the slot is created, the creating backend holds it, and
+// the creation waits for the transactions open meanwhile).
 func (r *walRig) awaitStreaming(t *testing.T) {
 	t.Helper()
 	slot := "millrace_" + r.cfg.Database.Schema + "_" + r.cfg.WithDefaults().Outbox.Topic
 	testkit.Eventually(t, walWait, "a relay streaming slot "+slot, func() bool {
-		st, err := wal.Status(context.Background(), r.cfg.Database.URL, slot)
-		return err == nil && st.Active
+		var streaming bool
+		err := r.db.QueryRow(`SELECT EXISTS (SELECT 1 FROM pg_replication_slots s JOIN pg_stat_activity a ON a.pid = s.active_pid
+			WHERE s.slot_name = $1 AND a.backend_type = 'walsender')`, slot).Scan(&streaming)
+		require.NoError(t, err)
+		return streaming
 	})
 }
 
@@ -198,6 +204,21 @@ func testWALRestart(t *testing.T, r *walRig) {
 	again.await(t, 4, 5, 6, 7)
 	r.awaitStreaming(t)
 	testkit.Eventually(t, walWait, "the forwarded rows deleted", func() bool { return r.outboxRows(t) == 0 })
+}
+
+// A scheduled event reaches the consumer at its due time: the scheduler
+// moves it into the outbox table, and the slot sees that insert.
+func testWALScheduled(t *testing.T, r *walRig) {
+	ctx := context.Background()
+	s := r.start(t)
+	r.awaitStreaming(t)
+	tx, err := r.db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	_, err = s.bus.Schedule(ctx, tx, r.topic, bus.DueIn(300*time.Millisecond), walEvent(2))
+	require.NoError(t, err)
+	require.NoError(t, tx.Commit())
+	s.publish(t, r.topic, 1)
+	s.await(t, 1, 2)
 }
 
 // Rows the broker refuses for good (written by plain Watermill, which

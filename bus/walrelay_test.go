@@ -12,6 +12,7 @@ import (
 	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
 	wmforwarder "github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
@@ -86,6 +87,7 @@ func newWALRig(t *testing.T, url string, db *sql.DB, kind string) *walRig {
 // records the aggregate versions it handles.
 type walService struct {
 	bus  *bus.Bus
+	reg  *prometheus.Registry
 	done chan error
 	stop context.CancelFunc
 
@@ -97,10 +99,11 @@ type walService struct {
 func (r *walRig) start(t *testing.T) *walService {
 	t.Helper()
 	ctx := context.Background()
-	b, err := bus.Open(ctx, r.cfg, r.db)
+	reg := prometheus.NewRegistry()
+	b, err := bus.Open(ctx, r.cfg, r.db, bus.WithRegistry(reg))
 	require.NoError(t, err)
 	t.Cleanup(func() { b.Close() })
-	s := &walService{bus: b, done: make(chan error, 1)}
+	s := &walService{bus: b, reg: reg, done: make(chan error, 1)}
 	require.NoError(t, b.Handle(r.topic, "wal", func(_ context.Context, ev bus.Event) error {
 		s.mu.Lock()
 		s.got = append(s.got, ev.AggregateVersion)
@@ -189,6 +192,16 @@ func testWALCommitOrder(t *testing.T, r *walRig) {
 	s.publish(t, r.topic, 4)
 	s.await(t, 1, 2, 3, 4)
 	testkit.Eventually(t, walWait, "the forwarded rows deleted", func() bool { return r.outboxRows(t) == 0 })
+	families, err := s.reg.Gather()
+	require.NoError(t, err)
+	values := map[string]float64{}
+	for _, f := range families {
+		for _, m := range f.GetMetric() {
+			values[f.GetName()] += m.GetCounter().GetValue() + m.GetGauge().GetValue()
+		}
+	}
+	require.Equal(t, 4.0, values["millrace_relay_messages_forwarded_total"], "the relay's own counter")
+	require.Contains(t, values, "millrace_relay_wal_retained_bytes")
 }
 
 // A relay stopped and started again resumes from its slot: the events

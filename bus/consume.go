@@ -221,9 +221,7 @@ func (b *Bus) Run(ctx context.Context) error {
 			defer direct.Close()
 		}
 		rs.relay, err = forwarder.New(b.db, broker, forwarder.Outbox{Schema: b.cfg.Database.Schema, Topic: b.cfg.Outbox.Topic, BrokerKind: b.cfg.Broker.Kind},
-			b.cfg.Relay, forwarder.Options{Logger: b.logger, Registerer: b.registerer,
-				TracerProvider: b.tracerProvider, Propagator: b.propagator, Direct: direct,
-				ReplicationURL: cmp.Or(b.cfg.Database.DirectURL, b.cfg.Database.URL)})
+			b.cfg.Relay, b.relayOptions(direct))
 		if err != nil {
 			return err
 		}

@@ -178,9 +178,10 @@ var ErrNotPgx = errors.New("forwarder: LISTEN needs a database/sql pool opened w
 // relay.shards differs from the count the outbox's pending rows were
 // written with, and ErrBrokerChanged when the outbox holds rows for
 // another broker.kind (at start, or at the first such row); with
-// relay.source: wal, an error naming the setting or GRANT the server or
-// role misses, or an invalidated slot (see streamWAL). With relay.shards > 1 the relay holds the leases of a
-// share of the shards instead of the whole outbox's (see shards.go).
+// relay.source: wal, at once, an error naming the setting or statement
+// the server or role misses, or the slot's invalidation (see streamWAL).
+// With relay.shards > 1 the relay holds the leases of a share of the
+// shards instead of the whole outbox's (see shards.go).
 func (f *Forwarder) Run(ctx context.Context) error {
 	bgCtx, stopBackground := context.WithCancel(ctx)
 	var background sync.WaitGroup

@@ -32,15 +32,8 @@ type outboxRow struct {
 // it handled, and an error when it stopped at a retryable failure, or
 // store.ErrLeaseLost when another relay has taken the lease.
 func (f *Forwarder) forwardBatch(ctx context.Context) (handled int, err error) {
-	// The batch may outlive ctx by shutdown_timeout so that a stopping relay
-	// acks what the broker already confirmed.
-	work, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
-	defer cancelWork()
-	stop := context.AfterFunc(ctx, func() {
-		t := time.AfterFunc(f.cfg.ShutdownTimeout, cancelWork)
-		context.AfterFunc(work, func() { t.Stop() })
-	})
-	defer stop()
+	work, release := f.graceContext(ctx)
+	defer release()
 
 	began := time.Now()
 	b, rows, ok := f.takeAhead()
@@ -369,4 +362,16 @@ func (f *Forwarder) reportQuarantined(r outboxRow) {
 	f.logger.Error("Outbox row moved to the relay quarantine", errors.New(r.quarantine), watermill.LogFields{
 		"outbox_offset": r.row.Offset, "event_id": eventID, "topic": topic,
 	})
+}
+
+// graceContext is the context a batch runs in: it outlives ctx by
+// shutdown_timeout, so that a stopping relay acks what the broker already
+// confirmed. release frees it.
+func (f *Forwarder) graceContext(ctx context.Context) (work context.Context, release func()) {
+	work, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
+	stop := context.AfterFunc(ctx, func() {
+		t := time.AfterFunc(f.cfg.ShutdownTimeout, cancelWork)
+		context.AfterFunc(work, func() { t.Stop() })
+	})
+	return work, func() { stop(); cancelWork() }
 }

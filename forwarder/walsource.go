@@ -220,13 +220,8 @@ func (f *Forwarder) forwardWAL(ctx context.Context, b wal.Batch) error {
 	}
 	f.wal.busy.Store(true)
 	defer f.wal.busy.Store(false)
-	work, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
-	defer cancelWork()
-	stop := context.AfterFunc(ctx, func() {
-		t := time.AfterFunc(f.cfg.ShutdownTimeout, cancelWork)
-		context.AfterFunc(work, func() { t.Stop() })
-	})
-	defer stop()
+	work, release := f.graceContext(ctx)
+	defer release()
 
 	rows := f.unwrap(walRows(b))
 	rows, foreign := f.ownRows(rows)

@@ -255,7 +255,7 @@ type poisonTable struct {
 // topic, with a new message id (brokers that deduplicate by message id would
 // drop the original's), the original event id (the inbox key) and payload,
 // the event's own metadata (what Publish accepted: nothing a broker or the
-// consumer chain added on the way, see bus.EventMetadata),
+// consumer chain added on the way, see bus.BrokerConfig.EventMetadata),
 // middleware.ReplayOfKey naming the original message and
 // middleware.ReplayGroupsKey naming the consumer groups of the replayed
 // rows: only those groups process it, every other group of the topic acks

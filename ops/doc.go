@@ -33,8 +33,9 @@
 //
 // A replay from the DLQ goes back through the outbox, keeps the event id
 // (a consumer group that processed the event already acks it as a
-// duplicate), carries the event's own metadata only (bus.EventMetadata)
-// and reaches only the consumer groups the message was poisoned in
+// duplicate), carries the event's own metadata only
+// (bus.BrokerConfig.EventMetadata) and reaches only the consumer groups the
+// message was poisoned in
 // (middleware.ReplayGroupsKey).
 //
 // # Why a package of its own

@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/millrace-io/millrace/forwarder/wal"
+	"github.com/millrace-io/millrace/internal/testing/servers"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 )
 
@@ -130,14 +131,13 @@ func testLogicalMessages(t *testing.T, s *logicalServer) {
 	}
 }
 
-// The requirement errors name the fix: on the shared server (wal_level =
-// replica there) the setting and its restart.
+// The requirement errors name the fix: on a server with wal_level =
+// replica (a private one, so that the shared server's setting does not
+// decide whether this runs) the setting and its restart.
 func TestCheckNamesWALLevel(t *testing.T) {
 	t.Parallel()
-	err := wal.Check(context.Background(), testdb.URL())
-	if err == nil {
-		t.Skip("the shared server runs with wal_level = logical")
-	}
+	pg := servers.StartPostgreSQLWith(t, servers.PostgreSQLOptions{Conf: "wal_level = replica"})
+	err := wal.Check(context.Background(), pg.URL)
 	if !errors.Is(err, wal.ErrWALLevel) {
 		t.Fatalf("Check: %v, want ErrWALLevel", err)
 	}

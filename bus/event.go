@@ -102,32 +102,8 @@ var reservedKeys = map[string]bool{
 // context and baggage into the metadata; cePrefix, when not empty, is the
 // broker's CloudEvents header prefix (outbox.cloudevents).
 func (e Event) toMessage(ctx context.Context, cfg OutboxConfig, now time.Time, prop propagation.TextMapPropagator, cePrefix string) (*message.Message, error) {
-	switch {
-	case e.Type == "":
-		return nil, fieldErr("Type", ErrMissingField, "event type is required")
-	case e.AggregateType == "":
-		return nil, fieldErr("AggregateType", ErrMissingField, "aggregate type is required")
-	case e.AggregateID == "":
-		return nil, fieldErr("AggregateID", ErrMissingField, "aggregate id is required")
-	}
-	for _, f := range []struct{ name, value string }{
-		{"ID", e.ID}, {"Type", e.Type}, {"AggregateType", e.AggregateType}, {"AggregateID", e.AggregateID},
-		{"CorrelationID", e.CorrelationID}, {"CausationID", e.CausationID},
-	} {
-		if err := names.Text(f.value); err != nil {
-			return nil, fieldErr(f.name, ErrInvalidField, err.Error())
-		}
-	}
-	switch {
-	case len(e.ID) > maxIDLength:
-		return nil, fieldErr("ID", ErrInvalidField, fmt.Sprintf("event id is %d bytes, the limit is %d", len(e.ID), maxIDLength))
-	case e.AggregateVersion < 0:
-		return nil, fieldErr("AggregateVersion", ErrInvalidField, fmt.Sprintf("must not be negative, got %d", e.AggregateVersion))
-	case e.SchemaVersion < 0:
-		return nil, fieldErr("SchemaVersion", ErrInvalidField, fmt.Sprintf("must not be negative, got %d", e.SchemaVersion))
-	case !e.OccurredAt.IsZero() && (e.OccurredAt.UTC().Year() < 0 || e.OccurredAt.UTC().Year() > 9999):
-		return nil, fieldErr("OccurredAt", ErrInvalidField,
-			fmt.Sprintf("year %d is outside 0000-9999, which RFC 3339 (the occurred-at header) can hold", e.OccurredAt.UTC().Year()))
+	if err := e.check(); err != nil {
+		return nil, err
 	}
 	if err := cfg.checkPayloadSize(e.Payload); err != nil {
 		return nil, err
@@ -136,7 +112,10 @@ func (e Event) toMessage(ctx context.Context, cfg OutboxConfig, now time.Time, p
 	if err != nil {
 		return nil, err
 	}
-
+	meta, err := e.userMetadata(prop, cePrefix)
+	if err != nil {
+		return nil, err
+	}
 	id := e.ID
 	if id == "" {
 		id = uuid.Must(uuid.NewV7()).String()
@@ -145,6 +124,68 @@ func (e Event) toMessage(ctx context.Context, cfg OutboxConfig, now time.Time, p
 	if occurred.IsZero() {
 		occurred = now
 	}
+	meta[EventIDKey] = id
+	meta[EventTypeKey] = e.Type
+	meta[AggregateTypeKey] = e.AggregateType
+	meta[AggregateIDKey] = e.AggregateID
+	meta[AggregateVersionKey] = strconv.FormatInt(e.AggregateVersion, 10)
+	meta[SchemaVersionKey] = strconv.Itoa(max(e.SchemaVersion, 1))
+	meta[OccurredAtKey] = occurred.UTC().Format(time.RFC3339Nano)
+	meta[ContentTypeKey] = contentType
+	e.setFlow(ctx, meta)
+	if cePrefix != "" {
+		meta[cePrefix+"id"] = id
+		meta[cePrefix+"type"] = e.Type
+		meta[cePrefix+"source"] = cfg.CloudEvents.Source
+		meta[cePrefix+"specversion"] = "1.0"
+		meta[cePrefix+"time"] = meta[OccurredAtKey]
+	}
+	prop.Inject(ctx, propagation.MapCarrier(meta))
+	if err := cfg.checkMetadataSize(meta); err != nil {
+		return nil, err
+	}
+	msg := message.NewMessage(id, e.Payload)
+	msg.Metadata = meta
+	return msg, nil
+}
+
+// check refuses an event whose required fields are missing or whose fields
+// hold what the headers cannot carry, naming the field.
+func (e Event) check() error {
+	switch {
+	case e.Type == "":
+		return fieldErr("Type", ErrMissingField, "event type is required")
+	case e.AggregateType == "":
+		return fieldErr("AggregateType", ErrMissingField, "aggregate type is required")
+	case e.AggregateID == "":
+		return fieldErr("AggregateID", ErrMissingField, "aggregate id is required")
+	}
+	for _, f := range []struct{ name, value string }{
+		{"ID", e.ID}, {"Type", e.Type}, {"AggregateType", e.AggregateType}, {"AggregateID", e.AggregateID},
+		{"CorrelationID", e.CorrelationID}, {"CausationID", e.CausationID},
+	} {
+		if err := names.Text(f.value); err != nil {
+			return fieldErr(f.name, ErrInvalidField, err.Error())
+		}
+	}
+	switch {
+	case len(e.ID) > maxIDLength:
+		return fieldErr("ID", ErrInvalidField, fmt.Sprintf("event id is %d bytes, the limit is %d", len(e.ID), maxIDLength))
+	case e.AggregateVersion < 0:
+		return fieldErr("AggregateVersion", ErrInvalidField, fmt.Sprintf("must not be negative, got %d", e.AggregateVersion))
+	case e.SchemaVersion < 0:
+		return fieldErr("SchemaVersion", ErrInvalidField, fmt.Sprintf("must not be negative, got %d", e.SchemaVersion))
+	case !e.OccurredAt.IsZero() && (e.OccurredAt.UTC().Year() < 0 || e.OccurredAt.UTC().Year() > 9999):
+		return fieldErr("OccurredAt", ErrInvalidField,
+			fmt.Sprintf("year %d is outside 0000-9999, which RFC 3339 (the occurred-at header) can hold", e.OccurredAt.UTC().Year()))
+	}
+	return nil
+}
+
+// userMetadata copies e.Metadata into a new map with room for the headers
+// millrace sets, refusing keys that the trace propagator or CloudEvents
+// (cePrefix, when not empty) own.
+func (e Event) userMetadata(prop propagation.TextMapPropagator, cePrefix string) (message.Metadata, error) {
 	meta := make(message.Metadata, len(e.Metadata)+12)
 	for k, v := range e.Metadata {
 		if err := checkMetadata(k, v); err != nil {
@@ -161,16 +202,13 @@ func (e Event) toMessage(ctx context.Context, cfg OutboxConfig, now time.Time, p
 		}
 		meta[k] = v
 	}
-	meta[EventIDKey] = id
-	meta[EventTypeKey] = e.Type
-	meta[AggregateTypeKey] = e.AggregateType
-	meta[AggregateIDKey] = e.AggregateID
-	meta[AggregateVersionKey] = strconv.FormatInt(e.AggregateVersion, 10)
-	meta[SchemaVersionKey] = strconv.Itoa(max(e.SchemaVersion, 1))
-	meta[OccurredAtKey] = occurred.UTC().Format(time.RFC3339Nano)
-	meta[ContentTypeKey] = contentType
+	return meta, nil
+}
+
+// setFlow writes the correlation and causation headers: an event published
+// while a handler handles another continues that event's flow.
+func (e Event) setFlow(ctx context.Context, meta message.Metadata) {
 	if in, ok := incomingEvent(ctx); ok {
-		// Published while handling in: in caused it, and it continues in's flow.
 		e.CausationID = cmp.Or(e.CausationID, in.ID)
 		e.CorrelationID = cmp.Or(e.CorrelationID, in.CorrelationID, in.ID)
 	}
@@ -180,20 +218,6 @@ func (e Event) toMessage(ctx context.Context, cfg OutboxConfig, now time.Time, p
 	if e.CausationID != "" {
 		meta[CausationIDKey] = e.CausationID
 	}
-	if cePrefix != "" {
-		meta[cePrefix+"id"] = id
-		meta[cePrefix+"type"] = e.Type
-		meta[cePrefix+"source"] = cfg.CloudEvents.Source
-		meta[cePrefix+"specversion"] = "1.0"
-		meta[cePrefix+"time"] = meta[OccurredAtKey]
-	}
-	prop.Inject(ctx, propagation.MapCarrier(meta))
-	if err := cfg.checkMetadataSize(meta); err != nil {
-		return nil, err
-	}
-	msg := message.NewMessage(id, e.Payload)
-	msg.Metadata = meta
-	return msg, nil
 }
 
 // checkPayloadSize refuses a payload over outbox.max_payload_bytes.

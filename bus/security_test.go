@@ -121,172 +121,182 @@ var errTestPoison = errors.New("refused on purpose")
 // service never reach an error, a log line or the poison table.
 func TestSecretsNeverPrinted(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
 
-	t.Run("config errors", func(t *testing.T) {
-		t.Parallel()
-		s := newSecret(t, "cfg")
-		for _, yaml := range []string{
-			"database:\n  url: postgres://app:" + s + "@db/app?sslmode=nope\n",
-			"database:\n  url: postgres://db/app?password=" + s + "&sslmode=nope\n",
-			"database:\n  url: mysql://app:" + s + "@db/app\n",
-			"database:\n  url: \"postgres://app:" + s + "${@db/app\"\n",
-			"broker:\n  kind: rabbitmq\n  rabbitmq:\n    url: http://guest:" + s + "@h/\n",
-			"broker:\n  kind: rabbitmq\n  rabbitmq:\n    url: amqp://guest:" + s + "@h/\n    user: app\n    password: " + s + "\n",
-			"broker:\n  kind: nats\n  nats:\n    url: http://" + s + "@h:4222\n",
-			"broker:\n  kind: nats\n  nats:\n    url: nats://h:4222\n    token: " + s + "\n    password: " + s + "\n",
-			"broker:\n  kind: kafka\n  kafka:\n    brokers: [k:9092]\n    sasl: {mechanism: GSSAPI, user: app, password: " + s + "}\n",
-			"broker:\n  kind: kafka\n  kafka:\n    brokers: [k:9092]\n    sasl: {mechanism: PLAIN, password: \"" + s + "${x\"}\n",
-			"broker:\n  kind: kafka\n  kafka:\n    brokers: [k:9092]\n    sasl: " + s + "\n",
-		} {
-			_, err := bus.ParseConfig([]byte(yaml))
-			require.Error(t, err, yaml)
-			require.NotContains(t, err.Error(), s, yaml)
-		}
-	})
+	t.Run("config errors", testSecretsInConfigErrors)
 
-	t.Run("database connect", func(t *testing.T) {
-		t.Parallel()
-		s := newSecret(t, "db")
-		var logs testlog.Buffer
-		for _, dbURL := range []string{
-			"postgres://nobody_" + hex.EncodeToString([]byte(s[:4])) + ":" + s + "@127.0.0.1:5432/postgres?sslmode=disable&connect_timeout=5",
-			"postgres://app:" + s + "@127.0.0.1:1/postgres?sslmode=disable",
-			"postgres://127.0.0.1:1/postgres?user=app&password=" + s + "&sslmode=disable",
-		} {
-			var cfg bus.Config
-			cfg.Database.URL = dbURL
-			brokertest.Apply(t, bus.KindNATS, &cfg)
-			_, err := bus.Open[*sql.DB](ctx, cfg, nil, bus.WithLogger(logs.Slog()))
-			require.Error(t, err, dbURL)
-			require.ErrorContains(t, err, "database")
-			require.NotContains(t, err.Error(), s)
-		}
-		require.NotContains(t, logs.String(), s)
+	t.Run("database connect", testSecretsInDatabaseConnect)
 
-		// OpenDB parses the URL itself; a config built in code skips LoadConfig.
-		for _, bad := range []string{"postgres://app:" + s + "@127.0.0.1:port/db", "postgres://app:" + s + "@127.0.0.1/db?sslmode=nope"} {
-			db, err := bus.OpenDB(bus.DatabaseConfig{URL: bad})
-			if err == nil { // the driver may parse on first use
-				err = db.Ping()
-				db.Close()
-			}
-			require.Error(t, err, bad)
-			require.NotContains(t, err.Error(), s)
-		}
-	})
-
-	t.Run("broker connect", func(t *testing.T) {
-		t.Parallel()
-		s := newSecret(t, "broker")
-		sasl, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.Ports(0), kfake.EnableSASL(),
-			kfake.Superuser("SCRAM-SHA-256", "app", "the-right-one"))
-		require.NoError(t, err)
-		t.Cleanup(sasl.Close)
-
-		var rabbitCfg, rabbitFields, natsTokenCfg, natsPwCfg, kafkaCfg bus.Config
-		brokertest.Apply(t, bus.KindRabbitMQ, &rabbitCfg)
-		u, err := url.Parse(rabbitCfg.Broker.RabbitMQ.URL)
-		require.NoError(t, err)
-		user := "guest"
-		if u.User != nil {
-			user = u.User.Username()
-		}
-		u.User = url.UserPassword(user, s)
-		rabbitCfg.Broker.RabbitMQ.URL = u.String()
-		brokertest.Apply(t, bus.KindRabbitMQ, &rabbitFields)
-		u.User = nil
-		rabbitFields.Broker.RabbitMQ.URL = u.String()
-		rabbitFields.Broker.RabbitMQ.User, rabbitFields.Broker.RabbitMQ.Password = user, s
-
-		natsTokenCfg.Broker.Kind = bus.KindNATS
-		natsTokenCfg.Broker.NATS.URL = "nats://" + s + "@127.0.0.1:1"
-		natsPwCfg.Broker.Kind = bus.KindNATS
-		natsPwCfg.Broker.NATS.URL = "nats://127.0.0.1:1"
-		natsPwCfg.Broker.NATS.User, natsPwCfg.Broker.NATS.Password = "app", s
-
-		kafkaCfg.Broker.Kind = bus.KindKafka
-		kafkaCfg.Broker.Kafka = kafka.Config{Brokers: sasl.ListenAddrs(), ReplicationFactor: 1,
-			SASL: kafka.SASLConfig{Mechanism: kafka.SASLScramSHA256, User: "app", Password: s}}
-
-		for name, cfg := range map[string]bus.Config{
-			"rabbitmq password in url": rabbitCfg, "rabbitmq password field": rabbitFields,
-			"nats token in url": natsTokenCfg, "nats password field": natsPwCfg, "kafka sasl": kafkaCfg,
-		} {
-			var logs testlog.Buffer
-			cfg.Broker.ConnectTimeout = 5 * time.Second
-			_, err := bus.OpenBroker(ctx, cfg, watermill.NewSlogLogger(logs.Slog()))
-			require.Error(t, err, name)
-			require.NotContains(t, err.Error(), s, name)
-			require.NotContains(t, logs.String(), s, name)
-		}
-	})
+	t.Run("broker connect", testSecretsInBrokerConnect)
 
 	// A running service (relay, handler, poison) with a NATS token in the URL
 	// and a database password in the query: the token must stay out of the
 	// logs of a whole round trip, and out of the poison table.
-	t.Run("running service", func(t *testing.T) {
-		t.Parallel()
-		s := newSecret(t, "run")
-		db := testdb.Open(t)
+	t.Run("running service", testSecretsInRunningService)
+}
+
+func testSecretsInConfigErrors(t *testing.T) {
+	t.Parallel()
+	s := newSecret(t, "cfg")
+	for _, yaml := range []string{
+		"database:\n  url: postgres://app:" + s + "@db/app?sslmode=nope\n",
+		"database:\n  url: postgres://db/app?password=" + s + "&sslmode=nope\n",
+		"database:\n  url: mysql://app:" + s + "@db/app\n",
+		"database:\n  url: \"postgres://app:" + s + "${@db/app\"\n",
+		"broker:\n  kind: rabbitmq\n  rabbitmq:\n    url: http://guest:" + s + "@h/\n",
+		"broker:\n  kind: rabbitmq\n  rabbitmq:\n    url: amqp://guest:" + s + "@h/\n    user: app\n    password: " + s + "\n",
+		"broker:\n  kind: nats\n  nats:\n    url: http://" + s + "@h:4222\n",
+		"broker:\n  kind: nats\n  nats:\n    url: nats://h:4222\n    token: " + s + "\n    password: " + s + "\n",
+		"broker:\n  kind: kafka\n  kafka:\n    brokers: [k:9092]\n    sasl: {mechanism: GSSAPI, user: app, password: " + s + "}\n",
+		"broker:\n  kind: kafka\n  kafka:\n    brokers: [k:9092]\n    sasl: {mechanism: PLAIN, password: \"" + s + "${x\"}\n",
+		"broker:\n  kind: kafka\n  kafka:\n    brokers: [k:9092]\n    sasl: " + s + "\n",
+	} {
+		_, err := bus.ParseConfig([]byte(yaml))
+		require.Error(t, err, yaml)
+		require.NotContains(t, err.Error(), s, yaml)
+	}
+}
+
+func testSecretsInDatabaseConnect(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	s := newSecret(t, "db")
+	var logs testlog.Buffer
+	for _, dbURL := range []string{
+		"postgres://nobody_" + hex.EncodeToString([]byte(s[:4])) + ":" + s + "@127.0.0.1:5432/postgres?sslmode=disable&connect_timeout=5",
+		"postgres://app:" + s + "@127.0.0.1:1/postgres?sslmode=disable",
+		"postgres://127.0.0.1:1/postgres?user=app&password=" + s + "&sslmode=disable",
+	} {
 		var cfg bus.Config
-		cfg.Database.Schema = testdb.Schema(t, db)
+		cfg.Database.URL = dbURL
 		brokertest.Apply(t, bus.KindNATS, &cfg)
-		u, err := url.Parse(cfg.Broker.NATS.URL)
-		require.NoError(t, err)
-		if u.User == nil {
-			// The shared server has no authentication and ignores the token;
-			// the point is where millrace prints the URL.
-			u.User = url.User(s)
-		} else if pw, ok := u.User.Password(); ok {
-			s = pw // a real server's own password is the secret to keep
-		}
-		cfg.Broker.NATS.URL = u.String()
-		cfg.Consumer.Retry.MaxAttempts = 1
-		topic := testdb.UniqueName("secret")[2:]
-		brokertest.Cleanup(t, bus.KindNATS, topic, "h")
-		require.NoError(t, bus.Migrate(ctx, db, cfg))
+		_, err := bus.Open[*sql.DB](ctx, cfg, nil, bus.WithLogger(logs.Slog()))
+		require.Error(t, err, dbURL)
+		require.ErrorContains(t, err, "database")
+		require.NotContains(t, err.Error(), s)
+	}
+	require.NotContains(t, logs.String(), s)
 
+	// OpenDB parses the URL itself; a config built in code skips LoadConfig.
+	for _, bad := range []string{"postgres://app:" + s + "@127.0.0.1:port/db", "postgres://app:" + s + "@127.0.0.1/db?sslmode=nope"} {
+		db, err := bus.OpenDB(bus.DatabaseConfig{URL: bad})
+		if err == nil { // the driver may parse on first use
+			err = db.Ping()
+			db.Close()
+		}
+		require.Error(t, err, bad)
+		require.NotContains(t, err.Error(), s)
+	}
+}
+
+func testSecretsInBrokerConnect(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	s := newSecret(t, "broker")
+	sasl, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.Ports(0), kfake.EnableSASL(),
+		kfake.Superuser("SCRAM-SHA-256", "app", "the-right-one"))
+	require.NoError(t, err)
+	t.Cleanup(sasl.Close)
+
+	var rabbitCfg, rabbitFields, natsTokenCfg, natsPwCfg, kafkaCfg bus.Config
+	brokertest.Apply(t, bus.KindRabbitMQ, &rabbitCfg)
+	u, err := url.Parse(rabbitCfg.Broker.RabbitMQ.URL)
+	require.NoError(t, err)
+	user := "guest"
+	if u.User != nil {
+		user = u.User.Username()
+	}
+	u.User = url.UserPassword(user, s)
+	rabbitCfg.Broker.RabbitMQ.URL = u.String()
+	brokertest.Apply(t, bus.KindRabbitMQ, &rabbitFields)
+	u.User = nil
+	rabbitFields.Broker.RabbitMQ.URL = u.String()
+	rabbitFields.Broker.RabbitMQ.User, rabbitFields.Broker.RabbitMQ.Password = user, s
+
+	natsTokenCfg.Broker.Kind = bus.KindNATS
+	natsTokenCfg.Broker.NATS.URL = "nats://" + s + "@127.0.0.1:1"
+	natsPwCfg.Broker.Kind = bus.KindNATS
+	natsPwCfg.Broker.NATS.URL = "nats://127.0.0.1:1"
+	natsPwCfg.Broker.NATS.User, natsPwCfg.Broker.NATS.Password = "app", s
+
+	kafkaCfg.Broker.Kind = bus.KindKafka
+	kafkaCfg.Broker.Kafka = kafka.Config{Brokers: sasl.ListenAddrs(), ReplicationFactor: 1,
+		SASL: kafka.SASLConfig{Mechanism: kafka.SASLScramSHA256, User: "app", Password: s}}
+
+	for name, cfg := range map[string]bus.Config{
+		"rabbitmq password in url": rabbitCfg, "rabbitmq password field": rabbitFields,
+		"nats token in url": natsTokenCfg, "nats password field": natsPwCfg, "kafka sasl": kafkaCfg,
+	} {
 		var logs testlog.Buffer
-		b, err := bus.Open(ctx, cfg, db, bus.WithLogger(logs.Slog()))
-		require.NoError(t, err)
-		defer b.Close()
-		handled := make(chan struct{}, 1)
-		require.NoError(t, b.Handle(topic, "h", func(context.Context, bus.Event) error {
-			handled <- struct{}{}
-			return bus.Permanent(errTestPoison)
-		}))
-		runCtx, stop := context.WithCancel(ctx)
-		done := make(chan error, 1)
-		go func() { done <- b.Run(runCtx) }()
-		require.NoError(t, b.PublishInOwnTx(ctx, topic, bus.Event{Type: "T", AggregateType: "a", AggregateID: "1", Payload: []byte(`{}`)}))
-		select {
-		case <-handled:
-		case <-time.After(60 * time.Second):
-			t.Fatal("the event never reached the handler")
-		}
-		require.Eventually(t, func() bool {
-			var n int
-			require.NoError(t, db.QueryRow(`SELECT count(*) FROM "`+cfg.Database.Schema+`".millrace_poison`).Scan(&n))
-			return n == 1
-		}, 60*time.Second, 20*time.Millisecond)
-		oc, err := ops.New(ctx, db, b.Config())
-		require.NoError(t, err)
-		require.Eventually(t, func() bool { // the relay records its position at most every 100ms
-			st, err := oc.OutboxStatus(ctx, "")
-			require.NoError(t, err)
-			return st.Pending == 0
-		}, 60*time.Second, 20*time.Millisecond)
-		stop()
-		require.NoError(t, <-done)
+		cfg.Broker.ConnectTimeout = 5 * time.Second
+		_, err := bus.OpenBroker(ctx, cfg, watermill.NewSlogLogger(logs.Slog()))
+		require.Error(t, err, name)
+		require.NotContains(t, err.Error(), s, name)
+		require.NotContains(t, logs.String(), s, name)
+	}
+}
 
-		out := logs.String()
-		require.Contains(t, out, "Connected to NATS JetStream", "the connect log line was written")
-		require.Contains(t, out, "Message poisoned")
-		require.NotContains(t, out, s)
-		var poisoned string
-		require.NoError(t, db.QueryRow(`SELECT metadata::text || reason FROM "`+cfg.Database.Schema+`".millrace_poison`).Scan(&poisoned))
-		require.NotContains(t, poisoned, s)
-		require.Contains(t, out, "xxxxx@", "the URL is logged, redacted")
-	})
+func testSecretsInRunningService(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	s := newSecret(t, "run")
+	db := testdb.Open(t)
+	var cfg bus.Config
+	cfg.Database.Schema = testdb.Schema(t, db)
+	brokertest.Apply(t, bus.KindNATS, &cfg)
+	u, err := url.Parse(cfg.Broker.NATS.URL)
+	require.NoError(t, err)
+	if u.User == nil {
+		// The shared server has no authentication and ignores the token;
+		// the point is where millrace prints the URL.
+		u.User = url.User(s)
+	} else if pw, ok := u.User.Password(); ok {
+		s = pw // a real server's own password is the secret to keep
+	}
+	cfg.Broker.NATS.URL = u.String()
+	cfg.Consumer.Retry.MaxAttempts = 1
+	topic := testdb.UniqueName("secret")[2:]
+	brokertest.Cleanup(t, bus.KindNATS, topic, "h")
+	require.NoError(t, bus.Migrate(ctx, db, cfg))
+
+	var logs testlog.Buffer
+	b, err := bus.Open(ctx, cfg, db, bus.WithLogger(logs.Slog()))
+	require.NoError(t, err)
+	defer b.Close()
+	handled := make(chan struct{}, 1)
+	require.NoError(t, b.Handle(topic, "h", func(context.Context, bus.Event) error {
+		handled <- struct{}{}
+		return bus.Permanent(errTestPoison)
+	}))
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- b.Run(runCtx) }()
+	require.NoError(t, b.PublishInOwnTx(ctx, topic, bus.Event{Type: "T", AggregateType: "a", AggregateID: "1", Payload: []byte(`{}`)}))
+	select {
+	case <-handled:
+	case <-time.After(60 * time.Second):
+		t.Fatal("the event never reached the handler")
+	}
+	require.Eventually(t, func() bool {
+		var n int
+		require.NoError(t, db.QueryRow(`SELECT count(*) FROM "`+cfg.Database.Schema+`".millrace_poison`).Scan(&n))
+		return n == 1
+	}, 60*time.Second, 20*time.Millisecond)
+	oc, err := ops.New(ctx, db, b.Config())
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { // the relay records its position at most every 100ms
+		st, err := oc.OutboxStatus(ctx, "")
+		require.NoError(t, err)
+		return st.Pending == 0
+	}, 60*time.Second, 20*time.Millisecond)
+	stop()
+	require.NoError(t, <-done)
+
+	out := logs.String()
+	require.Contains(t, out, "Connected to NATS JetStream", "the connect log line was written")
+	require.Contains(t, out, "Message poisoned")
+	require.NotContains(t, out, s)
+	var poisoned string
+	require.NoError(t, db.QueryRow(`SELECT metadata::text || reason FROM "`+cfg.Database.Schema+`".millrace_poison`).Scan(&poisoned))
+	require.NotContains(t, poisoned, s)
+	require.Contains(t, out, "xxxxx@", "the URL is logged, redacted")
 }

@@ -63,92 +63,138 @@ func (s *stuckHandlers) callsOf(id string) int {
 	return s.calls[id]
 }
 
+// blockedRig is one broker's service with an unordered handler (pool) and
+// an ordered one (ledger), some of whose events block for ever.
+type blockedRig struct {
+	t                   *testing.T
+	kind                string
+	db                  *sql.DB
+	schema              string // quoted
+	b                   *bus.Bus
+	reg                 *prometheus.Registry
+	logs                *testlog.Buffer
+	stuck               *stuckHandlers
+	release             func()
+	poolTopic, pool     string
+	ledgerTopic, ledger string
+	running             *testkit.Running
+	blocked, healthy    []string // event ids
+	aLater, others      []string // ledger event ids after A's blocked one, and of B..F
+}
+
+const blockedTimeout, blockedAttempts = 2 * time.Second, 3
+
 func testBlockedHandlers(t *testing.T, kind string) {
+	r := newBlockedRig(t, kind)
+	r.run()
+	r.publishBatch()
+	r.waitSettled()
+	r.checkPoisoned()
+	r.checkAbandonedMetrics()
+	r.checkOrder()
+	r.stopWithBlockedInFlight()
+	r.checkAbandonedCommitNothing()
+}
+
+// newBlockedRig opens a service on kind with the handled table every
+// handler writes to.
+func newBlockedRig(t *testing.T, kind string) *blockedRig {
 	ctx := context.Background()
 	db := testdb.Open(t)
 	var cfg bus.Config
 	cfg.Database.Schema = testdb.Schema(t, db)
 	brokertest.Apply(t, kind, &cfg)
-	const handlerTimeout, maxAttempts = 2 * time.Second, 3
 	cfg.Consumer.Workers = 8
-	cfg.Consumer.HandlerTimeout = handlerTimeout
-	cfg.Consumer.Retry = middleware.RetryConfig{MaxAttempts: maxAttempts, InitialInterval: 50 * time.Millisecond,
+	cfg.Consumer.HandlerTimeout = blockedTimeout
+	cfg.Consumer.Retry = middleware.RetryConfig{MaxAttempts: blockedAttempts, InitialInterval: 50 * time.Millisecond,
 		MaxInterval: 200 * time.Millisecond, MaxElapsed: 5 * time.Minute}
 	// The breaker counts abandoned attempts: four blocked events open it.
 	// A short open period keeps the test short; nothing else changes.
 	cfg.Consumer.Breaker.OpenTimeout = time.Second
 	suffix := testdb.UniqueName("")[2:]
-	poolTopic, pool := "pool-"+suffix, "pool-h-"+suffix
-	ledgerTopic, ledger := "ledger-"+suffix, "ledger-h-"+suffix
-	cfg.Consumer.Handlers = map[string]middleware.Config{ledger: {Ordered: new(true)}}
-	brokertest.Cleanup(t, kind, poolTopic, pool)
-	brokertest.Cleanup(t, kind, ledgerTopic, ledger)
+	r := &blockedRig{t: t, kind: kind, db: db, reg: prometheus.NewRegistry(), logs: &testlog.Buffer{},
+		poolTopic: "pool-" + suffix, pool: "pool-h-" + suffix, ledgerTopic: "ledger-" + suffix, ledger: "ledger-h-" + suffix}
+	cfg.Consumer.Handlers = map[string]middleware.Config{r.ledger: {Ordered: new(true)}}
+	brokertest.Cleanup(t, kind, r.poolTopic, r.pool)
+	brokertest.Cleanup(t, kind, r.ledgerTopic, r.ledger)
 	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	schema := `"` + cfg.Database.Schema + `"`
-	_, err := db.Exec(`CREATE TABLE ` + schema + `.handled (
+	r.schema = `"` + cfg.Database.Schema + `"`
+	_, err := db.Exec(`CREATE TABLE ` + r.schema + `.handled (
 		seq BIGSERIAL PRIMARY KEY, handler TEXT NOT NULL, event_id TEXT NOT NULL, aggregate_id TEXT NOT NULL,
 		blocked_one_poisoned BOOLEAN NOT NULL)`)
 	require.NoError(t, err)
-
-	reg := prometheus.NewRegistry()
-	var logs testlog.Buffer
 	t.Cleanup(func() {
 		if t.Failed() {
-			t.Log(logs.String())
+			t.Log(r.logs.String())
 		}
 	})
-	b, err := bus.Open(ctx, cfg, db, bus.WithRegistry(reg), bus.WithLogger(logs.Slog()))
+	r.b, err = bus.Open(ctx, cfg, db, bus.WithRegistry(r.reg), bus.WithLogger(r.logs.Slog()))
 	require.NoError(t, err)
-	defer b.Close()
-
-	stuck := &stuckHandlers{release: make(chan struct{}), calls: map[string]int{}}
+	t.Cleanup(func() { r.b.Close() })
+	r.stuck = &stuckHandlers{release: make(chan struct{}), calls: map[string]int{}}
 	var releaseOnce sync.Once
-	release := func() { releaseOnce.Do(func() { close(stuck.release) }) }
-	defer release()
-	// Every handler writes a row in its transaction; a blocked one writes it
-	// too before it blocks, so a commit of an abandoned attempt would show.
-	// Each row records whether the ordered handler's blocked event
-	// (ledger-A-1) was poisoned when the row was written.
-	handle := func(name string) bus.HandlerFunc {
-		return func(ctx context.Context, ev bus.Event) error {
-			tx := bus.Tx[*sql.Tx](ctx)
-			_, err := tx.ExecContext(ctx, `INSERT INTO `+schema+`.handled (handler, event_id, aggregate_id, blocked_one_poisoned)
-				SELECT $1, $2, $3, EXISTS (SELECT 1 FROM `+schema+`.millrace_poison WHERE event_id = 'ledger-A-1')`,
-				name, ev.ID, ev.AggregateID)
-			if err != nil {
-				return err
-			}
-			if ev.Type == blockedEvent {
-				stuck.block(ev)
-			}
-			return nil
-		}
-	}
-	require.NoError(t, b.Handle(poolTopic, pool, handle(pool)))
-	require.NoError(t, b.Handle(ledgerTopic, ledger, handle(ledger)))
-	runCtx, stop := context.WithCancel(ctx)
-	defer stop()
-	done := make(chan error, 1)
-	go func() { done <- b.Run(runCtx) }()
+	r.release = func() { releaseOnce.Do(func() { close(r.stuck.release) }) }
+	t.Cleanup(r.release)
+	return r
+}
 
-	// The unordered handler: 4 blocked events among 40 others, 8 workers.
-	var poolEvents []bus.Event
-	var blocked, healthy []string
+// handle is the handler name registers. Every handler writes a row in its
+// transaction; a blocked one writes it too before it blocks, so a commit
+// of an abandoned attempt would show. Each row records whether the
+// ordered handler's blocked event (ledger-A-1) was poisoned when the row
+// was written.
+func (r *blockedRig) handle(name string) bus.HandlerFunc {
+	return func(ctx context.Context, ev bus.Event) error {
+		tx := bus.Tx[*sql.Tx](ctx)
+		_, err := tx.ExecContext(ctx, `INSERT INTO `+r.schema+`.handled (handler, event_id, aggregate_id, blocked_one_poisoned)
+			SELECT $1, $2, $3, EXISTS (SELECT 1 FROM `+r.schema+`.millrace_poison WHERE event_id = 'ledger-A-1')`,
+			name, ev.ID, ev.AggregateID)
+		if err != nil {
+			return err
+		}
+		if ev.Type == blockedEvent {
+			r.stuck.block(ev)
+		}
+		return nil
+	}
+}
+
+// run registers both handlers and starts Run.
+func (r *blockedRig) run() {
+	require.NoError(r.t, r.b.Handle(r.poolTopic, r.pool, r.handle(r.pool)))
+	require.NoError(r.t, r.b.Handle(r.ledgerTopic, r.ledger, r.handle(r.ledger)))
+	r.running = testkit.Start(r.t, r.b.Run)
+}
+
+// publishBatch publishes the events of both handlers, some of them blocked.
+func (r *blockedRig) publishBatch() {
+	ctx := context.Background()
+	require.NoError(r.t, r.b.PublishInOwnTx(ctx, r.poolTopic, r.poolEvents()...))
+	require.NoError(r.t, r.b.PublishInOwnTx(ctx, r.ledgerTopic, r.ledgerEvents()...))
+}
+
+// poolEvents are the unordered handler's: 4 blocked events among 40
+// others, 8 workers.
+func (r *blockedRig) poolEvents() []bus.Event {
+	var events []bus.Event
 	for i := range 44 {
 		ev := bus.Event{ID: fmt.Sprintf("pool-%02d", i), Type: "Healthy", AggregateType: "order",
 			AggregateID: fmt.Sprintf("order-%02d", i), Payload: []byte(`{}`)}
 		if i%11 == 0 {
 			ev.Type = blockedEvent
-			blocked = append(blocked, ev.ID)
+			r.blocked = append(r.blocked, ev.ID)
 		} else {
-			healthy = append(healthy, ev.ID)
+			r.healthy = append(r.healthy, ev.ID)
 		}
-		poolEvents = append(poolEvents, ev)
+		events = append(events, ev)
 	}
-	// The ordered handler: aggregate A's first event blocks; A's later
-	// events must wait for it, B..F's need not.
-	var ledgerEvents []bus.Event
-	var aLater, others []string
+	return events
+}
+
+// ledgerEvents are the ordered handler's: aggregate A's first event
+// blocks; A's later events must wait for it, B..F's need not.
+func (r *blockedRig) ledgerEvents() []bus.Event {
+	var events []bus.Event
 	for i := 1; i <= 3; i++ {
 		for _, agg := range []string{"A", "B", "C", "D", "E", "F"} {
 			ev := bus.Event{ID: fmt.Sprintf("ledger-%s-%d", agg, i), Type: "Healthy", AggregateType: "account",
@@ -156,40 +202,58 @@ func testBlockedHandlers(t *testing.T, kind string) {
 			switch {
 			case agg == "A" && i == 1:
 				ev.Type = blockedEvent
-				blocked = append(blocked, ev.ID)
+				r.blocked = append(r.blocked, ev.ID)
 			case agg == "A":
-				aLater = append(aLater, ev.ID)
-				healthy = append(healthy, ev.ID)
+				r.aLater = append(r.aLater, ev.ID)
+				r.healthy = append(r.healthy, ev.ID)
 			default:
-				others = append(others, ev.ID)
-				healthy = append(healthy, ev.ID)
+				r.others = append(r.others, ev.ID)
+				r.healthy = append(r.healthy, ev.ID)
 			}
-			ledgerEvents = append(ledgerEvents, ev)
+			events = append(events, ev)
 		}
 	}
-	require.NoError(t, b.PublishInOwnTx(ctx, poolTopic, poolEvents...))
-	require.NoError(t, b.PublishInOwnTx(ctx, ledgerTopic, ledgerEvents...))
+	return events
+}
 
-	count := func(query string, args ...any) int {
-		t.Helper()
-		var n int
-		require.NoError(t, db.QueryRow(query, args...).Scan(&n))
-		return n
+// count runs a count query.
+func (r *blockedRig) count(query string, args ...any) int {
+	r.t.Helper()
+	var n int
+	require.NoError(r.t, r.db.QueryRow(query, args...).Scan(&n))
+	return n
+}
+
+// metric reads a consumer metric of handler (and outcome, where it has one).
+func (r *blockedRig) metric(name, handler, outcome string) float64 {
+	r.t.Helper()
+	labels := map[string]string{"handler": handler}
+	if outcome != "" {
+		labels["outcome"] = outcome
 	}
-	healthyRows := `SELECT count(DISTINCT event_id) FROM ` + schema + `.handled WHERE event_id = ANY($1)`
-	poisonRows := `SELECT count(*) FROM ` + schema + `.millrace_poison WHERE event_id = ANY($1)`
+	return testkit.Metric(r.t, r.reg, name, labels)
+}
+
+// waitSettled waits until every healthy event was processed and every
+// blocked one poisoned.
+func (r *blockedRig) waitSettled() {
+	healthyRows := `SELECT count(DISTINCT event_id) FROM ` + r.schema + `.handled WHERE event_id = ANY($1)`
+	poisonRows := `SELECT count(*) FROM ` + r.schema + `.millrace_poison WHERE event_id = ANY($1)`
 	deadline := time.Now().Add(4 * time.Minute)
-	for count(healthyRows, healthy) < len(healthy) || count(poisonRows, blocked) < len(blocked) {
-		require.True(t, time.Now().Before(deadline), "%s: %d of %d healthy events processed, %d of %d blocked ones poisoned",
-			kind, count(healthyRows, healthy), len(healthy), count(poisonRows, blocked), len(blocked))
+	for r.count(healthyRows, r.healthy) < len(r.healthy) || r.count(poisonRows, r.blocked) < len(r.blocked) {
+		require.True(r.t, time.Now().Before(deadline), "%s: %d of %d healthy events processed, %d of %d blocked ones poisoned",
+			r.kind, r.count(healthyRows, r.healthy), len(r.healthy), r.count(poisonRows, r.blocked), len(r.blocked))
 		time.Sleep(100 * time.Millisecond)
 	}
+}
 
-	// Every other event exactly once; the blocked ones poisoned after their
-	// attempts, each abandoned at handler_timeout.
-	require.Zero(t, count(`SELECT count(*) FROM (SELECT event_id FROM `+schema+`.handled WHERE event_id = ANY($1)
-		GROUP BY event_id HAVING count(*) <> 1) d`, healthy), "one effect per event")
-	rows, err := db.Query(`SELECT event_id, handler, attempts, error_class, reason FROM ` + schema + `.millrace_poison`)
+// checkPoisoned: every other event exactly once; the blocked ones
+// poisoned after their attempts, each abandoned at handler_timeout.
+func (r *blockedRig) checkPoisoned() {
+	t := r.t
+	require.Zero(t, r.count(`SELECT count(*) FROM (SELECT event_id FROM `+r.schema+`.handled WHERE event_id = ANY($1)
+		GROUP BY event_id HAVING count(*) <> 1) d`, r.healthy), "one effect per event")
+	rows, err := r.db.Query(`SELECT event_id, handler, attempts, error_class, reason FROM ` + r.schema + `.millrace_poison`)
 	require.NoError(t, err)
 	poisoned := map[string]bool{}
 	for rows.Next() {
@@ -198,53 +262,44 @@ func testBlockedHandlers(t *testing.T, kind string) {
 		require.NoError(t, rows.Scan(&id, &handler, &attempts, &class, &reason))
 		poisoned[id] = true
 		require.True(t, strings.HasPrefix(handler, strings.SplitN(id, "-", 2)[0]+"-h-"), "%s poisoned by %s", id, handler)
-		require.Equal(t, maxAttempts, attempts, "%s: attempts == retry.max_attempts", id)
+		require.Equal(t, blockedAttempts, attempts, "%s: attempts == retry.max_attempts", id)
 		require.Equal(t, middleware.ClassTransient, class)
-		require.Contains(t, reason, fmt.Sprintf("attempt abandoned after handler_timeout (%s)", handlerTimeout), id)
-		require.Equal(t, maxAttempts, stuck.callsOf(id), "%s: one handler call per attempt", id)
+		require.Contains(t, reason, fmt.Sprintf("attempt abandoned after handler_timeout (%s)", blockedTimeout), id)
+		require.Equal(t, blockedAttempts, r.stuck.callsOf(id), "%s: one handler call per attempt", id)
 	}
 	require.NoError(t, rows.Err())
-	require.Len(t, poisoned, len(blocked), "only the blocked events are poisoned")
-	for _, id := range blocked {
+	require.Len(t, poisoned, len(r.blocked), "only the blocked events are poisoned")
+	for _, id := range r.blocked {
 		require.True(t, poisoned[id], id)
 	}
-	metric := func(name, handler, outcome string) float64 {
-		t.Helper()
-		families, err := reg.Gather()
-		require.NoError(t, err)
-		for _, f := range families {
-			if f.GetName() != name {
-				continue
-			}
-		next:
-			for _, m := range f.GetMetric() {
-				for _, l := range m.GetLabel() {
-					if (l.GetName() == "handler" && l.GetValue() != handler) || (l.GetName() == "outcome" && l.GetValue() != outcome) {
-						continue next
-					}
-				}
-				if m.Counter != nil {
-					return m.GetCounter().GetValue()
-				}
-				return m.GetGauge().GetValue()
-			}
-		}
-		return 0
-	}
-	require.EqualValues(t, 4*maxAttempts, metric(middleware.MetricAbandoned, pool, ""))
-	require.EqualValues(t, maxAttempts, metric(middleware.MetricAbandoned, ledger, ""))
-	require.EqualValues(t, 4*maxAttempts+maxAttempts, metric(middleware.MetricAbandonedActive, pool, "")+metric(middleware.MetricAbandonedActive, ledger, ""),
-		"the abandoned handlers are all still blocked")
+}
 
-	// Order: aggregate A's later events ran only once its blocked event was
-	// poisoned. On Kafka the other aggregates' partitions are read
-	// independently of A's, so some of them were processed while A's event
-	// was still being retried; RabbitMQ and NATS deliver an ordered
-	// handler's events one at a time per process (middleware/README.md), so
-	// there they waited too.
-	require.Equal(t, len(aLater), count(`SELECT count(*) FROM `+schema+`.handled WHERE event_id = ANY($1) AND blocked_one_poisoned`, aLater))
+// checkAbandonedMetrics: every attempt of a blocked event counts as
+// abandoned, and all of them are still running.
+func (r *blockedRig) checkAbandonedMetrics() {
+	require.EqualValues(r.t, 4*blockedAttempts, r.metric(middleware.MetricAbandoned, r.pool, ""))
+	require.EqualValues(r.t, blockedAttempts, r.metric(middleware.MetricAbandoned, r.ledger, ""))
+	require.EqualValues(r.t, 4*blockedAttempts+blockedAttempts, r.abandonedRunning(),
+		"the abandoned handlers are all still blocked")
+}
+
+// abandonedRunning is how many abandoned attempts of both handlers have
+// not returned.
+func (r *blockedRig) abandonedRunning() float64 {
+	return r.metric(middleware.MetricAbandonedActive, r.pool, "") + r.metric(middleware.MetricAbandonedActive, r.ledger, "")
+}
+
+// checkOrder: aggregate A's later events ran only once its blocked event
+// was poisoned. On Kafka the other aggregates' partitions are read
+// independently of A's, so some of them were processed while A's event
+// was still being retried; RabbitMQ and NATS deliver an ordered handler's
+// events one at a time per process (middleware/README.md), so there they
+// waited too.
+func (r *blockedRig) checkOrder() {
+	t := r.t
+	require.Equal(t, len(r.aLater), r.count(`SELECT count(*) FROM `+r.schema+`.handled WHERE event_id = ANY($1) AND blocked_one_poisoned`, r.aLater))
 	var aOrder []string
-	aRows, err := db.Query(`SELECT event_id FROM `+schema+`.handled WHERE handler = $1 AND aggregate_id = 'A' ORDER BY seq`, ledger)
+	aRows, err := r.db.Query(`SELECT event_id FROM `+r.schema+`.handled WHERE handler = $1 AND aggregate_id = 'A' ORDER BY seq`, r.ledger)
 	require.NoError(t, err)
 	for aRows.Next() {
 		var id string
@@ -253,52 +308,52 @@ func testBlockedHandlers(t *testing.T, kind string) {
 	}
 	require.NoError(t, aRows.Err())
 	require.Equal(t, []string{"ledger-A-2", "ledger-A-3"}, aOrder, "A's events in order (the blocked one's row rolled back)")
-	if kind == bus.KindKafka {
-		require.NotZero(t, count(`SELECT count(*) FROM `+schema+`.handled WHERE event_id = ANY($1) AND NOT blocked_one_poisoned`, others),
+	if r.kind == bus.KindKafka {
+		require.NotZero(t, r.count(`SELECT count(*) FROM `+r.schema+`.handled WHERE event_id = ANY($1) AND NOT blocked_one_poisoned`, r.others),
 			"other aggregates flowed while A's blocked event was retried")
 	}
+}
 
-	// The stop: one blocked event in flight per handler. Both are published
-	// at once, so that both are in their first attempt when the stop comes:
-	// waiting for one before publishing the other left the first one's
-	// attempt abandoned before the stop on a loaded machine, and on NATS an
-	// unordered handler then waits for its next attempt at the broker, not
-	// in flight.
-	for _, p := range []struct{ topic, id string }{{poolTopic, "pool-stop"}, {ledgerTopic, "ledger-stop"}} {
-		require.NoError(t, b.PublishInOwnTx(ctx, p.topic, bus.Event{ID: p.id, Type: blockedEvent, AggregateType: "order",
-			AggregateID: p.id, Payload: []byte(`{}`)}))
+// stopWithBlockedInFlight stops Run with one blocked event in flight per
+// handler. Both are published at once, so that both are in their first
+// attempt when the stop comes: waiting for one before publishing the
+// other left the first one's attempt abandoned before the stop on a
+// loaded machine, and on NATS an unordered handler then waits for its
+// next attempt at the broker, not in flight.
+func (r *blockedRig) stopWithBlockedInFlight() {
+	t := r.t
+	for _, p := range []struct{ topic, id string }{{r.poolTopic, "pool-stop"}, {r.ledgerTopic, "ledger-stop"}} {
+		require.NoError(t, r.b.PublishInOwnTx(context.Background(), p.topic, bus.Event{ID: p.id, Type: blockedEvent,
+			AggregateType: "order", AggregateID: p.id, Payload: []byte(`{}`)}))
 	}
 	testkit.Eventually(t, 2*time.Minute, "both stop events are in an attempt", func() bool {
-		return stuck.callsOf("pool-stop") > 0 && stuck.callsOf("ledger-stop") > 0
+		return r.stuck.callsOf("pool-stop") > 0 && r.stuck.callsOf("ledger-stop") > 0
 	})
 	stopped := time.Now()
-	stop()
-	select {
-	case err := <-done:
-		require.NoError(t, err)
-	case <-time.After(5 * time.Minute):
-		t.Fatal("Run did not return after its context was cancelled")
-	}
+	require.NoError(t, r.running.Stop(t, 5*time.Minute))
 	// The promise: the consumer's side of Run returns within the longest
 	// handler_timeout plus 10s (the router's CloseTimeout), however its
 	// handlers block. It takes about handler_timeout.
 	took := time.Since(stopped)
-	t.Logf("%s: Run returned %s after the stop (handler_timeout %s)", kind, took.Round(time.Millisecond), handlerTimeout)
-	require.Less(t, took, handlerTimeout+10*time.Second, "Run returns within handler_timeout + 10s")
-	for _, h := range []string{pool, ledger} {
-		require.EqualValues(t, 1, metric(middleware.MetricMessages, h, middleware.OutcomeNacked), "%s: the event in flight was nacked", h)
+	t.Logf("%s: Run returned %s after the stop (handler_timeout %s)", r.kind, took.Round(time.Millisecond), blockedTimeout)
+	require.Less(t, took, blockedTimeout+10*time.Second, "Run returns within handler_timeout + 10s")
+	for _, h := range []string{r.pool, r.ledger} {
+		require.EqualValues(t, 1, r.metric(middleware.MetricMessages, h, middleware.OutcomeNacked), "%s: the event in flight was nacked", h)
 	}
-	require.Equal(t, len(blocked), count(`SELECT count(*) FROM `+schema+`.millrace_poison`), "the stop poisoned nothing")
+	require.Equal(t, len(r.blocked), r.count(`SELECT count(*) FROM `+r.schema+`.millrace_poison`), "the stop poisoned nothing")
+}
 
-	// The blocked handlers return long after their attempts were abandoned:
-	// nothing they wrote commits.
-	release()
+// checkAbandonedCommitNothing: the blocked handlers return long after
+// their attempts were abandoned, and nothing they wrote commits.
+func (r *blockedRig) checkAbandonedCommitNothing() {
+	t := r.t
+	r.release()
 	testkit.Eventually(t, time.Minute, "every abandoned attempt finished", func() bool {
-		return metric(middleware.MetricAbandonedActive, pool, "")+metric(middleware.MetricAbandonedActive, ledger, "") == 0
+		return r.abandonedRunning() == 0
 	})
-	require.Zero(t, count(`SELECT count(*) FROM `+schema+`.handled WHERE event_id = ANY($1) OR event_id IN ('pool-stop', 'ledger-stop')`, blocked))
-	abandoned := metric(middleware.MetricAbandoned, pool, "") + metric(middleware.MetricAbandoned, ledger, "")
-	require.GreaterOrEqual(t, abandoned, float64(5*maxAttempts+2), "the attempts in flight at the stop were abandoned too")
-	require.EqualValues(t, abandoned, strings.Count(logs.String(), "An abandoned attempt finished; its result is dropped"),
+	require.Zero(t, r.count(`SELECT count(*) FROM `+r.schema+`.handled WHERE event_id = ANY($1) OR event_id IN ('pool-stop', 'ledger-stop')`, r.blocked))
+	abandoned := r.metric(middleware.MetricAbandoned, r.pool, "") + r.metric(middleware.MetricAbandoned, r.ledger, "")
+	require.GreaterOrEqual(t, abandoned, float64(5*blockedAttempts+2), "the attempts in flight at the stop were abandoned too")
+	require.EqualValues(t, abandoned, strings.Count(r.logs.String(), "An abandoned attempt finished; its result is dropped"),
 		"every abandoned attempt's goroutine returned, and its result was dropped")
 }

@@ -2,21 +2,25 @@ package bus_test
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/bus/internal/testpb"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/ops"
 )
 
@@ -47,67 +51,103 @@ func (s *typedSeen) count() (placed, cancelled, audited, shipped int) {
 	return len(s.placed), len(s.cancelled), len(s.audited), len(s.shipped)
 }
 
+// typedRig is one broker's service with typed topics: pgxBus (on a
+// pgxpool) runs the relay and every handler, sqlBus only publishes.
+type typedRig struct {
+	t                        *testing.T
+	kind                     string
+	db                       *sql.DB
+	pool                     *pgxpool.Pool
+	cfg                      bus.Config
+	reg                      *prometheus.Registry
+	pgxBus, sqlBus           *bus.Bus
+	orders                   string
+	billing, audit, shipping string
+	placed                   *bus.Topic[placedV2]
+	cancel                   *bus.Topic[cancelled]
+	pb                       *bus.Topic[*testpb.OrderPlaced]
+	seen                     *typedSeen
+	ops                      *ops.Client
+	span                     trace.Span // the span o-1 was published in
+}
+
 func testTypedEvents(t *testing.T, kind string) {
+	r := newTypedRig(t, kind)
+	r.handle()
+	running := testkit.Start(t, r.pgxBus.Run)
+	r.publishOnSQL()
+	r.publishOnPgx()
+	r.waitSettled()
+	r.checkReceived()
+	r.checkPoisonedAndWritten()
+	require.NoError(t, running.Stop(t, 60*time.Second))
+}
+
+// newTypedRig opens both buses on a fresh schema with a shipments table.
+func newTypedRig(t *testing.T, kind string) *typedRig {
 	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
-	brokertest.Apply(t, kind, &cfg)
-	cfg.Consumer.HandlerTimeout = 10 * time.Second
+	r := &typedRig{t: t, kind: kind, db: testdb.Open(t), reg: prometheus.NewRegistry()}
+	r.cfg.Database.Schema = testdb.Schema(t, r.db)
+	brokertest.Apply(t, kind, &r.cfg)
+	r.cfg.Consumer.HandlerTimeout = 10 * time.Second
 	suffix := testdb.UniqueName("")[2:]
-	orders, ordersPB := "orders-"+suffix, "orderspb-"+suffix
-	billing, audit, shipping := "billing-"+suffix, "audit-"+suffix, "shipping-"+suffix
-	brokertest.Cleanup(t, kind, orders, billing, audit)
-	brokertest.Cleanup(t, kind, ordersPB, shipping)
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	_, err := db.Exec(`CREATE TABLE "` + cfg.Database.Schema + `".shipments (order_id text PRIMARY KEY, event_id text NOT NULL)`)
+	r.orders = "orders-" + suffix
+	ordersPB := "orderspb-" + suffix
+	r.billing, r.audit, r.shipping = "billing-"+suffix, "audit-"+suffix, "shipping-"+suffix
+	brokertest.Cleanup(t, kind, r.orders, r.billing, r.audit)
+	brokertest.Cleanup(t, kind, ordersPB, r.shipping)
+	require.NoError(t, bus.Migrate(ctx, r.db, r.cfg))
+	_, err := r.db.Exec(`CREATE TABLE "` + r.cfg.Database.Schema + `".shipments (order_id text PRIMARY KEY, event_id text NOT NULL)`)
 	require.NoError(t, err)
 
 	// The consumer knows OrderPlaced up to version 2 and OrderCancelled.
-	placed := bus.Must(bus.NewTopic[placedV2](orders, bus.Version(2), bus.Upcast(1, upcastPlaced)))
-	cancel := bus.Must(bus.NewTopic[cancelled](orders))
-	pb := bus.Must(bus.NewTopic[*testpb.OrderPlaced](ordersPB, bus.WithCodec(bus.CodecProtobuf)))
-	// Publishers: one still on version 1, one already on version 3, one
-	// whose Go type has another name.
-	oldPublisher := bus.Must(bus.NewTopic[placedV1](orders))
-	newPublisher := bus.Must(bus.NewTopic[placedV3](orders, bus.Version(3)))
-	renamedPublisher := bus.Must(bus.NewTopic[placedBeforeRename](orders, bus.Version(2)))
+	r.placed = bus.Must(bus.NewTopic[placedV2](r.orders, bus.Version(2), bus.Upcast(1, upcastPlaced)))
+	r.cancel = bus.Must(bus.NewTopic[cancelled](r.orders))
+	r.pb = bus.Must(bus.NewTopic[*testpb.OrderPlaced](ordersPB, bus.WithCodec(bus.CodecProtobuf)))
 
 	// pgxBus runs the relay and every handler (one Run provisions every
 	// handler's topology before the relay publishes); sqlBus, on the same
 	// outbox, only publishes.
-	reg := prometheus.NewRegistry()
-	pool := newPool(t)
-	pgxBus, err := bus.Open(ctx, cfg, pool, bus.WithRegistry(reg))
+	r.pool = newPool(t)
+	r.pgxBus, err = bus.Open(ctx, r.cfg, r.pool, bus.WithRegistry(r.reg))
 	require.NoError(t, err)
-	defer pgxBus.Close()
-	sqlBus, err := bus.Open(ctx, cfg, db)
+	t.Cleanup(func() { r.pgxBus.Close() })
+	r.sqlBus, err = bus.Open(ctx, r.cfg, r.db)
 	require.NoError(t, err)
-	defer sqlBus.Close()
+	t.Cleanup(func() { r.sqlBus.Close() })
+	r.ops, err = ops.New(ctx, r.db, r.cfg)
+	require.NoError(t, err)
+	r.seen = &typedSeen{placed: map[string]bus.Message[placedV2]{}, shipped: map[string]*testpb.OrderPlaced{}}
+	return r
+}
 
-	seen := &typedSeen{placed: map[string]bus.Message[placedV2]{}, shipped: map[string]*testpb.OrderPlaced{}}
-	require.NoError(t, pgxBus.HandleTypes(billing, []bus.Route{
-		bus.On(placed, func(_ context.Context, m bus.Message[placedV2]) error {
+// handle registers billing (placed and cancelled, unknown types
+// poisoned), audit (cancelled) and shipping (protobuf, writing through
+// the pgx transaction).
+func (r *typedRig) handle() {
+	t, seen := r.t, r.seen
+	require.NoError(t, r.pgxBus.HandleTypes(r.billing, []bus.Route{
+		bus.On(r.placed, func(_ context.Context, m bus.Message[placedV2]) error {
 			seen.mu.Lock()
 			defer seen.mu.Unlock()
 			seen.placed[m.Value.OrderID] = m
 			return nil
 		}),
-		bus.On(cancel, func(_ context.Context, m bus.Message[cancelled]) error {
+		bus.On(r.cancel, func(_ context.Context, m bus.Message[cancelled]) error {
 			seen.mu.Lock()
 			defer seen.mu.Unlock()
 			seen.cancelled = append(seen.cancelled, m.Value.OrderID)
 			return nil
 		}),
 	}, bus.WithUnknownTypes(bus.PoisonUnknown)))
-	require.NoError(t, cancel.Handle(pgxBus, audit, func(_ context.Context, m bus.Message[cancelled]) error {
+	require.NoError(t, r.cancel.Handle(r.pgxBus, r.audit, func(_ context.Context, m bus.Message[cancelled]) error {
 		seen.mu.Lock()
 		defer seen.mu.Unlock()
 		seen.audited = append(seen.audited, m.Value.OrderID)
 		return nil
 	}))
-	require.NoError(t, pb.Handle(pgxBus, shipping, func(ctx context.Context, m bus.Message[*testpb.OrderPlaced]) error {
-		if _, err := bus.Tx[pgx.Tx](ctx).Exec(ctx, `INSERT INTO "`+cfg.Database.Schema+`".shipments VALUES ($1, $2)`, m.Value.GetOrderId(), m.ID); err != nil {
+	require.NoError(t, r.pb.Handle(r.pgxBus, r.shipping, func(ctx context.Context, m bus.Message[*testpb.OrderPlaced]) error {
+		if _, err := bus.Tx[pgx.Tx](ctx).Exec(ctx, `INSERT INTO "`+r.cfg.Database.Schema+`".shipments VALUES ($1, $2)`, m.Value.GetOrderId(), m.ID); err != nil {
 			return err
 		}
 		seen.mu.Lock()
@@ -115,63 +155,76 @@ func testTypedEvents(t *testing.T, kind string) {
 		seen.shipped[m.Value.GetOrderId()] = m.Value
 		return nil
 	}))
+}
 
-	runCtx, stop := context.WithCancel(ctx)
-	defer stop()
-	done := make(chan error, 1)
-	go func() { done <- pgxBus.Run(runCtx) }()
-
-	// database/sql publishers.
+// publishOnSQL publishes through database/sql: one publisher still on
+// version 1 (in a span), one already on version 3, one whose Go type has
+// another name, a cancel, an untyped event, and a rolled-back one.
+func (r *typedRig) publishOnSQL() {
+	t, ctx := r.t, context.Background()
+	oldPublisher := bus.Must(bus.NewTopic[placedV1](r.orders))
+	newPublisher := bus.Must(bus.NewTopic[placedV3](r.orders, bus.Version(3)))
+	renamedPublisher := bus.Must(bus.NewTopic[placedBeforeRename](r.orders, bus.Version(2)))
 	tp := sdktrace.NewTracerProvider()
-	defer tp.Shutdown(ctx)
+	t.Cleanup(func() { _ = tp.Shutdown(ctx) })
 	spanCtx, span := tp.Tracer("test").Start(ctx, "place order")
-	tx, err := db.BeginTx(ctx, nil)
+	r.span = span
+	tx, err := r.db.BeginTx(ctx, nil)
 	require.NoError(t, err)
-	require.NoError(t, oldPublisher.Publish(spanCtx, sqlBus, tx, placedV1{OrderID: "o-1", Total: 12.34}))
+	require.NoError(t, oldPublisher.Publish(spanCtx, r.sqlBus, tx, placedV1{OrderID: "o-1", Total: 12.34}))
 	span.End()
-	require.NoError(t, renamedPublisher.Publish(ctx, sqlBus, tx, placedBeforeRename{OrderID: "o-2", TotalCents: 200}))
-	require.NoError(t, newPublisher.Publish(ctx, sqlBus, tx, placedV3{OrderID: "o-3", TotalCents: 300, Currency: "EUR"}))
-	require.NoError(t, cancel.Publish(ctx, sqlBus, tx, cancelled{OrderID: "o-4", Reason: "changed mind"}))
-	require.NoError(t, sqlBus.Publish(ctx, tx, orders, bus.Event{Type: "OrderShipped", AggregateType: "order", AggregateID: "o-5", Payload: []byte(`{}`)}))
+	require.NoError(t, renamedPublisher.Publish(ctx, r.sqlBus, tx, placedBeforeRename{OrderID: "o-2", TotalCents: 200}))
+	require.NoError(t, newPublisher.Publish(ctx, r.sqlBus, tx, placedV3{OrderID: "o-3", TotalCents: 300, Currency: "EUR"}))
+	require.NoError(t, r.cancel.Publish(ctx, r.sqlBus, tx, cancelled{OrderID: "o-4", Reason: "changed mind"}))
+	require.NoError(t, r.sqlBus.Publish(ctx, tx, r.orders, bus.Event{Type: "OrderShipped", AggregateType: "order", AggregateID: "o-5", Payload: []byte(`{}`)}))
 	require.NoError(t, tx.Commit())
-	tx, err = db.BeginTx(ctx, nil)
+	tx, err = r.db.BeginTx(ctx, nil)
 	require.NoError(t, err)
-	require.NoError(t, placed.Publish(ctx, sqlBus, tx, placedV2{OrderID: "o-rolled-back", TotalCents: 1}))
+	require.NoError(t, r.placed.Publish(ctx, r.sqlBus, tx, placedV2{OrderID: "o-rolled-back", TotalCents: 1}))
 	require.NoError(t, tx.Rollback())
-	// pgx publishers, protobuf.
-	ptx, err := pool.Begin(ctx)
-	require.NoError(t, err)
-	require.NoError(t, pb.Publish(ctx, pgxBus, bus.Pgx(ptx), &testpb.OrderPlaced{OrderId: "p-1", TotalCents: 4200, Items: []string{"book", "lamp"}}))
-	require.NoError(t, ptx.Commit(ctx))
-	ptx, err = pool.Begin(ctx)
-	require.NoError(t, err)
-	require.NoError(t, pb.Publish(ctx, pgxBus, bus.Pgx(ptx), &testpb.OrderPlaced{OrderId: "p-rolled-back"}))
-	require.NoError(t, ptx.Rollback(ctx))
+}
 
-	oc, err := ops.New(ctx, db, cfg)
+// publishOnPgx publishes protobuf events through pgx, one rolled back.
+func (r *typedRig) publishOnPgx() {
+	t, ctx := r.t, context.Background()
+	ptx, err := r.pool.Begin(ctx)
 	require.NoError(t, err)
-	poisoned := func() map[string]string {
-		list, err := oc.DLQ().List(ctx, ops.Filter{Handler: billing}, 0)
-		require.NoError(t, err)
-		out := map[string]string{}
-		for _, m := range list.Rows {
-			out[m.AggregateID] = m.Reason
-		}
-		return out
+	require.NoError(t, r.pb.Publish(ctx, r.pgxBus, bus.Pgx(ptx), &testpb.OrderPlaced{OrderId: "p-1", TotalCents: 4200, Items: []string{"book", "lamp"}}))
+	require.NoError(t, ptx.Commit(ctx))
+	ptx, err = r.pool.Begin(ctx)
+	require.NoError(t, err)
+	require.NoError(t, r.pb.Publish(ctx, r.pgxBus, bus.Pgx(ptx), &testpb.OrderPlaced{OrderId: "p-rolled-back"}))
+	require.NoError(t, ptx.Rollback(ctx))
+}
+
+// poisoned is billing's poisoned events: their reason by aggregate id.
+func (r *typedRig) poisoned() map[string]string {
+	list, err := r.ops.DLQ().List(context.Background(), ops.Filter{Handler: r.billing}, 0)
+	require.NoError(r.t, err)
+	out := map[string]string{}
+	for _, m := range list.Rows {
+		out[m.AggregateID] = m.Reason
 	}
-	w := chainWorld{reg: reg}
-	unknown := func(handler, typ string) float64 {
-		return w.counter(t, bus.MetricUnknownTypes, map[string]string{"handler": handler, "event_type": typ})
-	}
-	// Everything is settled when billing has two placed and one cancelled,
-	// audit one cancelled and four unknown, shipping one, and billing two
-	// poisoned.
+	return out
+}
+
+// unknown is the count of events of typ that handler had no route for.
+func (r *typedRig) unknown(handler, typ string) float64 {
+	return testkit.Metric(r.t, r.reg, bus.MetricUnknownTypes, map[string]string{"handler": handler, "event_type": typ})
+}
+
+// waitSettled waits until billing has two placed and one cancelled,
+// audit one cancelled and four unknown, shipping one (its handler
+// returned and its transaction committed: the handler records the
+// shipment before the commit), and billing two poisoned.
+func (r *typedRig) waitSettled() {
 	settled := func() (bool, string) {
-		p, c, a, s := seen.count()
-		state := fmt.Sprintf("placed %d of 2, cancelled %d of 1, audited %d of 1, shipped %d of 1, poisoned %v, audit unknown %v+%v of 3+1",
-			p, c, a, s, poisoned(), unknown(audit, "OrderPlaced"), unknown(audit, "OrderShipped"))
-		return p == 2 && c == 1 && a == 1 && s == 1 && len(poisoned()) == 2 &&
-			unknown(audit, "OrderPlaced") == 3 && unknown(audit, "OrderShipped") == 1, state
+		p, c, a, s := r.seen.count()
+		committed := r.shipments()
+		state := fmt.Sprintf("placed %d of 2, cancelled %d of 1, audited %d of 1, shipped %d of 1 (%d committed), poisoned %v, audit unknown %v+%v of 3+1",
+			p, c, a, s, committed, r.poisoned(), r.unknown(r.audit, "OrderPlaced"), r.unknown(r.audit, "OrderShipped"))
+		return p == 2 && c == 1 && a == 1 && s == 1 && committed >= 1 && len(r.poisoned()) == 2 &&
+			r.unknown(r.audit, "OrderPlaced") == 3 && r.unknown(r.audit, "OrderShipped") == 1, state
 	}
 	for deadline := time.Now().Add(90 * time.Second); ; time.Sleep(50 * time.Millisecond) {
 		ok, state := settled()
@@ -179,38 +232,44 @@ func testTypedEvents(t *testing.T, kind string) {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("%s: not every event settled within 90s: %s", kind, state)
+			r.t.Fatalf("%s: not every event settled within 90s: %s", r.kind, state)
 		}
 	}
+}
 
+// checkReceived checks what each handler received.
+func (r *typedRig) checkReceived() {
+	t, seen := r.t, r.seen
 	seen.mu.Lock()
 	defer seen.mu.Unlock()
 	require.EqualValues(t, 1234, seen.placed["o-1"].Value.TotalCents, "version 1 upcast to the version 2 handler")
 	require.Equal(t, 1, seen.placed["o-1"].SchemaVersion)
-	require.Equal(t, span.SpanContext().TraceID(), seen.placed["o-1"].Trace.TraceID(), "the envelope has the publishing span")
+	require.Equal(t, r.span.SpanContext().TraceID(), seen.placed["o-1"].Trace.TraceID(), "the envelope has the publishing span")
 	require.Equal(t, placedV2{OrderID: "o-2", TotalCents: 200}, seen.placed["o-2"].Value, "a renamed Go type keeps its wire name")
 	require.Equal(t, []string{"o-4"}, seen.cancelled, "two types on one topic reach their own functions")
 	require.Equal(t, []string{"o-4"}, seen.audited)
 	require.True(t, proto.Equal(&testpb.OrderPlaced{OrderId: "p-1", TotalCents: 4200, Items: []string{"book", "lamp"}}, seen.shipped["p-1"]))
 	require.NotContains(t, seen.placed, "o-rolled-back")
 	require.NotContains(t, seen.shipped, "p-rolled-back")
+}
 
-	reasons := poisoned()
+// checkPoisonedAndWritten checks why billing poisoned what it did, and
+// what the database holds.
+func (r *typedRig) checkPoisonedAndWritten() {
+	t := r.t
+	reasons := r.poisoned()
 	require.True(t, containsAll(reasons["o-3"], "schema version 3", "newer than version 2"), reasons["o-3"])
-	require.True(t, containsAll(reasons["o-5"], `event type "OrderShipped" has no route in handler `+billing), reasons["o-5"])
-	require.EqualValues(t, 1, unknown(billing, "OrderShipped"))
-	var shipments int
-	require.NoError(t, db.QueryRow(`SELECT count(*) FROM "`+cfg.Database.Schema+`".shipments`).Scan(&shipments))
-	require.Equal(t, 1, shipments, "the pgx handler's write committed with its inbox row")
+	require.True(t, containsAll(reasons["o-5"], `event type "OrderShipped" has no route in handler `+r.billing), reasons["o-5"])
+	require.EqualValues(t, 1, r.unknown(r.billing, "OrderShipped"))
+	require.Equal(t, 1, r.shipments(), "the pgx handler's write committed with its inbox row")
 	var outboxRows int
-	require.NoError(t, db.QueryRow(`SELECT count(*) FROM "`+cfg.Database.Schema+`".watermill_millrace_outbox`).Scan(&outboxRows))
+	require.NoError(t, r.db.QueryRow(`SELECT count(*) FROM "`+r.cfg.Database.Schema+`".watermill_millrace_outbox`).Scan(&outboxRows))
 	require.Equal(t, 6, outboxRows, "rolled-back transactions wrote nothing")
+}
 
-	stop()
-	select {
-	case err := <-done:
-		require.NoError(t, err)
-	case <-time.After(60 * time.Second):
-		t.Fatal("Run did not return after its context was cancelled")
-	}
+// shipments is how many shipment rows the shipping handler committed.
+func (r *typedRig) shipments() int {
+	var n int
+	require.NoError(r.t, r.db.QueryRow(`SELECT count(*) FROM "`+r.cfg.Database.Schema+`".shipments`).Scan(&n))
+	return n
 }

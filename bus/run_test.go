@@ -15,6 +15,7 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/internal/testing/testkit"
 )
 
 // The same service code runs on each broker; only broker.kind changes.
@@ -33,7 +34,39 @@ type audited struct {
 	traceID trace.TraceID
 }
 
+// roundTrip is one broker's service: billing writes an invoice and
+// publishes InvoiceIssued in the inbox transaction; audit records what
+// arrives.
+type roundTrip struct {
+	t                *testing.T
+	kind             string
+	db               *sql.DB
+	schema           string
+	tp               *sdktrace.TracerProvider
+	b                *bus.Bus
+	orders, invoices string
+	billing, audit   string
+	mu               sync.Mutex
+	seen             []audited
+	published        map[string]trace.TraceID // order aggregate id -> trace of its publishing span
+}
+
+// roundTripOrders is how many orders a round trip publishes.
+const roundTripOrders = 30
+
 func testServiceRoundTrip(t *testing.T, kind string) {
+	r := newRoundTrip(t, kind)
+	r.handle()
+	running := testkit.Start(t, r.b.Run)
+	r.publishOrders()
+	r.waitAudited()
+	r.checkInvoices()
+	r.checkCausationAndTrace()
+	require.NoError(t, running.Stop(t, 60*time.Second))
+}
+
+// newRoundTrip opens a traced service on kind with an invoices table.
+func newRoundTrip(t *testing.T, kind string) *roundTrip {
 	ctx := context.Background()
 	db := testdb.Open(t)
 	var cfg bus.Config
@@ -41,94 +74,96 @@ func testServiceRoundTrip(t *testing.T, kind string) {
 	brokertest.Apply(t, kind, &cfg)
 	cfg.Consumer.HandlerTimeout = 10 * time.Second
 	suffix := testdb.UniqueName("")[2:]
-	orders, invoices := "orders-"+suffix, "invoices-"+suffix
-	billing, audit := "billing-"+suffix, "audit-"+suffix
-	brokertest.Cleanup(t, kind, orders, billing)
-	brokertest.Cleanup(t, kind, invoices, audit)
+	r := &roundTrip{t: t, kind: kind, db: db, schema: cfg.Database.Schema, published: map[string]trace.TraceID{},
+		orders: "orders-" + suffix, invoices: "invoices-" + suffix, billing: "billing-" + suffix, audit: "audit-" + suffix}
+	brokertest.Cleanup(t, kind, r.orders, r.billing)
+	brokertest.Cleanup(t, kind, r.invoices, r.audit)
 	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	_, err := db.Exec(`CREATE TABLE "` + cfg.Database.Schema + `".invoices (order_id text PRIMARY KEY, event_id text NOT NULL)`)
+	_, err := db.Exec(`CREATE TABLE "` + r.schema + `".invoices (order_id text PRIMARY KEY, event_id text NOT NULL)`)
 	require.NoError(t, err)
-
-	tp := sdktrace.NewTracerProvider()
-	defer tp.Shutdown(ctx)
-	b, err := bus.Open(ctx, cfg, db, bus.WithTracerProvider(tp))
+	r.tp = sdktrace.NewTracerProvider()
+	t.Cleanup(func() { _ = r.tp.Shutdown(ctx) })
+	r.b, err = bus.Open(ctx, cfg, db, bus.WithTracerProvider(r.tp))
 	require.NoError(t, err)
-	defer b.Close()
+	t.Cleanup(func() { r.b.Close() })
+	return r
+}
 
-	// billing writes an invoice and publishes InvoiceIssued in the inbox
-	// transaction; audit records what arrives.
-	require.NoError(t, b.Handle(orders, billing, func(ctx context.Context, ev bus.Event) error {
+// handle registers billing and audit.
+func (r *roundTrip) handle() {
+	require.NoError(r.t, r.b.Handle(r.orders, r.billing, func(ctx context.Context, ev bus.Event) error {
 		tx := bus.Tx[*sql.Tx](ctx)
-		if _, err := tx.ExecContext(ctx, `INSERT INTO "`+cfg.Database.Schema+`".invoices VALUES ($1, $2)`, ev.AggregateID, ev.ID); err != nil {
+		if _, err := tx.ExecContext(ctx, `INSERT INTO "`+r.schema+`".invoices VALUES ($1, $2)`, ev.AggregateID, ev.ID); err != nil {
 			return err
 		}
-		return b.Publish(ctx, tx, invoices, bus.Event{Type: "InvoiceIssued", AggregateType: "invoice", AggregateID: ev.AggregateID, Payload: []byte(`{}`)})
+		return r.b.Publish(ctx, tx, r.invoices, bus.Event{Type: "InvoiceIssued", AggregateType: "invoice", AggregateID: ev.AggregateID, Payload: []byte(`{}`)})
 	}))
-	var mu sync.Mutex
-	var seen []audited
-	require.NoError(t, b.Handle(invoices, audit, func(ctx context.Context, ev bus.Event) error {
-		mu.Lock()
-		defer mu.Unlock()
-		seen = append(seen, audited{ev: ev, traceID: trace.SpanContextFromContext(ctx).TraceID()})
+	require.NoError(r.t, r.b.Handle(r.invoices, r.audit, func(ctx context.Context, ev bus.Event) error {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		r.seen = append(r.seen, audited{ev: ev, traceID: trace.SpanContextFromContext(ctx).TraceID()})
 		return nil
 	}))
-	runCtx, stop := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- b.Run(runCtx) }()
+}
 
-	const n = 30
-	published := map[string]trace.TraceID{} // order aggregate id -> trace of its publishing span
-	tracer := tp.Tracer("test")
-	for i := range n {
+// publishOrders publishes each order in its own transaction and span.
+func (r *roundTrip) publishOrders() {
+	t, ctx := r.t, context.Background()
+	tracer := r.tp.Tracer("test")
+	for i := range roundTripOrders {
 		spanCtx, span := tracer.Start(ctx, "create order")
 		id := fmt.Sprintf("ord-%d", i)
-		tx, err := db.BeginTx(spanCtx, nil)
+		tx, err := r.db.BeginTx(spanCtx, nil)
 		require.NoError(t, err)
-		require.NoError(t, b.Publish(spanCtx, tx, orders, bus.Event{Type: "OrderCreated", AggregateType: "order", AggregateID: id, Payload: []byte(`{"id":"` + id + `"}`)}))
+		require.NoError(t, r.b.Publish(spanCtx, tx, r.orders, bus.Event{Type: "OrderCreated", AggregateType: "order", AggregateID: id, Payload: []byte(`{"id":"` + id + `"}`)}))
 		require.NoError(t, tx.Commit())
 		span.End()
-		published[id] = span.SpanContext().TraceID()
+		r.published[id] = span.SpanContext().TraceID()
 	}
+}
 
+// waitAudited waits until every order's follow-up reached audit.
+func (r *roundTrip) waitAudited() {
 	deadline := time.Now().Add(90 * time.Second)
 	for {
-		mu.Lock()
-		got := len(seen)
-		mu.Unlock()
-		if got >= n {
+		r.mu.Lock()
+		got := len(r.seen)
+		r.mu.Unlock()
+		if got >= roundTripOrders {
 			break
 		}
-		require.True(t, time.Now().Before(deadline), "%s: %d of %d follow-up events arrived", kind, got, n)
+		require.True(r.t, time.Now().Before(deadline), "%s: %d of %d follow-up events arrived", r.kind, got, roundTripOrders)
 		time.Sleep(20 * time.Millisecond)
 	}
+}
 
+// checkInvoices: one invoice and one inbox row per order.
+func (r *roundTrip) checkInvoices() {
+	t := r.t
 	var invoicesCount, inboxRows int
-	require.NoError(t, db.QueryRow(`SELECT count(*) FROM "`+cfg.Database.Schema+`".invoices`).Scan(&invoicesCount))
-	require.NoError(t, db.QueryRow(`SELECT count(*) FROM "`+cfg.Database.Schema+`".millrace_inbox WHERE consumer_group = $1`, billing).Scan(&inboxRows))
-	require.Equal(t, n, invoicesCount)
-	require.Equal(t, n, inboxRows)
+	require.NoError(t, r.db.QueryRow(`SELECT count(*) FROM "`+r.schema+`".invoices`).Scan(&invoicesCount))
+	require.NoError(t, r.db.QueryRow(`SELECT count(*) FROM "`+r.schema+`".millrace_inbox WHERE consumer_group = $1`, r.billing).Scan(&inboxRows))
+	require.Equal(t, roundTripOrders, invoicesCount)
+	require.Equal(t, roundTripOrders, inboxRows)
+}
 
-	mu.Lock()
-	defer mu.Unlock()
+// checkCausationAndTrace: each follow-up is caused and correlated by its
+// order event, in the trace of the order's publish.
+func (r *roundTrip) checkCausationAndTrace() {
+	t := r.t
+	r.mu.Lock()
+	defer r.mu.Unlock()
 	byOrder := map[string]audited{}
-	for _, a := range seen {
+	for _, a := range r.seen {
 		byOrder[a.ev.AggregateID] = a
 	}
-	require.Len(t, byOrder, n)
-	for id, traceID := range published {
+	require.Len(t, byOrder, roundTripOrders)
+	for id, traceID := range r.published {
 		a := byOrder[id]
 		var orderEventID string
-		require.NoError(t, db.QueryRow(`SELECT event_id FROM "`+cfg.Database.Schema+`".invoices WHERE order_id = $1`, id).Scan(&orderEventID))
+		require.NoError(t, r.db.QueryRow(`SELECT event_id FROM "`+r.schema+`".invoices WHERE order_id = $1`, id).Scan(&orderEventID))
 		require.Equal(t, orderEventID, a.ev.CausationID, "the follow-up's causation is the order event")
 		require.Equal(t, orderEventID, a.ev.CorrelationID, "the flow is correlated by its first event")
 		require.Equal(t, traceID, a.traceID, "one trace from the order's publish to the audit handler")
-	}
-
-	stop()
-	select {
-	case err := <-done:
-		require.NoError(t, err)
-	case <-time.After(60 * time.Second):
-		t.Fatal("Run did not return after its context was cancelled")
 	}
 }

@@ -32,33 +32,64 @@ func TestTypedBatchHandlerOnEveryBroker(t *testing.T) {
 	}
 }
 
-func testTypedBatchHandler(t *testing.T, kind string) {
-	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.UniqueName("batch")
-	_, err := db.Exec(`CREATE SCHEMA "` + cfg.Database.Schema + `"`)
-	require.NoError(t, err)
-	t.Cleanup(func() { _, _ = db.Exec(`DROP SCHEMA "` + cfg.Database.Schema + `" CASCADE`) })
-	brokertest.Apply(t, kind, &cfg)
-	cfg.Consumer.Workers = 8
-	cfg.Consumer.Batch.MaxMessages = 8
-	cfg.Consumer.Batch.MaxWait = 200 * time.Millisecond
-	suffix := testdb.UniqueName("")[2:]
-	orders, billing := "orders-"+suffix, "billing-"+suffix
-	brokertest.Cleanup(t, kind, orders, billing)
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	invoices := `"` + cfg.Database.Schema + `".invoices`
-	_, err = db.Exec(`CREATE TABLE ` + invoices + ` (order_id text NOT NULL, event_id text NOT NULL, total_cents bigint NOT NULL)`)
-	require.NoError(t, err)
+// batchRig is one broker's service with a typed batch handler that
+// writes its batch of invoices with one statement.
+type batchRig struct {
+	t               *testing.T
+	kind            string
+	db              *sql.DB
+	cfg             bus.Config
+	b               *bus.Bus
+	orders, billing string
+	invoices        string // the qualified table
+	placed          *bus.Topic[placedV2]
+	mu              sync.Mutex
+	batches         [][]string // the order ids of each batch the handler got
+}
 
-	b, err := bus.Open(ctx, cfg, db)
+// batchGood is how many events of a batch run are committed.
+const batchGood = 10
+
+func testTypedBatchHandler(t *testing.T, kind string) {
+	r := newBatchRig(t, kind)
+	r.handle()
+	running := testkit.Start(t, r.b.Run)
+	t.Cleanup(func() { require.NoError(t, running.Stop(t, time.Minute)) })
+	r.publish()
+	r.waitSettled()
+	r.checkBatches()
+}
+
+// newBatchRig opens a service on kind that reads batches of up to 8.
+func newBatchRig(t *testing.T, kind string) *batchRig {
+	ctx := context.Background()
+	r := &batchRig{t: t, kind: kind, db: testdb.Open(t)}
+	r.cfg.Database.Schema = testdb.UniqueName("batch")
+	_, err := r.db.Exec(`CREATE SCHEMA "` + r.cfg.Database.Schema + `"`)
 	require.NoError(t, err)
-	defer b.Close()
-	placed := bus.Must(bus.NewTopic[placedV2](orders, bus.Version(2)))
-	var mu sync.Mutex
-	var batches [][]string
-	require.NoError(t, placed.HandleBatch(b, billing, func(ctx context.Context, ms []bus.Message[placedV2]) error {
+	t.Cleanup(func() { _, _ = r.db.Exec(`DROP SCHEMA "` + r.cfg.Database.Schema + `" CASCADE`) })
+	brokertest.Apply(t, kind, &r.cfg)
+	r.cfg.Consumer.Workers = 8
+	r.cfg.Consumer.Batch.MaxMessages = 8
+	r.cfg.Consumer.Batch.MaxWait = 200 * time.Millisecond
+	suffix := testdb.UniqueName("")[2:]
+	r.orders, r.billing = "orders-"+suffix, "billing-"+suffix
+	brokertest.Cleanup(t, kind, r.orders, r.billing)
+	require.NoError(t, bus.Migrate(ctx, r.db, r.cfg))
+	r.invoices = `"` + r.cfg.Database.Schema + `".invoices`
+	_, err = r.db.Exec(`CREATE TABLE ` + r.invoices + ` (order_id text NOT NULL, event_id text NOT NULL, total_cents bigint NOT NULL)`)
+	require.NoError(t, err)
+	r.b, err = bus.Open(ctx, r.cfg, r.db)
+	require.NoError(t, err)
+	t.Cleanup(func() { r.b.Close() })
+	r.placed = bus.Must(bus.NewTopic[placedV2](r.orders, bus.Version(2)))
+	return r
+}
+
+// handle registers the batch handler: it fails an event with a negative
+// total alone and writes the others with one statement.
+func (r *batchRig) handle() {
+	require.NoError(r.t, r.placed.HandleBatch(r.b, r.billing, func(ctx context.Context, ms []bus.Message[placedV2]) error {
 		var ids, events []string
 		var totals []int64
 		failures := bus.BatchFailures{}
@@ -69,11 +100,11 @@ func testTypedBatchHandler(t *testing.T, kind string) {
 			}
 			ids, events, totals = append(ids, m.Value.OrderID), append(events, m.ID), append(totals, m.Value.TotalCents)
 		}
-		mu.Lock()
-		batches = append(batches, ids)
-		mu.Unlock()
+		r.mu.Lock()
+		r.batches = append(r.batches, ids)
+		r.mu.Unlock()
 		// One statement for the whole batch.
-		if _, err := bus.Tx[*sql.Tx](ctx).ExecContext(ctx, `INSERT INTO `+invoices+` SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])`,
+		if _, err := bus.Tx[*sql.Tx](ctx).ExecContext(ctx, `INSERT INTO `+r.invoices+` SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])`,
 			ids, events, totals); err != nil {
 			return err
 		}
@@ -82,53 +113,53 @@ func testTypedBatchHandler(t *testing.T, kind string) {
 		}
 		return nil
 	}))
-	runCtx, stop := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- b.Run(runCtx) }()
-	defer func() {
-		stop()
-		require.NoError(t, <-done)
-	}()
+}
 
-	const good = 10
-	tx, err := db.BeginTx(ctx, nil)
+// publish commits the good events, one the handler fails and one that
+// does not decode, in one transaction.
+func (r *batchRig) publish() {
+	t, ctx := r.t, context.Background()
+	tx, err := r.db.BeginTx(ctx, nil)
 	require.NoError(t, err)
 	defer tx.Rollback() //nolint:errcheck // committed below unless the test failed
-	for i := range good {
-		require.NoError(t, placed.Publish(ctx, b, tx, placedV2{OrderID: fmt.Sprintf("o-%d", i), TotalCents: int64(100 + i)}))
+	for i := range batchGood {
+		require.NoError(t, r.placed.Publish(ctx, r.b, tx, placedV2{OrderID: fmt.Sprintf("o-%d", i), TotalCents: int64(100 + i)}))
 	}
-	require.NoError(t, placed.Publish(ctx, b, tx, placedV2{OrderID: "o-negative", TotalCents: -1}))
-	require.NoError(t, b.Publish(ctx, tx, orders, bus.Event{Type: "OrderPlaced", SchemaVersion: 2, AggregateType: "order", AggregateID: "o-garbled",
+	require.NoError(t, r.placed.Publish(ctx, r.b, tx, placedV2{OrderID: "o-negative", TotalCents: -1}))
+	require.NoError(t, r.b.Publish(ctx, tx, r.orders, bus.Event{Type: "OrderPlaced", SchemaVersion: 2, AggregateType: "order", AggregateID: "o-garbled",
 		ContentType: "application/json", Payload: []byte(`{"order_id":5}`)}))
 	require.NoError(t, tx.Commit())
+}
 
-	oc, err := ops.New(ctx, db, cfg)
+// count runs a count query.
+func (r *batchRig) count(query string) int {
+	var n int
+	require.NoError(r.t, r.db.QueryRow(query).Scan(&n))
+	return n
+}
+
+// waitSettled waits for the good events' invoices and the two poisoned
+// events, and checks both.
+func (r *batchRig) waitSettled() {
+	t := r.t
+	oc, err := ops.New(context.Background(), r.db, r.cfg)
 	require.NoError(t, err)
-	poisoned := func() map[string]string {
-		list, err := oc.DLQ().List(ctx, ops.Filter{Handler: billing}, 0)
-		require.NoError(t, err)
-		out := map[string]string{}
-		for _, m := range list.Rows {
-			out[m.AggregateID] = m.Reason
-		}
-		return out
-	}
-	count := func(query string) int {
-		var n int
-		require.NoError(t, db.QueryRow(query).Scan(&n))
-		return n
-	}
 	testkit.Eventually(t, 90*time.Second, "every event settled", func() bool {
-		return count(`SELECT count(*) FROM `+invoices) == good && len(poisoned()) == 2
+		return r.count(`SELECT count(*) FROM `+r.invoices) == batchGood && len(poisonReasons(t, oc, r.billing)) == 2
 	})
-	require.Equal(t, good, count(`SELECT count(DISTINCT event_id) FROM `+invoices), "one effect per event")
-	reasons := poisoned()
+	require.Equal(t, batchGood, r.count(`SELECT count(DISTINCT event_id) FROM `+r.invoices), "one effect per event")
+	reasons := poisonReasons(t, oc, r.billing)
 	require.Contains(t, reasons["o-negative"], "negative total")
 	require.Contains(t, reasons["o-garbled"], "does not decode")
-	mu.Lock()
-	defer mu.Unlock()
-	t.Logf("batches: %v", batches)
-	for _, ids := range batches {
+}
+
+// checkBatches checks what the batches held.
+func (r *batchRig) checkBatches() {
+	t := r.t
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	t.Logf("batches: %v", r.batches)
+	for _, ids := range r.batches {
 		require.NotContains(t, ids, "o-garbled", "an event that does not decode never reaches the handler")
 	}
 	// On NATS a backlog that is waiting when the subscriptions open can go
@@ -136,9 +167,21 @@ func testTypedBatchHandler(t *testing.T, kind string) {
 	// the next only after the ack, that is after the COMMIT: batches of one
 	// are what the handler gets then (seen in a full run). Kafka and
 	// RabbitMQ hand a subscription several unacked messages.
-	if kind != bus.KindNATS {
-		require.True(t, slices.ContainsFunc(batches, func(ids []string) bool { return len(ids) > 1 }), "some batch held several events: %v", batches)
+	if r.kind != bus.KindNATS {
+		require.True(t, slices.ContainsFunc(r.batches, func(ids []string) bool { return len(ids) > 1 }), "some batch held several events: %v", r.batches)
 	}
+}
+
+// poisonReasons is handler's poisoned events: their reason by aggregate id.
+func poisonReasons(t *testing.T, oc *ops.Client, handler string) map[string]string {
+	t.Helper()
+	list, err := oc.DLQ().List(context.Background(), ops.Filter{Handler: handler}, 0)
+	require.NoError(t, err)
+	out := map[string]string{}
+	for _, m := range list.Rows {
+		out[m.AggregateID] = m.Reason
+	}
+	return out
 }
 
 // A batch handler is checked when it is registered, like any handler.

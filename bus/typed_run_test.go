@@ -199,13 +199,7 @@ func (r *typedRig) publishOnPgx() {
 
 // poisoned is billing's poisoned events: their reason by aggregate id.
 func (r *typedRig) poisoned() map[string]string {
-	list, err := r.ops.DLQ().List(context.Background(), ops.Filter{Handler: r.billing}, 0)
-	require.NoError(r.t, err)
-	out := map[string]string{}
-	for _, m := range list.Rows {
-		out[m.AggregateID] = m.Reason
-	}
-	return out
+	return poisonReasons(r.t, r.ops, r.billing)
 }
 
 // unknown is the count of events of typ that handler had no route for.

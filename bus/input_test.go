@@ -17,6 +17,7 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/internal/testing/testkit"
 )
 
 // unusual is one member of a class of unusual input: an event (on the
@@ -45,14 +46,42 @@ const (
 // cannot carry, topics with empty tokens or over-long derived names,
 // times outside RFC 3339 and sizes around each broker's limit.
 func unusualInput(topic string) []unusual {
-	var cases []unusual
-	n := 0
-	tag := func() string { n++; return fmt.Sprintf("u%03d", n) }
-	base := func() bus.Event {
-		return bus.Event{Type: "Unusual", AggregateType: "thing", AggregateID: "a-1", Payload: []byte(`{"ok":true}`)}
-	}
+	var u unusualCases
+	u.ids()
+	u.metadataKeys()
+	u.metadataValues()
+	u.topics(topic)
+	u.times()
+	u.sizes()
+	return u.cases
+}
 
-	// Ids and names: every field carried as a header and stored as text.
+// unusualCases collects the cases of unusualInput, each with its own tag.
+type unusualCases struct {
+	cases []unusual
+	n     int
+}
+
+// tag is a string no other case has.
+func (u *unusualCases) tag() string { u.n++; return fmt.Sprintf("u%03d", u.n) }
+
+// base is an ordinary event.
+func (u *unusualCases) base() bus.Event {
+	return bus.Event{Type: "Unusual", AggregateType: "thing", AggregateID: "a-1", Payload: []byte(`{"ok":true}`)}
+}
+
+// add adds a case refused on the brokers refusedOn (none: delivered).
+func (u *unusualCases) add(name string, e bus.Event, refusedOn ...string) {
+	u.cases = append(u.cases, unusual{name: name, event: e, refusedOn: refusedOn})
+}
+
+// addTopic adds a case of an ordinary event on topic.
+func (u *unusualCases) addTopic(name, topic string, refusedOn ...string) {
+	u.cases = append(u.cases, unusual{name: name, topic: topic, event: u.base(), refusedOn: refusedOn})
+}
+
+// ids: every field carried as a header and stored as text.
+func (u *unusualCases) ids() {
 	fields := map[string]func(*bus.Event, string){
 		"ID":            func(e *bus.Event, v string) { e.ID = v },
 		"Type":          func(e *bus.Event, v string) { e.Type = v },
@@ -71,80 +100,94 @@ func unusualInput(topic string) []unusual {
 	}
 	for _, name := range []string{"ID", "Type", "AggregateType", "AggregateID", "CorrelationID", "CausationID"} {
 		for _, pattern := range refusedText {
-			e := base()
-			fields[name](&e, fmt.Sprintf(pattern, tag()))
-			cases = append(cases, unusual{name: fmt.Sprintf("%s %q", name, pattern), event: e, refusedOn: everyBroker})
+			e := u.base()
+			fields[name](&e, fmt.Sprintf(pattern, u.tag()))
+			u.add(fmt.Sprintf("%s %q", name, pattern), e, everyBroker...)
 		}
 		for _, pattern := range deliveredText {
-			e := base()
-			fields[name](&e, fmt.Sprintf(pattern, tag()))
-			cases = append(cases, unusual{name: fmt.Sprintf("%s %q", name, pattern), event: e})
+			e := u.base()
+			fields[name](&e, fmt.Sprintf(pattern, u.tag()))
+			u.add(fmt.Sprintf("%s %q", name, pattern), e)
 		}
 	}
+}
 
-	// Metadata keys.
-	withKey := func(k string) bus.Event { e := base(); e.Metadata = map[string]string{k: "v"}; return e }
+// metadataKeys: keys every broker refuses, keys one broker reserves or
+// cannot carry, and ordinary ones.
+func (u *unusualCases) metadataKeys() {
+	withKey := func(k string) bus.Event { e := u.base(); e.Metadata = map[string]string{k: "v"}; return e }
 	for _, k := range []string{"", "k\x00", "k\xff", "k\n", " k", "k ", bus.EventIDKey, bus.AggregateIDKey,
 		"replay-of", "poison-reason", "poisoned-at", "_watermill_message_uuid"} {
-		cases = append(cases, unusual{name: fmt.Sprintf("metadata key %q", k), event: withKey(k), refusedOn: everyBroker})
+		u.add(fmt.Sprintf("metadata key %q", k), withKey(k), everyBroker...)
 	}
 	natsOnly := []string{"my key", "a:b", "ключ", "Nats-Rollup", "nats-msg-id", "k/v", "k=v", "k@host"}
 	rabbitOnly := []string{"x-death", "x-delivery-count", "X-Death", "x-first-death-queue", "x-received-from",
 		"CC", "bcc", "x-delay", "x-opt-filter", strings.Repeat("k", 256)}
 	for _, k := range natsOnly {
-		cases = append(cases, unusual{name: fmt.Sprintf("metadata key %q", k), event: withKey(k), refusedOn: []string{bus.KindNATS}})
+		u.add(fmt.Sprintf("metadata key %q", k), withKey(k), bus.KindNATS)
 	}
 	for _, k := range rabbitOnly {
-		cases = append(cases, unusual{name: fmt.Sprintf("metadata key %.20q", k), event: withKey(k), refusedOn: []string{bus.KindRabbitMQ}})
+		u.add(fmt.Sprintf("metadata key %.20q", k), withKey(k), bus.KindRabbitMQ)
 	}
 	for _, k := range []string{"x-request-id", "tenant", "Mixed-Case", "k.v_w-1", "X-Custom"} {
-		cases = append(cases, unusual{name: fmt.Sprintf("metadata key %q", k), event: withKey(k)})
+		u.add(fmt.Sprintf("metadata key %q", k), withKey(k))
 	}
+}
 
-	// Metadata values.
-	withValue := func(v string) bus.Event { e := base(); e.Metadata = map[string]string{"note": v}; return e }
+// withValue is an ordinary event with metadata value v.
+func (u *unusualCases) withValue(v string) bus.Event {
+	e := u.base()
+	e.Metadata = map[string]string{"note": v}
+	return e
+}
+
+// metadataValues: values no broker carries, and awkward ones they all do.
+func (u *unusualCases) metadataValues() {
 	for _, v := range []string{"\x00", "a\x00b", "a\xffb", "\xc3"} {
-		cases = append(cases, unusual{name: fmt.Sprintf("metadata value %q", v), event: withValue(v), refusedOn: everyBroker})
+		u.add(fmt.Sprintf("metadata value %q", v), u.withValue(v), everyBroker...)
 	}
 	for _, v := range []string{" lead", "trail ", " both ", "a\r\nb", "\t", "\n", "", "=?utf-8?b?Zm9v?=",
 		"=?utf-8?b?not base64?=", "ключ 🙂", "\x01\x1f\x7f", "a, b", `{"json":[1,2]}`} {
-		cases = append(cases, unusual{name: fmt.Sprintf("metadata value %q", v), event: withValue(v)})
+		u.add(fmt.Sprintf("metadata value %q", v), u.withValue(v))
 	}
+}
 
-	// Topics.
+// topics: wildcards, empty tokens, white space, and names around the
+// longest RabbitMQ carries.
+func (u *unusualCases) topics(topic string) {
 	for _, tp := range []string{topic + ".*", topic + ".>", "." + topic, topic + " x", topic + "\n"} {
-		cases = append(cases, unusual{name: fmt.Sprintf("topic %q", tp), topic: tp, event: base(), refusedOn: everyBroker})
+		u.addTopic(fmt.Sprintf("topic %q", tp), tp, everyBroker...)
 	}
 	for _, tp := range []string{topic + "..x", topic + "."} {
-		cases = append(cases, unusual{name: fmt.Sprintf("topic %q", tp), topic: tp, event: base(), refusedOn: []string{bus.KindNATS}})
+		u.addTopic(fmt.Sprintf("topic %q", tp), tp, bus.KindNATS)
 	}
 	long := topic + "." + strings.Repeat("l", 245-len(topic)-1) // 245 bytes: "<topic>::unrouted" is 255
-	cases = append(cases, unusual{name: "topic of 245 bytes", topic: long, event: base()})
-	cases = append(cases, unusual{name: "topic of 246 bytes", topic: long + "l", event: base(), refusedOn: []string{bus.KindRabbitMQ}})
+	u.addTopic("topic of 245 bytes", long)
+	u.addTopic("topic of 246 bytes", long+"l", bus.KindRabbitMQ)
+}
 
-	// Times.
-	at := func(t time.Time) bus.Event { e := base(); e.OccurredAt = t; return e }
+// times: outside RFC 3339, and at its edges.
+func (u *unusualCases) times() {
+	at := func(t time.Time) bus.Event { e := u.base(); e.OccurredAt = t; return e }
 	for _, tm := range []time.Time{time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC), time.Date(-1, 12, 31, 0, 0, 0, 0, time.UTC)} {
-		cases = append(cases, unusual{name: "occurred at " + tm.String(), event: at(tm), refusedOn: everyBroker})
+		u.add("occurred at "+tm.String(), at(tm), everyBroker...)
 	}
 	for _, tm := range []time.Time{time.Date(0, 1, 1, 0, 0, 0, 1, time.UTC), time.Date(9999, 12, 31, 23, 59, 59, 999999999, time.UTC),
 		time.Date(2026, 3, 29, 2, 30, 0, 0, time.FixedZone("odd", 5*3600+45*60))} {
-		cases = append(cases, unusual{name: "occurred at " + tm.String(), event: at(tm)})
+		u.add("occurred at "+tm.String(), at(tm))
 	}
+}
 
-	// Sizes around each broker's configured limit (testKafkaMaxBytes, ...).
+// sizes: around each broker's configured limit (testKafkaMaxBytes, ...).
+func (u *unusualCases) sizes() {
 	payload := func(size int) bus.Event {
-		e := base()
+		e := u.base()
 		e.Payload = []byte(`"` + strings.Repeat("p", size-2) + `"`)
 		return e
 	}
-	cases = append(cases,
-		unusual{name: "payload of 1200 bytes", event: payload(1200)},
-		unusual{name: "payload of 2100 bytes", event: payload(2100), refusedOn: everyBroker},
-	)
-	bigValue := withValue(strings.Repeat("v", 2100))
-	cases = append(cases, unusual{name: "metadata of 2100 bytes", event: bigValue, refusedOn: []string{bus.KindKafka, bus.KindNATS}})
-	return cases
+	u.add("payload of 1200 bytes", payload(1200))
+	u.add("payload of 2100 bytes", payload(2100), everyBroker...)
+	u.add("metadata of 2100 bytes", u.withValue(strings.Repeat("v", 2100)), bus.KindKafka, bus.KindNATS)
 }
 
 // Every input Publish accepts reaches the consumer byte for byte, on every
@@ -160,7 +203,39 @@ func TestUnusualInputIsRefusedOrDeliveredIntact(t *testing.T) {
 	}
 }
 
+// unusualRig is one broker's service publishing the unusual cases.
+type unusualRig struct {
+	t        *testing.T
+	kind     string
+	db       *sql.DB
+	schema   string
+	b        *bus.Bus
+	topic    string
+	mu       sync.Mutex
+	got      map[string][]bus.Event // event id -> deliveries
+	handled  map[string]bool        // topics with a handler
+	accepted map[string]unusual     // event id -> case
+}
+
 func testUnusualInput(t *testing.T, kind string) {
+	r := newUnusualRig(t, kind)
+	cases := unusualInput(r.topic)
+	for _, c := range cases {
+		r.publish(c)
+	}
+	var rows int
+	require.NoError(t, r.db.QueryRow(`SELECT count(*) FROM "`+r.schema+`".watermill_millrace_outbox`).Scan(&rows))
+	require.Equal(t, len(r.accepted), rows, "every refused event wrote nothing")
+	t.Logf("%s: %d cases, %d accepted, %d refused", kind, len(cases), len(r.accepted), len(cases)-len(r.accepted))
+
+	running := testkit.Start(t, r.b.Run)
+	t.Cleanup(func() { require.NoError(t, running.Stop(t, time.Minute)) })
+	r.waitArrived()
+	r.checkIntact()
+}
+
+// newUnusualRig opens a service on kind with small size limits.
+func newUnusualRig(t *testing.T, kind string) *unusualRig {
 	ctx := context.Background()
 	db := testdb.Open(t)
 	var cfg bus.Config
@@ -173,94 +248,97 @@ func testUnusualInput(t *testing.T, kind string) {
 	require.NoError(t, bus.Migrate(ctx, db, cfg))
 	b, err := bus.Open(ctx, cfg, db)
 	require.NoError(t, err)
-	defer b.Close()
+	t.Cleanup(func() { b.Close() })
+	return &unusualRig{t: t, kind: kind, db: db, schema: cfg.Database.Schema, b: b,
+		topic: "unusual-" + testdb.UniqueName("")[2:],
+		got:   map[string][]bus.Event{}, handled: map[string]bool{}, accepted: map[string]unusual{}}
+}
 
-	topic := "unusual-" + testdb.UniqueName("")[2:]
-	cases := unusualInput(topic)
-
-	var mu sync.Mutex
-	got := map[string][]bus.Event{} // event id -> deliveries
-	handled := map[string]bool{}
-	accepted := map[string]unusual{} // event id -> case
-	for _, c := range cases {
-		tp := cmp.Or(c.topic, topic)
-		tx, err := db.BeginTx(ctx, nil)
-		require.NoError(t, err)
-		err = b.Publish(ctx, tx, tp, c.event)
-		require.NoError(t, tx.Commit(), "%s: the caller's transaction stays usable", c.name)
-		if slices.Contains(c.refusedOn, kind) {
-			require.Error(t, err, "%s: must be refused on %s", c.name, kind)
-			var ee *bus.EventError
-			if !errors.As(err, &ee) {
-				require.ErrorIs(t, err, bus.ErrInvalidTopic, "%s: a typed error", c.name)
-			} else {
-				require.NotEmpty(t, ee.Field, "%s: the error names the field", c.name)
-			}
-			continue
+// publish publishes c in its own transaction: refused with a typed error
+// where c says so, else accepted, its topic handled and its id recorded.
+func (r *unusualRig) publish(c unusual) {
+	t, ctx := r.t, context.Background()
+	tp := cmp.Or(c.topic, r.topic)
+	tx, err := r.db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	err = r.b.Publish(ctx, tx, tp, c.event)
+	require.NoError(t, tx.Commit(), "%s: the caller's transaction stays usable", c.name)
+	if slices.Contains(c.refusedOn, r.kind) {
+		require.Error(t, err, "%s: must be refused on %s", c.name, r.kind)
+		var ee *bus.EventError
+		if !errors.As(err, &ee) {
+			require.ErrorIs(t, err, bus.ErrInvalidTopic, "%s: a typed error", c.name)
+		} else {
+			require.NotEmpty(t, ee.Field, "%s: the error names the field", c.name)
 		}
-		require.NoError(t, err, "%s: must be accepted on %s", c.name, kind)
-		if !handled[tp] {
-			handled[tp] = true
-			brokertest.Cleanup(t, kind, tp, fmt.Sprintf("c%d", len(handled)))
-			name := fmt.Sprintf("c%d", len(handled)) // short: RabbitMQ queue names of the 245-byte topic must fit
-			require.NoError(t, b.Handle(tp, name, func(_ context.Context, ev bus.Event) error {
-				mu.Lock()
-				defer mu.Unlock()
-				got[ev.ID] = append(got[ev.ID], ev)
-				return nil
-			}), c.name)
-		}
-		id := c.event.ID
-		if id == "" {
-			// Publish gave it an id: find it through its unique case.
-			id = lastEventID(t, db, cfg.Database.Schema)
-		}
-		require.NotContains(t, accepted, id, "%s: ids are distinct", c.name)
-		accepted[id] = c
+		return
 	}
-	var rows int
-	require.NoError(t, db.QueryRow(`SELECT count(*) FROM "`+cfg.Database.Schema+`".watermill_millrace_outbox`).Scan(&rows))
-	require.Equal(t, len(accepted), rows, "every refused event wrote nothing")
-	t.Logf("%s: %d cases, %d accepted, %d refused", kind, len(cases), len(accepted), len(cases)-len(accepted))
+	require.NoError(t, err, "%s: must be accepted on %s", c.name, r.kind)
+	if !r.handled[tp] {
+		r.handle(tp, c.name)
+	}
+	id := c.event.ID
+	if id == "" {
+		// Publish gave it an id: find it through its unique case.
+		id = lastEventID(t, r.db, r.schema)
+	}
+	require.NotContains(t, r.accepted, id, "%s: ids are distinct", c.name)
+	r.accepted[id] = c
+}
 
-	runCtx, stop := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- b.Run(runCtx) }()
-	defer func() {
-		stop()
-		require.NoError(t, <-done)
-	}()
+// handle registers a handler of tp that records every delivery.
+func (r *unusualRig) handle(tp, caseName string) {
+	r.handled[tp] = true
+	brokertest.Cleanup(r.t, r.kind, tp, fmt.Sprintf("c%d", len(r.handled)))
+	name := fmt.Sprintf("c%d", len(r.handled)) // short: RabbitMQ queue names of the 245-byte topic must fit
+	require.NoError(r.t, r.b.Handle(tp, name, func(_ context.Context, ev bus.Event) error {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		r.got[ev.ID] = append(r.got[ev.ID], ev)
+		return nil
+	}), caseName)
+}
+
+// waitArrived waits until every accepted event arrived; it fails with
+// what the relay quarantined when they do not.
+func (r *unusualRig) waitArrived() {
+	t := r.t
 	deadline := time.Now().Add(2 * time.Minute)
 	for {
-		mu.Lock()
+		r.mu.Lock()
 		arrived := 0
-		for id := range accepted {
-			if len(got[id]) > 0 {
+		for id := range r.accepted {
+			if len(r.got[id]) > 0 {
 				arrived++
 			}
 		}
-		mu.Unlock()
-		if arrived == len(accepted) {
-			break
+		r.mu.Unlock()
+		if arrived == len(r.accepted) {
+			return
 		}
 		if time.Now().After(deadline) {
 			var quarantined []string
-			qr, err := db.Query(`SELECT reason FROM "` + cfg.Database.Schema + `".millrace_relay_quarantine`)
+			qr, err := r.db.Query(`SELECT reason FROM "` + r.schema + `".millrace_relay_quarantine`)
 			require.NoError(t, err)
 			for qr.Next() {
-				var r string
-				require.NoError(t, qr.Scan(&r))
-				quarantined = append(quarantined, r)
+				var reason string
+				require.NoError(t, qr.Scan(&reason))
+				quarantined = append(quarantined, reason)
 			}
-			require.FailNow(t, "accepted events lost", "%s: %d of %d arrived; quarantined: %q", kind, arrived, len(accepted), quarantined)
+			require.FailNow(t, "accepted events lost", "%s: %d of %d arrived; quarantined: %q", r.kind, arrived, len(r.accepted), quarantined)
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
 
-	mu.Lock()
-	defer mu.Unlock()
-	for id, c := range accepted {
-		ev := got[id][0]
+// checkIntact: every accepted event arrived byte for byte, and the relay
+// set nothing aside.
+func (r *unusualRig) checkIntact() {
+	t := r.t
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for id, c := range r.accepted {
+		ev := r.got[id][0]
 		want := c.event
 		require.Equal(t, id, ev.ID, c.name)
 		require.Equal(t, want.Type, ev.Type, c.name)
@@ -278,7 +356,7 @@ func testUnusualInput(t *testing.T, kind string) {
 		}
 	}
 	var quarantined int
-	require.NoError(t, db.QueryRow(`SELECT count(*) FROM "`+cfg.Database.Schema+`".millrace_relay_quarantine`).Scan(&quarantined))
+	require.NoError(t, r.db.QueryRow(`SELECT count(*) FROM "`+r.schema+`".millrace_relay_quarantine`).Scan(&quarantined))
 	require.Zero(t, quarantined, "nothing Publish accepted was set aside by the relay")
 }
 

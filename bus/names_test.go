@@ -75,160 +75,13 @@ func requireClear(t *testing.T, err error, what string) {
 // hostile one with a clear error, before anything is written or created.
 func TestHostileNamesAreRefusedEverywhere(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
-	brokertest.Apply(t, bus.KindNATS, &cfg)
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	qualified := func(table string) string { return `"` + cfg.Database.Schema + `".` + table }
-	_, err := db.Exec(`CREATE TABLE ` + qualified("canary") + ` (id int)`)
-	require.NoError(t, err)
-	tablesBefore := countTables(t, db, cfg.Database.Schema)
-	t.Cleanup(func() {
-		// Nothing any hostile name did reached the database.
-		require.Equal(t, tablesBefore, countTables(t, db, cfg.Database.Schema))
-		_, err := db.Exec(`SELECT FROM ` + qualified("canary"))
-		require.NoError(t, err, "the canary table is still there")
-	})
-
-	b, err := bus.Open(ctx, cfg, db)
-	require.NoError(t, err)
-	t.Cleanup(func() { b.Close() })
-
-	t.Run("bus.Publish", func(t *testing.T) {
-		for label, name := range hostileNames {
-			tx, err := db.BeginTx(ctx, nil)
-			require.NoError(t, err)
-			err = b.Publish(ctx, tx, name, bus.Event{Type: "T", AggregateType: "a", AggregateID: "1", Payload: []byte(`{}`)})
-			require.ErrorIs(t, err, bus.ErrInvalidTopic, label)
-			requireClear(t, err, label)
-			require.NoError(t, tx.Commit())
-		}
-		var rows int
-		require.NoError(t, db.QueryRow(`SELECT count(*) FROM `+qualified("watermill_millrace_outbox")).Scan(&rows))
-		require.Zero(t, rows, "no hostile topic reached the outbox")
-	})
-
-	t.Run("bus.Handle", func(t *testing.T) {
-		quiet := cfg
-		quiet.Relay.Enabled = new(false)
-		hb, err := bus.Open(ctx, quiet, db)
-		require.NoError(t, err)
-		defer hb.Close()
-		noop := func(context.Context, bus.Event) error { return nil }
-		for label, name := range hostileNames {
-			err := hb.Handle(name, "handler", noop)
-			require.ErrorContains(t, err, "topic: ", label)
-			requireClear(t, err, label)
-			err = hb.Handle(validTopic, name, noop)
-			require.ErrorContains(t, err, "handler name: ", label)
-			if name != "" { // an empty group means the handler's name
-				err = hb.Handle(validTopic, "handler", noop, bus.WithConsumerGroup(name))
-				require.ErrorContains(t, err, "consumer group: ", label)
-				requireClear(t, err, label)
-			}
-		}
-		require.ErrorContains(t, hb.Run(ctx), "no handler is registered", "no hostile handler was registered")
-	})
-
-	t.Run("config", func(t *testing.T) {
-		for label, name := range hostileIdentifiers {
-			if name == "" {
-				continue // empty means the default
-			}
-			c := cfg
-			c.Database.Schema = name
-			requireProblemAt(t, c, "database.schema", label)
-			c = cfg
-			c.Outbox.Topic = name
-			requireProblemAt(t, c, "outbox.topic", label)
-		}
-		for _, name := range []string{"pg_temp", "pg_catalog", "pg_toast", "information_schema"} {
-			c := cfg
-			c.Database.Schema = name
-			requireProblemAt(t, c, "database.schema", name+": a schema PostgreSQL reserves")
-		}
-		for label, name := range hostileNames {
-			c := cfg
-			c.Relay.ConsumerGroup = name
-			if name == "" {
-				continue // an empty consumer group means the default
-			}
-			requireProblemAt(t, c, "relay.consumer_group", label)
-			c = cfg
-			c.Consumer.Poison = middleware.PoisonConfig{Destination: middleware.PoisonToTopic, Topic: name}
-			requireProblemAt(t, c, "consumer.poison.topic", label)
-			c = cfg
-			c.Consumer.Handlers = map[string]middleware.Config{name: {Workers: 1}}
-			requireProblemAt(t, c, "consumer.handlers."+name, label)
-		}
-	})
-
-	t.Run("store.Migrate", func(t *testing.T) {
-		for label, name := range hostileIdentifiers {
-			err := store.Migrate(ctx, db, store.Tables{Schema: name, OutboxTopic: "millrace_outbox"})
-			requireClear(t, err, label)
-			err = store.Migrate(ctx, db, store.Tables{Schema: cfg.Database.Schema, OutboxTopic: name})
-			requireClear(t, err, label)
-			var schemas int
-			require.NoError(t, db.QueryRow(`SELECT count(*) FROM pg_namespace WHERE nspname = $1`, name).Scan(&schemas))
-			require.Zero(t, schemas, label)
-		}
-	})
-
-	t.Run("forwarder", func(t *testing.T) {
-		broker, err := bus.OpenBroker(ctx, cfg, nil)
-		require.NoError(t, err)
-		defer broker.Close()
-		for label, name := range hostileIdentifiers {
-			_, err := forwarder.New(db, broker, forwarder.Outbox{Schema: name, Topic: "millrace_outbox"}, forwarder.Config{}, forwarder.Options{})
-			requireClear(t, err, label)
-			_, err = forwarder.New(db, broker, forwarder.Outbox{Schema: cfg.Database.Schema, Topic: name}, forwarder.Config{}, forwarder.Options{})
-			requireClear(t, err, label)
-			if name != "" {
-				bad := cfg
-				bad.Database.Schema = name
-				_, err = ops.New(ctx, db, bad)
-				requireClear(t, err, label)
-			}
-		}
-		for label, name := range hostileNames {
-			if name == "" {
-				continue // the default group
-			}
-			_, err := forwarder.New(db, broker, forwarder.Outbox{Schema: cfg.Database.Schema, Topic: "millrace_outbox"},
-				forwarder.Config{ConsumerGroup: name}, forwarder.Options{})
-			requireClear(t, err, label)
-			oc, err := ops.New(ctx, db, cfg)
-			require.NoError(t, err)
-			_, err = oc.OutboxStatus(ctx, name)
-			requireClear(t, err, label)
-		}
-	})
-
-	t.Run("middleware", func(t *testing.T) {
-		for label, name := range hostileIdentifiers {
-			if name == "" {
-				continue // the default schema
-			}
-			_, err := middleware.New(middleware.Config{}, middleware.Deps{DB: db, Schema: name})
-			requireClear(t, err, label)
-		}
-		stack, err := middleware.New(middleware.Config{}, middleware.Deps{DB: db, Schema: cfg.Database.Schema})
-		require.NoError(t, err)
-		for label, name := range hostileNames {
-			if name != "" {
-				_, err = stack.Chain(middleware.Handler{Name: name, Topic: validTopic, ConsumerGroup: "g"})
-				requireClear(t, err, label)
-			}
-			_, err = stack.Chain(middleware.Handler{Name: "h", Topic: name, ConsumerGroup: "g"})
-			requireClear(t, err, label)
-			_, err = stack.Chain(middleware.Handler{Name: "h", Topic: validTopic, ConsumerGroup: name})
-			requireClear(t, err, label)
-		}
-	})
-
+	r := newHostileRig(t)
+	t.Run("bus.Publish", r.busPublish)
+	t.Run("bus.Handle", r.busHandle)
+	t.Run("config", r.config)
+	t.Run("store.Migrate", r.storeMigrate)
+	t.Run("forwarder", r.forwarder)
+	t.Run("middleware", r.middleware)
 	for _, kind := range brokertest.Kinds {
 		t.Run("adapter "+kind, func(t *testing.T) {
 			t.Parallel()
@@ -238,6 +91,184 @@ func TestHostileNamesAreRefusedEverywhere(t *testing.T) {
 			}
 			nothingCreated(t)
 		})
+	}
+}
+
+// hostileRig is a migrated schema with a canary table, and a Bus on it.
+type hostileRig struct {
+	db  *sql.DB
+	cfg bus.Config
+	b   *bus.Bus
+}
+
+// newHostileRig migrates a schema and checks, at the end of the test,
+// that nothing any hostile name did reached the database.
+func newHostileRig(t *testing.T) *hostileRig {
+	ctx := context.Background()
+	r := &hostileRig{db: testdb.Open(t)}
+	r.cfg.Database.Schema = testdb.Schema(t, r.db)
+	brokertest.Apply(t, bus.KindNATS, &r.cfg)
+	require.NoError(t, bus.Migrate(ctx, r.db, r.cfg))
+	_, err := r.db.Exec(`CREATE TABLE ` + r.qualified("canary") + ` (id int)`)
+	require.NoError(t, err)
+	tablesBefore := countTables(t, r.db, r.cfg.Database.Schema)
+	t.Cleanup(func() {
+		// Nothing any hostile name did reached the database.
+		require.Equal(t, tablesBefore, countTables(t, r.db, r.cfg.Database.Schema))
+		_, err := r.db.Exec(`SELECT FROM ` + r.qualified("canary"))
+		require.NoError(t, err, "the canary table is still there")
+	})
+	r.b, err = bus.Open(ctx, r.cfg, r.db)
+	require.NoError(t, err)
+	t.Cleanup(func() { r.b.Close() })
+	return r
+}
+
+// qualified is table in the test's schema.
+func (r *hostileRig) qualified(table string) string {
+	return `"` + r.cfg.Database.Schema + `".` + table
+}
+
+// busPublish: Publish refuses a hostile topic and writes nothing.
+func (r *hostileRig) busPublish(t *testing.T) {
+	ctx := context.Background()
+	for label, name := range hostileNames {
+		tx, err := r.db.BeginTx(ctx, nil)
+		require.NoError(t, err)
+		err = r.b.Publish(ctx, tx, name, bus.Event{Type: "T", AggregateType: "a", AggregateID: "1", Payload: []byte(`{}`)})
+		require.ErrorIs(t, err, bus.ErrInvalidTopic, label)
+		requireClear(t, err, label)
+		require.NoError(t, tx.Commit())
+	}
+	var rows int
+	require.NoError(t, r.db.QueryRow(`SELECT count(*) FROM `+r.qualified("watermill_millrace_outbox")).Scan(&rows))
+	require.Zero(t, rows, "no hostile topic reached the outbox")
+}
+
+// busHandle: Handle refuses a hostile topic, handler name or consumer group.
+func (r *hostileRig) busHandle(t *testing.T) {
+	ctx := context.Background()
+	quiet := r.cfg
+	quiet.Relay.Enabled = new(false)
+	hb, err := bus.Open(ctx, quiet, r.db)
+	require.NoError(t, err)
+	defer hb.Close()
+	noop := func(context.Context, bus.Event) error { return nil }
+	for label, name := range hostileNames {
+		err := hb.Handle(name, "handler", noop)
+		require.ErrorContains(t, err, "topic: ", label)
+		requireClear(t, err, label)
+		err = hb.Handle(validTopic, name, noop)
+		require.ErrorContains(t, err, "handler name: ", label)
+		if name != "" { // an empty group means the handler's name
+			err = hb.Handle(validTopic, "handler", noop, bus.WithConsumerGroup(name))
+			require.ErrorContains(t, err, "consumer group: ", label)
+			requireClear(t, err, label)
+		}
+	}
+	require.ErrorContains(t, hb.Run(ctx), "no handler is registered", "no hostile handler was registered")
+}
+
+// config: the configuration names the field of a hostile name.
+func (r *hostileRig) config(t *testing.T) {
+	for label, name := range hostileIdentifiers {
+		if name == "" {
+			continue // empty means the default
+		}
+		c := r.cfg
+		c.Database.Schema = name
+		requireProblemAt(t, c, "database.schema", label)
+		c = r.cfg
+		c.Outbox.Topic = name
+		requireProblemAt(t, c, "outbox.topic", label)
+	}
+	for _, name := range []string{"pg_temp", "pg_catalog", "pg_toast", "information_schema"} {
+		c := r.cfg
+		c.Database.Schema = name
+		requireProblemAt(t, c, "database.schema", name+": a schema PostgreSQL reserves")
+	}
+	for label, name := range hostileNames {
+		c := r.cfg
+		c.Relay.ConsumerGroup = name
+		if name == "" {
+			continue // an empty consumer group means the default
+		}
+		requireProblemAt(t, c, "relay.consumer_group", label)
+		c = r.cfg
+		c.Consumer.Poison = middleware.PoisonConfig{Destination: middleware.PoisonToTopic, Topic: name}
+		requireProblemAt(t, c, "consumer.poison.topic", label)
+		c = r.cfg
+		c.Consumer.Handlers = map[string]middleware.Config{name: {Workers: 1}}
+		requireProblemAt(t, c, "consumer.handlers."+name, label)
+	}
+}
+
+// storeMigrate: the store creates no schema for a hostile name.
+func (r *hostileRig) storeMigrate(t *testing.T) {
+	ctx := context.Background()
+	for label, name := range hostileIdentifiers {
+		err := store.Migrate(ctx, r.db, store.Tables{Schema: name, OutboxTopic: "millrace_outbox"})
+		requireClear(t, err, label)
+		err = store.Migrate(ctx, r.db, store.Tables{Schema: r.cfg.Database.Schema, OutboxTopic: name})
+		requireClear(t, err, label)
+		var schemas int
+		require.NoError(t, r.db.QueryRow(`SELECT count(*) FROM pg_namespace WHERE nspname = $1`, name).Scan(&schemas))
+		require.Zero(t, schemas, label)
+	}
+}
+
+// forwarder: the relay and the operations client refuse hostile names.
+func (r *hostileRig) forwarder(t *testing.T) {
+	ctx := context.Background()
+	broker, err := bus.OpenBroker(ctx, r.cfg, nil)
+	require.NoError(t, err)
+	defer broker.Close()
+	for label, name := range hostileIdentifiers {
+		_, err := forwarder.New(r.db, broker, forwarder.Outbox{Schema: name, Topic: "millrace_outbox"}, forwarder.Config{}, forwarder.Options{})
+		requireClear(t, err, label)
+		_, err = forwarder.New(r.db, broker, forwarder.Outbox{Schema: r.cfg.Database.Schema, Topic: name}, forwarder.Config{}, forwarder.Options{})
+		requireClear(t, err, label)
+		if name != "" {
+			bad := r.cfg
+			bad.Database.Schema = name
+			_, err = ops.New(ctx, r.db, bad)
+			requireClear(t, err, label)
+		}
+	}
+	for label, name := range hostileNames {
+		if name == "" {
+			continue // the default group
+		}
+		_, err := forwarder.New(r.db, broker, forwarder.Outbox{Schema: r.cfg.Database.Schema, Topic: "millrace_outbox"},
+			forwarder.Config{ConsumerGroup: name}, forwarder.Options{})
+		requireClear(t, err, label)
+		oc, err := ops.New(ctx, r.db, r.cfg)
+		require.NoError(t, err)
+		_, err = oc.OutboxStatus(ctx, name)
+		requireClear(t, err, label)
+	}
+}
+
+// middleware: the consumer chain refuses hostile names.
+func (r *hostileRig) middleware(t *testing.T) {
+	for label, name := range hostileIdentifiers {
+		if name == "" {
+			continue // the default schema
+		}
+		_, err := middleware.New(middleware.Config{}, middleware.Deps{DB: r.db, Schema: name})
+		requireClear(t, err, label)
+	}
+	stack, err := middleware.New(middleware.Config{}, middleware.Deps{DB: r.db, Schema: r.cfg.Database.Schema})
+	require.NoError(t, err)
+	for label, name := range hostileNames {
+		if name != "" {
+			_, err = stack.Chain(middleware.Handler{Name: name, Topic: validTopic, ConsumerGroup: "g"})
+			requireClear(t, err, label)
+		}
+		_, err = stack.Chain(middleware.Handler{Name: "h", Topic: name, ConsumerGroup: "g"})
+		requireClear(t, err, label)
+		_, err = stack.Chain(middleware.Handler{Name: "h", Topic: validTopic, ConsumerGroup: name})
+		requireClear(t, err, label)
 	}
 }
 

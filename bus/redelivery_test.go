@@ -2,6 +2,7 @@ package bus_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"sync"
@@ -37,96 +38,123 @@ func TestRetryFreesTheWorkerAndSurvivesARestart(t *testing.T) {
 	}
 }
 
+// retryRig is one broker's handler with one worker and a failing
+// message among good ones, published straight to the broker.
+type retryRig struct {
+	t                      *testing.T
+	kind                   string
+	db                     *sql.DB
+	cfg                    bus.Config
+	topic, group, suffix   string
+	broker                 adapters.Broker
+	mu                     sync.Mutex
+	badAttempts, goodsDone int
+	goodsBetween           []int // goods handled before each attempt of the bad message after the first
+}
+
+const retryMaxAttempts, retryGoods = 3, 10
+
 func testRetryFreesTheWorker(t *testing.T, kind string) {
-	const maxAttempts, goods = 3, 10
-	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
-	brokertest.Apply(t, kind, &cfg)
-	cfg.Broker.Kafka.RetryTopics = true
-	cfg.Relay.Enabled = new(bool)
-	cfg.Consumer.Workers = 1
-	cfg.Consumer.Retry.MaxAttempts = maxAttempts
-	cfg.Consumer.Retry.InitialInterval = 2 * time.Second
-	cfg.Consumer.Retry.MaxInterval = 2 * time.Second
-	suffix := testdb.UniqueName("")[2:]
-	topic, group := "orders-"+suffix, "billing-"+suffix
-	brokertest.Cleanup(t, kind, topic, group)
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
-
-	var mu sync.Mutex
-	badAttempts, goodsDone := 0, 0
-	var goodsBetween []int // goods handled before each attempt of the bad message after the first
-	handler := func(ctx context.Context, ev bus.Event) error {
-		mu.Lock()
-		defer mu.Unlock()
-		if ev.ID != "bad" {
-			goodsDone++
-			return nil
-		}
-		badAttempts++
-		if badAttempts > 1 {
-			goodsBetween = append(goodsBetween, goodsDone)
-		}
-		return errors.New("downstream refused the order")
-	}
-	run := func(until func() bool, what string) {
-		b, err := bus.Open(ctx, cfg, db)
-		require.NoError(t, err)
-		defer b.Close()
-		require.NoError(t, b.Handle(topic, group, handler))
-		runCtx, stop := context.WithCancel(ctx)
-		done := make(chan error, 1)
-		go func() { done <- b.Run(runCtx) }()
-		testkit.Eventually(t, time.Minute, what, func() bool {
-			mu.Lock()
-			defer mu.Unlock()
-			return until()
-		})
-		stop()
-		require.NoError(t, <-done)
-	}
-
-	broker, err := bus.OpenBroker(ctx, cfg, nil)
-	require.NoError(t, err)
-	defer broker.Close()
-	require.NoError(t, broker.Provision(ctx, topic, group))
-	require.NoError(t, broker.Publisher().Publish(topic, delivered(ctx, "bad", orderCreated("o-bad"))))
-	for i := range goods {
-		require.NoError(t, broker.Publisher().Publish(topic, delivered(ctx, fmt.Sprint("good-", i), orderCreated(fmt.Sprint("o-", i)))))
-	}
-
+	r := newRetryRig(t, kind)
+	r.publish()
 	// First consumer: attempts 1 and 2, then it stops while the message
-	// waits at the broker. On Kafka a failure the stop interrupts before it
-	// is parked is not counted (the record is read again with its number),
-	// so the stop waits until the retry topic holds the copy for delivery 3.
-	parked := func() bool {
-		if kind != bus.KindKafka {
-			return true
-		}
-		// A group that never read the retry topic is behind by all of it.
-		backlog, err := broker.(adapters.BacklogReporter).Backlog(ctx, kafka.RetryTopicName(topic, group), "nobody-"+suffix)
-		require.NoError(t, err)
-		var copies int64
-		for _, n := range backlog {
-			copies += n
-		}
-		return copies == 2
-	}
-	run(func() bool { return badAttempts == 2 && parked() }, "the bad message's second attempt, handed to the broker")
+	// waits at the broker.
+	r.consumeUntil(func() bool { return r.badAttempts == 2 && r.parked() }, "the bad message's second attempt, handed to the broker")
 	// Second consumer: attempt 3 is the last, and poisons the message.
 	var attempts int
-	run(func() bool {
-		err := db.QueryRowContext(ctx, `SELECT attempts FROM "`+cfg.Database.Schema+`".millrace_poison WHERE event_id = 'bad'`).Scan(&attempts)
+	r.consumeUntil(func() bool {
+		err := r.db.QueryRowContext(context.Background(), `SELECT attempts FROM "`+r.cfg.Database.Schema+`".millrace_poison WHERE event_id = 'bad'`).Scan(&attempts)
 		return err == nil
 	}, "the bad message poisoned")
 
-	mu.Lock()
-	defer mu.Unlock()
-	require.Equal(t, maxAttempts, attempts, "poisoned at max_attempts exactly")
-	require.Equal(t, maxAttempts, badAttempts, "the restart did not start its attempts over")
-	require.Equal(t, goods, goodsDone)
-	require.Positive(t, goodsBetween[0], "the only worker handled other messages during the first backoff")
-	t.Logf("goods handled before attempts 2 and 3: %v of %d", goodsBetween, goods)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	require.Equal(t, retryMaxAttempts, attempts, "poisoned at max_attempts exactly")
+	require.Equal(t, retryMaxAttempts, r.badAttempts, "the restart did not start its attempts over")
+	require.Equal(t, retryGoods, r.goodsDone)
+	require.Positive(t, r.goodsBetween[0], "the only worker handled other messages during the first backoff")
+	t.Logf("goods handled before attempts 2 and 3: %v of %d", r.goodsBetween, retryGoods)
+}
+
+// newRetryRig migrates a schema for a service without a relay, one
+// worker and a 2s backoff, and opens its broker.
+func newRetryRig(t *testing.T, kind string) *retryRig {
+	ctx := context.Background()
+	r := &retryRig{t: t, kind: kind, db: testdb.Open(t), suffix: testdb.UniqueName("")[2:]}
+	r.cfg.Database.Schema = testdb.Schema(t, r.db)
+	brokertest.Apply(t, kind, &r.cfg)
+	r.cfg.Broker.Kafka.RetryTopics = true
+	r.cfg.Relay.Enabled = new(bool)
+	r.cfg.Consumer.Workers = 1
+	r.cfg.Consumer.Retry.MaxAttempts = retryMaxAttempts
+	r.cfg.Consumer.Retry.InitialInterval = 2 * time.Second
+	r.cfg.Consumer.Retry.MaxInterval = 2 * time.Second
+	r.topic, r.group = "orders-"+r.suffix, "billing-"+r.suffix
+	brokertest.Cleanup(t, kind, r.topic, r.group)
+	require.NoError(t, bus.Migrate(ctx, r.db, r.cfg))
+	broker, err := bus.OpenBroker(ctx, r.cfg, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { broker.Close() })
+	r.broker = broker
+	return r
+}
+
+// publish puts the bad message and the goods on the broker.
+func (r *retryRig) publish() {
+	ctx := context.Background()
+	require.NoError(r.t, r.broker.Provision(ctx, r.topic, r.group))
+	require.NoError(r.t, r.broker.Publisher().Publish(r.topic, delivered(ctx, "bad", orderCreated("o-bad"))))
+	for i := range retryGoods {
+		require.NoError(r.t, r.broker.Publisher().Publish(r.topic, delivered(ctx, fmt.Sprint("good-", i), orderCreated(fmt.Sprint("o-", i)))))
+	}
+}
+
+// handle counts the goods and fails the bad message, noting how many
+// goods were handled before each of its later attempts.
+func (r *retryRig) handle(_ context.Context, ev bus.Event) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if ev.ID != "bad" {
+		r.goodsDone++
+		return nil
+	}
+	r.badAttempts++
+	if r.badAttempts > 1 {
+		r.goodsBetween = append(r.goodsBetween, r.goodsDone)
+	}
+	return errors.New("downstream refused the order")
+}
+
+// consumeUntil runs a consumer until it holds (under r.mu), and stops it.
+func (r *retryRig) consumeUntil(until func() bool, what string) {
+	t := r.t
+	b, err := bus.Open(context.Background(), r.cfg, r.db)
+	require.NoError(t, err)
+	defer b.Close()
+	require.NoError(t, b.Handle(r.topic, r.group, r.handle))
+	running := testkit.Start(t, b.Run)
+	testkit.Eventually(t, time.Minute, what, func() bool {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		return until()
+	})
+	require.NoError(t, running.Stop(t, time.Minute))
+}
+
+// parked says whether the bad message waits at the broker. On Kafka a
+// failure the stop interrupts before it is parked is not counted (the
+// record is read again with its number), so the stop waits until the
+// retry topic holds the copy for delivery 3.
+func (r *retryRig) parked() bool {
+	if r.kind != bus.KindKafka {
+		return true
+	}
+	// A group that never read the retry topic is behind by all of it.
+	backlog, err := r.broker.(adapters.BacklogReporter).Backlog(context.Background(), kafka.RetryTopicName(r.topic, r.group), "nobody-"+r.suffix)
+	require.NoError(r.t, err)
+	var copies int64
+	for _, n := range backlog {
+		copies += n
+	}
+	return copies == 2
 }

@@ -268,56 +268,105 @@ func TestHealthHandlerPaths(t *testing.T) {
 // transaction ends the event goes through and readiness is ok again.
 func TestTheRelayReportsTheTransactionItWaitsFor(t *testing.T) {
 	t.Parallel()
+	r := newRelayWaitRig(t)
+	r.publish("first")
+	require.Equal(t, "first", <-r.handled)
+
+	lock, holder := r.lockTheCursor()
+	r.publish("second")
+	r.checkReadinessNamesTheHolder(holder)
+	r.checkOpsAndConsoleListTheWait(holder)
+	metrics := scrapeMetrics(t, r.base)
+	require.Contains(t, metrics, fmt.Sprintf(`pid="%d"`, holder), "millrace_relay_blocker_age_seconds names the holder")
+	require.Regexp(t, `millrace_relay_blocked_seconds\{[^}]*\} [1-9]`, metrics)
+
+	require.NoError(t, lock.Rollback())
+	require.Equal(t, "second", <-r.handled)
+	require.Eventually(t, func() bool {
+		code, checks := probe(t, r.base+"/readyz")
+		return code == http.StatusOK && !checks["relay"].Degraded
+	}, 90*time.Second, 100*time.Millisecond, "readiness to be ok again")
+}
+
+// relayWaitRig is a NATS service with health endpoints and one handler
+// that reports what it handles on handled.
+type relayWaitRig struct {
+	t       *testing.T
+	db      *sql.DB
+	cfg     bus.Config
+	b       *bus.Bus
+	topic   string
+	base    string // the health and metrics server's URL
+	handled chan string
+}
+
+// newRelayWaitRig runs the service and waits until it is ready.
+func newRelayWaitRig(t *testing.T) *relayWaitRig {
 	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
-	brokertest.Apply(t, bus.KindNATS, &cfg)
+	r := &relayWaitRig{t: t, db: testdb.Open(t), handled: make(chan string, 10)}
+	r.cfg.Database.Schema = testdb.Schema(t, r.db)
+	brokertest.Apply(t, bus.KindNATS, &r.cfg)
 	listen := fmt.Sprintf("127.0.0.1:%d", servers.FreePort(t))
-	healthConfig(&cfg, listen)
-	cfg.Relay.BacklogInterval = 100 * time.Millisecond
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	b, err := bus.Open(ctx, cfg, db)
+	healthConfig(&r.cfg, listen)
+	r.cfg.Relay.BacklogInterval = 100 * time.Millisecond
+	require.NoError(t, bus.Migrate(ctx, r.db, r.cfg))
+	b, err := bus.Open(ctx, r.cfg, r.db)
 	require.NoError(t, err)
-	defer b.Close()
-	topic := "waits-" + cfg.Database.Schema[len(cfg.Database.Schema)-8:]
-	brokertest.Cleanup(t, bus.KindNATS, topic, "waits-handler")
-	handled := make(chan string, 10)
-	require.NoError(t, b.Handle(topic, "waits-handler", func(ctx context.Context, ev bus.Event) error {
-		handled <- ev.AggregateID
+	t.Cleanup(func() { b.Close() })
+	r.b = b
+	r.topic = "waits-" + r.cfg.Database.Schema[len(r.cfg.Database.Schema)-8:]
+	brokertest.Cleanup(t, bus.KindNATS, r.topic, "waits-handler")
+	require.NoError(t, b.Handle(r.topic, "waits-handler", func(ctx context.Context, ev bus.Event) error {
+		r.handled <- ev.AggregateID
 		return nil
 	}))
 	runCtx, stop := context.WithCancel(ctx)
-	defer stop()
+	t.Cleanup(stop)
 	go b.Run(runCtx)
-	base := "http://" + listen
-	waitHealth(t, base+"/readyz", true, "")
-	publish := func(id string) {
-		require.NoError(t, b.PublishInOwnTx(ctx, topic, bus.Event{Type: "T", AggregateType: "a", AggregateID: id, Payload: []byte(`{}`)}))
-	}
-	publish("first")
-	require.Equal(t, "first", <-handled)
+	r.base = "http://" + listen
+	waitHealth(t, r.base+"/readyz", true, "")
+	return r
+}
 
-	lock, err := db.BeginTx(ctx, nil)
+// publish publishes an event of aggregate id.
+func (r *relayWaitRig) publish(id string) {
+	require.NoError(r.t, r.b.PublishInOwnTx(context.Background(), r.topic, bus.Event{Type: "T", AggregateType: "a", AggregateID: id, Payload: []byte(`{}`)}))
+}
+
+// lockTheCursor locks the relay's cursor in a transaction left idle, as
+// an operator's SELECT FOR UPDATE would, and returns it with its pid.
+func (r *relayWaitRig) lockTheCursor() (*sql.Tx, int32) {
+	t := r.t
+	lock, err := r.db.BeginTx(context.Background(), nil)
 	require.NoError(t, err)
-	defer lock.Rollback()
+	t.Cleanup(func() { _ = lock.Rollback() })
 	var holder int32
 	require.NoError(t, lock.QueryRow(`SELECT pg_backend_pid()`).Scan(&holder))
-	_, err = lock.Exec(`SELECT 1 FROM "` + cfg.Database.Schema + `"."millrace_relay_cursors" FOR UPDATE`)
+	_, err = lock.Exec(`SELECT 1 FROM "` + r.cfg.Database.Schema + `"."millrace_relay_cursors" FOR UPDATE`)
 	require.NoError(t, err)
-	publish("second")
+	return lock, holder
+}
 
+// checkReadinessNamesTheHolder: readiness says the relay is degraded,
+// waiting for the holder's transaction.
+func (r *relayWaitRig) checkReadinessNamesTheHolder(holder int32) {
+	t := r.t
 	var relay bus.HealthCheck
 	require.Eventually(t, func() bool {
-		_, checks := probe(t, base+"/readyz")
+		_, checks := probe(t, r.base+"/readyz")
 		relay = checks["relay"]
 		return relay.Degraded
 	}, 90*time.Second, 100*time.Millisecond, "readiness to say the relay waits")
 	require.True(t, relay.OK, "a waiting relay is ready, degraded")
 	require.Contains(t, relay.Detail, fmt.Sprintf("pid %d", holder))
 	require.Contains(t, relay.Detail, "idle in transaction")
+}
 
-	oc, err := ops.New(ctx, db, cfg)
+// checkOpsAndConsoleListTheWait: outbox status and the console list the
+// holder's transaction.
+func (r *relayWaitRig) checkOpsAndConsoleListTheWait(holder int32) {
+	t, ctx := r.t, context.Background()
+	oc, err := ops.New(ctx, r.db, r.cfg)
 	require.NoError(t, err)
 	st, err := oc.OutboxStatus(ctx, "")
 	require.NoError(t, err)
@@ -335,17 +384,6 @@ func TestTheRelayReportsTheTransactionItWaitsFor(t *testing.T) {
 	handler.ServeHTTP(page, httptest.NewRequest(http.MethodGet, "/", nil))
 	require.Contains(t, page.Body.String(), `id="relay-waits"`)
 	require.Contains(t, page.Body.String(), fmt.Sprintf("<td class=\"num\">%d</td>", holder))
-
-	metrics := scrapeMetrics(t, base)
-	require.Contains(t, metrics, fmt.Sprintf(`pid="%d"`, holder), "millrace_relay_blocker_age_seconds names the holder")
-	require.Regexp(t, `millrace_relay_blocked_seconds\{[^}]*\} [1-9]`, metrics)
-
-	require.NoError(t, lock.Rollback())
-	require.Equal(t, "second", <-handled)
-	require.Eventually(t, func() bool {
-		code, checks := probe(t, base+"/readyz")
-		return code == http.StatusOK && !checks["relay"].Degraded
-	}, 90*time.Second, 100*time.Millisecond, "readiness to be ok again")
 }
 
 // scrapeMetrics returns the text of base's /metrics.

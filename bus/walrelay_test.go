@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -18,6 +19,7 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/forwarder/wal"
+	"github.com/millrace-io/millrace/internal/names"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/servers"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
@@ -72,7 +74,7 @@ func newWALRig(t *testing.T, url string, db *sql.DB, kind string) *walRig {
 	t.Helper()
 	var cfg bus.Config
 	cfg.Database.URL = url
-	cfg.Database.Schema = testdb.UniqueName("wal") // short: the slot's name is millrace_<schema>_<outbox topic>
+	cfg.Database.Schema = testdb.UniqueName("wal")
 	brokertest.Apply(t, kind, &cfg)
 	cfg.Relay.Source = forwarder.SourceWAL
 	cfg.Relay.PollInterval = 100 * time.Millisecond
@@ -164,7 +166,8 @@ func (r *walRig) outboxRows(t *testing.T) int {
 // the creation waits for the transactions open meanwhile).
 func (r *walRig) awaitStreaming(t *testing.T) {
 	t.Helper()
-	slot := "millrace_" + r.cfg.Database.Schema + "_" + r.cfg.WithDefaults().Outbox.Topic
+	c := r.cfg.WithDefaults()
+	slot := c.Relay.SlotName(c.Database.Schema, c.Outbox.Topic)
 	testkit.Eventually(t, walWait, "a relay streaming slot "+slot, func() bool {
 		var streaming bool
 		err := r.db.QueryRow(`SELECT EXISTS (SELECT 1 FROM pg_replication_slots s JOIN pg_stat_activity a ON a.pid = s.active_pid
@@ -295,6 +298,36 @@ func TestWALRelayConfig(t *testing.T) {
 	require.NoError(t, cfg.Validate())
 	cfg.Relay.Shards = new(4)
 	require.ErrorContains(t, cfg.Validate(), "relay.source: wal reads one replication slot in commit order and needs relay.shards: 1; got relay.shards: 4")
+	cfg.Relay.Shards = new(1)
+	for slot, problem := range map[string]string{
+		strings.Repeat("s", 64): "relay.wal_slot: must be at most 63 characters, got 64",
+		"Orders-Slot":           `relay.wal_slot: must match ^[a-z_][a-z0-9_]*$ (lowercase letters, digits, '_'), got "Orders-Slot"`,
+	} {
+		cfg.Relay.WALSlot = slot
+		require.ErrorContains(t, cfg.Validate(), problem)
+	}
+	cfg.Relay.WALSlot = strings.Repeat("s", 63)
+	require.NoError(t, cfg.Validate())
+	cfg.Relay.Source = forwarder.SourceTable
+	require.ErrorContains(t, cfg.Validate(), `relay.wal_slot: set while relay.source is "table"`)
+}
+
+// The default slot comes from the relay group, the schema and the outbox
+// topic, and is a valid slot name however long or odd those are.
+func TestWALRelaySlotName(t *testing.T) {
+	t.Parallel()
+	relay := forwarder.Config{}.WithDefaults()
+	require.Equal(t, "millrace_relay_public_millrace_outbox", relay.SlotName("public", "millrace_outbox"))
+	relay.ConsumerGroup = "9Billing.Relay-EU"
+	require.Equal(t, "_9billing_relay_eu_app_events", relay.SlotName("app", "events"))
+	long := relay.SlotName(strings.Repeat("s", 63), "events")
+	require.Len(t, long, 63)
+	require.NotEqual(t, long, relay.SlotName(strings.Repeat("s", 63), "events2"))
+	for _, name := range []string{long, relay.SlotName("app", "events")} {
+		require.NoError(t, names.Identifier(name, 63))
+	}
+	relay.WALSlot = "mine"
+	require.Equal(t, "mine", relay.SlotName("app", "events"))
 }
 
 // On a server with wal_level below logical (the shared one), Run stops at

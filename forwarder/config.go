@@ -86,6 +86,15 @@ type Config struct {
 	// broker confirmed it, so that relay.retention does not apply. "wal"
 	// needs relay.shards: 1. Defaults to "table".
 	Source string `yaml:"source"`
+	// WALSlot names the logical replication slot of relay.source: wal: at
+	// most 63 bytes of lowercase letters, digits and '_', not starting
+	// with a digit. A slot belongs to the PostgreSQL cluster, not to one
+	// database: relays of different outboxes need different slots.
+	// Defaults to the consumer group, database schema and outbox topic
+	// joined by '_' ('.' and '-' become '_', letters lowercase), cut to 54
+	// bytes and ended by a hash of the whole when longer than 63 bytes
+	// (see SlotName).
+	WALSlot string `yaml:"wal_slot"`
 }
 
 // minLeaseTTL is the shortest relay.lease_ttl: a renewal every third of it

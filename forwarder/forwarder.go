@@ -179,7 +179,8 @@ var ErrNotPgx = errors.New("forwarder: LISTEN needs a database/sql pool opened w
 // written with, and ErrBrokerChanged when the outbox holds rows for
 // another broker.kind (at start, or at the first such row); with
 // relay.source: wal, at once, an error naming the setting or statement
-// the server or role misses, or the slot's invalidation (see streamWAL).
+// the server or role misses, the slot's invalidation, or a slot dropped
+// while the relay ran (see streamWAL).
 // With relay.shards > 1 the relay holds the leases of a share of the
 // shards instead of the whole outbox's (see shards.go).
 func (f *Forwarder) Run(ctx context.Context) error {
@@ -188,7 +189,7 @@ func (f *Forwarder) Run(ctx context.Context) error {
 	defer func() { stopBackground(); background.Wait() }()
 	background.Go(func() { f.schedule(bgCtx) })
 	background.Go(func() { f.watchWaits(bgCtx) })
-	if err := f.checkWAL(ctx); err != nil {
+	if err := f.prepareWAL(ctx); err != nil {
 		return err
 	}
 	retry := f.newBackoff()

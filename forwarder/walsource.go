@@ -1,9 +1,12 @@
 package forwarder
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"hash/fnv"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -12,6 +15,7 @@ import (
 
 	"github.com/millrace-io/millrace/forwarder/wal"
 	"github.com/millrace-io/millrace/internal/confload"
+	"github.com/millrace-io/millrace/internal/names"
 	"github.com/millrace-io/millrace/internal/store"
 )
 
@@ -32,6 +36,41 @@ func (c Config) validateSource(chk *confload.Checker, at func(string) string) {
 	if c.Source == SourceWAL && c.Shards != nil && *c.Shards > 1 {
 		chk.Add(at("source"), "wal reads one replication slot in commit order and needs relay.shards: 1; got relay.shards: %d", *c.Shards)
 	}
+	switch {
+	case c.WALSlot == "":
+	case c.Source != SourceWAL:
+		chk.Add(at("wal_slot"), "set while relay.source is %q: it names the slot of relay.source: wal only", c.Source)
+	default:
+		chk.Check(at("wal_slot"), names.Identifier(c.WALSlot, store.MaxIdentifierLength))
+	}
+}
+
+// SlotName is the replication slot of relay.source: wal for the outbox
+// of topic outboxTopic in schema: relay.wal_slot, else the name derived
+// from the consumer group, the schema and the topic (see WALSlot), which
+// is always a valid slot name.
+func (c Config) SlotName(schema, outboxTopic string) string {
+	if c.WALSlot != "" {
+		return c.WALSlot
+	}
+	name := strings.Map(func(r rune) rune {
+		switch {
+		case r >= 'a' && r <= 'z', r >= '0' && r <= '9', r == '_':
+			return r
+		case r >= 'A' && r <= 'Z':
+			return r + 'a' - 'A'
+		}
+		return '_'
+	}, cmp.Or(c.ConsumerGroup, "millrace_relay")+"_"+schema+"_"+outboxTopic)
+	if name[0] >= '0' && name[0] <= '9' {
+		name = "_" + name
+	}
+	if len(name) > store.MaxIdentifierLength {
+		h := fnv.New32a()
+		h.Write([]byte(name))
+		name = fmt.Sprintf("%s_%08x", name[:store.MaxIdentifierLength-9], h.Sum32())
+	}
+	return name
 }
 
 // walSource is what a relay with relay.source: wal adds to the table relay:
@@ -40,6 +79,8 @@ type walSource struct {
 	cfg      wal.Config
 	retained prometheus.Gauge
 	busy     atomic.Bool // a batch is in the handler
+	// reader is made once, by the relay's goroutine (walReader).
+	reader *wal.Reader
 }
 
 // newWALSource prepares the WAL source of the outbox tables on the
@@ -49,7 +90,8 @@ func newWALSource(cfg Config, tables store.Tables, url string, reg prometheus.Re
 		return nil, errors.New("forwarder: relay.source: wal needs Options.ReplicationURL (database.direct_url, else database.url)")
 	}
 	s := &walSource{
-		cfg: wal.Config{URL: url, Schema: tables.Schema, OutboxTopic: tables.OutboxTopic, MaxBatchEvents: cfg.BatchSize},
+		cfg: wal.Config{URL: url, Schema: tables.Schema, OutboxTopic: tables.OutboxTopic,
+			Slot: cfg.SlotName(tables.Schema, tables.OutboxTopic), MaxBatchEvents: cfg.BatchSize},
 		retained: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "millrace_relay_wal_retained_bytes", ConstLabels: prometheus.Labels{"outbox": tables.OutboxNotifyPayload()},
 			Help: "WAL the relay's replication slot keeps on the server's disk (pg_current_wal_lsn() - restart_lsn), as last measured by the active relay (every relay.backlog_interval; relay.source: wal).",
@@ -63,27 +105,48 @@ func newWALSource(cfg Config, tables store.Tables, url string, reg prometheus.Re
 	return s, nil
 }
 
-// checkWAL reports the requirements of the WAL source that the server or
-// the role miss (wal_level, the REPLICATION privilege, WAL senders), which
-// no retry fixes; an unreachable server is left to the retries.
-func (f *Forwarder) checkWAL(ctx context.Context) error {
+// prepareWAL readies the WAL source at the relay's start, standby or not:
+// it checks the requirements and creates the publication and the slot when
+// missing (wal.New), once. A missing requirement, which no retry fixes, is
+// returned; any other failure (an unreachable server) is logged and left
+// to the retries, and streamWAL prepares the reader at the lease then.
+func (f *Forwarder) prepareWAL(ctx context.Context) error {
 	if f.wal == nil {
 		return nil
 	}
-	err := wal.Check(ctx, f.wal.cfg.URL)
+	_, err := f.walReader(ctx)
 	if walFatal(err) {
-		return fmt.Errorf("relay.source: wal: %w", err)
+		return err
 	}
 	if err != nil && ctx.Err() == nil {
-		f.logger.Error("Could not check the WAL relay's requirements; retrying at the lease", err, nil)
+		f.logger.Error("Could not prepare the WAL relay's slot; retrying at the lease", err, nil)
 	}
 	return nil
+}
+
+// walReader is the reader of the slot, made by the first call that
+// succeeds (wal.New): later lease rounds reuse it, so that a slot dropped
+// while the relay runs is reported (wal.ErrNoSlot) rather than created
+// again behind the operator's back.
+func (f *Forwarder) walReader(ctx context.Context) (*wal.Reader, error) {
+	if f.wal.reader != nil {
+		return f.wal.reader, nil
+	}
+	r, err := wal.New(ctx, f.wal.cfg)
+	switch {
+	case walFatal(err):
+		return nil, fmt.Errorf("relay.source: wal: %w", err)
+	case err != nil:
+		return nil, fmt.Errorf("forwarder: %w", err)
+	}
+	f.wal.reader = r
+	return r, nil
 }
 
 // walFatal tells whether err is one of the WAL source's errors that only
 // an operator fixes, for which Run returns at once.
 func walFatal(err error) bool {
-	for _, target := range []error{wal.ErrWALLevel, wal.ErrNoReplicationPrivilege, wal.ErrNoSenders, wal.ErrSlotLost} {
+	for _, target := range []error{wal.ErrWALLevel, wal.ErrNoReplicationPrivilege, wal.ErrNoSenders, wal.ErrSlotLost, wal.ErrNoSlot} {
 		if errors.Is(err, target) {
 			return true
 		}
@@ -96,12 +159,9 @@ func walFatal(err error) bool {
 // ends, or the reader fails. The slot lets one reader at a time stream it,
 // and the lease makes that reader the active relay.
 func (f *Forwarder) streamWAL(ctx context.Context, lost <-chan struct{}) error {
-	r, err := wal.New(ctx, f.wal.cfg)
+	r, err := f.walReader(ctx)
 	if err != nil {
-		if walFatal(err) {
-			return fmt.Errorf("relay.source: wal: %w", err)
-		}
-		return fmt.Errorf("forwarder: %w", err)
+		return err
 	}
 	if err := f.catchUp(ctx); err != nil {
 		if errors.Is(err, store.ErrLeaseLost) {
@@ -129,6 +189,9 @@ func (f *Forwarder) streamWAL(ctx context.Context, lost <-chan struct{}) error {
 		return nil
 	case errors.Is(cause, errLeadershipLost):
 		return cause
+	case errors.Is(err, wal.ErrNoSlot):
+		return fmt.Errorf("relay.source: wal: %w; then start the relay again: it forwards what the outbox table "+
+			"still holds before it streams (duplicates possible, no loss); `millrace wal create-slot` creates the slot", err)
 	case walFatal(err):
 		return fmt.Errorf("relay.source: wal: %w", err)
 	}

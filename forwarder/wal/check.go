@@ -24,6 +24,8 @@ var (
 	ErrSlotLost = errors.New("replication slot invalidated")
 	// ErrNoSlot: the slot does not exist.
 	ErrNoSlot = errors.New("replication slot does not exist")
+	// ErrSlotExists: CreateSlot found the slot there already.
+	ErrSlotExists = errors.New("replication slot exists already")
 )
 
 // requirements is what Check reads from the server.

@@ -30,26 +30,36 @@ type Reader struct {
 // the slot when they are missing, and returns a Reader of them. A slot
 // PostgreSQL invalidated is ErrSlotLost.
 func New(ctx context.Context, cfg Config) (*Reader, error) {
-	cfg, err := cfg.withDefaults()
+	cfg, req, _, err := prepare(ctx, cfg, ensureSlot)
 	if err != nil {
 		return nil, err
 	}
+	return &Reader{cfg: cfg, interval: req.statusInterval(cfg.StatusInterval)}, nil
+}
+
+// prepare applies cfg's defaults, checks the requirements on a connection
+// to cfg.URL, creates the publication when it is missing and then runs
+// slot (ensureSlot or createSlot) on that connection.
+func prepare(ctx context.Context, cfg Config,
+	slot func(context.Context, *pgconn.PgConn, string) (SlotStatus, error)) (Config, requirements, SlotStatus, error) {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return cfg, requirements{}, SlotStatus{}, err
+	}
 	conn, err := pgconn.Connect(ctx, cfg.URL)
 	if err != nil {
-		return nil, fmt.Errorf("wal: connect: %w", err)
+		return cfg, requirements{}, SlotStatus{}, fmt.Errorf("wal: connect: %w", err)
 	}
 	defer closeConn(conn)
 	req, err := check(ctx, conn)
 	if err != nil {
-		return nil, err
+		return cfg, req, SlotStatus{}, err
 	}
 	if err := ensurePublication(ctx, conn, cfg); err != nil {
-		return nil, err
+		return cfg, req, SlotStatus{}, err
 	}
-	if _, err := ensureSlot(ctx, conn, cfg.Slot); err != nil {
-		return nil, err
-	}
-	return &Reader{cfg: cfg, interval: req.statusInterval(cfg.StatusInterval)}, nil
+	s, err := slot(ctx, conn, cfg.Slot)
+	return cfg, req, s, err
 }
 
 // Slot is the name of the Reader's replication slot.
@@ -101,7 +111,10 @@ func (r *Reader) startReplication(ctx context.Context) (*pgconn.PgConn, LSN, err
 		return nil, 0, fmt.Errorf("wal: open the replication connection: %w", err)
 	}
 	slot, err := slotStatus(ctx, conn, r.cfg.Slot) // a replication=database connection runs SQL too
-	if err == nil && slot.WALStatus == "lost" {
+	switch {
+	case errors.Is(err, ErrNoSlot):
+		err = droppedError(r.cfg.Slot, err)
+	case err == nil && slot.WALStatus == "lost":
 		err = lostError(r.cfg.Slot, nil)
 	}
 	if err != nil {
@@ -131,8 +144,7 @@ func (r *Reader) startError(err error) error {
 	case sqlState(err) == "55006": // object_in_use
 		return fmt.Errorf("wal: slot %q is read by another relay (only one may read a slot): %w", r.cfg.Slot, err)
 	case sqlState(err) == "42704": // undefined_object
-		return fmt.Errorf("wal: %w: %q was dropped; start the relay again to create it, "+
-			"and reconcile the events committed meanwhile from the outbox table: %w", ErrNoSlot, r.cfg.Slot, err)
+		return droppedError(r.cfg.Slot, err)
 	}
 	return fmt.Errorf("wal: start replication from slot %q: %w", r.cfg.Slot, err)
 }

@@ -105,18 +105,15 @@ func lostError(slot string, cause error) error {
 	return err
 }
 
-// ensureSlot creates cfg's slot when it is missing and returns its state;
-// a lost slot is ErrSlotLost.
+// ensureSlot creates slot when it is missing and returns its state; a
+// lost slot is ErrSlotLost.
 func ensureSlot(ctx context.Context, conn *pgconn.PgConn, slot string) (SlotStatus, error) {
 	s, err := slotStatus(ctx, conn, slot)
 	if errors.Is(err, ErrNoSlot) {
-		// Creating a slot waits for the transactions running at that
-		// moment to end; a concurrent creation of the same slot is fine.
-		err = exec(ctx, conn, `SELECT pg_create_logical_replication_slot(`+quoteLiteral(slot)+`, 'pgoutput')`)
-		if err != nil && sqlState(err) != "42710" { // duplicate_object
-			return s, fmt.Errorf("wal: create slot %q: %w", slot, err)
+		s, err = createSlot(ctx, conn, slot)
+		if errors.Is(err, ErrSlotExists) { // created meanwhile: fine
+			s, err = slotStatus(ctx, conn, slot)
 		}
-		s, err = slotStatus(ctx, conn, slot)
 	}
 	if err != nil {
 		return s, err
@@ -125,6 +122,40 @@ func ensureSlot(ctx context.Context, conn *pgconn.PgConn, slot string) (SlotStat
 		return s, lostError(slot, nil)
 	}
 	return s, nil
+}
+
+// createSlot creates slot and returns its state, or ErrSlotExists.
+// Creating a slot waits for the transactions running at that moment to
+// end.
+func createSlot(ctx context.Context, conn *pgconn.PgConn, slot string) (SlotStatus, error) {
+	err := exec(ctx, conn, `SELECT pg_create_logical_replication_slot(`+quoteLiteral(slot)+`, 'pgoutput')`)
+	switch sqlState(err) {
+	case "":
+		return slotStatus(ctx, conn, slot)
+	case "42710": // duplicate_object
+		return SlotStatus{}, fmt.Errorf("wal: %w: %q", ErrSlotExists, slot)
+	}
+	return SlotStatus{}, fmt.Errorf("wal: create slot %q: %w", slot, err)
+}
+
+// CreateSlot checks the requirements (see Check), creates cfg's
+// publication when it is missing and creates cfg's slot, returning its
+// state; ErrSlotExists when the slot exists already. The slot holds the
+// events committed from the moment it is created (after the transactions
+// running then have ended, which it waits for); New creates a missing slot
+// too, so CreateSlot is for an operator who wants the slot to exist before
+// the relay starts, or again after it was dropped.
+func CreateSlot(ctx context.Context, cfg Config) (SlotStatus, error) {
+	_, _, s, err := prepare(ctx, cfg, createSlot)
+	return s, err
+}
+
+// droppedError is ErrNoSlot for a slot that was dropped while a Reader
+// used it, with what to do.
+func droppedError(slot string, cause error) error {
+	return fmt.Errorf("wal: %w: %q was dropped while the relay used it; the events committed while no slot existed "+
+		"are in no slot: create the slot again (CreateSlot, or New, which creates a missing slot) and forward what "+
+		"the outbox table still holds before streaming: %w", ErrNoSlot, slot, cause)
 }
 
 // ensurePublication creates cfg's publication of the outbox's inserts when

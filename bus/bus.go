@@ -292,10 +292,15 @@ func Migrate[D DB](ctx context.Context, db D, cfg Config) error {
 // privileges a service needs at run time on cfg's tables (publish, relay,
 // consumers), one per object with a comment saying what needs it. Run them
 // as the tables' owner, the role that ran Migrate. role must be a lowercase
-// identifier.
+// identifier. With relay.source: wal it ends with the ALTER ROLE ...
+// REPLICATION the WAL relay needs (run by a superuser).
 func GrantSQL(cfg Config, role string) (string, error) {
 	cfg = cfg.WithDefaults()
-	return store.GrantSQL(tablesOf(cfg), role)
+	sql, err := store.GrantSQL(tablesOf(cfg), role)
+	if err == nil && cfg.Relay.Source == forwarder.SourceWAL {
+		sql += store.ReplicationSQL(role)
+	}
+	return sql, err
 }
 
 // Config returns the configuration the Bus runs with, defaults applied.

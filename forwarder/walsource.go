@@ -5,8 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"hash/fnv"
-	"strings"
 	"sync/atomic"
 	"time"
 
@@ -53,24 +51,7 @@ func (c Config) SlotName(schema, outboxTopic string) string {
 	if c.WALSlot != "" {
 		return c.WALSlot
 	}
-	name := strings.Map(func(r rune) rune {
-		switch {
-		case r >= 'a' && r <= 'z', r >= '0' && r <= '9', r == '_':
-			return r
-		case r >= 'A' && r <= 'Z':
-			return r + 'a' - 'A'
-		}
-		return '_'
-	}, cmp.Or(c.ConsumerGroup, "millrace_relay")+"_"+schema+"_"+outboxTopic)
-	if name[0] >= '0' && name[0] <= '9' {
-		name = "_" + name
-	}
-	if len(name) > store.MaxIdentifierLength {
-		h := fnv.New32a()
-		h.Write([]byte(name))
-		name = fmt.Sprintf("%s_%08x", name[:store.MaxIdentifierLength-9], h.Sum32())
-	}
-	return name
+	return names.Derived(store.MaxIdentifierLength, cmp.Or(c.ConsumerGroup, "millrace_relay"), schema, outboxTopic)
 }
 
 // walSource is what a relay with relay.source: wal adds to the table relay:

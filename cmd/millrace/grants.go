@@ -8,6 +8,7 @@ import (
 	"io"
 
 	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/store"
 )
 
@@ -42,6 +43,9 @@ func runGrants(_ context.Context, e env, args []string, grantsRole string) error
 	var list []grant
 	for _, g := range store.Grants(store.Tables{Schema: e.cfg.Database.Schema, OutboxTopic: e.cfg.Outbox.Topic}) {
 		list = append(list, grant{g.Privilege, g.Kind, g.Object, g.Use})
+	}
+	if e.cfg.Relay.Source == forwarder.SourceWAL {
+		list = append(list, grant{"REPLICATION", "ROLE", `"` + grantsRole + `"`, store.ReplicationUse})
 	}
 	return e.print(map[string]any{"role": grantsRole, "grants": list, "sql": sql}, func(w io.Writer) {
 		fmt.Fprint(w, sql)

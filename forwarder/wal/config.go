@@ -28,10 +28,11 @@ type Config struct {
 	// "<Schema>"."watermill_<OutboxTopic>".
 	Schema, OutboxTopic string
 	// Slot is the logical replication slot's name; by default
-	// millrace_<Schema>_<OutboxTopic>.
+	// millrace_<Schema>_<OutboxTopic>, hashed to fit 63 bytes when longer
+	// (names.Derived).
 	Slot string
 	// Publication is the publication's name; by default
-	// millrace_<Schema>_<OutboxTopic>.
+	// millrace_<Schema>_<OutboxTopic>, hashed to fit 63 bytes when longer.
 	Publication string
 	// MessagePrefix, when set, asks pgoutput for logical messages and
 	// delivers those written with pg_logical_emit_message under this
@@ -59,7 +60,7 @@ func (c Config) withDefaults() (Config, error) {
 	if c.URL == "" {
 		return c, errors.New("wal: Config.URL is empty")
 	}
-	def := "millrace_" + c.Schema + "_" + c.OutboxTopic
+	def := names.Derived(store.MaxIdentifierLength, "millrace", c.Schema, c.OutboxTopic)
 	if c.Slot == "" {
 		c.Slot = def
 	}
@@ -68,7 +69,7 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	for _, n := range []struct{ what, name string }{{"slot", c.Slot}, {"publication", c.Publication}} {
 		if err := names.Identifier(n.name, store.MaxIdentifierLength); err != nil {
-			return c, fmt.Errorf("wal: %s name %q (set Config.Slot and Config.Publication when the default is too long): %w", n.what, n.name, err)
+			return c, fmt.Errorf("wal: %s name %q : %w", n.what, n.name, err)
 		}
 	}
 	if c.StatusInterval <= 0 {

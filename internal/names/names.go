@@ -2,6 +2,7 @@ package names
 
 import (
 	"fmt"
+	"hash/fnv"
 	"regexp"
 	"strings"
 	"unicode"
@@ -43,6 +44,33 @@ func Identifier(name string, maxLen int) error {
 		return fmt.Errorf("must match %s (lowercase letters, digits, '_'), got %q", identifierPattern, name)
 	}
 	return nil
+}
+
+// Derived joins parts with '_' into a name that Identifier(name, maxLen)
+// accepts: letters lowercased, any other character than a lowercase
+// letter, a digit or '_' replaced by '_', a '_' in front of a leading
+// digit, and, when longer than maxLen (at least 16), cut to maxLen-9 bytes
+// and ended by '_' and 8 hex digits of a hash of the whole, so that names
+// with the same beginning stay apart.
+func Derived(maxLen int, parts ...string) string {
+	name := strings.Map(func(r rune) rune {
+		switch {
+		case r >= 'a' && r <= 'z', r >= '0' && r <= '9', r == '_':
+			return r
+		case r >= 'A' && r <= 'Z':
+			return r + 'a' - 'A'
+		}
+		return '_'
+	}, strings.Join(parts, "_"))
+	if name == "" || name[0] >= '0' && name[0] <= '9' {
+		name = "_" + name
+	}
+	if len(name) > maxLen {
+		h := fnv.New32a()
+		h.Write([]byte(name))
+		name = fmt.Sprintf("%s_%08x", name[:maxLen-9], h.Sum32())
+	}
+	return name
 }
 
 // Schema checks a PostgreSQL schema name: an Identifier of at most maxLen

@@ -62,3 +62,17 @@ func TestValueRefusesOnlyWhatTablesCannotHold(t *testing.T) {
 		require.NoError(t, Value(s), "%q", s)
 	}
 }
+
+// Derived makes an Identifier of any parts, hostile or long ones too, and
+// keeps names that differ only past the cut apart.
+func TestDerivedIsAnIdentifier(t *testing.T) {
+	t.Parallel()
+	require.Equal(t, "millrace_public_events", Derived(63, "millrace", "public", "events"))
+	require.Equal(t, "_9a_b_c", Derived(63, "9A.b-c"))
+	long := strings.Repeat("x", 80)
+	require.NotEqual(t, Derived(63, long, "a"), Derived(63, long, "b"))
+	for _, parts := range [][]string{{""}, {"naïve", "a\x00b"}, {long, "a"}, {`x"; DROP`}} {
+		name := Derived(63, parts...)
+		require.NoError(t, Identifier(name, 63), "%q", parts)
+	}
+}

@@ -112,6 +112,18 @@ func Grants(t Tables) []Grant {
 	return g
 }
 
+// ReplicationUse says what needs the REPLICATION attribute: the relay with
+// relay.source: wal.
+const ReplicationUse = "relay with relay.source: wal: stream the outbox from its replication slot " +
+	"(the publication is created by the outbox table's owner: run `millrace wal create-slot` once as the owner)"
+
+// ReplicationSQL is the statement that gives role the REPLICATION
+// attribute, with a comment saying what needs it; role must be an
+// identifier GrantSQL accepts.
+func ReplicationSQL(role string) string {
+	return fmt.Sprintf("-- %s\nALTER ROLE \"%s\" REPLICATION;\n", ReplicationUse, role)
+}
+
 // GrantSQL returns the GRANT statements that give role every privilege of
 // Grants(t): one statement per object, each with a comment saying what
 // needs it. Run them as the owner of the tables (whoever ran Migrate).

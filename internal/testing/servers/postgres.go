@@ -94,6 +94,17 @@ func StartPostgreSQLWith(t testing.TB, opts PostgreSQLOptions) *PostgreSQL {
 	return initPostgreSQL(t, opts, "")
 }
 
+// LogicalConf is the PostgreSQLOptions.Conf of a cluster the WAL relay can
+// read: wal_level = logical (the shared server stays at replica) and room
+// for the slots and senders of tests running in parallel.
+const LogicalConf = "wal_level = logical\nmax_replication_slots = 20\nmax_wal_senders = 20\n"
+
+// StartLogicalPostgreSQL is StartPostgreSQL with LogicalConf.
+func StartLogicalPostgreSQL(t testing.TB) *PostgreSQL {
+	t.Helper()
+	return initPostgreSQL(t, PostgreSQLOptions{Conf: LogicalConf}, "")
+}
+
 // initPostgreSQL makes a cluster with initdb, configures it (see
 // configure) and starts it. initdb's pg_hba.conf trusts every user of
 // 127.0.0.1, for replication too.

@@ -31,13 +31,20 @@ func URL() string {
 // starts it with `make up`.
 func Open(t testing.TB) *sql.DB {
 	t.Helper()
-	db, err := sql.Open("pgx", URL())
+	return OpenURL(t, URL())
+}
+
+// OpenURL returns a pool on url (a private server's, say) that is closed
+// when the test ends; the test fails when the server does not answer.
+func OpenURL(t testing.TB, url string) *sql.DB {
+	t.Helper()
+	db, err := sql.Open("pgx", url)
 	if err != nil {
-		t.Fatalf("open %s: %v", URL(), err)
+		t.Fatalf("open %s: %v", url, err)
 	}
 	t.Cleanup(func() { db.Close() })
 	if err := db.PingContext(context.Background()); err != nil {
-		t.Fatalf("PostgreSQL at DATABASE_URL is not reachable (run `make up`): %v", err)
+		t.Fatalf("PostgreSQL at %s is not reachable (run `make up` for the shared one): %v", url, err)
 	}
 	return db
 }

@@ -2,6 +2,7 @@ package bus_test
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -18,6 +19,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/servers"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
@@ -27,14 +29,13 @@ import (
 // _sum and _count included) with the label names it carries.
 type exported map[string]map[string]bool
 
-// firstScrape runs a service with the relay and a handler and returns its
-// first answer on /metrics, before any event was published: everything the
-// dashboard and the alert rules query must be there already.
-func firstScrape(t *testing.T) exported {
+// firstScrape runs a service with the relay (relay.source source) and a
+// handler and returns its first answer on /metrics, before any event was
+// published: everything the dashboard and the alert rules query must be
+// there already.
+func firstScrape(t *testing.T, source string) exported {
 	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
+	db, cfg := scrapeDatabase(t, source)
 	brokertest.Apply(t, bus.KindNATS, &cfg)
 	listen := fmt.Sprintf("127.0.0.1:%d", servers.FreePort(t))
 	cfg.Metrics.Listen = listen
@@ -48,10 +49,31 @@ func firstScrape(t *testing.T) exported {
 	runCtx, stop := context.WithCancel(ctx)
 	defer stop()
 	go b.Run(runCtx)
+	return scrape(t, "http://"+listen+"/metrics")
+}
 
+// scrapeDatabase is the database and config of firstScrape's service: the
+// shared server for the table relay, a private one with wal_level =
+// logical for the WAL relay.
+func scrapeDatabase(t *testing.T, source string) (*sql.DB, bus.Config) {
+	var cfg bus.Config
+	cfg.Relay.Source = source
+	if source != forwarder.SourceWAL {
+		db := testdb.Open(t)
+		cfg.Database.Schema = testdb.Schema(t, db)
+		return db, cfg
+	}
+	cfg.Database.URL = servers.StartLogicalPostgreSQL(t).URL
+	cfg.Database.Schema = testdb.UniqueName(t.Name())
+	return testdb.OpenURL(t, cfg.Database.URL), cfg
+}
+
+// scrape reads url's metrics, once they are served.
+func scrape(t *testing.T, url string) exported {
+	var err error
 	var resp *http.Response
 	require.Eventually(t, func() bool {
-		resp, err = http.Get("http://" + listen + "/metrics")
+		resp, err = http.Get(url)
 		return err == nil
 	}, 60*time.Second, 10*time.Millisecond, "metrics served")
 	defer resp.Body.Close()
@@ -127,7 +149,9 @@ func TestAlertRulesAndDashboardQueryExportedMetrics(t *testing.T) {
 	p := parser.NewParser(parser.Options{})
 	groups, errs := rulefmt.ParseFile("../docs/prometheus/alerts.yaml", false, model.UTF8Validation, p, nil)
 	require.Empty(t, errs)
-	seen := firstScrape(t)
+	seen := firstScrape(t, forwarder.SourceTable)
+	walSeen := firstScrape(t, forwarder.SourceWAL)
+	require.Contains(t, walSeen, "millrace_relay_wal_retained_bytes")
 	for _, name := range []string{"go_goroutines", "go_memstats_heap_inuse_bytes", "process_cpu_seconds_total", "process_resident_memory_bytes"} {
 		require.Contains(t, seen, name, "Go runtime and process collectors")
 	}
@@ -138,10 +162,10 @@ func TestAlertRulesAndDashboardQueryExportedMetrics(t *testing.T) {
 			require.NotEmpty(t, r.Alert, "every rule is an alert")
 			require.NotEmpty(t, r.Annotations["summary"], r.Alert)
 			alerts = append(alerts, r.Alert)
-			checkExpr(t, p, seen, "alert "+r.Alert, r.Expr)
+			checkExpr(t, p, scrapeFor(r.Expr, seen, walSeen), "alert "+r.Alert, r.Expr)
 		}
 	}
-	for _, want := range []string{"MillraceOutboxOldestPendingAge", "MillraceDLQGrowing", "MillraceBreakerOpen", "MillraceNoActiveRelay", "MillraceConsumerLag"} {
+	for _, want := range []string{"MillraceOutboxOldestPendingAge", "MillraceDLQGrowing", "MillraceBreakerOpen", "MillraceNoActiveRelay", "MillraceConsumerLag", "MillraceRelayWALRetained"} {
 		require.Contains(t, alerts, want)
 	}
 
@@ -161,9 +185,19 @@ func TestAlertRulesAndDashboardQueryExportedMetrics(t *testing.T) {
 		for _, target := range panel.Targets {
 			// Grafana's $__rate_interval and friends are not PromQL.
 			expr := strings.NewReplacer("$__rate_interval", "5m", "$__interval", "1m", "$__range", "1h").Replace(target.Expr)
-			checkExpr(t, p, seen, "panel "+panel.Title, expr)
+			checkExpr(t, p, scrapeFor(expr, seen, walSeen), "panel "+panel.Title, expr)
 			queries++
 		}
 	}
 	require.Positive(t, queries)
+}
+
+// scrapeFor is the scrape to check expr against: the WAL relay's for the
+// WAL relay's metrics (millrace_relay_wal_*), which a service with the
+// table relay does not export, else the table relay's.
+func scrapeFor(expr string, table, wal exported) exported {
+	if strings.Contains(expr, "millrace_relay_wal_") {
+		return wal
+	}
+	return table
 }

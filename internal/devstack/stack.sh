@@ -170,6 +170,19 @@ up_postgres() {
 	say postgresql "started PostgreSQL $v on 127.0.0.1:$PG_PORT"
 }
 
+# wal_advice says how to let the WAL relay (relay.source: wal) read the
+# PostgreSQL server: it reads wal_level and never changes a setting.
+wal_advice() {
+	local url=${DATABASE_URL:-postgres://postgres:postgres@127.0.0.1:$PG_PORT/postgres} level=""
+	if command -v psql >/dev/null; then level=$(PGCONNECT_TIMEOUT=3 psql "$url" -Atqc "SHOW wal_level" 2>/dev/null || true); fi
+	local how="ALTER SYSTEM SET wal_level = logical (as a superuser), then restart PostgreSQL; make up changes no setting (see docs/WAL.md)"
+	case "$level" in
+	logical) say wal "wal_level = logical: relay.source: wal can run here (its role needs REPLICATION)" ;;
+	"") say wal "relay.source: wal needs wal_level = logical: $how" ;;
+	*) say wal "wal_level = $level; relay.source: wal needs logical: $how" ;;
+	esac
+}
+
 up_rabbitmq() {
 	if remote "${AMQP_URL:-}"; then say rabbitmq "AMQP_URL points elsewhere; not managed"; return; fi
 	if port_open "$AMQP_PORT"; then say rabbitmq "reused the server on 127.0.0.1:$AMQP_PORT"; return; fi
@@ -366,7 +379,7 @@ up)
 	[ $# -gt 0 ] || set -- postgres rabbitmq nats nats-current pgbouncer chromium
 	for svc in "$@"; do
 		case "$svc" in
-		postgres) up_postgres ;;
+		postgres) up_postgres; wal_advice ;;
 		rabbitmq) up_rabbitmq ;;
 		nats) up_nats ;;
 		nats-current) up_nats_current ;;

@@ -391,3 +391,23 @@ esac`, built))
 		return err != nil
 	}, 10*time.Second, 50*time.Millisecond, "down stopped the nats-server it started")
 }
+
+// up postgres says how to turn on wal_level = logical for the WAL relay,
+// after reading the setting only: it changes nothing on the server.
+func TestPostgresUpAdvisesOnLogicalWAL(t *testing.T) {
+	t.Parallel()
+	for level, want := range map[string]string{
+		"replica": "wal_level = replica; relay.source: wal needs logical: ALTER SYSTEM SET wal_level = logical",
+		"logical": "wal_level = logical: relay.source: wal can run here",
+		"":        "relay.source: wal needs wal_level = logical: ALTER SYSTEM SET wal_level = logical",
+	} {
+		s := newStack(t, map[string]int{"PG": listen(t, false)})
+		s.fake("psql", "echo "+level)
+		out, err := s.run("up", "postgres")
+		require.NoError(t, err, out)
+		require.Contains(t, out, "reused the server", level)
+		require.Contains(t, out, want, level)
+		require.Contains(t, s.calls(), "psql postgres://postgres:postgres@127.0.0.1:")
+		require.NotContains(t, s.calls(), "ALTER", "make up changed a setting")
+	}
+}

@@ -41,22 +41,18 @@ func TestAttemptsAndTheirLogLines(t *testing.T) {
 func testAttemptsAndTheirLogLines(t *testing.T, kind string) {
 	const maxAttempts = 3
 	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
-	brokertest.Apply(t, kind, &cfg)
-	cfg.Consumer.Retry.MaxAttempts = maxAttempts
-	cfg.Consumer.Retry.InitialInterval = 10 * time.Millisecond
-	cfg.Consumer.Retry.MaxInterval = 20 * time.Millisecond
-	cfg.Consumer.Breaker.Enabled = new(false)
+	svc := brokertest.NewService(t, kind, func(cfg *bus.Config) {
+		cfg.Consumer.Retry.MaxAttempts = maxAttempts
+		cfg.Consumer.Retry.InitialInterval = 10 * time.Millisecond
+		cfg.Consumer.Retry.MaxInterval = 20 * time.Millisecond
+		cfg.Consumer.Breaker.Enabled = new(false)
+	})
+	db, cfg := svc.DB, svc.Config
 	suffix := testdb.UniqueName("")[2:]
 	name, handler, batch := "orders-"+suffix, "billing-"+suffix, "ledger-"+suffix
 	brokertest.Cleanup(t, kind, name, handler, batch)
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
 	var logs testlog.Buffer
-	b, err := bus.Open(ctx, cfg, db, bus.WithLogger(slog.New(slog.NewJSONHandler(&logs, &slog.HandlerOptions{Level: watermill.LevelTrace}))))
-	require.NoError(t, err)
-	defer b.Close()
+	b := svc.Open(t, bus.WithLogger(slog.New(slog.NewJSONHandler(&logs, &slog.HandlerOptions{Level: watermill.LevelTrace}))))
 
 	flaky, doomed, bad := "flaky-"+suffix, "doomed-"+suffix, "bad-"+suffix
 	var mu sync.Mutex

@@ -65,26 +65,22 @@ type backlogRig struct {
 // newBacklogRig runs the holding handler on kind.
 func newBacklogRig(t *testing.T, kind string) *backlogRig {
 	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
-	brokertest.Apply(t, kind, &cfg)
-	cfg.Relay.Enabled = new(bool)
-	cfg.Metrics.BacklogInterval = 50 * time.Millisecond
-	cfg.Consumer.Workers = 1
-	cfg.Consumer.Prefetch = 1
-	cfg.Broker.NATS.Consumer.MaxAckPending = 1
+	s := brokertest.NewService(t, kind, func(cfg *bus.Config) {
+		cfg.Relay.Enabled = new(bool)
+		cfg.Metrics.BacklogInterval = 50 * time.Millisecond
+		cfg.Consumer.Workers = 1
+		cfg.Consumer.Prefetch = 1
+		cfg.Broker.NATS.Consumer.MaxAckPending = 1
+	})
 	suffix := testdb.UniqueName("")[2:]
 	r := &backlogRig{t: t, reg: prometheus.NewRegistry(), topic: "orders-" + suffix, group: "billing-" + suffix, release: make(chan struct{})}
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	b, err := bus.Open(ctx, cfg, db, bus.WithRegistry(r.reg))
-	require.NoError(t, err)
-	t.Cleanup(func() { b.Close() })
+	b := s.Open(t, bus.WithRegistry(r.reg))
 	require.NoError(t, b.Handle(r.topic, r.group, func(ctx context.Context, ev bus.Event) error {
 		<-r.release
 		return nil
 	}))
-	r.broker, err = bus.OpenBroker(ctx, cfg, nil)
+	var err error
+	r.broker, err = bus.OpenBroker(ctx, s.Config, nil)
 	require.NoError(t, err)
 	t.Cleanup(func() { r.broker.Close() })
 	require.NoError(t, r.broker.Provision(ctx, r.topic, r.group))

@@ -99,27 +99,24 @@ func testBlockedHandlers(t *testing.T, kind string) {
 // newBlockedRig opens a service on kind with the handled table every
 // handler writes to.
 func newBlockedRig(t *testing.T, kind string) *blockedRig {
-	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
-	brokertest.Apply(t, kind, &cfg)
-	cfg.Consumer.Workers = 8
-	cfg.Consumer.HandlerTimeout = blockedTimeout
-	cfg.Consumer.Retry = middleware.RetryConfig{MaxAttempts: blockedAttempts, InitialInterval: 50 * time.Millisecond,
-		MaxInterval: 200 * time.Millisecond, MaxElapsed: 5 * time.Minute}
-	// The breaker counts abandoned attempts: four blocked events open it.
-	// A short open period keeps the test short; nothing else changes.
-	cfg.Consumer.Breaker.OpenTimeout = time.Second
 	suffix := testdb.UniqueName("")[2:]
-	r := &blockedRig{t: t, kind: kind, db: db, reg: prometheus.NewRegistry(), logs: &testlog.Buffer{},
+	r := &blockedRig{t: t, kind: kind, reg: prometheus.NewRegistry(), logs: &testlog.Buffer{},
 		poolTopic: "pool-" + suffix, pool: "pool-h-" + suffix, ledgerTopic: "ledger-" + suffix, ledger: "ledger-h-" + suffix}
-	cfg.Consumer.Handlers = map[string]middleware.Config{r.ledger: {Ordered: new(true)}}
+	s := brokertest.NewService(t, kind, func(cfg *bus.Config) {
+		cfg.Consumer.Workers = 8
+		cfg.Consumer.HandlerTimeout = blockedTimeout
+		cfg.Consumer.Retry = middleware.RetryConfig{MaxAttempts: blockedAttempts, InitialInterval: 50 * time.Millisecond,
+			MaxInterval: 200 * time.Millisecond, MaxElapsed: 5 * time.Minute}
+		// The breaker counts abandoned attempts: four blocked events open it.
+		// A short open period keeps the test short; nothing else changes.
+		cfg.Consumer.Breaker.OpenTimeout = time.Second
+		cfg.Consumer.Handlers = map[string]middleware.Config{r.ledger: {Ordered: new(true)}}
+	})
+	r.db = s.DB
 	brokertest.Cleanup(t, kind, r.poolTopic, r.pool)
 	brokertest.Cleanup(t, kind, r.ledgerTopic, r.ledger)
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	r.schema = `"` + cfg.Database.Schema + `"`
-	_, err := db.Exec(`CREATE TABLE ` + r.schema + `.handled (
+	r.schema = `"` + s.Config.Database.Schema + `"`
+	_, err := r.db.Exec(`CREATE TABLE ` + r.schema + `.handled (
 		seq BIGSERIAL PRIMARY KEY, handler TEXT NOT NULL, event_id TEXT NOT NULL, aggregate_id TEXT NOT NULL,
 		blocked_one_poisoned BOOLEAN NOT NULL)`)
 	require.NoError(t, err)
@@ -128,9 +125,7 @@ func newBlockedRig(t *testing.T, kind string) *blockedRig {
 			t.Log(r.logs.String())
 		}
 	})
-	r.b, err = bus.Open(ctx, cfg, db, bus.WithRegistry(r.reg), bus.WithLogger(r.logs.Slog()))
-	require.NoError(t, err)
-	t.Cleanup(func() { r.b.Close() })
+	r.b = s.Open(t, bus.WithRegistry(r.reg), bus.WithLogger(r.logs.Slog()))
 	r.stuck = &stuckHandlers{release: make(chan struct{}), calls: map[string]int{}}
 	var releaseOnce sync.Once
 	r.release = func() { releaseOnce.Do(func() { close(r.stuck.release) }) }

@@ -212,17 +212,12 @@ type breakerRig struct {
 
 func newBreakerRig(t *testing.T, kind string, configure func(*bus.Config)) *breakerRig {
 	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
-	brokertest.Apply(t, kind, &cfg)
-	cfg.Relay.Enabled = new(bool)
-	configure(&cfg)
+	svc := brokertest.NewService(t, kind, func(cfg *bus.Config) { cfg.Relay.Enabled = new(bool) }, configure)
+	db, cfg := svc.DB, svc.Config
 	suffix := testdb.UniqueName("")[2:]
 	r := &breakerRig{t: t, cfg: cfg, db: db, topic: "orders-" + suffix, group: "billing-" + suffix,
 		schema: `"` + cfg.Database.Schema + `"`}
 	brokertest.Cleanup(t, kind, r.topic, r.group)
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
 	_, err := db.Exec(`CREATE TABLE ` + r.schema + `.handled (event_id TEXT NOT NULL)`)
 	require.NoError(t, err)
 	r.broker, err = bus.OpenBroker(ctx, cfg, nil)

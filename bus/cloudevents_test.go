@@ -24,17 +24,13 @@ func TestCloudEventsAttributesReachTheBroker(t *testing.T) {
 		t.Run(kind, func(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
-			db := testdb.Open(t)
-			var cfg bus.Config
-			cfg.Database.Schema = testdb.Schema(t, db)
-			brokertest.Apply(t, kind, &cfg)
-			cfg.Outbox.CloudEvents = bus.CloudEventsConfig{Enabled: true, Source: "/services/orders"}
+			svc := brokertest.NewService(t, kind, func(cfg *bus.Config) {
+				cfg.Outbox.CloudEvents = bus.CloudEventsConfig{Enabled: true, Source: "/services/orders"}
+			})
+			cfg := svc.Config
 			topic := "ce-" + testdb.UniqueName("")[2:]
 			brokertest.Cleanup(t, kind, topic, "tap")
-			require.NoError(t, bus.Migrate(ctx, db, cfg))
-			b, err := bus.Open(ctx, cfg, db)
-			require.NoError(t, err)
-			defer b.Close()
+			b := svc.Open(t)
 			prefix := prefixes[kind]
 
 			ev := orderCreated("o-1")
@@ -42,7 +38,7 @@ func TestCloudEventsAttributesReachTheBroker(t *testing.T) {
 			ev.OccurredAt = time.Date(2026, 5, 6, 7, 8, 9, 10, time.UTC)
 			refused := ev
 			refused.Metadata = map[string]string{prefix + "subject": "mine"}
-			err = b.PublishInOwnTx(ctx, topic, refused)
+			err := b.PublishInOwnTx(ctx, topic, refused)
 			require.ErrorIs(t, err, bus.ErrInvalidField)
 			require.ErrorContains(t, err, "hold CloudEvents attributes")
 

@@ -152,17 +152,13 @@ func TestReadinessFollowsTheDatabaseAndTheBroker(t *testing.T) {
 func TestLivenessFailsWhenALoopIsWedged(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
-	brokertest.Apply(t, bus.KindNATS, &cfg)
 	listen := fmt.Sprintf("127.0.0.1:%d", servers.FreePort(t))
-	healthConfig(&cfg, listen)
-	cfg.Consumer.Retry.MaxAttempts = 1
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	b, err := bus.Open(ctx, cfg, db)
-	require.NoError(t, err)
-	defer b.Close()
+	svc := brokertest.NewService(t, bus.KindNATS, func(cfg *bus.Config) {
+		healthConfig(cfg, listen)
+		cfg.Consumer.Retry.MaxAttempts = 1
+	})
+	db, cfg := svc.DB, svc.Config
+	b := svc.Open(t)
 	topic := "health-" + cfg.Database.Schema[len(cfg.Database.Schema)-8:]
 	brokertest.Cleanup(t, bus.KindNATS, topic, "wedge-handler")
 	release, gate := make(chan struct{}), make(chan struct{})
@@ -303,16 +299,13 @@ type relayWaitRig struct {
 // newRelayWaitRig runs the service and waits until it is ready.
 func newRelayWaitRig(t *testing.T) *relayWaitRig {
 	ctx := context.Background()
-	r := &relayWaitRig{t: t, db: testdb.Open(t), handled: make(chan string, 10)}
-	r.cfg.Database.Schema = testdb.Schema(t, r.db)
-	brokertest.Apply(t, bus.KindNATS, &r.cfg)
 	listen := fmt.Sprintf("127.0.0.1:%d", servers.FreePort(t))
-	healthConfig(&r.cfg, listen)
-	r.cfg.Relay.BacklogInterval = 100 * time.Millisecond
-	require.NoError(t, bus.Migrate(ctx, r.db, r.cfg))
-	b, err := bus.Open(ctx, r.cfg, r.db)
-	require.NoError(t, err)
-	t.Cleanup(func() { b.Close() })
+	s := brokertest.NewService(t, bus.KindNATS, func(cfg *bus.Config) {
+		healthConfig(cfg, listen)
+		cfg.Relay.BacklogInterval = 100 * time.Millisecond
+	})
+	r := &relayWaitRig{t: t, db: s.DB, cfg: s.Config, handled: make(chan string, 10)}
+	b := s.Open(t)
 	r.b = b
 	r.topic = "waits-" + r.cfg.Database.Schema[len(r.cfg.Database.Schema)-8:]
 	brokertest.Cleanup(t, bus.KindNATS, r.topic, "waits-handler")

@@ -236,20 +236,13 @@ func testUnusualInput(t *testing.T, kind string) {
 
 // newUnusualRig opens a service on kind with small size limits.
 func newUnusualRig(t *testing.T, kind string) *unusualRig {
-	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
-	brokertest.Apply(t, kind, &cfg)
-	cfg.Broker.Kafka.MaxMessageBytes = testKafkaMaxBytes
-	cfg.Broker.RabbitMQ.MaxMessageBytes = testRabbitMaxBytes
-	cfg.Broker.NATS.Stream.MaxMsgSize = testNATSMaxMsgSize
-	cfg.Relay.PollInterval = 100 * time.Millisecond
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	b, err := bus.Open(ctx, cfg, db)
-	require.NoError(t, err)
-	t.Cleanup(func() { b.Close() })
-	return &unusualRig{t: t, kind: kind, db: db, schema: cfg.Database.Schema, b: b,
+	s := brokertest.NewService(t, kind, func(cfg *bus.Config) {
+		cfg.Broker.Kafka.MaxMessageBytes = testKafkaMaxBytes
+		cfg.Broker.RabbitMQ.MaxMessageBytes = testRabbitMaxBytes
+		cfg.Broker.NATS.Stream.MaxMsgSize = testNATSMaxMsgSize
+		cfg.Relay.PollInterval = 100 * time.Millisecond
+	})
+	return &unusualRig{t: t, kind: kind, db: s.DB, schema: s.Config.Database.Schema, b: s.Open(t),
 		topic: "unusual-" + testdb.UniqueName("")[2:],
 		got:   map[string][]bus.Event{}, handled: map[string]bool{}, accepted: map[string]unusual{}}
 }

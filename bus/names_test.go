@@ -26,7 +26,6 @@ import (
 	"github.com/millrace-io/millrace/internal/confload"
 	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
-	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/middleware"
 	"github.com/millrace-io/millrace/ops"
 )
@@ -104,11 +103,8 @@ type hostileRig struct {
 // newHostileRig migrates a schema and checks, at the end of the test,
 // that nothing any hostile name did reached the database.
 func newHostileRig(t *testing.T) *hostileRig {
-	ctx := context.Background()
-	r := &hostileRig{db: testdb.Open(t)}
-	r.cfg.Database.Schema = testdb.Schema(t, r.db)
-	brokertest.Apply(t, bus.KindNATS, &r.cfg)
-	require.NoError(t, bus.Migrate(ctx, r.db, r.cfg))
+	s := brokertest.NewService(t, bus.KindNATS)
+	r := &hostileRig{db: s.DB, cfg: s.Config}
 	_, err := r.db.Exec(`CREATE TABLE ` + r.qualified("canary") + ` (id int)`)
 	require.NoError(t, err)
 	tablesBefore := countTables(t, r.db, r.cfg.Database.Schema)
@@ -118,9 +114,7 @@ func newHostileRig(t *testing.T) *hostileRig {
 		_, err := r.db.Exec(`SELECT FROM ` + r.qualified("canary"))
 		require.NoError(t, err, "the canary table is still there")
 	})
-	r.b, err = bus.Open(ctx, r.cfg, r.db)
-	require.NoError(t, err)
-	t.Cleanup(func() { r.b.Close() })
+	r.b = s.Open(t)
 	return r
 }
 

@@ -24,16 +24,12 @@ import (
 func TestRunProvisionsOrderedGroupsOnNATS(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
-	brokertest.Apply(t, bus.KindNATS, &cfg)
-	cfg.Relay.Enabled = new(bool)
-	cfg.Consumer.Handlers = map[string]middleware.Config{"ledger": {Ordered: new(true), Workers: 4, Prefetch: 12}}
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	b, err := bus.Open(ctx, cfg, db)
-	require.NoError(t, err)
-	defer b.Close()
+	svc := brokertest.NewService(t, bus.KindNATS, func(cfg *bus.Config) {
+		cfg.Relay.Enabled = new(bool)
+		cfg.Consumer.Handlers = map[string]middleware.Config{"ledger": {Ordered: new(true), Workers: 4, Prefetch: 12}}
+	})
+	cfg := svc.Config
+	b := svc.Open(t)
 	topic := "orders-" + testdb.UniqueName("")[2:]
 	nop := func(context.Context, bus.Event) error { return nil }
 	require.NoError(t, b.Handle(topic, "ledger", nop, bus.WithConsumerGroup("ledger-"+topic)))

@@ -80,18 +80,17 @@ func testRetryFreesTheWorker(t *testing.T, kind string) {
 // worker and a 2s backoff, and opens its broker.
 func newRetryRig(t *testing.T, kind string) *retryRig {
 	ctx := context.Background()
-	r := &retryRig{t: t, kind: kind, db: testdb.Open(t), suffix: testdb.UniqueName("")[2:]}
-	r.cfg.Database.Schema = testdb.Schema(t, r.db)
-	brokertest.Apply(t, kind, &r.cfg)
-	r.cfg.Broker.Kafka.RetryTopics = true
-	r.cfg.Relay.Enabled = new(bool)
-	r.cfg.Consumer.Workers = 1
-	r.cfg.Consumer.Retry.MaxAttempts = retryMaxAttempts
-	r.cfg.Consumer.Retry.InitialInterval = 2 * time.Second
-	r.cfg.Consumer.Retry.MaxInterval = 2 * time.Second
+	s := brokertest.NewService(t, kind, func(cfg *bus.Config) {
+		cfg.Broker.Kafka.RetryTopics = true
+		cfg.Relay.Enabled = new(bool)
+		cfg.Consumer.Workers = 1
+		cfg.Consumer.Retry.MaxAttempts = retryMaxAttempts
+		cfg.Consumer.Retry.InitialInterval = 2 * time.Second
+		cfg.Consumer.Retry.MaxInterval = 2 * time.Second
+	})
+	r := &retryRig{t: t, kind: kind, db: s.DB, cfg: s.Config, suffix: testdb.UniqueName("")[2:]}
 	r.topic, r.group = "orders-"+r.suffix, "billing-"+r.suffix
 	brokertest.Cleanup(t, kind, r.topic, r.group)
-	require.NoError(t, bus.Migrate(ctx, r.db, r.cfg))
 	broker, err := bus.OpenBroker(ctx, r.cfg, nil)
 	require.NoError(t, err)
 	t.Cleanup(func() { broker.Close() })

@@ -39,12 +39,10 @@ type replayWorld struct {
 func newReplayWorld(t *testing.T, kind string, groups ...string) *replayWorld {
 	t.Helper()
 	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
-	brokertest.Apply(t, kind, &cfg)
-	cfg.Relay.PollInterval = 100 * time.Millisecond
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
+	svc := brokertest.NewService(t, kind, func(cfg *bus.Config) {
+		cfg.Relay.PollInterval = 100 * time.Millisecond
+	})
+	db, cfg := svc.DB, svc.Config
 	_, err := db.Exec(`CREATE TABLE "` + cfg.Database.Schema + `".effects (grp text NOT NULL, event_id text NOT NULL)`)
 	require.NoError(t, err)
 	w := &replayWorld{kind: kind, topic: "replay-" + testdb.UniqueName("")[2:], db: db, cfg: cfg}

@@ -43,17 +43,11 @@ func (c *deadlineCtx) Err() error {
 func TestRunReturnsNilAtItsDeadline(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
-	brokertest.Apply(t, bus.KindNATS, &cfg)
+	svc := brokertest.NewService(t, bus.KindNATS)
 	suffix := testdb.UniqueName("")[2:]
 	topic, handler := "orders-"+suffix, "billing-"+suffix
 	brokertest.Cleanup(t, bus.KindNATS, topic, handler)
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	b, err := bus.Open(ctx, cfg, db)
-	require.NoError(t, err)
-	defer b.Close()
+	b := svc.Open(t)
 	handled := make(chan struct{}, 1)
 	require.NoError(t, b.Handle(topic, handler, func(context.Context, bus.Event) error {
 		select {

@@ -67,25 +67,17 @@ func testServiceRoundTrip(t *testing.T, kind string) {
 
 // newRoundTrip opens a traced service on kind with an invoices table.
 func newRoundTrip(t *testing.T, kind string) *roundTrip {
-	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
-	brokertest.Apply(t, kind, &cfg)
-	cfg.Consumer.HandlerTimeout = 10 * time.Second
+	s := brokertest.NewService(t, kind, func(c *bus.Config) { c.Consumer.HandlerTimeout = 10 * time.Second })
 	suffix := testdb.UniqueName("")[2:]
-	r := &roundTrip{t: t, kind: kind, db: db, schema: cfg.Database.Schema, published: map[string]trace.TraceID{},
+	r := &roundTrip{t: t, kind: kind, db: s.DB, schema: s.Config.Database.Schema, published: map[string]trace.TraceID{},
 		orders: "orders-" + suffix, invoices: "invoices-" + suffix, billing: "billing-" + suffix, audit: "audit-" + suffix}
 	brokertest.Cleanup(t, kind, r.orders, r.billing)
 	brokertest.Cleanup(t, kind, r.invoices, r.audit)
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	_, err := db.Exec(`CREATE TABLE "` + r.schema + `".invoices (order_id text PRIMARY KEY, event_id text NOT NULL)`)
+	_, err := s.DB.Exec(`CREATE TABLE ` + s.Table("invoices") + ` (order_id text PRIMARY KEY, event_id text NOT NULL)`)
 	require.NoError(t, err)
 	r.tp = sdktrace.NewTracerProvider()
-	t.Cleanup(func() { _ = r.tp.Shutdown(ctx) })
-	r.b, err = bus.Open(ctx, cfg, db, bus.WithTracerProvider(r.tp))
-	require.NoError(t, err)
-	t.Cleanup(func() { r.b.Close() })
+	t.Cleanup(func() { _ = r.tp.Shutdown(context.Background()) })
+	r.b = s.Open(t, bus.WithTracerProvider(r.tp))
 	return r
 }
 

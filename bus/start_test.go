@@ -73,19 +73,18 @@ type startRig struct {
 
 func newStartRig(t *testing.T, kind string) *startRig {
 	ctx := context.Background()
-	r := &startRig{t: t, db: testdb.Open(t), hasHistory: kind != bus.KindRabbitMQ, rec: &startRecorder{got: map[string][]string{}}}
-	r.cfg.Database.Schema = testdb.Schema(t, r.db)
-	brokertest.Apply(t, kind, &r.cfg)
-	r.cfg.Relay.Enabled = new(bool)
-	// Ordered, and one aggregate (so one partition on Kafka): every group
-	// gets the events in publishing order, and once it got a later one it
-	// would have got any earlier one it was going to.
-	r.cfg.Consumer.Ordered = new(true)
+	svc := brokertest.NewService(t, kind, func(cfg *bus.Config) {
+		cfg.Relay.Enabled = new(bool)
+		// Ordered, and one aggregate (so one partition on Kafka): every
+		// group gets the events in publishing order, and once it got a
+		// later one it would have got any earlier one it was going to.
+		cfg.Consumer.Ordered = new(true)
+	})
+	r := &startRig{t: t, db: svc.DB, cfg: svc.Config, hasHistory: kind != bus.KindRabbitMQ, rec: &startRecorder{got: map[string][]string{}}}
 	suffix := testdb.UniqueName("")[2:]
 	r.topic = "orders-" + suffix
 	r.existing, r.fresh, r.early, r.history = "existing-"+suffix, "fresh-"+suffix, "early-"+suffix, "history-"+suffix
 	brokertest.Cleanup(t, kind, r.topic, r.existing, r.fresh, r.early, r.history)
-	require.NoError(t, bus.Migrate(ctx, r.db, r.cfg))
 	r.cfg.Consumer.Handlers = map[string]middleware.Config{r.fresh: {Ordered: new(false)}}
 	if r.hasHistory {
 		r.cfg.Consumer.Handlers[r.history] = middleware.Config{Start: adapters.StartAll}

@@ -14,7 +14,6 @@ import (
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
-	"github.com/millrace-io/millrace/internal/testing/testdb"
 )
 
 // One trace covers Publish, the relay and the handler: a producer span at
@@ -25,17 +24,12 @@ import (
 func TestOneTraceAcrossPublishRelayAndHandler(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
-	brokertest.Apply(t, bus.KindNATS, &cfg)
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
+	svc := brokertest.NewService(t, bus.KindNATS)
+	cfg := svc.Config
 	exporter := tracetest.NewInMemoryExporter()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exporter))
 	defer tp.Shutdown(ctx)
-	b, err := bus.Open(ctx, cfg, db, bus.WithTracerProvider(tp))
-	require.NoError(t, err)
-	defer b.Close()
+	b := svc.Open(t, bus.WithTracerProvider(tp))
 	topic := "trace-" + cfg.Database.Schema[len(cfg.Database.Schema)-8:]
 	brokertest.Cleanup(t, bus.KindNATS, topic, "trace-handler")
 

@@ -86,17 +86,14 @@ func testTypedEvents(t *testing.T, kind string) {
 // newTypedRig opens both buses on a fresh schema with a shipments table.
 func newTypedRig(t *testing.T, kind string) *typedRig {
 	ctx := context.Background()
-	r := &typedRig{t: t, kind: kind, db: testdb.Open(t), reg: prometheus.NewRegistry()}
-	r.cfg.Database.Schema = testdb.Schema(t, r.db)
-	brokertest.Apply(t, kind, &r.cfg)
-	r.cfg.Consumer.HandlerTimeout = 10 * time.Second
+	s := brokertest.NewService(t, kind, func(c *bus.Config) { c.Consumer.HandlerTimeout = 10 * time.Second })
+	r := &typedRig{t: t, kind: kind, db: s.DB, cfg: s.Config, reg: prometheus.NewRegistry()}
 	suffix := testdb.UniqueName("")[2:]
 	r.orders = "orders-" + suffix
 	ordersPB := "orderspb-" + suffix
 	r.billing, r.audit, r.shipping = "billing-"+suffix, "audit-"+suffix, "shipping-"+suffix
 	brokertest.Cleanup(t, kind, r.orders, r.billing, r.audit)
 	brokertest.Cleanup(t, kind, ordersPB, r.shipping)
-	require.NoError(t, bus.Migrate(ctx, r.db, r.cfg))
 	_, err := r.db.Exec(`CREATE TABLE "` + r.cfg.Database.Schema + `".shipments (order_id text PRIMARY KEY, event_id text NOT NULL)`)
 	require.NoError(t, err)
 
@@ -112,9 +109,7 @@ func newTypedRig(t *testing.T, kind string) *typedRig {
 	r.pgxBus, err = bus.Open(ctx, r.cfg, r.pool, bus.WithRegistry(r.reg))
 	require.NoError(t, err)
 	t.Cleanup(func() { r.pgxBus.Close() })
-	r.sqlBus, err = bus.Open(ctx, r.cfg, r.db)
-	require.NoError(t, err)
-	t.Cleanup(func() { r.sqlBus.Close() })
+	r.sqlBus = s.Open(t)
 	r.ops, err = ops.New(ctx, r.db, r.cfg)
 	require.NoError(t, err)
 	r.seen = &typedSeen{placed: map[string]bus.Message[placedV2]{}, shipped: map[string]*testpb.OrderPlaced{}}

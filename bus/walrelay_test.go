@@ -335,19 +335,14 @@ func TestWALRelaySlotName(t *testing.T) {
 func TestWALRelayNeedsLogicalWAL(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.URL = testdb.URL()
-	cfg.Database.Schema = testdb.Schema(t, db)
-	brokertest.Apply(t, bus.KindNATS, &cfg)
-	cfg.Relay.Source = forwarder.SourceWAL
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	b, err := bus.Open(ctx, cfg, db)
-	require.NoError(t, err)
-	defer b.Close()
+	svc := brokertest.NewService(t, bus.KindNATS, func(cfg *bus.Config) {
+		cfg.Database.URL = testdb.URL()
+		cfg.Relay.Source = forwarder.SourceWAL
+	})
+	b := svc.Open(t)
 	runCtx, cancel := context.WithTimeout(ctx, walWait)
 	defer cancel()
-	err = b.Run(runCtx)
+	err := b.Run(runCtx)
 	require.ErrorIs(t, err, wal.ErrWALLevel)
 	require.ErrorContains(t, err, "relay.source: wal")
 	require.ErrorContains(t, err, "ALTER SYSTEM SET wal_level = logical")

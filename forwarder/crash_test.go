@@ -130,14 +130,9 @@ type endToEnd struct {
 
 func newEndToEnd(t *testing.T, kind, prefix string) endToEnd {
 	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
-	brokertest.Apply(t, kind, &cfg)
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	b, err := bus.Open(ctx, cfg, db)
-	require.NoError(t, err)
-	t.Cleanup(func() { b.Close() })
+	svc := brokertest.NewService(t, kind)
+	db := svc.DB
+	b := svc.Open(t)
 	topic := prefix + "-" + testdb.UniqueName("")[3:]
 	group := topic + "-check"
 	brokertest.Cleanup(t, kind, topic, group)

@@ -19,6 +19,7 @@ import (
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/forwarder"
+	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/ops"
@@ -86,17 +87,10 @@ type bundle struct {
 
 func setup(t *testing.T) bundle {
 	t.Helper()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
-	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
-	ctx := context.Background()
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	b, err := bus.Open(ctx, cfg, db)
-	require.NoError(t, err)
-	t.Cleanup(func() { b.Close() })
-	cfg = b.Config()
-	return bundle{db: db, bus: b, cfg: cfg, outbox: forwarder.Outbox{Schema: cfg.Database.Schema, Topic: cfg.Outbox.Topic}}
+	svc := brokertest.NewService(t, bus.KindNATS)
+	b := svc.Open(t)
+	cfg := b.Config()
+	return bundle{db: svc.DB, bus: b, cfg: cfg, outbox: forwarder.Outbox{Schema: cfg.Database.Schema, Topic: cfg.Outbox.Topic}}
 }
 
 func testConfig() forwarder.Config {

@@ -39,18 +39,11 @@ type opsWorld struct {
 
 func newOpsWorld(t *testing.T) *opsWorld {
 	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
-	brokertest.Apply(t, bus.KindNATS, &cfg)
-	cfg.Relay.PollInterval = 100 * time.Millisecond
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	w := &opsWorld{db: db, cfg: cfg, topic: "ops-" + testdb.UniqueName("")[2:], bad: map[string]bool{}, handled: map[string]int{}}
+	svc := brokertest.NewService(t, bus.KindNATS, func(cfg *bus.Config) { cfg.Relay.PollInterval = 100 * time.Millisecond })
+	w := &opsWorld{db: svc.DB, cfg: svc.Config, topic: "ops-" + testdb.UniqueName("")[2:], bad: map[string]bool{}, handled: map[string]int{}}
 	w.group = w.topic + "-billing"
 	brokertest.Cleanup(t, bus.KindNATS, w.topic, w.group)
-	b, err := bus.Open(ctx, cfg, db)
-	require.NoError(t, err)
-	t.Cleanup(func() { b.Close() })
+	b := svc.Open(t)
 	w.bus = b
 	require.NoError(t, b.Handle(w.topic, w.group, func(_ context.Context, ev bus.Event) error {
 		w.mu.Lock()
@@ -61,11 +54,10 @@ func newOpsWorld(t *testing.T) *opsWorld {
 		w.handled[ev.ID]++
 		return nil
 	}))
-	runCtx, stop := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- b.Run(runCtx) }()
-	t.Cleanup(func() { stop(); require.NoError(t, <-done) })
-	w.ops, err = ops.New(ctx, db, cfg)
+	running := testkit.Start(t, b.Run)
+	t.Cleanup(func() { require.NoError(t, running.Stop(t, time.Minute)) })
+	var err error
+	w.ops, err = ops.New(ctx, svc.DB, svc.Config)
 	require.NoError(t, err)
 	return w
 }

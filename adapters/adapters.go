@@ -16,11 +16,14 @@ type Broker interface {
 	// Publisher publishes one call at a time, waiting for the broker's confirm.
 	Publisher() message.Publisher
 
-	// Subscriber returns a subscriber for consumerGroup. Every group receives
-	// every message of a topic (fan-out); subscribers of one group compete, so
-	// each message goes to one of them. Messages are acked only by Ack: a Nack,
-	// a crash or a closed subscriber means redelivery, never loss.
-	Subscriber(consumerGroup string) (message.Subscriber, error)
+	// Subscriber returns a subscriber for spec.Group, handing messages out
+	// and settling them as spec asks. Every group receives every message
+	// of a topic (fan-out); subscribers of one group compete, so each
+	// message goes to one of them. Messages are acked only by Ack: a Nack,
+	// a crash or a closed subscriber means redelivery, never loss. A spec
+	// the broker cannot serve (see Capabilities) is a *SpecError naming
+	// the field.
+	Subscriber(spec SubscriberSpec) (message.Subscriber, error)
 
 	// PublishBatch publishes msgs pipelined (without waiting for each confirm)
 	// and returns nil only when the broker confirmed every one of them. Otherwise
@@ -41,7 +44,7 @@ type Broker interface {
 	// does not exist yet starts at group.Start, one that exists keeps its
 	// position whatever group.Start says; with group.Ordered it gets the
 	// settings that keep per-key order across redeliveries where the broker
-	// needs them (see OrderedProvisioner). A start the broker cannot give
+	// needs them (Capabilities.OrderedGroups). A start the broker cannot give
 	// is a permanent error saying why.
 	ProvisionGroup(ctx context.Context, topic string, group GroupSpec) error
 
@@ -90,8 +93,9 @@ type Deprovisioner interface {
 	Deprovision(ctx context.Context, topic string, consumerGroups ...string) error
 }
 
-// Capabilities are what a broker guarantees beyond the contract. Consumers
-// decide from them, never from the broker's name.
+// Capabilities are what a broker can do beyond the contract, as it is
+// configured. Consumers decide from them, never from the broker's type or
+// name; Broker.Subscriber refuses a SubscriberSpec they do not cover.
 type Capabilities struct {
 	// KeyPartitioned: one subscription delivers messages of different
 	// partition keys concurrently and those of one key in order (Kafka: one
@@ -102,6 +106,39 @@ type Capabilities struct {
 	// published again with the same id within a window (JetStream's
 	// Nats-Msg-Id), so a relay's re-sent batch does not reach consumers twice.
 	DeduplicatesByID bool
+	// OrderedFlight: Subscriber serves SubscriberSpec.Ordered, one
+	// subscription having many messages in flight and keeping their order
+	// across nacks and restarts (RabbitMQ: delivery tags acked one by one
+	// on a quorum queue; Kafka: reading ahead of the committed offset;
+	// NATS: one process of a group consumes at a time, holding a lease).
+	OrderedFlight bool
+	// ConcurrentFlight: Subscriber serves an unordered SubscriberSpec with
+	// InFlight above 0, where the stock subscription holds one message at a
+	// time (per partition on Kafka).
+	ConcurrentFlight bool
+	// ScheduledRedelivery: Subscriber serves a SubscriberSpec with a
+	// RedeliveryWait: the broker waits before it delivers a nacked message
+	// again, per message, and counts each message's deliveries itself,
+	// across consumer restarts (JetStream's NakWithDelay and NumDelivered;
+	// a RabbitMQ retry queue with per-message expiration and a delivery
+	// header; Kafka's retry topics). It says what is configured now:
+	// false on a broker that could but is not set to (Kafka with
+	// broker.kafka.retry_topics off).
+	ScheduledRedelivery bool
+	// RedeliveryNeedsFlight: ScheduledRedelivery only with InFlight above 0
+	// (Kafka: its retry topics work on the read-ahead subscription).
+	RedeliveryNeedsFlight bool
+	// OrderedGroups: an ordered group needs settings of its own to keep
+	// per-key order across redeliveries, which ProvisionGroup with
+	// GroupSpec.Ordered gives it (NATS: a consumer with max_ack_pending 1);
+	// brokers that keep that order anyway (Kafka re-reads from the
+	// committed offset; a RabbitMQ queue returns an unacked message to its
+	// head) do not need it.
+	OrderedGroups bool
+	// Backlog: Broker.Backlog reports how far a group is behind.
+	Backlog bool
+	// Ping: Broker.Ping tells whether the broker answers right now.
+	Ping bool
 }
 
 // Section is one broker's section of config.yaml (kafka.Config,
@@ -227,105 +264,4 @@ type BacklogReporter interface {
 	// queue's ready messages, Kafka's high watermark minus the group's
 	// committed offset.
 	Backlog(ctx context.Context, topic, consumerGroup string) (map[string]int64, error)
-}
-
-// OrderedProvisioner is a Broker whose consumer groups need settings of
-// their own to keep per-key order across redeliveries (a consumer restarted,
-// crashed or stopped, a message nacked), not only while a consumer runs.
-// ProvisionGroup with GroupSpec.Ordered gives a group those settings too.
-// Brokers that keep that order anyway (Kafka
-// re-reads from the committed offset; a RabbitMQ queue returns an unacked
-// message to its head) do not implement it.
-type OrderedProvisioner interface {
-	// ProvisionOrdered is Provision for consumer groups whose messages of
-	// one key must be handled in order across redeliveries. The broker
-	// remembers the groups: later Provision and Subscribe calls for them
-	// keep the ordered settings.
-	ProvisionOrdered(ctx context.Context, topic string, consumerGroups ...string) error
-}
-
-// OrderedFlight is a Broker whose subscription can hand out many messages
-// at once to an ordered consumer and settle each on its own, out of order,
-// without giving up the order of what it hands out (RabbitMQ: delivery tags
-// acked one by one on a quorum queue). bus.Run subscribes a handler with
-// consumer.ordered: true through it, and the middleware Dispatcher then
-// keeps one message per aggregate in flight and the others held, so an
-// ordered handler runs consumer.workers aggregates at once from one
-// subscription. RabbitMQ, Kafka and NATS implement it (NATS on every
-// server version with JetStream: one process of a group consumes at a
-// time, holding a lease; see its package).
-type OrderedFlight interface {
-	// OrderedSubscriber is Subscriber for consumerGroup, except that one
-	// subscription has up to inFlight messages handed out and not settled
-	// at once (at most one per aggregate-id at a time), acks each as soon
-	// as it is acked, and never lets a newer message pass an older one it
-	// handed out: when a message is nacked,
-	// or the subscriber closes, crashes or loses its connection, the
-	// messages it handed out and did not ack come back in the order they
-	// were first delivered, before any newer message. Competing
-	// subscribers of one group give no order between them.
-	OrderedSubscriber(consumerGroup string, inFlight int) (message.Subscriber, error)
-}
-
-// ConcurrentFlight is a Broker whose stock subscription hands out one
-// message at a time per partition, and that can also hand out many at once
-// and settle each on its own (Kafka: reading ahead of the committed offset,
-// which only ever covers the acked prefix). bus.Run subscribes an unordered
-// handler through it, so the handler runs consumer.workers messages at once
-// from a partition.
-type ConcurrentFlight interface {
-	// ConcurrentSubscriber is Subscriber for consumerGroup, except that one
-	// subscription has up to inFlight messages handed out and not settled
-	// at once, in no order between them.
-	ConcurrentSubscriber(consumerGroup string, inFlight int) (message.Subscriber, error)
-}
-
-// RedeliveryScheduler is a Broker that can wait before it delivers a nacked
-// message again, per message, and counts each message's deliveries itself,
-// across consumer restarts (JetStream's NakWithDelay and NumDelivered;
-// RabbitMQ a retry queue with per-message expiration and a delivery
-// header). A
-// consumer chain then hands the wait between the attempts of a failing
-// message to the broker instead of holding a worker for it, and takes the
-// attempt number from the broker's count (DeliveryNumber).
-type RedeliveryScheduler interface {
-	// RedeliverySubscriber is Subscriber for consumerGroup, except that a
-	// nacked message comes back after wait(n), n being the number of the
-	// delivery that was nacked (1 for the first), and that each message's
-	// context carries its delivery number (DeliveryNumber). Use it only for
-	// groups whose messages need no order across redeliveries: a message
-	// waiting for its next delivery lets newer ones pass it.
-	RedeliverySubscriber(consumerGroup string, wait func(delivery int) time.Duration) (message.Subscriber, error)
-}
-
-// ConcurrentRedelivery is a ConcurrentFlight Broker that can also schedule
-// the redeliveries of nacked messages when set to (Kafka's retry topics, off
-// by default): a consumer chain subscribes an unordered handler with
-// retry.mode auto through ConcurrentRedeliverySubscriber when
-// SchedulesRedeliveries reports true.
-type ConcurrentRedelivery interface {
-	// SchedulesRedeliveries reports whether the Broker is set to schedule
-	// redeliveries.
-	SchedulesRedeliveries() bool
-	// ConcurrentRedeliverySubscriber is ConcurrentFlight's
-	// ConcurrentSubscriber with RedeliveryScheduler's redeliveries: a
-	// nacked message comes back after wait(n), and each message's context
-	// carries its delivery number (DeliveryNumber).
-	ConcurrentRedeliverySubscriber(consumerGroup string, inFlight int, wait func(delivery int) time.Duration) (message.Subscriber, error)
-}
-
-type deliveryKey struct{}
-
-// WithDeliveryNumber returns ctx carrying a message's delivery number n (1
-// for the first delivery), as a RedeliveryScheduler's subscriber sets it.
-func WithDeliveryNumber(ctx context.Context, n int) context.Context {
-	return context.WithValue(ctx, deliveryKey{}, n)
-}
-
-// DeliveryNumber returns the delivery number a RedeliveryScheduler's
-// subscriber gave the message whose context is ctx, and false for a message
-// of any other subscriber: its redeliveries are not scheduled by the broker.
-func DeliveryNumber(ctx context.Context) (int, bool) {
-	n, ok := ctx.Value(deliveryKey{}).(int)
-	return n, ok
 }

@@ -7,6 +7,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/nats"
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
@@ -46,7 +47,7 @@ func TestCloudEventsAttributesReachTheBroker(t *testing.T) {
 			require.NoError(t, err)
 			defer broker.Close()
 			require.NoError(t, broker.Provision(ctx, topic, "tap"))
-			sub, err := broker.Subscriber("tap")
+			sub, err := broker.Subscriber(adapters.SubscriberSpec{Group: "tap"})
 			require.NoError(t, err)
 			subCtx, cancel := context.WithCancel(ctx)
 			defer cancel()

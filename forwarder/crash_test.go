@@ -183,7 +183,7 @@ type collector struct {
 }
 
 func collect(t *testing.T, broker adapters.Broker, topic, group string) *collector {
-	sub, err := broker.Subscriber(group)
+	sub, err := broker.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(func() { cancel(); _ = sub.Close() })

@@ -27,7 +27,7 @@ type arrivals struct {
 }
 
 func recordArrivals(t *testing.T, broker adapters.Broker, topic, group string) *arrivals {
-	sub, err := broker.Subscriber(group)
+	sub, err := broker.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(func() { cancel(); _ = sub.Close() })

@@ -106,10 +106,9 @@ type RetryConfig struct {
 // Retry modes accepted by retry.mode.
 const (
 	// RetryAuto hands the waits of an unordered handler to a broker that
-	// schedules redeliveries (adapters.ConcurrentRedelivery: NATS
-	// JetStream, RabbitMQ, Kafka with retry topics; or
-	// adapters.RedeliveryScheduler),
-	// freeing the worker; the attempt number is then the broker's delivery
+	// schedules redeliveries (adapters.Capabilities.ScheduledRedelivery:
+	// NATS JetStream, RabbitMQ, Kafka with retry topics), freeing the
+	// worker; the attempt number is then the broker's delivery
 	// count and retry.max_elapsed is not applied. Elsewhere the worker waits.
 	RetryAuto = "auto"
 	// RetryInProcess always waits in the worker, within one delivery.

@@ -35,9 +35,9 @@ type Source struct {
 	// Concurrent is true when one subscription hands out many messages
 	// without waiting for their acks and settles each on its own: for an
 	// ordered handler one that keeps the order of what it handed out across
-	// nacks and restarts (adapters.OrderedFlight: the ordered subscribers
-	// of RabbitMQ, NATS and Kafka), for an unordered one
-	// adapters.ConcurrentFlight (the same three). The Dispatcher opens one
+	// nacks and restarts (adapters.Capabilities.OrderedFlight: RabbitMQ,
+	// NATS and Kafka), for an unordered one
+	// adapters.Capabilities.ConcurrentFlight (the same three). The Dispatcher opens one
 	// subscription, and the handler has up to Workers messages in flight
 	// from it, one per aggregate when ordered.
 	Concurrent bool
@@ -137,52 +137,65 @@ func (c *Chain) Subscriber(src Source) *Dispatcher {
 }
 
 // BrokerSource is the Source of the chain's handler in consumerGroup on
-// broker, with the subscriber bus.Run gives it:
+// broker, with the subscriber bus.Run gives it, decided from the broker's
+// Capabilities alone:
 //
 //   - an unordered handler with retry.mode auto hands the waits between
-//     its attempts to a broker that can schedule redeliveries
-//     (adapters.ConcurrentRedelivery when set to, as NATS and RabbitMQ
-//     always are and Kafka with retry topics; else
-//     adapters.RedeliveryScheduler), freeing its workers; an ordered one
-//     keeps them in process, where nothing newer passes;
+//     its attempts to a broker that schedules redeliveries
+//     (ScheduledRedelivery: NATS and RabbitMQ always, Kafka with retry
+//     topics), freeing its workers, with many messages in flight where the
+//     broker has ConcurrentFlight; an ordered one keeps them in process,
+//     where nothing newer passes;
 //   - an ordered handler takes up to consumer.prefetch messages at once
 //     from a broker that can settle them out of order and still keep their
-//     order (adapters.OrderedFlight); the Dispatcher holds those of busy
+//     order (OrderedFlight); the Dispatcher holds those of busy
 //     aggregates;
 //   - so does an unordered one from a broker whose one subscription can
-//     hand out many messages at once (adapters.ConcurrentFlight,
-//     adapters.ConcurrentRedelivery: every millrace adapter), where a
-//     stock subscription holds one;
-//   - otherwise the broker's stock Subscriber.
+//     hand out many messages at once (ConcurrentFlight: every millrace
+//     adapter), where a stock subscription holds one;
+//   - otherwise the broker's stock subscription.
 func (c *Chain) BrokerSource(broker adapters.Broker, consumerGroup string) Source {
-	src := Source{
-		NewSubscriber:  func() (message.Subscriber, error) { return broker.Subscriber(consumerGroup) },
+	caps := broker.Capabilities()
+	spec := brokerSpec(caps, adapters.SubscriberSpec{Group: consumerGroup},
+		*c.cfg.Ordered, c.cfg.Retry.Mode == RetryAuto, c.cfg.EffectivePrefetch(), c.RedeliveryWait)
+	return Source{
+		NewSubscriber:  func() (message.Subscriber, error) { return broker.Subscriber(spec) },
 		Competing:      true,
-		KeyPartitioned: broker.Capabilities().KeyPartitioned,
+		KeyPartitioned: caps.KeyPartitioned,
+		Concurrent:     spec.InFlight > 0,
 	}
-	ordered, inFlight := *c.cfg.Ordered, c.cfg.EffectivePrefetch()
-	of, orderedFlight := broker.(adapters.OrderedFlight)
-	cf, concurrentFlight := broker.(adapters.ConcurrentFlight)
-	rs, redelivers := broker.(adapters.RedeliveryScheduler)
-	cr, concurrentRedelivery := broker.(adapters.ConcurrentRedelivery)
-	auto := c.cfg.Retry.Mode == RetryAuto
-	switch {
-	case ordered && orderedFlight:
-		src.Concurrent = true
-		src.NewSubscriber = func() (message.Subscriber, error) { return of.OrderedSubscriber(consumerGroup, inFlight) }
-	case !ordered && auto && concurrentRedelivery && cr.SchedulesRedeliveries():
-		src.Concurrent = true
-		src.NewSubscriber = func() (message.Subscriber, error) {
-			return cr.ConcurrentRedeliverySubscriber(consumerGroup, inFlight, c.RedeliveryWait)
-		}
-	case !ordered && auto && redelivers:
-		src.NewSubscriber = func() (message.Subscriber, error) { return rs.RedeliverySubscriber(consumerGroup, c.RedeliveryWait) }
-	case !ordered && concurrentFlight:
-		src.Concurrent = true
-		src.NewSubscriber = func() (message.Subscriber, error) { return cf.ConcurrentSubscriber(consumerGroup, inFlight) }
-	}
-	return src
 }
+
+// brokerSpec completes spec for a handler (ordered or not, with retry.mode
+// auto or not, inFlight its consumer.prefetch) on a broker with caps. A
+// spec with a RedeliveryWait records its delivery numbers in handedOut,
+// where the retry stage reads them.
+func brokerSpec(caps adapters.Capabilities, spec adapters.SubscriberSpec, ordered, auto bool, inFlight int,
+	wait func(int) time.Duration) adapters.SubscriberSpec {
+	scheduled := !ordered && auto && caps.ScheduledRedelivery
+	switch {
+	case ordered && caps.OrderedFlight:
+		spec.Ordered, spec.InFlight = true, inFlight
+	case scheduled && caps.ConcurrentFlight:
+		spec.InFlight, spec.RedeliveryWait = inFlight, wait
+	case scheduled && !caps.RedeliveryNeedsFlight:
+		spec.RedeliveryWait = wait
+	case !ordered && caps.ConcurrentFlight:
+		spec.InFlight = inFlight
+	}
+	if spec.RedeliveryWait != nil {
+		spec.Deliveries = &handedOut
+	}
+	return spec
+}
+
+// handedOut holds the delivery numbers of the messages that subscriptions
+// with a RedeliveryWait have handed out, until each is settled: the
+// subscription records a message's number before the message reaches the
+// Dispatcher, and the retry stage reads it by the message. One table
+// serves every chain of the process: its keys are the messages themselves,
+// so no chain sees another's.
+var handedOut adapters.Deliveries
 
 // NewDispatcher returns a Dispatcher over src. Chain.Subscriber is the usual
 // way to get one.

@@ -132,7 +132,7 @@ func adapterKit(t testing.TB, kind string, opts kitOptions) *kit {
 			return middleware.Source{
 				Competing:      true,
 				KeyPartitioned: kind == bus.KindKafka,
-				NewSubscriber:  func() (message.Subscriber, error) { return broker.Subscriber(group) },
+				NewSubscriber:  func() (message.Subscriber, error) { return broker.Subscriber(adapters.SubscriberSpec{Group: group}) },
 			}
 		},
 		provision: func(t testing.TB, topic string, groups ...string) {

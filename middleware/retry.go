@@ -9,8 +9,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/cenkalti/backoff/v5"
-
-	"github.com/millrace-io/millrace/adapters"
 )
 
 // jitterFactor spreads each wait over [wait*(1-f), wait*(1+f)] when
@@ -45,8 +43,9 @@ func newBackOff(cfg RetryConfig) *backoff.ExponentialBackOff {
 // (*abandonedError, *timedOutError) is a failed attempt like any other.
 //
 // With retry.mode auto, when the message came from a broker that
-// schedules redeliveries (adapters.ConcurrentRedelivery or
-// adapters.RedeliveryScheduler: its context carries a delivery number) and the handler is not ordered, a failed attempt that
+// schedules redeliveries (adapters.Capabilities.ScheduledRedelivery: its
+// subscription recorded a delivery number for it, see BrokerSource) and
+// the handler is not ordered, a failed attempt that
 // will be retried is not waited for here: the stage returns a
 // *redeliverError, the message is nacked and the broker delivers it again
 // after RedeliveryWait of its delivery number, so the worker is free
@@ -70,7 +69,7 @@ func (c *Chain) retry(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		d := deliveryFrom(ctx)
-		delivery, scheduled := adapters.DeliveryNumber(ctx)
+		delivery, scheduled := handedOut.Number(msg)
 		scheduled = scheduled && !*c.cfg.Ordered && cfg.Mode == RetryAuto && delivery >= 1
 		if scheduled {
 			d.attempts = delivery - 1 // at least one attempt per earlier delivery
@@ -150,7 +149,7 @@ func (c *Chain) retry(h message.HandlerFunc) message.HandlerFunc {
 // the first) on the retry ladder: retry.initial_interval times
 // retry.multiplier per further attempt, capped at retry.max_interval,
 // jittered when retry.jitter is on. A broker that schedules redeliveries
-// (adapters.ConcurrentRedelivery, adapters.RedeliveryScheduler) waits it before delivering a message
+// (adapters.SubscriberSpec.RedeliveryWait) waits it before delivering a message
 // again, attempt being the number of the delivery that failed.
 func (c *Chain) RedeliveryWait(attempt int) time.Duration {
 	bo := newBackOff(c.cfg.Retry)

@@ -51,8 +51,13 @@ func retryChain(t *testing.T, retry RetryConfig) (*Chain, *fakeClock) {
 	return c, clock
 }
 
-func runRetry(ctx context.Context, c *Chain, h message.HandlerFunc) (*delivery, error) {
+// runRetry runs the retry stage over h for a message; with scheduled, its
+// subscription recorded scheduled[0] as its delivery number.
+func runRetry(ctx context.Context, c *Chain, h message.HandlerFunc, scheduled ...int) (*delivery, error) {
 	msg := message.NewMessage("evt-1", nil)
+	for _, n := range scheduled {
+		defer handedOut.Record(msg, n)()
+	}
 	d := &delivery{eventID: "evt-1"}
 	msg.SetContext(context.WithValue(ctx, deliveryKey, d))
 	_, err := c.retry(c.attempt(h))(msg)
@@ -171,8 +176,8 @@ func TestAttemptRestoresTheMessageContext(t *testing.T) {
 	}
 }
 
-// A message whose broker schedules redeliveries (its context carries a
-// delivery number) is not waited for in process: each failed delivery
+// A message whose broker schedules redeliveries (its subscription recorded
+// a delivery number for it) is not waited for in process: each failed delivery
 // before the max_attempts-th is handed back for redelivery, that one is
 // poisoned with the attempts of every delivery. An ordered handler, and
 // any with retry.mode process, keeps its retries in process.
@@ -185,7 +190,7 @@ func TestRetryHandsTheWaitToTheBroker(t *testing.T) {
 	c, clock := retryChain(t, ladder)
 	fail := func(*message.Message) ([]*message.Message, error) { return nil, errors.New("down") }
 	for delivery := 1; delivery <= 3; delivery++ {
-		d, err := runRetry(adapters.WithDeliveryNumber(context.Background(), delivery), c, fail)
+		d, err := runRetry(context.Background(), c, fail, delivery)
 		require.Empty(t, clock.sleeps, "no wait in process")
 		if delivery < 3 {
 			require.ErrorAs(t, err, new(*redeliverError))
@@ -201,24 +206,24 @@ func TestRetryHandsTheWaitToTheBroker(t *testing.T) {
 	}, time.Millisecond), "the retry ladder by attempt number")
 
 	// A stop during an attempt is never a reason to poison, on any delivery.
-	ctx, cancel := context.WithCancel(adapters.WithDeliveryNumber(context.Background(), 3))
+	ctx, cancel := context.WithCancel(context.Background())
 	_, err := runRetry(ctx, c, func(*message.Message) ([]*message.Message, error) {
 		cancel()
 		return nil, errors.New("down")
-	})
+	}, 3)
 	require.ErrorAs(t, err, new(*shutdownError))
 	require.False(t, shouldPoison(err))
 
 	ordered, clock := retryChain(t, ladder)
 	ordered.cfg.Ordered = new(true)
-	_, err = runRetry(adapters.WithDeliveryNumber(context.Background(), 1), ordered, fail)
+	_, err = runRetry(context.Background(), ordered, fail, 1)
 	require.True(t, shouldPoison(err))
 	require.Len(t, clock.sleeps, 2, "an ordered handler waits in process")
 
 	inProcess := ladder
 	inProcess.Mode = RetryInProcess
 	worker, clock := retryChain(t, inProcess)
-	_, err = runRetry(adapters.WithDeliveryNumber(context.Background(), 1), worker, fail)
+	_, err = runRetry(context.Background(), worker, fail, 1)
 	require.True(t, shouldPoison(err))
 	require.Len(t, clock.sleeps, 2, "retry.mode process waits in process")
 }

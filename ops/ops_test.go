@@ -13,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/nats"
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
@@ -269,7 +270,7 @@ func subscribe(t *testing.T, w *opsWorld, topic string) <-chan string {
 	t.Cleanup(func() { broker.Close() })
 	group := "tap"
 	require.NoError(t, broker.Provision(ctx, topic, group))
-	sub, err := broker.Subscriber(group)
+	sub, err := broker.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
 	subCtx, cancel := context.WithCancel(ctx)
 	t.Cleanup(func() { cancel(); _ = sub.Close() })

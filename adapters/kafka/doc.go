@@ -49,11 +49,12 @@
 // on close); a nack redelivers to the same subscriber; a crash, a closed
 // subscriber or a rebalance redelivers what was not acked.
 //
-// OrderedSubscriber and ConcurrentSubscriber, which bus.Run uses, hand out
-// many records of a partition at once (one per aggregate at a time for the
-// ordered one) and commit the contiguous prefix of acked offsets, so a
-// handler runs consumer.workers messages at once from one partition.
-// With broker.kafka.retry_topics, ConcurrentRedeliverySubscriber parks an
+// A subscription whose adapters.SubscriberSpec has InFlight above 0, as
+// bus.Run asks for, hands out many records of a partition at once (one per
+// aggregate at a time when Ordered) and commits the contiguous prefix of
+// acked offsets, so a handler runs consumer.workers messages at once from
+// one partition. With broker.kafka.retry_topics, one with a RedeliveryWait
+// parks an
 // unordered handler's failed messages in a retry topic per topic and group
 // (RetryTopicName) until their next attempt, with their delivery number in
 // a header, so the wait holds no worker and the count survives restarts.

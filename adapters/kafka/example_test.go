@@ -45,7 +45,7 @@ func Example() {
 		return
 	}
 
-	sub, err := b.Subscriber("billing")
+	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: "billing"})
 	if err != nil {
 		fmt.Println(err)
 		return
@@ -74,7 +74,7 @@ func Example() {
 // An ordered subscriber hands out many messages of one partition at once,
 // one per aggregate: the next event of an aggregate comes once the one
 // before it is acked, while other aggregates go on.
-func ExampleBroker_OrderedSubscriber() {
+func ExampleBroker_Subscriber_ordered() {
 	ctx := context.Background()
 	b, err := kafka.Open(ctx, kafka.Config{
 		Brokers:    []string{"127.0.0.1:0"},
@@ -101,7 +101,7 @@ func ExampleBroker_OrderedSubscriber() {
 		return
 	}
 
-	sub, err := b.OrderedSubscriber("shipping", 16) // up to 16 in flight
+	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: "shipping", Ordered: true, InFlight: 16}) // up to 16 in flight
 	if err != nil {
 		fmt.Println(err)
 		return

@@ -57,7 +57,7 @@ func receiveIDs(t *testing.T, ch <-chan *message.Message, want map[string]bool, 
 
 func subscribe(t *testing.T, b adapters.Broker, topic, group string) <-chan *message.Message {
 	t.Helper()
-	sub, err := b.Subscriber(group)
+	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(func() { cancel(); _ = sub.Close() })
@@ -294,7 +294,7 @@ func TestOnlyAckedIsCommitted(t *testing.T) {
 	}
 	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, msgs...)))
 
-	sub, err := b.Subscriber(group)
+	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
 	ch, err := sub.Subscribe(context.Background(), topic)
 	require.NoError(t, err)

@@ -29,11 +29,17 @@ func TestCloseLeavesNoGoroutines(t *testing.T) {
 	require.NoError(t, err)
 	topic := adaptertest.Name("leak")
 	subscribers := map[string]func(group string) (message.Subscriber, error){
-		"stock":      b.Subscriber,
-		"ordered":    func(g string) (message.Subscriber, error) { return b.OrderedSubscriber(g, 8) },
-		"concurrent": func(g string) (message.Subscriber, error) { return b.ConcurrentSubscriber(g, 8) },
+		"stock": func(g string) (message.Subscriber, error) {
+			return b.Subscriber(adapters.SubscriberSpec{Group: g})
+		},
+		"ordered": func(g string) (message.Subscriber, error) {
+			return b.Subscriber(adapters.SubscriberSpec{Group: g, Ordered: true, InFlight: 8})
+		},
+		"concurrent": func(g string) (message.Subscriber, error) {
+			return b.Subscriber(adapters.SubscriberSpec{Group: g, InFlight: 8})
+		},
 		"redelivery": func(g string) (message.Subscriber, error) {
-			return b.ConcurrentRedeliverySubscriber(g, 8, func(int) time.Duration { return time.Hour })
+			return b.Subscriber(adapters.SubscriberSpec{Group: g, InFlight: 8, RedeliveryWait: func(int) time.Duration { return time.Hour }})
 		},
 	}
 	chans := map[string]<-chan *message.Message{}

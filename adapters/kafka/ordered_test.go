@@ -33,7 +33,9 @@ func TestOrderedSubscriberManyInFlight(t *testing.T) {
 	require.NoError(t, b.Provision(context.Background(), topic, group))
 	load := adaptertest.NewManyInFlight(t, b, topic)
 	src := middleware.Source{
-		NewSubscriber:  func() (message.Subscriber, error) { return b.OrderedSubscriber(group, load.Prefetch()) },
+		NewSubscriber: func() (message.Subscriber, error) {
+			return b.Subscriber(adapters.SubscriberSpec{Group: group, Ordered: true, InFlight: load.Prefetch()})
+		},
 		Competing:      true,
 		KeyPartitioned: true,
 		Concurrent:     true,
@@ -51,20 +53,23 @@ func TestOrderedSubscriberManyInFlight(t *testing.T) {
 	// another topic of one partition.
 	load.Finish(t, b, "a rebalance and a stop", func(group string) middleware.Source {
 		return middleware.Source{
-			NewSubscriber:  func() (message.Subscriber, error) { return b.Subscriber(group) },
+			NewSubscriber:  func() (message.Subscriber, error) { return b.Subscriber(adapters.SubscriberSpec{Group: group}) },
 			Competing:      true,
 			KeyPartitioned: true,
 		}
 	}, second)
 }
 
-// OrderedSubscriber refuses an in-flight count below 1.
+// An Ordered spec with an InFlight below 1 is refused.
 func TestOrderedSubscriberInFlightRange(t *testing.T) {
 	t.Parallel()
 	b := open(t, newEnv(t).config())
 	for _, n := range []int{0, -1} {
-		_, err := b.OrderedSubscriber("g", n)
-		require.ErrorContains(t, err, "inFlight must be at least 1")
+		_, err := b.Subscriber(adapters.SubscriberSpec{Group: "g", Ordered: true, InFlight: n})
+		var refused *adapters.SpecError
+		require.ErrorAs(t, err, &refused)
+		require.Equal(t, "InFlight", refused.Field)
+		require.ErrorContains(t, err, "kafka: SubscriberSpec.InFlight: must be")
 		require.True(t, adapters.IsPermanent(err))
 	}
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"strconv"
 	"sync"
@@ -15,102 +14,10 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/twmb/franz-go/pkg/kgo"
 
-	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/names"
 )
 
-var (
-	_ adapters.OrderedFlight        = (*Broker)(nil)
-	_ adapters.ConcurrentFlight     = (*Broker)(nil)
-	_ adapters.ConcurrentRedelivery = (*Broker)(nil)
-)
-
-// OrderedSubscriber is Subscriber for an ordered consumer
-// (adapters.OrderedFlight): a subscription reads ahead of its committed
-// offset and hands out up to inFlight messages at once, from one partition
-// as from many, one per aggregate (the aggregate-id header; messages without
-// one share a key) at a time: it holds the later messages of a busy
-// aggregate until the one handed out is acked. So an ordered handler runs
-// many aggregates at once from one partition, with more workers than
-// partitions (Confluent's Parallel Consumer does the same; watermill-kafka
-// hands out one message per partition at a time and cannot).
-//
-// Acks settle out of order; the committed offset of a partition is the end
-// of its contiguous acked prefix, so a crash, a closed subscriber or a
-// rebalance re-reads from the oldest message not acked: every message read
-// after it comes again (acked ones as duplicates, which the inbox drops),
-// in log order, so no message of an aggregate is handled before an earlier
-// one. A nacked message keeps its aggregate busy and is handed out again
-// after broker.kafka.nack_redelivery_delay; the later messages of its
-// aggregate wait, the others go on. The subscription has at most inFlight
-// records handed out, ready or waiting to be redelivered, across its
-// partitions; a partition reads at most 8 x inFlight past its committed
-// offset (its window), held records included, so a slow message or a busy
-// aggregate holds up its own partition only once that window is full and
-// never the other partitions, and a restart re-reads at most that many per
-// partition. A subscription that
-// leaves a session (a rebalance) waits until what it handed out is settled
-// (their contexts end with ErrRebalanced), so the next owner of a partition
-// never runs a message of an aggregate while this one still runs an earlier
-// one.
-func (b *Broker) OrderedSubscriber(consumerGroup string, inFlight int) (message.Subscriber, error) {
-	return b.readAheadSubscriber("OrderedSubscriber", consumerGroup, inFlight, true)
-}
-
-// ConcurrentSubscriber is OrderedSubscriber without the order
-// (adapters.ConcurrentFlight): it hands out up to inFlight messages at once
-// whatever their aggregates, for an unordered handler, which with
-// Subscriber has one message in flight per partition. Commits, windows,
-// nacks and rebalances are as OrderedSubscriber's.
-func (b *Broker) ConcurrentSubscriber(consumerGroup string, inFlight int) (message.Subscriber, error) {
-	return b.readAheadSubscriber("ConcurrentSubscriber", consumerGroup, inFlight, false)
-}
-
-// readAheadSubscriber is OrderedSubscriber (keyed) or ConcurrentSubscriber,
-// named method in errors.
-func (b *Broker) readAheadSubscriber(method, consumerGroup string, inFlight int, keyed bool) (message.Subscriber, error) {
-	if inFlight < 1 {
-		return nil, adapters.Permanent(fmt.Errorf("kafka: %s: inFlight must be at least 1; got %d", method, inFlight))
-	}
-	return b.newSubscriber(consumerGroup, inFlight, keyed)
-}
-
-// SchedulesRedeliveries reports broker.kafka.retry_topics
-// (adapters.ConcurrentRedelivery).
-func (b *Broker) SchedulesRedeliveries() bool { return b.cfg.RetryTopics }
-
-// ConcurrentRedeliverySubscriber is ConcurrentSubscriber with retry topics
-// (adapters.ConcurrentRedelivery): a nacked message is parked in the
-// group's retry topic (RetryTopicName), a copy of its record (key, value and
-// headers byte for byte) with RetryDeliveryKey set to the number of its next
-// delivery and RetryDueKey to when that is, now plus wait(n) for the
-// delivery n that was nacked; once the broker has the copy the original is
-// acked. Subscribe consumes the topic and its retry topic in the group, and
-// hands out a parked record only once it is due (a partition of the retry
-// topic waits for its oldest record, so a record parked behind one with a
-// longer wait waits as long, at most retry.max_interval more than its own
-// wait). Each message's context carries its delivery number
-// (adapters.DeliveryNumber): 1 on the topic, the header on the retry topic,
-// so the count survives restarts; the headers are not in the message's
-// metadata. When the retry topic cannot take a record, the message is
-// delivered again in process after nack_redelivery_delay, counted. A
-// delivery cut short by a crash or a rebalance is not counted: it comes
-// again with its number. Only for groups whose messages need no order.
-func (b *Broker) ConcurrentRedeliverySubscriber(consumerGroup string, inFlight int, wait func(delivery int) time.Duration) (message.Subscriber, error) {
-	if wait == nil {
-		return nil, adapters.Permanent(errors.New("kafka: ConcurrentRedeliverySubscriber: wait must not be nil"))
-	}
-	sub, err := b.readAheadSubscriber("ConcurrentRedeliverySubscriber", consumerGroup, inFlight, false)
-	if err != nil {
-		return nil, err
-	}
-	sub.(*subscriber).wait = wait
-	return sub, nil
-}
-
-// Headers of a record parked in a retry topic. Kafka's CheckMessage
-// refuses them as metadata keys.
 const (
 	// RetryDeliveryKey is the number of the delivery a parked record is
 	// for, in decimal.
@@ -140,9 +47,57 @@ func RetryTopicName(topic, consumerGroup string) string {
 // re-reads.
 const windowPerInFlight = 8
 
-// subscribeReadAhead is Subscribe of an OrderedSubscriber or a
-// ConcurrentSubscriber: a Sarama consumer group of its own, whose claims
-// hand out messages through readAheadClaim.
+// subscribeReadAhead is Subscribe of a subscription whose spec has
+// InFlight above 0: a Sarama consumer group of its own, whose claims hand
+// out messages through readAheadClaim.
+//
+// Ordered: a subscription reads ahead of its committed offset and hands
+// out up to InFlight messages at once, from one partition as from many,
+// one per aggregate (the aggregate-id header; messages without one share a
+// key) at a time: it holds the later messages of a busy aggregate until
+// the one handed out is acked. So an ordered handler runs many aggregates
+// at once from one partition, with more workers than partitions
+// (Confluent's Parallel Consumer does the same; watermill-kafka hands out
+// one message per partition at a time and cannot).
+//
+// Acks settle out of order; the committed offset of a partition is the end
+// of its contiguous acked prefix, so a crash, a closed subscriber or a
+// rebalance re-reads from the oldest message not acked: every message read
+// after it comes again (acked ones as duplicates, which the inbox drops),
+// in log order, so no message of an aggregate is handled before an earlier
+// one. A nacked message keeps its aggregate busy and is handed out again
+// after broker.kafka.nack_redelivery_delay; the later messages of its
+// aggregate wait, the others go on. The subscription has at most InFlight
+// records handed out, ready or waiting to be redelivered, across its
+// partitions; a partition reads at most 8 x InFlight past its committed
+// offset (its window), held records included, so a slow message or a busy
+// aggregate holds up its own partition only once that window is full and
+// never the other partitions, and a restart re-reads at most that many per
+// partition. A subscription that leaves a session (a rebalance) waits
+// until what it handed out is settled (their contexts end with
+// ErrRebalanced), so the next owner of a partition never runs a message of
+// an aggregate while this one still runs an earlier one.
+//
+// Unordered: the same without the order: it hands out up to InFlight
+// messages at once whatever their aggregates, where the stock subscription
+// has one message in flight per partition.
+//
+// With a RedeliveryWait (broker.kafka.retry_topics): a nacked message is
+// parked in the group's retry topic (RetryTopicName), a copy of its record
+// (key, value and headers byte for byte) with RetryDeliveryKey set to the
+// number of its next delivery and RetryDueKey to when that is, now plus
+// RedeliveryWait(n) for the delivery n that was nacked; once the broker
+// has the copy the original is acked. Subscribe consumes the topic and its
+// retry topic in the group, and hands out a parked record only once it is
+// due (a partition of the retry topic waits for its oldest record, so a
+// record parked behind one with a longer wait waits as long, at most
+// retry.max_interval more than its own wait). Each message's delivery
+// number goes to spec.Deliveries: 1 on the topic, the header on the retry
+// topic, so the count survives restarts; the headers are not in the
+// message's metadata. When the retry topic cannot take a record, the
+// message is delivered again in process after nack_redelivery_delay,
+// counted. A delivery cut short by a crash or a rebalance is not counted:
+// it comes again with its number.
 func (s *subscriber) subscribeReadAhead(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	topics := []string{topic}
 	if s.wait != nil {
@@ -190,7 +145,7 @@ func (s *subscriber) subscribeReadAhead(ctx context.Context, topic string) (<-ch
 }
 
 // readAheadHandler is the sarama.ConsumerGroupHandler of one subscription
-// of an OrderedSubscriber or ConcurrentSubscriber.
+// of a read-ahead subscription (subscribeReadAhead).
 type readAheadHandler struct {
 	s          *subscriber
 	topics     []string        // the topic, and its retry topic with retry topics
@@ -399,14 +354,15 @@ func (c *readAheadClaim) prepare(p *pendingRecord) {
 	ctx, cancel := context.WithCancelCause(c.h.ctx)
 	stop := context.AfterFunc(c.sess.Context(), func() { cancel(ErrRebalanced) })
 	p.ctx = ctx
+	p.msg.SetContext(ctx)
+	forget := func() {}
 	if c.h.s.wait != nil {
-		p.msg.SetContext(adapters.WithDeliveryNumber(ctx, p.delivery))
-	} else {
-		p.msg.SetContext(ctx)
+		forget = c.h.s.deliveries.Record(p.msg, p.delivery)
 	}
 	p.cancel = func() {
 		stop()
 		cancel(context.Canceled)
+		forget()
 	}
 }
 
@@ -522,6 +478,9 @@ func (c *readAheadClaim) commit() {
 // does not wait: the Dispatcher settles the messages it holds only after
 // Close returns, and what it ran it has already drained.
 func (c *readAheadClaim) drain() {
+	if len(c.ready) > 0 && c.ready[0].cancel != nil {
+		c.ready[0].cancel() // prepared, never handed out
+	}
 	c.ready = nil
 	for c.out > 0 {
 		select {

@@ -54,7 +54,7 @@ func TestBusyAggregateLeavesTheSlotsToOtherPartitions(t *testing.T) {
 	}
 	publish(hot...)
 
-	sub, err := b.OrderedSubscriber("g", 4)
+	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: "g", Ordered: true, InFlight: 4})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = sub.Close() })
 	msgs, err := sub.Subscribe(ctx, "readahead")

@@ -17,7 +17,7 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 )
 
-// A ConcurrentRedeliverySubscriber parks a nacked message in the group's
+// A subscription with a RedeliveryWait parks a nacked message in the group's
 // retry topic, a byte-for-byte copy with its next delivery number and due
 // time in headers, and hands it out again once it is due, with the metadata
 // it had; the number survives a new subscriber, and a parked message takes
@@ -29,7 +29,7 @@ func TestConcurrentRedeliverySubscriberParksInTheRetryTopic(t *testing.T) {
 	cfg := env.config()
 	cfg.RetryTopics = true
 	b := open(t, cfg)
-	require.True(t, b.SchedulesRedeliveries())
+	require.True(t, b.Capabilities().ScheduledRedelivery)
 	topic, group := adaptertest.Name("redeliver"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(ctx, topic, group))
 	const firstWait = 300 * time.Millisecond
@@ -45,8 +45,9 @@ func TestConcurrentRedeliverySubscriberParksInTheRetryTopic(t *testing.T) {
 	msg.Metadata.Set("tenant", "acme")
 	require.NoError(t, b.PublishBatch(ctx, outgoing(topic, msg)))
 
+	deliveries := &adapters.Deliveries{}
 	redeliveries := func() (message.Subscriber, <-chan *message.Message) {
-		sub, err := b.ConcurrentRedeliverySubscriber(group, 1, wait)
+		sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group, InFlight: 1, RedeliveryWait: wait, Deliveries: deliveries})
 		require.NoError(t, err)
 		ch, err := sub.Subscribe(ctx, topic)
 		require.NoError(t, err)
@@ -54,7 +55,7 @@ func TestConcurrentRedeliverySubscriberParksInTheRetryTopic(t *testing.T) {
 	}
 	sub, ch := redeliveries()
 	first := adaptertest.Next(t, ch, time.Minute)
-	n, ok := adapters.DeliveryNumber(first.Context())
+	n, ok := deliveries.Number(first)
 	require.True(t, ok, "no delivery number")
 	require.Equal(t, 1, n)
 	nacked := time.Now()
@@ -63,7 +64,7 @@ func TestConcurrentRedeliverySubscriberParksInTheRetryTopic(t *testing.T) {
 
 	second := adaptertest.Next(t, ch, time.Minute) // back from the retry topic once due
 	require.GreaterOrEqual(t, time.Since(nacked), firstWait-10*time.Millisecond, "handed out before it was due")
-	n, _ = adapters.DeliveryNumber(second.Context())
+	n, _ = deliveries.Number(second)
 	require.Equal(t, 2, n)
 	require.Equal(t, msg.UUID, second.UUID)
 	require.Equal(t, string(msg.Payload), string(second.Payload))
@@ -73,7 +74,7 @@ func TestConcurrentRedeliverySubscriberParksInTheRetryTopic(t *testing.T) {
 	sub, ch = redeliveries()
 	defer sub.Close()
 	third := adaptertest.Next(t, ch, time.Minute)
-	n, _ = adapters.DeliveryNumber(third.Context())
+	n, _ = deliveries.Number(third)
 	require.Equal(t, 2, n, "the delivery cut short by the close is read again with its number")
 	third.Nack()
 	require.Equal(t, 2, <-asked)
@@ -119,11 +120,15 @@ func checkParkedRecord(t *testing.T, env *testEnv, topic, group string, msg *mes
 	require.Equal(t, "acme", headers["tenant"])
 }
 
-// checkRetryKeysReserved checks that a nil wait is refused, and a message
-// carrying a retry header.
+// checkRetryKeysReserved checks that a RedeliveryWait without InFlight is
+// refused (retry topics work on the read-ahead subscription), and a
+// message carrying a retry header.
 func checkRetryKeysReserved(t *testing.T, b *kafka.Broker, topic, group string) {
-	_, err := b.ConcurrentRedeliverySubscriber(group, 1, nil)
-	require.True(t, adapters.IsPermanent(err), "a nil wait is refused: %v", err)
+	_, err := b.Subscriber(adapters.SubscriberSpec{Group: group, RedeliveryWait: func(int) time.Duration { return 0 }})
+	var spec *adapters.SpecError
+	require.ErrorAs(t, err, &spec, "a wait without InFlight is refused")
+	require.Equal(t, "InFlight", spec.Field)
+	require.True(t, adapters.IsPermanent(err), "%v", err)
 	reserved := event("order-3", 1)
 	reserved.Metadata.Set(kafka.RetryDeliveryKey, "1")
 	var refused *adapters.RefusedError
@@ -182,7 +187,7 @@ func TestDeliveryHeadersAreRefusedByTheRules(t *testing.T) {
 	cfg := newEnv(t).config()
 	cfg.RetryTopics = true
 	b := open(t, cfg)
-	require.True(t, b.SchedulesRedeliveries())
+	require.True(t, b.Capabilities().ScheduledRedelivery)
 	added := adaptertest.DeliveryHeaders(t, b, time.Minute)
 	t.Logf("added on delivery: %v", added)
 }

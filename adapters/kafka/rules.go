@@ -57,5 +57,9 @@ func (b *Broker) Rules() adapters.Rules { return b.rules }
 
 // Capabilities: see adapters.Capabilities.
 func (b *Broker) Capabilities() adapters.Capabilities {
-	return adapters.Capabilities{KeyPartitioned: true}
+	return adapters.Capabilities{
+		KeyPartitioned: true, OrderedFlight: true, ConcurrentFlight: true,
+		ScheduledRedelivery: b.cfg.RetryTopics, RedeliveryNeedsFlight: true,
+		Backlog: true, Ping: true,
+	}
 }

@@ -80,7 +80,7 @@ func TestSASLOverTLSEveryMechanism(t *testing.T) {
 
 			topic := testdb.UniqueName(t.Name())
 			require.NoError(t, b.Provision(ctx, topic, "g"))
-			sub, err := b.Subscriber("g")
+			sub, err := b.Subscriber(adapters.SubscriberSpec{Group: "g"})
 			require.NoError(t, err)
 			sctx, cancel := context.WithCancel(ctx)
 			defer cancel()

@@ -12,10 +12,11 @@ import (
 	wkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/names"
 )
 
-// Subscriber returns a Watermill subscriber in consumerGroup, built on
+// Subscriber returns a Watermill subscriber in spec.Group, built on
 // watermill-kafka. Every group gets every message of a topic; the
 // subscribers of one group share its partitions, so each message goes to
 // one of them.
@@ -42,13 +43,26 @@ import (
 // every message of its old session has been acked or nacked, which has to
 // happen within broker.kafka.rebalance_timeout, else the member is dropped
 // from the new generation until it rejoins.
-func (b *Broker) Subscriber(consumerGroup string) (message.Subscriber, error) {
-	return b.newSubscriber(consumerGroup, 0, false)
+//
+// A spec with InFlight above 0 gets a read-ahead subscription instead
+// (see subscribeReadAhead): Ordered, unordered, and with retry topics a
+// RedeliveryWait. A spec the Broker cannot serve (adapters.CheckSpec) is an
+// *adapters.SpecError.
+func (b *Broker) Subscriber(spec adapters.SubscriberSpec) (message.Subscriber, error) {
+	if err := adapters.CheckSpec("kafka", b.Capabilities(), spec, 0); err != nil {
+		return nil, err
+	}
+	sub, err := b.newSubscriber(spec.Group, spec.InFlight, spec.Ordered)
+	if err != nil {
+		return nil, err
+	}
+	sub.wait, sub.deliveries = spec.RedeliveryWait, spec.Deliveries
+	return sub, nil
 }
 
-// newSubscriber is Subscriber, or with inFlight > 0 OrderedSubscriber
-// (keyed) or ConcurrentSubscriber.
-func (b *Broker) newSubscriber(consumerGroup string, inFlight int, keyed bool) (message.Subscriber, error) {
+// newSubscriber is Subscriber, or with inFlight > 0 a read-ahead
+// subscription, ordered when keyed.
+func (b *Broker) newSubscriber(consumerGroup string, inFlight int, keyed bool) (*subscriber, error) {
 	if err := names.Topic(consumerGroup); err != nil {
 		return nil, fmt.Errorf("kafka: consumer group %q: %w", consumerGroup, err)
 	}
@@ -65,12 +79,14 @@ func (b *Broker) newSubscriber(consumerGroup string, inFlight int, keyed bool) (
 type subscriber struct {
 	b     *Broker
 	group string
-	// inFlight, when above 0, makes it an OrderedSubscriber (keyed: one
-	// message per aggregate at a time) or a ConcurrentSubscriber.
+	// inFlight, when above 0, makes it a read-ahead subscription (keyed:
+	// one message per aggregate at a time, for an Ordered spec).
 	inFlight int
 	keyed    bool
-	// wait, with inFlight, makes it a ConcurrentRedeliverySubscriber.
-	wait func(delivery int) time.Duration
+	// wait, with inFlight, has it park nacked messages in the retry topic;
+	// deliveries then receives each message's delivery number.
+	wait       func(delivery int) time.Duration
+	deliveries *adapters.Deliveries
 
 	mu        sync.Mutex
 	inner     []*wkafka.Subscriber

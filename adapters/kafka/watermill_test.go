@@ -9,6 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
 	"github.com/stretchr/testify/require"
 
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/kafka"
 	"github.com/millrace-io/millrace/internal/testing/adaptertest"
 )
@@ -69,7 +70,7 @@ func TestWatermillNewGroupPerSubscriber(t *testing.T) {
 // pubSub opens a Broker for one constructor call of the suite.
 func pubSub(t *testing.T, cfg kafka.Config, group string) (message.Publisher, message.Subscriber) {
 	b := open(t, cfg)
-	sub, err := b.Subscriber(group)
+	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
 	return b.Publisher(), sub
 }

@@ -166,11 +166,11 @@ func TestClosedBroker(t *testing.T) {
 	require.NoError(t, b.Close())
 	require.ErrorIs(t, b.PublishBatch(context.Background(), batchOf("t", newMsg("x"))), errBrokerClosed)
 	require.ErrorIs(t, pub.Publish("t", message.NewMessage("x", nil)), errPublisherClosed)
-	_, err = b.Subscriber("g")
+	_, err = b.Subscriber(adapters.SubscriberSpec{Group: "g"})
 	require.ErrorIs(t, err, errBrokerClosed)
 
 	b2 := openBroker(t, servers.StartEmbeddedNATS(t).URL, nil)
-	sub, err := b2.Subscriber("g")
+	sub, err := b2.Subscriber(adapters.SubscriberSpec{Group: "g"})
 	require.NoError(t, err)
 	require.NoError(t, sub.Close())
 	require.NoError(t, sub.Close())

@@ -77,7 +77,7 @@ func BenchmarkConsume(b *testing.B) {
 					c.Consumer.Subscribers = tc.subscribers
 				})
 				topic, group := adaptertest.Name("bench"), adaptertest.Name("g")
-				sub, err := br.Subscriber(group)
+				sub, err := br.Subscriber(adapters.SubscriberSpec{Group: group})
 				require.NoError(b, err)
 				defer sub.Close()
 				ch, err := sub.Subscribe(context.Background(), topic)
@@ -132,12 +132,14 @@ func benchOrdered(b *testing.B, url string, many bool) {
 	for b.Loop() {
 		b.StopTimer()
 		topic, group := adaptertest.Name("obench"), adaptertest.Name("g")
-		require.NoError(b, br.ProvisionOrdered(ctx, topic, group))
+		require.NoError(b, br.ProvisionGroup(ctx, topic, adapters.GroupSpec{Name: group, Start: adapters.StartAll, Ordered: true}))
 		b.Cleanup(func() { _ = br.forgetLeases(context.Background(), topic, []string{group}) })
 		adaptertest.PublishOrdered(b, br, topic, aggregates, per)
-		src := middleware.Source{NewSubscriber: func() (message.Subscriber, error) { return br.Subscriber(group) }, Competing: true}
+		src := middleware.Source{NewSubscriber: func() (message.Subscriber, error) { return br.Subscriber(adapters.SubscriberSpec{Group: group}) }, Competing: true}
 		if many {
-			src.NewSubscriber = func() (message.Subscriber, error) { return br.OrderedSubscriber(group, prefetch) }
+			src.NewSubscriber = func() (message.Subscriber, error) {
+				return br.Subscriber(adapters.SubscriberSpec{Group: group, Ordered: true, InFlight: prefetch})
+			}
 			src.Concurrent = true
 		}
 		l := adaptertest.NewOrderLedger()

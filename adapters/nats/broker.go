@@ -47,7 +47,7 @@ type Broker struct {
 	mu          sync.Mutex
 	streams     map[string]bool // topics whose stream is known to match the config
 	consumers   map[string]bool // topic + "\x00" + group whose consumer is known to match
-	ordered     map[string]bool // topic + "\x00" + group provisioned by ProvisionOrdered
+	ordered     map[string]bool // topic + "\x00" + group provisioned as ordered (ProvisionGroup)
 	subscribers []io.Closer     // every subscriber, to close with the Broker
 	closed      bool
 }

@@ -15,66 +15,41 @@ import (
 	"github.com/millrace-io/millrace/adapters"
 )
 
-var (
-	_ adapters.ConcurrentFlight     = (*Broker)(nil)
-	_ adapters.ConcurrentRedelivery = (*Broker)(nil)
-)
-
-// ConcurrentSubscriber is Subscriber for an unordered consumer group
-// (adapters.ConcurrentFlight): one subscription on the group's durable
-// consumer hands messages out without waiting for the previous one's ack,
-// up to inFlight unsettled at once (the consumer's max_ack_pending bounds
-// what the server sends the whole group), and settles each on its own: an
-// Ack is a confirmed ack of its message, a Nack makes the server deliver it
-// again after consumer.nak_delay. A Subscriber's watermill-nats
-// subscriptions hold one message each.
+// subscribeConcurrent is Subscriber for an unordered spec with InFlight
+// or a RedeliveryWait (adapters.Capabilities.ConcurrentFlight,
+// ScheduledRedelivery): one subscription on the group's durable consumer
+// hands messages out without waiting for the previous one's ack, up to
+// InFlight (at least 1) unsettled at once (the consumer's max_ack_pending
+// bounds what the server sends the whole group), and settles each on its
+// own: an Ack is a confirmed ack of its message, a Nack makes the server
+// deliver it again after consumer.nak_delay, or with a RedeliveryWait after
+// RedeliveryWait(n), n being the message's JetStream delivery count
+// (NumDelivered, kept by the server across consumer restarts), which
+// spec.Deliveries receives. A wait of 0 or less redelivers at once. The
+// stock subscription's watermill-nats subscriptions hold one message each.
 //
-// Messages the server sent beyond inFlight wait in the subscription, kept
+// Messages the server sent beyond InFlight wait in the subscription, kept
 // from reaching ack_wait (InProgress); when the subscription stops they are
 // nacked for an immediate redelivery, which counts as a delivery. A message
 // handed out and not settled when the subscriber closes comes again after
 // ack_wait.
-func (b *Broker) ConcurrentSubscriber(consumerGroup string, inFlight int) (message.Subscriber, error) {
-	return b.newConcurrentSubscriber("ConcurrentSubscriber", consumerGroup, inFlight, nil)
-}
-
-// SchedulesRedeliveries reports true: JetStream delays a nacked message's
-// redelivery and counts its deliveries (adapters.ConcurrentRedelivery).
-func (b *Broker) SchedulesRedeliveries() bool { return true }
-
-// ConcurrentRedeliverySubscriber is ConcurrentSubscriber with the
-// RedeliverySubscriber's redeliveries: a nacked message comes back after
-// wait(n), n being its JetStream delivery count, and each message's context
-// carries n (adapters.DeliveryNumber).
-func (b *Broker) ConcurrentRedeliverySubscriber(consumerGroup string, inFlight int, wait func(delivery int) time.Duration) (message.Subscriber, error) {
-	if wait == nil {
-		return nil, adapters.Permanent(errors.New("nats: ConcurrentRedeliverySubscriber: wait is nil"))
-	}
-	return b.newConcurrentSubscriber("ConcurrentRedeliverySubscriber", consumerGroup, inFlight, wait)
-}
-
-func (b *Broker) newConcurrentSubscriber(method, consumerGroup string, inFlight int, wait func(int) time.Duration) (message.Subscriber, error) {
-	if err := checkGroup(consumerGroup); err != nil {
-		return nil, fmt.Errorf("nats: %w", err)
-	}
-	if inFlight < 1 {
-		return nil, adapters.Permanent(fmt.Errorf("nats: %s: inFlight must be at least 1; got %d", method, inFlight))
-	}
-	s := &concurrentSubscriber{group: consumerGroup, inFlight: inFlight, wait: wait}
+func (b *Broker) subscribeConcurrent(spec adapters.SubscriberSpec) (message.Subscriber, error) {
+	s := &concurrentSubscriber{group: spec.Group, inFlight: max(spec.InFlight, 1), wait: spec.RedeliveryWait, deliveries: spec.Deliveries}
 	if err := s.start(b); err != nil {
 		return nil, err
 	}
 	return s, nil
 }
 
-// concurrentSubscriber is ConcurrentSubscriber's message.Subscriber.
+// concurrentSubscriber is subscribeConcurrent's message.Subscriber.
 type concurrentSubscriber struct {
 	lifecycle
 	group    string
 	inFlight int
 	// wait is the nak delay of a delivery by its number; nil for
 	// consumer.nak_delay and no delivery numbers.
-	wait func(delivery int) time.Duration
+	wait       func(delivery int) time.Duration
+	deliveries *adapters.Deliveries // with wait: each message's delivery number
 }
 
 var _ message.SubscribeInitializer = (*concurrentSubscriber)(nil)
@@ -222,11 +197,13 @@ func (c *concurrentSubscription) receive(ctx context.Context, nm *nats.Msg) *wai
 	}
 	msg, _ := marshaler{}.Unmarshal(nm) // never fails; see marshaler
 	msgCtx, cancel := context.WithCancel(ctx)
-	if c.s.wait != nil {
-		msgCtx = adapters.WithDeliveryNumber(msgCtx, int(min(md.NumDelivered, math.MaxInt32)))
-	}
 	msg.SetContext(msgCtx)
-	return &waitingMsg{reply: nm, msg: msg, endCtx: cancel, touch: time.Now()}
+	end := context.CancelFunc(cancel)
+	if c.s.wait != nil {
+		forget := c.s.deliveries.Record(msg, int(min(md.NumDelivered, math.MaxInt32)))
+		end = func() { cancel(); forget() }
+	}
+	return &waitingMsg{reply: nm, msg: msg, endCtx: end, touch: time.Now()}
 }
 
 // settle waits for the reader's decision on w, reports it on decided, and

@@ -113,7 +113,7 @@ type ConsumerConfig struct {
 	// of the group's subscriptions. 1 keeps strict order even across
 	// redeliveries, but then the group handles one message at a time; the
 	// group of a handler with consumer.ordered: true is set by its ordered
-	// subscriber instead (Broker.OrderedSubscriber). Defaults to 32.
+	// subscriber instead (an Ordered adapters.SubscriberSpec). Defaults to 32.
 	MaxAckPending int `yaml:"max_ack_pending"`
 	// NakDelay is how long the server waits before delivering a nacked
 	// message again, so a failing message does not spin. Defaults to 5s.
@@ -127,9 +127,9 @@ type ConsumerConfig struct {
 	Subscribers int `yaml:"subscribers"`
 	// LeaseTTL is how long an ordered group's lease outlives its holder's
 	// last renewal: one process of the group at a time consumes an ordered
-	// group (Broker.OrderedSubscriber), and when it dies another takes the
-	// group over within LeaseTTL and one poll (LeaseTTL/4) of seeing the
-	// lease unrenewed. Defaults to 5s.
+	// group (an Ordered adapters.SubscriberSpec), and when it dies another
+	// takes the group over within LeaseTTL and one poll (LeaseTTL/4) of
+	// seeing the lease unrenewed. Defaults to 5s.
 	LeaseTTL time.Duration `yaml:"lease_ttl"`
 }
 

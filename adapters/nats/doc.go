@@ -22,27 +22,27 @@
 //
 // # Subscribing
 //
-// Subscriber(group) is a watermill-nats subscriber with nats.ManualAck(), so
-// nothing but msg.Ack acks a message (watermill-nats otherwise lets nats.go
-// ack on its own ack timeout, on close and on an unmarshal error). A Nack
-// comes back after consumer.nak_delay; an unacked message after
-// consumer.ack_wait. It holds one message at a time per subscription.
+// Subscriber(adapters.SubscriberSpec{Group: group}) is a watermill-nats
+// subscriber with nats.ManualAck(), so nothing but msg.Ack acks a message
+// (watermill-nats otherwise lets nats.go ack on its own ack timeout, on
+// close and on an unmarshal error). A Nack comes back after
+// consumer.nak_delay; an unacked message after consumer.ack_wait. It holds
+// one message at a time per subscription.
 //
-// ConcurrentSubscriber(group, inFlight) hands out up to inFlight messages
-// of the group at once from one subscription and settles each on its own;
-// ConcurrentRedeliverySubscriber(group, inFlight, wait) does too, with a
-// nack delay of wait(n) for the message's n-th delivery, n (JetStream's
-// NumDelivered) carried in the message's context: consumer chains hand it
-// their retry ladder, so a failing message waits at the server, not in a
-// worker. RedeliverySubscriber(group, wait) is the latter with one message
-// in flight.
+// A spec with InFlight hands out up to InFlight messages of the group at
+// once from one subscription and settles each on its own; with a
+// RedeliveryWait too, a nack is delayed by RedeliveryWait(n) for the
+// message's n-th delivery, n (JetStream's NumDelivered) recorded in
+// spec.Deliveries: consumer chains hand it their retry ladder, so a failing
+// message waits at the server, not in a worker. A RedeliveryWait without
+// InFlight is the same with one message in flight.
 //
-// OrderedSubscriber(group, inFlight) is for ordered handlers: one process at
-// a time consumes the group, holding a lease in the millrace_leases
-// key-value bucket; on taking it, and after a missed delivery, it
-// recreates the group's consumer from its ack floor, so what was not acked
-// comes again in stream order before anything newer, and it hands out up to
-// inFlight messages at once, one per aggregate.
+// An Ordered spec is for ordered handlers: one process at a time consumes
+// the group, holding a lease in the millrace_leases key-value bucket; on
+// taking it, and after a missed delivery, it recreates the group's consumer
+// from its ack floor, so what was not acked comes again in stream order
+// before anything newer, and it hands out up to InFlight messages at once,
+// one per aggregate.
 //
 // # Embedded server
 //

@@ -48,7 +48,7 @@ func ExampleOpen() {
 		return
 	}
 
-	sub, err := b.Subscriber("billing")
+	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: "billing"})
 	if err != nil {
 		fmt.Println(err)
 		return

@@ -21,27 +21,8 @@ import (
 // orderedMaxAckPending is the max_ack_pending of an ordered group's
 // consumer as Provision creates it: a stock Subscriber on it then keeps
 // stream order, one message at a time. The group's ordered subscriber
-// recreates the consumer with its own in-flight count (OrderedSubscriber).
+// recreates the consumer with its own in-flight count (subscribeOrdered).
 const orderedMaxAckPending = 1
-
-var (
-	_ adapters.OrderedProvisioner = (*Broker)(nil)
-	_ adapters.OrderedFlight      = (*Broker)(nil)
-)
-
-// ProvisionOrdered is Provision for consumer groups whose handler keeps
-// per-aggregate order (consumer.ordered: true). A missing consumer is made
-// with max_ack_pending 1; an existing one is taken as it is whatever its
-// max_ack_pending, deliver policy and deliver subject, which the group's
-// ordered subscriber sets whenever it takes the group over
-// (OrderedSubscriber). The Broker remembers the groups for its later
-// Provision and Subscribe calls.
-func (b *Broker) ProvisionOrdered(ctx context.Context, topic string, consumerGroups ...string) error {
-	if err := b.markOrdered(topic, consumerGroups...); err != nil {
-		return err
-	}
-	return b.Provision(ctx, topic, consumerGroups...)
-}
 
 // markOrdered remembers consumerGroups of topic as ordered groups.
 func (b *Broker) markOrdered(topic string, consumerGroups ...string) error {
@@ -65,8 +46,8 @@ func (b *Broker) markOrdered(topic string, consumerGroups ...string) error {
 	return nil
 }
 
-// isOrdered reports whether group's consumer on topic was provisioned by
-// ProvisionOrdered.
+// isOrdered reports whether group's consumer on topic was provisioned as an
+// ordered group's (ProvisionGroup with GroupSpec.Ordered).
 func (b *Broker) isOrdered(topic, group string) bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -81,12 +62,12 @@ func (b *Broker) maxAckPending(topic, group string) int {
 	return b.cfg.Consumer.MaxAckPending
 }
 
-// OrderedSubscriber is Subscriber for an ordered consumer group
-// (adapters.OrderedFlight). One subscription at a time, in this or any
+// subscribeOrdered is Subscriber for an Ordered spec
+// (adapters.Capabilities.OrderedFlight). One subscription at a time, in this or any
 // process, consumes the group: it holds the group's lease (a key of the
 // millrace_leases key-value bucket, renewed every consumer.lease_ttl/4) and
 // the others wait for it. On taking the lease it recreates the group's
-// consumer with max_ack_pending inFlight, a deliver subject of its own, and
+// consumer with max_ack_pending spec.InFlight, a deliver subject of its own, and
 // its start at the first message not yet acked (the consumer's ack floor),
 // so everything the last holder did not ack comes again in stream order
 // before anything newer; messages it did ack past the floor come again too,
@@ -106,21 +87,15 @@ func (b *Broker) maxAckPending(topic, group string) int {
 // The deliveries counted by the server start again at 1 with each
 // recreation, so consumer.max_deliver does not bound an ordered group's
 // deliveries; millrace's poison queue does.
-func (b *Broker) OrderedSubscriber(consumerGroup string, inFlight int) (message.Subscriber, error) {
-	if err := checkGroup(consumerGroup); err != nil {
-		return nil, fmt.Errorf("nats: %w", err)
-	}
-	if inFlight < 1 {
-		return nil, adapters.Permanent(fmt.Errorf("nats: OrderedSubscriber: inFlight must be at least 1 (the consumer's max_ack_pending); got %d", inFlight))
-	}
-	s := &orderedSubscriber{group: consumerGroup, inFlight: inFlight}
+func (b *Broker) subscribeOrdered(spec adapters.SubscriberSpec) (message.Subscriber, error) {
+	s := &orderedSubscriber{group: spec.Group, inFlight: spec.InFlight}
 	if err := s.start(b); err != nil {
 		return nil, err
 	}
 	return s, nil
 }
 
-// orderedSubscriber is OrderedSubscriber's message.Subscriber. Close
+// orderedSubscriber is subscribeOrdered's message.Subscriber. Close
 // stops every subscription and waits until each has given its lease up.
 type orderedSubscriber struct {
 	lifecycle
@@ -135,7 +110,7 @@ var _ message.SubscribeInitializer = (*orderedSubscriber)(nil)
 // as an ordered group's.
 func (s *orderedSubscriber) SubscribeInitialize(topic string) error {
 	return s.b.withinConnectTimeout(func(ctx context.Context) error {
-		return s.b.ProvisionOrdered(ctx, topic, s.group)
+		return s.b.ProvisionGroup(ctx, topic, adapters.GroupSpec{Name: s.group, Start: adapters.StartAll, Ordered: true})
 	})
 }
 

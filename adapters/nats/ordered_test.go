@@ -29,11 +29,13 @@ func TestOrderedSubscriberManyInFlight(t *testing.T) {
 	t.Parallel()
 	b := openBroker(t, sharedURL(), func(c *Config) { c.Consumer.NakDelay = 50 * time.Millisecond })
 	topic, group := adaptertest.Name("ordered"), adaptertest.Name("g")
-	require.NoError(t, b.ProvisionOrdered(context.Background(), topic, group))
+	require.NoError(t, b.ProvisionGroup(context.Background(), topic, adapters.GroupSpec{Name: group, Start: adapters.StartAll, Ordered: true}))
 	t.Cleanup(func() { _ = b.forgetLeases(context.Background(), topic, []string{group}) })
 	load := adaptertest.NewManyInFlight(t, b, topic)
 	load.LostConnectionAndRestart(t, b,
-		func() (message.Subscriber, error) { return b.OrderedSubscriber(group, load.Prefetch()) },
+		func() (message.Subscriber, error) {
+			return b.Subscriber(adapters.SubscriberSpec{Group: group, Ordered: true, InFlight: load.Prefetch()})
+		},
 		func(s message.Subscriber) {
 			sub := s.(*orderedSubscriber)
 			sub.mu.Lock()
@@ -44,9 +46,9 @@ func TestOrderedSubscriberManyInFlight(t *testing.T) {
 		},
 		func(group string) middleware.Source {
 			// The stock subscriber on a consumer with max_ack_pending 1.
-			require.NoError(t, b.ProvisionOrdered(context.Background(), topic, group))
+			require.NoError(t, b.ProvisionGroup(context.Background(), topic, adapters.GroupSpec{Name: group, Start: adapters.StartAll, Ordered: true}))
 			return middleware.Source{
-				NewSubscriber: func() (message.Subscriber, error) { return b.Subscriber(group) },
+				NewSubscriber: func() (message.Subscriber, error) { return b.Subscriber(adapters.SubscriberSpec{Group: group}) },
 				Competing:     true,
 			}
 		})
@@ -72,10 +74,10 @@ func TestOrderedGroupIsTakenOverInOrder(t *testing.T) {
 			m.Metadata.Set(envelope.AggregateIDKey, "a")
 			msgs = append(msgs, m)
 		}
-		require.NoError(t, first.ProvisionOrdered(ctx, topic, group))
+		require.NoError(t, first.ProvisionGroup(ctx, topic, adapters.GroupSpec{Name: group, Start: adapters.StartAll, Ordered: true}))
 		require.NoError(t, first.PublishBatch(ctx, batchOf(topic, msgs[:3]...)))
 
-		s1, err := first.OrderedSubscriber(group, 8)
+		s1, err := first.Subscriber(adapters.SubscriberSpec{Group: group, Ordered: true, InFlight: 8})
 		require.NoError(t, err)
 		ch1, err := s1.Subscribe(ctx, topic)
 		require.NoError(t, err)
@@ -85,7 +87,7 @@ func TestOrderedGroupIsTakenOverInOrder(t *testing.T) {
 		m1 := next(t, ch1)
 		require.Equal(t, "m1", m1.UUID) // never settled: held as by a crashed process
 
-		s2, err := second.OrderedSubscriber(group, 8)
+		s2, err := second.Subscriber(adapters.SubscriberSpec{Group: group, Ordered: true, InFlight: 8})
 		require.NoError(t, err)
 		ch2, err := s2.Subscribe(ctx, topic)
 		require.NoError(t, err)
@@ -111,7 +113,7 @@ func TestOrderedGroupIsTakenOverInOrder(t *testing.T) {
 		// A stop gives the lease up: a third process takes over at once.
 		require.NoError(t, s2.Close())
 		third := openBroker(t, url, func(c *Config) { c.Consumer.LeaseTTL = time.Hour })
-		s3, err := third.OrderedSubscriber(group, 8)
+		s3, err := third.Subscriber(adapters.SubscriberSpec{Group: group, Ordered: true, InFlight: 8})
 		require.NoError(t, err)
 		defer s3.Close()
 		ch3, err := s3.Subscribe(ctx, topic)
@@ -132,11 +134,14 @@ func TestOrderedGroupIsTakenOverInOrder(t *testing.T) {
 	})
 }
 
-// OrderedSubscriber refuses an in-flight count that is no max_ack_pending.
+// An Ordered spec with an InFlight that is no max_ack_pending is refused.
 func TestOrderedSubscriberInFlightRange(t *testing.T) {
 	t.Parallel()
-	_, err := openBroker(t, sharedURL(), nil).OrderedSubscriber("g", 0)
-	require.ErrorContains(t, err, "inFlight must be at least 1")
+	_, err := openBroker(t, sharedURL(), nil).Subscriber(adapters.SubscriberSpec{Group: "g", Ordered: true, InFlight: 0})
+	var refused *adapters.SpecError
+	require.ErrorAs(t, err, &refused)
+	require.Equal(t, "InFlight", refused.Field)
+	require.ErrorContains(t, err, "nats: SubscriberSpec.InFlight: must be at least 1 for an ordered subscription; got 0")
 	require.True(t, adapters.IsPermanent(err))
 }
 
@@ -148,7 +153,7 @@ func TestUnorderedProvisionOfOrderedGroupConflicts(t *testing.T) {
 	ctx := context.Background()
 	url := sharedURL()
 	topic, group := adaptertest.Name("wasordered"), adaptertest.Name("g")
-	require.NoError(t, openBroker(t, url, nil).ProvisionOrdered(ctx, topic, group))
+	require.NoError(t, openBroker(t, url, nil).ProvisionGroup(ctx, topic, adapters.GroupSpec{Name: group, Start: adapters.StartAll, Ordered: true}))
 	b := openBroker(t, url, nil)
 	err := b.Provision(ctx, topic, group)
 	require.ErrorIs(t, err, adapters.ErrTopologyConflict)
@@ -177,7 +182,7 @@ func TestOrderedSubscriberIgnoresTheFloorOfAnOlderStream(t *testing.T) {
 	}
 	consume := func(until func() bool, want ...string) {
 		t.Helper()
-		s, err := b.OrderedSubscriber(group, 4)
+		s, err := b.Subscriber(adapters.SubscriberSpec{Group: group, Ordered: true, InFlight: 4})
 		require.NoError(t, err)
 		ch, err := s.Subscribe(ctx, topic)
 		require.NoError(t, err)
@@ -190,7 +195,7 @@ func TestOrderedSubscriberIgnoresTheFloorOfAnOlderStream(t *testing.T) {
 		require.NoError(t, s.Close())
 	}
 	always := func() bool { return true }
-	require.NoError(t, b.ProvisionOrdered(ctx, topic, group))
+	require.NoError(t, b.ProvisionGroup(ctx, topic, adapters.GroupSpec{Name: group, Start: adapters.StartAll, Ordered: true}))
 	require.NoError(t, b.PublishBatch(ctx, batchOf(topic, newMsg("m0"), newMsg("m1"), newMsg("m2"))))
 	consume(always, "m0", "m1", "m2")
 	// Taking the lease again records the consumer's floor, 3, in it.

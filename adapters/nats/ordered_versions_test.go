@@ -10,6 +10,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/testing/adaptertest"
 	"github.com/millrace-io/millrace/internal/testing/servers"
 	"github.com/millrace-io/millrace/middleware"
@@ -57,7 +58,7 @@ func orderedAcrossTakeovers(t *testing.T, url string) {
 	first := openBroker(t, url, short)
 	t.Logf("nats-server %s", first.nc.ConnectedServerVersion())
 	topic, group := adaptertest.Name("orderedver"), adaptertest.Name("g")
-	require.NoError(t, first.ProvisionOrdered(ctx, topic, group))
+	require.NoError(t, first.ProvisionGroup(ctx, topic, adapters.GroupSpec{Name: group, Start: adapters.StartAll, Ordered: true}))
 	t.Cleanup(func() { _ = openBroker(t, url, nil).forgetLeases(context.Background(), topic, []string{group}) })
 	adaptertest.PublishOrdered(t, first, topic, aggregates, per)
 	events := aggregates * per
@@ -65,8 +66,10 @@ func orderedAcrossTakeovers(t *testing.T, url string) {
 	l := adaptertest.NewOrderLedger()
 	start := func(b *Broker) *adaptertest.OrderedConsumer {
 		src := middleware.Source{
-			NewSubscriber: func() (message.Subscriber, error) { return b.OrderedSubscriber(group, workers) },
-			Competing:     true, Concurrent: true,
+			NewSubscriber: func() (message.Subscriber, error) {
+				return b.Subscriber(adapters.SubscriberSpec{Group: group, Ordered: true, InFlight: workers})
+			},
+			Competing: true, Concurrent: true,
 		}
 		return adaptertest.StartOrdered(t, topic, src, workers, workers, l, latency, nackEvery)
 	}

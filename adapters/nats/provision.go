@@ -42,8 +42,12 @@ func (b *Broker) Provision(ctx context.Context, topic string, consumerGroups ...
 // after it, which the consumer's config keeps, so that a later start from
 // an ack floor, as an ordered subscriber's, never goes back before it) or
 // at its first message (DeliverAll). An existing consumer keeps its
-// position. With group.Ordered it is ProvisionOrdered. See
-// adapters.Broker.
+// position. With group.Ordered (adapters.Capabilities.OrderedGroups) a
+// missing consumer is made with max_ack_pending 1 and an existing one is
+// taken as it is whatever its max_ack_pending, deliver policy and deliver
+// subject, which the group's ordered subscription sets whenever it takes
+// the group over (subscribeOrdered); the Broker remembers the group for its
+// later Provision and Subscriber calls. See adapters.Broker.
 func (b *Broker) ProvisionGroup(ctx context.Context, topic string, group adapters.GroupSpec) error {
 	if group.Ordered {
 		if err := b.markOrdered(topic, group.Name); err != nil {
@@ -273,7 +277,7 @@ func diffStream(want, got jetstream.StreamConfig) []string {
 // The deliver policy is not compared: it is where the group started when it
 // was created (consumer.start then), and an ordered group's ordered
 // subscriber sets it to its ack floor, as it sets its max_ack_pending
-// (Broker.OrderedSubscriber), which is not compared either.
+// (subscribeOrdered), which is not compared either.
 func diffConsumer(want, got jetstream.ConsumerConfig, topic string, ordered bool) []string {
 	var d diffs
 	if got.DeliverSubject == "" {
@@ -314,7 +318,7 @@ func (d *diffs) check(field string, got, want any, key string) {
 
 // Deprovision deletes topic's stream, and with it the consumers of every
 // group and the messages it holds, and the leases of consumerGroups (see
-// OrderedSubscriber). A stream already gone is not an error. See
+// subscribeOrdered). A stream already gone is not an error. See
 // adapters.Deprovisioner.
 func (b *Broker) Deprovision(ctx context.Context, topic string, consumerGroups ...string) error {
 	if err := checkTopic(topic); err != nil {

@@ -304,7 +304,7 @@ func TestMultiValueHeaderIsDelivered(t *testing.T) {
 
 func subscribeGroup(t *testing.T, b *Broker, topic, group string) <-chan *message.Message {
 	t.Helper()
-	sub, err := b.Subscriber(group)
+	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(func() { cancel(); require.NoError(t, sub.Close()) })

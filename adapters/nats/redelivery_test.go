@@ -27,7 +27,8 @@ func TestRedeliverySubscriberNumbersDeliveries(t *testing.T) {
 		return time.Hour
 	}
 	subscribe := func() (<-chan *struct{ n int }, func()) {
-		sub, err := b.RedeliverySubscriber(group, wait)
+		deliveries := &adapters.Deliveries{}
+		sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group, RedeliveryWait: wait, Deliveries: deliveries})
 		require.NoError(t, err)
 		ctx, cancel := context.WithCancel(context.Background())
 		ch, err := sub.Subscribe(ctx, topic)
@@ -35,7 +36,7 @@ func TestRedeliverySubscriberNumbersDeliveries(t *testing.T) {
 		out := make(chan *struct{ n int }, 1)
 		go func() {
 			for m := range ch {
-				n, ok := adapters.DeliveryNumber(m.Context())
+				n, ok := deliveries.Number(m)
 				require.True(t, ok, "no delivery number")
 				m.Nack()
 				out <- &struct{ n int }{n}
@@ -67,8 +68,11 @@ func TestRedeliverySubscriberNumbersDeliveries(t *testing.T) {
 	info := consumerInfo(t, b, topic, group)
 	require.Equal(t, 1, info.NumAckPending, "held by the server for wait(2)")
 
-	_, err := b.RedeliverySubscriber(group, nil)
-	require.True(t, adapters.IsPermanent(err), "a nil wait is refused: %v", err)
+	_, err := b.Subscriber(adapters.SubscriberSpec{Group: group, Ordered: true, InFlight: 1, RedeliveryWait: wait})
+	var refused *adapters.SpecError
+	require.ErrorAs(t, err, &refused, "an ordered spec with a wait is refused")
+	require.Equal(t, "RedeliveryWait", refused.Field)
+	require.True(t, adapters.IsPermanent(err), "%v", err)
 }
 
 // A ConcurrentSubscriber and a ConcurrentRedeliverySubscriber hand out many

@@ -76,5 +76,8 @@ func (b *Broker) Rules() adapters.Rules { return b.rules }
 
 // Capabilities: see adapters.Capabilities.
 func (b *Broker) Capabilities() adapters.Capabilities {
-	return adapters.Capabilities{DeduplicatesByID: true}
+	return adapters.Capabilities{
+		DeduplicatesByID: true, OrderedFlight: true, ConcurrentFlight: true,
+		ScheduledRedelivery: true, OrderedGroups: true, Backlog: true, Ping: true,
+	}
 }

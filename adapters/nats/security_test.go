@@ -48,7 +48,7 @@ func roundTrip(t *testing.T, b *Broker) {
 	t.Helper()
 	ctx := context.Background()
 	topic := adaptertest.Name("secure")
-	sub, err := b.Subscriber("g")
+	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: "g"})
 	require.NoError(t, err)
 	defer sub.Close()
 	sctx, cancel := context.WithCancel(ctx)

@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/testing/adaptertest"
 	"github.com/millrace-io/millrace/internal/testing/servers"
 )
@@ -117,7 +118,7 @@ func TestCloseNeverAcks(t *testing.T) {
 		m := newMsg(adaptertest.Name("ev"))
 		require.NoError(t, b.PublishBatch(context.Background(), batchOf(topic, m)))
 
-		sub, err := b.Subscriber(group)
+		sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 		require.NoError(t, err)
 		ch, err := sub.Subscribe(context.Background(), topic)
 		require.NoError(t, err)
@@ -141,7 +142,7 @@ func TestGroupHasAPositionPerTopic(t *testing.T) {
 	eachServer(t, func(t *testing.T, url string) {
 		b := openBroker(t, url, nil)
 		topicA, topicB, group := adaptertest.Name("orders.a"), adaptertest.Name("orders.b"), adaptertest.Name("billing")
-		sub, err := b.Subscriber(group)
+		sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 		require.NoError(t, err)
 		t.Cleanup(func() { require.NoError(t, sub.Close()) })
 		chA, err := sub.Subscribe(context.Background(), topicA)
@@ -270,7 +271,7 @@ func TestCancelWhileMessagesArrive(t *testing.T) {
 	})
 	topic, group := adaptertest.Name("cancel"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
-	sub, err := b.Subscriber(group)
+	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, sub.Close()) })
 

@@ -41,7 +41,7 @@ var (
 // errSubscriberClosed is returned by Subscribe after Close.
 var errSubscriberClosed = errors.New("nats: subscriber closed")
 
-// Subscriber returns a subscriber for consumerGroup. Every group gets every
+// Subscriber returns a subscriber for spec.Group. Every group gets every
 // message of a topic; the subscriptions of one group (consumer.subscribers
 // per Subscribe call, in this or any other process) compete. A message is
 // acked only by msg.Ack (the server confirms the ack); Nack makes the server
@@ -49,32 +49,29 @@ var errSubscriberClosed = errors.New("nats: subscriber closed")
 // nacked (handler too slow, subscriber closed, process gone) is delivered
 // again after consumer.ack_wait. Subscribe creates the topic's stream and the
 // group's consumer when they are missing.
-func (b *Broker) Subscriber(consumerGroup string) (message.Subscriber, error) {
-	if err := checkGroup(consumerGroup); err != nil {
+//
+// An Ordered spec gets an ordered subscription (subscribeOrdered), one with
+// InFlight or a RedeliveryWait a concurrent one (subscribeConcurrent); a
+// spec the Broker cannot serve (adapters.CheckSpec) is an
+// *adapters.SpecError.
+func (b *Broker) Subscriber(spec adapters.SubscriberSpec) (message.Subscriber, error) {
+	if err := checkGroup(spec.Group); err != nil {
 		return nil, fmt.Errorf("nats: %w", err)
 	}
-	s := &subscriber{b: b, group: consumerGroup}
+	if err := adapters.CheckSpec("nats", b.Capabilities(), spec, 0); err != nil {
+		return nil, err
+	}
+	switch {
+	case spec.Ordered:
+		return b.subscribeOrdered(spec)
+	case spec.InFlight > 0 || spec.RedeliveryWait != nil:
+		return b.subscribeConcurrent(spec)
+	}
+	s := &subscriber{b: b, group: spec.Group}
 	if err := b.register(s); err != nil {
 		return nil, err
 	}
 	return s, nil
-}
-
-var _ adapters.RedeliveryScheduler = (*Broker)(nil)
-
-// RedeliverySubscriber is Subscriber, except that a nacked message comes
-// back after wait(n) instead of consumer.nak_delay, n being the message's
-// JetStream delivery count (NumDelivered, kept by the server across
-// consumer restarts), and that each message's context carries n
-// (adapters.DeliveryNumber). A wait of 0 or less redelivers at once. Use it
-// for unordered groups only: a nacked message lets newer ones pass it. It is
-// the ConcurrentRedeliverySubscriber with one message in flight per
-// subscription.
-func (b *Broker) RedeliverySubscriber(consumerGroup string, wait func(delivery int) time.Duration) (message.Subscriber, error) {
-	if wait == nil {
-		return nil, adapters.Permanent(errors.New("nats: RedeliverySubscriber: wait is nil"))
-	}
-	return b.newConcurrentSubscriber("RedeliverySubscriber", consumerGroup, 1, wait)
 }
 
 // lifecycle is what the ordered and concurrent subscribers share: each

@@ -8,6 +8,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
 	"github.com/stretchr/testify/require"
 
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/testing/servers"
 )
 
@@ -42,7 +43,9 @@ func watermillConfig(c *Config) {
 const watermillGroup = "watermill-suite"
 
 func runWatermillSuite(t *testing.T, url string, features tests.Features) {
-	runWatermillSuiteOn(t, url, features, (*Broker).Subscriber)
+	runWatermillSuiteOn(t, url, features, func(b *Broker, group string) (message.Subscriber, error) {
+		return b.Subscriber(adapters.SubscriberSpec{Group: group})
+	})
 }
 
 func runWatermillSuiteOn(t *testing.T, url string, features tests.Features, newSubscriber func(b *Broker, group string) (message.Subscriber, error)) {
@@ -78,7 +81,7 @@ func TestWatermillSuite(t *testing.T) {
 		f := watermillFeatures()
 		f.GuaranteedOrder, f.GuaranteedOrderWithSingleSubscriber = false, false
 		runWatermillSuiteOn(t, sharedURL(), f, func(b *Broker, group string) (message.Subscriber, error) {
-			return b.ConcurrentRedeliverySubscriber(group, 16, func(int) time.Duration { return 10 * time.Millisecond })
+			return b.Subscriber(adapters.SubscriberSpec{Group: group, InFlight: 16, RedeliveryWait: func(int) time.Duration { return 10 * time.Millisecond }})
 		})
 	})
 	t.Run("ServerProcess", func(t *testing.T) {

@@ -78,7 +78,7 @@ func TestClose(t *testing.T) {
 	require.NoError(t, b.Close())
 	require.NoError(t, b.Close())
 	require.ErrorIs(t, b.Provision(context.Background(), adaptertest.Name("t")), adapters.ErrClosed)
-	_, err = b.Subscriber("g")
+	_, err = b.Subscriber(adapters.SubscriberSpec{Group: "g"})
 	require.ErrorIs(t, err, adapters.ErrClosed)
 	err = b.PublishBatch(context.Background(), outgoing(adaptertest.Name("t"), newMsg("1")))
 	require.ErrorIs(t, err, adapters.ErrClosed)

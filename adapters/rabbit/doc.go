@@ -61,8 +61,8 @@
 // messages already prefetched overtake a nacked one. Competing subscribers
 // of one group share the queue and give no order between them.
 //
-// OrderedSubscriber (adapters.OrderedFlight; bus.Run uses it for handlers
-// with consumer.ordered) is for many messages in flight without that price:
+// An Ordered adapters.SubscriberSpec (adapters.Capabilities.OrderedFlight;
+// bus.Run asks for it for handlers with consumer.ordered) is for many messages in flight without that price:
 // its subscription consumes with a prefetch of consumer.prefetch and hands
 // deliveries out without waiting for acks, one per aggregate (aggregate-id)
 // at a time, holding the later ones of a busy aggregate itself, so that none
@@ -86,15 +86,15 @@
 // only with x-overflow reject-publish): a dead letter stays in the source
 // queue until the dead-letter queue has it.
 //
-// ConcurrentSubscriber (adapters.ConcurrentFlight) consumes with a prefetch
-// of its own and hands out that many deliveries at once, each settled on its
-// own. RedeliverySubscriber (adapters.RedeliveryScheduler, for unordered
-// groups) and ConcurrentRedeliverySubscriber (its many-at-once form) park
+// A spec with InFlight (adapters.Capabilities.ConcurrentFlight) consumes
+// with a prefetch of its own and hands out that many deliveries at once,
+// each settled on its own. One with a RedeliveryWait
+// (adapters.Capabilities.ScheduledRedelivery, for unordered groups) parks
 // a nacked message in the group's retry queue with an expiration of
 // the wait before its next delivery and the delivery header
 // DeliveryNumberKey, acks it once the broker confirmed the copy, and
 // RabbitMQ dead-letters it back to the group's queue when it expires; each
-// delivery's number (adapters.DeliveryNumber) counts the parkings and the
+// delivery's number (recorded in the spec's adapters.Deliveries) counts the parkings and the
 // quorum queue's redeliveries, across consumer restarts.
 //
 // Marshaler turns every AMQP header into string metadata, so those

@@ -57,7 +57,7 @@ func Example() {
 		log.Fatal(err)
 	}
 
-	sub, err := b.Subscriber("billing")
+	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: "billing"})
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -28,7 +28,9 @@ func TestOrderedSubscriberManyInFlight(t *testing.T) {
 	require.NoError(t, b.Provision(context.Background(), topic, group))
 	load := adaptertest.NewManyInFlight(t, b, topic)
 	load.LostConnectionAndRestart(t, b,
-		func() (message.Subscriber, error) { return b.OrderedSubscriber(group, load.Prefetch()) },
+		func() (message.Subscriber, error) {
+			return b.Subscriber(adapters.SubscriberSpec{Group: group, Ordered: true, InFlight: load.Prefetch()})
+		},
 		func(s message.Subscriber) {
 			sub := s.(*subscriber)
 			sub.mu.Lock()
@@ -38,19 +40,22 @@ func TestOrderedSubscriberManyInFlight(t *testing.T) {
 		// The stock subscriber: one message in flight, on another group.
 		func(group string) middleware.Source {
 			return middleware.Source{
-				NewSubscriber: func() (message.Subscriber, error) { return b.Subscriber(group) },
+				NewSubscriber: func() (message.Subscriber, error) { return b.Subscriber(adapters.SubscriberSpec{Group: group}) },
 				Competing:     true,
 			}
 		})
 }
 
-// OrderedSubscriber refuses an in-flight count that is no AMQP prefetch.
+// An Ordered spec with an InFlight that is no AMQP prefetch is refused.
 func TestOrderedSubscriberInFlightRange(t *testing.T) {
 	t.Parallel()
 	b := openBroker(t, testConfig(serverURL()))
 	for _, n := range []int{0, -1, 65536} {
-		_, err := b.OrderedSubscriber("g", n)
-		require.ErrorContains(t, err, "inFlight must be 1 to 65535")
+		_, err := b.Subscriber(adapters.SubscriberSpec{Group: "g", Ordered: true, InFlight: n})
+		var refused *adapters.SpecError
+		require.ErrorAs(t, err, &refused)
+		require.Equal(t, "InFlight", refused.Field)
+		require.ErrorContains(t, err, "rabbitmq: SubscriberSpec.InFlight: must be")
 		require.True(t, adapters.IsPermanent(err))
 	}
 }

@@ -77,7 +77,7 @@ func testAtLeastOnceDeadLettering(t *testing.T, node *servers.RabbitMQ) {
 	_, err := raw.QueueDelete(DeadLetterQueueName(topic, group), false, false, false)
 	require.NoError(t, err)
 
-	sub, err := b.Subscriber(group)
+	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
 	defer sub.Close()
 	ch, err := sub.Subscribe(context.Background(), topic)
@@ -213,7 +213,7 @@ func testMemoryAlarm(t *testing.T, node *servers.RabbitMQ) {
 	require.False(t, adapters.IsPermanent(err))
 	t.Log(err)
 
-	sub, err := b.Subscriber(group)
+	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
 	defer sub.Close()
 	ch, err := sub.Subscribe(context.Background(), topic)
@@ -253,7 +253,7 @@ func testBrokerDown(t *testing.T, node *servers.RabbitMQ) {
 	b := openBroker(t, testConfig(node.URL))
 	topic, group := adaptertest.Name("down"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
-	sub, err := b.Subscriber(group)
+	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
 	defer sub.Close()
 	ch, err := sub.Subscribe(context.Background(), topic)

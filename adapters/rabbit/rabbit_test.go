@@ -81,14 +81,16 @@ func TestWatermillSuite(t *testing.T) {
 	}
 	t.Run("Subscriber", func(t *testing.T) {
 		t.Parallel()
-		run(t, watermillFeatures, (*Broker).Subscriber)
+		run(t, watermillFeatures, func(b *Broker, group string) (message.Subscriber, error) {
+			return b.Subscriber(adapters.SubscriberSpec{Group: group})
+		})
 	})
 	t.Run("ConcurrentRedeliverySubscriber", func(t *testing.T) {
 		t.Parallel()
 		f := watermillFeatures
 		f.GuaranteedOrder, f.GuaranteedOrderWithSingleSubscriber = false, false
 		run(t, f, func(b *Broker, group string) (message.Subscriber, error) {
-			return b.ConcurrentRedeliverySubscriber(group, 16, func(int) time.Duration { return 10 * time.Millisecond })
+			return b.Subscriber(adapters.SubscriberSpec{Group: group, InFlight: 16, RedeliveryWait: func(int) time.Duration { return 10 * time.Millisecond }})
 		})
 	})
 }
@@ -111,7 +113,7 @@ func TestWatermillReconnect(t *testing.T) {
 	tests.TestReconnect(t, tests.TestContext{TestID: tests.NewTestID(), Features: features},
 		func(t *testing.T) (message.Publisher, message.Subscriber) {
 			b := openBroker(t, cfg)
-			sub, err := b.Subscriber("watermill")
+			sub, err := b.Subscriber(adapters.SubscriberSpec{Group: "watermill"})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -11,7 +11,7 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/adaptertest"
 )
 
-// A RedeliverySubscriber parks a nacked message in the group's retry queue
+// A subscription with a RedeliveryWait parks a nacked message in the group's retry queue
 // for wait(n) and RabbitMQ dead-letters it back; its delivery number counts
 // the parkings and, from x-delivery-count, a delivery cut short by a closing
 // subscriber, so a new subscriber goes on counting.
@@ -33,32 +33,33 @@ func TestRedeliverySubscriberParksInTheRetryQueue(t *testing.T) {
 	msg.Metadata.Set("tenant", "acme")
 	require.NoError(t, b.PublishBatch(ctx, outgoing(topic, msg)))
 
-	sub, err := b.RedeliverySubscriber(group, wait)
+	deliveries := &adapters.Deliveries{}
+	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group, RedeliveryWait: wait, Deliveries: deliveries})
 	require.NoError(t, err)
 	ch, err := sub.Subscribe(ctx, topic)
 	require.NoError(t, err)
 	first := next(t, ch)
-	n, ok := adapters.DeliveryNumber(first.Context())
+	n, ok := deliveries.Number(first)
 	require.True(t, ok, "no delivery number")
 	require.Equal(t, 1, n)
 	first.Nack()
 	require.Equal(t, 1, <-asked)
 
 	second := next(t, ch) // back from the retry queue after wait(1)
-	n, _ = adapters.DeliveryNumber(second.Context())
+	n, _ = deliveries.Number(second)
 	require.Equal(t, 2, n)
 	require.Equal(t, msg.UUID, second.UUID)
 	require.Equal(t, "r1", string(second.Payload))
 	require.Equal(t, "acme", second.Metadata.Get("tenant"))
 	require.NoError(t, sub.Close()) // delivery 2 is never settled: it is redelivered
 
-	sub, err = b.RedeliverySubscriber(group, wait)
+	sub, err = b.Subscriber(adapters.SubscriberSpec{Group: group, RedeliveryWait: wait, Deliveries: deliveries})
 	require.NoError(t, err)
 	defer sub.Close()
 	ch, err = sub.Subscribe(ctx, topic)
 	require.NoError(t, err)
 	third := next(t, ch)
-	n, _ = adapters.DeliveryNumber(third.Context())
+	n, _ = deliveries.Number(third)
 	require.Equal(t, 3, n, "the delivery cut short by the close counts")
 	third.Nack()
 	require.Equal(t, 3, <-asked)
@@ -73,8 +74,11 @@ func TestRedeliverySubscriberParksInTheRetryQueue(t *testing.T) {
 	require.NoError(t, err)
 	require.Zero(t, q.Messages, "acked on the group's queue once parked")
 
-	_, err = b.RedeliverySubscriber(group, nil)
-	require.True(t, adapters.IsPermanent(err), "a nil wait is refused: %v", err)
+	_, err = b.Subscriber(adapters.SubscriberSpec{Group: group, InFlight: maxInFlight + 1, RedeliveryWait: wait})
+	var refused *adapters.SpecError
+	require.ErrorAs(t, err, &refused, "an in-flight count over an AMQP prefetch count is refused")
+	require.Equal(t, "InFlight", refused.Field)
+	require.True(t, adapters.IsPermanent(err), "%v", err)
 }
 
 // A message the retry queue cannot take (here the queue was deleted, so the
@@ -89,7 +93,10 @@ func TestRedeliverySubscriberKeepsAMessageTheRetryQueueRefused(t *testing.T) {
 	msg := newMsg("r1")
 	require.NoError(t, b.PublishBatch(ctx, outgoing(topic, msg)))
 
-	sub, err := b.RedeliverySubscriber(group, func(int) time.Duration { return time.Hour })
+	deliveries := &adapters.Deliveries{}
+	sub, err := b.Subscriber(adapters.SubscriberSpec{
+		Group: group, RedeliveryWait: func(int) time.Duration { return time.Hour }, Deliveries: deliveries,
+	})
 	require.NoError(t, err)
 	defer sub.Close()
 	ch, err := sub.Subscribe(ctx, topic)
@@ -100,7 +107,7 @@ func TestRedeliverySubscriberKeepsAMessageTheRetryQueueRefused(t *testing.T) {
 	require.NoError(t, err)
 	first.Nack()
 	again := next(t, ch) // an hour early: the park failed and the message was requeued
-	n, _ := adapters.DeliveryNumber(again.Context())
+	n, _ := deliveries.Number(again)
 	require.Equal(t, 2, n)
 	require.Equal(t, msg.UUID, again.UUID)
 	again.Ack()

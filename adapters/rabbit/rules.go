@@ -82,4 +82,6 @@ func (r rules) CheckMessage(topic string, msg *message.Message) error {
 func (b *Broker) Rules() adapters.Rules { return b.rules }
 
 // Capabilities: see adapters.Capabilities.
-func (b *Broker) Capabilities() adapters.Capabilities { return adapters.Capabilities{} }
+func (b *Broker) Capabilities() adapters.Capabilities {
+	return adapters.Capabilities{OrderedFlight: true, ConcurrentFlight: true, ScheduledRedelivery: true, Backlog: true, Ping: true}
+}

@@ -142,7 +142,7 @@ func testTLSRoundTrip(t *testing.T, n *tlsNode) {
 
 	topic, group := adaptertest.Name("tls"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
-	sub, err := b.Subscriber(group)
+	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
 	defer sub.Close()
 	ctx, cancel := context.WithCancel(context.Background())

@@ -26,9 +26,8 @@ import (
 // cancellation (its queue deleted) into an empty message for the handler.
 // The delivery semantics follow watermill-amqp: one message at a time per
 // subscription, Ack -> basic.ack, Nack -> basic.nack with requeue, and a
-// closing subscriber nacks what it holds. A concurrent subscriber
-// (ConcurrentSubscriber) hands many out at once; an ordered one
-// (OrderedSubscriber) too, and differs more: see consumeOrdered.
+// closing subscriber nacks what it holds. A spec with InFlight hands many
+// out at once; an Ordered one too, and differs more: see consumeOrdered.
 type subscriber struct {
 	b     *Broker
 	group string
@@ -39,9 +38,11 @@ type subscriber struct {
 	// ordered hands out at most one message per aggregate at a time and
 	// returns the unacked ones to the queue's head on a nack.
 	ordered bool
-	// wait, when set, is the RedeliverySubscriber's wait before a nacked
-	// message's next delivery.
-	wait func(delivery int) time.Duration
+	// wait, when set, is the spec's RedeliveryWait before a nacked
+	// message's next delivery; deliveries then receives each message's
+	// delivery number.
+	wait       func(delivery int) time.Duration
+	deliveries *adapters.Deliveries
 	// parking is held (read) while a nacked message is parked and acked;
 	// Close takes it before closing the connection, so a message being
 	// parked is acked, not left in both queues.
@@ -59,10 +60,13 @@ type subscriber struct {
 var (
 	_ message.Subscriber           = (*subscriber)(nil)
 	_ message.SubscribeInitializer = (*subscriber)(nil)
-	_ adapters.RedeliveryScheduler = (*Broker)(nil)
 )
 
-// Subscriber returns a subscriber for consumerGroup, on a connection of its
+// maxInFlight is the largest SubscriberSpec.InFlight: an AMQP prefetch
+// count.
+const maxInFlight = 65535
+
+// Subscriber returns a subscriber for spec.Group, on a connection of its
 // own (RabbitMQ's advice: consumers apart from publishers, which a resource
 // alarm may block). Subscribing to a topic declares the topic's and the
 // group's topology (as Provision does) and consumes the group's quorum queue
@@ -70,110 +74,56 @@ var (
 // each group gets every message. A message is acked only by msg.Ack(); Nack,
 // closing the subscriber or losing the connection redelivers it. After a
 // connection loss each subscription reconnects by itself, with a backoff up
-// to Config.ReconnectMaxInterval.
-func (b *Broker) Subscriber(consumerGroup string) (message.Subscriber, error) {
-	return b.newSubscriber(consumerGroup, nil, 0, false)
-}
-
-// RedeliverySubscriber is Subscriber, except that a nacked message waits
-// wait(n) before its next delivery, n being the number of the delivery that
-// was nacked (1 for the first), and that each message's context carries its
-// delivery number (adapters.DeliveryNumber). The wait is not spent in the
-// group's queue (a quorum queue delivers a nacked message again at once):
-// the message is published, with publisher confirms, to the group's retry
-// queue (RetryQueueName) with an expiration of wait(n) and the header
-// DeliveryNumberKey = n+1, and only then acked; RabbitMQ dead-letters it back
-// to the group's queue when it expires. A crash between the confirm and the
-// ack leaves both copies (the inbox drops the duplicate), never none. If the
-// retry queue cannot take it, the message is nacked as by Subscriber. The
+// to Config.ReconnectMaxInterval. A spec the Broker cannot serve
+// (adapters.CheckSpec; InFlight is at most 65535, an AMQP prefetch count)
+// is an *adapters.SpecError.
+//
+// With InFlight above 0, a subscription consumes the group's queue with a
+// prefetch of InFlight (in place of Config.Prefetch) and hands deliveries
+// out without waiting for the previous one's ack, so one subscription has
+// up to InFlight messages in flight; each Ack is a basic.ack of its own
+// delivery tag and each Nack a basic.nack with requeue. The stock
+// subscriptions hold one message each.
+//
+// Ordered: as with InFlight, one per aggregate (the aggregate-id header) at
+// a time: it holds the later ones of a busy aggregate, so none is handed
+// out after its predecessor was nacked. Each Ack is a basic.ack of its own
+// delivery tag, never `multiple`. A Nack is never a basic.nack, which lets
+// newer messages of a quorum queue pass the nacked one: the subscription
+// stops handing out, waits until what it handed out is settled, and closes
+// its channel, and the quorum queue puts the unacked messages (the nacked
+// ones and those prefetched but not handed out) back at its head in their
+// delivery order; then it consumes again on a new channel. Closing the
+// subscriber, a crash or a lost connection return the unacked messages the
+// same way. Each such return counts as a delivery of every message returned
+// (x-delivery-count, Config.DeliveryLimit).
+//
+// With a RedeliveryWait, a nacked message waits RedeliveryWait(n) before
+// its next delivery, n being the number of the delivery that was nacked (1
+// for the first), and spec.Deliveries receives each message's delivery
+// number. The wait is not spent in the group's queue (a quorum queue
+// delivers a nacked message again at once): the message is published, with
+// publisher confirms, to the group's retry queue (RetryQueueName) with an
+// expiration of RedeliveryWait(n) and the header DeliveryNumberKey = n+1,
+// and only then acked; RabbitMQ dead-letters it back to the group's queue
+// when it expires. A crash between the confirm and the ack leaves both
+// copies (the inbox drops the duplicate), never none. If the retry queue
+// cannot take it, the message is nacked as without a RedeliveryWait. The
 // delivery number is the header's (1 when absent) plus the queue's
 // x-delivery-count, so deliveries cut short by a consumer crash or restart
-// count too.
-//
-// A retry queue expires messages only at its head, so a message can wait
-// longer than wait(n), as long as the longest wait queued before it (at most
-// retry.max_interval); never shorter. A wait of 0 or less nacks the message
-// for an immediate redelivery. Use it for unordered groups only: a waiting
-// message lets newer ones pass it.
-func (b *Broker) RedeliverySubscriber(consumerGroup string, wait func(delivery int) time.Duration) (message.Subscriber, error) {
-	if wait == nil {
-		return nil, adapters.Permanent(errors.New("rabbitmq: RedeliverySubscriber: wait is nil"))
-	}
-	return b.newSubscriber(consumerGroup, wait, 0, false)
-}
-
-var (
-	_ adapters.ConcurrentFlight     = (*Broker)(nil)
-	_ adapters.ConcurrentRedelivery = (*Broker)(nil)
-)
-
-// ConcurrentSubscriber is Subscriber for an unordered consumer
-// (adapters.ConcurrentFlight): a subscription consumes the group's queue
-// with a prefetch of inFlight (in place of Config.Prefetch) and hands
-// deliveries out without waiting for the previous one's ack, so one
-// subscription has up to inFlight messages in flight; each Ack is a
-// basic.ack of its own delivery tag and each Nack a basic.nack with
-// requeue. The Subscriber's stock subscriptions hold one message each.
-func (b *Broker) ConcurrentSubscriber(consumerGroup string, inFlight int) (message.Subscriber, error) {
-	if err := checkInFlight("ConcurrentSubscriber", inFlight); err != nil {
+// count too. A retry queue expires messages only at its head, so a message
+// can wait longer than RedeliveryWait(n), as long as the longest wait
+// queued before it (at most retry.max_interval); never shorter. A wait of 0
+// or less nacks the message for an immediate redelivery.
+func (b *Broker) Subscriber(spec adapters.SubscriberSpec) (message.Subscriber, error) {
+	if err := adapters.CheckSpec("rabbitmq", b.Capabilities(), spec, maxInFlight); err != nil {
 		return nil, err
 	}
-	return b.newSubscriber(consumerGroup, nil, inFlight, false)
+	return b.newSubscriber(spec)
 }
 
-// SchedulesRedeliveries reports true: a RabbitMQ group always has its retry
-// queue (adapters.ConcurrentRedelivery).
-func (b *Broker) SchedulesRedeliveries() bool { return true }
-
-// ConcurrentRedeliverySubscriber is ConcurrentSubscriber with the
-// RedeliverySubscriber's redeliveries: a nacked message is parked in the
-// group's retry queue for wait(n), and each message's context carries its
-// delivery number (adapters.DeliveryNumber).
-func (b *Broker) ConcurrentRedeliverySubscriber(consumerGroup string, inFlight int, wait func(delivery int) time.Duration) (message.Subscriber, error) {
-	if wait == nil {
-		return nil, adapters.Permanent(errors.New("rabbitmq: ConcurrentRedeliverySubscriber: wait is nil"))
-	}
-	if err := checkInFlight("ConcurrentRedeliverySubscriber", inFlight); err != nil {
-		return nil, err
-	}
-	return b.newSubscriber(consumerGroup, wait, inFlight, false)
-}
-
-// checkInFlight refuses an in-flight count that is not an AMQP prefetch
-// count.
-func checkInFlight(method string, inFlight int) error {
-	if inFlight < 1 || inFlight > 65535 {
-		return adapters.Permanent(fmt.Errorf("rabbitmq: %s: inFlight must be 1 to 65535 (an AMQP prefetch count); got %d", method, inFlight))
-	}
-	return nil
-}
-
-var _ adapters.OrderedFlight = (*Broker)(nil)
-
-// OrderedSubscriber is Subscriber for an ordered consumer
-// (adapters.OrderedFlight): a subscription consumes the group's queue with
-// a prefetch of inFlight (in place of Config.Prefetch) and hands deliveries
-// out without waiting for the previous one's ack, one per aggregate (the
-// aggregate-id header) at a time: it holds the later ones of a busy
-// aggregate, so none is handed out after its predecessor was nacked. Each
-// Ack is a basic.ack of its own delivery tag, never `multiple`. A Nack is
-// never a basic.nack, which lets newer messages of a quorum queue pass the
-// nacked one: the subscription stops handing out, waits until
-// what it handed out is settled, and closes its channel, and the quorum
-// queue puts the unacked messages (the nacked ones and those prefetched but
-// not handed out) back at its head in their delivery order; then it
-// consumes again on a new channel. Closing the subscriber, a crash or a lost
-// connection return the unacked messages the same way. Each such return
-// counts as a delivery of every message returned (x-delivery-count,
-// Config.DeliveryLimit).
-func (b *Broker) OrderedSubscriber(consumerGroup string, inFlight int) (message.Subscriber, error) {
-	if err := checkInFlight("OrderedSubscriber", inFlight); err != nil {
-		return nil, err
-	}
-	return b.newSubscriber(consumerGroup, nil, inFlight, true)
-}
-
-func (b *Broker) newSubscriber(consumerGroup string, wait func(int) time.Duration, inFlight int, ordered bool) (message.Subscriber, error) {
+func (b *Broker) newSubscriber(spec adapters.SubscriberSpec) (message.Subscriber, error) {
+	consumerGroup := spec.Group
 	if err := checkGroup(consumerGroup); err != nil {
 		return nil, err
 	}
@@ -183,7 +133,8 @@ func (b *Broker) newSubscriber(consumerGroup string, wait func(int) time.Duratio
 	if closed {
 		return nil, errClosed
 	}
-	s := &subscriber{b: b, group: consumerGroup, wait: wait, inFlight: inFlight, ordered: ordered, closing: make(chan struct{})}
+	s := &subscriber{b: b, group: consumerGroup, wait: spec.RedeliveryWait, deliveries: spec.Deliveries,
+		inFlight: spec.InFlight, ordered: spec.Ordered, closing: make(chan struct{})}
 	if _, err := s.connection(context.Background()); err != nil {
 		return nil, err
 	}
@@ -612,10 +563,11 @@ func (s *subscriber) settleOrdered(d amqp.Delivery, msg *message.Message) bool {
 func (s *subscriber) handOut(ctx context.Context, d amqp.Delivery, out chan<- *message.Message) (*message.Message, context.CancelFunc, bool) {
 	msg, _ := Marshaler{}.Unmarshal(d) // never fails; see Marshaler
 	msgCtx, cancel := context.WithCancel(ctx)
-	if s.wait != nil {
-		msgCtx = adapters.WithDeliveryNumber(msgCtx, deliveryNumber(d))
-	}
 	msg.SetContext(msgCtx)
+	if s.wait != nil {
+		end, forget := cancel, s.deliveries.Record(msg, deliveryNumber(d))
+		cancel = func() { end(); forget() }
+	}
 	select {
 	case out <- msg:
 		return msg, cancel, true
@@ -653,7 +605,7 @@ func (s *subscriber) settle(topic string, d amqp.Delivery, msg *message.Message,
 }
 
 // DeliveryNumberKey is the header ("x-millrace-delivery") a
-// RedeliverySubscriber sets on a message it parks in the retry queue: the
+// subscription with a RedeliveryWait sets on a message it parks in the retry queue: the
 // number of the delivery that comes when the wait ends. It reaches the
 // handler as metadata and is never published with an event.
 const DeliveryNumberKey = "x-millrace-delivery"

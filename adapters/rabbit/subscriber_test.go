@@ -9,6 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/testing/adaptertest"
 )
 
@@ -36,7 +37,7 @@ func TestOrderAcrossNack(t *testing.T) {
 		msgs = append(msgs, newMsg(fmt.Sprint(i)))
 	}
 	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, msgs...)))
-	sub, err := b.Subscriber(group)
+	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
 	defer sub.Close()
 	ch, err := sub.Subscribe(context.Background(), topic)
@@ -63,7 +64,7 @@ func TestSubscriptionSurvivesQueueDeletion(t *testing.T) {
 	cfg := testConfig(serverURL())
 	b := openBroker(t, cfg)
 	topic, group := adaptertest.Name("deleted"), adaptertest.Name("g")
-	sub, err := b.Subscriber(group)
+	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
 	defer sub.Close()
 	ch, err := sub.Subscribe(context.Background(), topic)

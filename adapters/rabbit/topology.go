@@ -23,7 +23,7 @@ import (
 //	queue     <topic>:<group>      quorum: the consumer group's queue
 //	queue     <topic>:<group>:dlq  quorum: the group's dead letters (routing key <group>)
 //	queue     <topic>:<group>:retry  quorum: messages waiting for their next delivery
-//	                                 (RedeliverySubscriber); expired ones go back to <topic>:<group>
+//	                                 (a RedeliveryWait); expired ones go back to <topic>:<group>
 
 // QueueName is the quorum queue consumer group group reads topic from.
 func QueueName(topic, group string) string { return topic + ":" + group }
@@ -32,9 +32,10 @@ func QueueName(topic, group string) string { return topic + ":" + group }
 // topic that exceeded Config.DeliveryLimit (or were rejected without requeue).
 func DeadLetterQueueName(topic, group string) string { return QueueName(topic, group) + ":dlq" }
 
-// RetryQueueName is the quorum queue where a RedeliverySubscriber of group
-// parks a nacked message of topic until its wait (the message's expiration)
-// ends; RabbitMQ then dead-letters it back to QueueName(topic, group).
+// RetryQueueName is the quorum queue where a subscription of group with a
+// RedeliveryWait parks a nacked message of topic until its wait (the
+// message's expiration) ends; RabbitMQ then dead-letters it back to
+// QueueName(topic, group).
 func RetryQueueName(topic, group string) string { return QueueName(topic, group) + ":retry" }
 
 // UnroutedQueueName is the quorum queue that parks messages published to

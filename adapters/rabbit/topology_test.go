@@ -52,7 +52,7 @@ func TestProvisionConflictingQueue(t *testing.T) {
 	}
 	t.Log(err)
 
-	sub, err := b.Subscriber(group)
+	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
 	defer sub.Close()
 	_, err = sub.Subscribe(context.Background(), topic)
@@ -175,7 +175,7 @@ func TestDeadLetterAfterDeliveryLimit(t *testing.T) {
 	b := openBroker(t, cfg)
 	topic, group := adaptertest.Name("dlq"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
-	sub, err := b.Subscriber(group)
+	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
 	defer sub.Close()
 	ch, err := sub.Subscribe(context.Background(), topic)
@@ -235,7 +235,7 @@ func TestBadNames(t *testing.T) {
 		require.True(t, adapters.IsPermanent(err))
 		require.Contains(t, err.Error(), c.want)
 	}
-	_, err := b.Subscriber("bad group")
+	_, err := b.Subscriber(adapters.SubscriberSpec{Group: "bad group"})
 	require.Error(t, err)
 	err = b.PublishBatch(context.Background(), outgoing("bad topic", newMsg(`1`)))
 	var be *adapters.BatchError

@@ -365,7 +365,7 @@ func consume(ctx context.Context, cfg bus.Config, db *sql.DB, broker adapters.Br
 // tap counts every message of topic for its own consumer group: what the
 // broker holds.
 func tap(ctx context.Context, broker adapters.Broker, topic string, n *atomic.Int64) (stop func(), err error) {
-	sub, err := broker.Subscriber(tapGroup)
+	sub, err := broker.Subscriber(adapters.SubscriberSpec{Group: tapGroup})
 	if err != nil {
 		return nil, err
 	}

@@ -43,6 +43,7 @@ func Run(t *testing.T, h Harness) {
 	t.Run("CompetingConsumers", func(t *testing.T) { t.Parallel(); testCompeting(t, h) })
 	t.Run("RedeliveryAfterNack", func(t *testing.T) { t.Parallel(); testRedelivery(t, h) })
 	t.Run("UnusualMessagesIntactOrRefused", func(t *testing.T) { t.Parallel(); testUnusual(t, h) })
+	t.Run("SubscriberSpecByCapabilities", func(t *testing.T) { t.Parallel(); testSpecs(t, h) })
 	t.Run("DeprovisionRemovesTopology", func(t *testing.T) { t.Parallel(); testDeprovision(t, h) })
 	t.Run("MessageTooLarge", func(t *testing.T) {
 		if h.MaxMessageBytes == 0 {
@@ -86,7 +87,7 @@ func event(aggregate string, version int) *message.Message {
 
 func subscribe(t *testing.T, b adapters.Broker, topic, group string) <-chan *message.Message {
 	t.Helper()
-	sub, err := b.Subscriber(group)
+	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(func() { cancel(); _ = sub.Close() })

@@ -12,32 +12,36 @@ import (
 	"github.com/millrace-io/millrace/adapters"
 )
 
-// ConcurrentFlight checks b's unordered subscribers that hand out many
-// messages at once, adapters.ConcurrentFlight's and
-// adapters.ConcurrentRedelivery's (whose redeliveries wait 100ms), each in a
-// parallel subtest: one subscription with an in-flight count of 8 hands out
-// 8 messages before any is settled and no 9th until one is; it takes their
+// ConcurrentFlight checks b's unordered subscriptions that hand out many
+// messages at once (Capabilities.ConcurrentFlight), with and, when b
+// schedules redeliveries, without a RedeliveryWait of 100ms, each in a
+// parallel subtest: one subscription with an InFlight of 8 hands out 8
+// messages before any is settled and no 9th until one is; it takes their
 // acks in any order; a nacked message comes again; every message is handed
-// out. timeout bounds each wait (a nacked message comes back after the
-// broker's redelivery delay).
+// out; with a RedeliveryWait each message's delivery number is recorded
+// while it is handed out (1, then 2 for the nacked one), and forgotten once
+// it is settled. timeout bounds each wait (a nacked message comes back
+// after the broker's redelivery delay).
 func ConcurrentFlight(t *testing.T, b adapters.Broker, timeout time.Duration) {
-	cf, ok := b.(adapters.ConcurrentFlight)
-	require.True(t, ok, "%T is not an adapters.ConcurrentFlight", b)
-	cr, ok := b.(adapters.ConcurrentRedelivery)
-	require.True(t, ok, "%T is not an adapters.ConcurrentRedelivery", b)
-	t.Run("ConcurrentSubscriber", func(t *testing.T) {
+	caps := b.Capabilities()
+	require.True(t, caps.ConcurrentFlight, "%T has no Capabilities.ConcurrentFlight", b)
+	t.Run("InFlight", func(t *testing.T) {
 		t.Parallel()
-		concurrentFlight(t, b, cf.ConcurrentSubscriber, timeout)
+		concurrentFlight(t, b, adapters.SubscriberSpec{}, timeout)
 	})
-	t.Run("ConcurrentRedeliverySubscriber", func(t *testing.T) {
+	if !caps.ScheduledRedelivery {
+		return
+	}
+	t.Run("InFlightRedeliveryWait", func(t *testing.T) {
 		t.Parallel()
-		concurrentFlight(t, b, func(group string, inFlight int) (message.Subscriber, error) {
-			return cr.ConcurrentRedeliverySubscriber(group, inFlight, func(int) time.Duration { return 100 * time.Millisecond })
+		concurrentFlight(t, b, adapters.SubscriberSpec{
+			RedeliveryWait: func(int) time.Duration { return 100 * time.Millisecond },
+			Deliveries:     &adapters.Deliveries{},
 		}, timeout)
 	})
 }
 
-func concurrentFlight(t *testing.T, b adapters.Broker, newSubscriber func(group string, inFlight int) (message.Subscriber, error), timeout time.Duration) {
+func concurrentFlight(t *testing.T, b adapters.Broker, spec adapters.SubscriberSpec, timeout time.Duration) {
 	ctx := context.Background()
 	topic, group := Name("concurrent"), Name("g")
 	require.NoError(t, b.Provision(ctx, topic, group))
@@ -48,13 +52,23 @@ func concurrentFlight(t *testing.T, b adapters.Broker, newSubscriber func(group 
 	}
 	publishBatch(t, b, topic, msgs)
 
-	sub, err := newSubscriber(group, inFlight)
+	spec.Group, spec.InFlight = group, inFlight
+	sub, err := b.Subscriber(spec)
 	require.NoError(t, err)
+	numbered := func(m *message.Message, want int) {
+		if spec.Deliveries == nil {
+			return
+		}
+		n, ok := spec.Deliveries.Number(m)
+		require.True(t, ok, "message %s has a delivery number", m.UUID)
+		require.Equal(t, want, n, "delivery number of message %s", m.UUID)
+	}
 	ch, err := sub.Subscribe(ctx, topic)
 	require.NoError(t, err)
 	var first []*message.Message
 	for range inFlight {
 		first = append(first, Next(t, ch, timeout))
+		numbered(first[len(first)-1], 1)
 	}
 	select {
 	case m := <-ch:
@@ -70,8 +84,19 @@ func concurrentFlight(t *testing.T, b adapters.Broker, newSubscriber func(group 
 	}
 	for len(acked) < total { // the nacked one included, once it came again
 		m := Next(t, ch, timeout)
+		if m.UUID == nacked {
+			numbered(m, 2)
+		} else {
+			numbered(m, 1)
+		}
 		acked[m.UUID]++
 		m.Ack()
+	}
+	if spec.Deliveries != nil {
+		require.Eventually(t, func() bool {
+			_, held := spec.Deliveries.Number(first[1])
+			return !held
+		}, timeout, 10*time.Millisecond, "a settled message's delivery number is forgotten")
 	}
 	require.Contains(t, acked, nacked, "the nacked message came again")
 	for _, m := range msgs {

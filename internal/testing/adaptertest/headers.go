@@ -15,9 +15,8 @@ import (
 
 // DeliveryHeaders has a message with metadata of a user's delivered again
 // the ways a message comes back to a consumer group of b: after a nack (the
-// stock Subscriber) and, when b schedules redeliveries
-// (adapters.ConcurrentRedelivery with SchedulesRedeliveries, or
-// adapters.RedeliveryScheduler), twice from its retry path, whose
+// stock subscription) and, when b schedules redeliveries
+// (Capabilities.ScheduledRedelivery), twice from its retry path, whose
 // deliveries are the ones a handler poisons after its retries. Every
 // metadata key that b or its broker added to those deliveries must be a
 // header name b's Rules refuse: a replay keeps only the metadata Publish
@@ -36,7 +35,7 @@ func DeliveryHeaders(t *testing.T, b adapters.Broker, timeout time.Duration) []s
 	sent.Metadata.Set("x-request-source", "checkout") // a user's x- header: RabbitMQ's own are x- too
 	var deliveries []*message.Message
 
-	sub, err := b.Subscriber(nacked)
+	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: nacked})
 	require.NoError(t, err)
 	deliveries = append(deliveries, nackedOnce(t, sub, topic, sent, b, timeout)...)
 	if sub := redeliverySubscriber(t, b, scheduled); sub != nil {
@@ -83,16 +82,12 @@ func nackedOnce(t *testing.T, sub message.Subscriber, topic string, sent *messag
 // wait at the broker for their next delivery, or nil when b has none.
 func redeliverySubscriber(t *testing.T, b adapters.Broker, group string) message.Subscriber {
 	t.Helper()
-	wait := func(int) time.Duration { return 50 * time.Millisecond }
-	var sub message.Subscriber
-	var err error
-	if cr, ok := b.(adapters.ConcurrentRedelivery); ok && cr.SchedulesRedeliveries() {
-		sub, err = cr.ConcurrentRedeliverySubscriber(group, 1, wait)
-	} else if rs, ok := b.(adapters.RedeliveryScheduler); ok {
-		sub, err = rs.RedeliverySubscriber(group, wait)
-	} else {
+	if !b.Capabilities().ScheduledRedelivery {
 		return nil
 	}
+	sub, err := b.Subscriber(adapters.SubscriberSpec{
+		Group: group, InFlight: 1, RedeliveryWait: func(int) time.Duration { return 50 * time.Millisecond },
+	})
 	require.NoError(t, err)
 	return sub
 }

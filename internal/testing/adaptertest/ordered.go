@@ -17,9 +17,9 @@ import (
 )
 
 // OrderLedger is an ordered handler's view of what it handled, for the
-// tests of an adapters.OrderedFlight subscriber: per aggregate the last
-// sequence number with an effect, as an inbox and an effect table would keep
-// it. A delivery at or below it is a duplicate (the inbox drops it); one
+// tests of an ordered subscription (adapters.Capabilities.OrderedFlight):
+// per aggregate the last sequence number with an effect, as an inbox and an
+// effect table would keep it. A delivery at or below it is a duplicate (the inbox drops it); one
 // above the next is an order violation, and so is a second message of an
 // aggregate handed out while one is in flight.
 type OrderLedger struct {

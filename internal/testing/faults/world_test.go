@@ -128,8 +128,8 @@ func newWorld(t *testing.T, kind string, opts worldOptions) *world {
 	// relayed, whichever node starts first.
 	broker, err := bus.OpenBroker(ctx, cfg, nil)
 	require.NoError(t, err)
-	if op, ok := broker.(adapters.OrderedProvisioner); ok && *cfg.Consumer.Ordered {
-		require.NoError(t, op.ProvisionOrdered(ctx, w.topic, w.handler)) // as bus.Run does for an ordered handler
+	if broker.Capabilities().OrderedGroups && *cfg.Consumer.Ordered {
+		require.NoError(t, broker.ProvisionGroup(ctx, w.topic, adapters.GroupSpec{Name: w.handler, Start: adapters.StartAll, Ordered: true})) // as bus.Run does for an ordered handler
 	} else {
 		require.NoError(t, broker.Provision(ctx, w.topic, w.handler))
 	}

@@ -535,7 +535,7 @@ type consumer struct {
 }
 
 func startConsumer(b *testing.B, ctx context.Context, broker adapters.Broker, topic, group string) *consumer {
-	sub, err := broker.Subscriber(group)
+	sub, err := broker.Subscriber(adapters.SubscriberSpec{Group: group})
 	if err != nil {
 		b.Fatal(err)
 	}

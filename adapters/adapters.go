@@ -52,8 +52,27 @@ type Broker interface {
 	// message they refuse permanently instead of sending it.
 	Rules() Rules
 
-	// Capabilities says what this broker guarantees beyond this contract.
+	// Capabilities says what this broker can do beyond this contract.
 	Capabilities() Capabilities
+
+	// Backlog returns, per partition ("" for a broker without partitions),
+	// the messages of topic that consumerGroup has not consumed yet: the
+	// JetStream consumer's NumPending (not yet delivered), the RabbitMQ
+	// queue's ready messages, Kafka's high watermark minus the group's
+	// committed offset. bus.Run reports it as the millrace_consumer_backlog
+	// gauge when Capabilities.Backlog says the broker can tell.
+	Backlog(ctx context.Context, topic, consumerGroup string) (map[string]int64, error)
+
+	// Ping returns nil when the broker answered within ctx, else why not,
+	// for readiness checks (Capabilities.Ping). It does not create
+	// topology or publish anything.
+	Ping(ctx context.Context) error
+
+	// Deprovision removes what Provision made for topic and its consumer
+	// groups, messages included; what is already gone is not an error.
+	// Demos and tests clean up with it; millrace's relay and consumers
+	// never call it.
+	Deprovision(ctx context.Context, topic string, consumerGroups ...string) error
 
 	// Close releases every connection. It is idempotent.
 	Close() error
@@ -84,13 +103,6 @@ type GroupSpec struct {
 	// Ordered asks for the settings that keep per-key order across
 	// redeliveries (consumer.ordered).
 	Ordered bool
-}
-
-// Deprovisioner is a Broker that can remove what Provision made for a topic
-// and its consumer groups, messages included. Demos and tests clean up with
-// it; millrace's relay and consumers never call it.
-type Deprovisioner interface {
-	Deprovision(ctx context.Context, topic string, consumerGroups ...string) error
 }
 
 // Capabilities are what a broker can do beyond the contract, as it is
@@ -252,16 +264,4 @@ func (e *BatchError) Unwrap() []error {
 		}
 	}
 	return out
-}
-
-// BacklogReporter is a Broker that can tell how far a consumer group is
-// behind on a topic. bus.Run reports it as the millrace_consumer_backlog
-// gauge.
-type BacklogReporter interface {
-	// Backlog returns, per partition ("" for a broker without partitions),
-	// the messages of topic that consumerGroup has not consumed yet: the
-	// JetStream consumer's NumPending (not yet delivered), the RabbitMQ
-	// queue's ready messages, Kafka's high watermark minus the group's
-	// committed offset.
-	Backlog(ctx context.Context, topic, consumerGroup string) (map[string]int64, error)
 }

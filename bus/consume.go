@@ -237,7 +237,7 @@ func (b *Bus) Run(ctx context.Context) error {
 	}
 
 	var backlog *prometheus.GaugeVec
-	if _, ok := broker.(adapters.BacklogReporter); ok && router != nil {
+	if broker.Capabilities().Backlog && router != nil {
 		if backlog, err = newBacklogMetric(b.registerer); err != nil {
 			return err
 		}
@@ -254,8 +254,8 @@ func (b *Bus) Run(ctx context.Context) error {
 		if len(sagas) > 0 {
 			wg.Go(func() { errs <- b.pruneSagas(runCtx, sagas) })
 		}
-		if reporter, ok := broker.(adapters.BacklogReporter); ok && backlog != nil {
-			wg.Go(func() { errs <- b.refreshBacklog(runCtx, reporter, backlog, handlers) })
+		if backlog != nil {
+			wg.Go(func() { errs <- b.refreshBacklog(runCtx, broker, backlog, handlers) })
 		}
 		wg.Go(func() { errs <- router.Run(runCtx) })
 	}
@@ -343,7 +343,7 @@ func (b *Bus) refreshInboxRows(ctx context.Context, stack *middleware.Stack) err
 
 // refreshBacklog sets millrace_consumer_backlog of every handler now and
 // then every metrics.backlog_interval until ctx ends.
-func (b *Bus) refreshBacklog(ctx context.Context, reporter adapters.BacklogReporter, gauge *prometheus.GaugeVec, handlers []handlerSpec) error {
+func (b *Bus) refreshBacklog(ctx context.Context, reporter adapters.Broker, gauge *prometheus.GaugeVec, handlers []handlerSpec) error {
 	t := time.NewTicker(b.cfg.Metrics.BacklogInterval)
 	defer t.Stop()
 	for {

@@ -145,8 +145,8 @@ func (b *Bus) Readiness(ctx context.Context) HealthReport {
 		return HealthCheck{Name: name, OK: true, Detail: okDetail}
 	}
 	checks = append(checks, probe("database", "answered", b.db.PingContext))
-	if p, ok := rs.broker.(adapters.Pinger); ok {
-		checks = append(checks, probe("broker", b.cfg.Broker.Kind+" answered", p.Ping))
+	if rs.broker.Capabilities().Ping {
+		checks = append(checks, probe("broker", b.cfg.Broker.Kind+" answered", rs.broker.Ping))
 	} else {
 		checks = append(checks, HealthCheck{Name: "broker", OK: true, Detail: "connected (the adapter cannot be pinged)"})
 	}

@@ -149,7 +149,7 @@ func (r *retryRig) parked() bool {
 		return true
 	}
 	// A group that never read the retry topic is behind by all of it.
-	backlog, err := r.broker.(adapters.BacklogReporter).Backlog(context.Background(), kafka.RetryTopicName(r.topic, r.group), "nobody-"+r.suffix)
+	backlog, err := r.broker.Backlog(context.Background(), kafka.RetryTopicName(r.topic, r.group), "nobody-"+r.suffix)
 	require.NoError(r.t, err)
 	var copies int64
 	for _, n := range backlog {

@@ -9,7 +9,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
-	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/middleware"
 )
@@ -25,8 +24,8 @@ func TestBrokerBacklog(t *testing.T) {
 			const events = 20
 			e := newEnv(t)
 			k := newKit(t, broker, kitOptions{})
-			reporter, ok := k.broker.(adapters.BacklogReporter)
-			require.True(t, ok, "%s reports backlogs", broker)
+			reporter := k.broker
+			require.True(t, reporter.Capabilities().Backlog, "%s reports backlogs", broker)
 			topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
 			k.provision(t, topic, group)
 			backlog := func() int64 {

@@ -8,11 +8,7 @@ import (
 
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
-
-	"github.com/millrace-io/millrace/adapters"
 )
-
-var _ adapters.BacklogReporter = (*Broker)(nil)
 
 // Backlog returns, per partition of topic, its high watermark minus the
 // group's committed offset (the whole partition when the group committed

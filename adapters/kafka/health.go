@@ -7,8 +7,6 @@ import (
 	"github.com/millrace-io/millrace/adapters"
 )
 
-var _ adapters.Pinger = (*Broker)(nil)
-
 // Ping asks a broker of the cluster for its metadata.
 func (b *Broker) Ping(ctx context.Context) error {
 	if b.closed.Load() {

@@ -142,7 +142,7 @@ func (b *Broker) startGroup(ctx context.Context, topic, group string, start adap
 
 // Deprovision deletes topic, with its records, and consumerGroups' committed
 // offsets and retry topics. A topic or group already gone is not an error; a group with
-// live members is. See adapters.Deprovisioner.
+// live members is. See adapters.Broker.
 func (b *Broker) Deprovision(ctx context.Context, topic string, consumerGroups ...string) error {
 	if err := names.Topic(topic); err != nil {
 		return adapters.Permanent(fmt.Errorf("kafka: topic %q: %w", topic, err))

@@ -6,11 +6,7 @@ import (
 	"fmt"
 
 	"github.com/nats-io/nats.go/jetstream"
-
-	"github.com/millrace-io/millrace/adapters"
 )
-
-var _ adapters.BacklogReporter = (*Broker)(nil)
 
 // Backlog returns the group's JetStream consumer's NumPending on topic's
 // stream: the messages not yet delivered to the group (those delivered and

@@ -9,8 +9,6 @@ import (
 	"github.com/millrace-io/millrace/adapters"
 )
 
-var _ adapters.Pinger = (*Broker)(nil)
-
 // Ping makes a round trip to the server on the publishing connection.
 func (b *Broker) Ping(ctx context.Context) error {
 	if b.isClosed() {

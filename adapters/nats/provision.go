@@ -319,7 +319,7 @@ func (d *diffs) check(field string, got, want any, key string) {
 // Deprovision deletes topic's stream, and with it the consumers of every
 // group and the messages it holds, and the leases of consumerGroups (see
 // subscribeOrdered). A stream already gone is not an error. See
-// adapters.Deprovisioner.
+// adapters.Broker.
 func (b *Broker) Deprovision(ctx context.Context, topic string, consumerGroups ...string) error {
 	if err := checkTopic(topic); err != nil {
 		return adapters.Permanent(err)

@@ -3,11 +3,7 @@ package rabbit
 import (
 	"context"
 	"fmt"
-
-	"github.com/millrace-io/millrace/adapters"
 )
-
-var _ adapters.BacklogReporter = (*Broker)(nil)
 
 // Backlog returns the ready messages of the group's queue on topic (a
 // passive declare: a missing queue is an error); messages delivered and

@@ -3,11 +3,7 @@ package rabbit
 import (
 	"context"
 	"fmt"
-
-	"github.com/millrace-io/millrace/adapters"
 )
-
-var _ adapters.Pinger = (*Broker)(nil)
 
 // Ping checks the publishing connection, dialling it again when it was lost
 // (as the next publish would), and opens and closes a channel on it: a

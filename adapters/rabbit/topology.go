@@ -287,7 +287,7 @@ func (b *Broker) topologyConnection(ctx context.Context, topic string, consumerG
 // Deprovision deletes what Provision declared for topic and consumerGroups:
 // the groups' queues, dead-letter queues and retry queues, the parking queue and the
 // topic's three exchanges, with the messages they hold. Objects already gone
-// are not an error. See adapters.Deprovisioner.
+// are not an error. See adapters.Broker.
 func (b *Broker) Deprovision(ctx context.Context, topic string, consumerGroups ...string) error {
 	conn, stop, err := b.topologyConnection(ctx, topic, consumerGroups)
 	if err != nil {

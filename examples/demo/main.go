@@ -149,7 +149,7 @@ func run(ctx context.Context, configPath, schema string, count int, out io.Write
 	defer func() {
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 		defer cancel()
-		if err := broker.(adapters.Deprovisioner).Deprovision(ctx, topic, billing.HandlerName, tapGroup); err != nil {
+		if err := broker.Deprovision(ctx, topic, billing.HandlerName, tapGroup); err != nil {
 			fmt.Fprintf(out, "cleanup: %v\n", err)
 		}
 	}()

@@ -31,7 +31,6 @@ import (
 
 	"github.com/google/uuid"
 
-	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/kafka/kafkadev"
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/ops"
@@ -273,7 +272,7 @@ func deprovision(ctx context.Context, cfg bus.Config, tp topics, prefix string, 
 		groups[topic] = []string{prefix + "-order-process." + topic}
 	}
 	for topic, gs := range groups {
-		if err := broker.(adapters.Deprovisioner).Deprovision(ctx, topic, gs...); err != nil {
+		if err := broker.Deprovision(ctx, topic, gs...); err != nil {
 			fmt.Fprintf(out, "cleanup %s: %v\n", topic, err)
 		}
 	}

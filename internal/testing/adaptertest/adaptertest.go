@@ -44,6 +44,7 @@ func Run(t *testing.T, h Harness) {
 	t.Run("RedeliveryAfterNack", func(t *testing.T) { t.Parallel(); testRedelivery(t, h) })
 	t.Run("UnusualMessagesIntactOrRefused", func(t *testing.T) { t.Parallel(); testUnusual(t, h) })
 	t.Run("SubscriberSpecByCapabilities", func(t *testing.T) { t.Parallel(); testSpecs(t, h) })
+	t.Run("PingAndBacklogByCapabilities", func(t *testing.T) { t.Parallel(); testPingBacklog(t, h) })
 	t.Run("DeprovisionRemovesTopology", func(t *testing.T) { t.Parallel(); testDeprovision(t, h) })
 	t.Run("MessageTooLarge", func(t *testing.T) {
 		if h.MaxMessageBytes == 0 {
@@ -256,13 +257,11 @@ func testFanOut(t *testing.T, h Harness) {
 func testDeprovision(t *testing.T, h Harness) {
 	ctx := context.Background()
 	b := newBroker(t, h)
-	d, ok := b.(adapters.Deprovisioner)
-	require.True(t, ok, "%T implements adapters.Deprovisioner", b)
 	topic, group := Name("deprovision"), Name("g")
 	require.NoError(t, b.Provision(ctx, topic, group))
 	publishBatch(t, b, topic, []*message.Message{event("old", 1), event("old", 2)})
-	require.NoError(t, d.Deprovision(ctx, topic, group))
-	require.NoError(t, d.Deprovision(ctx, topic, group), "what is already gone is not an error")
+	require.NoError(t, b.Deprovision(ctx, topic, group))
+	require.NoError(t, b.Deprovision(ctx, topic, group), "what is already gone is not an error")
 
 	require.NoError(t, b.Provision(ctx, topic, group))
 	fresh := event("new", 1)

@@ -1,8 +1,11 @@
 package adaptertest
 
 import (
+	"context"
 	"testing"
 	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/stretchr/testify/require"
 
@@ -63,4 +66,31 @@ func pick(cond bool, ifTrue, ifFalse string) string {
 		return ifTrue
 	}
 	return ifFalse
+}
+
+// testPingBacklog: a broker with Capabilities.Ping answers Ping; one with
+// Capabilities.Backlog counts the messages a new group has not consumed.
+func testPingBacklog(t *testing.T, h Harness) {
+	ctx, cancel := context.WithTimeout(context.Background(), h.Timeout)
+	defer cancel()
+	b := newBroker(t, h)
+	caps := b.Capabilities()
+	if caps.Ping {
+		require.NoError(t, b.Ping(ctx))
+	}
+	if !caps.Backlog {
+		return
+	}
+	topic, group := Name("backlog"), Name("g")
+	require.NoError(t, b.Provision(ctx, topic, group))
+	publishBatch(t, b, topic, []*message.Message{event("a", 1), event("b", 1)})
+	require.Eventually(t, func() bool {
+		parts, err := b.Backlog(ctx, topic, group)
+		require.NoError(t, err)
+		var sum int64
+		for _, n := range parts {
+			sum += n
+		}
+		return sum == 2
+	}, h.Timeout, 50*time.Millisecond, "the group's backlog is the 2 messages published")
 }

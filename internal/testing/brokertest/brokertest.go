@@ -12,7 +12,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/kafka/kafkadev"
 	"github.com/millrace-io/millrace/bus"
 )
@@ -97,7 +96,7 @@ func Cleanup(t testing.TB, kind, topic string, groups ...string) {
 			return
 		}
 		defer b.Close()
-		if err := b.(adapters.Deprovisioner).Deprovision(ctx, topic, groups...); err != nil {
+		if err := b.Deprovision(ctx, topic, groups...); err != nil {
 			t.Logf("cleanup: %v", err)
 		}
 	})

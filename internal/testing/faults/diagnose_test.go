@@ -18,7 +18,6 @@ import (
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
 
-	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/bus"
 )
 
@@ -53,8 +52,8 @@ func (w *world) diagnose() string {
 	if broker, err := bus.OpenBroker(ctx, w.cfg, nil); err != nil {
 		fmt.Fprintf(&b, "broker: %v\n", err)
 	} else {
-		if r, ok := broker.(adapters.BacklogReporter); ok {
-			backlog, err := r.Backlog(ctx, w.topic, w.handler)
+		if broker.Capabilities().Backlog {
+			backlog, err := broker.Backlog(ctx, w.topic, w.handler)
 			fmt.Fprintf(&b, "broker backlog of %s: %v %v\n", w.handler, backlog, err)
 		}
 		_ = broker.Close()

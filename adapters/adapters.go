@@ -155,8 +155,21 @@ type Capabilities struct {
 
 // Section is one broker's section of config.yaml (kafka.Config,
 // rabbit.Config, nats.Config), as bus selects it by broker.kind: how to
-// check it, what the broker carries unchanged, and how to connect.
+// check it, what the broker carries unchanged, and how to connect. bus
+// asks the section, never compares kinds.
 type Section interface {
+	// Kind is the broker.kind that selects the section, and its key under
+	// broker in config.yaml: "kafka", "rabbitmq" or "nats".
+	Kind() string
+	// ValidateConsumers returns the problems of the consumers that the
+	// consumer section configures on this broker with the section at path
+	// (a setting the broker cannot give, or one of the section that would
+	// fail them), each a *confload.FieldError naming its YAML path.
+	ValidateConsumers(path string, consumers []ConsumerSettings) []error
+	// CloudEventsPrefix is the header prefix of the broker's CloudEvents
+	// protocol binding (outbox.cloudevents): "ce_" (Kafka), "cloudEvents_"
+	// (AMQP), "ce-" (NATS).
+	CloudEventsPrefix() string
 	// Validate returns every problem of the section at path, each a
 	// *confload.FieldError naming its YAML path. Call it on a section that
 	// has had its defaults applied.
@@ -166,6 +179,24 @@ type Section interface {
 	// Connect connects with the section, which Validate accepted; the
 	// package's Open applies the defaults and validates first.
 	Connect(ctx context.Context, opts Options) (Broker, error)
+}
+
+// ConsumerSettings are the settings of the consumer section, or of one
+// handler's override under consumer.handlers, that a Section checks
+// (Section.ValidateConsumers).
+type ConsumerSettings struct {
+	// Path is the YAML path of the settings: "consumer" or
+	// "consumer.handlers.<name>".
+	Path string
+	// Start is the start set at Path (consumer.start), "" where a handler's
+	// override leaves it to the consumer section.
+	Start Start
+	// ScheduledRetries: the handler's attempts are broker deliveries (an
+	// unordered handler whose retry.mode is not process), so the broker
+	// waits between them.
+	ScheduledRetries bool
+	// MaxAttempts is retry.max_attempts.
+	MaxAttempts int
 }
 
 // Outgoing is one message of a batch and the topic it goes to.

@@ -1,8 +1,9 @@
 // Package adapters is the contract every broker adapter (kafka, rabbit, nats)
 // fulfils, so bus, the forwarder and the middleware can work with any of them.
 //
-// Each adapter turns its config section (a Section: Validate, Rules,
-// Connect) into a Broker: Watermill publishers and subscribers with
+// Each adapter turns its config section (a Section: Kind, Validate,
+// ValidateConsumers, Rules, CloudEventsPrefix, Connect; bus asks it and
+// never compares broker kinds) into a Broker: Watermill publishers and subscribers with
 // reliable defaults, a pipelined batch publish path for the relay, and
 // idempotent topology provisioning, backlog, ping and deprovisioning. A
 // Broker declares what it can do (Capabilities: ordered or concurrent

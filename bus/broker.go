@@ -31,17 +31,28 @@ func connectBroker(ctx context.Context, cfg Config, logger watermill.LoggerAdapt
 	return section.Connect(ctx, adapters.Options{Logger: logger, ConnectTimeout: cfg.Broker.ConnectTimeout})
 }
 
+// sections are the broker sections of the config, each selected by its
+// Kind.
+func (c BrokerConfig) sections() []adapters.Section {
+	return []adapters.Section{c.Kafka, c.RabbitMQ, c.NATS}
+}
+
+// kinds are the broker kinds the config has a section for.
+func (c BrokerConfig) kinds() []string {
+	var kinds []string
+	for _, s := range c.sections() {
+		kinds = append(kinds, s.Kind())
+	}
+	return kinds
+}
+
 // section is the config section of the broker broker.kind selects and its
-// YAML path: the one place a broker kind is mapped to its adapter. It is
-// nil for an unknown kind.
+// YAML path, broker.<kind>. It is nil for an unknown kind.
 func (c BrokerConfig) section() (path string, s adapters.Section) {
-	switch c.Kind {
-	case KindKafka:
-		return "broker.kafka", c.Kafka
-	case KindRabbitMQ:
-		return "broker.rabbitmq", c.RabbitMQ
-	case KindNATS:
-		return "broker.nats", c.NATS
+	for _, s := range c.sections() {
+		if s.Kind() == c.Kind {
+			return "broker." + s.Kind(), s
+		}
 	}
 	return "", nil
 }
@@ -62,26 +73,23 @@ func (c BrokerConfig) Rules() adapters.Rules {
 // valid on all of them.
 func checkTopicOnEveryBroker(topic string) error {
 	var errs []error
-	for _, kind := range []string{KindKafka, KindRabbitMQ, KindNATS} {
-		if err := (BrokerConfig{Kind: kind}).Rules().CheckTopic(topic); err != nil {
-			errs = append(errs, fmt.Errorf("topic on broker.kind %s: %w", kind, err))
+	for _, s := range (BrokerConfig{}).sections() {
+		if err := s.Rules().CheckTopic(topic); err != nil {
+			errs = append(errs, fmt.Errorf("topic on broker.kind %s: %w", s.Kind(), err))
 		}
 	}
 	return errors.Join(errs...)
 }
 
 // cloudEventsPrefix is the header prefix of the CloudEvents binding of
-// broker.kind, "" when outbox.cloudevents is off.
+// broker.kind, "" when outbox.cloudevents is off. An unknown kind (which
+// Validate reports) has NATS's.
 func (c Config) cloudEventsPrefix() string {
 	if !c.Outbox.CloudEvents.Enabled {
 		return ""
 	}
-	switch c.Broker.Kind {
-	case KindKafka:
-		return "ce_" // Kafka protocol binding
-	case KindRabbitMQ:
-		return "cloudEvents_" // AMQP protocol binding
-	default:
-		return "ce-" // NATS protocol binding
+	if _, s := c.Broker.section(); s != nil {
+		return s.CloudEventsPrefix()
 	}
+	return c.Broker.NATS.CloudEventsPrefix()
 }

@@ -28,9 +28,9 @@ import (
 
 // Broker kinds accepted by broker.kind.
 const (
-	KindKafka    = "kafka"
-	KindRabbitMQ = "rabbitmq"
-	KindNATS     = "nats"
+	KindKafka    = kafka.Kind
+	KindRabbitMQ = rabbit.Kind
+	KindNATS     = nats.Kind
 )
 
 // Payload codecs accepted by outbox.codec.
@@ -271,7 +271,7 @@ func (c Config) validate(broker bool) error {
 	}
 
 	if broker {
-		chk.OneOf("broker.kind", c.Broker.Kind, KindKafka, KindRabbitMQ, KindNATS)
+		chk.OneOf("broker.kind", c.Broker.Kind, c.Broker.kinds()...)
 		chk.PositiveDuration("broker.connect_timeout", c.Broker.ConnectTimeout)
 		if path, section := c.Broker.section(); section != nil {
 			chk.Merge(section.Validate(path))
@@ -284,11 +284,8 @@ func (c Config) validate(broker bool) error {
 	chk.PositiveDuration("metrics.inbox_rows_interval", c.Metrics.InboxRowsInterval)
 	chk.PositiveDuration("metrics.backlog_interval", c.Metrics.BacklogInterval)
 	chk.Merge(c.Consumer.Validate("consumer"))
-	if broker && c.Broker.Kind == KindNATS {
-		c.validateMaxDeliver(&chk)
-	}
-	if broker && c.Broker.Kind == KindRabbitMQ {
-		c.validateStart(&chk)
+	if path, section := c.Broker.section(); broker && section != nil {
+		chk.Merge(section.ValidateConsumers(path, c.consumerSettings()))
 	}
 	c.validateHealth(&chk)
 	if len(chk.Problems) == 0 {
@@ -297,51 +294,26 @@ func (c Config) validate(broker bool) error {
 	return &ConfigError{Problems: c.annotate(chk.Problems)}
 }
 
-// validateMaxDeliver refuses a JetStream max_deliver below the
-// retry.max_attempts of an unordered handler: its attempts are deliveries
-// (the broker waits between them), and the server would stop delivering a
-// failing message before the chain poisons it, leaving it in the stream
-// unhandled, with only an advisory to tell.
-func (c Config) validateMaxDeliver(chk *confload.Checker) {
-	limit := c.Broker.NATS.Consumer.MaxDeliver
-	if limit < 1 {
-		return // -1: no limit
+// consumerSettings are the consumer section's settings and each handler
+// override's, in that order and by name, as the broker's section checks
+// them: the start set at each path, and the retries of the handler the
+// override makes.
+func (c Config) consumerSettings() []adapters.ConsumerSettings {
+	settings := []adapters.ConsumerSettings{c.consumerSettingsOf("consumer", c.Consumer, c.Consumer.Start)}
+	for _, name := range slices.Sorted(maps.Keys(c.Consumer.Handlers)) {
+		settings = append(settings, c.consumerSettingsOf("consumer.handlers."+name, c.Consumer.For(name), c.Consumer.Handlers[name].Start))
 	}
-	handlers := []string{""}
-	for name := range c.Consumer.Handlers {
-		handlers = append(handlers, name)
-	}
-	slices.Sort(handlers)
-	for _, name := range handlers {
-		h, path := c.Consumer, "consumer"
-		if name != "" {
-			h, path = c.Consumer.For(name), "consumer.handlers."+name
-		}
-		if (h.Ordered != nil && *h.Ordered) || h.Retry.Mode == middleware.RetryInProcess {
-			continue // its retries stay in one delivery
-		}
-		if h.Retry.MaxAttempts > limit {
-			chk.Add("broker.nats.consumer.max_deliver", "must be -1 (no limit) or at least %s.retry.max_attempts (%d): "+
-				"an unordered handler's attempts are JetStream deliveries, and the server would drop a failing message "+
-				"for the group before it is poisoned; got %d", path, h.Retry.MaxAttempts, limit)
-		}
-	}
+	return settings
 }
 
-// validateStart refuses consumer.start: all on RabbitMQ, for the consumer
-// section and each handler override that sets it: a new group's queue
-// cannot start at the topic's history (rabbit.ErrNoHistory).
-func (c Config) validateStart(chk *confload.Checker) {
-	paths := map[string]adapters.Start{"consumer.start": c.Consumer.Start}
-	for name, h := range c.Consumer.Handlers {
-		if h.Start != "" {
-			paths["consumer.handlers."+name+".start"] = h.Start
-		}
-	}
-	for _, path := range slices.Sorted(maps.Keys(paths)) {
-		if paths[path] == adapters.StartAll {
-			chk.Add(path, "must be new with broker.kind rabbitmq: %v; got all", rabbit.ErrNoHistory)
-		}
+// consumerSettingsOf is the settings of handler h at path, where start is
+// set.
+func (c Config) consumerSettingsOf(path string, h middleware.Config, start adapters.Start) adapters.ConsumerSettings {
+	return adapters.ConsumerSettings{
+		Path:             path,
+		Start:            start,
+		ScheduledRetries: (h.Ordered == nil || !*h.Ordered) && h.Retry.Mode != middleware.RetryInProcess,
+		MaxAttempts:      h.Retry.MaxAttempts,
 	}
 }
 

@@ -14,6 +14,10 @@ import (
 	"github.com/millrace-io/millrace/internal/confload"
 )
 
+// Kind is the broker.kind of this adapter, and its section's key under
+// broker in config.yaml.
+const Kind = "kafka"
+
 // KafkadevPackage is the package that links the dev cluster into a program
 // when imported.
 const KafkadevPackage = "github.com/millrace-io/millrace/adapters/kafka/kafkadev"

@@ -49,7 +49,7 @@ import (
 // RedeliveryWait. A spec the Broker cannot serve (adapters.CheckSpec) is an
 // *adapters.SpecError.
 func (b *Broker) Subscriber(spec adapters.SubscriberSpec) (message.Subscriber, error) {
-	if err := adapters.CheckSpec("kafka", b.Capabilities(), spec, 0); err != nil {
+	if err := adapters.CheckSpec(Kind, b.Capabilities(), spec, 0); err != nil {
 		return nil, err
 	}
 	sub, err := b.newSubscriber(spec.Group, spec.InFlight, spec.Ordered)

@@ -18,6 +18,10 @@ import (
 	"github.com/millrace-io/millrace/internal/confload"
 )
 
+// Kind is the broker.kind of this adapter, and its section's key under
+// broker in config.yaml.
+const Kind = "nats"
+
 // Config is the broker.nats section of config.yaml.
 type Config struct {
 	// URL is the NATS server URL, or a comma-separated list of a cluster's

@@ -58,7 +58,7 @@ func (b *Broker) Subscriber(spec adapters.SubscriberSpec) (message.Subscriber, e
 	if err := checkGroup(spec.Group); err != nil {
 		return nil, fmt.Errorf("nats: %w", err)
 	}
-	if err := adapters.CheckSpec("nats", b.Capabilities(), spec, 0); err != nil {
+	if err := adapters.CheckSpec(Kind, b.Capabilities(), spec, 0); err != nil {
 		return nil, err
 	}
 	switch {

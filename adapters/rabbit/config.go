@@ -12,6 +12,10 @@ import (
 	"github.com/millrace-io/millrace/internal/confload"
 )
 
+// Kind is the broker.kind of this adapter, and its section's key under
+// broker in config.yaml.
+const Kind = "rabbitmq"
+
 // DefaultURL is broker.rabbitmq.url's default: a local server, with
 // RabbitMQ's default credentials (guest/guest) as amqp091 fills them in.
 const DefaultURL = "amqp://127.0.0.1:5672/"

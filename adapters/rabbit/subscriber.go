@@ -116,7 +116,7 @@ const maxInFlight = 65535
 // queued before it (at most retry.max_interval); never shorter. A wait of 0
 // or less nacks the message for an immediate redelivery.
 func (b *Broker) Subscriber(spec adapters.SubscriberSpec) (message.Subscriber, error) {
-	if err := adapters.CheckSpec("rabbitmq", b.Capabilities(), spec, maxInFlight); err != nil {
+	if err := adapters.CheckSpec(Kind, b.Capabilities(), spec, maxInFlight); err != nil {
 		return nil, err
 	}
 	return b.newSubscriber(spec)

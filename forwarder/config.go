@@ -30,7 +30,9 @@ type Config struct {
 	// PollInterval is the fallback poll when no NOTIFY arrives (a missed
 	// notification), and the only wake-up of a relay that cannot LISTEN (a
 	// pooler in transaction mode and no database.direct_url): its events
-	// then wait half of it on average. Defaults to 1s.
+	// then wait half of it on average. With relay.source: wal it is how
+	// often the relay confirms its slot's position (the events a relay
+	// that dies had relayed since are sent again). Defaults to 1s.
 	PollInterval time.Duration `yaml:"poll_interval"`
 	// LeaseTTL is how long the lease on the outbox (or on a shard) lasts
 	// without renewal; the active relay renews it three times as often. A

@@ -72,7 +72,10 @@ func newWALSource(cfg Config, tables store.Tables, url string, reg prometheus.Re
 	}
 	s := &walSource{
 		cfg: wal.Config{URL: url, Schema: tables.Schema, OutboxTopic: tables.OutboxTopic,
-			Slot: cfg.SlotName(tables.Schema, tables.OutboxTopic), MaxBatchEvents: cfg.BatchSize},
+			Slot: cfg.SlotName(tables.Schema, tables.OutboxTopic), MaxBatchEvents: cfg.BatchSize,
+			// Confirm soon after each batch: a relay that dies replays
+			// from the last position it confirmed.
+			StatusInterval: cfg.PollInterval},
 		retained: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "millrace_relay_wal_retained_bytes", ConstLabels: prometheus.Labels{"outbox": tables.OutboxNotifyPayload()},
 			Help: "WAL the relay's replication slot keeps on the server's disk (pg_current_wal_lsn() - restart_lsn), as last measured by the active relay (every relay.backlog_interval; relay.source: wal).",

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/ops"
 )
 
@@ -39,11 +40,17 @@ type writer struct {
 	// pacedAt is when the COMMIT of each event committed at a rate (start)
 	// was sent, for the commit-to-effect latency.
 	pacedAt map[string]time.Time
+	// xids holds the transaction id of each uncertain event when the
+	// world's relay deletes the rows it forwarded (relay.source: wal):
+	// resolve asks PostgreSQL whether it committed, as the outbox no
+	// longer tells.
+	xids map[string]string
 }
 
 func newWriter(w *world) *writer {
 	return &writer{w: w, committed: map[string]bool{}, malformed: map[string]bool{}, rolledBack: map[string]bool{},
-		uncertain: map[string]bool{}, bad: map[string]bool{}, version: map[string]int{}, pacedAt: map[string]time.Time{}}
+		uncertain: map[string]bool{}, bad: map[string]bool{}, version: map[string]int{}, pacedAt: map[string]time.Time{},
+		xids: map[string]string{}}
 }
 
 // commitTx writes one transaction of ten events; it reports false when the
@@ -76,8 +83,13 @@ func (wr *writer) commitTx(ctx context.Context, paced bool) bool {
 	wr.mu.Unlock()
 
 	tx, err := wr.w.db.BeginTx(ctx, nil)
+	var xid string
 	if err == nil {
-		if err = wr.w.bus.Publish(ctx, tx, wr.w.topic, events...); err != nil {
+		err = wr.w.bus.Publish(ctx, tx, wr.w.topic, events...)
+		if err == nil && wr.w.cfg.Relay.Source == forwarder.SourceWAL {
+			err = tx.QueryRowContext(ctx, `SELECT pg_current_xact_id()::text`).Scan(&xid)
+		}
+		if err != nil {
 			_ = tx.Rollback()
 		}
 	}
@@ -106,6 +118,9 @@ func (wr *writer) commitTx(ctx context.Context, paced bool) bool {
 		case err != nil:
 			wr.uncertain[ev.ID] = true
 			wr.bad[ev.ID] = bad[ev.ID]
+			if xid != "" {
+				wr.xids[ev.ID] = xid
+			}
 		case bad[ev.ID]:
 			wr.malformed[ev.ID] = true
 		default:
@@ -169,11 +184,15 @@ func (wr *writer) resolve(t *testing.T) {
 		return
 	}
 	ids := make([]string, 0, len(wr.uncertain))
+	xids := make([]string, 0, len(wr.uncertain))
 	for id := range wr.uncertain {
 		ids = append(ids, id)
+		xids = append(xids, wr.xids[id])
 	}
+	// In the outbox, or of a transaction PostgreSQL says committed.
 	rows, err := wr.w.db.Query(`SELECT uuid FROM "`+wr.w.cfg.Database.Schema+`".watermill_`+wr.w.cfg.Outbox.Topic+
-		` WHERE uuid = ANY($1)`, ids)
+		` WHERE uuid = ANY($1) UNION SELECT u.id FROM unnest($1::text[], $2::text[]) AS u(id, xid)
+		WHERE CASE WHEN u.xid = '' THEN false ELSE pg_xact_status(u.xid::xid8) = 'committed' END`, ids, xids)
 	require.NoError(t, err)
 	defer rows.Close()
 	for rows.Next() {

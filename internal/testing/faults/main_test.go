@@ -125,6 +125,17 @@ the events and effects committed in it are lost with it: **Lost** shows them
 apart, and the check requires that nothing else is lost and nothing applied
 twice.
 
+The WAL relay's scenarios (` + "`relay.source: wal`" + `, rows starting "WAL relay")
+run the same flow with the relay streaming the outbox's inserts from a
+logical replication slot, each on a private PostgreSQL with
+` + "`wal_level = logical`" + `: the relay SIGKILLed, PostgreSQL crash-restarted, the
+broker frozen, a session idle in transaction for 60 s, and the slot dropped under the
+relay. A dropped slot stops the relay with ` + "`wal.ErrNoSlot`" + ` and what to do;
+the operator recreates the slot (` + "`millrace wal create-slot`" + `) and starts the
+relay again, which first forwards what the outbox table still holds (rows are
+deleted only once the broker confirmed them, so nothing is lost; the ones
+published again are duplicates the inbox drops) and then streams.
+
 Group commit is on: the consumers run with ` + fmt.Sprintf("`consumer.batch.max_messages: %d`, `max_wait: %s` and %d",
 		batchMessages, batchWait, batchWorkers) + ` workers. **Effects per
 transaction** is the mean (and the most) effects one inbox transaction

@@ -50,7 +50,8 @@ const (
 
 var scenarioOrder = []string{relayKilled, consumerKilled, consumerKilledBatched, consumerKilledRetrying, consumerPaused, brokerRestarted, postgresCrashed, terminated,
 	twoOfEach, poisonStorm, dependencyOutage, relayOutage, clusterFaults, clusterPartition,
-	idleInTransaction, neighbourFrozen, pooledRelays, failoverSync, failoverAsync}
+	idleInTransaction, neighbourFrozen, pooledRelays, failoverSync, failoverAsync,
+	walRelayKilled, walPostgres, walBrokerFrozen, walSlotDropped, walOpenTx}
 
 func scenarioRank(name string) int { return slices.Index(scenarioOrder, name) }
 
@@ -124,25 +125,46 @@ func TestRelayOutageThenDrain(t *testing.T) {
 func TestRelaySIGKILL(t *testing.T) {
 	eachBroker(t, brokertest.Kinds, func(t *testing.T, kind string) {
 		w := newWorld(t, kind, worldOptions{})
-		w.start("consumer", nodeSpec{Consume: true})
-		stop := w.writer.start(rate)
-		rng := newRand()
-		const kills = 8
-		for i := range kills {
-			relay := w.start(fmt.Sprint("relay-", i), nodeSpec{Relay: true})
-			if i == 0 {
-				w.flowing(100)
-			}
-			time.Sleep(time.Duration(300+rng.IntN(1200)) * time.Millisecond)
-			relay.kill()
-			w.fault()
-		}
-		stop()
-		w.start("relay", nodeSpec{Relay: true})
-		recovery := w.settle(settleTimeout)
-		w.record(result{scenario: relayKilled, broker: kind, faults: fmt.Sprintf("%d SIGKILLs", kills),
+		recovery := killRelays(w)
+		w.record(result{scenario: relayKilled, broker: kind, faults: fmt.Sprintf("%d SIGKILLs", relayKills),
 			o: w.check(true), ordered: true, recovery: recovery})
 	})
+}
+
+// relayKills is how many relays killRelays SIGKILLs.
+const relayKills = 8
+
+// killRelays runs a consumer and the service at the suite's rate, and
+// SIGKILLs relayKills relays one after the other, each 300 to 1500 ms
+// after its start; then one runs on until the flow has settled. It
+// returns the recovery time.
+func killRelays(w *world) time.Duration {
+	w.start("consumer", nodeSpec{Consume: true})
+	stop := w.writer.start(rate)
+	rng := newRand()
+	for i := range relayKills {
+		relay := w.start(fmt.Sprint("relay-", i), nodeSpec{Relay: true})
+		if i == 0 {
+			w.flowing(100)
+		}
+		time.Sleep(time.Duration(300+rng.IntN(1200)) * time.Millisecond)
+		relay.kill()
+		w.fault()
+	}
+	stop()
+	w.start("relay", nodeSpec{Relay: true})
+	return w.settle(settleTimeout)
+}
+
+// flowAtRate starts a relay and a consumer, and the service committing at
+// the suite's rate, and returns once 200 events had their effect; stop
+// stops the service.
+func (w *world) flowAtRate() (stop func()) {
+	w.start("relay", nodeSpec{Relay: true})
+	w.start("consumer", nodeSpec{Consume: true})
+	stop = w.writer.start(rate)
+	w.flowing(200)
+	return stop
 }
 
 func TestConsumerSIGKILLAfterEffect(t *testing.T) {
@@ -293,21 +315,26 @@ func TestPostgreSQLRestart(t *testing.T) {
 	eachBroker(t, brokertest.Kinds, func(t *testing.T, kind string) {
 		pg := servers.StartPostgreSQL(t)
 		w := newWorld(t, kind, worldOptions{databaseURL: pg.URL})
-		w.start("relay", nodeSpec{Relay: true})
-		w.start("consumer", nodeSpec{Consume: true})
-		stop := w.writer.start(rate)
-		w.flowing(200)
-		began := time.Now()
-		pg.Restart()
-		w.fault()
-		down := time.Since(began)
-		time.Sleep(5 * time.Second)
-		stop()
-		recovery := w.settle(settleTimeout)
+		down, recovery := restartPostgreSQL(w, pg)
 		w.record(result{scenario: postgresCrashed, broker: kind, faults: "1 crash restart", o: w.check(true), ordered: true,
-			recovery: recovery, note: fmt.Sprintf("PostgreSQL was down for %s; the service's transactions failed meanwhile (%d)",
-				down.Round(100*time.Millisecond), w.writer.failures)})
+			recovery: recovery, note: down})
 	})
+}
+
+// restartPostgreSQL crash-restarts w's private PostgreSQL pg mid-flow and
+// returns how long it was down (a note for the report) and the recovery
+// time.
+func restartPostgreSQL(w *world, pg *servers.PostgreSQL) (string, time.Duration) {
+	stop := w.flowAtRate()
+	began := time.Now()
+	pg.Restart()
+	w.fault()
+	down := time.Since(began)
+	time.Sleep(5 * time.Second)
+	stop()
+	recovery := w.settle(settleTimeout)
+	return fmt.Sprintf("PostgreSQL was down for %s; the service's transactions failed meanwhile (%d)",
+		down.Round(100*time.Millisecond), w.writer.failures), recovery
 }
 
 func TestSIGTERMMidBatch(t *testing.T) {

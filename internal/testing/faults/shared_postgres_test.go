@@ -181,20 +181,12 @@ func TestNeighbourBrokerFrozen(t *testing.T) {
 		b.flowing(200)
 		steady := time.Now()
 		time.Sleep(baselineFor)
-		broker.freeze()
-		frozen := true
-		t.Cleanup(func() {
-			if frozen { // the test failed during the outage
-				broker.thaw()
-			}
+		var began, ended time.Time
+		var flowedB, flowedA int
+		broker.outage(a, neighbourOutageFor, func(frozenAt time.Time) {
+			began, ended = frozenAt, time.Now()
+			flowedB, flowedA = b.latency(began, ended).events, a.latency(began, ended).events
 		})
-		a.fault()
-		began := time.Now()
-		time.Sleep(neighbourOutageFor)
-		ended := time.Now()
-		flowedB, flowedA := b.latency(began, ended).events, a.latency(began, ended).events
-		broker.thaw()
-		frozen = false
 		a.fault()
 		require.Positive(t, flowedB, "B's events committed while A's broker was frozen had their effect meanwhile")
 		require.Zero(t, flowedA, "A's broker was frozen: none of A's events committed meanwhile had an effect")
@@ -256,6 +248,25 @@ func startFreezableBroker(t *testing.T, kind string) freezableBroker {
 		thaw:   func() { close(*thawed.Swap(nil)) },
 		what:   "a private kfake cluster holding every request unanswered",
 	}
+}
+
+// outage freezes the broker for d, noting the fault in w, runs atEnd
+// (given when the freeze began) while it is still frozen, and thaws it (on
+// cleanup too, when the test fails meanwhile).
+func (b freezableBroker) outage(w *world, d time.Duration, atEnd func(frozenAt time.Time)) {
+	b.freeze()
+	frozen := true
+	w.t.Cleanup(func() {
+		if frozen {
+			b.thaw()
+		}
+	})
+	w.fault()
+	frozenAt := time.Now()
+	time.Sleep(d)
+	atEnd(frozenAt)
+	b.thaw()
+	frozen = false
 }
 
 // The PgBouncer scenario's relay settings: relays behind a pooler in

@@ -478,23 +478,7 @@ func (f *modeFlow) staleVersion() {
 
 // outcomes reads millrace_consumer_messages_total of the handler.
 func (f *modeFlow) outcomes(outcome string) float64 {
-	families, err := f.reg.Gather()
-	require.NoError(f.t, err)
-	for _, fam := range families {
-		if fam.GetName() != middleware.MetricMessages {
-			continue
-		}
-		for _, m := range fam.GetMetric() {
-			labels := map[string]string{}
-			for _, l := range m.GetLabel() {
-				labels[l.GetName()] = l.GetValue()
-			}
-			if labels["handler"] == f.handler && labels["outcome"] == outcome {
-				return m.GetCounter().GetValue()
-			}
-		}
-	}
-	return 0
+	return testkit.Metric(f.t, f.reg, middleware.MetricMessages, map[string]string{"handler": f.handler, "outcome": outcome})
 }
 
 // poisonAndReplay poisons an event, finds it through every listing of the

@@ -490,21 +490,5 @@ func testReplayReachesOnlyItsGroup(t *testing.T, kind string) {
 // from reg.
 func outcomes(t *testing.T, reg *prometheus.Registry, handler, outcome string) float64 {
 	t.Helper()
-	families, err := reg.Gather()
-	require.NoError(t, err)
-	for _, fam := range families {
-		if fam.GetName() != middleware.MetricMessages {
-			continue
-		}
-		for _, m := range fam.GetMetric() {
-			labels := map[string]string{}
-			for _, l := range m.GetLabel() {
-				labels[l.GetName()] = l.GetValue()
-			}
-			if labels["handler"] == handler && labels["outcome"] == outcome {
-				return m.GetCounter().GetValue()
-			}
-		}
-	}
-	return 0
+	return testkit.Metric(t, reg, middleware.MetricMessages, map[string]string{"handler": handler, "outcome": outcome})
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/bus/internal/testpb"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/middleware"
 	"github.com/millrace-io/millrace/ops"
 )
@@ -262,23 +263,7 @@ func (w chainWorld) poisonReasons(t *testing.T, handler string) map[string]strin
 // counter reads a counter of the Bus's registry with the given labels.
 func (w chainWorld) counter(t *testing.T, name string, labels map[string]string) float64 {
 	t.Helper()
-	families, err := w.reg.Gather()
-	require.NoError(t, err)
-	for _, f := range families {
-		if f.GetName() != name {
-			continue
-		}
-	metrics:
-		for _, m := range f.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if v, ok := labels[l.GetName()]; ok && v != l.GetValue() {
-					continue metrics
-				}
-			}
-			return m.GetCounter().GetValue()
-		}
-	}
-	return 0
+	return testkit.Metric(t, w.reg, name, labels)
 }
 
 // delivered is ev as a broker delivers it after the relay: the envelope in

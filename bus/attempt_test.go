@@ -30,12 +30,7 @@ import (
 // nothing of it at error, and every line's attributes come in key order.
 func TestAttemptsAndTheirLogLines(t *testing.T) {
 	t.Parallel()
-	for _, kind := range brokertest.Kinds {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			testAttemptsAndTheirLogLines(t, kind)
-		})
-	}
+	brokertest.EachKind(t, testAttemptsAndTheirLogLines)
 }
 
 func testAttemptsAndTheirLogLines(t *testing.T, kind string) {

@@ -31,12 +31,7 @@ import (
 // commit nothing.
 func TestBlockedHandlersAreAbandoned(t *testing.T) {
 	t.Parallel()
-	for _, kind := range brokertest.Kinds {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			testBlockedHandlers(t, kind)
-		})
-	}
+	brokertest.EachKind(t, testBlockedHandlers)
 }
 
 // blockedEvent is the event type whose handler blocks for ever.

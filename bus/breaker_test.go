@@ -30,12 +30,7 @@ import (
 // nothing is poisoned.
 func TestFlakyMessagesAfterARestartDoNotHoldBackHealthyOnes(t *testing.T) {
 	t.Parallel()
-	for _, kind := range brokertest.Kinds {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			testFlakyAfterRestart(t, kind)
-		})
-	}
+	brokertest.EachKind(t, testFlakyAfterRestart)
 }
 
 func testFlakyAfterRestart(t *testing.T, kind string) {
@@ -126,12 +121,7 @@ func testFlakyAfterRestart(t *testing.T, kind string) {
 // before any of them is poisoned), on every broker.
 func TestHungHandlersDoNotHoldBackHealthyEvents(t *testing.T) {
 	t.Parallel()
-	for _, kind := range brokertest.Kinds {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			testHungHandlers(t, kind)
-		})
-	}
+	brokertest.EachKind(t, testHungHandlers)
 }
 
 func testHungHandlers(t *testing.T, kind string) {

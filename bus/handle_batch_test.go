@@ -24,12 +24,7 @@ import (
 // event that does not decode are poisoned, the others committed once.
 func TestTypedBatchHandlerOnEveryBroker(t *testing.T) {
 	t.Parallel()
-	for _, kind := range brokertest.Kinds {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			testTypedBatchHandler(t, kind)
-		})
-	}
+	brokertest.EachKind(t, testTypedBatchHandler)
 }
 
 // batchRig is one broker's service with a typed batch handler that

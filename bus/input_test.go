@@ -195,12 +195,7 @@ func (u *unusualCases) sizes() {
 // the field, and nothing of it is written.
 func TestUnusualInputIsRefusedOrDeliveredIntact(t *testing.T) {
 	t.Parallel()
-	for _, kind := range brokertest.Kinds {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			testUnusualInput(t, kind)
-		})
-	}
+	brokertest.EachKind(t, testUnusualInput)
 }
 
 // unusualRig is one broker's service publishing the unusual cases.

@@ -30,12 +30,7 @@ import (
 // max_attempts-th failed delivery.
 func TestRetryFreesTheWorkerAndSurvivesARestart(t *testing.T) {
 	t.Parallel()
-	for _, kind := range brokertest.Kinds {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			testRetryFreesTheWorker(t, kind)
-		})
-	}
+	brokertest.EachKind(t, testRetryFreesTheWorker)
 }
 
 // retryRig is one broker's handler with one worker and a failing

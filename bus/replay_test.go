@@ -148,12 +148,7 @@ func (w *replayWorld) poisoned(t *testing.T) ops.PoisonedMessage {
 // it adds is one its Rules refuse, the rule that leaves them out.)
 func TestReplayOfAMessagePoisonedAfterItsRetries(t *testing.T) {
 	t.Parallel()
-	for _, kind := range brokertest.Kinds {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			testReplayAfterRetries(t, kind)
-		})
-	}
+	brokertest.EachKind(t, testReplayAfterRetries)
 }
 
 func testReplayAfterRetries(t *testing.T, kind string) {
@@ -414,12 +409,7 @@ func (w *replayWorld) poisonedAndReplayedAs(t *testing.T, group, eventID, messag
 // calling their handlers and write no inbox row, counted as not_targeted.
 func TestReplayReachesOnlyTheGroupItWasPoisonedIn(t *testing.T) {
 	t.Parallel()
-	for _, kind := range brokertest.Kinds {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			testReplayReachesOnlyItsGroup(t, kind)
-		})
-	}
+	brokertest.EachKind(t, testReplayReachesOnlyItsGroup)
 }
 
 func testReplayReachesOnlyItsGroup(t *testing.T, kind string) {

@@ -21,12 +21,7 @@ import (
 // The same service code runs on each broker; only broker.kind changes.
 func TestServiceRunsOnEveryBroker(t *testing.T) {
 	t.Parallel()
-	for _, kind := range brokertest.Kinds {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			testServiceRoundTrip(t, kind)
-		})
-	}
+	brokertest.EachKind(t, testServiceRoundTrip)
 }
 
 type audited struct {

@@ -27,12 +27,7 @@ import (
 // whatever consumer.start says later. RabbitMQ refuses all at the adapter.
 func TestNewGroupStartsWhereConsumerStartSays(t *testing.T) {
 	t.Parallel()
-	for _, kind := range brokertest.Kinds {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			testStart(t, kind)
-		})
-	}
+	brokertest.EachKind(t, testStart)
 }
 
 // startRecorder records the events each handler was called with.

@@ -28,12 +28,7 @@ import (
 // on *sql.Tx and pgx.Tx, consumed by a Bus opened on a pgxpool.
 func TestTypedEventsOnEveryBroker(t *testing.T) {
 	t.Parallel()
-	for _, kind := range brokertest.Kinds {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			testTypedEvents(t, kind)
-		})
-	}
+	brokertest.EachKind(t, testTypedEvents)
 }
 
 // typedSeen records what the handlers of testTypedEvents received.

@@ -267,12 +267,7 @@ func (w *writer) write(t *testing.T, b *bus.Bus, db *sql.DB, topic string, n int
 // rolled-back event ever appears.
 func TestRelayKilledAtRandomPointsLosesNothing(t *testing.T) {
 	t.Parallel()
-	for _, kind := range brokertest.Kinds {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			testRelayCrashes(t, kind)
-		})
-	}
+	brokertest.EachKind(t, testRelayCrashes)
 }
 
 func testRelayCrashes(t *testing.T, kind string) {
@@ -350,12 +345,7 @@ func activeRelay(t *testing.T, db *sql.DB, schema, prefix string) string {
 // Nothing is lost and each aggregate's events first arrive in order.
 func TestStandbyRelayTakesOverFromAKilledOne(t *testing.T) {
 	t.Parallel()
-	for _, kind := range brokertest.Kinds {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			testTakeover(t, kind)
-		})
-	}
+	brokertest.EachKind(t, testTakeover)
 }
 
 func testTakeover(t *testing.T, kind string) {

@@ -63,12 +63,7 @@ func badRows(kind, topic string) []badRow {
 // broker: it is quarantined with its reason, and the 1,000 arrive.
 func TestRowsNoBrokerCanTakeAreQuarantinedAndTheRestFlow(t *testing.T) {
 	t.Parallel()
-	for _, kind := range brokertest.Kinds {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			testQuarantine(t, kind)
-		})
-	}
+	brokertest.EachKind(t, testQuarantine)
 }
 
 func testQuarantine(t *testing.T, kind string) {

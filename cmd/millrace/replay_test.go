@@ -27,12 +27,7 @@ import (
 // the group it was poisoned in.
 func TestReplayAfterFixProcessesOnce(t *testing.T) {
 	t.Parallel()
-	for _, kind := range brokertest.Kinds {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			testReplayAfterFix(t, kind)
-		})
-	}
+	brokertest.EachKind(t, testReplayAfterFix)
 }
 
 // replayRig is one broker's service whose billing group cannot handle

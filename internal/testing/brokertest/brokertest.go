@@ -101,3 +101,15 @@ func Cleanup(t testing.TB, kind, topic string, groups ...string) {
 		}
 	})
 }
+
+// EachKind runs test on every broker kind of Kinds, each in a parallel
+// subtest named after the kind.
+func EachKind(t *testing.T, test func(t *testing.T, kind string)) {
+	t.Helper()
+	for _, kind := range Kinds {
+		t.Run(kind, func(t *testing.T) {
+			t.Parallel()
+			test(t, kind)
+		})
+	}
+}

@@ -88,13 +88,7 @@ BEGIN
 END $$`,
 		// Created only when missing: re-creating it would lock the outbox
 		// against writers every time an instance starts.
-		`DO $$ BEGIN
-	IF NOT EXISTS (SELECT 1 FROM pg_trigger
-		WHERE tgname = 'millrace_notify_outbox' AND tgrelid = '` + t.OutboxTable() + `'::regclass) THEN
-		CREATE TRIGGER millrace_notify_outbox AFTER INSERT ON ` + t.OutboxTable() + `
-			FOR EACH STATEMENT EXECUTE FUNCTION ` + notifyFunc + `();
-	END IF;
-END $$`,
+		trigger("millrace_notify_outbox", "AFTER INSERT", t.OutboxTable(), "STATEMENT", notifyFunc),
 	}
 }
 
@@ -205,6 +199,14 @@ func (t Tables) aggregateVersionStatements() []string {
 // for as long as it lived) and held up every writer behind it.
 func ifMissing(probe, ddl string) string {
 	return "DO $$ BEGIN\n\tIF NOT EXISTS (" + probe + ") THEN\n\t\t" + ddl + ";\n\tEND IF;\nEND $$"
+}
+
+// trigger creates the trigger name, timing ("AFTER INSERT") on table, for
+// each level ("STATEMENT", "ROW"), calling function, if table has no
+// trigger of that name.
+func trigger(name, timing, table, level, function string) string {
+	return ifMissing(`SELECT 1 FROM pg_trigger WHERE tgname = '`+name+`' AND tgrelid = '`+table+`'::regclass`,
+		`CREATE TRIGGER `+name+` `+timing+` ON `+table+` FOR EACH `+level+` EXECUTE FUNCTION `+function+`()`)
 }
 
 // index creates the index name on table (columns), if t's schema has no

@@ -219,12 +219,6 @@ BEGIN
 	PERFORM pg_notify('` + ScheduledNotifyChannel + `', TG_TABLE_SCHEMA);
 	RETURN NULL;
 END $$`,
-		`DO $$ BEGIN
-	IF NOT EXISTS (SELECT 1 FROM pg_trigger
-		WHERE tgname = 'millrace_notify_scheduled' AND tgrelid = '` + t.ScheduledTable() + `'::regclass) THEN
-		CREATE TRIGGER millrace_notify_scheduled AFTER INSERT ON ` + t.ScheduledTable() + `
-			FOR EACH STATEMENT EXECUTE FUNCTION ` + notifyFunc + `();
-	END IF;
-END $$`,
+		trigger("millrace_notify_scheduled", "AFTER INSERT", t.ScheduledTable(), "STATEMENT", notifyFunc),
 	}
 }

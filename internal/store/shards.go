@@ -86,13 +86,7 @@ BEGIN
 	PERFORM pg_notify('` + NotifyChannel + `', TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME || '/' || NEW.shard);
 	RETURN NEW;
 END $$`,
-		`DO $$ BEGIN
-	IF NOT EXISTS (SELECT 1 FROM pg_trigger
-		WHERE tgname = 'millrace_shard' AND tgrelid = '` + outbox + `'::regclass) THEN
-		CREATE TRIGGER millrace_shard BEFORE INSERT ON ` + outbox + `
-			FOR EACH ROW EXECUTE FUNCTION ` + t.shardFunction() + `();
-	END IF;
-END $$`,
+		trigger("millrace_shard", "BEFORE INSERT", outbox, "ROW", t.shardFunction()),
 	}
 }
 

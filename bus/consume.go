@@ -324,10 +324,9 @@ func checkOverrides(c middleware.Config, handlers []handlerSpec) error {
 	return &ConfigError{Problems: problems}
 }
 
-// refreshInboxRows counts the inbox rows every metrics.inbox_rows_interval
-// until ctx ends.
-func (b *Bus) refreshInboxRows(ctx context.Context, stack *middleware.Stack) error {
-	t := time.NewTicker(b.cfg.Metrics.InboxRowsInterval)
+// every calls fn every interval until ctx ends, and returns ctx's error.
+func every(ctx context.Context, interval time.Duration, fn func()) error {
+	t := time.NewTicker(interval)
 	defer t.Stop()
 	for {
 		select {
@@ -335,18 +334,24 @@ func (b *Bus) refreshInboxRows(ctx context.Context, stack *middleware.Stack) err
 			return ctx.Err()
 		case <-t.C:
 		}
+		fn()
+	}
+}
+
+// refreshInboxRows counts the inbox rows every metrics.inbox_rows_interval
+// until ctx ends.
+func (b *Bus) refreshInboxRows(ctx context.Context, stack *middleware.Stack) error {
+	return every(ctx, b.cfg.Metrics.InboxRowsInterval, func() {
 		if err := stack.RefreshInboxRows(ctx); err != nil && ctx.Err() == nil {
 			b.logger.Error("Could not count the inbox rows", err, nil)
 		}
-	}
+	})
 }
 
 // refreshBacklog sets millrace_consumer_backlog of every handler now and
 // then every metrics.backlog_interval until ctx ends.
 func (b *Bus) refreshBacklog(ctx context.Context, reporter adapters.Broker, gauge *prometheus.GaugeVec, handlers []handlerSpec) error {
-	t := time.NewTicker(b.cfg.Metrics.BacklogInterval)
-	defer t.Stop()
-	for {
+	read := func() {
 		for _, h := range handlers {
 			partitions, err := reporter.Backlog(ctx, h.topic, h.group)
 			if err != nil {
@@ -359,12 +364,9 @@ func (b *Bus) refreshBacklog(ctx context.Context, reporter adapters.Broker, gaug
 				gauge.WithLabelValues(h.name, h.group, partition).Set(float64(n))
 			}
 		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-t.C:
-		}
 	}
+	read()
+	return every(ctx, b.cfg.Metrics.BacklogInterval, read)
 }
 
 // router builds the Watermill router with one chained handler per spec,

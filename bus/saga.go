@@ -579,14 +579,7 @@ func (b *Bus) sagaUnmatchedCounter() (*prometheus.CounterVec, error) {
 // pruneSagas deletes completed sagas past their retention, and step errors
 // older than it, every consumer.inbox.cleanup_interval until ctx ends.
 func (b *Bus) pruneSagas(ctx context.Context, sagas []sagaRetention) error {
-	t := time.NewTicker(b.cfg.Consumer.Inbox.CleanupInterval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-t.C:
-		}
+	return every(ctx, b.cfg.Consumer.Inbox.CleanupInterval, func() {
 		for _, s := range sagas {
 			for {
 				n, err := b.tables.DeleteCompletedSagas(ctx, b.db, s.name, s.retention, 1000)
@@ -604,5 +597,5 @@ func (b *Bus) pruneSagas(ctx context.Context, sagas []sagaRetention) error {
 				b.logger.Error("Could not delete old saga errors", err, watermill.LogFields{"saga": s.name})
 			}
 		}
-	}
+	})
 }

@@ -118,6 +118,27 @@ func (f *Forwarder) advance(ctx context.Context, b store.Batch, forwarded int, w
 		}
 		return f.flush(ctx)
 	}
+	err := f.inAck(ctx, func(ctx context.Context, tx *sql.Tx) error {
+		for _, r := range quarantined {
+			if err := f.quarantineRow(ctx, tx, r); err != nil {
+				return err
+			}
+		}
+		return f.tables.SavePosition(ctx, tx, f.lease, f.saved, f.pos)
+	})
+	if err != nil {
+		return err
+	}
+	f.saved, f.savedAt = f.pos, time.Now()
+	for _, r := range quarantined {
+		f.reportQuarantined(r)
+	}
+	return nil
+}
+
+// inAck runs fn in a transaction of its own, bounded like every record
+// of the relay (recordContext), and commits it.
+func (f *Forwarder) inAck(ctx context.Context, fn func(context.Context, *sql.Tx) error) error {
 	ctx, cancel := f.recordContext(ctx)
 	defer cancel()
 	tx, err := f.db.BeginTx(ctx, nil)
@@ -125,20 +146,11 @@ func (f *Forwarder) advance(ctx context.Context, b store.Batch, forwarded int, w
 		return fmt.Errorf("begin the ack: %w", err)
 	}
 	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
-	for _, r := range quarantined {
-		if err := f.quarantineRow(ctx, tx, r); err != nil {
-			return err
-		}
-	}
-	if err := f.tables.SavePosition(ctx, tx, f.lease, f.saved, f.pos); err != nil {
+	if err := fn(ctx, tx); err != nil {
 		return err
 	}
 	if err := tx.Commit(); err != nil {
 		return fmt.Errorf("commit the ack: %w", err)
-	}
-	f.saved, f.savedAt = f.pos, time.Now()
-	for _, r := range quarantined {
-		f.reportQuarantined(r)
 	}
 	return nil
 }

@@ -3,6 +3,7 @@ package forwarder
 import (
 	"cmp"
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"sync/atomic"
@@ -331,28 +332,24 @@ func (f *Forwarder) finishWAL(ctx context.Context, rows []outboxRow) error {
 	for i, r := range rows {
 		offsets[i] = r.row.Offset
 	}
-	ctx, cancel := f.recordContext(ctx)
-	defer cancel()
-	tx, err := f.db.BeginTx(ctx, nil)
-	if err != nil {
-		return fmt.Errorf("begin the ack: %w", err)
-	}
-	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
-	present, err := f.tables.DeleteRelayed(ctx, tx, offsets)
+	var quarantined []outboxRow
+	err := f.inAck(ctx, func(ctx context.Context, tx *sql.Tx) error {
+		present, err := f.tables.DeleteRelayed(ctx, tx, offsets)
+		if err != nil {
+			return err
+		}
+		for _, r := range rows {
+			if r.quarantine != "" && present[r.row.Offset] {
+				if err := f.quarantineRow(ctx, tx, r); err != nil {
+					return err
+				}
+				quarantined = append(quarantined, r)
+			}
+		}
+		return nil
+	})
 	if err != nil {
 		return err
-	}
-	var quarantined []outboxRow
-	for _, r := range rows {
-		if r.quarantine != "" && present[r.row.Offset] {
-			if err := f.quarantineRow(ctx, tx, r); err != nil {
-				return err
-			}
-			quarantined = append(quarantined, r)
-		}
-	}
-	if err := tx.Commit(); err != nil {
-		return fmt.Errorf("commit the ack: %w", err)
 	}
 	for _, r := range quarantined {
 		f.reportQuarantined(r)

@@ -45,10 +45,18 @@ func migrated(t *testing.T) (*sql.DB, string, string) {
 	t.Helper()
 	db := testdb.Open(t)
 	schema := testdb.Schema(t, db)
-	path := writeConfig(t, "database:\n  url: "+testdb.URL()+"\n  schema: "+schema+"\nbroker:\n  nats:\n    url: nats://127.0.0.1:4222\n")
+	return db, schema, migrateConfig(t, testdb.URL(), schema, "")
+}
+
+// migrateConfig writes a config file for the database at url, schema and
+// the NATS broker, followed by extra YAML, runs `millrace migrate` with it
+// and returns its path.
+func migrateConfig(t *testing.T, url, schema, extra string) string {
+	t.Helper()
+	path := writeConfig(t, "database:\n  url: "+url+"\n  schema: "+schema+"\nbroker:\n  nats:\n    url: nats://127.0.0.1:4222\n"+extra)
 	code, _, errOut := cli(t, path, "migrate")
 	require.Equal(t, exitOK, code, errOut)
-	return db, schema, path
+	return path
 }
 
 type fixture struct {
@@ -479,10 +487,7 @@ func TestDLQReplayWritesTheOutbox(t *testing.T) {
 	t.Parallel()
 	db := testdb.Open(t)
 	schema := testdb.Schema(t, db)
-	path := writeConfig(t, "database:\n  url: "+testdb.URL()+"\n  schema: "+schema+"\nbroker:\n  nats:\n    url: nats://127.0.0.1:4222\n"+
-		"consumer:\n  handlers:\n    guarded: {ordering_guard: true}\n    unguarded: {inbox: {enabled: false}}\n")
-	code, _, errOut := cli(t, path, "migrate")
-	require.Equal(t, exitOK, code, errOut)
+	path := migrateConfig(t, testdb.URL(), schema, "consumer:\n  handlers:\n    guarded: {ordering_guard: true}\n    unguarded: {inbox: {enabled: false}}\n")
 	outbox := func() []outboxRow { return readOutbox(t, db, schema) }
 
 	// One event poisoned by two groups, and a message from plain Watermill
@@ -502,7 +507,7 @@ func TestDLQReplayWritesTheOutbox(t *testing.T) {
 	checkDryReplay(t, path, guarded, unguarded, plain)
 	require.Empty(t, outbox(), "a dry run writes nothing")
 
-	code, _, errOut = cli(t, path, "dlq", "replay", strconv.FormatInt(plain, 10), "424242")
+	code, _, errOut := cli(t, path, "dlq", "replay", strconv.FormatInt(plain, 10), "424242")
 	require.Equal(t, exitFailed, code)
 	require.Equal(t, "millrace dlq replay: no poisoned message with id 424242\n", errOut)
 	require.Empty(t, outbox(), "an unknown ID replays nothing")

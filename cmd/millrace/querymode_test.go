@@ -39,9 +39,7 @@ func testCommandsInMode(t *testing.T, mode string) {
 	q := u.Query()
 	q.Set("default_query_exec_mode", mode)
 	u.RawQuery = q.Encode()
-	path := writeConfig(t, "database:\n  url: "+u.String()+"\n  schema: "+schema+"\nbroker:\n  nats:\n    url: nats://127.0.0.1:4222\n")
-	code, _, errOut := cli(t, path, "migrate")
-	require.Equal(t, exitOK, code, errOut)
+	path := migrateConfig(t, u.String(), schema, "")
 
 	payload := []byte{0, 0xff, '\\', 'x', '\'', 0xc3, '"', '{'}
 	metadata := map[string]string{"note": `Zoë's "quoted" back\slash \x41 $1 ☃`, "json": `{"a":[1]}`}
@@ -85,7 +83,7 @@ func testCommandsInMode(t *testing.T, mode string) {
 	var scheduled ops.ScheduledList
 	cliJSON(t, path, &scheduled, "scheduled", "list")
 	require.Len(t, scheduled.Events, 1)
-	code, _, errOut = cli(t, path, "scheduled", "cancel", ids[0])
+	code, _, errOut := cli(t, path, "scheduled", "cancel", ids[0])
 	require.Equal(t, exitOK, code, errOut)
 
 	var sagas ops.SagaList

@@ -75,9 +75,7 @@ func newReplayRig(t *testing.T, kind string) *replayRig {
 	r.topic, r.billing, r.audit = "orders-"+suffix, "billing-"+suffix, "audit-"+suffix
 	r.good, r.bad = "ev-good-"+suffix, "ev-bad-"+suffix
 	brokertest.Cleanup(t, kind, r.topic, r.billing, r.audit)
-	r.path = writeConfig(t, "database:\n  url: "+testdb.URL()+"\n  schema: "+r.schema+"\nbroker:\n  nats:\n    url: nats://127.0.0.1:4222\n")
-	code, _, errOut := cli(t, r.path, "migrate")
-	require.Equal(t, exitOK, code, errOut)
+	r.path = migrateConfig(t, testdb.URL(), r.schema, "")
 	_, err := r.db.Exec(`CREATE TABLE "` + r.schema + `".effects (grp text NOT NULL, event_id text NOT NULL, replay_of text NOT NULL)`)
 	require.NoError(t, err)
 

@@ -7,7 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -15,23 +15,18 @@ import (
 func TestConsumerChainRefusesBadInput(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
-	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222" // never dialed
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
-	b, err := bus.Open(ctx, cfg, db)
-	require.NoError(t, err)
-	defer b.Close()
+	svc := brokertest.NewService(t, bus.KindNATS)
+	b := svc.Open(t) // the broker is never dialed
 
-	_, err = b.ConsumerChain(ctx, "orders events", "", nil, nil)
+	_, err := b.ConsumerChain(ctx, "orders events", "", nil, nil)
 	require.ErrorContains(t, err, `millrace: ConsumerChain("orders events", "")`)
 	require.ErrorContains(t, err, "topic: must match")
 	require.ErrorContains(t, err, "handler name: must not be empty")
 	require.ErrorContains(t, err, "handler func is nil")
 
+	cfg := svc.Config
 	cfg.Consumer.Poison = middleware.PoisonConfig{Destination: middleware.PoisonToTopic, Topic: "orders.poison"}
-	topicPoison, err := bus.Open(ctx, cfg, db)
+	topicPoison, err := bus.Open(ctx, cfg, svc.DB)
 	require.NoError(t, err)
 	defer topicPoison.Close()
 	noop := func(context.Context, bus.Event) error { return nil }

@@ -105,7 +105,8 @@ func newBlockedRig(t *testing.T, kind string) *blockedRig {
 		// The breaker counts abandoned attempts: four blocked events open it.
 		// A short open period keeps the test short; nothing else changes.
 		cfg.Consumer.Breaker.OpenTimeout = time.Second
-		cfg.Consumer.Handlers = map[string]middleware.Config{r.ledger: {Ordered: new(true)}}
+		// Parking off: the ledger's later events flow past its poisoned one.
+		cfg.Consumer.Handlers = map[string]middleware.Config{r.ledger: {Ordered: new(true), Poison: middleware.PoisonConfig{Park: new(false)}}}
 	})
 	r.db = s.DB
 	brokertest.Cleanup(t, kind, r.poolTopic, r.pool)

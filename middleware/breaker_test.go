@@ -146,6 +146,8 @@ func TestBreakerDoesNotShieldABadMessage(t *testing.T) {
 	cfg := middleware.Config{
 		Workers: 1, Ordered: new(true),
 		Breaker: middleware.BreakerConfig{ConsecutiveFailures: 2, OpenTimeout: 200 * time.Millisecond},
+		// Parking off, so that o-1's messages behind the bad one flow.
+		Poison: middleware.PoisonConfig{Park: new(false)},
 	}
 	fastRetry(&cfg, 4)
 	c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group, handle: func(msg *message.Message) error {

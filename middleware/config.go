@@ -140,6 +140,24 @@ type PoisonConfig struct {
 	Destination string `yaml:"destination"`
 	// Topic is the poison topic when Destination is "topic". Required then.
 	Topic string `yaml:"topic"`
+	// Park, for an ordered handler, parks the order key (aggregate) of a
+	// poisoned message: the key's later messages are recorded in the
+	// parked table and acked, not handled, until the poisoned message is
+	// replayed (they follow it, in order) or skipped (they flow on
+	// without it); see doc.go. It needs destination "table" and is
+	// ignored for unordered handlers. False keeps the later messages
+	// flowing past the poisoned one. Defaults to true for ordered
+	// handlers with destination "table".
+	Park *bool `yaml:"park"`
+}
+
+// Parks reports whether a handler with configuration c parks the order
+// key of a poisoned message (PoisonConfig.Park).
+func (c Config) Parks() bool {
+	if c.Ordered == nil || !*c.Ordered || c.Poison.Destination != PoisonToTable {
+		return false
+	}
+	return c.Poison.Park == nil || *c.Poison.Park
 }
 
 // InboxConfig configures the inbox (deduplication) table.
@@ -385,5 +403,8 @@ func (c Config) validateHandler(chk *confload.Checker, path string) {
 	chk.OneOf(at("poison.destination"), c.Poison.Destination, PoisonToTable, PoisonToTopic)
 	if c.Poison.Destination == PoisonToTopic {
 		chk.Check(at("poison.topic"), names.Topic(c.Poison.Topic))
+		if c.Poison.Park != nil && *c.Poison.Park {
+			chk.Add(at("poison.park"), "needs poison.destination %q (replay and skip release a park from the poison table); got %q", PoisonToTable, c.Poison.Destination)
+		}
 	}
 }

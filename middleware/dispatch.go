@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -41,6 +42,9 @@ type Source struct {
 	// subscription, and the handler has up to Workers messages in flight
 	// from it, one per aggregate when ordered.
 	Concurrent bool
+	// Parked, when set, opens one more input: the drain of the handler's
+	// released parks (consumer.poison.park; Chain.Subscriber sets it).
+	Parked func() (message.Subscriber, error)
 }
 
 // Dispatcher is a message.Subscriber that feeds one handler from one or more
@@ -128,6 +132,9 @@ func (c *Chain) Subscriber(src Source) *Dispatcher {
 		Logger:       c.stack.logger,
 		Key:          c.spec.OrderKey,
 	})
+	if c.cfg.Parks() {
+		d.src.Parked = c.parkedSubscriber // park.go
+	}
 	if c.batcher != nil && d.subs == 1 && src.Competing && !src.KeyPartitioned && !src.Concurrent {
 		// One subscription of a stock subscriber holds one message at a
 		// time: a batch would only wait for messages that cannot come.
@@ -254,12 +261,16 @@ func (d *Dispatcher) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	case d.src.NewSubscriber == nil:
 		return nil, errors.New("millrace dispatcher: Source.NewSubscriber is nil")
 	}
-	subs := make([]subscription, 0, d.subs)
-	for range d.subs {
+	opens := slices.Repeat([]func() (message.Subscriber, error){d.src.NewSubscriber}, d.subs)
+	if d.src.Parked != nil {
+		opens = append(opens, d.src.Parked)
+	}
+	subs := make([]subscription, 0, len(opens))
+	for _, open := range opens {
 		// Each subscription gets a context of its own, ended only after it is
 		// closed: it must outlive ctx to carry the acks of the messages in flight.
 		subCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-		sub, err := d.src.NewSubscriber()
+		sub, err := open()
 		if err == nil {
 			var ch <-chan *message.Message
 			if ch, err = sub.Subscribe(subCtx, topic); err == nil {

@@ -37,6 +37,7 @@ type metrics struct {
 	batchSize *prometheus.HistogramVec
 	inboxRows *prometheus.GaugeVec
 	pruned    prometheus.Counter
+	parked    *prometheus.GaugeVec
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -75,6 +76,10 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: MetricInboxPruned,
 			Help: "Inbox rows deleted by the retention runner.",
 		}),
+		parked: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: MetricParkedAggregates,
+			Help: "Order keys (aggregates) an ordered handler's consumer group holds parked behind a poisoned message, held or draining (consumer.poison.park).",
+		}, []string{"handler"}),
 	}
 	if reg == nil {
 		return m, nil
@@ -88,6 +93,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m.batchSize = register(reg, m.batchSize, &err)
 	m.inboxRows = register(reg, m.inboxRows, &err)
 	m.pruned = register(reg, m.pruned, &err)
+	m.parked = register(reg, m.parked, &err)
 	return m, err
 }
 

@@ -192,7 +192,7 @@ func (c *Chain) storePoisoned(ctx context.Context, msg *message.Message, f failu
 	if messageID == "" {
 		messageID = watermill.NewUUID()
 	}
-	return c.stack.tables.StorePoisoned(ctx, c.stack.db, store.Poisoned{
+	return c.savePoisoned(ctx, msg, store.Poisoned{
 		ConsumerGroup: f.consumerGroup, Handler: f.handler, SourceTopic: f.sourceTopic,
 		MessageID: messageID, EventID: eventIDOf(msg), EventType: msg.Metadata.Get(envelope.EventTypeKey),
 		Payload: msg.Payload, Metadata: meta, Reason: f.reason, ErrorClass: f.class, Attempts: f.attempts,

@@ -142,7 +142,8 @@ func (s *Stack) Check(ctx context.Context) error {
 	if s.db == nil {
 		return nil
 	}
-	missing, err := store.Missing(ctx, s.db, s.tables.InboxTable(), s.tables.PoisonTable(), s.tables.AggregateVersionsTable())
+	tables := append([]string{s.tables.InboxTable(), s.tables.PoisonTable(), s.tables.AggregateVersionsTable()}, parkTables(s.tables)...)
+	missing, err := store.Missing(ctx, s.db, tables...)
 	if err != nil {
 		return fmt.Errorf("millrace consumer: check tables: %w", err)
 	}
@@ -168,6 +169,10 @@ type Chain struct {
 	// batcher groups inbox transactions; nil with batch.max_messages 1.
 	batcher   *batcher
 	batchSize prometheus.Observer
+	// drained are the messages a park's drain handed on (see park);
+	// parkedGauge counts the handler's parks.
+	drained     sync.Map
+	parkedGauge prometheus.Gauge
 }
 
 // Chain builds the chain of one handler with its configuration
@@ -220,13 +225,15 @@ func (s *Stack) Chain(h Handler) (*Chain, error) {
 		abandoned: s.metrics.abandoned.WithLabelValues(h.Name),
 		running:   s.metrics.running.WithLabelValues(h.Name),
 		batchSize: s.metrics.batchSize.WithLabelValues(h.Name),
+		// Parking: park.go.
+		parkedGauge: s.metrics.parked.WithLabelValues(h.Name),
 	}
 	if (*cfg.Inbox.Enabled || *cfg.OrderingGuard) && cfg.Batch.MaxMessages > 1 {
 		c.batcher = newBatcher(c)
 	}
 	// Every outcome's series exists from the start, so dashboards and
 	// alerts see zeros rather than nothing before the first message.
-	for _, outcome := range []string{OutcomeOK, OutcomeDuplicate, OutcomeStale, OutcomeOtherType, OutcomePoisoned, OutcomeRetried, OutcomeNacked, OutcomeNotTargeted} {
+	for _, outcome := range []string{OutcomeOK, OutcomeDuplicate, OutcomeStale, OutcomeOtherType, OutcomePoisoned, OutcomeRetried, OutcomeNacked, OutcomeNotTargeted, OutcomeParked} {
 		c.counter(outcome)
 	}
 	if *cfg.Breaker.Enabled {
@@ -260,6 +267,9 @@ func (c *Chain) stages() []message.HandlerMiddleware {
 	}
 	if c.spec.Takes != nil {
 		mws = append(mws, c.sift)
+	}
+	if c.cfg.Parks() {
+		mws = append(mws, c.park) // park.go
 	}
 	mws = append(mws,
 		c.poison,

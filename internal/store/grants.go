@@ -97,6 +97,15 @@ func Grants(t Tables) []Grant {
 	add("SELECT, INSERT, UPDATE", "TABLE", poison, poisonName, "consumers: store poisoned messages (again: update their row)")
 	add("USAGE", "SEQUENCE", t.qualify("millrace_poison_id_seq"), "millrace_poison_id_seq", "consumers: number poisoned messages")
 
+	parks, parksName := table("millrace_parks")
+	add("SELECT, INSERT, UPDATE, DELETE", "TABLE", parks, parksName,
+		"ordered consumers with consumer.poison.park: park an aggregate behind its poisoned message, drain it once released")
+	parked, parkedName := table("millrace_parked")
+	add("SELECT, INSERT, UPDATE, DELETE", "TABLE", parked, parkedName,
+		"ordered consumers with consumer.poison.park: hold a parked aggregate's messages, hand them on once released")
+	add("USAGE", "SEQUENCE", t.qualify("millrace_parked_id_seq"), "millrace_parked_id_seq", "ordered consumers with consumer.poison.park: number parked messages")
+	add("USAGE", "SEQUENCE", t.qualify("millrace_parked_pos"), "millrace_parked_pos", "ordered consumers with consumer.poison.park: order parked messages")
+
 	scheduled, scheduledName := table("millrace_scheduled")
 	add("INSERT", "TABLE", scheduled, scheduledName, "publish: schedule events for later")
 	add("USAGE", "SEQUENCE", t.qualify("millrace_scheduled_seq_seq"), "millrace_scheduled_seq_seq", "publish: order scheduled events due at the same time")

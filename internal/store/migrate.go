@@ -12,7 +12,7 @@ const migrateLockKey = 0x6d696c6c72616365 // "millrace"
 
 // Migrate creates every table, index and trigger millrace needs (outbox with
 // its shard column, offsets, relay cursors, shard count, relay registry, inbox, poison,
-// poison-replay, aggregate-versions, scheduled and saga tables), idempotently,
+// poison-replay, parked-aggregate, aggregate-versions, scheduled and saga tables), idempotently,
 // in one transaction under an advisory lock so that several instances may run
 // it at once.
 func Migrate(ctx context.Context, db *sql.DB, t Tables) error {
@@ -63,6 +63,7 @@ END $$`, t.Schema, t.Schema))
 	stmts = append(stmts, t.inboxStatements()...)
 	stmts = append(stmts, t.quarantineStatements()...)
 	stmts = append(stmts, t.poisonStatements()...)
+	stmts = append(stmts, t.parkStatements()...)
 	stmts = append(stmts, t.aggregateVersionStatements()...)
 	stmts = append(stmts, t.scheduledStatements()...)
 	return append(stmts, t.sagaStatements()...)

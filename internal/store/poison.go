@@ -393,8 +393,13 @@ FROM `+t.PoisonReplaysTable()+` r JOIN `+t.PoisonTable()+` p ON p.id = r.poison_
 	return strings.Split(groups.String, ","), nil
 }
 
-// DeletePoison deletes the poison rows ids and their replay history.
+// DeletePoison deletes the poison rows ids and their replay history. A
+// row that holds a park is skipped first: the messages parked behind it
+// flow on without it.
 func (t Tables) DeletePoison(ctx context.Context, db DBTX, ids []int64) error {
+	if err := t.ReleaseParks(ctx, db, ids, true); err != nil {
+		return err
+	}
 	if _, err := db.ExecContext(ctx, `DELETE FROM `+t.PoisonTable()+` WHERE id = ANY($1)`, ids); err != nil {
 		return fmt.Errorf("delete from %s: %w", t.PoisonTable(), err)
 	}

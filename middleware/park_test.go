@@ -1,0 +1,211 @@
+package middleware_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/internal/store"
+	"github.com/millrace-io/millrace/middleware"
+)
+
+// parkCase is one run of the parked-aggregate scenario: four aggregates of
+// five events each; a1's second event fails until it is "fixed" and is
+// replayed, a2's third fails for good and is skipped.
+type parkCase struct {
+	k      *kit
+	e      *env
+	topic  string
+	group  string
+	fixed  atomic.Bool
+	tables store.Tables
+}
+
+// fails is the scenario's handler verdict for msg.
+func (p *parkCase) fails(msg *message.Message) error {
+	id := msg.Metadata.Get(bus.EventIDKey)
+	switch {
+	case strings.HasSuffix(id, "-a1-2") && !p.fixed.Load():
+		return bus.Permanent(errors.New("a1 v2 cannot be handled yet"))
+	case strings.HasSuffix(id, "-a2-3"):
+		return bus.Permanent(errors.New("a2 v3 can never be handled"))
+	}
+	return nil
+}
+
+func (p *parkCase) events(t *testing.T, from, to int) []*message.Message {
+	var msgs []*message.Message
+	for v := from; v <= to; v++ {
+		for a := range 4 {
+			msgs = append(msgs, event(fmt.Sprintf("%s-a%d-%d", p.topic, a, v), fmt.Sprintf("a%d", a), int64(v), "{}"))
+		}
+	}
+	return msgs
+}
+
+// waitFor waits until the number of business rows is want.
+func (p *parkCase) waitFor(t *testing.T, want int) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		return p.e.count(t, `SELECT count(*) FROM `+p.e.table("business")) == want
+	}, 60*time.Second, 20*time.Millisecond, "business rows")
+}
+
+// poisonID is the poison row of the event ending in suffix.
+func (p *parkCase) poisonID(t *testing.T, suffix string) int64 {
+	var id int64
+	require.NoError(t, p.e.db.QueryRow(`SELECT id FROM `+p.e.table("millrace_poison")+` WHERE event_id LIKE '%'||$1`, suffix).Scan(&id))
+	return id
+}
+
+// versions are the versions of aggregate a in the order they took effect.
+func (p *parkCase) versions(t *testing.T, a string) string {
+	var s string
+	require.NoError(t, p.e.db.QueryRow(`SELECT coalesce(string_agg(version::text, ',' ORDER BY seq), '') FROM `+
+		p.e.table("business")+` WHERE aggregate_id = $1`, a).Scan(&s))
+	return s
+}
+
+func TestParkHoldsAnAggregateUntilReplayOrSkip(t *testing.T) {
+	t.Parallel()
+	for _, name := range kitNames[1:] {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			runParkCase(t, newKit(t, name, kitOptions{}), false)
+		})
+	}
+	t.Run("kafka_batch", func(t *testing.T) {
+		t.Parallel()
+		runParkCase(t, newKit(t, bus.KindKafka, kitOptions{}), true)
+	})
+}
+
+func runParkCase(t *testing.T, k *kit, batch bool) {
+	e := newEnv(t)
+	p := &parkCase{k: k, e: e, topic: uniqueName(t, "t"), group: uniqueName(t, "g"), tables: store.Tables{Schema: e.schema}}
+	k.provision(t, p.topic, p.group)
+	cfg := middleware.Config{Ordered: ptr(true), Workers: 4}
+	fastRetry(&cfg, 2)
+	spec := handlerSpec{name: "h", topic: p.topic, group: p.group, handle: func(msg *message.Message) error {
+		if err := p.fails(msg); err != nil {
+			return err
+		}
+		return e.write(msg.Context(), p.group, msg)
+	}}
+	if batch {
+		cfg.Batch.MaxMessages = 8
+		spec.handle, spec.batch = nil, func(ctx context.Context, msgs []*message.Message) error {
+			failures := middleware.BatchFailures{}
+			for _, msg := range msgs {
+				if err := p.fails(msg); err != nil {
+					failures[middleware.EventID(msg)] = err
+				} else if err := e.write(ctx, p.group, msg); err != nil {
+					return err
+				}
+			}
+			if len(failures) > 0 {
+				return failures
+			}
+			return nil
+		}
+	}
+	c := startConsumer(t, k, e, cfg, spec)
+	publish(t, k.pub, p.topic, p.events(t, 1, 5)...)
+	// a1 v2 and a2 v3 poisoned; a1 v3-v5 and a2 v4-v5 parked.
+	p.waitFor(t, 20-4-3)
+	require.Eventually(t, func() bool { return c.messages(t, "h", middleware.OutcomeParked) == 5 }, 30*time.Second, 20*time.Millisecond)
+	require.Eventually(t, func() bool {
+		return c.metric(t, middleware.MetricParkedAggregates, map[string]string{"handler": "h"}) == 2
+	}, 10*time.Second, 20*time.Millisecond)
+	require.Equal(t, "1", p.versions(t, "a1"))
+	require.Equal(t, "1,2", p.versions(t, "a2"))
+
+	// A live event of a parked aggregate is parked too, behind the others.
+	publish(t, k.pub, p.topic, p.events(t, 6, 6)...)
+	p.waitFor(t, 13+2)
+	require.Eventually(t, func() bool { return c.messages(t, "h", middleware.OutcomeParked) == 7 }, 30*time.Second, 20*time.Millisecond)
+
+	p.fixed.Store(true)
+	ctx := context.Background()
+	require.NoError(t, p.tables.ReleaseParks(ctx, e.db, []int64{p.poisonID(t, "-a1-2")}, false))
+	require.NoError(t, p.tables.ReleaseParks(ctx, e.db, []int64{p.poisonID(t, "-a2-3")}, true))
+	p.waitFor(t, 24-1)
+	require.Equal(t, "1,2,3,4,5,6", p.versions(t, "a1"))
+	require.Equal(t, "1,2,4,5,6", p.versions(t, "a2"))
+	require.Equal(t, "1,2,3,4,5,6", p.versions(t, "a0"))
+	require.Eventually(t, func() bool {
+		return e.count(t, `SELECT count(*) FROM `+e.table("millrace_parks")) == 0 &&
+			e.count(t, `SELECT count(*) FROM `+e.table("millrace_parked")) == 0
+	}, 10*time.Second, 20*time.Millisecond)
+	require.Equal(t, 1, e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")+` WHERE skipped_at IS NOT NULL`))
+}
+
+func TestParkKeepsParkedMessagesByteForByte(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	tables := store.Tables{Schema: e.schema}
+	ctx := context.Background()
+	k := store.ParkKey{Group: "g", Handler: "h", Key: "a\x00b"}
+	meta := map[string]string{"k\x00": "v\xff\x00", "aggregate-id": "a\x00b", "": ""}
+	tx, err := e.db.Begin()
+	require.NoError(t, err)
+	require.NoError(t, tables.StorePoisonedParked(ctx, tx, store.Poisoned{ConsumerGroup: "g", Handler: "h", SourceTopic: "t",
+		MessageID: "m0", Metadata: map[string]string{}, ErrorClass: middleware.ClassPermanent, Attempts: 1,
+		FirstFailureAt: time.Now(), LastFailureAt: time.Now(), PoisonedAt: time.Now()}, k,
+		store.ParkedMessage{MessageID: "m0", Payload: []byte{0, 0xff}, Metadata: meta}))
+	require.NoError(t, tx.Commit())
+	parked, err := tables.AppendParked(ctx, e.db, k, store.ParkedMessage{MessageID: "m1", Payload: nil, Metadata: meta})
+	require.NoError(t, err)
+	require.True(t, parked)
+	notParked, err := tables.AppendParked(ctx, e.db, store.ParkKey{Group: "g", Handler: "h", Key: "other"}, store.ParkedMessage{MessageID: "m2"})
+	require.NoError(t, err)
+	require.False(t, notParked)
+
+	var poisonID int64
+	require.NoError(t, e.db.QueryRow(`SELECT id FROM `+e.table("millrace_poison")).Scan(&poisonID))
+	require.NoError(t, tables.ReleaseParks(ctx, e.db, []int64{poisonID}, false))
+	claimed, err := tables.ClaimParks(ctx, e.db, "g", "h", "me", time.Minute, 8)
+	require.NoError(t, err)
+	require.Equal(t, []string{"a\uFFFDb"}, claimed, "an order key is stored as text")
+	again, err := tables.ClaimParks(ctx, e.db, "g", "h", "other", time.Minute, 8)
+	require.NoError(t, err)
+	require.Empty(t, again, "a live lease keeps a competing consumer out")
+	for i, want := range []string{"m0", "m1"} {
+		m, owned, err := tables.NextParked(ctx, e.db, k, "me", time.Minute)
+		require.NoError(t, err)
+		require.True(t, owned)
+		require.Equal(t, want, m.MessageID)
+		require.Equal(t, [][]byte{{0, 0xff}, {}}[i], m.Payload)
+		require.Equal(t, meta, m.Metadata)
+		require.NoError(t, tables.DoneParked(ctx, e.db, m.ID))
+	}
+	done, err := tables.FinishPark(ctx, e.db, k, "me")
+	require.NoError(t, err)
+	require.True(t, done)
+}
+
+func ptr[T any](v T) *T { return &v }
+
+func TestParkConfig(t *testing.T) {
+	t.Parallel()
+	ordered := middleware.Config{Ordered: ptr(true)}.WithDefaults()
+	require.True(t, ordered.Parks(), "an ordered handler parks by default")
+	ordered.Poison.Park = ptr(false)
+	require.False(t, ordered.Parks(), "poison.park false keeps today's behaviour")
+	require.False(t, middleware.Config{}.WithDefaults().Parks(), "an unordered handler never parks")
+
+	_, err := middleware.New(middleware.Config{Ordered: ptr(true), Poison: middleware.PoisonConfig{
+		Destination: middleware.PoisonToTopic, Topic: "poison", Park: ptr(true)}}, middleware.Deps{})
+	require.ErrorContains(t, err, "consumer.poison.park")
+	_, err = middleware.New(middleware.Config{Handlers: map[string]middleware.Config{"h": {Ordered: ptr(true), Poison: middleware.PoisonConfig{
+		Destination: middleware.PoisonToTopic, Topic: "poison", Park: ptr(true)}}}}, middleware.Deps{})
+	require.ErrorContains(t, err, "consumer.handlers.h.poison.park")
+}

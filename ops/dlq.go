@@ -32,6 +32,9 @@ const (
 	PoisonStateQuarantined = "quarantined"
 	// PoisonStateProcessed: its consumer group's inbox records the event.
 	PoisonStateProcessed = "processed"
+	// PoisonStateSkipped: an operator skipped it (DLQ Skip) since it was
+	// last poisoned; the messages parked behind it flowed on without it.
+	PoisonStateSkipped = "skipped"
 )
 
 // checkPoison reports a filter field that can never match.
@@ -74,7 +77,7 @@ type PoisonedMessage struct {
 	EventID        string     `json:"event_id"`         // the event id (the inbox key)
 	EventType      string     `json:"event_type"`       // the event's type
 	AggregateID    string     `json:"aggregate_id"`     // the event's aggregate id (its ordering key)
-	State          string     `json:"state"`            // PoisonStatePoisoned, -Replayed, -Quarantined or -Processed
+	State          string     `json:"state"`            // PoisonStatePoisoned, -Replayed, -Quarantined, -Processed or -Skipped
 	ErrorClass     string     `json:"error_class"`      // middleware.ClassPermanent or middleware.ClassTransient
 	Reason         string     `json:"reason"`           // the failure's reason, the error text
 	Attempts       int        `json:"attempts"`         // attempts in its last delivery
@@ -83,6 +86,7 @@ type PoisonedMessage struct {
 	LastFailureAt  time.Time  `json:"last_failure_at"`  // its last failed attempt
 	PoisonedAt     time.Time  `json:"poisoned_at"`      // when it was last poisoned
 	ReplayedAt     *time.Time `json:"replayed_at"`      // its last replay since it was last poisoned; nil if none
+	SkippedAt      *time.Time `json:"skipped_at"`       // when it was skipped since it was last poisoned; nil if not
 	ReplayCount    int        `json:"replay_count"`     // how often it was replayed
 	ProcessedAt    *time.Time `json:"processed_at"`     // when its group's inbox recorded the event; nil if not
 	PayloadBytes   int        `json:"payload_bytes"`    // the payload's size
@@ -130,10 +134,12 @@ func poisonedMessage(r store.PoisonRow) PoisonedMessage {
 		ErrorClass: r.ErrorClass, Reason: r.Reason, Attempts: r.Attempts, TimesPoisoned: r.TimesPoisoned,
 		FirstFailureAt: r.FirstFailureAt, LastFailureAt: r.LastFailureAt, PoisonedAt: r.PoisonedAt,
 		ReplayedAt: r.ReplayedAt, ReplayCount: r.ReplayCount, ProcessedAt: r.ProcessedAt, PayloadBytes: r.PayloadBytes,
-		Fingerprint: r.Fingerprint}
+		Fingerprint: r.Fingerprint, SkippedAt: r.SkippedAt}
 	switch {
 	case r.ProcessedAt != nil:
 		m.State = PoisonStateProcessed
+	case r.SkippedAt != nil:
+		m.State = PoisonStateSkipped
 	case r.ReplayQuarantine != nil:
 		m.State = PoisonStateQuarantined
 		m.ReplayQuarantine = &ReplayQuarantine{ID: r.ReplayQuarantine.ID, Reason: r.ReplayQuarantine.Reason,
@@ -220,6 +226,11 @@ type ReplayedEntry struct {
 	// of the event's rows it replays (rows of one event share it). Every
 	// other group of the topic acks it without processing it.
 	TargetGroups []string `json:"target_groups"`
+	// Parked is true when the row held its aggregate's park
+	// (consumer.poison.park): the park was released, and the message goes
+	// to the handler from the parked table ahead of the aggregate's parked
+	// messages, with no outbox message; MessageID is then its own.
+	Parked bool `json:"parked"`
 }
 
 // SkippedEntry is a selected poisoned message that was not replayed.
@@ -263,7 +274,10 @@ type poisonTable struct {
 // replayed_at and a history record. Messages whose consumer group's inbox
 // already records the event are skipped unless opts.Force; so are those the
 // configured broker would refuse (SkipRefusedByBroker: the relay would
-// quarantine them), which Force replays with a warning. A selected id that
+// quarantine them), which Force replays with a warning. A row that holds a
+// parked aggregate (consumer.poison.park) is not sent through the outbox:
+// its park is released, and the message goes to its handler ahead of the
+// aggregate's parked messages (ReplayedEntry.Parked). A selected id that
 // does not exist is a *NotFoundError, and nothing changes.
 func (c *Client) DLQ() DLQ {
 	return DLQ{t: poisonTable{rows[store.PoisonRow, PoisonedMessage]{c: c, what: "poisoned message",
@@ -305,6 +319,10 @@ func (p poisonTable) replay(ctx context.Context, tx *sql.Tx, sel Selection, opts
 		return err
 	}
 	c := p.c
+	// Rows that hold a park are released in place (parked.go).
+	if rows, err = c.releaseParked(ctx, tx, rows, opts, res); err != nil {
+		return err
+	}
 	b := &replayBatch{opts: opts, res: res, warned: map[string]bool{}}
 	for _, event := range byEvent(rows) {
 		if err := c.replayEvent(ctx, tx, event, b); err != nil {

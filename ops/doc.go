@@ -26,7 +26,11 @@
 //     transaction, can be tried with DryRun first, and take the Selection
 //     token of that dry run as Expect, so that they act only on what was
 //     reviewed (*ChangedError otherwise). PoisonGroups groups the DLQ by
-//     failure fingerprint.
+//     failure fingerprint. The DLQ also has Skip: give up on messages for
+//     good (state skipped).
+//   - Parked aggregates: Parked lists the order keys ordered handlers hold
+//     behind a poisoned message (consumer.poison.park), with group, key,
+//     count, since and state.
 //   - Inbox: PruneInbox, InboxRows.
 //   - Scheduled events: ListScheduled, ScheduledEvents, CancelScheduled.
 //   - Sagas: ListSagas, Saga.
@@ -36,7 +40,11 @@
 // duplicate), carries the event's own metadata only
 // (bus.BrokerConfig.EventMetadata) and reaches only the consumer groups the
 // message was poisoned in
-// (middleware.ReplayGroupsKey).
+// (middleware.ReplayGroupsKey). A poisoned message that holds a parked
+// aggregate is the exception: its replay only releases the park in the
+// database, and its consumer group hands it to the handler from the parked
+// table, ahead of the aggregate's parked messages, with no broker round
+// trip; a skip releases the park without it.
 //
 // # Why a package of its own
 //

@@ -36,11 +36,13 @@ type opsWorld struct {
 	mu      sync.Mutex
 	bad     map[string]bool // aggregate ids whose events the handler refuses
 	handled map[string]int  // event id -> effects
+	order   []string        // event ids in the order they took effect
 }
 
-func newOpsWorld(t *testing.T) *opsWorld {
+// newOpsWorld starts the world; tune changes its config first.
+func newOpsWorld(t *testing.T, tune ...func(*bus.Config)) *opsWorld {
 	ctx := context.Background()
-	svc := brokertest.NewService(t, bus.KindNATS, func(cfg *bus.Config) { cfg.Relay.PollInterval = 100 * time.Millisecond })
+	svc := brokertest.NewService(t, bus.KindNATS, append([]func(*bus.Config){func(cfg *bus.Config) { cfg.Relay.PollInterval = 100 * time.Millisecond }}, tune...)...)
 	w := &opsWorld{db: svc.DB, cfg: svc.Config, topic: "ops-" + testdb.UniqueName("")[2:], bad: map[string]bool{}, handled: map[string]int{}}
 	w.group = w.topic + "-billing"
 	brokertest.Cleanup(t, bus.KindNATS, w.topic, w.group)
@@ -53,6 +55,7 @@ func newOpsWorld(t *testing.T) *opsWorld {
 			return bus.Permanent(fmt.Errorf("payment gateway refused %s", ev.AggregateID))
 		}
 		w.handled[ev.ID]++
+		w.order = append(w.order, ev.ID)
 		return nil
 	}))
 	running := testkit.Start(t, b.Run)

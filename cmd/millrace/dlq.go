@@ -220,6 +220,10 @@ func writeReplay(w io.Writer, res ops.ReplayResult[ops.ReplayedEntry, ops.Skippe
 	}
 	for _, r := range res.Replayed {
 		fmt.Fprintf(w, "%s %d (group %s, handler %s, topic %s, event %s)", verb, r.ID, r.ConsumerGroup, r.Handler, r.Topic, r.EventID)
+		if r.Parked { // parked.go
+			fmt.Fprintf(w, ": its parked aggregate is released, the message goes to group %s ahead of the messages parked behind it\n", r.ConsumerGroup)
+			continue
+		}
 		if r.MessageID != "" {
 			fmt.Fprintf(w, " as message %s", r.MessageID)
 		}

@@ -125,42 +125,52 @@ func (t table[R, D, E, S]) bindReplay(fs *flag.FlagSet) runFunc {
 }
 
 func (t table[R, D, E, S]) bindPurge(fs *flag.FlagSet) runFunc {
-	sel := selection{filter: filter{tableFlags: t.flags}}
+	return bindSelected(fs, t.flags, "purge", "deleted", t.purgeQuestion, map[string]string{"purged": "would_purge"},
+		func(ctx context.Context, oc *ops.Client, sel ops.Selection, dryRun bool) (ops.PurgeResult[R], int, string, error) {
+			res, err := t.of(oc).Purge(ctx, sel, dryRun)
+			return res, len(res.Purged), res.Selection, err
+		},
+		func(res ops.PurgeResult[R]) bool { return res.DryRun }, t.writePurge)
+}
+
+// bindSelected binds a command that acts on a selection (IDs, filters or
+// --all) with --dry-run, and asks before it acts on --all unless --yes:
+// purge and skip. act runs the action and returns its result, how many rows
+// it selected and its selection token; renames are the result's JSON keys
+// in a dry run.
+func bindSelected[Res any](fs *flag.FlagSet, flags tableFlags, verb, changed string, question func(n int) string, renames map[string]string,
+	act func(ctx context.Context, oc *ops.Client, sel ops.Selection, dryRun bool) (Res, int, string, error),
+	isDryRun func(Res) bool, write func(io.Writer, Res)) runFunc {
+	sel := selection{filter: filter{tableFlags: flags}}
 	sel.register(fs)
-	dryRun := fs.Bool("dry-run", false, "show what would be deleted; change nothing")
-	yes := fs.Bool("yes", false, "purge --all without asking for confirmation")
+	dryRun := fs.Bool("dry-run", false, "show what would be "+changed+"; change nothing")
+	yes := fs.Bool("yes", false, verb+" --all without asking for confirmation")
 	return func(ctx context.Context, e env, args []string) error {
-		if err := sel.resolve(args, "purge"); err != nil {
+		if err := sel.resolve(args, verb); err != nil {
 			return err
 		}
 		return withOps(ctx, e, func(oc *ops.Client) error {
 			selected := sel.selection()
-			res, err := confirmedPurge(e, sel.all, *dryRun, *yes, t.purgeQuestion, func(expect string, dryRun bool) (ops.PurgeResult[R], int, string, error) {
+			res, err := confirmedPurge(e, sel.all, *dryRun, *yes, question, func(expect string, dryRun bool) (Res, int, string, error) {
 				selected.Expect = expect
-				res, err := t.of(oc).Purge(ctx, selected, dryRun)
-				return res, len(res.Purged), res.Selection, err
+				return act(ctx, oc, selected, dryRun)
 			})
 			if err != nil {
 				return err
 			}
-			out, err := dryRunJSON(res, res.DryRun, map[string]string{"purged": "would_purge"})
+			out, err := dryRunJSON(res, isDryRun(res), renames)
 			if err != nil {
 				return err
 			}
-			return e.print(out, func(w io.Writer) { t.writePurge(w, res) })
+			return e.print(out, func(w io.Writer) { write(w, res) })
 		})
 	}
 }
 
 func (t table[R, D, E, S]) writePurge(w io.Writer, res ops.PurgeResult[R]) {
-	if len(res.Purged) == 0 {
-		fmt.Fprintln(w, t.none)
-		return
-	}
-	writeTabbed(w, t.header, res.Purged, t.line)
+	summary := fmt.Sprintf("purged %d %s", len(res.Purged), t.unit)
 	if res.DryRun {
-		fmt.Fprintf(w, "dry run: %d %s would be purged; nothing changed\n", len(res.Purged), t.unit)
-	} else {
-		fmt.Fprintf(w, "purged %d %s\n", len(res.Purged), t.unit)
+		summary = fmt.Sprintf("dry run: %d %s would be purged; nothing changed", len(res.Purged), t.unit)
 	}
+	listed[R]{rows: res.Purged, none: t.none, header: t.header, line: t.line, more: summary}.write(w)
 }

@@ -59,7 +59,7 @@ ON CONFLICT (consumer_group, handler, message_id) DO UPDATE SET
 	error_class = EXCLUDED.error_class, attempts = EXCLUDED.attempts,
 	first_failure_at = EXCLUDED.first_failure_at, last_failure_at = EXCLUDED.last_failure_at,
 	traceparent = EXCLUDED.traceparent, poisoned_at = EXCLUDED.poisoned_at,
-	times_poisoned = p.times_poisoned + 1, replayed_at = NULL`,
+	times_poisoned = p.times_poisoned + 1, replayed_at = NULL, skipped_at = NULL`,
 		p.ConsumerGroup, p.Handler, p.SourceTopic, clean(p.MessageID), clean(p.EventID), clean(p.EventType),
 		payload, metadata, clean(p.Reason), p.ErrorClass, p.Attempts, p.FirstFailureAt, p.LastFailureAt,
 		clean(p.Traceparent), p.PoisonedAt)
@@ -233,10 +233,13 @@ type PoisonRow struct {
 	LastFailureAt  time.Time
 	PoisonedAt     time.Time
 	ReplayedAt     *time.Time
-	ReplayCount    int
-	ProcessedAt    *time.Time
-	PayloadBytes   int
-	Fingerprint    string
+	// SkippedAt is when an operator skipped it (`millrace dlq skip`)
+	// since it was last poisoned; nil otherwise.
+	SkippedAt    *time.Time
+	ReplayCount  int
+	ProcessedAt  *time.Time
+	PayloadBytes int
+	Fingerprint  string
 	// ReplayQuarantine is the relay quarantine's row of the last replay,
 	// when the relay quarantined it and it was not replayed from there
 	// since; nil otherwise.
@@ -254,7 +257,7 @@ func (t Tables) Poison(ctx context.Context, db DBTX, q PoisonQuery) ([]PoisonRow
 	p.error_class, p.reason, p.attempts, p.times_poisoned, p.first_failure_at, p.last_failure_at,
 	p.poisoned_at, p.replayed_at, (SELECT count(*) FROM ` + t.PoisonReplaysTable() + ` r WHERE r.poison_id = p.id),
 	i.processed_at, length(p.payload), coalesce(p.metadata->>'aggregate-id', ''), ` + fingerprint + `,
-	rq.id, rq.reason, rq.quarantined_at`
+	rq.id, rq.reason, rq.quarantined_at, p.skipped_at`
 	if q.Full {
 		cols += `, p.traceparent, p.payload, p.metadata`
 	}
@@ -276,14 +279,14 @@ func (t Tables) Poison(ctx context.Context, db DBTX, q PoisonQuery) ([]PoisonRow
 	var out []PoisonRow
 	for rows.Next() {
 		var r PoisonRow
-		var replayed, processed, quarantinedAt sql.NullTime
+		var replayed, processed, quarantinedAt, skippedAt sql.NullTime
 		var quarantineID sql.NullInt64
 		var quarantineReason sql.NullString
 		var metadata []byte
 		dest := []any{&r.ID, &r.ConsumerGroup, &r.Handler, &r.Topic, &r.MessageID, &r.EventID, &r.EventType,
 			&r.ErrorClass, &r.Reason, &r.Attempts, &r.TimesPoisoned, &r.FirstFailureAt, &r.LastFailureAt,
 			&r.PoisonedAt, &replayed, &r.ReplayCount, &processed, &r.PayloadBytes, &r.AggregateID, &r.Fingerprint,
-			&quarantineID, &quarantineReason, &quarantinedAt}
+			&quarantineID, &quarantineReason, &quarantinedAt, &skippedAt}
 		if q.Full {
 			dest = append(dest, &r.Traceparent, &r.Payload, &metadata)
 		}
@@ -296,7 +299,7 @@ func (t Tables) Poison(ctx context.Context, db DBTX, q PoisonQuery) ([]PoisonRow
 			}
 		}
 		r.FirstFailureAt, r.LastFailureAt, r.PoisonedAt = r.FirstFailureAt.UTC(), r.LastFailureAt.UTC(), r.PoisonedAt.UTC()
-		r.ReplayedAt, r.ProcessedAt = utcPtr(replayed), utcPtr(processed)
+		r.ReplayedAt, r.ProcessedAt, r.SkippedAt = utcPtr(replayed), utcPtr(processed), utcPtr(skippedAt)
 		if quarantineID.Valid {
 			r.ReplayQuarantine = &QuarantineRef{ID: quarantineID.Int64, Reason: quarantineReason.String, QuarantinedAt: quarantinedAt.Time.UTC()}
 		}

@@ -165,7 +165,7 @@ func TestAlertRulesAndDashboardQueryExportedMetrics(t *testing.T) {
 			checkExpr(t, p, scrapeFor(r.Expr, seen, walSeen), "alert "+r.Alert, r.Expr)
 		}
 	}
-	for _, want := range []string{"MillraceOutboxOldestPendingAge", "MillraceDLQGrowing", "MillraceBreakerOpen", "MillraceNoActiveRelay", "MillraceConsumerLag", "MillraceRelayWALRetained"} {
+	for _, want := range []string{"MillraceOutboxOldestPendingAge", "MillraceDLQGrowing", "MillraceBreakerOpen", "MillraceNoActiveRelay", "MillraceConsumerLag", "MillraceRelayWALRetained", "MillraceAggregatesParked"} {
 		require.Contains(t, alerts, want)
 	}
 

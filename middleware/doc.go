@@ -93,7 +93,7 @@
 // they are not exported one by one.
 //
 //  1. observe: gives the message its delivery state and counts the outcome
-//     (ok, duplicate, stale, other_type, poisoned, nacked, not_targeted). Outermost,
+//     (ok, duplicate, stale, other_type, parked, poisoned, nacked, not_targeted). Outermost,
 //     so it sees the final verdict of everything below.
 //  2. target: a replay for other consumer groups (ReplayGroupsKey) is
 //     acked here, counted not_targeted, before anything below can process,
@@ -105,7 +105,10 @@
 //     With Handler.Takes set, a message the handler does not take (an event
 //     of a type a typed handler has no route for) is acked here, before any
 //     attempt or inbox row, and counted as other_type: it is not the
-//     handler's, so it is neither validated nor poisoned.
+//     handler's, so it is neither validated nor poisoned. With
+//     poison.park, a message of a parked order key is appended to its
+//     parked list and acked here, counted as parked (see Parked
+//     aggregates).
 //  4. Watermill's PoisonQueueWithFilter, with millrace's publisher: outside the
 //     retry, so that it sees a message only once its retries are spent.
 //     Watermill issues #645 and #580 are this trap: with
@@ -466,6 +469,38 @@
 // message is acked only once it is stored. If storing fails (database or
 // broker down) the message is held and storing is retried with the retry
 // ladder; a stop nacks it.
+//
+// # Parked aggregates
+//
+// A poisoned message left behind breaks the order of its aggregate: its
+// later events are processed, and its replay lands after them (the
+// ordering guard would drop it as stale). So with ordered true and
+// poison.park (the default for ordered handlers with poison.destination
+// table; false keeps the later events flowing past the poisoned one), the
+// poison stage parks the message's order key (the aggregate-id header, or
+// Handler.OrderKey's, such as a saga's correlation id) for the handler's
+// consumer group, in the transaction that stores the poison row:
+// millrace_parks gets (consumer_group, handler, order_key) held by the
+// poison row, and millrace_parked the poisoned message itself, byte for
+// byte, as the held head of the key's list. The park stage, between sift
+// and the poison queue, appends every later message of a parked key to the
+// list (one statement that locks the park row), acks it and counts it as
+// parked (OutcomeParked); other keys flow on. A replay of the poison row
+// (`millrace dlq replay`) or a skip (`millrace dlq skip`) only changes rows:
+// the head stays first, or goes, and the park is released. Chain.Subscriber
+// gives the Dispatcher one more input that drains released parks: a
+// consumer takes a park's lease (FOR UPDATE SKIP LOCKED; it outlives a
+// killed holder by at most 5 s and is renewed while a message is in the
+// chain), hands the list's messages, one at a time and in order, through
+// the whole chain (inbox, retry, poison: one poisoned again parks the key
+// again, at the head), deletes each once acked, and deletes the park under
+// its row lock once the list is empty. A message of the key that arrives
+// meanwhile is appended behind the others, so nothing overtakes. No broker
+// round trip is involved, so it is the same on every broker and with batch
+// handlers. A handling whose delete a crash lost is handed on again and
+// the inbox absorbs it, as it absorbs a broker's redelivery; without the
+// inbox it runs twice. millrace_consumer_parked_aggregates{handler} gauges
+// the parks; the alert MillraceAggregatesParked fires when one stays.
 //
 // # Concurrency
 //

@@ -3,6 +3,7 @@ package console_test
 import (
 	"bytes"
 	"context"
+	"database/sql"
 	"fmt"
 	"image/png"
 	"net/http/httptest"
@@ -20,6 +21,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/ops"
@@ -117,19 +119,39 @@ func shoot(t *testing.T, ctx context.Context, dir, name string) {
 	t.Logf("screenshot %s: %d bytes, %dx%d", path, info.Size(), b.Dx(), b.Dy())
 }
 
+// serveInBrowser serves oc's console with opts until the test ends, and
+// starts a browser.
+func serveInBrowser(t *testing.T, oc *ops.Client, opts console.Options) (*httptest.Server, context.Context) {
+	h, err := console.New(oc, opts)
+	require.NoError(t, err)
+	t.Cleanup(func() { h.Close() })
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	return srv, browser(t)
+}
+
+// migratedNATS returns the test's pool and a config on NATS, changed by
+// tune, whose schema of the test's own is migrated.
+func migratedNATS(t *testing.T, tune func(*bus.Config)) (*sql.DB, bus.Config) {
+	db := testdb.Open(t)
+	var cfg bus.Config
+	cfg.Database.Schema = testdb.Schema(t, db)
+	brokertest.Apply(t, bus.KindNATS, &cfg)
+	tune(&cfg)
+	require.NoError(t, bus.Migrate(context.Background(), db, cfg))
+	return db, cfg
+}
+
 // The console in a real browser: the outbox page, the DLQ filtered, one
 // message, its failure group replayed after the dry run, and the consumer
 // processing each replayed event once; a screenshot of each page.
 func TestConsoleInABrowser(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db := testdb.Open(t)
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.Schema(t, db)
-	brokertest.Apply(t, bus.KindNATS, &cfg)
-	cfg.Relay.PollInterval = 100 * time.Millisecond
-	cfg.Metrics.BacklogInterval = 100 * time.Millisecond
-	require.NoError(t, bus.Migrate(ctx, db, cfg))
+	db, cfg := migratedNATS(t, func(cfg *bus.Config) {
+		cfg.Relay.PollInterval = 100 * time.Millisecond
+		cfg.Metrics.BacklogInterval = 100 * time.Millisecond
+	})
 	reg := prometheus.NewRegistry()
 	b, err := bus.Open(ctx, cfg, db, bus.WithRegistry(reg))
 	require.NoError(t, err)
@@ -176,13 +198,8 @@ func TestConsoleInABrowser(t *testing.T) {
 	broken = false
 	mu.Unlock()
 
-	h, err := console.New(oc, console.Options{SampleInterval: 100 * time.Millisecond, Metrics: reg})
-	require.NoError(t, err)
-	defer h.Close()
-	srv := httptest.NewServer(h)
-	defer srv.Close()
+	srv, bctx := serveInBrowser(t, oc, console.Options{SampleInterval: 100 * time.Millisecond, Metrics: reg})
 	shots := t.TempDir()
-	bctx := browser(t)
 
 	count := func(sel string) int {
 		return get(t, bctx, chromedp.Evaluate[int](`document.querySelectorAll(`+"`"+sel+"`"+`).length`))
@@ -344,4 +361,56 @@ func TestSagaPagesInABrowser(t *testing.T) {
 
 	do(t, bctx, chromedp.Navigate(srv.URL+"/sagas?state=over"), chromedp.WaitVisible("#error"))
 	require.Contains(t, get(t, bctx, chromedp.Text("#error")), `state "over"`)
+}
+
+// The parked aggregates page in a real browser: the nav leads to it, it
+// lists a held park and a draining one with their counts, and its link
+// opens the poisoned message that holds the park; a screenshot of each.
+func TestParkedPageInABrowser(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, cfg := migratedNATS(t, func(*bus.Config) {})
+	tables := store.Tables{Schema: cfg.Database.Schema}
+	ids := map[string]int64{}
+	for i, key := range []string{"sku-held", "sku-draining"} {
+		tx, err := db.Begin()
+		require.NoError(t, err)
+		now := time.Now()
+		k := store.ParkKey{Group: "stock", Handler: "stock", Key: key}
+		require.NoError(t, tables.StorePoisonedParked(ctx, tx, store.Poisoned{ConsumerGroup: "stock", Handler: "stock", SourceTopic: "stock.events",
+			MessageID: key, EventID: key, EventType: "StockReserved", Payload: []byte(`{"quantity":2}`), Metadata: map[string]string{"aggregate-id": key},
+			Reason: "stock for " + key + " unavailable", ErrorClass: "permanent", Attempts: 1, FirstFailureAt: now, LastFailureAt: now, PoisonedAt: now},
+			k, store.ParkedMessage{MessageID: key, Payload: []byte(`{"quantity":2}`)}))
+		require.NoError(t, tx.Commit())
+		for j := range 2 + i {
+			_, err := tables.AppendParked(ctx, db, k, store.ParkedMessage{MessageID: fmt.Sprintf("%s-%d", key, j)})
+			require.NoError(t, err)
+		}
+		var id int64
+		require.NoError(t, db.QueryRow(`SELECT id FROM "`+cfg.Database.Schema+`".millrace_poison WHERE message_id = $1`, key).Scan(&id))
+		ids[key] = id
+	}
+	require.NoError(t, tables.ReleaseParks(ctx, db, []int64{ids["sku-draining"]}, false))
+	oc, err := ops.New(ctx, db, cfg)
+	require.NoError(t, err)
+	srv, bctx := serveInBrowser(t, oc, console.Options{})
+	shots := t.TempDir()
+
+	do(t, bctx, chromedp.Navigate(srv.URL+"/"), chromedp.WaitVisible("#outbox"))
+	follow(t, bctx, chromedp.Click(`nav a[href="/dlq/parked"]`))
+	do(t, bctx, chromedp.WaitVisible("#parked"))
+	text := get(t, bctx, chromedp.Text("#parked"))
+	require.Contains(t, text, "sku-held")
+	require.Contains(t, text, "sku-draining")
+	require.Equal(t, 1, get(t, bctx, chromedp.Evaluate[int](`document.querySelectorAll("#parked td.state-held").length`)))
+	require.Equal(t, 1, get(t, bctx, chromedp.Evaluate[int](`document.querySelectorAll("#parked td.state-draining").length`)))
+	shoot(t, bctx, shots, "parked")
+
+	follow(t, bctx, chromedp.Click(`#parked a[href="/dlq/`+strconv.FormatInt(ids["sku-held"], 10)+`"]`))
+	do(t, bctx, chromedp.WaitVisible("#reason"))
+	require.Contains(t, get(t, bctx, chromedp.Text("#reason")), "stock for sku-held unavailable")
+	shoot(t, bctx, shots, "parked-message")
+
+	do(t, bctx, chromedp.Navigate(srv.URL+"/dlq/parked?state=stuck"), chromedp.WaitVisible("#error"))
+	require.Contains(t, get(t, bctx, chromedp.Text("#error")), `state "stuck"`)
 }

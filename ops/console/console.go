@@ -108,6 +108,7 @@ func New(oc *ops.Client, opts Options) (*Console, error) {
 	c.mux.HandleFunc("GET /{$}", c.overview)
 	c.mux.HandleFunc("GET /dlq", c.dlqList)
 	c.mux.HandleFunc("GET /dlq/groups", c.dlqGroups)
+	c.mux.HandleFunc("GET /dlq/parked", c.parkedList)
 	c.mux.HandleFunc("GET /dlq/{id}", c.dlqShow)
 	c.mux.HandleFunc("POST /dlq/{action}", c.dlqAction)
 	c.mux.HandleFunc("GET /quarantine", c.quarantineList)
@@ -266,7 +267,7 @@ func base(r *http.Request) string {
 // page is what every template gets.
 type page struct {
 	Title    string
-	Nav      string // the section: outbox, dlq, groups, quarantine, sagas, scheduled
+	Nav      string // the section: outbox, dlq, groups, parked, quarantine, sagas, scheduled
 	Base     string
 	CSRF     string
 	ReadOnly bool

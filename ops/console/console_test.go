@@ -157,7 +157,7 @@ func (c *client) csrf(path string) string {
 
 func (f *fixture) pages() []string {
 	return []string{"/", "/dlq", "/dlq/groups", fmt.Sprintf("/dlq/%d", f.ids[0]), "/quarantine", fmt.Sprintf("/quarantine/%d", f.qids[0]),
-		"/dlq?reason=declined&state=waiting", "/dlq/groups?handler=billing", "/sagas", "/sagas?state=all", "/scheduled"}
+		"/dlq?reason=declined&state=waiting", "/dlq/groups?handler=billing", "/sagas", "/sagas?state=all", "/scheduled", "/dlq/parked", "/dlq/parked?state=held"}
 }
 
 func (f *fixture) remaining(t *testing.T) int {
@@ -338,6 +338,9 @@ func TestBadInputIsA400WithTheReason(t *testing.T) {
 		"/sagas/order_fulfilment/o-1?x=1": "this page takes no filters",
 		"/scheduled?limit=abc":            `limit "abc"`,
 		"/scheduled?state=waiting":        `unknown filter "state"`,
+		"/dlq/parked?state=stuck":         `state "stuck"`,
+		"/dlq/parked?reason=x":            `unknown filter "reason"`,
+		"/dlq/parked?limit=0":             `limit "0"`,
 	} {
 		code, body := c.get(path)
 		require.Equal(t, http.StatusBadRequest, code, path)

@@ -1,0 +1,45 @@
+package console
+
+import (
+	"errors"
+	"net/http"
+	"strings"
+
+	"github.com/millrace-io/millrace/ops"
+)
+
+// parkedKeys are the parked aggregates page's filter keys.
+var parkedKeys = []string{"group", "handler", "key", "state", "limit"}
+
+// parkedData is the parked aggregates page's.
+type parkedData struct {
+	Filter    ops.ParkedFilter
+	Parks     []ops.ParkedAggregate
+	Truncated bool
+}
+
+// parkedList lists the aggregates ordered handlers hold parked behind a
+// poisoned message; each links to that message, whose replay releases it.
+func (c *Console) parkedList(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	err := checkKeys(q, parkedKeys, nil)
+	limit := defaultLimit
+	if err == nil {
+		limit, err = parseLimit(strings.TrimSpace(q.Get("limit")))
+	}
+	f := ops.ParkedFilter{Group: strings.TrimSpace(q.Get("group")), Handler: strings.TrimSpace(q.Get("handler")),
+		Key: q.Get("key"), State: strings.TrimSpace(q.Get("state"))}
+	var list ops.List[ops.ParkedAggregate]
+	if err == nil {
+		list, err = c.ops.Parked(r.Context(), f, limit)
+	}
+	if errors.Is(err, ops.ErrInvalidFilter) {
+		err = badf("state %q: want %s or %s", f.State, ops.ParkStateHeld, ops.ParkStateDraining)
+	}
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	c.render(w, r, "parked", page{Title: "Parked aggregates", Nav: "parked",
+		Data: parkedData{Filter: f, Parks: list.Rows, Truncated: list.Truncated}})
+}

@@ -144,6 +144,15 @@ flight on NATS (batches of 1), one per partition on Kafka and one per
 aggregate on RabbitMQ, so the scenarios that do not check order run their
 consumers unordered, and form batches of several messages on every broker.
 
+The parked-aggregate scenarios (issue 33) run an ordered stream over 20
+aggregates in which a bug refuses one event: it is poisoned and parks its
+aggregate (` + "`consumer.poison.park`" + `), whose later events are recorded and acked
+while the 19 others flow; consumers are SIGKILLed meanwhile and while they
+drain the park. The event is then replayed (it and the parked events take
+effect, in order) or skipped (the parked events take effect without it). The
+check is the same: one effect per event (none for the skipped one), in
+version order per aggregate.
+
 | Scenario | Broker | Events committed | Rolled back | Faults injected | Lost | Duplicated effects | Order checked | Effects per transaction | Recovery | Commit to effect |
 |---|---|---:|---:|---|---:|---:|---|---:|---:|---|
 `)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -46,6 +47,10 @@ type nodeSpec struct {
 	// in the failed_attempts table outside its transaction, so the next one
 	// succeeds, in whichever process it runs.
 	FailFirstEvery int
+	// RefuseUntilFixed refuses the event whose payload's n it is (0:
+	// none) with a permanent error, so that it is poisoned, until the fixed
+	// table has a row: a bug fixed before the replay.
+	RefuseUntilFixed int
 	// QueryExecMode, when set, is the default_query_exec_mode the node's
 	// database.url gets (pgx's exec, simple_protocol, ...).
 	QueryExecMode string
@@ -134,6 +139,11 @@ func effectHandler(spec nodeSpec, db *sql.DB, schema string) bus.HandlerFunc {
 		if err := json.Unmarshal(ev.Payload, &p); err != nil || p.N == 0 {
 			return bus.Permanent(fmt.Errorf("payload: not a counted event: %s", ev.Payload))
 		}
+		if spec.RefuseUntilFixed > 0 && p.N == spec.RefuseUntilFixed {
+			if err := refuseUntilFixed(ctx, db, schema); err != nil {
+				return err
+			}
+		}
 		if spec.FailFirstEvery > 0 && p.N%spec.FailFirstEvery == 0 {
 			res, err := db.ExecContext(ctx, failed, ev.ID)
 			if err != nil {
@@ -151,6 +161,19 @@ func effectHandler(spec nodeSpec, db *sql.DB, schema string) bus.HandlerFunc {
 		_, err := bus.Tx[*sql.Tx](ctx).ExecContext(ctx, insert, ev.ID, ev.AggregateID, ev.AggregateVersion, pid)
 		return err
 	}
+}
+
+// refuseUntilFixed is a permanent error until schema's fixed table has a
+// row.
+func refuseUntilFixed(ctx context.Context, db *sql.DB, schema string) error {
+	var fixed bool
+	if err := db.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM "`+schema+`".fixed)`).Scan(&fixed); err != nil {
+		return err
+	}
+	if !fixed {
+		return bus.Permanent(errors.New("a bug refuses this event until it is fixed"))
+	}
+	return nil
 }
 
 var dependencyClient = &http.Client{Timeout: 2 * time.Second}

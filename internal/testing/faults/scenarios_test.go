@@ -199,26 +199,34 @@ func consumerSIGKILL(t *testing.T, kind string, unordered bool) {
 // 300 effects, one after the other; then one runs on until the flow has
 // settled. It returns the recovery time.
 func killConsumers(w *world, kills int, consumer nodeSpec) time.Duration {
-	t := w.t
-	t.Helper()
+	w.t.Helper()
 	w.writer.commit(1500)
 	w.start("relay", nodeSpec{Relay: true})
+	w.killInTurn("consumer", kills, consumer, 50, 250)
+	w.start("consumer", consumer)
+	return w.settle(settleTimeout)
+}
+
+// killInTurn runs kills consumers named name-0, name-1, ... one after the
+// other, each as consumer says, SIGKILLing itself after least plus up to
+// spread effects of its own, and notes each kill as a fault.
+func (w *world) killInTurn(name string, kills int, consumer nodeSpec, least, spread int) {
+	t := w.t
+	t.Helper()
 	rng := newRand()
 	for i := range kills {
 		spec := consumer
-		spec.KillAfterEffect = 50 + rng.IntN(250)
-		c := w.start(fmt.Sprint("consumer-", i), spec)
+		spec.KillAfterEffect = least + rng.IntN(spread+1)
+		c := w.start(fmt.Sprint(name, "-", i), spec)
 		select {
 		case <-c.proc.Done():
 		case <-time.After(2 * time.Minute):
-			t.Fatalf("consumer %d never reached its kill point", i)
+			t.Fatalf("%s %d never reached its kill point", name, i)
 		}
-		require.True(t, c.proc.KilledBySIGKILL(), "consumer %d died by its own SIGKILL, not %v:\n%s", i, c.proc.Err(), tail(c.stderr.String(), 2000))
+		require.True(t, c.proc.KilledBySIGKILL(), "%s %d died by its own SIGKILL, not %v:\n%s", name, i, c.proc.Err(), tail(c.stderr.String(), 2000))
 		c.stopped.Store(true)
 		w.fault()
 	}
-	w.start("consumer", consumer)
-	return w.settle(settleTimeout)
 }
 
 // TestConsumerSIGKILLWhileRetrying: every 10th event's first attempt
@@ -398,7 +406,7 @@ func TestPoisonStorm(t *testing.T) {
 		o := w.check(true)
 		require.Positive(t, o.poisoned)
 		w.record(result{scenario: poisonStorm, broker: kind, faults: fmt.Sprintf("%d malformed events", o.malformed),
-			o: o, ordered: true, note: fmt.Sprintf("%d poisoned, every one malformed; the rest flowed past them", o.poisoned)})
+			o: o, ordered: true, note: fmt.Sprintf("%d poisoned, every one malformed; the rest flowed past them (consumer.poison.park: false)", o.poisoned)})
 	})
 }
 

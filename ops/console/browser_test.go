@@ -365,7 +365,8 @@ func TestSagaPagesInABrowser(t *testing.T) {
 
 // The parked aggregates page in a real browser: the nav leads to it, it
 // lists a held park and a draining one with their counts, and its link
-// opens the poisoned message that holds the park; a screenshot of each.
+// opens the poisoned message that holds the park, whose skip (dry run,
+// then confirmed) releases it; a screenshot of each page.
 func TestParkedPageInABrowser(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -410,6 +411,18 @@ func TestParkedPageInABrowser(t *testing.T) {
 	do(t, bctx, chromedp.WaitVisible("#reason"))
 	require.Contains(t, get(t, bctx, chromedp.Text("#reason")), "stock for sku-held unavailable")
 	shoot(t, bctx, shots, "parked-message")
+	follow(t, bctx, chromedp.Click("#skip-one"))
+	do(t, bctx, chromedp.WaitVisible("#dry-run"))
+	require.Contains(t, get(t, bctx, chromedp.Text("#dry-run")), "1 would be skipped for good, releasing 1 parked aggregate(s)")
+	follow(t, bctx, chromedp.Click("#confirm"))
+	do(t, bctx, chromedp.WaitVisible("#done"))
+	require.Contains(t, get(t, bctx, chromedp.Text("#done")), "1 skipped; 1 parked aggregate(s) flow on without them")
+	shoot(t, bctx, shots, "parked-skipped")
+	do(t, bctx, chromedp.Navigate(srv.URL+"/dlq/parked"), chromedp.WaitVisible("#parked"))
+	require.Equal(t, 2, get(t, bctx, chromedp.Evaluate[int](`document.querySelectorAll("#parked td.state-draining").length`)), "both parks drain now")
+	m, err := oc.DLQ().Get(ctx, ids["sku-held"])
+	require.NoError(t, err)
+	require.Equal(t, ops.PoisonStateSkipped, m.State)
 
 	do(t, bctx, chromedp.Navigate(srv.URL+"/dlq/parked?state=stuck"), chromedp.WaitVisible("#error"))
 	require.Contains(t, get(t, bctx, chromedp.Text("#error")), `state "stuck"`)

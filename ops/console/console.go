@@ -301,6 +301,8 @@ func (c *Console) failErr(w http.ResponseWriter, r *http.Request, err error) {
 		c.fail(w, r, http.StatusNotFound, err.Error())
 	case errors.Is(err, ops.ErrNotFound):
 		c.fail(w, r, http.StatusConflict, err.Error()+": purged meanwhile? nothing was done; review the selection again")
+	case errors.Is(err, ops.ErrNotSupported):
+		c.fail(w, r, http.StatusNotFound, err.Error())
 	case errors.Is(err, ops.ErrChanged):
 		c.fail(w, r, http.StatusConflict, err.Error())
 	case errors.As(err, new(badInput)), errors.Is(err, ops.ErrInvalidSelection), errors.Is(err, ops.ErrInvalidFilter):

@@ -274,12 +274,13 @@ func TestReadOnlyRefusesEveryAction(t *testing.T) {
 		code, body := c.get(p)
 		require.Equal(t, http.StatusOK, code, p)
 		require.NotContains(t, body, "Purge", p)
+		require.NotContains(t, body, "Skip…", p)
 		require.NotContains(t, body, "Replay selected", p)
 	}
 	for _, form := range []url.Values{
 		{"id": {fmt.Sprint(f.ids[0])}}, {"scope": {"filter"}, "state": {"waiting"}}, {"id": {fmt.Sprint(f.qids[0])}},
 	} {
-		for _, action := range []string{"/dlq/replay", "/dlq/purge", "/quarantine/replay", "/quarantine/purge"} {
+		for _, action := range []string{"/dlq/replay", "/dlq/purge", "/dlq/skip", "/quarantine/replay", "/quarantine/purge"} {
 			code, body := c.post(action, form)
 			require.Equal(t, http.StatusForbidden, code, action)
 			require.Contains(t, body, "read-only")

@@ -291,13 +291,14 @@ func (c *Console) quarantineShow(w http.ResponseWriter, r *http.Request) {
 // actionData is the page of a dry run (Confirm) or of the action done.
 type actionData struct {
 	What      string // "dlq" or "quarantine"
-	Action    string // "replay" or "purge"
+	Action    string // "replay", "purge" or "skip" (the DLQ's)
 	Confirm   bool   // a dry run awaiting confirmation
 	Selection selection
 	Token     string
 	Count     int // messages or rows acted on (or that would be)
 	Skipped   int
 	Messages  int // outbox messages written (or that would be)
+	Released  int // parked aggregates a skip released (or would)
 	Rows      []row
 	Warnings  []string
 }
@@ -313,8 +314,8 @@ type row struct {
 // read-only mode).
 func (c *Console) checkAction(w http.ResponseWriter, r *http.Request) (string, bool) {
 	action := r.PathValue("action")
-	if action != "replay" && action != "purge" {
-		c.fail(w, r, http.StatusNotFound, fmt.Sprintf("no action %q: replay or purge", action))
+	if action != "replay" && action != "purge" && action != "skip" {
+		c.fail(w, r, http.StatusNotFound, fmt.Sprintf("no action %q: replay, purge or skip", action))
 		return "", false
 	}
 	return action, true
@@ -348,8 +349,11 @@ func (c *Console) runAction(w http.ResponseWriter, r *http.Request, what string,
 func (c *Console) dlqAction(w http.ResponseWriter, r *http.Request) {
 	tableAction(c, w, r, "dlq", dlqKeys, c.ops.DLQ(), actionRows[ops.PoisonedMessage, ops.ReplayedEntry, ops.SkippedEntry]{
 		replayed: func(e ops.ReplayedEntry) row {
-			return row{ID: e.ID, Topic: e.Topic, Handler: e.Handler, Event: e.EventType,
-				Note: "replay, processed only by consumer group(s) " + strings.Join(e.TargetGroups, ", ")}
+			note := "replay, processed only by consumer group(s) " + strings.Join(e.TargetGroups, ", ")
+			if e.Parked {
+				note = "its parked aggregate released: handled ahead of the messages parked behind it, no outbox message"
+			}
+			return row{ID: e.ID, Topic: e.Topic, Handler: e.Handler, Event: e.EventType, Note: note}
 		},
 		skipped: func(e ops.SkippedEntry) row {
 			note := "skipped: " + e.Detail
@@ -401,6 +405,9 @@ func tableAction[R, D, E, S any](c *Console, w http.ResponseWriter, r *http.Requ
 			}
 			return nil
 		}
+		if d.Action == "skip" {
+			return skipAction(r.Context(), t, d, dryRun, rows.purged) // parked.go
+		}
 		res, err := t.Purge(r.Context(), d.Selection.ops(), dryRun)
 		if err != nil {
 			return err
@@ -418,7 +425,7 @@ func actionTitle(d actionData) string {
 	if d.Confirm {
 		return fmt.Sprintf("Confirm: %s %d %s", d.Action, d.Count, what)
 	}
-	verb := map[string]string{"replay": "Replayed", "purge": "Purged"}[d.Action]
+	verb := map[string]string{"replay": "Replayed", "purge": "Purged", "skip": "Skipped"}[d.Action]
 	return fmt.Sprintf("%s %d %s", verb, d.Count, what)
 }
 

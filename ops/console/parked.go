@@ -1,6 +1,7 @@
 package console
 
 import (
+	"context"
 	"errors"
 	"net/http"
 	"strings"
@@ -42,4 +43,18 @@ func (c *Console) parkedList(w http.ResponseWriter, r *http.Request) {
 	}
 	c.render(w, r, "parked", page{Title: "Parked aggregates", Nav: "parked",
 		Data: parkedData{Filter: f, Parks: list.Rows, Truncated: list.Truncated}})
+}
+
+// skipAction skips the selected rows of t (the DLQ's; the quarantine's
+// Skip is ops.ErrNotSupported) into d, each row shown by row.
+func skipAction[R, D, E, S any](ctx context.Context, t ops.Table[R, D, E, S], d *actionData, dryRun bool, row func(R) row) error {
+	res, err := t.Skip(ctx, d.Selection.ops(), dryRun)
+	if err != nil {
+		return err
+	}
+	d.Token, d.Count, d.Released = res.Selection, len(res.Skipped), res.Released
+	for _, m := range res.Skipped {
+		d.Rows = append(d.Rows, row(m))
+	}
+	return nil
 }

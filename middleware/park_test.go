@@ -209,3 +209,45 @@ func TestParkConfig(t *testing.T) {
 		Destination: middleware.PoisonToTopic, Topic: "poison", Park: ptr(true)}}}}, middleware.Deps{})
 	require.ErrorContains(t, err, "consumer.handlers.h.poison.park")
 }
+
+// Two consumers of one group compete for a released park: the lease lets
+// one drain it at a time, so its messages take effect once each, in order.
+func TestParkDrainsOnceWithCompetingConsumers(t *testing.T) {
+	t.Parallel()
+	k := newKit(t, bus.KindNATS, kitOptions{})
+	e := newEnv(t)
+	p := &parkCase{k: k, e: e, topic: uniqueName(t, "t"), group: uniqueName(t, "g"), tables: store.Tables{Schema: e.schema}}
+	k.provision(t, p.topic, p.group)
+	cfg := middleware.Config{Ordered: ptr(true), Workers: 4}
+	fastRetry(&cfg, 2)
+	handle := func(msg *message.Message) error {
+		if err := p.fails(msg); err != nil {
+			return err
+		}
+		return e.write(msg.Context(), p.group, msg)
+	}
+	// One consumer while a1's events arrive (two stock subscriptions would
+	// take them in parallel, out of order, before any park): v2 is
+	// poisoned, v3-v30 parked. The second joins before the release.
+	consumers := []*consumer{startConsumer(t, k, e, cfg, handlerSpec{name: "h", topic: p.topic, group: p.group, handle: handle})}
+	for v := 1; v <= 30; v++ {
+		publish(t, k.pub, p.topic, event(fmt.Sprintf("%s-a1-%d", p.topic, v), "a1", int64(v), "{}"))
+	}
+	require.Eventually(t, func() bool {
+		return e.count(t, `SELECT count(DISTINCT message_id) FROM `+e.table("millrace_parked")) == 29
+	}, 30*time.Second, 20*time.Millisecond, "a1 v2 held, v3-v30 parked")
+	consumers = append(consumers, startConsumer(t, k, e, cfg, handlerSpec{name: "h", topic: p.topic, group: p.group, handle: handle}))
+	p.fixed.Store(true)
+	require.NoError(t, p.tables.ReleaseParks(context.Background(), e.db, []int64{p.poisonID(t, "-a1-2")}, false))
+	p.waitFor(t, 30)
+	want := make([]string, 30)
+	for i := range want {
+		want[i] = fmt.Sprint(i + 1)
+	}
+	require.Equal(t, strings.Join(want, ","), p.versions(t, "a1"))
+	drained := 0.0
+	for _, c := range consumers {
+		drained += c.messages(t, "h", middleware.OutcomeOK)
+	}
+	require.Equal(t, 30.0, drained, "one effect per event, duplicates none")
+}

@@ -7,7 +7,6 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/nats"
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
@@ -43,17 +42,7 @@ func TestCloudEventsAttributesReachTheBroker(t *testing.T) {
 			require.ErrorIs(t, err, bus.ErrInvalidField)
 			require.ErrorContains(t, err, "hold CloudEvents attributes")
 
-			broker, err := bus.OpenBroker(ctx, cfg, nil)
-			require.NoError(t, err)
-			defer broker.Close()
-			require.NoError(t, broker.Provision(ctx, topic, "tap"))
-			sub, err := broker.Subscriber(adapters.SubscriberSpec{Group: "tap"})
-			require.NoError(t, err)
-			subCtx, cancel := context.WithCancel(ctx)
-			defer cancel()
-			defer sub.Close()
-			msgs, err := sub.Subscribe(subCtx, topic)
-			require.NoError(t, err)
+			msgs := brokertest.Tap(t, cfg, topic, "tap")
 
 			runCtx, stop := context.WithCancel(ctx)
 			done := make(chan error, 1)

@@ -183,12 +183,7 @@ type collector struct {
 }
 
 func collect(t *testing.T, broker adapters.Broker, topic, group string) *collector {
-	sub, err := broker.Subscriber(adapters.SubscriberSpec{Group: group})
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(func() { cancel(); _ = sub.Close() })
-	ch, err := sub.Subscribe(ctx, topic)
-	require.NoError(t, err)
+	ch := brokertest.Subscribe(t, broker, topic, group)
 	c := &collector{count: map[string]int{}, order: map[string][]int{}}
 	go func() {
 		for m := range ch {

@@ -16,6 +16,7 @@ import (
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/forwarder"
+	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/ops"
 )
@@ -27,12 +28,7 @@ type arrivals struct {
 }
 
 func recordArrivals(t *testing.T, broker adapters.Broker, topic, group string) *arrivals {
-	sub, err := broker.Subscriber(adapters.SubscriberSpec{Group: group})
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(func() { cancel(); _ = sub.Close() })
-	ch, err := sub.Subscribe(ctx, topic)
-	require.NoError(t, err)
+	ch := brokertest.Subscribe(t, broker, topic, group)
 	a := &arrivals{first: map[string]time.Time{}}
 	go func() {
 		for m := range ch {

@@ -13,7 +13,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
-	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/nats"
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
@@ -267,18 +266,7 @@ func TestOpsRefusesAnUnmigratedDatabase(t *testing.T) {
 // subscribe returns the event ids that reach topic, for a group of the test's.
 func subscribe(t *testing.T, w *opsWorld, topic string) <-chan string {
 	t.Helper()
-	ctx := context.Background()
-	broker, err := bus.OpenBroker(ctx, w.cfg, nil)
-	require.NoError(t, err)
-	t.Cleanup(func() { broker.Close() })
-	group := "tap"
-	require.NoError(t, broker.Provision(ctx, topic, group))
-	sub, err := broker.Subscriber(adapters.SubscriberSpec{Group: group})
-	require.NoError(t, err)
-	subCtx, cancel := context.WithCancel(ctx)
-	t.Cleanup(func() { cancel(); _ = sub.Close() })
-	ch, err := sub.Subscribe(subCtx, topic)
-	require.NoError(t, err)
+	ch := brokertest.Tap(t, w.cfg, topic, "tap")
 	out := make(chan string, 16)
 	go func() {
 		for m := range ch {

@@ -5,6 +5,8 @@ import (
 	"database/sql"
 	"testing"
 
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 )
@@ -49,4 +51,36 @@ func (s *Service) Open(t testing.TB, opts ...bus.Option) *bus.Bus {
 	}
 	t.Cleanup(func() { b.Close() })
 	return b
+}
+
+// Subscribe subscribes group to topic on broker until the test ends.
+func Subscribe(t testing.TB, broker adapters.Broker, topic, group string) <-chan *message.Message {
+	t.Helper()
+	sub, err := broker.Subscriber(adapters.SubscriberSpec{Group: group})
+	if err != nil {
+		t.Fatalf("subscriber of %s: %v", group, err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(func() { cancel(); _ = sub.Close() })
+	ch, err := sub.Subscribe(ctx, topic)
+	if err != nil {
+		t.Fatalf("subscribe %s to %s: %v", group, topic, err)
+	}
+	return ch
+}
+
+// Tap opens cfg's broker, provisions group on topic and subscribes it,
+// until the test ends: what reaches the broker reaches the channel.
+func Tap(t testing.TB, cfg bus.Config, topic, group string) <-chan *message.Message {
+	t.Helper()
+	ctx := context.Background()
+	broker, err := bus.OpenBroker(ctx, cfg, nil)
+	if err != nil {
+		t.Fatalf("open the broker: %v", err)
+	}
+	t.Cleanup(func() { _ = broker.Close() })
+	if err := broker.Provision(ctx, topic, group); err != nil {
+		t.Fatalf("provision %s on %s: %v", group, topic, err)
+	}
+	return Subscribe(t, broker, topic, group)
 }

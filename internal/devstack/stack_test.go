@@ -203,13 +203,7 @@ esac`, pg, amqp, fakeListenEnv, self))
 	calls = s.calls()
 	require.Contains(t, calls, "brew services stop postgresql@16")
 	require.Contains(t, calls, "brew services stop rabbitmq")
-	require.Eventually(t, func() bool {
-		c, err := net.DialTimeout("tcp", "127.0.0.1:"+strconv.Itoa(amqp), time.Second)
-		if err == nil {
-			_ = c.Close()
-		}
-		return err != nil
-	}, 10*time.Second, 50*time.Millisecond, "down stopped the service it started")
+	requirePortClosed(t, amqp, "down stopped the service it started")
 }
 
 func TestLinuxWithoutInstallerNamesWhatToInstall(t *testing.T) {
@@ -247,13 +241,7 @@ func TestStartedNATSIsCheckedForJetStream(t *testing.T) {
 			out, err = s.run("down")
 			require.NoError(t, err, out)
 			require.Contains(t, out, "nats        stopped")
-			require.Eventually(t, func() bool {
-				c, err := net.DialTimeout("tcp", "127.0.0.1:"+strconv.Itoa(port), time.Second)
-				if err == nil {
-					_ = c.Close()
-				}
-				return err != nil
-			}, 10*time.Second, 50*time.Millisecond, "down stopped the nats-server it started")
+			requirePortClosed(t, port, "down stopped the nats-server it started")
 		})
 	}
 }
@@ -383,13 +371,20 @@ esac`, built))
 	out, err = s.run("down")
 	require.NoError(t, err, out)
 	require.Contains(t, out, "nats-current stopped")
+	requirePortClosed(t, port, "down stopped the nats-server it started")
+}
+
+// requirePortClosed waits until nothing listens on the local port any
+// more: what says what should have stopped it.
+func requirePortClosed(t *testing.T, port int, what string) {
+	t.Helper()
 	require.Eventually(t, func() bool {
 		c, err := net.DialTimeout("tcp", "127.0.0.1:"+strconv.Itoa(port), time.Second)
 		if err == nil {
 			_ = c.Close()
 		}
 		return err != nil
-	}, 10*time.Second, 50*time.Millisecond, "down stopped the nats-server it started")
+	}, 10*time.Second, 50*time.Millisecond, what)
 }
 
 // up postgres says how to turn on wal_level = logical for the WAL relay,

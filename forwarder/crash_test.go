@@ -304,20 +304,29 @@ func testRelayCrashes(t *testing.T, kind string) {
 	require.NoError(t, clean.Stop(waitLimit), "the clean relay stops gracefully")
 	testkit.Eventually(t, waitLimit, "every committed event on the broker", func() bool { return got.distinct() >= len(w.committed) })
 
+	got.checkDelivery(t, w)
 	got.mu.Lock()
 	defer got.mu.Unlock()
+	t.Logf("%s: %d committed events, %d deliveries (%d duplicates) after %d kills %v",
+		kind, len(w.committed), got.total, got.total-len(got.count), kills, killed)
+}
+
+// checkDelivery checks that exactly the events w committed reached the
+// broker, each aggregate's versions in order.
+func (c *collector) checkDelivery(t *testing.T, w *writer) {
+	t.Helper()
+	c.mu.Lock()
+	defer c.mu.Unlock()
 	for id := range w.committed {
-		require.Positive(t, got.count[id], "committed event %s never reached the broker", id)
+		require.Positive(t, c.count[id], "committed event %s never reached the broker", id)
 	}
-	require.Len(t, got.count, len(w.committed), "only committed events reach the broker")
-	require.Zero(t, got.ghosts, "an event of a rolled-back transaction reached the broker")
-	for agg, versions := range got.order {
+	require.Len(t, c.count, len(w.committed), "only committed events reach the broker")
+	require.Zero(t, c.ghosts, "an event of a rolled-back transaction reached the broker")
+	for agg, versions := range c.order {
 		for i := 1; i < len(versions); i++ {
 			require.Greater(t, versions[i], versions[i-1], "%s: versions first arrived out of order: %v", agg, versions)
 		}
 	}
-	t.Logf("%s: %d committed events, %d deliveries (%d duplicates) after %d kills %v",
-		kind, len(w.committed), got.total, got.total-len(got.count), kills, killed)
 }
 
 // activeRelay returns the application_name of the relay holding a live

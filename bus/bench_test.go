@@ -172,7 +172,7 @@ func setupBench(b *testing.B) benchBundle {
 	sqlBus, err := bus.Open(ctx, cfg, db)
 	require.NoError(b, err)
 	b.Cleanup(func() { sqlBus.Close() })
-	pool := newPool(b)
+	pool := testdb.Pool(b)
 	pgxBus, err := bus.Open(ctx, cfg, pool)
 	require.NoError(b, err)
 	b.Cleanup(func() { pgxBus.Close() })

@@ -16,15 +16,6 @@ import (
 	"github.com/millrace-io/millrace/ops"
 )
 
-// newPool opens a pgxpool on the test server, closed when the test ends.
-func newPool(t testing.TB) *pgxpool.Pool {
-	t.Helper()
-	pool, err := pgxpool.New(context.Background(), testdb.URL())
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	return pool
-}
-
 // pgxBundle is a Bus opened on a *pgxpool.Pool on a migrated schema.
 type pgxBundle struct {
 	testBundle
@@ -35,7 +26,7 @@ type pgxBundle struct {
 func setupPgx(t *testing.T, change ...func(*bus.Config)) pgxBundle {
 	t.Helper()
 	tb := setup(t, change...)
-	pool := newPool(t)
+	pool := testdb.Pool(t)
 	b, err := bus.Open(context.Background(), tb.cfg, pool)
 	require.NoError(t, err)
 	t.Cleanup(func() { b.Close() })

@@ -100,7 +100,7 @@ func newTypedRig(t *testing.T, kind string) *typedRig {
 	// pgxBus runs the relay and every handler (one Run provisions every
 	// handler's topology before the relay publishes); sqlBus, on the same
 	// outbox, only publishes.
-	r.pool = newPool(t)
+	r.pool = testdb.Pool(t)
 	r.pgxBus, err = bus.Open(ctx, r.cfg, r.pool, bus.WithRegistry(r.reg))
 	require.NoError(t, err)
 	t.Cleanup(func() { r.pgxBus.Close() })

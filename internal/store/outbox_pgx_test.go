@@ -10,7 +10,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/internal/store"
@@ -27,21 +26,13 @@ func outboxRows(prefix string, n int) []*message.Message {
 	return rows
 }
 
-func openPool(t testing.TB) *pgxpool.Pool {
-	t.Helper()
-	pool, err := pgxpool.New(context.Background(), testdb.URL())
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	return pool
-}
-
 // What WriteOutbox stores through Pgx is byte for byte what it stores on
 // a *sql.Tx, for more rows than one INSERT holds.
 func TestWriteOutboxOnPgxStoresWhatItStoresOnSQL(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := testdb.Open(t)
-	pool := openPool(t)
+	pool := testdb.Pool(t)
 	tables := store.Tables{Schema: testdb.Schema(t, db), OutboxTopic: "millrace_outbox"}
 	require.NoError(t, store.Migrate(ctx, db, tables))
 
@@ -82,7 +73,7 @@ func TestWriteOutboxOnPgxStoresWhatItStoresOnSQL(t *testing.T) {
 func BenchmarkOutboxPgxInsert(b *testing.B) {
 	ctx := context.Background()
 	db := testdb.Open(b)
-	pool := openPool(b)
+	pool := testdb.Pool(b)
 	tables := store.Tables{Schema: testdb.Schema(b, db), OutboxTopic: "millrace_outbox"}
 	require.NoError(b, store.Migrate(ctx, db, tables))
 	rows := outboxRows("bench", 100)

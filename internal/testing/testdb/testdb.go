@@ -12,6 +12,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib" // registers the "pgx" driver
 )
 
@@ -47,6 +48,17 @@ func OpenURL(t testing.TB, url string) *sql.DB {
 		t.Fatalf("PostgreSQL at %s is not reachable (run `make up` for the shared one): %v", url, err)
 	}
 	return db
+}
+
+// Pool returns a pgxpool on URL() that is closed when the test ends.
+func Pool(t testing.TB) *pgxpool.Pool {
+	t.Helper()
+	pool, err := pgxpool.New(context.Background(), URL())
+	if err != nil {
+		t.Fatalf("open a pgxpool on %s: %v", URL(), err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
 }
 
 // Schema creates a fresh, uniquely named schema dropped when the test ends,

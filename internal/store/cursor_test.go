@@ -8,7 +8,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/internal/store"
-	"github.com/millrace-io/millrace/internal/testing/testdb"
 )
 
 // A relay records its position only where it left its cursor. When the
@@ -19,9 +18,7 @@ import (
 func TestSavePositionRefusesACursorThatMovedUnderTheRelay(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db := testdb.Open(t)
-	tables := store.Tables{Schema: testdb.Schema(t, db), OutboxTopic: "millrace_outbox"}
-	require.NoError(t, store.Migrate(ctx, db, tables))
+	db, tables := migrated(t)
 	c := store.Cursor{Group: "relay"}
 	require.NoError(t, tables.PrepareCursor(ctx, db, c))
 	lease, pos, ok, err := tables.AcquireLease(ctx, db, c, "test", time.Minute, nil)

@@ -9,7 +9,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/internal/store"
-	"github.com/millrace-io/millrace/internal/testing/testdb"
 )
 
 // A lease goes to one relay at a time. Another takes it once it expired or
@@ -18,9 +17,7 @@ import (
 func TestALeaseFencesTheRelayThatLostIt(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db := testdb.Open(t)
-	tables := store.Tables{Schema: testdb.Schema(t, db), OutboxTopic: "millrace_outbox"}
-	require.NoError(t, store.Migrate(ctx, db, tables))
+	db, tables := migrated(t)
 	c := store.Cursor{Group: "relay"}
 	require.NoError(t, tables.PrepareCursor(ctx, db, c))
 	const ttl = 300 * time.Millisecond

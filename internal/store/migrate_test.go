@@ -8,7 +8,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/internal/store"
-	"github.com/millrace-io/millrace/internal/testing/testdb"
 )
 
 // Migrate on an installed schema takes no lock on millrace's tables: a
@@ -17,9 +16,7 @@ import (
 func TestMigrateWaitsForNoWriter(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db := testdb.Open(t)
-	tables := store.Tables{Schema: testdb.Schema(t, db), OutboxTopic: "millrace_outbox"}
-	require.NoError(t, store.Migrate(ctx, db, tables))
+	db, tables := migrated(t)
 	open, err := db.BeginTx(ctx, nil)
 	require.NoError(t, err)
 	defer open.Rollback()

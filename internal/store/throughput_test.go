@@ -10,7 +10,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/internal/store"
-	"github.com/millrace-io/millrace/internal/testing/testdb"
 )
 
 const hour = 60 // minutes
@@ -44,9 +43,7 @@ func sum(counts []int64) (n int64) {
 func TestForwardedPerMinuteCountsEachGroupsForwardedRows(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db := testdb.Open(t)
-	tables := store.Tables{Schema: testdb.Schema(t, db), OutboxTopic: "millrace_outbox"}
-	require.NoError(t, store.Migrate(ctx, db, tables))
+	db, tables := migrated(t)
 
 	empty, err := tables.ForwardedPerMinute(ctx, db, []string{"relay_a"}, 1, hour)
 	require.NoError(t, err)
@@ -115,9 +112,7 @@ func TestForwardedPerMinuteReadsEachShardsCursor(t *testing.T) {
 func TestProcessedPerMinuteCountsInboxRows(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db := testdb.Open(t)
-	tables := store.Tables{Schema: testdb.Schema(t, db), OutboxTopic: "millrace_outbox"}
-	require.NoError(t, store.Migrate(ctx, db, tables))
+	db, tables := migrated(t)
 
 	empty, err := tables.ProcessedPerMinute(ctx, db, hour)
 	require.NoError(t, err)

@@ -72,14 +72,12 @@ func TestOutboxStatusCommand(t *testing.T) {
 	t.Parallel()
 	db := testdb.Open(t)
 	schema := testdb.SchemaName(t, db, t.Name())
-	path := writeConfig(t, "database:\n  url: "+testdb.URL()+"\n  schema: "+schema+"\nbroker:\n  nats:\n    url: nats://127.0.0.1:4222\n")
-	var out, errOut bytes.Buffer
-	require.Equal(t, exitOK, run(context.Background(), []string{"--config", path, "migrate"}, &out, &errOut), errOut.String())
+	path := migrateConfig(t, testdb.URL(), schema, "")
 	_, err := db.Exec(`INSERT INTO "` + schema + `"."watermill_millrace_outbox" (uuid, payload, metadata, transaction_id)
 		VALUES ('u1', '{"destination_topic":"t","uuid":"e1","payload":"e30=","metadata":{}}', '{}', pg_current_xact_id())`)
 	require.NoError(t, err)
 
-	out.Reset()
+	var out, errOut bytes.Buffer
 	require.Equal(t, exitOK, run(context.Background(), []string{"--config", path, "outbox", "status", "--json"}, &out, &errOut), errOut.String())
 	var st struct {
 		Pending     int64 `json:"pending"`
@@ -102,9 +100,7 @@ func TestRelayCommandForwardsAndStopsOnSignal(t *testing.T) {
 	db := testdb.Open(t)
 	schema := testdb.Schema(t, db)
 	topic := "cli-relay-" + schema[len(schema)-8:]
-	path := writeConfig(t, "database:\n  url: "+testdb.URL()+"\n  schema: "+schema+"\nbroker:\n  nats:\n    url: nats://127.0.0.1:4222\n")
-	var out, errOut bytes.Buffer
-	require.Equal(t, exitOK, run(context.Background(), []string{"--config", path, "migrate"}, &out, &errOut), errOut.String())
+	path := migrateConfig(t, testdb.URL(), schema, "")
 	cfg, err := bus.LoadConfig(path)
 	require.NoError(t, err)
 	brokertest.Cleanup(t, bus.KindNATS, topic)

@@ -9,7 +9,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/internal/store"
-	"github.com/millrace-io/millrace/internal/testing/testdb"
 )
 
 // Backlog counts what Status counts as pending, before the group's offsets
@@ -82,15 +81,6 @@ func TestBacklogCountsWhatStatusCountsAsPending(t *testing.T) {
 // forward acts as the relay of c: it takes c's lease, moves c's position
 // past the next n committed rows (all of them when n < 0) by the read rule,
 // and releases the lease.
-// migrated is a schema of the test's own, migrated, on the test database.
-func migrated(t *testing.T) (*sql.DB, store.Tables) {
-	t.Helper()
-	db := testdb.Open(t)
-	tables := store.Tables{Schema: testdb.Schema(t, db), OutboxTopic: "millrace_outbox"}
-	require.NoError(t, store.Migrate(context.Background(), db, tables))
-	return db, tables
-}
-
 func forward(t *testing.T, db *sql.DB, tables store.Tables, c store.Cursor, n int) {
 	t.Helper()
 	ctx := context.Background()

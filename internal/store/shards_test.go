@@ -16,8 +16,9 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 )
 
-// shardedOutbox is a migrated schema of a test's own.
-func shardedOutbox(t *testing.T) (*sql.DB, store.Tables) {
+// migrated is a migrated schema of a test's own, with the default outbox
+// topic.
+func migrated(t *testing.T) (*sql.DB, store.Tables) {
 	t.Helper()
 	db := testdb.Open(t)
 	tables := store.Tables{Schema: testdb.Schema(t, db), OutboxTopic: "millrace_outbox"}
@@ -87,7 +88,7 @@ func cursors(group string, n int) []store.Cursor {
 func TestTheTriggerShardsRowsByAggregate(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db, tables := shardedOutbox(t)
+	db, tables := migrated(t)
 	writeEvents(t, db, tables, "a", "b", "c")
 	for agg, shards := range shardOf(t, db, tables) {
 		require.Equal(t, []int{0}, shards, agg)
@@ -133,7 +134,7 @@ func TestTheTriggerShardsRowsByAggregate(t *testing.T) {
 func TestShardCountChangesOnlyWhenNothingIsPending(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db, tables := shardedOutbox(t)
+	db, tables := migrated(t)
 	const group = "relay_a"
 	require.NoError(t, tables.RecordShards(ctx, db, group, 8), "an empty outbox takes any count")
 	for _, c := range cursors(group, 8) {
@@ -186,7 +187,7 @@ func TestShardCountChangesOnlyWhenNothingIsPending(t *testing.T) {
 func TestCommitNotifiesTheShardsItWrote(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db, tables := shardedOutbox(t)
+	db, tables := migrated(t)
 	conn, err := db.Conn(ctx)
 	require.NoError(t, err)
 	defer conn.Close()

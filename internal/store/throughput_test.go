@@ -85,7 +85,7 @@ func TestForwardedPerMinuteCountsEachGroupsForwardedRows(t *testing.T) {
 func TestForwardedPerMinuteReadsEachShardsCursor(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db, tables := shardedOutbox(t)
+	db, tables := migrated(t)
 	require.NoError(t, tables.RecordShards(ctx, db, "g", 4))
 	writeEvents(t, db, tables, "o-1", "o-2", "o-3", "o-4", "o-5", "o-6", "o-7", "o-8")
 	cs := cursors("g", 4)

@@ -51,13 +51,11 @@ const roundTripOrders = 30
 
 func testServiceRoundTrip(t *testing.T, kind string) {
 	r := newRoundTrip(t, kind)
-	r.handle()
-	running := testkit.Start(t, r.b.Run)
+	r.run()
 	r.publishOrders()
 	r.waitAudited()
 	r.checkInvoices()
 	r.checkCausationAndTrace()
-	require.NoError(t, running.Stop(t, 60*time.Second))
 }
 
 // newRoundTrip opens a traced service on kind with an invoices table.
@@ -74,6 +72,14 @@ func newRoundTrip(t *testing.T, kind string) *roundTrip {
 	t.Cleanup(func() { _ = r.tp.Shutdown(context.Background()) })
 	r.b = s.Open(t, bus.WithTracerProvider(r.tp))
 	return r
+}
+
+// run registers billing and audit and runs the service; its Run must
+// return without error within 60s of the end of the test.
+func (r *roundTrip) run() {
+	r.handle()
+	running := testkit.Start(r.t, r.b.Run)
+	r.t.Cleanup(func() { require.NoError(r.t, running.Stop(r.t, 60*time.Second)) })
 }
 
 // handle registers billing and audit.

@@ -11,6 +11,7 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/internal/testing/testkit"
 )
 
 // With outbox.cloudevents on, every event reaches the broker with the
@@ -44,10 +45,8 @@ func TestCloudEventsAttributesReachTheBroker(t *testing.T) {
 
 			msgs := brokertest.Tap(t, cfg, topic, "tap")
 
-			runCtx, stop := context.WithCancel(ctx)
-			done := make(chan error, 1)
-			go func() { done <- b.Run(runCtx) }()
-			defer func() { stop(); require.NoError(t, <-done) }()
+			running := testkit.Start(t, b.Run)
+			defer func() { require.NoError(t, running.Stop(t, time.Minute)) }()
 			require.NoError(t, b.PublishInOwnTx(ctx, topic, ev))
 
 			want := map[string]string{

@@ -36,10 +36,8 @@ func TestRunProvisionsOrderedGroupsOnNATS(t *testing.T) {
 	require.NoError(t, b.Handle(topic, "mailer", nop, bus.WithConsumerGroup("mailer-"+topic)))
 	brokertest.Cleanup(t, bus.KindNATS, topic, "ledger-"+topic, "mailer-"+topic)
 
-	runCtx, stop := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- b.Run(runCtx) }()
-	defer func() { stop(); require.NoError(t, <-done) }()
+	running := testkit.Start(t, b.Run)
+	defer func() { require.NoError(t, running.Stop(t, time.Minute)) }()
 
 	nc, err := natsgo.Connect(cfg.WithDefaults().Broker.NATS.URL)
 	require.NoError(t, err)

@@ -80,10 +80,8 @@ func runCancelRace(t *testing.T, kind string, ordered *bool) (overtaken, cancell
 	require.NoError(t, err)
 	defer b.Close()
 	require.NoError(t, race.saga(name, placed, cancel).Handle(b, name))
-	runCtx, stop := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- b.Run(runCtx) }()
-	defer func() { stop(); require.NoError(t, <-done) }()
+	running := testkit.Start(t, b.Run)
+	defer func() { require.NoError(t, running.Stop(t, time.Minute)) }()
 
 	for i := range raceOrders {
 		id := fmt.Sprintf("o-%02d", i)

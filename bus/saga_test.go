@@ -469,10 +469,8 @@ func TestSagaEndToEnd(t *testing.T) {
 		}
 		return tp.reserved.Publish(ctx, b, bus.Tx[bus.Execer](ctx), sagaStockReserved{OrderID: ev.AggregateID})
 	}))
-	runCtx, stop := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- b.Run(runCtx) }()
-	t.Cleanup(func() { stop(); require.NoError(t, <-done) })
+	running := testkit.Start(t, b.Run)
+	t.Cleanup(func() { require.NoError(t, running.Stop(t, time.Minute)) })
 
 	tx, err := w.tb.db.BeginTx(ctx, nil)
 	require.NoError(t, err)

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
@@ -85,10 +86,8 @@ func testQuarantine(t *testing.T, kind string) {
 	cfg := crashConfig()
 	f, err := forwarder.New(e.db, e.broker, forwarder.Outbox{Schema: e.cfg.Database.Schema, Topic: e.cfg.Outbox.Topic}, cfg, forwarder.Options{})
 	require.NoError(t, err)
-	runCtx, stop := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- f.Run(runCtx) }()
-	defer func() { stop(); require.NoError(t, <-done) }()
+	running := testkit.Start(t, f.Run)
+	defer func() { require.NoError(t, running.Stop(t, time.Minute)) }()
 
 	testkit.Eventually(t, waitLimit, "the good rows at the consumer", func() bool { return e.got.distinct() >= good })
 	testkit.Eventually(t, waitLimit, "nothing pending", func() bool { return pending(t, f) == 0 })

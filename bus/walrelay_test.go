@@ -10,8 +10,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
-	wmforwarder "github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
@@ -267,24 +265,11 @@ func testWALQuarantine(t *testing.T, r *walRig) {
 // forwarder publisher, with metadata meta.
 func (r *walRig) writeWithWatermill(t *testing.T, meta map[string]string) {
 	t.Helper()
-	tx, err := r.db.Begin()
-	require.NoError(t, err)
-	outbox := r.cfg.WithDefaults().Outbox.Topic
-	sqlPub, err := watermillsql.NewPublisher(tx, watermillsql.PublisherConfig{
-		SchemaAdapter: watermillsql.DefaultPostgreSQLSchema{
-			GenerateMessagesTableName: func(topic string) string {
-				return `"` + r.cfg.Database.Schema + `"."watermill_` + topic + `"`
-			},
-		},
-	}, nil)
-	require.NoError(t, err)
 	msg := message.NewMessage(watermill.NewUUID(), []byte(`{}`))
 	for k, v := range meta {
 		msg.Metadata.Set(k, v)
 	}
-	pub := wmforwarder.NewPublisher(sqlPub, wmforwarder.PublisherConfig{ForwarderTopic: outbox})
-	require.NoError(t, pub.Publish(r.topic, msg))
-	require.NoError(t, tx.Commit())
+	brokertest.WriteOutboxWithWatermill(t, r.db, r.cfg, r.topic, msg)
 }
 
 // relay.source takes table or wal, and wal only with relay.shards: 1; the

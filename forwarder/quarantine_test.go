@@ -8,8 +8,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
-	wmforwarder "github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
@@ -75,7 +73,7 @@ func testQuarantine(t *testing.T, kind string) {
 	for i := range good {
 		// The bad rows sit among the good ones: at the start, the middle and the end.
 		if j := i * len(bad) / good; i%(good/len(bad)) == 0 && j < len(bad) {
-			writeWithWatermill(t, e, bad[j])
+			brokertest.WriteOutboxWithWatermill(t, e.db, e.cfg, bad[j].topic, bad[j].msg)
 		}
 		require.NoError(t, e.bus.PublishInOwnTx(ctx, e.topic, bus.Event{
 			Type: "Good", AggregateType: "thing", AggregateID: fmt.Sprintf("agg-%d", i%20), AggregateVersion: int64(i/20 + 1),
@@ -107,23 +105,4 @@ func testQuarantine(t *testing.T, kind string) {
 	for i, b := range bad {
 		require.Contains(t, reasons[i], b.reason, "row %d's reason names what is wrong", i)
 	}
-}
-
-// writeWithWatermill commits r to the outbox through Watermill's own
-// forwarder publisher, which checks nothing.
-func writeWithWatermill(t *testing.T, e endToEnd, r badRow) {
-	t.Helper()
-	tx, err := e.db.Begin()
-	require.NoError(t, err)
-	sqlPub, err := watermillsql.NewPublisher(tx, watermillsql.PublisherConfig{
-		SchemaAdapter: watermillsql.DefaultPostgreSQLSchema{
-			GenerateMessagesTableName: func(topic string) string {
-				return `"` + e.cfg.Database.Schema + `"."watermill_` + topic + `"`
-			},
-		},
-	}, nil)
-	require.NoError(t, err)
-	pub := wmforwarder.NewPublisher(sqlPub, wmforwarder.PublisherConfig{ForwarderTopic: e.cfg.Outbox.Topic})
-	require.NoError(t, pub.Publish(r.topic, r.msg))
-	require.NoError(t, tx.Commit())
 }

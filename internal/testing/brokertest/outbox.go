@@ -14,9 +14,9 @@ import (
 	"github.com/millrace-io/millrace/bus"
 )
 
-// WriteOutboxWithWatermill writes msg for topic into cfg's outbox in db
+// WriteOutboxWithWatermill commits msg for topic into cfg's outbox in db
 // with Watermill's own forwarder publisher, as a writer other than
-// Publish does.
+// Publish does (it checks nothing).
 func WriteOutboxWithWatermill(t *testing.T, db *sql.DB, cfg bus.Config, topic string, msg *message.Message) {
 	t.Helper()
 	tx, err := db.Begin()
@@ -27,7 +27,7 @@ func WriteOutboxWithWatermill(t *testing.T, db *sql.DB, cfg bus.Config, topic st
 		},
 	}, nil)
 	require.NoError(t, err)
-	require.NoError(t, wmforwarder.NewPublisher(sqlPub, wmforwarder.PublisherConfig{ForwarderTopic: "millrace_outbox"}).Publish(topic, msg))
+	require.NoError(t, wmforwarder.NewPublisher(sqlPub, wmforwarder.PublisherConfig{ForwarderTopic: cfg.WithDefaults().Outbox.Topic}).Publish(topic, msg))
 	require.NoError(t, tx.Commit())
 }
 

@@ -1,13 +1,11 @@
 package bus_test
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"os"
 	"os/signal"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -20,6 +18,7 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/internal/testing/testkit/child"
+	"github.com/millrace-io/millrace/internal/testing/testlog"
 	"github.com/millrace-io/millrace/ops"
 )
 
@@ -91,24 +90,6 @@ func runSagaConsumerChild() int {
 	return 0
 }
 
-// syncBuffer is a child's stdout, read while it writes.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.buf.Write(p)
-}
-
-func (s *syncBuffer) count(line string) int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return strings.Count(s.buf.String(), line+"\n")
-}
-
 // A saga consumer killed with SIGKILL after a step's commit and before its
 // ack: the redelivered event finds the step applied (the inbox mark
 // committed with it) and does not apply it again; the saga then completes.
@@ -129,7 +110,7 @@ func TestSagaStepNotAppliedTwiceAfterConsumerKill(t *testing.T) {
 	for _, topic := range []string{tp.orders.Name(), tp.payments.Name(), tp.reserved.Name(), tp.timeouts.Name()} {
 		brokertest.Cleanup(t, bus.KindNATS, topic, "saga"+suffix+"."+topic)
 	}
-	start := func(kill string, out *syncBuffer) *child.Process {
+	start := func(kill string, out *testlog.Buffer) *child.Process {
 		return child.Start(t, child.Options{Role: sagaChildRole, Stdout: out,
 			Env: []string{sagaChildSchema + "=" + schema, sagaChildSuffix + "=" + suffix, sagaChildKill + "=" + kill}})
 	}
@@ -148,7 +129,7 @@ func TestSagaStepNotAppliedTwiceAfterConsumerKill(t *testing.T) {
 		return inst, err == nil
 	}
 
-	first := &syncBuffer{}
+	first := &testlog.Buffer{} // the child's stdout, read while it writes
 	victim := start("PaymentCharged", first)
 	require.NoError(t, b.PublishInOwnTx(ctx, tp.orders.Name(), mustEvent(t, tp.orders, sagaOrderPlaced{OrderID: "o-1"})))
 	testkit.Eventually(t, time.Minute, "the saga started", func() bool { _, ok := instance(); return ok })
@@ -166,10 +147,10 @@ func TestSagaStepNotAppliedTwiceAfterConsumerKill(t *testing.T) {
 	require.Equal(t, int64(2), inst.Version, "the step committed before the kill")
 	require.Equal(t, map[string]int{"ChargePayment": 1, "ReserveStock": 1}, commands())
 
-	second := &syncBuffer{}
+	second := &testlog.Buffer{}
 	start("", second)
 	testkit.Eventually(t, time.Minute, "the unacked PaymentCharged delivered again", func() bool {
-		return second.count(sagaDelivered+" PaymentCharged charged-o-1") == 1
+		return strings.Count(second.String(), sagaDelivered+" PaymentCharged charged-o-1\n") == 1
 	})
 	inst, _ = instance()
 	require.Equal(t, int64(2), inst.Version, "the redelivered step was not applied again")

@@ -234,11 +234,19 @@ func (b *Broker) createConsumer(ctx context.Context, stream string, want jetstre
 		want.DeliverPolicy, want.OptStartSeq = jetstream.DeliverByStartSequencePolicy, info.State.LastSeq+1
 	}
 	c, err := b.js.CreatePushConsumer(ctx, stream, want)
-	if errors.Is(err, jetstream.ErrConsumerExists) {
-		c, err = b.js.PushConsumer(ctx, stream, want.Durable)
-		return c, false, err
+	if err == nil {
+		return c, true, nil
 	}
-	return c, err == nil, err
+	// Another process may have created the group between our read of the
+	// stream and this create: with consumer.start new both ask for their own
+	// start sequence, and the server refuses the second as an update of the
+	// deliver policy (error 10012) rather than as ErrConsumerExists. The
+	// group exists then, and the caller compares its settings.
+	existing, getErr := b.js.PushConsumer(ctx, stream, want.Durable)
+	if getErr == nil {
+		return existing, false, nil
+	}
+	return nil, false, err
 }
 
 // conflict builds the error for a stream or consumer that differs from the

@@ -186,3 +186,30 @@ func TestDiffStreamReportsDroppedSettings(t *testing.T) {
 	gc.DeliverPolicy, gc.OptStartSeq = jetstream.DeliverByStartSequencePolicy, 42
 	require.Empty(t, diffConsumer(wc, gc, "orders.events", false))
 }
+
+// Two processes creating one new group with consumer.start new at once ask
+// for different start sequences when a message lands between their reads
+// of the stream; the second create must find the group the first made, not
+// fail (the server refuses it as a deliver-policy update).
+func TestConcurrentCreateOfOneNewGroup(t *testing.T) {
+	t.Parallel()
+	eachServer(t, func(t *testing.T, url string) {
+		ctx := context.Background()
+		first, second := openBroker(t, url, nil), openBroker(t, url, nil)
+		topic, group := adaptertest.Name("race.events"), adaptertest.Name("race-group")
+		trackStream(url, StreamName(topic))
+		require.NoError(t, first.Provision(ctx, topic))
+		want := first.consumerConfig(topic, group)
+		_, created, err := first.createConsumer(ctx, StreamName(topic), want, adapters.StartNew)
+		require.NoError(t, err)
+		require.True(t, created)
+		_, err = first.js.Publish(ctx, topic, []byte("lands between the two reads"))
+		require.NoError(t, err)
+
+		c, created, err := second.createConsumer(ctx, StreamName(topic), second.consumerConfig(topic, group), adapters.StartNew)
+		require.NoError(t, err, "the second process finds the group the first created")
+		require.False(t, created)
+		require.Equal(t, ConsumerName(group), c.CachedInfo().Config.Durable)
+		require.NoError(t, second.ProvisionGroup(ctx, topic, adapters.GroupSpec{Name: group, Start: adapters.StartNew}))
+	})
+}

@@ -619,3 +619,30 @@ func TestSagaPages(t *testing.T) {
 	require.Contains(t, body, fmt.Sprintf("<tr><td>payment</td><td>%s</td><td>-</td><td>no longer scheduled", timeout.ID),
 		"a timeout the instance still names but that is not scheduled any more")
 }
+
+// Skipping selected messages from the DLQ list: a dry run, then the skip
+// with its token; the quarantine has no skip.
+func TestSkipSelected(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, 2, bus.Config{})
+	c := newClient(t, f.serve(t, console.Options{}, "").URL)
+	_, body := c.get("/dlq")
+	require.Contains(t, body, `id="skip-selected"`)
+	token := c.csrf("/dlq")
+	selected := url.Values{"csrf": {token}, "id": {fmt.Sprint(f.ids[0]), fmt.Sprint(f.ids[1])}}
+	code, body := c.post("/dlq/skip", selected)
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, "2 would be skipped for good, releasing 0 parked aggregate(s)")
+	selected.Set("expect", expectField.FindStringSubmatch(body)[1])
+	code, body = c.post("/dlq/skip", selected)
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, "2 skipped; 0 parked aggregate(s) flow on without them")
+	for _, id := range f.ids {
+		m, err := f.ops.DLQ().Get(context.Background(), id)
+		require.NoError(t, err)
+		require.Equal(t, ops.PoisonStateSkipped, m.State)
+	}
+	code, body = c.post("/quarantine/skip", url.Values{"csrf": {token}, "id": {fmt.Sprint(f.qids[0])}})
+	require.Equal(t, http.StatusNotFound, code)
+	require.Contains(t, body, "only poisoned messages")
+}

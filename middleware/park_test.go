@@ -251,3 +251,42 @@ func TestParkDrainsOnceWithCompetingConsumers(t *testing.T) {
 	}
 	require.Equal(t, 30.0, drained, "one effect per event, duplicates none")
 }
+
+// A redelivery of the poisoned message (its ack lost in a crash) is parked
+// behind it; a skip drops it with the head, a replay keeps it (the inbox
+// absorbs it).
+func TestParkSkipDropsCopiesOfTheSkippedMessage(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	tables := store.Tables{Schema: e.schema}
+	ctx := context.Background()
+	var poisonIDs []int64
+	for _, key := range []string{"skipped", "replayed"} {
+		k := store.ParkKey{Group: "g", Handler: "h", Key: key}
+		tx, err := e.db.Begin()
+		require.NoError(t, err)
+		now := time.Now()
+		require.NoError(t, tables.StorePoisonedParked(ctx, tx, store.Poisoned{ConsumerGroup: "g", Handler: "h", SourceTopic: "t",
+			MessageID: key + "-m0", Metadata: map[string]string{}, ErrorClass: middleware.ClassPermanent, Attempts: 1,
+			FirstFailureAt: now, LastFailureAt: now, PoisonedAt: now}, k, store.ParkedMessage{MessageID: key + "-m0"}))
+		require.NoError(t, tx.Commit())
+		for _, id := range []string{key + "-m0", key + "-m1"} { // the redelivered poisoned message, then the next
+			parked, err := tables.AppendParked(ctx, e.db, k, store.ParkedMessage{MessageID: id})
+			require.NoError(t, err)
+			require.True(t, parked)
+		}
+		var id int64
+		require.NoError(t, e.db.QueryRow(`SELECT id FROM `+e.table("millrace_poison")+` WHERE message_id = $1`, key+"-m0").Scan(&id))
+		poisonIDs = append(poisonIDs, id)
+	}
+	require.NoError(t, tables.ReleaseParks(ctx, e.db, poisonIDs[:1], true))
+	require.NoError(t, tables.ReleaseParks(ctx, e.db, poisonIDs[1:], false))
+	left := func(key string) string {
+		var s string
+		require.NoError(t, e.db.QueryRow(`SELECT string_agg(message_id, ',' ORDER BY pos) FROM `+e.table("millrace_parked")+
+			` WHERE order_key = $1 AND NOT held`, key).Scan(&s))
+		return s
+	}
+	require.Equal(t, "skipped-m1", left("skipped"))
+	require.Equal(t, "replayed-m0,replayed-m0,replayed-m1", left("replayed"))
+}

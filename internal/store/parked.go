@@ -337,16 +337,22 @@ func (t Tables) HeldParks(ctx context.Context, db DBTX, ids []int64) (map[int64]
 }
 
 // ReleaseParks releases the parks the poison rows ids hold, in tx. With
-// skip the held head (the poisoned message) is deleted and the rows are
-// marked skipped; without, the head stays first and is drained like the
-// others (a replay that needs no broker round trip).
+// skip the held head (the poisoned message) and any copy of it in the list
+// are deleted and the rows are marked skipped; without, the head stays
+// first and is drained like the others (a replay that needs no broker
+// round trip).
 func (t Tables) ReleaseParks(ctx context.Context, tx DBTX, ids []int64, skip bool) error {
-	head := `UPDATE ` + t.ParkedTable() + ` r SET held = false FROM `
+	// A skip deletes the head and every copy of it in the list: a
+	// redelivery of the poisoned message (its ack lost in a crash) is
+	// parked behind it, and must not take effect either.
+	head := `UPDATE ` + t.ParkedTable() + ` r SET held = false FROM ` + t.ParksTable() + ` k
+WHERE r.held AND `
 	if skip {
-		head = `DELETE FROM ` + t.ParkedTable() + ` r USING `
+		head = `DELETE FROM ` + t.ParkedTable() + ` r USING ` + t.ParksTable() + ` k, ` + t.ParkedTable() + ` h
+WHERE h.held AND h.consumer_group = k.consumer_group AND h.handler = k.handler AND h.order_key = k.order_key
+	AND r.message_id = h.message_id AND `
 	}
-	if _, err := tx.ExecContext(ctx, head+t.ParksTable()+` k
-WHERE k.state = '`+ParkHeld+`' AND k.poison_id = ANY($1) AND r.held
+	if _, err := tx.ExecContext(ctx, head+`k.state = '`+ParkHeld+`' AND k.poison_id = ANY($1)
 	AND r.consumer_group = k.consumer_group AND r.handler = k.handler AND r.order_key = k.order_key`, ids); err != nil {
 		return fmt.Errorf("release the held messages of %s: %w", t.ParkedTable(), err)
 	}

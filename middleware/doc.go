@@ -499,7 +499,11 @@
 // round trip is involved, so it is the same on every broker and with batch
 // handlers. A handling whose delete a crash lost is handed on again and
 // the inbox absorbs it, as it absorbs a broker's redelivery; without the
-// inbox it runs twice. millrace_consumer_parked_aggregates{handler} gauges
+// inbox it runs twice. A redelivery that arrives while the key is parked
+// (an earlier message, or the poisoned one, whose ack a crash lost) is
+// parked too, and absorbed the same way; a skip drops the poisoned
+// message's copies with it. A redelivery of a skipped message that arrives
+// only after its park drained is handled. millrace_consumer_parked_aggregates{handler} gauges
 // the parks; the alert MillraceAggregatesParked fires when one stays.
 //
 // # Concurrency

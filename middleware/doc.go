@@ -93,7 +93,7 @@
 // they are not exported one by one.
 //
 //  1. observe: gives the message its delivery state and counts the outcome
-//     (ok, duplicate, stale, other_type, parked, poisoned, nacked, not_targeted). Outermost,
+//     (ok, duplicate, stale, other_type, parked, skipped, poisoned, nacked, not_targeted). Outermost,
 //     so it sees the final verdict of everything below.
 //  2. target: a replay for other consumer groups (ReplayGroupsKey) is
 //     acked here, counted not_targeted, before anything below can process,
@@ -502,8 +502,8 @@
 // inbox it runs twice. A redelivery that arrives while the key is parked
 // (an earlier message, or the poisoned one, whose ack a crash lost) is
 // parked too, and absorbed the same way; a skip drops the poisoned
-// message's copies with it. A redelivery of a skipped message that arrives
-// only after its park drained is handled. millrace_consumer_parked_aggregates{handler} gauges
+// message's copies with it, and a redelivery of a skipped message that
+// comes later still is acked without the handler (OutcomeSkipped). millrace_consumer_parked_aggregates{handler} gauges
 // the parks; the alert MillraceAggregatesParked fires when one stays.
 //
 // # Concurrency

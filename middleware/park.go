@@ -17,6 +17,10 @@ import (
 // parked table and acked, not handled (consumer.poison.park).
 const OutcomeParked = "parked"
 
+// OutcomeSkipped counts a redelivery of a message an operator skipped
+// (`millrace dlq skip`), whose ack a crash lost: acked, not handled.
+const OutcomeSkipped = "skipped"
+
 // MetricParkedAggregates is the gauge of parked order keys per handler.
 const MetricParkedAggregates = "millrace_consumer_parked_aggregates"
 
@@ -34,19 +38,23 @@ const (
 // the key is parked (its poisoned message waits for replay or skip, or it
 // drains), the message is appended to the key's parked list, under the
 // park row's lock, and acked without running the rest of the chain. A
-// message the park's drain hands on (parkedSource) passes.
+// redelivery of a message an operator skipped is acked too, and dropped.
+// A message the park's drain hands on (parkedSource) passes.
 func (c *Chain) park(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		if _, drained := c.drained.Load(msg); drained {
 			return h(msg)
 		}
-		parked, err := c.stack.tables.AppendParked(msg.Context(), c.stack.db, c.parkKey(msg),
+		did, err := c.stack.tables.AppendParked(msg.Context(), c.stack.db, c.parkKey(msg),
 			store.ParkedMessage{MessageID: msg.UUID, Payload: msg.Payload, Metadata: msg.Metadata})
-		if err != nil {
+		switch {
+		case err != nil:
 			return nil, fmt.Errorf("millrace consumer: check the park of the message's aggregate: %w", err)
-		}
-		if parked {
+		case did == store.Parked:
 			deliveryFrom(msg.Context()).outcome = OutcomeParked
+			return nil, nil
+		case did == store.SkippedMessage:
+			deliveryFrom(msg.Context()).outcome = OutcomeSkipped
 			return nil, nil
 		}
 		return h(msg)

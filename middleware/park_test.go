@@ -162,12 +162,12 @@ func TestParkKeepsParkedMessagesByteForByte(t *testing.T) {
 		FirstFailureAt: time.Now(), LastFailureAt: time.Now(), PoisonedAt: time.Now()}, k,
 		store.ParkedMessage{MessageID: "m0", Payload: []byte{0, 0xff}, Metadata: meta}))
 	require.NoError(t, tx.Commit())
-	parked, err := tables.AppendParked(ctx, e.db, k, store.ParkedMessage{MessageID: "m1", Payload: nil, Metadata: meta})
+	did, err := tables.AppendParked(ctx, e.db, k, store.ParkedMessage{MessageID: "m1", Payload: nil, Metadata: meta})
 	require.NoError(t, err)
-	require.True(t, parked)
-	notParked, err := tables.AppendParked(ctx, e.db, store.ParkKey{Group: "g", Handler: "h", Key: "other"}, store.ParkedMessage{MessageID: "m2"})
+	require.Equal(t, store.Parked, did)
+	did, err = tables.AppendParked(ctx, e.db, store.ParkKey{Group: "g", Handler: "h", Key: "other"}, store.ParkedMessage{MessageID: "m2"})
 	require.NoError(t, err)
-	require.False(t, notParked)
+	require.Equal(t, store.NotParked, did)
 
 	var poisonID int64
 	require.NoError(t, e.db.QueryRow(`SELECT id FROM `+e.table("millrace_poison")).Scan(&poisonID))
@@ -254,7 +254,7 @@ func TestParkDrainsOnceWithCompetingConsumers(t *testing.T) {
 
 // A redelivery of the poisoned message (its ack lost in a crash) is parked
 // behind it; a skip drops it with the head, a replay keeps it (the inbox
-// absorbs it).
+// absorbs it). One that comes later still is dropped once skipped.
 func TestParkSkipDropsCopiesOfTheSkippedMessage(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
@@ -271,9 +271,9 @@ func TestParkSkipDropsCopiesOfTheSkippedMessage(t *testing.T) {
 			FirstFailureAt: now, LastFailureAt: now, PoisonedAt: now}, k, store.ParkedMessage{MessageID: key + "-m0"}))
 		require.NoError(t, tx.Commit())
 		for _, id := range []string{key + "-m0", key + "-m1"} { // the redelivered poisoned message, then the next
-			parked, err := tables.AppendParked(ctx, e.db, k, store.ParkedMessage{MessageID: id})
+			did, err := tables.AppendParked(ctx, e.db, k, store.ParkedMessage{MessageID: id})
 			require.NoError(t, err)
-			require.True(t, parked)
+			require.Equal(t, store.Parked, did)
 		}
 		var id int64
 		require.NoError(t, e.db.QueryRow(`SELECT id FROM `+e.table("millrace_poison")+` WHERE message_id = $1`, key+"-m0").Scan(&id))
@@ -289,4 +289,15 @@ func TestParkSkipDropsCopiesOfTheSkippedMessage(t *testing.T) {
 	}
 	require.Equal(t, "skipped-m1", left("skipped"))
 	require.Equal(t, "replayed-m0,replayed-m0,replayed-m1", left("replayed"))
+	// A later redelivery of the skipped message, parked key or not, is to
+	// be dropped; the replayed one's goes on.
+	for key, want := range map[string]store.Appended{"skipped": store.SkippedMessage, "other": store.SkippedMessage} {
+		did, err := tables.AppendParked(ctx, e.db, store.ParkKey{Group: "g", Handler: "h", Key: key}, store.ParkedMessage{MessageID: "skipped-m0"})
+		require.NoError(t, err)
+		require.Equal(t, want, did, key)
+	}
+	did, err := tables.AppendParked(ctx, e.db, store.ParkKey{Group: "g", Handler: "h", Key: "other"}, store.ParkedMessage{MessageID: "replayed-m0"})
+	require.NoError(t, err)
+	require.Equal(t, store.NotParked, did)
+	require.Equal(t, "skipped-m1", left("skipped"), "the redelivery was not parked")
 }

@@ -233,7 +233,7 @@ func (s *Stack) Chain(h Handler) (*Chain, error) {
 	}
 	// Every outcome's series exists from the start, so dashboards and
 	// alerts see zeros rather than nothing before the first message.
-	for _, outcome := range []string{OutcomeOK, OutcomeDuplicate, OutcomeStale, OutcomeOtherType, OutcomePoisoned, OutcomeRetried, OutcomeNacked, OutcomeNotTargeted, OutcomeParked} {
+	for _, outcome := range []string{OutcomeOK, OutcomeDuplicate, OutcomeStale, OutcomeOtherType, OutcomePoisoned, OutcomeRetried, OutcomeNacked, OutcomeNotTargeted, OutcomeParked, OutcomeSkipped} {
 		c.counter(outcome)
 	}
 	if *cfg.Breaker.Enabled {

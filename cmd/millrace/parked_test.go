@@ -30,9 +30,9 @@ func park(t *testing.T, db *sql.DB, schema, group, key string, n int) int64 {
 		k, store.ParkedMessage{MessageID: key + "-m0", Payload: []byte(`{}`)}))
 	require.NoError(t, tx.Commit())
 	for i := 1; i <= n; i++ {
-		parked, err := tables.AppendParked(ctx, db, k, store.ParkedMessage{MessageID: key + "-m" + strconv.Itoa(i)})
+		did, err := tables.AppendParked(ctx, db, k, store.ParkedMessage{MessageID: key + "-m" + strconv.Itoa(i)})
 		require.NoError(t, err)
-		require.True(t, parked)
+		require.Equal(t, store.Parked, did)
 	}
 	var id int64
 	require.NoError(t, db.QueryRow(`SELECT id FROM "`+schema+`".millrace_poison WHERE message_id = $1`, key+"-m0").Scan(&id))

@@ -133,25 +133,46 @@ func DecodeMetadata(b []byte) (map[string]string, error) {
 	return out, nil
 }
 
+// Appended is what AppendParked did with a message.
+type Appended int
+
+// What AppendParked did.
+const (
+	// NotParked: the key is not parked; the message goes to the handler.
+	NotParked Appended = iota
+	// Parked: the message was appended to its key's parked list.
+	Parked
+	// SkippedMessage: an operator skipped this very message (a redelivery
+	// of it, whose ack a crash lost); it is to be acked and dropped.
+	SkippedMessage
+)
+
 // AppendParked appends msg to k's parked list when k is parked, in one
-// statement that locks the park row, and reports whether it did. A k that
-// is not parked is left alone: its message goes to the handler.
-func (t Tables) AppendParked(ctx context.Context, db DBTX, k ParkKey, msg ParkedMessage) (bool, error) {
+// statement that locks the park row, and says what it did. A message of
+// k's group and handler whose poison row was skipped is neither appended
+// nor to be handled.
+func (t Tables) AppendParked(ctx context.Context, db DBTX, k ParkKey, msg ParkedMessage) (Appended, error) {
 	k = k.clean()
-	row := db.QueryRowContext(ctx, `WITH p AS (
-	SELECT consumer_group, handler, order_key FROM `+t.ParksTable()+`
-	WHERE consumer_group = $1 AND handler = $2 AND order_key = $3 FOR UPDATE)
-INSERT INTO `+t.ParkedTable()+` (consumer_group, handler, order_key, pos, message_id, payload, metadata)
-SELECT p.consumer_group, p.handler, p.order_key, nextval('`+t.parkedPosSequence()+`'), $4, $5, $6
-FROM p RETURNING id`, k.Group, k.Handler, k.Key, msg.MessageID, nonNil(msg.Payload), EncodeMetadata(msg.Metadata))
-	var id int64
-	switch err := row.Scan(&id); {
-	case errors.Is(err, sql.ErrNoRows):
-		return false, nil
+	var skipped, parked bool
+	err := db.QueryRowContext(ctx, `WITH s AS (SELECT EXISTS (SELECT 1 FROM `+t.PoisonTable()+`
+	WHERE consumer_group = $1 AND handler = $2 AND message_id = $7 AND skipped_at IS NOT NULL) AS skipped),
+p AS (SELECT consumer_group, handler, order_key FROM `+t.ParksTable()+`
+	WHERE consumer_group = $1 AND handler = $2 AND order_key = $3 FOR UPDATE),
+ins AS (INSERT INTO `+t.ParkedTable()+` (consumer_group, handler, order_key, pos, message_id, payload, metadata)
+	SELECT p.consumer_group, p.handler, p.order_key, nextval('`+t.parkedPosSequence()+`'), $4, $5, $6
+	FROM p, s WHERE NOT s.skipped RETURNING id)
+SELECT s.skipped, EXISTS (SELECT 1 FROM ins) FROM s`,
+		k.Group, k.Handler, k.Key, msg.MessageID, nonNil(msg.Payload), EncodeMetadata(msg.Metadata), clean(msg.MessageID)).
+		Scan(&skipped, &parked)
+	switch {
 	case err != nil:
-		return false, fmt.Errorf("append to %s: %w", t.ParkedTable(), err)
+		return NotParked, fmt.Errorf("append to %s: %w", t.ParkedTable(), err)
+	case skipped:
+		return SkippedMessage, nil
+	case parked:
+		return Parked, nil
 	}
-	return true, nil
+	return NotParked, nil
 }
 
 func nonNil(b []byte) []byte {

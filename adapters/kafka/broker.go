@@ -75,17 +75,16 @@ var _ adapters.Broker = (*Broker)(nil)
 // kafkadev imported. An unreachable
 // cluster is an error within opts.ConnectTimeout naming the addresses.
 func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, error) {
-	return adapterkit.Open(ctx, "kafka", "broker.kafka", cfg, opts, open)
+	return adapterkit.Open(ctx, Kind, cfg, opts, open)
 }
 
 // Connect is Open for a Config that has its defaults and that Validate
 // accepted (adapters.Section).
 func (c Config) Connect(ctx context.Context, opts adapters.Options) (adapters.Broker, error) {
-	return open(ctx, c, opts)
+	return adapterkit.Connect(ctx, c, opts, open)
 }
 
 func open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, error) {
-	opts = opts.WithDefaults()
 	b := &Broker{
 		cfg:         cfg,
 		rules:       cfg.Rules().(rules),
@@ -152,12 +151,11 @@ func connect(ctx context.Context, cfg Config, opts adapters.Options) (*kgo.Clien
 	if errors.Is(err, io.EOF) || errors.Is(err, kerr.SaslAuthenticationFailed) {
 		hint = " (a broker that closes the connection at once or fails the login usually refused the SASL credentials or expects TLS)"
 	}
+	where := fmt.Sprintf("brokers %s over %s", strings.Join(cfg.Brokers, ","), cfg.security())
 	if ctx.Err() != nil {
-		return nil, fmt.Errorf("kafka: cannot reach brokers %s over %s within %s: %w%s",
-			strings.Join(cfg.Brokers, ","), cfg.security(), opts.ConnectTimeout, err, hint)
+		return nil, adapterkit.Unreachable(Kind, where, fmt.Errorf("no answer within %s (broker.connect_timeout): %w%s", opts.ConnectTimeout, err, hint))
 	}
-	return nil, fmt.Errorf("kafka: cannot reach brokers %s over %s: %w%s",
-		strings.Join(cfg.Brokers, ","), cfg.security(), err, hint)
+	return nil, adapterkit.Unreachable(Kind, where, fmt.Errorf("%w%s", err, hint))
 }
 
 // sleep waits for d, or returns false once ctx ends.

@@ -59,17 +59,16 @@ type Broker struct {
 // opts.ConnectTimeout naming the URL (never its password); so is a server
 // without JetStream.
 func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, error) {
-	return adapterkit.Open(ctx, "nats", "broker.nats", cfg, opts, open)
+	return adapterkit.Open(ctx, Kind, cfg, opts, open)
 }
 
 // Connect is Open for a Config that has its defaults and that Validate
 // accepted (adapters.Section).
 func (c Config) Connect(ctx context.Context, opts adapters.Options) (adapters.Broker, error) {
-	return open(ctx, c, opts)
+	return adapterkit.Connect(ctx, c, opts, open)
 }
 
 func open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, error) {
-	opts = opts.WithDefaults()
 	b := &Broker{
 		cfg:       cfg,
 		rules:     cfg.Rules(),
@@ -218,11 +217,11 @@ func (b *Broker) connectError(err error) error {
 	var netErr net.Error
 	switch {
 	case errors.Is(err, nats.ErrTimeout), errors.As(err, &netErr) && netErr.Timeout():
-		return fmt.Errorf("nats: cannot connect to %s: no answer within %s (broker.connect_timeout)", redact(b.url), b.opts.ConnectTimeout)
+		return adapterkit.Unreachable(Kind, redact(b.url), fmt.Errorf("no answer within %s (broker.connect_timeout)", b.opts.ConnectTimeout))
 	case errors.Is(err, nats.ErrNoServers):
-		return fmt.Errorf("nats: cannot connect to %s: connection refused (is nats-server running and listening there?)", redact(b.url))
+		return adapterkit.Unreachable(Kind, redact(b.url), errors.New("connection refused (is nats-server running and listening there?)"))
 	}
-	return fmt.Errorf("nats: cannot connect to %s: %s", redact(b.url), b.scrub(err))
+	return adapterkit.Unreachable(Kind, redact(b.url), errors.New(b.scrub(err)))
 }
 
 type connResult struct {

@@ -53,20 +53,20 @@ var _ adapters.Broker = (*Broker)(nil)
 // is validated. An unreachable broker is an error naming the URL (without
 // its password) within opts.ConnectTimeout, or sooner when ctx ends.
 func Open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, error) {
-	return adapterkit.Open(ctx, "rabbitmq", "broker.rabbitmq", cfg, opts, open)
+	return adapterkit.Open(ctx, Kind, cfg, opts, open)
 }
 
 // Connect is Open for a Config that has its defaults and that Validate
 // accepted (adapters.Section).
 func (c Config) Connect(ctx context.Context, opts adapters.Options) (adapters.Broker, error) {
-	return open(ctx, c, opts)
+	return adapterkit.Connect(ctx, c, opts, open)
 }
 
 func open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, error) {
 	b := &Broker{
 		cfg:      cfg,
 		rules:    cfg.Rules(),
-		opts:     opts.WithDefaults(),
+		opts:     opts,
 		redacted: redactList(cfg.urls()),
 		declarer: declarer{deliveryLimit: cfg.DeliveryLimit},
 		declared: map[string]bool{},
@@ -140,11 +140,11 @@ func (b *Broker) connection(ctx context.Context) (*amqp.Connection, error) {
 		return b.conn, nil
 	}
 	if err := ctx.Err(); err != nil {
-		return nil, fmt.Errorf("rabbitmq: connect to %s: %w", b.redacted, err)
+		return nil, adapterkit.Unreachable(Kind, b.redacted, err)
 	}
 	conn, err := b.dial(ctx, "publisher")
 	if err != nil {
-		return nil, fmt.Errorf("rabbitmq: connect to %s: %w", b.redacted, err)
+		return nil, adapterkit.Unreachable(Kind, b.redacted, err)
 	}
 	b.conn, b.blocked, b.idle = conn, "", nil
 	clear(b.declared)

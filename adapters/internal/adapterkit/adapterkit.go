@@ -12,19 +12,37 @@ import (
 )
 
 // Open is an adapter's Open: it applies cfg's defaults, validates it at
-// path (its YAML path, such as "broker.kafka") and opens it with open. The
-// problems are one error, "<adapter>: invalid config: …", the same for
+// its YAML path, broker.<kind>, and opens it with open and opts' defaults.
+// The problems are one error, "<kind>: invalid config: …", the same for
 // every adapter.
 func Open[C interface {
 	WithDefaults() C
 	Validate(path string) []error
-}, B any](ctx context.Context, adapter, path string, cfg C, opts adapters.Options, open func(context.Context, C, adapters.Options) (B, error)) (B, error) {
+}, B any](ctx context.Context, kind string, cfg C, opts adapters.Options, open func(context.Context, C, adapters.Options) (B, error)) (B, error) {
 	cfg = cfg.WithDefaults()
-	if problems := cfg.Validate(path); len(problems) > 0 {
+	if problems := cfg.Validate("broker." + kind); len(problems) > 0 {
 		var none B
-		return none, fmt.Errorf("%s: invalid config: %w", adapter, errors.Join(problems...))
+		return none, fmt.Errorf("%s: invalid config: %w", kind, errors.Join(problems...))
 	}
-	return open(ctx, cfg, opts)
+	return open(ctx, cfg, opts.WithDefaults())
+}
+
+// Connect is an adapter's Section.Connect: it opens cfg, which has its
+// defaults and which Validate accepted, with open and opts' defaults, and
+// returns a nil Broker with an error.
+func Connect[C any, B adapters.Broker](ctx context.Context, cfg C, opts adapters.Options, open func(context.Context, C, adapters.Options) (B, error)) (adapters.Broker, error) {
+	b, err := open(ctx, cfg, opts.WithDefaults())
+	if err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+// Unreachable is the error of an adapter of kind that cannot connect to
+// where (its redacted address) for reason, the same for every adapter:
+// "<kind>: cannot connect to <where>: <reason>".
+func Unreachable(kind, where string, reason error) error {
+	return fmt.Errorf("%s: cannot connect to %s: %w", kind, where, reason)
 }
 
 // SplitURLs splits a comma-separated list of URLs, trimming the spaces

@@ -70,8 +70,10 @@ func CheckSpec(broker string, caps Capabilities, spec SubscriberSpec, maxInFligh
 		return &SpecError{Broker: broker, Field: field, Problem: fmt.Sprintf(format, args...)}
 	}
 	switch {
-	case spec.InFlight < 0, maxInFlight > 0 && spec.InFlight > maxInFlight:
-		return refuse("InFlight", "must be 0 to %d; got %d", max(maxInFlight, spec.InFlight, 0), spec.InFlight)
+	case spec.InFlight < 0:
+		return refuse("InFlight", "must not be negative; got %d", spec.InFlight)
+	case maxInFlight > 0 && spec.InFlight > maxInFlight:
+		return refuse("InFlight", "must be at most %d on this broker; got %d", maxInFlight, spec.InFlight)
 	case spec.Ordered && !caps.OrderedFlight:
 		return refuse("Ordered", "the broker has no ordered flight (Capabilities.OrderedFlight)")
 	case spec.Ordered && spec.InFlight < 1:

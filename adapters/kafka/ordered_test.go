@@ -69,7 +69,7 @@ func TestOrderedSubscriberInFlightRange(t *testing.T) {
 		var refused *adapters.SpecError
 		require.ErrorAs(t, err, &refused)
 		require.Equal(t, "InFlight", refused.Field)
-		require.ErrorContains(t, err, "kafka: SubscriberSpec.InFlight: must be")
+		require.ErrorContains(t, err, "kafka: SubscriberSpec.InFlight: must ")
 		require.True(t, adapters.IsPermanent(err))
 	}
 }

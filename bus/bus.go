@@ -1,6 +1,7 @@
 package bus
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"errors"
@@ -25,6 +26,7 @@ import (
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/forwarder"
+	"github.com/millrace-io/millrace/forwarder/wal"
 	"github.com/millrace-io/millrace/internal/confload"
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/names"
@@ -194,6 +196,10 @@ func open(ctx context.Context, cfg Config, db *sql.DB, pool *pgxpool.Pool, ownsD
 		b.Close() //nolint:errcheck // reporting the first error
 		return nil, err
 	}
+	if err := b.ensureMessageSlot(ctx); err != nil {
+		b.Close() //nolint:errcheck // reporting the first error
+		return nil, err
+	}
 	return b, nil
 }
 
@@ -213,6 +219,40 @@ func (b *Bus) checkBroker(ctx context.Context) error {
 			"This service's events wait for a relay of its broker.kind", watermill.LogFields{"outbox_broker": recorded, "broker": b.cfg.Broker.Kind})
 	}
 	return nil
+}
+
+// ensureMessageSlot makes sure, with outbox.mode: wal_messages, that the
+// WAL relay's slot exists before anything is published: PostgreSQL keeps
+// a logical message for the slots that exist when it commits, and for
+// none otherwise. It creates a missing slot (wal.CreateSlot: the role
+// needs REPLICATION), or says how to.
+func (b *Bus) ensureMessageSlot(ctx context.Context) error {
+	if b.cfg.Outbox.Mode != OutboxModeWALMessages {
+		return nil
+	}
+	slot := b.cfg.WALSlot()
+	_, err := wal.Status(ctx, slot.URL, slot.Slot)
+	if errors.Is(err, wal.ErrNoSlot) {
+		_, err = wal.CreateSlot(ctx, slot)
+		if errors.Is(err, wal.ErrSlotExists) { // a relay created it meanwhile
+			err = nil
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("millrace: outbox.mode: wal_messages needs the WAL relay's slot %q before the first Publish "+
+			"(events written while it does not exist reach no relay); run `millrace wal create-slot`: %w", slot.Slot, err)
+	}
+	return nil
+}
+
+// WALSlot is the replication slot of the WAL relay (relay.source: wal) of
+// c's outbox, as package wal configures it: relay.wal_slot or its
+// default, on database.direct_url, else database.url (a pooler cannot
+// carry replication). c must have its defaults applied.
+func (c Config) WALSlot() wal.Config {
+	schema, topic := c.Database.Schema, c.Outbox.Topic
+	return wal.Config{URL: cmp.Or(c.Database.DirectURL, c.Database.URL), Schema: schema, OutboxTopic: topic,
+		Slot: c.Relay.SlotName(schema, topic), MessagePrefix: tablesOf(c).MessagePrefix()}
 }
 
 func tablesOf(cfg Config) store.Tables {
@@ -326,7 +366,8 @@ type Execer interface {
 // never if it rolls back. Every event is checked before anything is
 // written; on any error nothing is written. Publishing no events is a
 // no-op. The events go in one INSERT (per 1000 events), the same bytes in
-// every pgx query exec mode. A transaction already committed or rolled
+// every pgx query exec mode; with outbox.mode: wal_messages, in one
+// statement of logical messages instead (see docs/WAL.md). A transaction already committed or rolled
 // back yields an error wrapping sql.ErrTxDone (pgx.ErrTxClosed for pgx).
 //
 // Publish runs in a producer span ("<topic> publish") whose trace context,
@@ -357,7 +398,11 @@ func (b *Bus) Publish(ctx context.Context, tx Execer, topic string, events ...Ev
 	if err != nil {
 		return err
 	}
-	if err := b.tables.WriteOutbox(ctx, tx, rows); err != nil {
+	write := b.tables.WriteOutbox
+	if b.cfg.Outbox.Mode == OutboxModeWALMessages {
+		write = b.tables.EmitOutbox
+	}
+	if err := write(ctx, tx, rows); err != nil {
 		return fmt.Errorf("millrace: %w", err)
 	}
 	return nil

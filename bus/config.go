@@ -41,6 +41,17 @@ const (
 	CodecBytes = "bytes"
 )
 
+// Values of outbox.mode.
+const (
+	// OutboxModeTable writes each event as a row of the outbox table.
+	OutboxModeTable = "table"
+	// OutboxModeWALMessages writes each event as a transactional logical
+	// message (pg_logical_emit_message) in the caller's transaction, which
+	// only the WAL relay (relay.source: wal) reads: no outbox row, index,
+	// cleanup or vacuum.
+	OutboxModeWALMessages = "wal_messages"
+)
+
 // Config is millrace's whole configuration. It maps one to one onto config.yaml;
 // each field's comment gives its YAML key's default.
 type Config struct {
@@ -142,6 +153,14 @@ type OutboxConfig struct {
 	// CloudEvents also writes every event's CloudEvents binary-mode
 	// attributes as broker headers.
 	CloudEvents CloudEventsConfig `yaml:"cloudevents"`
+	// Mode is how Publish writes events: "table" (a row of the outbox table
+	// each) or "wal_messages" (a transactional logical message each,
+	// pg_logical_emit_message, read by relay.source: wal only, which it
+	// requires; the relay's slot must exist before the first Publish, and
+	// Open creates it when missing). Scheduled events keep their table
+	// and reach the outbox table when due. See docs/WAL.md. Defaults to
+	// "table".
+	Mode string `yaml:"mode"`
 }
 
 // CloudEventsConfig is the outbox.cloudevents section: with it on, a
@@ -221,6 +240,7 @@ func (c Config) WithDefaults() Config {
 
 	c.Outbox.Topic = cmp.Or(c.Outbox.Topic, "millrace_outbox")
 	c.Outbox.Codec = cmp.Or(c.Outbox.Codec, CodecJSON)
+	c.Outbox.Mode = cmp.Or(c.Outbox.Mode, OutboxModeTable)
 	c.Outbox.MaxPayloadBytes = cmp.Or(c.Outbox.MaxPayloadBytes, 1_000_000)
 	c.Outbox.MaxMetadataBytes = cmp.Or(c.Outbox.MaxMetadataBytes, 16_384)
 
@@ -258,6 +278,10 @@ func (c Config) validate(broker bool) error {
 	// "watermill_offsets_" + topic must fit PostgreSQL's 63-byte identifiers.
 	chk.Check("outbox.topic", names.Identifier(c.Outbox.Topic, store.MaxOutboxTopicLength))
 	chk.OneOf("outbox.codec", c.Outbox.Codec, CodecJSON, CodecBytes)
+	chk.OneOf("outbox.mode", c.Outbox.Mode, OutboxModeTable, OutboxModeWALMessages)
+	if c.Outbox.Mode == OutboxModeWALMessages && c.Relay.Source != forwarder.SourceWAL {
+		chk.Add("outbox.mode", "wal_messages is read only by the WAL relay and needs relay.source: wal; got relay.source: %q", c.Relay.Source)
+	}
 	chk.Positive("outbox.max_payload_bytes", c.Outbox.MaxPayloadBytes)
 	chk.Positive("outbox.max_metadata_bytes", c.Outbox.MaxMetadataBytes)
 	if ce := c.Outbox.CloudEvents; ce.Enabled {

@@ -1,7 +1,6 @@
 package bus
 
 import (
-	"cmp"
 	"database/sql"
 
 	"github.com/millrace-io/millrace/forwarder"
@@ -14,5 +13,5 @@ import (
 func (b *Bus) relayOptions(direct *sql.DB) forwarder.Options {
 	return forwarder.Options{Logger: b.logger, Registerer: b.registerer,
 		TracerProvider: b.tracerProvider, Propagator: b.propagator, Direct: direct,
-		ReplicationURL: cmp.Or(b.cfg.Database.DirectURL, b.cfg.Database.URL)}
+		ReplicationURL: b.cfg.WALSlot().URL}
 }

@@ -31,32 +31,38 @@ const walWait = 15 * time.Second
 // TestWALRelay runs services with relay.source: wal on a private
 // PostgreSQL with wal_level = logical (the shared one stays at replica),
 // each subtest with a schema, slot and topic of its own, on NATS and on
-// Kafka: events reach the consumer once each, in commit order, unheld by
-// an open transaction, across a relay restart, and a row the broker
+// Kafka, and with outbox.mode: wal_messages on RabbitMQ too: events
+// reach the consumer once each, in commit order and byte for byte, unheld
+// by an open transaction, across a relay restart, and a row the broker
 // refuses goes to the quarantine.
 func TestWALRelay(t *testing.T) {
 	t.Parallel()
-	pg := servers.StartPostgreSQLWith(t, servers.PostgreSQLOptions{
-		Conf: "wal_level = logical\nmax_replication_slots = 20\nmax_wal_senders = 20"})
-	db, err := sql.Open("pgx", pg.URL)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = db.Close() })
 	tests := map[string]func(*testing.T, *walRig){
 		"CommitOrder": testWALCommitOrder,
 		"Restart":     testWALRestart,
 		"Scheduled":   testWALScheduled,
+		"Bytes":       testWALBytes,
 	}
-	for _, kind := range []string{bus.KindNATS, bus.KindKafka} {
-		for name, test := range tests {
-			t.Run(kind+"/"+name, func(t *testing.T) {
-				t.Parallel()
-				test(t, newWALRig(t, pg.URL, db, kind))
-			})
+	kinds := map[string][]string{bus.OutboxModeTable: {bus.KindNATS, bus.KindKafka}, bus.OutboxModeWALMessages: brokertest.Kinds}
+	// A server per mode: creating a slot waits for the transactions open
+	// at that moment, CommitOrder's held one among them, on the whole
+	// server.
+	urls := map[string]string{}
+	for _, mode := range []string{bus.OutboxModeTable, bus.OutboxModeWALMessages} {
+		urls[mode] = servers.StartLogicalPostgreSQL(t).URL
+		db := testdb.OpenURL(t, urls[mode])
+		for _, kind := range kinds[mode] {
+			for name, test := range tests {
+				t.Run(mode+"/"+kind+"/"+name, func(t *testing.T) {
+					t.Parallel()
+					test(t, newWALRig(t, urls[mode], db, kind, mode))
+				})
+			}
 		}
 	}
-	t.Run("nats/Quarantine", func(t *testing.T) {
+	t.Run("table/nats/Quarantine", func(t *testing.T) {
 		t.Parallel()
-		testWALQuarantine(t, newWALRig(t, pg.URL, db, bus.KindNATS))
+		testWALQuarantine(t, newWALRig(t, urls[bus.OutboxModeTable], testdb.OpenURL(t, urls[bus.OutboxModeTable]), bus.KindNATS, bus.OutboxModeTable))
 	})
 }
 
@@ -68,9 +74,10 @@ type walRig struct {
 	topic string
 }
 
-func newWALRig(t *testing.T, url string, db *sql.DB, kind string) *walRig {
+func newWALRig(t *testing.T, url string, db *sql.DB, kind, mode string) *walRig {
 	t.Helper()
 	var cfg bus.Config
+	cfg.Outbox.Mode = mode
 	cfg.Database.URL = url
 	cfg.Database.Schema = testdb.UniqueName("wal")
 	brokertest.Apply(t, kind, &cfg)
@@ -91,8 +98,10 @@ type walService struct {
 	done chan error
 	stop context.CancelFunc
 
-	mu  sync.Mutex
-	got []int64
+	mu       sync.Mutex
+	got      []int64
+	payloads [][]byte
+	metadata []map[string]string
 }
 
 // start opens and runs a service.
@@ -107,6 +116,8 @@ func (r *walRig) start(t *testing.T) *walService {
 	require.NoError(t, b.Handle(r.topic, "wal", func(_ context.Context, ev bus.Event) error {
 		s.mu.Lock()
 		s.got = append(s.got, ev.AggregateVersion)
+		s.payloads = append(s.payloads, ev.Payload)
+		s.metadata = append(s.metadata, ev.Metadata)
 		s.mu.Unlock()
 		return nil
 	}, bus.WithConsumerGroup(r.topic)))
@@ -187,6 +198,11 @@ func testWALCommitOrder(t *testing.T, r *walRig) {
 	require.NoError(t, err)
 	defer open.Rollback() //nolint:errcheck // a no-op after Commit
 	require.NoError(t, s.bus.Publish(ctx, open, r.topic, walEvent(3)))
+	var inTable int
+	require.NoError(t, open.QueryRowContext(ctx, `SELECT count(*) FROM "`+r.cfg.Database.Schema+`"."watermill_`+
+		r.cfg.WithDefaults().Outbox.Topic+`"`).Scan(&inTable))
+	wantInTable := map[string]int{bus.OutboxModeTable: 1, bus.OutboxModeWALMessages: 0}[r.cfg.Outbox.Mode]
+	require.Equal(t, wantInTable, inTable, "outbox.mode %s: a row, or a logical message and no row", r.cfg.Outbox.Mode)
 	s.publish(t, r.topic, 1, 2)
 	s.await(t, 1, 2) // while the first transaction is still open
 	require.NoError(t, open.Commit())
@@ -233,6 +249,25 @@ func testWALScheduled(t *testing.T, r *walRig) {
 	require.NoError(t, tx.Commit())
 	s.publish(t, r.topic, 1)
 	s.await(t, 1, 2)
+}
+
+// The payload and metadata arrive byte for byte, through a table row or a
+// logical message alike: JSON with white space, escapes, HTML characters
+// and non-ASCII text, and metadata with the same.
+func testWALBytes(t *testing.T, r *walRig) {
+	s := r.start(t)
+	r.awaitStreaming(t)
+	payload := []byte("{ \"b\" : \"<é> & \\u00e9 😀\",\n\t\"a\": [1.50, 2e3, null] }")
+	meta := map[string]string{"note": "<tag> & \"quote\" ünï"}
+	ev := walEvent(1)
+	ev.Payload, ev.Metadata = payload, meta
+	require.NoError(t, s.bus.PublishInOwnTx(context.Background(), r.topic, ev))
+	s.await(t, 1)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	require.Equal(t, payload, s.payloads[0])
+	require.Equal(t, meta["note"], s.metadata[0]["note"])
+	require.Zero(t, r.outboxRows(t))
 }
 
 // Rows the broker refuses for good (written by plain Watermill, which
@@ -284,6 +319,13 @@ func TestWALRelayConfig(t *testing.T) {
 	cfg.Relay.Shards = new(4)
 	require.ErrorContains(t, cfg.Validate(), "relay.source: wal reads one replication slot in commit order and needs relay.shards: 1; got relay.shards: 4")
 	cfg.Relay.Shards = new(1)
+	cfg.Outbox.Mode = bus.OutboxModeWALMessages
+	require.NoError(t, cfg.Validate())
+	cfg.Relay.Source = forwarder.SourceTable
+	require.ErrorContains(t, cfg.Validate(), `outbox.mode: wal_messages is read only by the WAL relay and needs relay.source: wal; got relay.source: "table"`)
+	cfg.Outbox.Mode = "messages"
+	require.ErrorContains(t, cfg.Validate(), `outbox.mode: must be one of table, wal_messages; got "messages"`)
+	cfg.Outbox.Mode, cfg.Relay.Source = bus.OutboxModeTable, forwarder.SourceWAL
 	for slot, problem := range map[string]string{
 		strings.Repeat("s", 64): "relay.wal_slot: must be at most 63 characters, got 64",
 		"Orders-Slot":           `relay.wal_slot: must match ^[a-z_][a-z0-9_]*$ (lowercase letters, digits, '_'), got "Orders-Slot"`,

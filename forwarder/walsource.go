@@ -74,6 +74,8 @@ func newWALSource(cfg Config, tables store.Tables, url string, reg prometheus.Re
 	s := &walSource{
 		cfg: wal.Config{URL: url, Schema: tables.Schema, OutboxTopic: tables.OutboxTopic,
 			Slot: cfg.SlotName(tables.Schema, tables.OutboxTopic), MaxBatchEvents: cfg.BatchSize,
+			// The events of outbox.mode: wal_messages; none in table mode.
+			MessagePrefix: tables.MessagePrefix(),
 			// Confirm soon after each batch: a relay that dies replays
 			// from the last position it confirmed.
 			StatusInterval: cfg.PollInterval},
@@ -283,13 +285,24 @@ func (f *Forwarder) forwardWAL(ctx context.Context, b wal.Batch) error {
 	return foreign // rows of another broker.kind: Run stops, the batch is not confirmed
 }
 
-// walRows are the outbox rows of b, in commit order.
+// walRows are the outbox rows of b, in commit order: the outbox table's
+// inserts, and the rows the logical messages of outbox.mode: wal_messages
+// carry (Offset 0). A message that carries none is passed on as a row
+// whose payload is the message's content: unwrap quarantines it.
 func walRows(b wal.Batch) []store.OutboxRow {
 	var rows []store.OutboxRow
 	for _, t := range b.Transactions {
 		for _, e := range t.Events {
-			if r := e.Row; r != nil {
+			switch {
+			case e.Row != nil:
+				r := e.Row
 				rows = append(rows, store.OutboxRow{Offset: r.Offset, UUID: r.UUID, Payload: r.Payload, Metadata: r.Metadata})
+			case e.Message != nil:
+				r, err := store.DecodeMessage(e.Message.Content)
+				if err != nil {
+					r = store.OutboxRow{Payload: e.Message.Content}
+				}
+				rows = append(rows, r)
 			}
 		}
 	}
@@ -328,9 +341,11 @@ func (f *Forwarder) finishWAL(ctx context.Context, rows []outboxRow) error {
 	if len(rows) == 0 {
 		return nil
 	}
-	offsets := make([]int64, len(rows))
-	for i, r := range rows {
-		offsets[i] = r.row.Offset
+	offsets := make([]int64, 0, len(rows))
+	for _, r := range rows {
+		if r.row.Offset > 0 { // 0: a logical message, in no table
+			offsets = append(offsets, r.row.Offset)
+		}
 	}
 	var quarantined []outboxRow
 	err := f.inAck(ctx, func(ctx context.Context, tx *sql.Tx) error {
@@ -339,7 +354,9 @@ func (f *Forwarder) finishWAL(ctx context.Context, rows []outboxRow) error {
 			return err
 		}
 		for _, r := range rows {
-			if r.quarantine != "" && present[r.row.Offset] {
+			// A message delivered again after a restart is quarantined again:
+			// unlike a row, nothing tells that it was.
+			if r.quarantine != "" && (r.row.Offset == 0 || present[r.row.Offset]) {
 				if err := f.quarantineRow(ctx, tx, r); err != nil {
 					return err
 				}

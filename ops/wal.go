@@ -1,7 +1,6 @@
 package ops
 
 import (
-	"cmp"
 	"context"
 	"errors"
 
@@ -70,14 +69,8 @@ func (c *Client) DropWALSlot(ctx context.Context) error {
 	return wal.DropSlot(ctx, cfg.URL, cfg.Slot)
 }
 
-// walConfig is the slot of c's outbox as its WAL relay names it, on the
-// connection the relay replicates on (database.direct_url, else
-// database.url).
-func (c *Client) walConfig() wal.Config {
-	schema, topic := c.cfg.Database.Schema, c.cfg.Outbox.Topic
-	return wal.Config{URL: cmp.Or(c.cfg.Database.DirectURL, c.cfg.Database.URL), Schema: schema, OutboxTopic: topic,
-		Slot: c.cfg.Relay.SlotName(schema, topic)}
-}
+// walConfig is the slot of c's outbox as its WAL relay names it.
+func (c *Client) walConfig() wal.Config { return c.cfg.WALSlot() }
 
 // walSlot converts a slot's state.
 func walSlot(st wal.SlotStatus) WALSlot {

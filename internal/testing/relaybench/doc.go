@@ -24,6 +24,11 @@
 // relay waits for no other transaction. This adds 30s, and Watermill's
 // catch-up after the rollback, per broker and relay measured.
 //
+// millrace-wal and millrace-walmsg are millrace with relay.source: wal,
+// and with outbox.mode: wal_messages too, each on a private PostgreSQL
+// with wal_level = logical whose slot exists before the backlog is
+// committed; their drain ends when the consumer has every event.
+//
 // The results print as one table per broker: drain, percent of the
 // reference's, p50 and p99 at each rate and beside the open transaction,
 // idle statements/s, peak RSS, and millrace's ratios to stock Watermill; a

@@ -29,7 +29,9 @@ import (
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/forwarder"
+	"github.com/millrace-io/millrace/forwarder/wal"
 	"github.com/millrace-io/millrace/internal/store"
+	"github.com/millrace-io/millrace/internal/testing/servers"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/internal/testing/testkit/child"
@@ -68,7 +70,7 @@ var heldTrickle = trickle{rate: 200, duration: 30 * time.Second, writers: 4}
 // for no other transaction, and stock Watermill, whose forwarder reads by
 // the xid8 rule, to show what that rule does. Each costs heldTrickle's 30s
 // per broker, so the others are not.
-var heldRelays = []string{"watermill", "millrace"}
+var heldRelays = []string{"watermill", "millrace", walRelay, walMessagesRelay}
 
 // brokerKit opens one broker for the parent (consumer, provisioning) and
 // tells the child how to reach the same broker.
@@ -84,11 +86,26 @@ type brokerKit struct {
 // relays are measured in this order for each broker: stock Watermill,
 // millrace, millrace as three processes on eight shards (millrace-3x8), and
 // the hand-written reference (reference_test.go) as the ceiling.
-var relays = []string{"watermill", "millrace", shardedRelay, "reference"}
+var relays = []string{"watermill", "millrace", shardedRelay, walRelay, walMessagesRelay, "reference"}
 
 // shardedRelay is millrace with relay.shards: 8 in three relay processes;
 // its statements and peak RSS are the three processes' sums.
 const shardedRelay = "millrace-3x8"
+
+// walRelay is millrace with relay.source: wal, and walMessagesRelay with
+// outbox.mode: wal_messages too, each on a private PostgreSQL with
+// wal_level = logical whose slot exists before the backlog is committed
+// (a relay down while events pile up): the first forwards the backlog
+// from the outbox table at its start and then streams it again from the
+// slot (duplicates, which the consumer counts), the second streams it
+// from the slot only.
+const (
+	walRelay         = "millrace-wal"
+	walMessagesRelay = "millrace-walmsg"
+)
+
+// walSource tells whether relay reads the WAL.
+func walSource(relay string) bool { return relay == walRelay || relay == walMessagesRelay }
 
 // brokers is filled by brokers_test.go, one entry per adapter.
 var brokers = map[string]brokerKit{}
@@ -247,9 +264,17 @@ func newRun(b *testing.B, ctx context.Context, kind, relay string) *run {
 		childEnv = kit.start(b)
 	}
 	db, dbURL := benchDB(b)
-	r := &run{relay: relay, db: db}
-	schema := testdb.SchemaName(b, db, "bench_"+kind+"_"+relay)
 	var cfg bus.Config
+	if walSource(relay) {
+		dbURL = servers.StartLogicalPostgreSQL(b).URL
+		db = testdb.OpenURL(b, dbURL)
+		cfg.Relay.Source = forwarder.SourceWAL
+		if relay == walMessagesRelay {
+			cfg.Outbox.Mode = bus.OutboxModeWALMessages // Open creates the slot
+		}
+	}
+	r := &run{relay: relay, db: db}
+	schema := testdb.SchemaName(b, db, "bench_"+kind+"_"+strings.ReplaceAll(relay, "-", "_"))
 	cfg.Database.URL = dbURL
 	cfg.Database.Schema = schema
 	cfg.Broker.NATS.URL = "nats://unused:4222"
@@ -278,6 +303,11 @@ func newRun(b *testing.B, ctx context.Context, kind, relay string) *run {
 		// Recorded before the backlog is written, as the procedure for a
 		// change of relay.shards has it.
 		if err := r.tables.RecordShards(ctx, db, relayGroup(relay), 8); err != nil {
+			b.Fatal(err)
+		}
+	}
+	if relay == walRelay {
+		if _, err := wal.CreateSlot(ctx, cfg.WALSlot()); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -342,6 +372,11 @@ func (r *run) drain(b *testing.B, ctx context.Context) (time.Duration, bool) {
 // (store.Tables.HasBacklog). For the reference, which has no cursor and
 // deletes what it sent, HasBacklog finds any row.
 func (r *run) pending(b *testing.B, ctx context.Context) bool {
+	if walSource(r.relay) {
+		// Whatever the table holds, the slot holds too, and with
+		// wal_messages the table holds nothing: the consumer tells.
+		return r.c.distinct() < backlogEvents
+	}
 	if r.relay == "watermill" {
 		var pending bool
 		offsets := r.tables.OffsetsTable()
@@ -675,12 +710,15 @@ func runRelay(ctx context.Context, relay string, db *sql.DB, broker adapters.Bro
 		logger = watermill.NewStdLogger(false, false)
 	}
 	switch relay {
-	case "millrace", shardedRelay:
+	case "millrace", shardedRelay, walRelay, walMessagesRelay:
 		var cfg forwarder.Config
 		if relay == shardedRelay {
 			cfg.Shards = new(8)
 		}
-		f, err := forwarder.New(db, broker, outbox, cfg, forwarder.Options{Logger: logger})
+		if walSource(relay) {
+			cfg.Source = forwarder.SourceWAL
+		}
+		f, err := forwarder.New(db, broker, outbox, cfg, forwarder.Options{Logger: logger, ReplicationURL: os.Getenv("RELAYBENCH_DB")})
 		if err != nil {
 			return err
 		}

@@ -170,9 +170,13 @@ func relayMarkdown(m machine, rs []result) string {
 	}
 	fmt.Fprintf(&b, ". Each relay drained a %s-event backlog; then commit-to-consumer latency was measured at %s",
 		thousands(backlogEvents), strings.Join(rates, " and "))
+	held := "`" + strings.Join(heldRelays, "`, `") + "`"
+	if i := strings.LastIndex(held, ", "); i >= 0 {
+		held = held[:i] + " and " + held[i+2:]
+	}
 	fmt.Fprintf(&b, `, one event per transaction, and, for %s, at %s/s for %s beside a transaction held open (+tx). `,
-		"`"+strings.Join(heldRelays, "` and `")+"`", thousands(heldTrickle.rate), heldTrickle.duration)
-	b.WriteString("% of ceiling is the drain over the reference's. In the ratio rows the drain is millrace's over the other relay's, and each latency the other relay's over millrace's (how many times shorter millrace's is).\n")
+		held, thousands(heldTrickle.rate), heldTrickle.duration)
+	b.WriteString("% of ceiling is the drain over the reference's. In the ratio rows the drain is millrace's over the other relay's, and each latency the other relay's over millrace's (how many times shorter millrace's is); in the rows of the WAL relays (`millrace-wal`: relay.source: wal; `millrace-walmsg`: outbox.mode: wal_messages too; each on a private PostgreSQL with wal_level = logical, its slot made before the backlog), theirs over the table relay's.\n")
 	for _, kind := range brokerKinds() {
 		b.WriteString("\n")
 		brokerMarkdown(&b, kind, rs)
@@ -221,6 +225,8 @@ func brokerMarkdown(b *strings.Builder, kind string, rs []result) {
 	}
 	ratioRow(b, "millrace / Watermill", byRelay["watermill"], byRelay["millrace"])
 	ratioRow(b, "millrace / reference", ceiling, byRelay["millrace"])
+	ratioRow(b, walRelay+" / millrace", byRelay["millrace"], byRelay[walRelay])
+	ratioRow(b, walMessagesRelay+" / millrace", byRelay["millrace"], byRelay[walMessagesRelay])
 	for _, n := range notes {
 		fmt.Fprintf(b, "\n- %s", n)
 	}

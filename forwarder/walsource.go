@@ -63,6 +63,10 @@ type walSource struct {
 	busy     atomic.Bool // a batch is in the handler
 	// reader is made once, by the relay's goroutine (walReader).
 	reader *wal.Reader
+	// caughtUpTo is the outbox's highest offset when the catch-up of the
+	// current stream began: the slot's rows at or below it may have been
+	// forwarded by the catch-up (see relayedAlready).
+	caughtUpTo int64
 }
 
 // newWALSource prepares the WAL source of the outbox tables on the
@@ -149,6 +153,10 @@ func (f *Forwarder) streamWAL(ctx context.Context, lost <-chan struct{}) error {
 	r, err := f.walReader(ctx)
 	if err != nil {
 		return err
+	}
+	// Read before the catch-up, which deletes what it forwarded.
+	if f.wal.caughtUpTo, err = f.tables.MaxOffset(ctx, f.db); err != nil {
+		return fmt.Errorf("forwarder: %w", err)
 	}
 	if err := f.catchUp(ctx); err != nil {
 		if errors.Is(err, store.ErrLeaseLost) {
@@ -273,8 +281,11 @@ func (f *Forwarder) forwardWAL(ctx context.Context, b wal.Batch) error {
 	work, release := f.graceContext(ctx)
 	defer release()
 
-	rows := f.unwrap(walRows(b))
-	rows, foreign := f.ownRows(rows)
+	read, err := f.relayedAlready(work, walRows(b))
+	if err != nil {
+		return err
+	}
+	rows, foreign := f.ownRows(f.unwrap(read))
 	if err := f.publishWAL(work, rows); err != nil {
 		return err
 	}
@@ -283,6 +294,33 @@ func (f *Forwarder) forwardWAL(ctx context.Context, b wal.Batch) error {
 	}
 	f.health.beat()
 	return foreign // rows of another broker.kind: Run stops, the batch is not confirmed
+}
+
+// relayedAlready drops from rows those the catch-up forwarded, which the
+// slot streams again: a row at or below caughtUpTo that is no longer in
+// the outbox was deleted after the broker confirmed it (or moved to the
+// quarantine). One lookup per batch while the slot streams such rows.
+func (f *Forwarder) relayedAlready(ctx context.Context, rows []store.OutboxRow) ([]store.OutboxRow, error) {
+	var early []int64
+	for _, r := range rows {
+		if r.Offset > 0 && r.Offset <= f.wal.caughtUpTo {
+			early = append(early, r.Offset)
+		}
+	}
+	if len(early) == 0 {
+		return rows, nil
+	}
+	present, err := f.tables.PresentOffsets(ctx, f.db, early)
+	if err != nil {
+		return nil, err
+	}
+	kept := rows[:0:0]
+	for _, r := range rows {
+		if r.Offset == 0 || r.Offset > f.wal.caughtUpTo || present[r.Offset] {
+			kept = append(kept, r)
+		}
+	}
+	return kept, nil
 }
 
 // walRows are the outbox rows of b, in commit order: the outbox table's

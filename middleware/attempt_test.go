@@ -1,12 +1,10 @@
 package middleware
 
 import (
-	"context"
 	"runtime"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
-	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/stretchr/testify/require"
 )
 
@@ -17,11 +15,10 @@ import (
 func TestAttemptRaisesAnInnerPanicInTheChain(t *testing.T) {
 	t.Parallel()
 	c, _ := retryChain(t, RetryConfig{MaxAttempts: 3})
-	msg := message.NewMessage("evt-1", nil)
-	msg.SetContext(context.WithValue(context.Background(), deliveryKey, &delivery{eventID: "evt-1"}))
-	_, err := wmw.Recoverer(c.attempt(func(*message.Message) ([]*message.Message, error) {
+	m := &inflight{msg: message.NewMessage("evt-1", nil), d: &delivery{eventID: "evt-1"}}
+	err := recoverer(c.attempt(func(*inflight) error {
 		panic("inbox bug")
-	}))(msg)
+	}))(m)
 	require.ErrorContains(t, err, "panic in the attempt: inbox bug")
 }
 
@@ -31,16 +28,15 @@ func TestAttemptRaisesAnInnerPanicInTheChain(t *testing.T) {
 func TestAttemptPassesAGoexitOn(t *testing.T) {
 	t.Parallel()
 	c, _ := retryChain(t, RetryConfig{MaxAttempts: 3})
-	msg := message.NewMessage("evt-1", nil)
-	msg.SetContext(context.WithValue(context.Background(), deliveryKey, &delivery{eventID: "evt-1"}))
+	m := &inflight{msg: message.NewMessage("evt-1", nil), d: &delivery{eventID: "evt-1"}}
 	returned := false
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		_, _ = c.retry(c.attempt(func(*message.Message) ([]*message.Message, error) {
+		_ = c.retry(c.attempt(func(*inflight) error {
 			runtime.Goexit()
-			return nil, nil
-		}))(msg)
+			return nil
+		}))(m)
 		returned = true
 	}()
 	<-done

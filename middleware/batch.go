@@ -10,8 +10,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill/message"
-
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/store"
 )
@@ -138,9 +136,9 @@ type member struct {
 	turn     chan Transaction // its savepoint is set: run
 	result   chan stepResult  // what it did in its turn
 	done     chan error       // nil: committed; or why not
-	// msg is the message, for a batch handler; outcome is what its step
-	// did (OutcomeOK: it is for the batch handler).
-	msg     *message.Message
+	// in is the message in its attempt, for a batch handler; outcome is
+	// what its step did (OutcomeOK: it is for the batch handler).
+	in      *inflight
 	outcome string
 	// inboxed is set before its turn when the batch inserted its inbox row
 	// already (insertInbox): its step skips the insert.
@@ -164,20 +162,21 @@ func (b *batcher) join(m *member) {
 
 // transactionBatched is the inbox stage with batch.max_messages above 1: the
 // transaction stage's work (see transaction) in the savepoint of a batch.
-func (c *Chain) transactionBatched(h message.HandlerFunc) message.HandlerFunc {
-	single := c.transaction(h)
+func (c *Chain) transactionBatched(next step) step {
+	single := c.transaction(next)
 	b := c.batcher
 	if b.handler != nil {
 		// Each message's turn is its inbox insert and ordering guard; the
 		// batch handler runs once for them all (see runHandler).
-		h = func(*message.Message) ([]*message.Message, error) { return nil, nil }
+		next = func(*inflight) error { return nil }
 	}
-	return func(msg *message.Message) ([]*message.Message, error) {
+	return func(in *inflight) error {
 		if b.limit.Load() <= 1 {
-			return single(msg)
+			return single(in)
 		}
+		msg := in.msg
 		ctx := msg.Context()
-		a := attemptFrom(ctx)
+		a := in.a
 		deadline, _ := ctx.Deadline() // the attempt stage set handler_timeout
 		for {
 			m := &member{
@@ -186,32 +185,32 @@ func (c *Chain) transactionBatched(h message.HandlerFunc) message.HandlerFunc {
 				turn:     make(chan Transaction, 1),
 				result:   make(chan stepResult, 1),
 				done:     make(chan error, 1),
-				msg:      msg,
+				in:       in,
 			}
 			b.join(m)
 			var err error
 			select {
 			case tx := <-m.turn:
-				r := c.runStep(msg, tx, h, m.inboxed)
+				r := c.runStep(in, tx, next, m.inboxed)
 				m.result <- r
 				err = <-m.done
 				if err == nil {
 					a.outcome = r.outcome
-					return r.out, nil
+					return nil
 				}
 			case err = <-m.done:
 				if err == nil { // settled by the batch alone (executeBulk)
 					a.outcome = m.outcome
-					return nil, nil
+					return nil
 				}
 			}
 			switch {
 			case !errors.Is(err, errBatchAborted):
-				return nil, err
+				return err
 			case ctx.Err() != nil:
-				return nil, fmt.Errorf("%w, and handler_timeout has passed", err)
+				return fmt.Errorf("%w, and handler_timeout has passed", err)
 			case errors.Is(err, errRunAlone):
-				return single(msg)
+				return single(in)
 			}
 		}
 	}
@@ -219,14 +218,14 @@ func (c *Chain) transactionBatched(h message.HandlerFunc) message.HandlerFunc {
 
 // runStep is step that reports a runtime.Goexit in the handler (a test
 // simulating a dead process) as a failure, so the batch goes on without it.
-func (c *Chain) runStep(msg *message.Message, tx Transaction, h message.HandlerFunc, inboxed bool) (r stepResult) {
+func (c *Chain) runStep(m *inflight, tx Transaction, next step, inboxed bool) (r stepResult) {
 	returned := false
 	defer func() {
 		if !returned {
 			r = stepResult{err: errors.New("the handler ended its goroutine"), byHandler: true}
 		}
 	}()
-	r = c.step(msg, tx, h, inboxed)
+	r = c.step(m, tx, next, inboxed)
 	returned = true
 	return r
 }

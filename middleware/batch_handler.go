@@ -141,8 +141,8 @@ func (b *batcher) callBatch(ctx context.Context, tx Transaction, todo []*member)
 	// handler that ignores its context still reads them.
 	msgs := make([]*message.Message, len(todo))
 	for i, m := range todo {
-		msgs[i] = m.msg.Copy()
-		msgs[i].SetContext(context.WithValue(m.msg.Context(), txKey, tx))
+		msgs[i] = m.in.msg.Copy()
+		msgs[i].SetContext(withHandling(m.in.msg.Context(), tx, m.in.a.number))
 	}
 	returned := false
 	defer func() {
@@ -155,7 +155,7 @@ func (b *batcher) callBatch(ctx context.Context, tx Transaction, todo []*member)
 			}
 		}
 	}()
-	r.err = b.handler(context.WithValue(ctx, txKey, tx), msgs)
+	r.err = b.handler(withHandling(ctx, tx, 0), msgs)
 	returned = true
 	return r
 }

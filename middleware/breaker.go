@@ -118,28 +118,28 @@ func gaugeOf(state gobreaker.State) float64 {
 	}[state]
 }
 
-// middleware is the breaker stage.
-func (b *breaker) middleware(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		ctx := msg.Context()
-		d := deliveryFrom(ctx)
+// stage is the breaker stage.
+func (b *breaker) stage(next step) step {
+	return func(m *inflight) error {
+		ctx := m.msg.Context()
+		d := m.d
 		// d.attempts counts this delivery's attempts and, when the broker
 		// schedules the retries, the earlier deliveries.
-		w := &breakerWaiter{b: b, untried: d.attempts == 0, slot: slotFrom(ctx)}
+		w := &breakerWaiter{b: b, untried: d.attempts == 0, worker: m.worker}
 		defer w.done()
 		rejected := false
 		for {
 			waited, err := w.admit(ctx, rejected)
 			d.held += waited
 			if err != nil {
-				return nil, &shutdownError{cause: err}
+				return &shutdownError{cause: err}
 			}
 			called := false
-			out, err := b.cb.Execute(func() ([]*message.Message, error) {
+			_, err = b.cb.Execute(func() ([]*message.Message, error) {
 				called = true
-				out, err := h(msg)
+				err := next(m)
 				b.note(d, err)
-				return out, err
+				return nil, err
 			})
 			if !called {
 				// The state changed between admit and Execute (open again, or
@@ -157,12 +157,12 @@ func (b *breaker) middleware(h message.HandlerFunc) message.HandlerFunc {
 				var took time.Duration
 				err, took = b.judge(ctx, err)
 				d.held += took
-				return out, err
+				return err
 			}
 			if outage {
-				return out, &outageError{err: err}
+				return &outageError{err: err}
 			}
-			return out, err
+			return err
 		}
 	}
 }
@@ -170,10 +170,10 @@ func (b *breaker) middleware(h message.HandlerFunc) message.HandlerFunc {
 // breakerWaiter is one message waiting for the breaker.
 type breakerWaiter struct {
 	b       *breaker
-	untried bool        // the message has not failed before: it goes first in half-open
-	slot    *workerSlot // its worker, given back while a message that failed waits
-	counted bool        // an untried waiter counted in b.untried
-	paused  bool        // the worker is given back
+	untried bool   // the message has not failed before: it goes first in half-open
+	worker  Worker // its worker, given back while a message that failed waits; nil for none
+	counted bool   // an untried waiter counted in b.untried
+	paused  bool   // the worker is given back
 }
 
 // block is called before each wait: an untried message makes itself
@@ -183,9 +183,9 @@ func (w *breakerWaiter) block() {
 	case w.untried && !w.counted:
 		w.counted = true
 		w.b.addUntried(1)
-	case !w.untried && !w.paused:
+	case !w.untried && !w.paused && w.worker != nil:
 		w.paused = true
-		w.slot.pause()
+		w.worker.Pause()
 	}
 }
 
@@ -204,7 +204,7 @@ func (w *breakerWaiter) admit(ctx context.Context, rejected bool) (time.Duration
 	err := w.b.admit(ctx, rejected, w)
 	if w.paused && err == nil {
 		w.paused = false
-		err = w.slot.resume(ctx)
+		err = w.worker.Resume(ctx)
 	}
 	return time.Since(start), err
 }

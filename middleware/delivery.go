@@ -62,22 +62,54 @@ type attemptState struct {
 	outcome string
 }
 
-type ctxKey int
-
-const (
-	deliveryKey ctxKey = iota
-	attemptKey
-	txKey
-)
-
-func deliveryFrom(ctx context.Context) *delivery {
-	d, _ := ctx.Value(deliveryKey).(*delivery)
-	return d
+// inflight is one message on its way through the chain: the message and
+// everything the stages know of it, passed down from stage to stage as a
+// value rather than in the message's context. The goroutine running the
+// chain for the message owns it. The attempt stage gives the inner part of
+// each attempt (inbox transaction and handler), which runs in a goroutine
+// of its own, an inflight of its own: a copy of the message, its own
+// attemptState, and neither the delivery nor the worker.
+type inflight struct {
+	msg *message.Message
+	// d is the delivery state, set by the observe stage; nil in the inner
+	// part of an attempt.
+	d *delivery
+	// a is the state of the current attempt, set by the attempt stage in
+	// the inner part's inflight.
+	a *attemptState
+	// worker is the message's hold on a worker of the runtime that released
+	// it (see Lease); nil when none did, and in the inner part of an attempt.
+	worker Worker
+	// tx is the inbox transaction, set by the transaction stage for the
+	// handler; nil with the inbox and the ordering guard both off.
+	tx Transaction
 }
 
-func attemptFrom(ctx context.Context) *attemptState {
-	a, _ := ctx.Value(attemptKey).(*attemptState)
-	return a
+// step is the rest of the chain as a stage sees it.
+type step func(m *inflight) error
+
+// stage is one stage of the chain: it runs around the rest (next).
+type stage func(next step) step
+
+// handling is what a handler reads from its context (Tx, CurrentTx,
+// Attempt): the one value the chain puts in a context, since a handler
+// sees only its message.
+type handling struct {
+	tx      Transaction
+	attempt int
+}
+
+type handlingKey struct{}
+
+// withHandling returns ctx carrying the handler-facing values tx and
+// attempt.
+func withHandling(ctx context.Context, tx Transaction, attempt int) context.Context {
+	return context.WithValue(ctx, handlingKey{}, handling{tx: tx, attempt: attempt})
+}
+
+func handlingFrom(ctx context.Context) handling {
+	h, _ := ctx.Value(handlingKey{}).(handling)
+	return h
 }
 
 // Attempt returns the number of the attempt at the message being handled:
@@ -88,12 +120,7 @@ func attemptFrom(ctx context.Context) *attemptState {
 // starting from the broker's delivery count, which survives restarts. It
 // is the count the poison-attempts key records. It returns 0 when ctx is
 // not a handler's context.
-func Attempt(ctx context.Context) int {
-	if a := attemptFrom(ctx); a != nil {
-		return a.number
-	}
-	return 0
-}
+func Attempt(ctx context.Context) int { return handlingFrom(ctx).attempt }
 
 // Tx returns the database transaction of the message being handled: the one
 // the inbox row was inserted in, committed by the chain after the handler
@@ -102,7 +129,7 @@ func Attempt(ctx context.Context) int {
 // ctx is not a handler's context or the inbox and the ordering guard are both
 // off. Never commit or roll it back yourself.
 func Tx(ctx context.Context) *sql.Tx {
-	tx, _ := ctx.Value(txKey).(*sql.Tx)
+	tx, _ := handlingFrom(ctx).tx.(*sql.Tx)
 	return tx
 }
 

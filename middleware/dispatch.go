@@ -91,6 +91,9 @@ type Dispatcher struct {
 	// slots carries the pause and resume requests of released messages'
 	// worker slots to the scheduler (see workerSlot).
 	slots chan slotRequest
+	// leases maps each message held to its *workerSlot, for the chain
+	// (Lease); the scheduler adds and removes them.
+	leases sync.Map
 
 	mu         sync.Mutex
 	subscribed bool
@@ -135,12 +138,21 @@ func (c *Chain) Subscriber(src Source) *Dispatcher {
 	if c.cfg.Parks() {
 		d.src.Parked = c.parkedSubscriber // park.go
 	}
-	if c.batcher != nil && d.subs == 1 && src.Competing && !src.KeyPartitioned && !src.Concurrent {
-		// One subscription of a stock subscriber holds one message at a
-		// time: a batch would only wait for messages that cannot come.
-		c.batcher.limit.Store(1)
-	}
+	c.Feed(Feed{
+		Lease: d.lease,
+		// One subscription of a stock subscriber holds one message at a time.
+		OneAtATime: d.subs == 1 && src.Competing && !src.KeyPartitioned && !src.Concurrent,
+	})
 	return d
+}
+
+// lease is the Lease of msg, a message the Dispatcher released, for the
+// chain it feeds.
+func (d *Dispatcher) lease(msg *message.Message) Lease {
+	if slot, ok := d.leases.Load(msg); ok {
+		return Lease{Worker: slot.(*workerSlot)}
+	}
+	return Lease{}
 }
 
 // BrokerSource is the Source of the chain's handler in consumerGroup on
@@ -323,7 +335,7 @@ func (d *Dispatcher) run(subs []subscription, out chan<- *message.Message) {
 	// A watcher per released message reports its ack or nack here; the
 	// buffer (one per worker slot) means a watcher never blocks.
 	finished := make(chan finishedMsg, d.cfg.Workers)
-	s := newSchedule(d.cfg.Ordered, d.cfg.Workers, d.cfg.Key)
+	s := newSchedule(d.cfg.Ordered, d.cfg.Workers, d.cfg.Key, &d.leases)
 	d.dispatch(s, in, out, inputsDone, finished)
 	d.stop() // when the subscriptions ended by themselves
 	s.nackHeld()
@@ -428,12 +440,10 @@ func (d *Dispatcher) dispatch(s *schedule, in <-chan *message.Message, out chan<
 		select {
 		case msg := <-recv:
 			// The message's context ends when it is finished or the
-			// Dispatcher stops, whichever is first (see watch), and
-			// carries its worker slot.
+			// Dispatcher stops, whichever is first (see watch).
 			ctx, cancel := context.WithCancel(msg.Context())
-			slot := &workerSlot{d: d}
-			msg.SetContext(context.WithValue(ctx, slotKey{}, slot))
-			s.add(msg, cancel, slot)
+			msg.SetContext(ctx)
+			s.add(msg, cancel, &workerSlot{d: d})
 		case send <- next:
 			cancel := s.release()
 			d.wg.Add(1)
@@ -524,22 +534,22 @@ type schedule struct {
 	cancels  map[*message.Message]context.CancelFunc
 	held     int // received and not finished
 	inFlight int // released and not finished
-	// workerSlots are the slots of the messages held; paused counts those
-	// in flight waiting off their worker, resumers those asking for one
-	// back.
-	workerSlots map[*message.Message]*workerSlot
+	// workerSlots maps the messages held to their *workerSlot (the
+	// Dispatcher's leases, which the chain reads); paused counts those in
+	// flight waiting off their worker, resumers those asking for one back.
+	workerSlots *sync.Map
 	paused      int
 	resumers    []slotRequest
 }
 
-func newSchedule(ordered bool, workers int, key func(*message.Message) string) *schedule {
+func newSchedule(ordered bool, workers int, key func(*message.Message) string, slots *sync.Map) *schedule {
 	return &schedule{
 		ordered:     ordered,
 		workers:     workers,
 		key:         key,
 		waiting:     map[string][]*message.Message{},
 		cancels:     map[*message.Message]context.CancelFunc{},
-		workerSlots: map[*message.Message]*workerSlot{},
+		workerSlots: slots,
 	}
 }
 
@@ -559,7 +569,7 @@ func (s *schedule) keyOf(msg *message.Message) string {
 func (s *schedule) add(msg *message.Message, cancel context.CancelFunc, slot *workerSlot) {
 	s.held++
 	s.cancels[msg] = cancel
-	s.workerSlots[msg] = slot
+	s.workerSlots.Store(msg, slot)
 	if !s.ordered {
 		s.ready = append(s.ready, msg)
 		return
@@ -616,7 +626,7 @@ func (s *schedule) finish(msg *message.Message, acked bool) (nack []*message.Mes
 }
 
 func (s *schedule) drop(msg *message.Message) {
-	delete(s.workerSlots, msg)
+	s.workerSlots.Delete(msg)
 	if cancel, ok := s.cancels[msg]; ok {
 		cancel()
 		delete(s.cancels, msg)

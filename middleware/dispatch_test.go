@@ -347,15 +347,15 @@ func TestDispatcherGivesAPausedWorkerToTheNextMessage(t *testing.T) {
 		id := msg.Metadata.Get("aggregate-id")
 		note("start " + id)
 		if id == "a" {
-			slot := slotFrom(msg.Context())
+			slot := d.lease(msg).Worker
 			require.NotNil(t, slot)
-			slot.pause()
+			slot.Pause()
 			select {
 			case <-bDone:
 			case <-time.After(10 * time.Second):
 				t.Error("b never ran while a was paused")
 			}
-			require.NoError(t, slot.resume(msg.Context()))
+			require.NoError(t, slot.Resume(msg.Context()))
 			note("resumed a")
 		}
 		if id == "b" {

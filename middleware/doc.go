@@ -89,8 +89,13 @@
 //
 // # The chain, outermost first
 //
-// Chain.Wrap builds it; the stages share the message's delivery state, so
-// they are not exported one by one.
+// Chain.Wrap builds it. Each stage takes the rest of the chain and the
+// message's state as one explicit value (the message, its delivery, the
+// current attempt, its worker and its transaction), not as context values,
+// so they only work together and are not exported one by one. Wrap is the
+// one place the chain meets Watermill's HandlerFunc, and the handler's
+// context carries the one value a handler reads: its transaction and
+// attempt number (Tx, CurrentTx, Attempt).
 //
 //  1. observe: gives the message its delivery state and counts the outcome
 //     (ok, duplicate, stale, other_type, parked, skipped, poisoned, nacked, not_targeted). Outermost,

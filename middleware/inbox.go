@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/envelope"
@@ -37,13 +36,13 @@ var errTxEnded = errors.New("the handler committed or rolled back the transactio
 // synchronous standby). Its inbox row then makes the retry a duplicate,
 // acked without calling the handler: the next attempt's insert waits on
 // that row's lock until the server has decided.
-func (c *Chain) transaction(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) (_ []*message.Message, err error) {
-		ctx := msg.Context()
-		a := attemptFrom(ctx)
+func (c *Chain) transaction(next step) step {
+	return func(m *inflight) error {
+		ctx := m.msg.Context()
+		a := m.a
 		tx, err := c.stack.begin(ctx)
 		if err != nil {
-			return nil, ownStatement(fmt.Errorf("inbox: begin transaction: %w", err))
+			return ownStatement(fmt.Errorf("inbox: begin transaction: %w", err))
 		}
 		done := false
 		defer func() {
@@ -51,35 +50,35 @@ func (c *Chain) transaction(h message.HandlerFunc) message.HandlerFunc {
 				_ = tx.Rollback()
 			}
 		}()
-		r := c.step(msg, tx, h, false)
+		r := c.step(m, tx, next, false)
 		switch {
 		case r.err != nil:
 			if r.byHandler && IsRetryable(r.err) {
 				// Did the handler fail because the database went away? Its
 				// transaction answers unless the connection is gone.
 				if _, probe := tx.ExecContext(ctx, "SELECT 1"); unreachable(probe) {
-					return nil, &unavailableError{err: r.err}
+					return &unavailableError{err: r.err}
 				}
 			}
-			return nil, r.err
+			return r.err
 		case r.outcome == OutcomeDuplicate:
 			a.outcome = OutcomeDuplicate
-			return nil, nil
+			return nil
 		case r.outcome == OutcomeStale:
 			// Keep the inbox row, so a redelivery is a plain duplicate.
 			done = true
 			if err := tx.Commit(); err != nil {
-				return nil, fmt.Errorf("ordering guard: commit: %w", err)
+				return fmt.Errorf("ordering guard: commit: %w", err)
 			}
 			a.outcome = OutcomeStale
-			return nil, nil
+			return nil
 		}
 		done = true
 		if err := tx.Commit(); err != nil {
-			return nil, commitError(ctx, err)
+			return commitError(ctx, err)
 		}
 		a.outcome = OutcomeOK
-		return r.out, nil
+		return nil
 	}
 }
 
@@ -101,7 +100,6 @@ func commitError(ctx context.Context, err error) error {
 
 // stepResult is what one message did in its inbox transaction.
 type stepResult struct {
-	out []*message.Message
 	// outcome is OutcomeOK, OutcomeDuplicate (the handler was not called)
 	// or OutcomeStale (the ordering guard skipped the handler) when err is nil.
 	outcome string
@@ -113,11 +111,12 @@ type stepResult struct {
 // step is one message's part of an inbox transaction tx: the inbox insert
 // first, so that a concurrent duplicate waits on the row lock and then sees
 // the row (unless inboxed: its batch inserted it already); the ordering
-// guard; the handler h with tx in its context (Tx). It neither commits nor
-// rolls back.
-func (c *Chain) step(msg *message.Message, tx Transaction, h message.HandlerFunc, inboxed bool) stepResult {
+// guard; the rest of the chain (next: the handler) with tx as m's
+// transaction (Tx). It neither commits nor rolls back.
+func (c *Chain) step(m *inflight, tx Transaction, next step, inboxed bool) stepResult {
+	msg := m.msg
 	ctx := msg.Context()
-	a := attemptFrom(ctx)
+	a := m.a
 	group, tables := c.spec.ConsumerGroup, c.stack.tables
 	if *c.cfg.Inbox.Enabled && !inboxed {
 		first, err := tables.MarkProcessed(ctx, tx, group, a.eventID)
@@ -143,13 +142,13 @@ func (c *Chain) step(msg *message.Message, tx Transaction, h message.HandlerFunc
 			}
 		}
 	}
-	msg.SetContext(context.WithValue(ctx, txKey, tx))
-	out, err := h(msg)
-	msg.SetContext(ctx)
+	m.tx = tx
+	err := next(m)
+	m.tx = nil
 	if err != nil {
 		return stepResult{err: err, byHandler: true}
 	}
-	return stepResult{out: out, outcome: OutcomeOK}
+	return stepResult{outcome: OutcomeOK}
 }
 
 // ownStatement classifies a failure of one of the inbox transaction's own

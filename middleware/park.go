@@ -40,24 +40,25 @@ const (
 // park row's lock, and acked without running the rest of the chain. A
 // redelivery of a message an operator skipped is acked too, and dropped.
 // A message the park's drain hands on (parkedSource) passes.
-func (c *Chain) park(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
+func (c *Chain) park(next step) step {
+	return func(m *inflight) error {
+		msg := m.msg
 		if _, drained := c.drained.Load(msg); drained {
-			return h(msg)
+			return next(m)
 		}
 		did, err := c.stack.tables.AppendParked(msg.Context(), c.stack.db, c.parkKey(msg),
 			store.ParkedMessage{MessageID: msg.UUID, Payload: msg.Payload, Metadata: msg.Metadata})
 		switch {
 		case err != nil:
-			return nil, fmt.Errorf("millrace consumer: check the park of the message's aggregate: %w", err)
+			return fmt.Errorf("millrace consumer: check the park of the message's aggregate: %w", err)
 		case did == store.Parked:
-			deliveryFrom(msg.Context()).outcome = OutcomeParked
-			return nil, nil
+			m.d.outcome = OutcomeParked
+			return nil
 		case did == store.SkippedMessage:
-			deliveryFrom(msg.Context()).outcome = OutcomeSkipped
-			return nil, nil
+			m.d.outcome = OutcomeSkipped
+			return nil
 		}
-		return h(msg)
+		return next(m)
 	}
 }
 

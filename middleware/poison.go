@@ -118,21 +118,35 @@ func (f failure) metadata() map[string]string {
 	}
 }
 
+// poisonQueue is the poison stage: Watermill's PoisonQueueWithFilter does
+// the catching (shouldPoison), and a poisonPublisher of the message's own,
+// which knows its delivery state, stores what it catches.
+func (c *Chain) poisonQueue(next step) step {
+	return func(m *inflight) error {
+		mw, err := wmw.PoisonQueueWithFilter(&poisonPublisher{chain: c, d: m.d}, c.poisonTopic, shouldPoison)
+		if err != nil {
+			return err // an empty topic, which Chain never gives it
+		}
+		return watermillStage(mw)(next)(m)
+	}
+}
+
 // poisonPublisher is the publisher Watermill's PoisonQueueWithFilter hands
-// poisoned messages to. It adds the failure envelope from the message's
-// delivery state and stores the message in the poison table or publishes it
-// to the poison topic. A store that fails is retried with the retry ladder
-// until it works or the consumer stops: the message is held meanwhile (its
-// subscription paused), never acked unstored; a stop nacks it.
+// a poisoned message to. It adds the failure envelope from the message's
+// delivery state d and stores the message in the poison table or publishes
+// it to the poison topic. A store that fails is retried with the retry
+// ladder until it works or the consumer stops: the message is held
+// meanwhile (its subscription paused), never acked unstored; a stop nacks
+// it.
 type poisonPublisher struct {
 	chain *Chain
+	d     *delivery
 }
 
 func (p *poisonPublisher) Publish(_ string, msgs ...*message.Message) error {
-	c := p.chain
+	c, d := p.chain, p.d
 	for _, msg := range msgs {
 		ctx := msg.Context()
-		d := deliveryFrom(ctx)
 		f := c.failureOf(msg, d)
 		bo := newBackOff(c.cfg.Retry)
 		for {

@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/cenkalti/backoff/v5"
 )
 
@@ -64,12 +63,12 @@ func newBackOff(cfg RetryConfig) *backoff.ExponentialBackOff {
 // you get is not the one configured), cannot keep an outage from using up
 // attempts, and runs attempts on the message's own context (issue #467).
 // The intervals still come from cenkalti/backoff.
-func (c *Chain) retry(h message.HandlerFunc) message.HandlerFunc {
+func (c *Chain) retry(next step) step {
 	cfg := c.cfg.Retry
-	return func(msg *message.Message) ([]*message.Message, error) {
-		ctx := msg.Context()
-		d := deliveryFrom(ctx)
-		delivery, scheduled := handedOut.Number(msg)
+	return func(m *inflight) error {
+		ctx := m.msg.Context()
+		d := m.d
+		delivery, scheduled := handedOut.Number(m.msg)
 		scheduled = scheduled && !*c.cfg.Ordered && cfg.Mode == RetryAuto && delivery >= 1
 		if scheduled {
 			d.attempts = delivery - 1 // at least one attempt per earlier delivery
@@ -79,25 +78,25 @@ func (c *Chain) retry(h message.HandlerFunc) message.HandlerFunc {
 		counted := 0
 		for {
 			if err := ctx.Err(); err != nil {
-				return nil, &shutdownError{cause: context.Cause(ctx)}
+				return &shutdownError{cause: context.Cause(ctx)}
 			}
-			out, err := h(msg)
+			err := next(m)
 			if !IsRetryable(err) {
 				if err != nil {
 					d.failed(err, c.stack.now())
 				}
-				return out, err
+				return err
 			}
 			var sd *shutdownError
 			if errors.As(err, &sd) {
-				return nil, err
+				return err
 			}
 			if ctx.Err() != nil {
 				// The consumer stopped during the attempt. A stop is never a
 				// reason to poison, and a failure seen while stopping may be
 				// the stop's doing: return the message for redelivery, where
 				// its attempts start over.
-				return nil, &shutdownError{cause: fmt.Errorf("%w (the attempt running at the stop failed: %v)", context.Cause(ctx), err)}
+				return &shutdownError{cause: fmt.Errorf("%w (the attempt running at the stop failed: %v)", context.Cause(ctx), err)}
 			}
 			now := c.stack.now()
 			d.failed(err, now)
@@ -113,7 +112,7 @@ func (c *Chain) retry(h message.HandlerFunc) message.HandlerFunc {
 				c.stack.logger.Info("Database unreachable; waiting, retries not used up",
 					c.logFields(d, watermill.LogFields{"err": err.Error(), "wait": wait.String()}))
 				if err := c.stack.sleep(ctx, wait); err != nil {
-					return nil, &shutdownError{cause: err}
+					return &shutdownError{cause: err}
 				}
 				d.held += wait
 				continue
@@ -121,25 +120,25 @@ func (c *Chain) retry(h message.HandlerFunc) message.HandlerFunc {
 			counted++
 			if scheduled {
 				if delivery >= cfg.MaxAttempts {
-					return out, &exhaustedError{attempts: d.attempts, err: err}
+					return &exhaustedError{attempts: d.attempts, err: err}
 				}
 				d.outcome = OutcomeRetried
 				c.stack.logger.Info("Attempt failed; the broker delivers the message again after its backoff", c.logFields(d, watermill.LogFields{
 					"err": err.Error(), "delivery": delivery, "max_attempts": cfg.MaxAttempts,
 				}))
-				return nil, &redeliverError{delivery: delivery, err: err}
+				return &redeliverError{delivery: delivery, err: err}
 			}
 			wait := bo.NextBackOff()
 			elapsed := now.Sub(start) - d.held
 			if counted >= cfg.MaxAttempts || elapsed+wait > cfg.MaxElapsed {
-				return out, &exhaustedError{attempts: d.attempts, err: err}
+				return &exhaustedError{attempts: d.attempts, err: err}
 			}
 			c.counter(OutcomeRetried).Inc()
 			c.stack.logger.Info("Attempt failed, retrying", c.logFields(d, watermill.LogFields{
 				"err": err.Error(), "wait": wait.String(), "max_attempts": cfg.MaxAttempts,
 			}))
-			if err := offWorker(ctx, func() error { return c.stack.sleep(ctx, wait) }); err != nil {
-				return nil, &shutdownError{cause: err}
+			if err := offWorker(ctx, m.worker, func() error { return c.stack.sleep(ctx, wait) }); err != nil {
+				return &shutdownError{cause: err}
 			}
 		}
 	}

@@ -53,14 +53,14 @@ func retryChain(t *testing.T, retry RetryConfig) (*Chain, *fakeClock) {
 
 // runRetry runs the retry stage over h for a message; with scheduled, its
 // subscription recorded scheduled[0] as its delivery number.
-func runRetry(ctx context.Context, c *Chain, h message.HandlerFunc, scheduled ...int) (*delivery, error) {
+func runRetry(ctx context.Context, c *Chain, h step, scheduled ...int) (*delivery, error) {
 	msg := message.NewMessage("evt-1", nil)
 	for _, n := range scheduled {
 		defer handedOut.Record(msg, n)()
 	}
 	d := &delivery{eventID: "evt-1"}
-	msg.SetContext(context.WithValue(ctx, deliveryKey, d))
-	_, err := c.retry(c.attempt(h))(msg)
+	msg.SetContext(ctx)
+	err := c.retry(c.attempt(h))(&inflight{msg: msg, d: d})
 	return d, err
 }
 
@@ -71,9 +71,9 @@ func TestRetryFollowsTheConfiguredLadder(t *testing.T) {
 		MaxElapsed: time.Hour, Jitter: new(false),
 	})
 	calls := 0
-	d, err := runRetry(context.Background(), c, func(*message.Message) ([]*message.Message, error) {
+	d, err := runRetry(context.Background(), c, func(*inflight) error {
 		calls++
-		return nil, errors.New("down")
+		return errors.New("down")
 	})
 	require.Equal(t, 6, calls)
 	require.Equal(t, []time.Duration{100, 200, 400, 500, 500}, scaled(clock.sleeps, time.Millisecond),
@@ -97,8 +97,8 @@ func TestRetryJitterStaysWithinHalfTheInterval(t *testing.T) {
 	c, clock := retryChain(t, RetryConfig{
 		MaxAttempts: 40, InitialInterval: time.Second, Multiplier: 1, MaxInterval: time.Second, MaxElapsed: time.Hour,
 	})
-	_, _ = runRetry(context.Background(), c, func(*message.Message) ([]*message.Message, error) {
-		return nil, errors.New("down")
+	_, _ = runRetry(context.Background(), c, func(*inflight) error {
+		return errors.New("down")
 	})
 	require.Len(t, clock.sleeps, 39)
 	distinct := map[time.Duration]bool{}
@@ -116,8 +116,8 @@ func TestRetryStopsAtMaxElapsed(t *testing.T) {
 		MaxAttempts: 100, InitialInterval: time.Second, Multiplier: 2, MaxInterval: time.Minute,
 		MaxElapsed: 10 * time.Second, Jitter: new(false),
 	})
-	d, err := runRetry(context.Background(), c, func(*message.Message) ([]*message.Message, error) {
-		return nil, errors.New("down")
+	d, err := runRetry(context.Background(), c, func(*inflight) error {
+		return errors.New("down")
 	})
 	// 1s, 2s, 4s waited (7s); the next wait (8s) would pass 10s.
 	require.Equal(t, []time.Duration{1, 2, 4}, scaled(clock.sleeps, time.Second))
@@ -129,9 +129,9 @@ func TestRetrySkipsPermanentErrorsAndStopsOnShutdown(t *testing.T) {
 	t.Parallel()
 	c, clock := retryChain(t, RetryConfig{MaxAttempts: 5, Jitter: new(false)})
 	calls := 0
-	_, err := runRetry(context.Background(), c, func(*message.Message) ([]*message.Message, error) {
+	_, err := runRetry(context.Background(), c, func(*inflight) error {
 		calls++
-		return nil, adapters.Permanent(errors.New("negative total"))
+		return adapters.Permanent(errors.New("negative total"))
 	})
 	require.Equal(t, 1, calls)
 	require.Empty(t, clock.sleeps)
@@ -139,11 +139,11 @@ func TestRetrySkipsPermanentErrorsAndStopsOnShutdown(t *testing.T) {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	calls = 0
-	_, err = runRetry(ctx, c, func(msg *message.Message) ([]*message.Message, error) {
+	_, err = runRetry(ctx, c, func(m *inflight) error {
 		calls++
 		cancel() // the consumer stops during the first attempt
-		require.NoError(t, msg.Context().Err(), "a running attempt is not cancelled by the stop")
-		return nil, errors.New("down")
+		require.NoError(t, m.msg.Context().Err(), "a running attempt is not cancelled by the stop")
+		return errors.New("down")
 	})
 	require.Equal(t, 1, calls)
 	var sd *shutdownError
@@ -156,18 +156,18 @@ func TestAttemptRestoresTheMessageContext(t *testing.T) {
 	c, _ := retryChain(t, RetryConfig{MaxAttempts: 3, Jitter: new(false)})
 	var seen []context.Context
 	msg := message.NewMessage("evt-1", nil)
-	orig := context.WithValue(context.Background(), deliveryKey, &delivery{eventID: "evt-1"})
+	orig := context.WithValue(context.Background(), struct{}{}, "the message's own")
 	msg.SetContext(orig)
-	_, err := c.retry(c.attempt(func(m *message.Message) ([]*message.Message, error) {
-		seen = append(seen, m.Context())
-		_, hasDeadline := m.Context().Deadline()
+	err := c.retry(c.attempt(func(m *inflight) error {
+		seen = append(seen, m.msg.Context())
+		_, hasDeadline := m.msg.Context().Deadline()
 		require.True(t, hasDeadline, "each attempt is bounded by handler_timeout")
-		require.NoError(t, m.Context().Err(), "an attempt never starts on a cancelled context (Watermill #467)")
+		require.NoError(t, m.msg.Context().Err(), "an attempt never starts on a cancelled context (Watermill #467)")
 		if len(seen) < 3 {
-			return nil, errors.New("down")
+			return errors.New("down")
 		}
-		return nil, nil
-	}))(msg)
+		return nil
+	}))(&inflight{msg: msg, d: &delivery{eventID: "evt-1"}})
 	require.NoError(t, err)
 	require.Len(t, seen, 3)
 	require.Equal(t, orig, msg.Context())
@@ -188,7 +188,7 @@ func TestRetryHandsTheWaitToTheBroker(t *testing.T) {
 		MaxElapsed: time.Hour, Jitter: new(false),
 	}
 	c, clock := retryChain(t, ladder)
-	fail := func(*message.Message) ([]*message.Message, error) { return nil, errors.New("down") }
+	fail := func(*inflight) error { return errors.New("down") }
 	for delivery := 1; delivery <= 3; delivery++ {
 		d, err := runRetry(context.Background(), c, fail, delivery)
 		require.Empty(t, clock.sleeps, "no wait in process")
@@ -207,9 +207,9 @@ func TestRetryHandsTheWaitToTheBroker(t *testing.T) {
 
 	// A stop during an attempt is never a reason to poison, on any delivery.
 	ctx, cancel := context.WithCancel(context.Background())
-	_, err := runRetry(ctx, c, func(*message.Message) ([]*message.Message, error) {
+	_, err := runRetry(ctx, c, func(*inflight) error {
 		cancel()
-		return nil, errors.New("down")
+		return errors.New("down")
 	}, 3)
 	require.ErrorAs(t, err, new(*shutdownError))
 	require.False(t, shouldPoison(err))

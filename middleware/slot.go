@@ -29,32 +29,17 @@ type slotRequest struct {
 	grant chan struct{}
 }
 
-type slotKey struct{}
-
-// slotFrom returns the worker slot of the message whose context is ctx, nil
-// when no Dispatcher released it (a chain driven directly).
-func slotFrom(ctx context.Context) *workerSlot {
-	w, _ := ctx.Value(slotKey{}).(*workerSlot)
-	return w
-}
-
-// pause gives the slot's worker to the next message.
-func (w *workerSlot) pause() {
-	if w == nil {
-		return
-	}
+// Pause gives the slot's worker to the next message.
+func (w *workerSlot) Pause() {
 	select {
 	case w.d.slots <- slotRequest{slot: w}:
 	case <-w.d.finished: // the Dispatcher has stopped: nothing to give back
 	}
 }
 
-// resume returns once the message holds a worker again, or ctx ended. The
+// Resume returns once the message holds a worker again, or ctx ended. The
 // paused messages take free workers before any new message does.
-func (w *workerSlot) resume(ctx context.Context) error {
-	if w == nil {
-		return nil
-	}
+func (w *workerSlot) Resume(ctx context.Context) error {
 	grant := make(chan struct{})
 	select {
 	case w.d.slots <- slotRequest{slot: w, grant: grant}:
@@ -73,17 +58,19 @@ func (w *workerSlot) resume(ctx context.Context) error {
 	}
 }
 
-// offWorker runs wait, which may block, with the worker of the message
-// whose context is ctx given to the next message meanwhile, and takes a
-// worker again before it returns. It returns wait's error, or ctx's when
-// it ended while waiting for a worker.
-func offWorker(ctx context.Context, wait func() error) error {
-	w := slotFrom(ctx)
-	w.pause()
+// offWorker runs wait, which may block, with the message's worker w given
+// to the next message meanwhile, and takes a worker again before it
+// returns. It returns wait's error, or ctx's when it ended while waiting
+// for a worker. A nil w (no runtime released the message) just waits.
+func offWorker(ctx context.Context, w Worker, wait func() error) error {
+	if w == nil {
+		return wait()
+	}
+	w.Pause()
 	if err := wait(); err != nil {
 		return err
 	}
-	return w.resume(ctx)
+	return w.Resume(ctx)
 }
 
 // onSlotRequest applies req in the scheduler goroutine.
@@ -120,11 +107,11 @@ func (s *schedule) grantResumers() {
 
 // releaseSlot accounts for msg's slot when msg is acked or nacked.
 func (s *schedule) releaseSlot(msg *message.Message) {
-	w, ok := s.workerSlots[msg]
+	v, ok := s.workerSlots.LoadAndDelete(msg)
 	if !ok {
 		return
 	}
-	delete(s.workerSlots, msg)
+	w := v.(*workerSlot)
 	if w.paused {
 		w.paused = false
 		s.paused--

@@ -159,9 +159,11 @@ type Chain struct {
 	spec    Handler
 	cfg     Config
 	breaker *breaker
-	poison  message.HandlerMiddleware
-	counter func(outcome string) prometheus.Counter
-	timer   prometheus.Observer
+	// poisonTopic is the topic Watermill's poison queue names; the
+	// destination is poison.destination's.
+	poisonTopic string
+	counter     func(outcome string) prometheus.Counter
+	timer       prometheus.Observer
 	// abandoned counts attempts abandoned at handler_timeout; running
 	// gauges those whose goroutine has not returned yet.
 	abandoned prometheus.Counter
@@ -173,6 +175,8 @@ type Chain struct {
 	// parkedGauge counts the handler's parks.
 	drained     sync.Map
 	parkedGauge prometheus.Gauge
+	// leases is the runtime's source of each message's Lease (Feed).
+	leases leaseSource
 }
 
 // Chain builds the chain of one handler with its configuration
@@ -242,10 +246,7 @@ func (s *Stack) Chain(h Handler) (*Chain, error) {
 	} else {
 		s.metrics.breaker.WithLabelValues(h.Name).Set(BreakerClosed)
 	}
-	pub := &poisonPublisher{chain: c}
-	// Watermill's poison queue does the catching; our publisher adds the
-	// failure envelope and writes to the table or the poison topic.
-	c.poison, _ = wmw.PoisonQueueWithFilter(pub, cmp.Or(cfg.Poison.Topic, "millrace_poison"), shouldPoison)
+	c.poisonTopic = cmp.Or(cfg.Poison.Topic, "millrace_poison")
 	s.chains[h.Name] = c
 	return c, nil
 }
@@ -256,75 +257,104 @@ func (c *Chain) Config() Config { return c.cfg }
 // Handler returns the handler the chain was built for.
 func (c *Chain) Handler() Handler { return c.spec }
 
-// stages returns the chain, outermost first. The stages share the
-// message's delivery state, which observe creates, so they only work
-// together and in this order: Wrap is the way to use them.
-func (c *Chain) stages() []message.HandlerMiddleware {
-	mws := []message.HandlerMiddleware{
+// stages returns the chain, outermost first. The stages pass the
+// message's inflight down (observe gives it its delivery state, the attempt
+// stage its attempt state), so they only work together and in this order:
+// Wrap is the way to use them.
+func (c *Chain) stages() []stage {
+	stages := []stage{
 		c.observe,
 		c.target,
-		wmw.Recoverer, // a panic in the chain itself: nack, never lose the message
+		recoverer, // a panic in the chain itself: nack, never lose the message
 	}
 	if c.spec.Takes != nil {
-		mws = append(mws, c.sift)
+		stages = append(stages, c.sift)
 	}
 	if c.cfg.Parks() {
-		mws = append(mws, c.park) // park.go
+		stages = append(stages, c.park) // park.go
 	}
-	mws = append(mws,
-		c.poison,
+	stages = append(stages,
+		c.poisonQueue,
 		c.validate,
 		c.retry,
 	)
 	if c.breaker != nil {
-		mws = append(mws, c.breaker.middleware)
+		stages = append(stages, c.breaker.stage)
 	}
-	mws = append(mws, c.attempt)
+	stages = append(stages, c.attempt)
 	switch {
 	case c.batcher != nil:
-		mws = append(mws, c.transactionBatched)
+		stages = append(stages, c.transactionBatched)
 	case *c.cfg.Inbox.Enabled || *c.cfg.OrderingGuard:
-		mws = append(mws, c.transaction)
+		stages = append(stages, c.transaction)
 	}
-	return append(mws, wmw.Recoverer) // a panic in the handler: a retryable error, the transaction rolls back
+	return append(stages, recoverer) // a panic in the handler: a retryable error, the transaction rolls back
 }
 
 // Wrap returns h wrapped in the whole chain, for
-// router.AddConsumerHandler(name, topic, subscriber, chain.Wrap(h)).
+// router.AddConsumerHandler(name, topic, subscriber, chain.Wrap(h)). It is
+// where the chain meets Watermill: below it the stages pass the message's
+// inflight down, and only the handler's context carries values (Tx,
+// CurrentTx, Attempt).
 func (c *Chain) Wrap(h message.NoPublishHandlerFunc) message.NoPublishHandlerFunc {
-	next := message.HandlerFunc(func(msg *message.Message) ([]*message.Message, error) {
-		return nil, h(msg)
-	})
-	mws := c.stages()
-	for i := len(mws) - 1; i >= 0; i-- {
-		next = mws[i](next)
+	next := handle(h)
+	stages := c.stages()
+	for i := len(stages) - 1; i >= 0; i-- {
+		next = stages[i](next)
 	}
 	return func(msg *message.Message) error {
-		_, err := next(msg)
+		return next(&inflight{msg: msg, worker: c.leaseOf(msg).Worker})
+	}
+}
+
+// handle is the innermost step: the handler, called with its message's
+// context carrying the attempt's transaction and number.
+func handle(h message.NoPublishHandlerFunc) step {
+	return func(m *inflight) error {
+		ctx := m.msg.Context()
+		attempt := 0
+		if m.a != nil {
+			attempt = m.a.number
+		}
+		m.msg.SetContext(withHandling(ctx, m.tx, attempt))
+		err := h(m.msg)
+		m.msg.SetContext(ctx)
 		return err
+	}
+}
+
+// recoverer is Watermill's Recoverer as a stage.
+var recoverer = watermillStage(wmw.Recoverer)
+
+// watermillStage runs Watermill's middleware mw as a stage: around the
+// rest of the chain, on the message's inflight.
+func watermillStage(mw message.HandlerMiddleware) stage {
+	return func(next step) step {
+		return func(m *inflight) error {
+			_, err := mw(func(*message.Message) ([]*message.Message, error) { return nil, next(m) })(m.msg)
+			return err
+		}
 	}
 }
 
 // observe is the outermost stage: it gives the message its delivery state
 // and counts the outcome.
-func (c *Chain) observe(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
+func (c *Chain) observe(next step) step {
+	return func(m *inflight) error {
 		if c.batcher != nil {
 			c.batcher.enter()
 			defer c.batcher.leave()
 		}
-		d := &delivery{eventID: eventIDOf(msg)}
-		orig := msg.Context()
-		msg.SetContext(context.WithValue(orig, deliveryKey, d))
-		out, err := h(msg)
-		msg.SetContext(orig)
+		d := &delivery{eventID: eventIDOf(m.msg)}
+		m.d = d
+		err := next(m)
 		outcome := cmp.Or(d.outcome, OutcomeOK)
 		if err != nil && !errors.As(err, new(*redeliverError)) { // redelivered: counted as retried
 			outcome = OutcomeNacked
 			c.stack.logger.Info("Message returned to the broker for redelivery", c.logFields(d, watermill.LogFields{"reason": err.Error()}))
 		}
 		c.counter(outcome).Inc()
-		return out, err
+		return err
 	}
 }
 
@@ -332,26 +362,26 @@ func (c *Chain) observe(h message.HandlerFunc) message.HandlerFunc {
 // at once: nothing below runs, so neither the handler nor the inbox nor
 // the ordering guard sees it. It is the one place that rule is applied,
 // for every handler (plain, typed, batch, saga, ordered) on every broker.
-func (c *Chain) target(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		groups, replay := msg.Metadata[ReplayGroupsKey]
+func (c *Chain) target(next step) step {
+	return func(m *inflight) error {
+		groups, replay := m.msg.Metadata[ReplayGroupsKey]
 		if replay && !slices.Contains(strings.Split(groups, ReplayGroupsSeparator), c.spec.ConsumerGroup) {
-			deliveryFrom(msg.Context()).outcome = OutcomeNotTargeted
-			return nil, nil
+			m.d.outcome = OutcomeNotTargeted
+			return nil
 		}
-		return h(msg)
+		return next(m)
 	}
 }
 
 // sift acks a message the handler does not take (Handler.Takes) without
 // running the rest of the chain: no attempt, no inbox row, no handler call.
-func (c *Chain) sift(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		if c.spec.Takes(msg) {
-			return h(msg)
+func (c *Chain) sift(next step) step {
+	return func(m *inflight) error {
+		if c.spec.Takes(m.msg) {
+			return next(m)
 		}
-		deliveryFrom(msg.Context()).outcome = OutcomeOtherType
-		return nil, nil
+		m.d.outcome = OutcomeOtherType
+		return nil
 	}
 }
 
@@ -374,20 +404,21 @@ func (c *Chain) sift(h message.HandlerFunc) message.HandlerFunc {
 // returns once handler_timeout has passed is a *timedOutError. A panic in
 // the inner part is raised again here, where the chain's Recoverer turns it
 // into a nack as before, and a runtime.Goexit ends this goroutine too.
-func (c *Chain) attempt(h message.HandlerFunc) message.HandlerFunc {
+func (c *Chain) attempt(next step) step {
 	timeout := c.cfg.HandlerTimeout
-	return func(msg *message.Message) ([]*message.Message, error) {
-		d := deliveryFrom(msg.Context())
+	return func(m *inflight) error {
+		d := m.d
 		d.attempts++
-		ctx, cancel := context.WithTimeout(context.WithoutCancel(msg.Context()), timeout)
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(m.msg.Context()), timeout)
 		defer cancel()
 		state := &attemptState{eventID: d.eventID, number: d.attempts}
-		inner := msg.Copy()
-		// The delivery stays with this goroutine: the inner part gets nil.
-		inner.SetContext(context.WithValue(context.WithValue(ctx, deliveryKey, nil), attemptKey, state))
+		// The delivery and the worker stay with this goroutine: the inner
+		// part gets a copy of the message and its own attempt state.
+		inner := &inflight{msg: m.msg.Copy(), a: state}
+		inner.msg.SetContext(ctx)
 		run := &innerAttempt{done: make(chan struct{})}
 		start := time.Now()
-		go c.runInner(h, inner, run, c.logFields(d, nil))
+		go c.runInner(next, inner, run, c.logFields(d, nil))
 
 		select {
 		case <-run.done:
@@ -399,7 +430,7 @@ func (c *Chain) attempt(h message.HandlerFunc) message.HandlerFunc {
 				c.stack.logger.Error("Attempt abandoned: it did not return within handler_timeout; the handler ignores its context. "+
 					"It is left to finish in the background; its transaction is rolled back", nil,
 					c.logFields(d, watermill.LogFields{"handler_timeout": timeout.String()}))
-				return nil, &abandonedError{timeout: timeout}
+				return &abandonedError{timeout: timeout}
 			}
 			c.running.Dec()
 			<-run.done // it returned as the deadline passed
@@ -420,9 +451,9 @@ func (c *Chain) attempt(h message.HandlerFunc) message.HandlerFunc {
 		// By the clock, not ctx.Err(): a transaction begun on a context of
 		// the same deadline can fail before this context's timer fires.
 		if deadline, _ := ctx.Deadline(); run.err != nil && !time.Now().Before(deadline) && IsRetryable(run.err) {
-			return run.out, &timedOutError{err: run.err}
+			return &timedOutError{err: run.err}
 		}
-		return run.out, run.err
+		return run.err
 	}
 }
 
@@ -440,7 +471,6 @@ const (
 type innerAttempt struct {
 	phase    atomic.Int32
 	done     chan struct{}
-	out      []*message.Message
 	err      error
 	panicked any  // what it panicked with
 	exited   bool // it called runtime.Goexit
@@ -449,7 +479,7 @@ type innerAttempt struct {
 // runInner runs the inner part of an attempt and reports its result, or,
 // when the attempt was abandoned meanwhile, logs (with logFields) that it
 // finished.
-func (c *Chain) runInner(h message.HandlerFunc, msg *message.Message, run *innerAttempt, logFields watermill.LogFields) {
+func (c *Chain) runInner(next step, m *inflight, run *innerAttempt, logFields watermill.LogFields) {
 	returned := false
 	defer func() {
 		if !returned {
@@ -474,7 +504,7 @@ func (c *Chain) runInner(h message.HandlerFunc, msg *message.Message, run *inner
 		}
 		close(run.done)
 	}()
-	run.out, run.err = h(msg)
+	run.err = next(m)
 	returned = true
 }
 

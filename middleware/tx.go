@@ -23,8 +23,7 @@ type Transaction interface {
 // context or the inbox and the ordering guard are both off. Tx is the same
 // for a *sql.Tx.
 func CurrentTx(ctx context.Context) Transaction {
-	tx, _ := ctx.Value(txKey).(Transaction)
-	return tx
+	return handlingFrom(ctx).tx
 }
 
 // begin begins the inbox transaction of one attempt, on ctx.

@@ -19,19 +19,19 @@ const MaxEventIDBytes = 128
 // is made, and records the error the chain gives up with for the failure
 // envelope. It sits inside the poison queue (its errors are permanent) and
 // outside the retry (retrying them is pointless).
-func (c *Chain) validate(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		d := deliveryFrom(msg.Context())
-		if err := c.check(msg, d.eventID); err != nil {
+func (c *Chain) validate(next step) step {
+	return func(m *inflight) error {
+		d := m.d
+		if err := c.check(m.msg, d.eventID); err != nil {
 			d.attempts = 1
 			d.failed(err, c.stack.now())
-			return nil, err
+			return err
 		}
-		out, err := h(msg)
+		err := next(m)
 		if err != nil {
 			d.finalErr = err
 		}
-		return out, err
+		return err
 	}
 }
 

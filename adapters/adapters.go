@@ -8,6 +8,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/millrace-io/millrace/internal/groupstart"
 )
 
 // Broker is one broker connection as millrace uses it. Implementations are
@@ -80,18 +82,18 @@ type Broker interface {
 
 // Start is where a consumer group that does not exist yet starts reading
 // its topic: consumer.start in config.yaml.
-type Start string
+type Start = groupstart.Start
 
 const (
 	// StartNew starts a new group after the last message the topic holds
 	// when the group is created: it gets every message published from then
 	// on, none from before. A group is created when it is first
 	// provisioned, which bus.Run does before it relays or consumes.
-	StartNew Start = "new"
+	StartNew = groupstart.New
 	// StartAll starts a new group at the oldest message the topic still
 	// holds (its retention decides how far back that is). RabbitMQ cannot:
 	// a queue holds only what was routed to it after it was bound.
-	StartAll Start = "all"
+	StartAll = groupstart.All
 )
 
 // GroupSpec is a consumer group as a handler wants it provisioned.

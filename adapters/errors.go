@@ -1,6 +1,10 @@
 package adapters
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/millrace-io/millrace/internal/fault"
+)
 
 // The one error vocabulary of millrace: the adapters, the relay and the
 // consumer chain classify errors the same way. An error is permanent when
@@ -8,7 +12,8 @@ import "errors"
 // row, the chain poisons the message); every other error is retryable.
 // bus and middleware re-export Permanent and IsPermanent, so a handler
 // written against bus classifies its errors without importing this
-// package.
+// package. The vocabulary itself is internal/fault's, which the consumer
+// chain uses without knowing the adapters.
 
 // Errors every adapter returns, matched with errors.Is.
 var (
@@ -19,45 +24,22 @@ var (
 	// and each difference. It is permanent: retrying cannot fix it until an
 	// operator changes the object or the config (then the relay quarantine
 	// can be replayed).
-	ErrTopologyConflict = errors.New("existing broker topology differs from the configured one")
+	ErrTopologyConflict = fault.ErrTopologyConflict
 	// ErrMessageTooLarge: a message over the broker's size limit; the
 	// error text names the limit. It is permanent.
-	ErrMessageTooLarge = errors.New("message larger than the broker accepts")
+	ErrMessageTooLarge = fault.ErrMessageTooLarge
 )
-
-// permanent is implemented by errors that say, by their type, whether
-// retrying can fix them (*RefusedError, bus.EventError,
-// middleware.InvalidError, and Permanent's own).
-type permanent interface{ Permanent() bool }
-
-// permanentError marks an error that retrying cannot fix.
-type permanentError struct{ err error }
-
-func (e *permanentError) Error() string   { return e.err.Error() }
-func (e *permanentError) Unwrap() error   { return e.err }
-func (e *permanentError) Permanent() bool { return true }
 
 // Permanent marks err as one that retrying the same message cannot fix (a
 // payload that does not decode, an unknown schema version, a broken
 // invariant, a message the broker refuses). Permanent(nil) is nil.
-func Permanent(err error) error {
-	if err == nil {
-		return nil
-	}
-	return &permanentError{err: err}
-}
+func Permanent(err error) error { return fault.Permanent(err) }
 
 // IsPermanent reports whether err, or any error it wraps, is permanent: it
 // was marked with Permanent, its type says so (a Permanent() bool method
 // returning true), or it is ErrMessageTooLarge or ErrTopologyConflict.
-func IsPermanent(err error) bool {
-	var p permanent
-	if errors.As(err, &p) && p.Permanent() {
-		return true
-	}
-	return errors.Is(err, ErrMessageTooLarge) || errors.Is(err, ErrTopologyConflict)
-}
+func IsPermanent(err error) bool { return fault.IsPermanent(err) }
 
 // IsRetryable reports whether err is an error worth retrying: not nil and
 // not permanent.
-func IsRetryable(err error) bool { return err != nil && !IsPermanent(err) }
+func IsRetryable(err error) bool { return fault.IsRetryable(err) }

@@ -23,6 +23,7 @@ import (
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/names"
 	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/middleware/consumer"
 )
 
 // HandlerFunc processes one event. Returning nil acks it (after the inbox
@@ -406,7 +407,7 @@ func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []han
 		if err != nil {
 			return nil, nil, nil, err
 		}
-		sub := chain.Subscriber(chain.BrokerSource(broker, h.group))
+		sub := consumer.Subscriber(chain, consumer.BrokerSource(chain, broker, h.group))
 		handler := router.AddConsumerHandler(h.name, h.topic, sub, act.chain(handle))
 		for _, m := range b.routerMiddleware {
 			handler.AddMiddleware(m)

@@ -22,14 +22,14 @@ import (
 
 // chainOn builds one handler's chain on e with cfg and returns it wrapped
 // around handle, with the registry of its metrics.
-func chainOn(t *testing.T, e *env, cfg middleware.Config, handle message.NoPublishHandlerFunc) (message.NoPublishHandlerFunc, *consumer) {
+func chainOn(t *testing.T, e *env, cfg middleware.Config, handle message.NoPublishHandlerFunc) (message.NoPublishHandlerFunc, *testConsumer) {
 	t.Helper()
 	reg := prometheus.NewRegistry()
 	stack, err := middleware.New(cfg, middleware.Deps{DB: e.db, Schema: e.schema, Registerer: reg, Logger: testLogger()})
 	require.NoError(t, err)
 	chain, err := stack.Chain(middleware.Handler{Name: "billing", Topic: "orders", ConsumerGroup: "billing"})
 	require.NoError(t, err)
-	return chain.Wrap(handle), &consumer{reg: reg}
+	return chain.Wrap(handle), &testConsumer{reg: reg}
 }
 
 // forEachBatchSize runs test with one transaction per message and with
@@ -43,7 +43,7 @@ func forEachBatchSize(t *testing.T, test func(*testing.T, middleware.Config)) {
 	}
 }
 
-func (c *consumer) abandoned(t testing.TB) (total, running float64) {
+func (c *testConsumer) abandoned(t testing.TB) (total, running float64) {
 	labels := map[string]string{"handler": "billing"}
 	return c.metric(t, middleware.MetricAbandoned, labels), c.metric(t, middleware.MetricAbandonedActive, labels)
 }

@@ -10,7 +10,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/internal/fault"
 	"github.com/millrace-io/millrace/internal/store"
 )
 
@@ -394,7 +394,7 @@ func (b *batcher) undoTurn(ctx context.Context, tx Transaction, m *member, r ste
 	switch {
 	case errors.Is(undo, sql.ErrTxDone) && r.byHandler:
 		// The handler ended the transaction itself.
-		m.done <- adapters.Permanent(errTxEnded)
+		m.done <- fault.Permanent(errTxEnded)
 	case unreachable(undo) && r.byHandler && IsRetryable(r.err):
 		m.done <- &unavailableError{err: r.err}
 	default:

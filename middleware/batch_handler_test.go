@@ -65,7 +65,7 @@ func (l *batchCalls) all() []batchCallLog {
 // batchHandlerRun is a batch handler consuming a topic of its own.
 type batchHandlerRun struct {
 	e            *env
-	c            *consumer
+	c            *testConsumer
 	group, topic string
 	calls        batchCalls
 }

@@ -18,6 +18,7 @@ import (
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/middleware/consumer"
 )
 
 // BenchmarkConsumerThroughput consumes benchEvents events per iteration over
@@ -272,7 +273,7 @@ func (v *benchVariant) consume(b *testing.B, k *kit, e *env, n int) {
 	}
 	router, err := message.NewRouter(message.RouterConfig{}, testLogger())
 	require.NoError(b, err)
-	router.AddConsumerHandler(v.name, topic, chain.Subscriber(k.sourceFor(chain, group)), h)
+	router.AddConsumerHandler(v.name, topic, consumer.Subscriber(chain, k.sourceFor(chain, group)), h)
 	go func() { _ = router.Run(context.Background()) }()
 	b.StartTimer()
 	select {
@@ -400,7 +401,7 @@ func trickle(b *testing.B, k *kit, e *env, name string, cfg middleware.Config, b
 	}
 	router, err := message.NewRouter(message.RouterConfig{}, testLogger())
 	require.NoError(b, err)
-	router.AddConsumerHandler(name, topic, chain.Subscriber(k.sourceFor(chain, group)), aged)
+	router.AddConsumerHandler(name, topic, consumer.Subscriber(chain, k.sourceFor(chain, group)), aged)
 	go func() { _ = router.Run(context.Background()) }()
 	<-router.Running()
 	defer func() { require.NoError(b, router.Close()) }()

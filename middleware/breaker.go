@@ -125,7 +125,7 @@ func (b *breaker) stage(next step) step {
 		d := m.d
 		// d.attempts counts this delivery's attempts and, when the broker
 		// schedules the retries, the earlier deliveries.
-		w := &breakerWaiter{b: b, untried: d.attempts == 0, worker: m.worker}
+		w := &breakerWaiter{b: b, untried: d.attempts == 0, worker: m.lease.Worker}
 		defer w.done()
 		rejected := false
 		for {

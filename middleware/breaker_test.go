@@ -123,7 +123,7 @@ func (d *downDependency) call(msg *message.Message) error {
 
 // watchBreakerWhileDown checks that nothing is poisoned while d is down
 // and reports whether the breaker was seen open meanwhile.
-func watchBreakerWhileDown(t *testing.T, c *consumer, d *downDependency) bool {
+func watchBreakerWhileDown(t *testing.T, c *testConsumer, d *downDependency) bool {
 	sawOpen := false
 	for time.Now().UnixNano() < d.upAt.Load() {
 		if c.metric(t, middleware.MetricBreakerState, map[string]string{"handler": "billing"}) == middleware.BreakerOpen {

@@ -6,8 +6,8 @@ import (
 	"sort"
 	"time"
 
-	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/confload"
+	"github.com/millrace-io/millrace/internal/groupstart"
 	"github.com/millrace-io/millrace/internal/names"
 )
 
@@ -46,7 +46,7 @@ type Config struct {
 	// the new ones; not on RabbitMQ, whose queues keep no history). A group
 	// that exists keeps its position whatever Start says. Defaults to
 	// "new".
-	Start adapters.Start `yaml:"start"`
+	Start groupstart.Start `yaml:"start"`
 	// OrderingGuard drops (acks and counts as stale) an event whose
 	// aggregate-version is not newer than the version this consumer group
 	// already applied for its aggregate, inside the inbox transaction.
@@ -243,7 +243,7 @@ const (
 func (c Config) WithDefaults() Config {
 	c.Workers = cmp.Or(c.Workers, DefaultWorkers)
 	c.Ordered = orDefault(c.Ordered, false)
-	c.Start = cmp.Or(c.Start, adapters.StartNew)
+	c.Start = cmp.Or(c.Start, groupstart.New)
 	c.OrderingGuard = orDefault(c.OrderingGuard, false)
 	c.HandlerTimeout = cmp.Or(c.HandlerTimeout, DefaultHandlerTimeout)
 	c.MaxMetadataBytes = cmp.Or(c.MaxMetadataBytes, DefaultMaxMetadataBytes)
@@ -369,7 +369,7 @@ func (c Config) Validate(path string) []error {
 func (c Config) validateHandler(chk *confload.Checker, path string) {
 	at := func(field string) string { return confload.Join(path, field) }
 	chk.Positive(at("workers"), c.Workers)
-	chk.OneOf(at("start"), string(c.Start), string(adapters.StartNew), string(adapters.StartAll))
+	chk.OneOf(at("start"), string(c.Start), string(groupstart.New), string(groupstart.All))
 	if c.Prefetch < 0 || (c.Prefetch > 0 && c.Prefetch < c.Workers) {
 		chk.Add(at("prefetch"), "must be at least workers (%d); got %d", c.Workers, c.Prefetch)
 	}

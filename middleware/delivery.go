@@ -77,9 +77,10 @@ type inflight struct {
 	// a is the state of the current attempt, set by the attempt stage in
 	// the inner part's inflight.
 	a *attemptState
-	// worker is the message's hold on a worker of the runtime that released
-	// it (see Lease); nil when none did, and in the inner part of an attempt.
-	worker Worker
+	// lease is what the runtime that released the message knows of it:
+	// its worker and delivery number. The zero Lease when none did, and in
+	// the inner part of an attempt.
+	lease Lease
 	// tx is the inbox transaction, set by the transaction stage for the
 	// handler; nil with the inbox and the ordering guard both off.
 	tx Transaction

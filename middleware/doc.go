@@ -1,8 +1,9 @@
-// Package middleware is millrace's consumer side: the chain every handler
-// runs in (poison queue, jittered retry, circuit breaker, inbox in the
-// handler's transaction, ordering guard), the Dispatcher that feeds a handler
-// with bounded concurrency and per-aggregate order, and their configuration
-// (the consumer section of config.yaml).
+// Package middleware is millrace's consumer chain: the stages every
+// handler runs in (poison queue, jittered retry, circuit breaker, inbox in
+// the handler's transaction, ordering guard) and their configuration (the
+// consumer section of config.yaml). Package consumer, below it, is the
+// runtime that feeds a chain from a broker (the Dispatcher); this package
+// knows no broker.
 //
 // This comment describes what the chain does and why. README.md next to it
 // holds what a doc comment cannot: the per-broker tables (where a message
@@ -26,7 +27,7 @@
 //
 //	chain, err := stack.Chain(middleware.Handler{Name: "billing", Topic: "orders.events", ConsumerGroup: "billing"})
 //	router.AddConsumerHandler("billing", "orders.events",
-//		chain.Subscriber(middleware.Source{NewSubscriber: newSubscriber, Competing: true}),
+//		consumer.Subscriber(chain, consumer.Source{NewSubscriber: newSubscriber, Competing: true}),
 //		chain.Wrap(func(msg *message.Message) error {
 //			var o Order
 //			if err := middleware.DecodeJSON(msg, &o); err != nil {
@@ -492,8 +493,8 @@
 // list (one statement that locks the park row), acks it and counts it as
 // parked (OutcomeParked); other keys flow on. A replay of the poison row
 // (`millrace dlq replay`) or a skip (`millrace dlq skip`) only changes rows:
-// the head stays first, or goes, and the park is released. Chain.Subscriber
-// gives the Dispatcher one more input that drains released parks: a
+// the head stays first, or goes, and the park is released. consumer.Subscriber
+// gives the Dispatcher one more input (Chain.Parked) that drains released parks: a
 // consumer takes a park's lease (FOR UPDATE SKIP LOCKED; it outlives a
 // killed holder by at most 5 s and is renewed while a message is in the
 // chain), hands the list's messages, one at a time and in order, through
@@ -511,51 +512,14 @@
 // comes later still is acked without the handler (OutcomeSkipped). millrace_consumer_parked_aggregates{handler} gauges
 // the parks; the alert MillraceAggregatesParked fires when one stays.
 //
-// # Concurrency
+// # The runtime
 //
-// Watermill's router starts a goroutine per message it receives, and its
-// stock subscribers (amqp, nats, kafka) deliver the next message of a
-// subscription only after the current one is acked. So concurrency comes
-// from the number of subscriptions, and a second subscription of the same
-// queue would receive the next event of an aggregate before the first is
-// acked. Chain.Subscriber returns a Dispatcher that takes this into account:
-//
-//   - it opens consumer.workers subscriptions when Source.Competing and
-//     unordered, one otherwise (Source.KeyPartitioned, i.e. Kafka, always
-//     one);
-//   - it releases at most consumer.workers messages at a time to the router
-//     and, with consumer.ordered, one message per aggregate (or per
-//     Handler.OrderKey: a saga's handlers are ordered by correlation id) at
-//     a time, in delivery order; a message of a busy aggregate waits
-//     without blocking other aggregates (at most prefetch held);
-//   - a released message that waits after a failed attempt (the in-process
-//     retry backoff, an open breaker) gives its worker back meanwhile and
-//     takes one again, before any new message, when its wait ends: workers
-//     bounds the attempts running at once, so one that keeps failing or
-//     hanging does not hold the messages behind it back; an ordered one
-//     still holds its aggregate;
-//   - when a message of an aggregate is nacked, the ones queued behind it
-//     are nacked too, so its redelivery comes before them.
-//
-// Chain.BrokerSource(broker, group) is the Source bus.Run gives a handler:
-// the subscriber its ordered and retry.mode settings call for on that
-// broker. README.md says what each broker allows.
-//
-// # Stopping
-//
-// When the Dispatcher stops (the router's Close or the end of Subscribe's
-// context), no new message is released and held ones are nacked; waits for
-// a retry or the breaker end and the message is nacked. An attempt running
-// goes on: when it commits the message is acked; when it fails, or is
-// abandoned at handler_timeout, the message is nacked too, since a
-// retryable failure seen while stopping is no verdict on the message. A
-// stop never poisons. This happens while the subscriptions are still open;
-// then they close. Every message in flight is thus settled within
-// handler_timeout of the stop, and the Dispatcher's drain (handler_timeout
-// + 5s) and the router's CloseTimeout (give it more than that; bus.Run: the
-// longest handler_timeout + 10s) are real bounds, however the handlers
-// block. Abandoned goroutines still blocked then outlive the stop; they
-// commit nothing.
+// Package consumer (middleware/consumer) is the runtime that feeds a
+// chain: its Dispatcher subscribes to the broker, releases messages to
+// Watermill's router with bounded concurrency and per-aggregate order,
+// lends each its worker (Lease, Chain.Feed) and drains on a stop; its
+// BrokerSource picks the broker's subscriber. It is the only part of the
+// consumer side that knows the adapters: this package imports neither.
 //
 // [#645]: https://github.com/ThreeDotsLabs/watermill/issues/645
 // [#580]: https://github.com/ThreeDotsLabs/watermill/issues/580

@@ -16,8 +16,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/envelope"
+	"github.com/millrace-io/millrace/internal/fault"
 )
 
 // Error classes recorded in a poisoned message's failure envelope
@@ -34,12 +34,12 @@ const (
 // IsPermanent reports whether err, or any error it wraps, is permanent:
 // marked with bus.Permanent, an *InvalidError, a broker's refusal. It is
 // adapters.IsPermanent.
-func IsPermanent(err error) bool { return adapters.IsPermanent(err) }
+func IsPermanent(err error) bool { return fault.IsPermanent(err) }
 
 // IsRetryable is the one error classification every stage of the chain uses:
 // nil and permanent errors are not retryable, every other error is (a
 // timeout, a refused connection, a deadlock, a panic in the handler).
-func IsRetryable(err error) bool { return adapters.IsRetryable(err) }
+func IsRetryable(err error) bool { return fault.IsRetryable(err) }
 
 // InvalidError says which part of a consumed message is invalid. It is
 // permanent. Field is a path such as "payload.amount", "metadata" or

@@ -14,6 +14,7 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/middleware/consumer"
 )
 
 // A batch handler writes the invoices of a whole batch with one statement
@@ -84,7 +85,7 @@ func ExampleChain_WrapBatch() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	router.AddConsumerHandler("billing", "orders.events", chain.Subscriber(middleware.Source{
+	router.AddConsumerHandler("billing", "orders.events", consumer.Subscriber(chain, consumer.Source{
 		NewSubscriber: func() (message.Subscriber, error) { return broker, nil },
 	}), handle)
 	go router.Run(ctx) //nolint:errcheck // ends with Close

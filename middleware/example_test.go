@@ -16,6 +16,7 @@ import (
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/middleware/consumer"
 )
 
 // A service wires one chain per handler into Watermill's router: the chain
@@ -48,13 +49,13 @@ func Example() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	source := middleware.Source{
+	source := consumer.Source{
 		Competing: true, // a RabbitMQ queue or a NATS durable consumer per group
 		NewSubscriber: func() (message.Subscriber, error) {
 			return newBrokerSubscriber("billing") // the broker adapter's Subscriber(group)
 		},
 	}
-	router.AddConsumerHandler("billing", "orders.events", chain.Subscriber(source), chain.Wrap(func(msg *message.Message) error {
+	router.AddConsumerHandler("billing", "orders.events", consumer.Subscriber(chain, source), chain.Wrap(func(msg *message.Message) error {
 		var order struct {
 			ID     string `json:"id"`
 			Amount int    `json:"amount"`

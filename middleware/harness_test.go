@@ -23,6 +23,7 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/middleware/consumer"
 )
 
 // The integration tests take the broker as a parameter: a kit is one
@@ -44,9 +45,9 @@ func testLogger() watermill.LoggerAdapter {
 type kit struct {
 	name string
 	pub  message.Publisher
-	// source returns the middleware.Source of a consumer group, the stock
+	// source returns the consumer.Source of a consumer group, the stock
 	// subscriber's (sourceFor gives bus.Run's).
-	source func(group string) middleware.Source
+	source func(group string) consumer.Source
 	// provision makes topic and the groups' subscriptions exist before
 	// anything is published, so that nothing published is dropped.
 	provision func(t testing.TB, topic string, groups ...string)
@@ -71,12 +72,12 @@ var kitNames = []string{"gochannel", bus.KindKafka, bus.KindNATS, bus.KindRabbit
 
 // sourceFor is the Source bus.Run gives chain's handler in group: on a
 // broker adapter the subscriber chosen by its settings
-// (Chain.BrokerSource), on gochannel the only one.
-func (k *kit) sourceFor(chain *middleware.Chain, group string) middleware.Source {
+// (consumer.BrokerSource), on gochannel the only one.
+func (k *kit) sourceFor(chain *middleware.Chain, group string) consumer.Source {
 	if k.broker == nil {
 		return k.source(group)
 	}
-	return chain.BrokerSource(k.broker, group)
+	return consumer.BrokerSource(chain, k.broker, group)
 }
 
 func newKit(t testing.TB, name string, opts kitOptions) *kit {
@@ -96,8 +97,8 @@ func gochannelKit(t testing.TB) *kit {
 	return &kit{
 		name: "gochannel",
 		pub:  gc,
-		source: func(string) middleware.Source {
-			return middleware.Source{NewSubscriber: func() (message.Subscriber, error) { return noClose{gc}, nil }}
+		source: func(string) consumer.Source {
+			return consumer.Source{NewSubscriber: func() (message.Subscriber, error) { return noClose{gc}, nil }}
 		},
 		provision: func(testing.TB, string, ...string) {},
 	}
@@ -128,8 +129,8 @@ func adapterKit(t testing.TB, kind string, opts kitOptions) *kit {
 		name:   kind,
 		broker: broker,
 		pub:    broker.Publisher(),
-		source: func(group string) middleware.Source {
-			return middleware.Source{
+		source: func(group string) consumer.Source {
+			return consumer.Source{
 				Competing:      true,
 				KeyPartitioned: kind == bus.KindKafka,
 				NewSubscriber:  func() (message.Subscriber, error) { return broker.Subscriber(adapters.SubscriberSpec{Group: group}) },
@@ -211,8 +212,8 @@ func publish(t testing.TB, pub message.Publisher, topic string, msgs ...*message
 	}
 }
 
-// consumer is a running Watermill router with one chain per handler.
-type consumer struct {
+// testConsumer is a running Watermill router with one chain per handler.
+type testConsumer struct {
 	stack  *middleware.Stack
 	router *message.Router
 	reg    *prometheus.Registry
@@ -230,7 +231,7 @@ type handlerSpec struct {
 	probe middleware.ProbeFunc
 }
 
-func startConsumer(t testing.TB, k *kit, e *env, cfg middleware.Config, specs ...handlerSpec) *consumer {
+func startConsumer(t testing.TB, k *kit, e *env, cfg middleware.Config, specs ...handlerSpec) *testConsumer {
 	t.Helper()
 	reg := prometheus.NewRegistry()
 	stack, err := middleware.New(cfg, middleware.Deps{
@@ -240,7 +241,7 @@ func startConsumer(t testing.TB, k *kit, e *env, cfg middleware.Config, specs ..
 	require.NoError(t, stack.Check(context.Background()))
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 30 * time.Second}, testLogger())
 	require.NoError(t, err)
-	c := &consumer{stack: stack, router: router, reg: reg, chains: map[string]*middleware.Chain{}}
+	c := &testConsumer{stack: stack, router: router, reg: reg, chains: map[string]*middleware.Chain{}}
 	for _, s := range specs {
 		chain, err := stack.Chain(middleware.Handler{Name: s.name, Topic: s.topic, ConsumerGroup: s.group, Probe: s.probe})
 		require.NoError(t, err)
@@ -249,7 +250,7 @@ func startConsumer(t testing.TB, k *kit, e *env, cfg middleware.Config, specs ..
 		if s.batch != nil {
 			handle = func(message.NoPublishHandlerFunc) message.NoPublishHandlerFunc { return chain.WrapBatch(s.batch) }
 		}
-		h := router.AddConsumerHandler(s.name, s.topic, chain.Subscriber(k.source(s.group)), handle(s.handle))
+		h := router.AddConsumerHandler(s.name, s.topic, consumer.Subscriber(chain, k.source(s.group)), handle(s.handle))
 		if s.outer != nil {
 			h.AddMiddleware(s.outer)
 		}
@@ -277,7 +278,7 @@ func startConsumer(t testing.TB, k *kit, e *env, cfg middleware.Config, specs ..
 }
 
 // metric returns the value of the counter or gauge name with labels, 0 when absent.
-func (c *consumer) metric(t testing.TB, name string, labels map[string]string) float64 {
+func (c *testConsumer) metric(t testing.TB, name string, labels map[string]string) float64 {
 	t.Helper()
 	families, err := c.reg.Gather()
 	require.NoError(t, err)
@@ -306,11 +307,11 @@ func (c *consumer) metric(t testing.TB, name string, labels map[string]string) f
 }
 
 // messages is millrace_consumer_messages_total of handler and outcome.
-func (c *consumer) messages(t testing.TB, handler, outcome string) float64 {
+func (c *testConsumer) messages(t testing.TB, handler, outcome string) float64 {
 	return c.metric(t, middleware.MetricMessages, map[string]string{"handler": handler, "outcome": outcome})
 }
 
-func (c *consumer) close(t testing.TB) {
+func (c *testConsumer) close(t testing.TB) {
 	t.Helper()
 	require.NoError(t, c.router.Close())
 }

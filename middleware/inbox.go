@@ -9,8 +9,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 
-	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/envelope"
+	"github.com/millrace-io/millrace/internal/fault"
 )
 
 // errTxEnded explains a handler that ended the chain's transaction itself.
@@ -92,7 +92,7 @@ func commitError(ctx context.Context, err error) error {
 		// the retry is a duplicate.
 		return fmt.Errorf("inbox: commit failed, handler_timeout passed: %w", err)
 	case errors.Is(err, sql.ErrTxDone):
-		return adapters.Permanent(errTxEnded)
+		return fault.Permanent(errTxEnded)
 	default:
 		return ownStatement(fmt.Errorf("inbox: commit: %w", err))
 	}

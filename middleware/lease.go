@@ -8,7 +8,7 @@ import (
 )
 
 // Worker is a message's hold on one of the workers of the runtime that
-// released it to the chain (the Dispatcher). A message that waits after a
+// released it to the chain (package consumer's Dispatcher). A message that waits after a
 // failed attempt (the retry stage's backoff in process, the breaker while
 // it is open) gives its worker back meanwhile (Pause) and takes one again
 // before its next attempt (Resume), so that the messages behind it are not
@@ -27,6 +27,10 @@ type Worker interface {
 type Lease struct {
 	// Worker is the message's worker; nil for none.
 	Worker Worker
+	// Delivery is the message's delivery number (1 for the first
+	// delivery) when its broker schedules its redeliveries, which the
+	// retry stage then hands the waits to (see RetryAuto); 0 otherwise.
+	Delivery int
 }
 
 // Feed is how a runtime feeds a chain its messages (see Chain.Feed).
@@ -44,7 +48,7 @@ type Feed struct {
 
 // Feed tells the chain how the runtime that releases its messages to
 // Watermill's router feeds them (the Dispatcher calls it once, before it
-// releases any).
+// releases any; see package consumer).
 func (c *Chain) Feed(f Feed) {
 	if f.OneAtATime && c.batcher != nil {
 		c.batcher.limit.Store(1)
@@ -64,3 +68,18 @@ func (c *Chain) leaseOf(msg *message.Message) Lease {
 
 // leaseSource holds the Lease function of the chain's Feed.
 type leaseSource = atomic.Pointer[func(msg *message.Message) Lease]
+
+// offWorker runs wait, which may block, with the message's worker w given
+// to the next message meanwhile, and takes a worker again before it
+// returns. It returns wait's error, or ctx's when it ended while waiting
+// for a worker. A nil w (no runtime released the message) just waits.
+func offWorker(ctx context.Context, w Worker, wait func() error) error {
+	if w == nil {
+		return wait()
+	}
+	w.Pause()
+	if err := wait(); err != nil {
+		return err
+	}
+	return w.Resume(ctx)
+}

@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/store"
 )
 
@@ -65,8 +66,7 @@ func (c *Chain) park(next step) step {
 // parkKey is the park msg belongs to: its handler, group and order key
 // (Handler.OrderKey, else the aggregate), as the Dispatcher orders it.
 func (c *Chain) parkKey(msg *message.Message) store.ParkKey {
-	s := schedule{key: c.spec.OrderKey}
-	return store.ParkKey{Group: c.spec.ConsumerGroup, Handler: c.spec.Name, Key: s.keyOf(msg)}
+	return store.ParkKey{Group: c.spec.ConsumerGroup, Handler: c.spec.Name, Key: c.OrderKey(msg)}
 }
 
 // savePoisoned stores p, the poison row of msg, and with consumer.poison.park
@@ -95,8 +95,30 @@ func (c *Chain) savePoisoned(ctx context.Context, msg *message.Message, p store.
 	return tx.Commit()
 }
 
+// OrderKey is the key an ordered handler keeps the order of for msg:
+// Handler.OrderKey's, else the aggregate-id header. The Dispatcher orders
+// by it, and a park is of one.
+func (c *Chain) OrderKey(msg *message.Message) string {
+	if c.spec.OrderKey != nil {
+		if k := c.spec.OrderKey(msg); k != "" {
+			return k
+		}
+	}
+	return msg.Metadata.Get(envelope.AggregateIDKey)
+}
+
+// Parked returns the constructor of the runtime's input of parked
+// messages, the drain of the handler's released parks (consumer.Source's
+// Parked), or nil when the handler does not park (consumer.poison.park).
+func (c *Chain) Parked() func() (message.Subscriber, error) {
+	if !c.cfg.Parks() {
+		return nil
+	}
+	return c.parkedSubscriber
+}
+
 // parkedSubscriber is the Dispatcher's input of parked messages (see
-// Source.Parked).
+// Chain.Parked).
 func (c *Chain) parkedSubscriber() (message.Subscriber, error) {
 	host, _ := os.Hostname()
 	return &parkedSource{c: c, owner: fmt.Sprintf("%s/%d/%s", host, os.Getpid(), watermill.NewShortUUID())}, nil

@@ -229,7 +229,7 @@ func TestParkDrainsOnceWithCompetingConsumers(t *testing.T) {
 	// One consumer while a1's events arrive (two stock subscriptions would
 	// take them in parallel, out of order, before any park): v2 is
 	// poisoned, v3-v30 parked. The second joins before the release.
-	consumers := []*consumer{startConsumer(t, k, e, cfg, handlerSpec{name: "h", topic: p.topic, group: p.group, handle: handle})}
+	consumers := []*testConsumer{startConsumer(t, k, e, cfg, handlerSpec{name: "h", topic: p.topic, group: p.group, handle: handle})}
 	for v := 1; v <= 30; v++ {
 		publish(t, k.pub, p.topic, event(fmt.Sprintf("%s-a1-%d", p.topic, v), "a1", int64(v), "{}"))
 	}

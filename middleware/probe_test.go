@@ -160,7 +160,7 @@ func TestProbeHoldOutlastsAKafkaRebalance(t *testing.T) {
 	testkit.Eventually(t, time.Minute, "every event processed after recovery", func() bool {
 		return e.count(t, `SELECT count(*) FROM `+e.table("business")) == len(msgs)
 	})
-	for _, c := range []*consumer{first, second} {
+	for _, c := range []*testConsumer{first, second} {
 		require.Zero(t, c.messages(t, "billing", middleware.OutcomePoisoned), "nothing is poisoned")
 	}
 	require.Zero(t, e.count(t, `SELECT count(*) FROM (SELECT version < lag(version) OVER (PARTITION BY aggregate_id ORDER BY seq) AS back FROM `+

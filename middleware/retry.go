@@ -42,9 +42,8 @@ func newBackOff(cfg RetryConfig) *backoff.ExponentialBackOff {
 // (*abandonedError, *timedOutError) is a failed attempt like any other.
 //
 // With retry.mode auto, when the message came from a broker that
-// schedules redeliveries (adapters.Capabilities.ScheduledRedelivery: its
-// subscription recorded a delivery number for it, see BrokerSource) and
-// the handler is not ordered, a failed attempt that
+// schedules redeliveries (its Lease carries a delivery number: see
+// consumer.BrokerSource) and the handler is not ordered, a failed attempt that
 // will be retried is not waited for here: the stage returns a
 // *redeliverError, the message is nacked and the broker delivers it again
 // after RedeliveryWait of its delivery number, so the worker is free
@@ -68,8 +67,8 @@ func (c *Chain) retry(next step) step {
 	return func(m *inflight) error {
 		ctx := m.msg.Context()
 		d := m.d
-		delivery, scheduled := handedOut.Number(m.msg)
-		scheduled = scheduled && !*c.cfg.Ordered && cfg.Mode == RetryAuto && delivery >= 1
+		delivery := m.lease.Delivery
+		scheduled := !*c.cfg.Ordered && cfg.Mode == RetryAuto && delivery >= 1
 		if scheduled {
 			d.attempts = delivery - 1 // at least one attempt per earlier delivery
 		}
@@ -137,7 +136,7 @@ func (c *Chain) retry(next step) step {
 			c.stack.logger.Info("Attempt failed, retrying", c.logFields(d, watermill.LogFields{
 				"err": err.Error(), "wait": wait.String(), "max_attempts": cfg.MaxAttempts,
 			}))
-			if err := offWorker(ctx, m.worker, func() error { return c.stack.sleep(ctx, wait) }); err != nil {
+			if err := offWorker(ctx, m.lease.Worker, func() error { return c.stack.sleep(ctx, wait) }); err != nil {
 				return &shutdownError{cause: err}
 			}
 		}
@@ -148,7 +147,7 @@ func (c *Chain) retry(next step) step {
 // the first) on the retry ladder: retry.initial_interval times
 // retry.multiplier per further attempt, capped at retry.max_interval,
 // jittered when retry.jitter is on. A broker that schedules redeliveries
-// (adapters.SubscriberSpec.RedeliveryWait) waits it before delivering a message
+// (see consumer.BrokerSource) waits it before delivering a message
 // again, attempt being the number of the delivery that failed.
 func (c *Chain) RedeliveryWait(attempt int) time.Duration {
 	bo := newBackOff(c.cfg.Retry)

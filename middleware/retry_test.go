@@ -52,15 +52,17 @@ func retryChain(t *testing.T, retry RetryConfig) (*Chain, *fakeClock) {
 }
 
 // runRetry runs the retry stage over h for a message; with scheduled, its
-// subscription recorded scheduled[0] as its delivery number.
+// subscription recorded scheduled[0] as its delivery number, which the
+// Dispatcher lends the chain in the message's Lease.
 func runRetry(ctx context.Context, c *Chain, h step, scheduled ...int) (*delivery, error) {
 	msg := message.NewMessage("evt-1", nil)
+	var lease Lease
 	for _, n := range scheduled {
-		defer handedOut.Record(msg, n)()
+		lease.Delivery = n
 	}
 	d := &delivery{eventID: "evt-1"}
 	msg.SetContext(ctx)
-	err := c.retry(c.attempt(h))(&inflight{msg: msg, d: d})
+	err := c.retry(c.attempt(h))(&inflight{msg: msg, d: d, lease: lease})
 	return d, err
 }
 

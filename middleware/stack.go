@@ -257,6 +257,10 @@ func (c *Chain) Config() Config { return c.cfg }
 // Handler returns the handler the chain was built for.
 func (c *Chain) Handler() Handler { return c.spec }
 
+// Logger returns the logger of the chain's Stack (Deps.Logger), for the
+// runtime that feeds the chain.
+func (c *Chain) Logger() watermill.LoggerAdapter { return c.stack.logger }
+
 // stages returns the chain, outermost first. The stages pass the
 // message's inflight down (observe gives it its delivery state, the attempt
 // stage its attempt state), so they only work together and in this order:
@@ -303,7 +307,7 @@ func (c *Chain) Wrap(h message.NoPublishHandlerFunc) message.NoPublishHandlerFun
 		next = stages[i](next)
 	}
 	return func(msg *message.Message) error {
-		return next(&inflight{msg: msg, worker: c.leaseOf(msg).Worker})
+		return next(&inflight{msg: msg, lease: c.leaseOf(msg)})
 	}
 }
 

@@ -89,7 +89,7 @@ func TestPruneInboxDeletesExpiredRowsInBatches(t *testing.T) {
 	n, err = stack.PruneInbox(ctx)
 	require.NoError(t, err)
 	require.EqualValues(t, 2, n)
-	c := &consumer{reg: reg}
+	c := &testConsumer{reg: reg}
 	require.EqualValues(t, 28, c.metric(t, middleware.MetricInboxRows, map[string]string{"consumer_group": "g0"}))
 	require.EqualValues(t, 2, c.metric(t, middleware.MetricInboxPruned, nil))
 
@@ -124,7 +124,7 @@ func TestMetricsAreRegisteredOnTheCallersRegistry(t *testing.T) {
 		names = append(names, f.GetName())
 	}
 	require.Contains(t, names, middleware.MetricBreakerState, fmt.Sprint(names))
-	c := &consumer{reg: reg}
+	c := &testConsumer{reg: reg}
 	require.EqualValues(t, middleware.BreakerClosed, c.metric(t, middleware.MetricBreakerState, map[string]string{"handler": "billing"}))
 	global, err := prometheus.DefaultGatherer.Gather()
 	require.NoError(t, err)

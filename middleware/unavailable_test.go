@@ -48,7 +48,7 @@ func TestUnreachableDatabaseUsesNoRetries(t *testing.T) {
 	err = handle(msg)
 	require.ErrorContains(t, err, "consumer stopping, message returned for redelivery")
 	require.Zero(t, calls, "the handler never ran without its transaction")
-	c := &consumer{reg: reg}
+	c := &testConsumer{reg: reg}
 	require.Zero(t, c.messages(t, "billing", middleware.OutcomeRetried), "no attempt was counted against the message")
 	require.Zero(t, c.messages(t, "billing", middleware.OutcomePoisoned))
 }

@@ -9,7 +9,7 @@ import (
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/testing/adaptertest"
-	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/middleware/consumer"
 )
 
 // An ordered handler on a topic of one partition with 16 workers and 64
@@ -32,7 +32,7 @@ func TestOrderedSubscriberManyInFlight(t *testing.T) {
 	topic, group := adaptertest.Name("ordered"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
 	load := adaptertest.NewManyInFlight(t, b, topic)
-	src := middleware.Source{
+	src := consumer.Source{
 		NewSubscriber: func() (message.Subscriber, error) {
 			return b.Subscriber(adapters.SubscriberSpec{Group: group, Ordered: true, InFlight: load.Prefetch()})
 		},
@@ -51,8 +51,8 @@ func TestOrderedSubscriberManyInFlight(t *testing.T) {
 	first.Stop(t)
 	// The stock subscriber: one message in flight per partition, on
 	// another topic of one partition.
-	load.Finish(t, b, "a rebalance and a stop", func(group string) middleware.Source {
-		return middleware.Source{
+	load.Finish(t, b, "a rebalance and a stop", func(group string) consumer.Source {
+		return consumer.Source{
 			NewSubscriber:  func() (message.Subscriber, error) { return b.Subscriber(adapters.SubscriberSpec{Group: group}) },
 			Competing:      true,
 			KeyPartitioned: true,

@@ -13,7 +13,7 @@ import (
 	"github.com/millrace-io/millrace/adapters/nats/natsdev"
 	"github.com/millrace-io/millrace/internal/testing/adaptertest"
 	testservers "github.com/millrace-io/millrace/internal/testing/servers"
-	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/middleware/consumer"
 )
 
 // benchServers are the servers the benchmarks compare: the embedded server
@@ -135,7 +135,7 @@ func benchOrdered(b *testing.B, url string, many bool) {
 		require.NoError(b, br.ProvisionGroup(ctx, topic, adapters.GroupSpec{Name: group, Start: adapters.StartAll, Ordered: true}))
 		b.Cleanup(func() { _ = br.forgetLeases(context.Background(), topic, []string{group}) })
 		adaptertest.PublishOrdered(b, br, topic, aggregates, per)
-		src := middleware.Source{NewSubscriber: func() (message.Subscriber, error) { return br.Subscriber(adapters.SubscriberSpec{Group: group}) }, Competing: true}
+		src := consumer.Source{NewSubscriber: func() (message.Subscriber, error) { return br.Subscriber(adapters.SubscriberSpec{Group: group}) }, Competing: true}
 		if many {
 			src.NewSubscriber = func() (message.Subscriber, error) {
 				return br.Subscriber(adapters.SubscriberSpec{Group: group, Ordered: true, InFlight: prefetch})

@@ -13,7 +13,7 @@ import (
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/testing/adaptertest"
-	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/middleware/consumer"
 )
 
 // An ordered handler on one stream with 16 workers and 64 aggregates has
@@ -44,10 +44,10 @@ func TestOrderedSubscriberManyInFlight(t *testing.T) {
 			require.NotNil(t, nc, "the subscription consumes")
 			require.NoError(t, nc.ForceReconnect())
 		},
-		func(group string) middleware.Source {
+		func(group string) consumer.Source {
 			// The stock subscriber on a consumer with max_ack_pending 1.
 			require.NoError(t, b.ProvisionGroup(context.Background(), topic, adapters.GroupSpec{Name: group, Start: adapters.StartAll, Ordered: true}))
-			return middleware.Source{
+			return consumer.Source{
 				NewSubscriber: func() (message.Subscriber, error) { return b.Subscriber(adapters.SubscriberSpec{Group: group}) },
 				Competing:     true,
 			}

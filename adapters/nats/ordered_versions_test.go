@@ -13,7 +13,7 @@ import (
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/testing/adaptertest"
 	"github.com/millrace-io/millrace/internal/testing/servers"
-	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/middleware/consumer"
 )
 
 // The ordered subscriber's design (a lease in a key-value bucket, the
@@ -65,7 +65,7 @@ func orderedAcrossTakeovers(t *testing.T, url string) {
 
 	l := adaptertest.NewOrderLedger()
 	start := func(b *Broker) *adaptertest.OrderedConsumer {
-		src := middleware.Source{
+		src := consumer.Source{
 			NewSubscriber: func() (message.Subscriber, error) {
 				return b.Subscriber(adapters.SubscriberSpec{Group: group, Ordered: true, InFlight: workers})
 			},

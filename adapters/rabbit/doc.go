@@ -72,7 +72,7 @@
 // handed out is settled, and closes its channel; the quorum queue then puts
 // the unacked messages back at its head in their delivery order, and the
 // subscription consumes again. Closing it, a crash or a lost connection
-// return them the same way. With the middleware Dispatcher holding the
+// return them the same way. With the consumer Dispatcher holding the
 // messages of busy aggregates, an ordered handler runs consumer.workers
 // aggregates at once from its one queue, in order across nacks and
 // restarts. Each such return counts as a delivery of every message

@@ -9,7 +9,7 @@ import (
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/testing/adaptertest"
-	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/middleware/consumer"
 )
 
 // An ordered handler on one quorum queue with 16 workers and 64 aggregates
@@ -38,8 +38,8 @@ func TestOrderedSubscriberManyInFlight(t *testing.T) {
 			require.NoError(t, sub.conn.Close())
 		},
 		// The stock subscriber: one message in flight, on another group.
-		func(group string) middleware.Source {
-			return middleware.Source{
+		func(group string) consumer.Source {
+			return consumer.Source{
 				NewSubscriber: func() (message.Subscriber, error) { return b.Subscriber(adapters.SubscriberSpec{Group: group}) },
 				Competing:     true,
 			}

@@ -13,7 +13,7 @@ import (
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/envelope"
-	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/middleware/consumer"
 )
 
 // OrderLedger is an ordered handler's view of what it handled, for the
@@ -161,14 +161,14 @@ func PublishOrdered(t testing.TB, b adapters.Broker, topic string, aggregates, p
 // workers and prefetch over one subscription of its Source, each message
 // handled by an OrderLedger.
 type OrderedConsumer struct {
-	d    *middleware.Dispatcher
+	d    *consumer.Dispatcher
 	done chan struct{}
 	// Subs receives each subscriber the Dispatcher opens.
 	Subs chan message.Subscriber
 }
 
 // StartOrdered starts an OrderedConsumer on topic.
-func StartOrdered(t testing.TB, topic string, src middleware.Source, workers, prefetch int, l *OrderLedger, latency time.Duration, nackEvery int) *OrderedConsumer {
+func StartOrdered(t testing.TB, topic string, src consumer.Source, workers, prefetch int, l *OrderLedger, latency time.Duration, nackEvery int) *OrderedConsumer {
 	t.Helper()
 	c := &OrderedConsumer{done: make(chan struct{}), Subs: make(chan message.Subscriber, 1)}
 	newSub := src.NewSubscriber
@@ -179,7 +179,7 @@ func StartOrdered(t testing.TB, topic string, src middleware.Source, workers, pr
 		}
 		return s, err
 	}
-	c.d = middleware.NewDispatcher(src, middleware.DispatchConfig{Workers: workers, Prefetch: prefetch, Ordered: true, DrainTimeout: 30 * time.Second})
+	c.d = consumer.NewDispatcher(src, consumer.DispatchConfig{Workers: workers, Prefetch: prefetch, Ordered: true, DrainTimeout: 30 * time.Second})
 	require.Equal(t, 1, c.d.Subscriptions())
 	msgs, err := c.d.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
@@ -206,7 +206,7 @@ func (c *OrderedConsumer) Stop(t testing.TB) {
 // publishes per events to each of aggregates aggregates on a topic and group
 // of its own, consumes them with workers, prefetch and latency as
 // StartOrdered does, and checks that they took effect in order.
-func OneInFlightRate(t *testing.T, b adapters.Broker, newSource func(group string) middleware.Source, aggregates, per, workers, prefetch int, latency time.Duration) float64 {
+func OneInFlightRate(t *testing.T, b adapters.Broker, newSource func(group string) consumer.Source, aggregates, per, workers, prefetch int, latency time.Duration) float64 {
 	t.Helper()
 	topic, group := Name("ordered"), Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
@@ -253,7 +253,7 @@ func (m *ManyInFlight) Prefetch() int { return m.prefetch }
 
 // Start starts an OrderedConsumer of the load over src; the first one
 // starts the clock.
-func (m *ManyInFlight) Start(t *testing.T, src middleware.Source) *OrderedConsumer {
+func (m *ManyInFlight) Start(t *testing.T, src consumer.Source) *OrderedConsumer {
 	t.Helper()
 	if m.start.IsZero() {
 		m.start = time.Now()
@@ -277,7 +277,7 @@ func (m *ManyInFlight) Fault(t *testing.T, n int) {
 // and logs the rate next to that of the same load, 5 events per
 // aggregate, over the one-in-flight subscriber stock gives for a group of
 // its own (OneInFlightRate); faults says what the test did meanwhile.
-func (m *ManyInFlight) Finish(t *testing.T, b adapters.Broker, faults string, stock func(group string) middleware.Source, running ...*OrderedConsumer) {
+func (m *ManyInFlight) Finish(t *testing.T, b adapters.Broker, faults string, stock func(group string) consumer.Source, running ...*OrderedConsumer) {
 	t.Helper()
 	m.Ledger.WaitHandled(t, m.Events())
 	elapsed := time.Since(m.start)
@@ -298,9 +298,9 @@ func (m *ManyInFlight) Finish(t *testing.T, b adapters.Broker, faults string, st
 // subscriber once a third of the load was handled (messages in flight and
 // held), a stop and a new consumer at two thirds, then Finish against
 // stock.
-func (m *ManyInFlight) LostConnectionAndRestart(t *testing.T, b adapters.Broker, newSubscriber func() (message.Subscriber, error), loseConnection func(message.Subscriber), stock func(group string) middleware.Source) {
+func (m *ManyInFlight) LostConnectionAndRestart(t *testing.T, b adapters.Broker, newSubscriber func() (message.Subscriber, error), loseConnection func(message.Subscriber), stock func(group string) consumer.Source) {
 	t.Helper()
-	src := middleware.Source{NewSubscriber: newSubscriber, Competing: true, Concurrent: true}
+	src := consumer.Source{NewSubscriber: newSubscriber, Competing: true, Concurrent: true}
 	c := m.Start(t, src)
 	sub := <-c.Subs
 	m.Fault(t, m.Events()/3)

@@ -1,4 +1,4 @@
-package middleware
+package consumer
 
 import (
 	"context"
@@ -13,6 +13,7 @@ import (
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/envelope"
+	"github.com/millrace-io/millrace/middleware"
 )
 
 // Source says how to open a handler's subscriptions and what the broker
@@ -43,7 +44,8 @@ type Source struct {
 	// from it, one per aggregate when ordered.
 	Concurrent bool
 	// Parked, when set, opens one more input: the drain of the handler's
-	// released parks (consumer.poison.park; Chain.Subscriber sets it).
+	// released parks (consumer.poison.park; Subscriber sets it from
+	// Chain.Parked).
 	Parked func() (message.Subscriber, error)
 }
 
@@ -120,25 +122,25 @@ type DispatchConfig struct {
 	Logger watermill.LoggerAdapter
 }
 
-// Subscriber returns the handler's Dispatcher over src, sized by the
-// handler's workers, prefetch and ordered settings, draining for up to
+// Subscriber returns the Dispatcher of chain's handler over src, sized by
+// the handler's workers, prefetch and ordered settings, draining for up to
 // handler_timeout plus 5s when it stops (an attempt running at the stop
 // returns or is abandoned within handler_timeout; the 5s are for the nacks
-// and acks to reach the broker). Pass it to the router as the handler's
-// subscriber; the router's CloseTimeout should exceed that drain.
-func (c *Chain) Subscriber(src Source) *Dispatcher {
+// and acks to reach the broker), and feeding chain (Chain.Feed). Pass it to
+// the router as the handler's subscriber, with chain.Wrap(h) as its
+// handler; the router's CloseTimeout should exceed that drain.
+func Subscriber(chain *middleware.Chain, src Source) *Dispatcher {
+	cfg := chain.Config()
 	d := NewDispatcher(src, DispatchConfig{
-		Workers:      c.cfg.Workers,
-		Prefetch:     c.cfg.EffectivePrefetch(),
-		Ordered:      *c.cfg.Ordered,
-		DrainTimeout: c.cfg.HandlerTimeout + 5*time.Second,
-		Logger:       c.stack.logger,
-		Key:          c.spec.OrderKey,
+		Workers:      cfg.Workers,
+		Prefetch:     cfg.EffectivePrefetch(),
+		Ordered:      *cfg.Ordered,
+		DrainTimeout: cfg.HandlerTimeout + 5*time.Second,
+		Logger:       chain.Logger(),
+		Key:          chain.OrderKey,
 	})
-	if c.cfg.Parks() {
-		d.src.Parked = c.parkedSubscriber // park.go
-	}
-	c.Feed(Feed{
+	d.src.Parked = chain.Parked() // nil unless the chain parks (consumer.poison.park)
+	chain.Feed(middleware.Feed{
 		Lease: d.lease,
 		// One subscription of a stock subscriber holds one message at a time.
 		OneAtATime: d.subs == 1 && src.Competing && !src.KeyPartitioned && !src.Concurrent,
@@ -148,14 +150,15 @@ func (c *Chain) Subscriber(src Source) *Dispatcher {
 
 // lease is the Lease of msg, a message the Dispatcher released, for the
 // chain it feeds.
-func (d *Dispatcher) lease(msg *message.Message) Lease {
-	if slot, ok := d.leases.Load(msg); ok {
-		return Lease{Worker: slot.(*workerSlot)}
+func (d *Dispatcher) lease(msg *message.Message) middleware.Lease {
+	if v, ok := d.leases.Load(msg); ok {
+		slot := v.(*workerSlot)
+		return middleware.Lease{Worker: slot, Delivery: slot.delivery}
 	}
-	return Lease{}
+	return middleware.Lease{}
 }
 
-// BrokerSource is the Source of the chain's handler in consumerGroup on
+// BrokerSource is the Source of chain's handler in consumerGroup on
 // broker, with the subscriber bus.Run gives it, decided from the broker's
 // Capabilities alone:
 //
@@ -173,10 +176,14 @@ func (d *Dispatcher) lease(msg *message.Message) Lease {
 //     hand out many messages at once (ConcurrentFlight: every millrace
 //     adapter), where a stock subscription holds one;
 //   - otherwise the broker's stock subscription.
-func (c *Chain) BrokerSource(broker adapters.Broker, consumerGroup string) Source {
+//
+// A subscription with a RedeliveryWait records each message's delivery
+// number, which the Dispatcher reads into the message's Lease.
+func BrokerSource(chain *middleware.Chain, broker adapters.Broker, consumerGroup string) Source {
 	caps := broker.Capabilities()
+	cfg := chain.Config()
 	spec := brokerSpec(caps, adapters.SubscriberSpec{Group: consumerGroup},
-		*c.cfg.Ordered, c.cfg.Retry.Mode == RetryAuto, c.cfg.EffectivePrefetch(), c.RedeliveryWait)
+		*cfg.Ordered, cfg.Retry.Mode == middleware.RetryAuto, cfg.EffectivePrefetch(), chain.RedeliveryWait)
 	return Source{
 		NewSubscriber:  func() (message.Subscriber, error) { return broker.Subscriber(spec) },
 		Competing:      true,
@@ -188,7 +195,7 @@ func (c *Chain) BrokerSource(broker adapters.Broker, consumerGroup string) Sourc
 // brokerSpec completes spec for a handler (ordered or not, with retry.mode
 // auto or not, inFlight its consumer.prefetch) on a broker with caps. A
 // spec with a RedeliveryWait records its delivery numbers in handedOut,
-// where the retry stage reads them.
+// where the Dispatcher reads them.
 func brokerSpec(caps adapters.Capabilities, spec adapters.SubscriberSpec, ordered, auto bool, inFlight int,
 	wait func(int) time.Duration) adapters.SubscriberSpec {
 	scheduled := !ordered && auto && caps.ScheduledRedelivery
@@ -211,13 +218,14 @@ func brokerSpec(caps adapters.Capabilities, spec adapters.SubscriberSpec, ordere
 // handedOut holds the delivery numbers of the messages that subscriptions
 // with a RedeliveryWait have handed out, until each is settled: the
 // subscription records a message's number before the message reaches the
-// Dispatcher, and the retry stage reads it by the message. One table
+// Dispatcher, which reads it by the message into its Lease. One table
 // serves every chain of the process: its keys are the messages themselves,
 // so no chain sees another's.
 var handedOut adapters.Deliveries
 
-// NewDispatcher returns a Dispatcher over src. Chain.Subscriber is the usual
-// way to get one.
+// NewDispatcher returns a Dispatcher over src. Subscriber is the usual way
+// to get one: a Dispatcher from NewDispatcher feeds no chain, so the
+// messages it releases give no worker back while they wait.
 func NewDispatcher(src Source, cfg DispatchConfig) *Dispatcher {
 	cfg.Workers = max(cfg.Workers, 1)
 	cfg.Prefetch = max(cfg.Prefetch, cfg.Workers)
@@ -443,7 +451,8 @@ func (d *Dispatcher) dispatch(s *schedule, in <-chan *message.Message, out chan<
 			// Dispatcher stops, whichever is first (see watch).
 			ctx, cancel := context.WithCancel(msg.Context())
 			msg.SetContext(ctx)
-			s.add(msg, cancel, &workerSlot{d: d})
+			delivery, _ := handedOut.Number(msg)
+			s.add(msg, cancel, &workerSlot{d: d, delivery: delivery})
 		case send <- next:
 			cancel := s.release()
 			d.wg.Add(1)

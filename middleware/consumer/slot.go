@@ -1,4 +1,4 @@
-package middleware
+package consumer
 
 import (
 	"context"
@@ -7,7 +7,7 @@ import (
 )
 
 // workerSlot is a released message's hold on one of its Dispatcher's
-// workers. A message that waits after a failed attempt (the retry stage's
+// workers: the middleware.Worker of its Lease. A message that waits after a failed attempt (the retry stage's
 // backoff in process, the breaker while it is open) gives its worker back
 // meanwhile (pause) and takes one again before its next attempt (resume),
 // so that the messages behind it are not held back by one that keeps
@@ -17,7 +17,10 @@ import (
 // still wait for it. Only the Dispatcher's scheduler goroutine touches the
 // fields.
 type workerSlot struct {
-	d        *Dispatcher
+	d *Dispatcher
+	// delivery is the broker's delivery number of the message (see
+	// middleware.Lease), set before the slot is shared.
+	delivery int
 	paused   bool // waiting off its worker
 	finished bool // acked or nacked
 }
@@ -56,21 +59,6 @@ func (w *workerSlot) Resume(ctx context.Context) error {
 	case <-ctx.Done():
 		return context.Cause(ctx)
 	}
-}
-
-// offWorker runs wait, which may block, with the message's worker w given
-// to the next message meanwhile, and takes a worker again before it
-// returns. It returns wait's error, or ctx's when it ended while waiting
-// for a worker. A nil w (no runtime released the message) just waits.
-func offWorker(ctx context.Context, w Worker, wait func() error) error {
-	if w == nil {
-		return wait()
-	}
-	w.Pause()
-	if err := wait(); err != nil {
-		return err
-	}
-	return w.Resume(ctx)
 }
 
 // onSlotRequest applies req in the scheduler goroutine.

@@ -479,16 +479,25 @@ func (b *Bus) consumerStack(ctx context.Context, poison message.Publisher, cfg m
 // chain builds h's chain on stack and h's func wrapped in it: the one
 // place Run and ConsumerChain build a handler. act, when not nil, records
 // each call of the handler for the health checks.
+//
+// The handler is adapted first, so that the path from Handle to the chain
+// leaves bus once: bus's part (decoding, span, causation) is all built
+// before the chain is.
 func (b *Bus) chain(stack *middleware.Stack, h handlerSpec, act *activity) (*middleware.Chain, message.NoPublishHandlerFunc, error) {
+	var wrap func(*middleware.Chain) message.NoPublishHandlerFunc
+	if h.batch != nil {
+		fn := b.adaptBatch(h, act)
+		wrap = func(c *middleware.Chain) message.NoPublishHandlerFunc { return c.WrapBatch(fn) }
+	} else {
+		fn := b.adapt(h, act)
+		wrap = func(c *middleware.Chain) message.NoPublishHandlerFunc { return c.Wrap(fn) }
+	}
 	chain, err := stack.Chain(middleware.Handler{Name: h.name, Topic: h.topic, ConsumerGroup: h.group, Probe: h.probe,
 		Takes: h.takes, OrderKey: h.orderKey})
 	if err != nil {
 		return nil, nil, err
 	}
-	if h.batch != nil {
-		return chain, chain.WrapBatch(b.adaptBatch(h, act)), nil
-	}
-	return chain, chain.Wrap(b.adapt(h, act)), nil
+	return chain, wrap(chain), nil
 }
 
 // adapt turns a HandlerFunc into the innermost Watermill handler: it decodes

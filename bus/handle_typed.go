@@ -108,9 +108,6 @@ func WithUnknownTypes(rule UnknownTypes) HandleOption {
 	return func(s *handlerSpec) { s.unknown = rule }
 }
 
-// MetricUnknownTypes counts events typed handlers had no route for.
-const MetricUnknownTypes = "millrace_consumer_unknown_types_total"
-
 // HandleTypes registers one handler, name, for the routes: one consumer
 // group that receives every event of their topic and calls the route whose
 // type the event's event-type names. The routes must be on one topic and

@@ -12,15 +12,23 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
-// MetricConsumerLag is the histogram of consumer lag: from an event's
-// occurred-at to the end of its processing (the handler's transaction
-// committed, before the ack), per handler.
-const MetricConsumerLag = "millrace_consumer_lag_seconds"
-
-// MetricConsumerBacklog is the gauge of the messages a handler's consumer
-// group has not consumed yet, per partition (empty on brokers without
-// partitions), as the broker tells it every metrics.backlog_interval.
-const MetricConsumerBacklog = "millrace_consumer_backlog"
+// Names of the metrics bus registers itself (the chain's are middleware's).
+const (
+	// MetricConsumerLag is the histogram of consumer lag: from an event's
+	// occurred-at to the end of its processing (the handler's transaction
+	// committed, before the ack), per handler.
+	MetricConsumerLag = "millrace_consumer_lag_seconds"
+	// MetricConsumerBacklog is the gauge of the messages a handler's
+	// consumer group has not consumed yet, per partition (empty on brokers
+	// without partitions), as the broker tells it every
+	// metrics.backlog_interval.
+	MetricConsumerBacklog = "millrace_consumer_backlog"
+	// MetricUnknownTypes counts events typed handlers had no route for.
+	MetricUnknownTypes = "millrace_consumer_unknown_types_total"
+	// MetricSagaUnmatched counts saga events that matched no running
+	// instance.
+	MetricSagaUnmatched = "millrace_saga_unmatched_total"
+)
 
 // newBacklogMetric registers the consumer backlog gauge on reg.
 func newBacklogMetric(reg prometheus.Registerer) (*prometheus.GaugeVec, error) {

@@ -540,9 +540,6 @@ func (r pgxRow) Scan(dest ...any) error {
 	return err
 }
 
-// MetricSagaUnmatched counts saga events that matched no running instance.
-const MetricSagaUnmatched = "millrace_saga_unmatched_total"
-
 // sagaRetention is a registered saga's retention, for Run's cleanup.
 type sagaRetention struct {
 	name      string

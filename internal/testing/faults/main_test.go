@@ -89,7 +89,23 @@ func report() string {
 		return cmp.Or(cmp.Compare(scenarioRank(a.scenario), scenarioRank(b.scenario)), cmp.Compare(a.broker, b.broker))
 	})
 	var b strings.Builder
-	b.WriteString(`# Reliability
+	b.WriteString(reportIntro())
+	for _, r := range rows {
+		b.WriteString(r.tableRow())
+	}
+	b.WriteString("\nNotes from the run:\n\n")
+	for _, r := range rows {
+		if r.note != "" {
+			fmt.Fprintf(&b, "- %s on %s: %s\n", r.scenario, r.broker, r.note)
+		}
+	}
+	return b.String()
+}
+
+// reportIntro is what the report says before its table: how the suite
+// runs, what it checks, and the table's head.
+func reportIntro() string {
+	return `# Reliability
 
 Generated from a run of the fault-injection suite (internal/faults) on
 ` + time.Now().UTC().Format("2006-01-02") + `, on a 2-core machine, with -race; ` + "`make reliability`" + `
@@ -144,7 +160,7 @@ flight on NATS (batches of 1), one per partition on Kafka and one per
 aggregate on RabbitMQ, so the scenarios that do not check order run their
 consumers unordered, and form batches of several messages on every broker.
 
-The parked-aggregate scenarios (issue 33) run an ordered stream over 20
+The parked-aggregate scenarios run an ordered stream over 20
 aggregates in which a bug refuses one event: it is poisoned and parks its
 aggregate (` + "`consumer.poison.park`" + `), whose later events are recorded and acked
 while the 19 others flow; consumers are SIGKILLed meanwhile and while they
@@ -155,32 +171,27 @@ version order per aggregate.
 
 | Scenario | Broker | Events committed | Rolled back | Faults injected | Lost | Duplicated effects | Order checked | Effects per transaction | Recovery | Commit to effect |
 |---|---|---:|---:|---|---:|---:|---|---:|---:|---|
-`)
-	for _, r := range rows {
-		order := fmt.Sprintf("yes: %d out of order", r.o.outOfOrder)
-		if !r.ordered {
-			order = fmt.Sprintf("not promised: %d out of order", r.o.outOfOrder)
-		}
-		events := fmt.Sprint(r.o.committed)
-		if r.o.malformed > 0 {
-			events = fmt.Sprintf("%d + %d malformed", r.o.committed, r.o.malformed)
-		}
-		recovery := "n/a (a continuous fault)"
-		if r.recovery > 0 {
-			recovery = r.recovery.Round(100 * time.Millisecond).String()
-		}
-		lost := fmt.Sprint(r.o.lost)
-		if r.knownLoss != "" {
-			lost += " (" + r.knownLoss + ")"
-		}
-		fmt.Fprintf(&b, "| %s | %s | %s | %d | %s | %s | %d | %s | %.1f (max %d) | %s | %s |\n", r.scenario, r.broker, events,
-			r.o.rolledBack, r.faults, lost, r.o.duplicated, order, r.o.perTransaction(), r.o.largestBatch, recovery, r.latency)
+`
+}
+
+// tableRow is r's row of the report's table.
+func (r result) tableRow() string {
+	order := fmt.Sprintf("yes: %d out of order", r.o.outOfOrder)
+	if !r.ordered {
+		order = fmt.Sprintf("not promised: %d out of order", r.o.outOfOrder)
 	}
-	b.WriteString("\nNotes from the run:\n\n")
-	for _, r := range rows {
-		if r.note != "" {
-			fmt.Fprintf(&b, "- %s on %s: %s\n", r.scenario, r.broker, r.note)
-		}
+	events := fmt.Sprint(r.o.committed)
+	if r.o.malformed > 0 {
+		events = fmt.Sprintf("%d + %d malformed", r.o.committed, r.o.malformed)
 	}
-	return b.String()
+	recovery := "n/a (a continuous fault)"
+	if r.recovery > 0 {
+		recovery = r.recovery.Round(100 * time.Millisecond).String()
+	}
+	lost := fmt.Sprint(r.o.lost)
+	if r.knownLoss != "" {
+		lost += " (" + r.knownLoss + ")"
+	}
+	return fmt.Sprintf("| %s | %s | %s | %d | %s | %s | %d | %s | %.1f (max %d) | %s | %s |\n", r.scenario, r.broker, events,
+		r.o.rolledBack, r.faults, lost, r.o.duplicated, order, r.o.perTransaction(), r.o.largestBatch, recovery, r.latency)
 }

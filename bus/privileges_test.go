@@ -149,23 +149,7 @@ type serviceRun struct {
 func startService(t *testing.T, revoke int) *serviceRun {
 	t.Helper()
 	ctx := context.Background()
-	var cfg bus.Config
-	brokertest.Apply(t, bus.KindNATS, &cfg)
-	cfg.Relay.PollInterval = 50 * time.Millisecond
-	cfg.Relay.CleanupInterval = 50 * time.Millisecond
-	cfg.Relay.Retention = new(time.Duration(0))
-	cfg.Consumer.Workers = 1
-	cfg.Consumer.OrderingGuard = new(true)
-	cfg.Consumer.Retry.MaxAttempts = 1
-	cfg.Consumer.Inbox.Retention = time.Millisecond
-	cfg.Consumer.Inbox.CleanupInterval = 50 * time.Millisecond
-	// The saga's step fails twice for o-2 before it succeeds: its error is
-	// recorded, then replaced.
-	cfg.Consumer.Handlers = map[string]middleware.Config{"fulfilment": {Retry: middleware.RetryConfig{
-		MaxAttempts: 3, InitialInterval: 10 * time.Millisecond, MaxInterval: 10 * time.Millisecond, Mode: middleware.RetryInProcess}},
-		// Ordered: the bad event parks o-3, whose next event waits behind
-		// it until the operator skips it (releaseParks).
-		"billing": {Ordered: new(true)}}
+	cfg := privilegeConfig(t)
 	s := &serviceRun{r: newRoles(t, cfg, revoke), ev: &evidence{}, handled: map[string]bool{}}
 	cfg.Database.Schema = s.r.schema
 	s.cfg = cfg
@@ -184,6 +168,57 @@ func startService(t *testing.T, revoke int) *serviceRun {
 		return s
 	}
 	t.Cleanup(func() { b.Close() })
+	s.handle(t, b, topic)
+	runCtx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- b.Run(runCtx) }()
+	var once sync.Once
+	var runErr error
+	s.stop = func() error {
+		once.Do(func() { cancel(); runErr = <-done })
+		return runErr
+	}
+	t.Cleanup(func() { _ = s.stop() })
+	s.ev.add(b.PublishInOwnTx(ctx, topic,
+		bus.Event{Type: "OrderPlaced", AggregateType: "order", AggregateID: "o-1", AggregateVersion: 1, Payload: []byte(`{}`)},
+		bus.Event{Type: "OrderPlaced", AggregateType: "order", AggregateID: "o-2", AggregateVersion: 1, Payload: []byte(`{}`)},
+		bus.Event{Type: "Bad", AggregateType: "order", AggregateID: "o-3", AggregateVersion: 1, Payload: []byte(`{}`)},
+		bus.Event{Type: "OrderPlaced", AggregateType: "order", AggregateID: "o-3", AggregateVersion: 2, Payload: []byte(`{}`)},
+	))
+	released := make(chan struct{})
+	go func() { defer close(released); s.releaseParks(runCtx) }()
+	t.Cleanup(func() { _ = s.stop(); <-released }) // stop ends runCtx
+	s.ev.add(s.schedule(ctx, b, topic))
+	return s
+}
+
+// privilegeConfig is the config of startService's service: a relay that
+// deletes at once, an inbox and a saga that prune at once, an ordered
+// handler that parks.
+func privilegeConfig(t *testing.T) bus.Config {
+	var cfg bus.Config
+	brokertest.Apply(t, bus.KindNATS, &cfg)
+	cfg.Relay.PollInterval = 50 * time.Millisecond
+	cfg.Relay.CleanupInterval = 50 * time.Millisecond
+	cfg.Relay.Retention = new(time.Duration(0))
+	cfg.Consumer.Workers = 1
+	cfg.Consumer.OrderingGuard = new(true)
+	cfg.Consumer.Retry.MaxAttempts = 1
+	cfg.Consumer.Inbox.Retention = time.Millisecond
+	cfg.Consumer.Inbox.CleanupInterval = 50 * time.Millisecond
+	// The saga's step fails twice for o-2 before it succeeds: its error is
+	// recorded, then replaced.
+	cfg.Consumer.Handlers = map[string]middleware.Config{"fulfilment": {Retry: middleware.RetryConfig{
+		MaxAttempts: 3, InitialInterval: 10 * time.Millisecond, MaxInterval: 10 * time.Millisecond, Mode: middleware.RetryInProcess}},
+		// Ordered: the bad event parks o-3, whose next event waits behind
+		// it until the operator skips it (releaseParks).
+		"billing": {Ordered: new(true)}}
+	return cfg
+}
+
+// handle registers the service's handlers: billing (ordered; it refuses
+// the Bad event) and the fulfilment saga.
+func (s *serviceRun) handle(t *testing.T, b *bus.Bus, topic string) {
 	require.NoError(t, b.Handle(topic, "billing", func(ctx context.Context, ev bus.Event) error {
 		if ev.Type == "Bad" {
 			return bus.Permanent(errors.New("refused on purpose"))
@@ -208,27 +243,6 @@ func startService(t *testing.T, revoke int) *serviceRun {
 			return nil
 		})
 	require.NoError(t, saga.Handle(b, "fulfilment"))
-	runCtx, cancel := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- b.Run(runCtx) }()
-	var once sync.Once
-	var runErr error
-	s.stop = func() error {
-		once.Do(func() { cancel(); runErr = <-done })
-		return runErr
-	}
-	t.Cleanup(func() { _ = s.stop() })
-	s.ev.add(b.PublishInOwnTx(ctx, topic,
-		bus.Event{Type: "OrderPlaced", AggregateType: "order", AggregateID: "o-1", AggregateVersion: 1, Payload: []byte(`{}`)},
-		bus.Event{Type: "OrderPlaced", AggregateType: "order", AggregateID: "o-2", AggregateVersion: 1, Payload: []byte(`{}`)},
-		bus.Event{Type: "Bad", AggregateType: "order", AggregateID: "o-3", AggregateVersion: 1, Payload: []byte(`{}`)},
-		bus.Event{Type: "OrderPlaced", AggregateType: "order", AggregateID: "o-3", AggregateVersion: 2, Payload: []byte(`{}`)},
-	))
-	released := make(chan struct{})
-	go func() { defer close(released); s.releaseParks(runCtx) }()
-	t.Cleanup(func() { _ = s.stop(); <-released }) // stop ends runCtx
-	s.ev.add(s.schedule(ctx, b, topic))
-	return s
 }
 
 // releaseParks is the operator (the owner role): it skips the poisoned

@@ -24,6 +24,7 @@ import (
 	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/ops"
 	"github.com/millrace-io/millrace/ops/console"
 )
@@ -147,76 +148,108 @@ func migratedNATS(t *testing.T, tune func(*bus.Config)) (*sql.DB, bus.Config) {
 // processing each replayed event once; a screenshot of each page.
 func TestConsoleInABrowser(t *testing.T) {
 	t.Parallel()
+	r := startConsoleRun(t)
+	srv, bctx := serveInBrowser(t, r.oc, console.Options{SampleInterval: 100 * time.Millisecond, Metrics: r.reg})
+	shots := t.TempDir()
+	browseDLQ(t, bctx, srv.URL, shots)
+	r.replayGroup(t, bctx, srv.URL, shots)
+	r.checkProcessed(t, bctx, srv.URL, shots)
+
+	checkCharts(t, bctx, srv.URL, r.oc)
+	shoot(t, bctx, shots, "outbox-charts")
+
+	do(t, bctx, chromedp.Navigate(srv.URL+"/quarantine"), chromedp.WaitVisible("#empty"))
+	shoot(t, bctx, shots, "quarantine")
+
+	// A bad filter typed into the address bar is answered with its reason.
+	do(t, bctx, chromedp.Navigate(srv.URL+"/dlq?since=tomorrow"), chromedp.WaitVisible("#error"))
+	require.Contains(t, get(t, bctx, chromedp.Text("#error")), `since "tomorrow"`)
+}
+
+// consoleRun is TestConsoleInABrowser's service: a handler that refuses
+// every event until it is fixed, and the four events it poisoned, three
+// of them in one failure group (fp).
+type consoleRun struct {
+	oc  *ops.Client
+	reg *prometheus.Registry
+	fp  string
+
+	mu      sync.Mutex
+	broken  bool
+	effects map[string]int  // event id -> effects once fixed
+	events  map[string]bool // the failure group's event ids
+}
+
+// startConsoleRun runs the service until its four events are poisoned,
+// then fixes the handler.
+func startConsoleRun(t *testing.T) *consoleRun {
 	ctx := context.Background()
 	db, cfg := migratedNATS(t, func(cfg *bus.Config) {
 		cfg.Relay.PollInterval = 100 * time.Millisecond
 		cfg.Metrics.BacklogInterval = 100 * time.Millisecond
 	})
-	reg := prometheus.NewRegistry()
-	b, err := bus.Open(ctx, cfg, db, bus.WithRegistry(reg))
+	r := &consoleRun{reg: prometheus.NewRegistry(), broken: true, effects: map[string]int{}, events: map[string]bool{}}
+	b, err := bus.Open(ctx, cfg, db, bus.WithRegistry(r.reg))
 	require.NoError(t, err)
-	defer b.Close()
+	t.Cleanup(func() { b.Close() })
 	topic := "console-" + cfg.Database.Schema[len(cfg.Database.Schema)-8:]
 	brokertest.Cleanup(t, bus.KindNATS, topic, "stock")
-
-	var mu sync.Mutex
-	broken := true
-	effects := map[string]int{}
 	require.NoError(t, b.Handle(topic, "stock", func(_ context.Context, ev bus.Event) error {
-		mu.Lock()
-		defer mu.Unlock()
-		if broken || ev.Type == "Unknown" {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		if r.broken || ev.Type == "Unknown" {
 			return bus.Permanent(fmt.Errorf("stock for sku %s unavailable", ev.AggregateID))
 		}
-		effects[ev.ID]++
+		r.effects[ev.ID]++
 		return nil
 	}))
-	runCtx, stop := context.WithCancel(ctx)
-	runDone := make(chan error, 1)
-	go func() { runDone <- b.Run(runCtx) }()
-	defer func() { stop(); require.NoError(t, <-runDone) }()
-	events := map[string]bool{}
+	running := testkit.Start(t, b.Run)
+	t.Cleanup(func() { require.NoError(t, running.Stop(t, time.Minute)) })
 	for i := range 3 {
 		id := fmt.Sprintf("evt-%d-%s", i, cfg.Database.Schema[len(cfg.Database.Schema)-8:])
-		events[id] = true
+		r.events[id] = true
 		require.NoError(t, b.PublishInOwnTx(ctx, topic, bus.Event{ID: id, Type: "StockReserved", AggregateType: "sku",
 			AggregateID: fmt.Sprint(1000 + i), Payload: []byte(fmt.Sprintf(`{"sku":%d,"quantity":2}`, 1000+i))}))
 	}
 	require.NoError(t, b.PublishInOwnTx(ctx, topic, bus.Event{Type: "Unknown", AggregateType: "sku", AggregateID: "a-b-c", Payload: []byte(`{}`)}))
-	oc, err := ops.New(ctx, db, cfg)
+	r.oc, err = ops.New(ctx, db, cfg)
 	require.NoError(t, err)
 	require.Eventually(t, func() bool {
-		l, err := oc.DLQ().List(ctx, ops.Filter{}, 0)
+		l, err := r.oc.DLQ().List(ctx, ops.Filter{}, 0)
 		return err == nil && len(l.Rows) == 4
 	}, time.Minute, 20*time.Millisecond, "four messages poisoned")
-	groups, err := oc.PoisonGroups(ctx, ops.Filter{})
+	groups, err := r.oc.PoisonGroups(ctx, ops.Filter{})
 	require.NoError(t, err)
 	require.Len(t, groups, 2)
-	fp := groups[0].Fingerprint
+	r.fp = groups[0].Fingerprint
 	require.Equal(t, int64(3), groups[0].Messages)
-	mu.Lock()
-	broken = false
-	mu.Unlock()
+	r.mu.Lock()
+	r.broken = false
+	r.mu.Unlock()
+	return r
+}
 
-	srv, bctx := serveInBrowser(t, oc, console.Options{SampleInterval: 100 * time.Millisecond, Metrics: reg})
-	shots := t.TempDir()
+// count counts the elements the page in bctx has for the CSS selector sel.
+func count(t *testing.T, bctx context.Context, sel string) int {
+	return get(t, bctx, chromedp.Evaluate[int](`document.querySelectorAll(`+"`"+sel+"`"+`).length`))
+}
 
-	count := func(sel string) int {
-		return get(t, bctx, chromedp.Evaluate[int](`document.querySelectorAll(`+"`"+sel+"`"+`).length`))
-	}
-	do(t, bctx, chromedp.Navigate(srv.URL+"/"), chromedp.WaitVisible("#outbox"))
+// browseDLQ looks at the outbox page, the DLQ list (selecting all and
+// none), the list filtered by reason and one message.
+func browseDLQ(t *testing.T, bctx context.Context, base, shots string) {
+	do(t, bctx, chromedp.Navigate(base+"/"), chromedp.WaitVisible("#outbox"))
 	require.Equal(t, "4", get(t, bctx, chromedp.Text("#waiting-poisoned")))
 	shoot(t, bctx, shots, "outbox")
 
-	do(t, bctx, chromedp.Navigate(srv.URL+"/dlq"), chromedp.WaitVisible("#messages"))
-	require.Equal(t, 4, count("#messages input[name=id]"))
+	do(t, bctx, chromedp.Navigate(base+"/dlq"), chromedp.WaitVisible("#messages"))
+	require.Equal(t, 4, count(t, bctx, "#messages input[name=id]"))
 	disabled := func() bool {
 		return get(t, bctx, chromedp.Evaluate[bool](`document.querySelector("#replay-selected").disabled`))
 	}
 	require.True(t, disabled(), "the console's script disables the selection's actions while nothing is ticked")
 	do(t, bctx, chromedp.Click("input[data-select-all]"))
 	require.False(t, disabled())
-	require.Equal(t, 4, count("#messages input[name=id]:checked"), "select all")
+	require.Equal(t, 4, count(t, bctx, "#messages input[name=id]:checked"), "select all")
 	do(t, bctx, chromedp.Click("input[data-select-all]"))
 	shoot(t, bctx, shots, "dlq")
 
@@ -224,7 +257,7 @@ func TestConsoleInABrowser(t *testing.T) {
 	follow(t, bctx, chromedp.Click("#apply"))
 	do(t, bctx, chromedp.WaitVisible(`#messages`))
 	require.Contains(t, get(t, bctx, chromedp.Location()), "reason=sku+10")
-	require.Equal(t, 3, count("#messages input[name=id]"), "the filter keeps the three sku 10xx messages")
+	require.Equal(t, 3, count(t, bctx, "#messages input[name=id]"), "the filter keeps the three sku 10xx messages")
 	shoot(t, bctx, shots, "dlq-filtered")
 
 	follow(t, bctx, chromedp.Click(`#messages tr:nth-child(2) td:nth-child(2) a`))
@@ -233,14 +266,18 @@ func TestConsoleInABrowser(t *testing.T) {
 	require.Contains(t, get(t, bctx, chromedp.Text("#reason")), "unavailable")
 	require.Contains(t, get(t, bctx, chromedp.Text("#metadata")), "aggregate-id")
 	shoot(t, bctx, shots, "message")
+}
 
-	do(t, bctx, chromedp.Navigate(srv.URL+"/dlq/groups"), chromedp.WaitVisible("#groups"))
-	require.Equal(t, 3, count("#groups tr"), "a header and two groups")
+// replayGroup replays the failure group from its page, through the dry
+// run, which replays nothing, and the confirmation.
+func (r *consoleRun) replayGroup(t *testing.T, bctx context.Context, base, shots string) {
+	do(t, bctx, chromedp.Navigate(base+"/dlq/groups"), chromedp.WaitVisible("#groups"))
+	require.Equal(t, 3, count(t, bctx, "#groups tr"), "a header and two groups")
 	shoot(t, bctx, shots, "groups")
-	follow(t, bctx, chromedp.Click(`button[data-group="`+fp+`"]`))
+	follow(t, bctx, chromedp.Click(`button[data-group="`+r.fp+`"]`))
 	do(t, bctx, chromedp.WaitVisible("#dry-run"))
 	require.Contains(t, get(t, bctx, chromedp.Text("#dry-run")), "3 selected would be replayed as 3 outbox message(s)")
-	l, err := oc.DLQ().List(ctx, ops.Filter{Replayed: new(true)}, 0)
+	l, err := r.oc.DLQ().List(context.Background(), ops.Filter{Replayed: new(true)}, 0)
 	require.NoError(t, err)
 	require.Empty(t, l.Rows, "the dry run replayed nothing")
 	shoot(t, bctx, shots, "confirm")
@@ -248,9 +285,13 @@ func TestConsoleInABrowser(t *testing.T) {
 	do(t, bctx, chromedp.WaitVisible("#done"))
 	require.Contains(t, get(t, bctx, chromedp.Text("#done")), "3 replayed as 3 outbox message(s)")
 	shoot(t, bctx, shots, "replayed")
+}
 
+// checkProcessed waits until the replayed group is processed, checks one
+// effect per event, and that the list shows them processed.
+func (r *consoleRun) checkProcessed(t *testing.T, bctx context.Context, base, shots string) {
 	require.Eventually(t, func() bool {
-		l, err := oc.DLQ().List(ctx, ops.Filter{Fingerprint: fp}, 0)
+		l, err := r.oc.DLQ().List(context.Background(), ops.Filter{Fingerprint: r.fp}, 0)
 		if err != nil || len(l.Rows) != 3 {
 			return false
 		}
@@ -261,25 +302,15 @@ func TestConsoleInABrowser(t *testing.T) {
 		}
 		return true
 	}, time.Minute, 50*time.Millisecond, "the group's events processed")
-	mu.Lock()
-	for id := range events {
-		require.Equal(t, 1, effects[id], "event %s processed once", id)
+	r.mu.Lock()
+	for id := range r.events {
+		require.Equal(t, 1, r.effects[id], "event %s processed once", id)
 	}
-	require.Len(t, effects, 3)
-	mu.Unlock()
-	do(t, bctx, chromedp.Navigate(srv.URL+"/dlq?fingerprint="+fp), chromedp.WaitVisible("#messages"))
-	require.Equal(t, 3, count("#messages td.state-processed"), "the list shows them processed")
+	require.Len(t, r.effects, 3)
+	r.mu.Unlock()
+	do(t, bctx, chromedp.Navigate(base+"/dlq?fingerprint="+r.fp), chromedp.WaitVisible("#messages"))
+	require.Equal(t, 3, count(t, bctx, "#messages td.state-processed"), "the list shows them processed")
 	shoot(t, bctx, shots, "dlq-processed")
-
-	checkCharts(t, bctx, srv.URL, oc)
-	shoot(t, bctx, shots, "outbox-charts")
-
-	do(t, bctx, chromedp.Navigate(srv.URL+"/quarantine"), chromedp.WaitVisible("#empty"))
-	shoot(t, bctx, shots, "quarantine")
-
-	// A bad filter typed into the address bar is answered with its reason.
-	do(t, bctx, chromedp.Navigate(srv.URL+"/dlq?since=tomorrow"), chromedp.WaitVisible("#error"))
-	require.Contains(t, get(t, bctx, chromedp.Text("#error")), `since "tomorrow"`)
 }
 
 // checkCharts checks the overview's charts once the events of

@@ -137,18 +137,27 @@ func (r *retryRig) consumeUntil(until func() bool, what string) {
 
 // parked says whether the bad message waits at the broker. On Kafka a
 // failure the stop interrupts before it is parked is not counted (the
-// record is read again with its number), so the stop waits until the
-// retry topic holds the copy for delivery 3.
+// record is read again with its number), and neither is one whose copy
+// the stop interrupts after it reached the retry topic but before the
+// group committed past the record it copied (the record is read again,
+// and parked again). So the stop waits until the retry topic holds the
+// copy for delivery 3 and the group has consumed all but that copy.
 func (r *retryRig) parked() bool {
 	if r.kind != bus.KindKafka {
 		return true
 	}
+	retryTopic := kafka.RetryTopicName(r.topic, r.group)
 	// A group that never read the retry topic is behind by all of it.
-	backlog, err := r.broker.Backlog(context.Background(), kafka.RetryTopicName(r.topic, r.group), "nobody-"+r.suffix)
+	return r.retryBacklog(retryTopic, "nobody-"+r.suffix) == 2 && r.retryBacklog(retryTopic, r.group) == 1
+}
+
+// retryBacklog is how far group is behind on topic, over its partitions.
+func (r *retryRig) retryBacklog(topic, group string) int64 {
+	backlog, err := r.broker.Backlog(context.Background(), topic, group)
 	require.NoError(r.t, err)
-	var copies int64
-	for _, n := range backlog {
-		copies += n
+	var n int64
+	for _, p := range backlog {
+		n += p
 	}
-	return copies == 2
+	return n
 }

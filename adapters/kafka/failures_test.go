@@ -30,14 +30,6 @@ func event(aggregate string, version int) *message.Message {
 	return m
 }
 
-func outgoing(topic string, msgs ...*message.Message) []adapters.Outgoing {
-	out := make([]adapters.Outgoing, len(msgs))
-	for i, m := range msgs {
-		out[i] = adapters.Outgoing{Topic: topic, Msg: m}
-	}
-	return out
-}
-
 // receiveIDs acks messages from ch until every id in want arrived; duplicates
 // are allowed. It fails after timeout.
 func receiveIDs(t *testing.T, ch <-chan *message.Message, want map[string]bool, timeout time.Duration) {
@@ -53,17 +45,6 @@ func receiveIDs(t *testing.T, ch <-chan *message.Message, want map[string]bool, 
 			require.FailNow(t, "lost messages", "%d messages never arrived", len(want))
 		}
 	}
-}
-
-func subscribe(t *testing.T, b adapters.Broker, topic, group string) <-chan *message.Message {
-	t.Helper()
-	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(func() { cancel(); _ = sub.Close() })
-	ch, err := sub.Subscribe(ctx, topic)
-	require.NoError(t, err)
-	return ch
 }
 
 func TestOpenUnreachable(t *testing.T) {
@@ -136,7 +117,7 @@ func TestBrokerOutage(t *testing.T) {
 	b := open(t, cfg)
 	topic, group := adaptertest.Name("outage"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
-	ch := subscribe(t, b, topic, group)
+	ch := adaptertest.Subscribe(t, b, topic, group)
 
 	want := map[string]bool{}
 	var before []*message.Message
@@ -145,11 +126,11 @@ func TestBrokerOutage(t *testing.T) {
 		before = append(before, m)
 		want[m.UUID] = true
 	}
-	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, before...)))
+	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, before...)))
 
 	env.stop()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	err := b.PublishBatch(ctx, outgoing(topic, event("agg-down", 1)))
+	err := b.PublishBatch(ctx, adaptertest.Outgoing(topic, event("agg-down", 1)))
 	cancel()
 	require.Error(t, err, "publishing to a stopped cluster cannot succeed")
 	assert.False(t, adapters.IsPermanent(err), "an outage is retryable: %v", err)
@@ -165,7 +146,7 @@ func TestBrokerOutage(t *testing.T) {
 		want[m.UUID] = true
 	}
 	require.Eventually(t, func() bool {
-		err := b.PublishBatch(context.Background(), outgoing(topic, after...))
+		err := b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, after...))
 		require.False(t, adapters.IsPermanent(err), "a restart is not permanent: %v", err)
 		return err == nil
 	}, 60*time.Second, 200*time.Millisecond, "publishing never recovered")
@@ -184,7 +165,7 @@ func TestClusterReplaced(t *testing.T) {
 	env := newEnv(t)
 	b := open(t, env.config())
 	topic := adaptertest.Name("replaced")
-	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, event("a", 1))))
+	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, event("a", 1))))
 
 	addrs := env.dev.Addrs()
 	env.stop()
@@ -197,7 +178,7 @@ func TestClusterReplaced(t *testing.T) {
 	t.Cleanup(fresh.Close)
 
 	require.Eventually(t, func() bool {
-		err := b.PublishBatch(context.Background(), outgoing(topic, event("a", 2)))
+		err := b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, event("a", 2)))
 		require.False(t, adapters.IsPermanent(err), "%v", err)
 		return err == nil
 	}, 60*time.Second, 200*time.Millisecond, "publishing never recovered on the new cluster")
@@ -220,7 +201,7 @@ func TestTooLargeForTopic(t *testing.T) {
 	_, _ = rand.Read(noise)
 	big.Payload = []byte(`"` + base64.StdEncoding.EncodeToString(noise) + `"`)
 	msgs := []*message.Message{event("same-key", 1), big, event("same-key", 3)}
-	err := b.PublishBatch(context.Background(), outgoing(topic, msgs...))
+	err := b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, msgs...))
 	var be *adapters.BatchError
 	require.ErrorAs(t, err, &be)
 	assert.NoError(t, be.Errs[0])
@@ -273,8 +254,8 @@ func TestNewGroupReadsFromTheStart(t *testing.T) {
 		msgs = append(msgs, m)
 		want[m.UUID] = true
 	}
-	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, msgs...)))
-	receiveIDs(t, subscribe(t, b, topic, adaptertest.Name("late-group")), want, 60*time.Second)
+	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, msgs...)))
+	receiveIDs(t, adaptertest.Subscribe(t, b, topic, adaptertest.Name("late-group")), want, 60*time.Second)
 }
 
 // TestOnlyAckedIsCommitted: a subscriber that closes with a message
@@ -292,7 +273,7 @@ func TestOnlyAckedIsCommitted(t *testing.T) {
 		m.Metadata.Set("x-custom-header", fmt.Sprintf("value-%d", v))
 		msgs = append(msgs, m)
 	}
-	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, msgs...)))
+	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, msgs...)))
 
 	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
@@ -308,7 +289,7 @@ func TestOnlyAckedIsCommitted(t *testing.T) {
 	}
 	require.NoError(t, sub.Close())
 
-	ch2 := subscribe(t, b, topic, group)
+	ch2 := adaptertest.Subscribe(t, b, topic, group)
 	select {
 	case m := <-ch2:
 		assert.Equal(t, msgs[2].UUID, m.UUID, "the next consumer starts at the unacked message")
@@ -364,9 +345,9 @@ func TestDevClusterShared(t *testing.T) {
 
 	topic := adaptertest.Name("shared")
 	m := event("a", 1)
-	require.NoError(t, a.PublishBatch(context.Background(), outgoing(topic, m)))
+	require.NoError(t, a.PublishBatch(context.Background(), adaptertest.Outgoing(topic, m)))
 	require.NoError(t, a.Close())
-	receiveIDs(t, subscribe(t, b, topic, adaptertest.Name("g")), map[string]bool{m.UUID: true}, 60*time.Second)
+	receiveIDs(t, adaptertest.Subscribe(t, b, topic, adaptertest.Name("g")), map[string]bool{m.UUID: true}, 60*time.Second)
 	require.NoError(t, b.Close())
 
 	require.Eventually(t, func() bool {
@@ -388,7 +369,7 @@ func TestCloseDuringPublish(t *testing.T) {
 	require.NoError(t, err)
 	topic := adaptertest.Name("closing")
 	require.NoError(t, b.Provision(context.Background(), topic))
-	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, event("agg-0", 1))))
+	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, event("agg-0", 1))))
 
 	errs := make(chan error, 4)
 	for g := range 4 {
@@ -398,7 +379,7 @@ func TestCloseDuringPublish(t *testing.T) {
 				for i := range 50 {
 					msgs = append(msgs, event(fmt.Sprintf("agg-%d-%d", g, i), v))
 				}
-				if err := b.PublishBatch(context.Background(), outgoing(topic, msgs...)); err != nil {
+				if err := b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, msgs...)); err != nil {
 					errs <- err
 					return
 				}

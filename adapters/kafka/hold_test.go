@@ -36,7 +36,7 @@ func TestHoldOutlastsRebalance(t *testing.T) {
 	for i := range n {
 		msgs = append(msgs, event(fmt.Sprintf("agg-%d", i%8), i))
 	}
-	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, msgs...)))
+	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, msgs...)))
 
 	var mu sync.Mutex
 	processed := map[string]bool{}
@@ -74,14 +74,14 @@ func TestHoldOutlastsRebalance(t *testing.T) {
 			return true
 		}
 	}
-	go consume(subscribe(t, b, topic, group), hold)
+	go consume(adaptertest.Subscribe(t, b, topic, group), hold)
 
 	select {
 	case <-held:
 	case <-time.After(30 * time.Second):
 		require.FailNow(t, "no message was delivered")
 	}
-	go consume(subscribe(t, b, topic, group), nil)
+	go consume(adaptertest.Subscribe(t, b, topic, group), nil)
 	// Hold well past the rebalance timeout the join starts.
 	time.Sleep(3 * cfg.RebalanceTimeout)
 	close(endHold)

@@ -43,7 +43,7 @@ func TestConcurrentRedeliverySubscriberParksInTheRetryTopic(t *testing.T) {
 	}
 	msg := event("order-1", 1)
 	msg.Metadata.Set("tenant", "acme")
-	require.NoError(t, b.PublishBatch(ctx, outgoing(topic, msg)))
+	require.NoError(t, b.PublishBatch(ctx, adaptertest.Outgoing(topic, msg)))
 
 	deliveries := &adapters.Deliveries{}
 	redeliveries := func() (message.Subscriber, <-chan *message.Message) {
@@ -82,7 +82,7 @@ func TestConcurrentRedeliverySubscriberParksInTheRetryTopic(t *testing.T) {
 	// Parked for an hour, it holds none of the one in-flight slot: a newer
 	// message passes it.
 	newer := event("order-2", 1)
-	require.NoError(t, b.PublishBatch(ctx, outgoing(topic, newer)))
+	require.NoError(t, b.PublishBatch(ctx, adaptertest.Outgoing(topic, newer)))
 	got := adaptertest.Next(t, ch, time.Minute)
 	require.Equal(t, newer.UUID, got.UUID)
 	got.Ack()

@@ -106,12 +106,12 @@ func TestServerGoneMidRun(t *testing.T) {
 	b := openBroker(t, proc.URL, func(c *Config) { c.Publish.Timeout = 2 * time.Second })
 	topic, group := adaptertest.Name("gone"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
-	ch := subscribeGroup(t, b, topic, group)
-	require.NoError(t, b.PublishBatch(context.Background(), batchOf(topic, newMsg("before"))))
-	require.Equal(t, "before", receiveN(t, ch, 1)[0].UUID)
+	ch := adaptertest.Subscribe(t, b, topic, group)
+	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, newMsg("before"))))
+	require.Equal(t, "before", adaptertest.Receive(t, ch, 1, time.Minute)[0].UUID)
 
 	proc.Kill()
-	batch := batchOf(topic, newMsg("after-1"), newMsg("after-2"))
+	batch := adaptertest.Outgoing(topic, newMsg("after-1"), newMsg("after-2"))
 	err := b.PublishBatch(context.Background(), batch)
 	var be *adapters.BatchError
 	require.ErrorAs(t, err, &be)
@@ -136,7 +136,7 @@ func TestServerGoneMidRun(t *testing.T) {
 	// "before" may come again: its ack can be lost with the server.
 	got := map[string]bool{}
 	for len(got) < 3 {
-		if m := receiveN(t, ch, 1)[0]; m.UUID != "before" {
+		if m := adaptertest.Receive(t, ch, 1, time.Minute)[0]; m.UUID != "before" {
 			got[m.UUID] = true
 		}
 	}
@@ -164,7 +164,7 @@ func TestClosedBroker(t *testing.T) {
 	pub := b.Publisher()
 	require.NoError(t, b.Close())
 	require.NoError(t, b.Close())
-	require.ErrorIs(t, b.PublishBatch(context.Background(), batchOf("t", newMsg("x"))), errBrokerClosed)
+	require.ErrorIs(t, b.PublishBatch(context.Background(), adaptertest.Outgoing("t", newMsg("x"))), errBrokerClosed)
 	require.ErrorIs(t, pub.Publish("t", message.NewMessage("x", nil)), errPublisherClosed)
 	_, err = b.Subscriber(adapters.SubscriberSpec{Group: "g"})
 	require.ErrorIs(t, err, errBrokerClosed)

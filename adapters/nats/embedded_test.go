@@ -25,7 +25,7 @@ func TestOpenWithEmbeddedServer(t *testing.T) {
 	require.NoError(t, err)
 	require.NotEqual(t, "nats://127.0.0.1:0", b.URL(), "the URL has the port picked")
 	topic := adaptertest.Name("kept")
-	require.NoError(t, b.PublishBatch(context.Background(), batchOf(topic, newMsg("k1"), newMsg("k2"))))
+	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, newMsg("k1"), newMsg("k2"))))
 	addr := strings.TrimPrefix(b.URL(), "nats://")
 	require.NoError(t, b.Close())
 	_, err = net.DialTimeout("tcp", addr, time.Second)
@@ -34,7 +34,7 @@ func TestOpenWithEmbeddedServer(t *testing.T) {
 	cfg.URL = "nats://" + addr // the same port, the same store
 	b2 := openBroker(t, cfg.URL, func(c *Config) { c.Embedded = cfg.Embedded })
 	require.EqualValues(t, 2, streamMsgs(t, b2, topic))
-	require.Equal(t, []string{"k1", "k2"}, ids(receiveN(t, subscribeGroup(t, b2, topic, "g"), 2)))
+	require.Equal(t, []string{"k1", "k2"}, ids(adaptertest.Receive(t, adaptertest.Subscribe(t, b2, topic, "g"), 2, time.Minute)))
 }
 
 func ids(msgs []*message.Message) []string {

@@ -75,16 +75,16 @@ func TestOrderedGroupIsTakenOverInOrder(t *testing.T) {
 			msgs = append(msgs, m)
 		}
 		require.NoError(t, first.ProvisionGroup(ctx, topic, adapters.GroupSpec{Name: group, Start: adapters.StartAll, Ordered: true}))
-		require.NoError(t, first.PublishBatch(ctx, batchOf(topic, msgs[:3]...)))
+		require.NoError(t, first.PublishBatch(ctx, adaptertest.Outgoing(topic, msgs[:3]...)))
 
 		s1, err := first.Subscriber(adapters.SubscriberSpec{Group: group, Ordered: true, InFlight: 8})
 		require.NoError(t, err)
 		ch1, err := s1.Subscribe(ctx, topic)
 		require.NoError(t, err)
-		m0 := next(t, ch1)
+		m0 := adaptertest.Next(t, ch1, time.Minute)
 		require.Equal(t, "m0", m0.UUID)
 		m0.Ack()
-		m1 := next(t, ch1)
+		m1 := adaptertest.Next(t, ch1, time.Minute)
 		require.Equal(t, "m1", m1.UUID) // never settled: held as by a crashed process
 
 		s2, err := second.Subscriber(adapters.SubscriberSpec{Group: group, Ordered: true, InFlight: 8})
@@ -100,10 +100,10 @@ func TestOrderedGroupIsTakenOverInOrder(t *testing.T) {
 		// The first is cut off from the server: it can renew nothing.
 		cutAt := time.Now()
 		first.nc.Close()
-		require.NoError(t, second.PublishBatch(ctx, batchOf(topic, msgs[3])))
+		require.NoError(t, second.PublishBatch(ctx, adaptertest.Outgoing(topic, msgs[3])))
 		var got []string
 		for range 3 {
-			m := next(t, ch2)
+			m := adaptertest.Next(t, ch2, time.Minute)
 			got = append(got, m.UUID)
 			m.Ack()
 		}
@@ -118,8 +118,8 @@ func TestOrderedGroupIsTakenOverInOrder(t *testing.T) {
 		defer s3.Close()
 		ch3, err := s3.Subscribe(ctx, topic)
 		require.NoError(t, err)
-		require.NoError(t, third.PublishBatch(ctx, batchOf(topic, newMsg("m4"))))
-		require.Equal(t, "m4", next(t, ch3).UUID, "given up by a stop: taken without waiting an hour's ttl")
+		require.NoError(t, third.PublishBatch(ctx, adaptertest.Outgoing(topic, newMsg("m4"))))
+		require.Equal(t, "m4", adaptertest.Next(t, ch3, time.Minute).UUID, "given up by a stop: taken without waiting an hour's ttl")
 		require.NoError(t, s1.Close())
 		require.NoError(t, s3.Close())
 
@@ -187,7 +187,7 @@ func TestOrderedSubscriberIgnoresTheFloorOfAnOlderStream(t *testing.T) {
 		ch, err := s.Subscribe(ctx, topic)
 		require.NoError(t, err)
 		for _, id := range want {
-			m := next(t, ch)
+			m := adaptertest.Next(t, ch, time.Minute)
 			require.Equal(t, id, m.UUID)
 			m.Ack()
 		}
@@ -196,13 +196,13 @@ func TestOrderedSubscriberIgnoresTheFloorOfAnOlderStream(t *testing.T) {
 	}
 	always := func() bool { return true }
 	require.NoError(t, b.ProvisionGroup(ctx, topic, adapters.GroupSpec{Name: group, Start: adapters.StartAll, Ordered: true}))
-	require.NoError(t, b.PublishBatch(ctx, batchOf(topic, newMsg("m0"), newMsg("m1"), newMsg("m2"))))
+	require.NoError(t, b.PublishBatch(ctx, adaptertest.Outgoing(topic, newMsg("m0"), newMsg("m1"), newMsg("m2"))))
 	consume(always, "m0", "m1", "m2")
 	// Taking the lease again records the consumer's floor, 3, in it.
 	consume(func() bool { return strings.Contains(floor(), `"floor":3,`) })
 
 	require.NoError(t, b.js.DeleteStream(ctx, StreamName(topic)))
 	b.forgetStream(topic)
-	require.NoError(t, b.PublishBatch(ctx, batchOf(topic, newMsg("n0"), newMsg("n1"))))
+	require.NoError(t, b.PublishBatch(ctx, adaptertest.Outgoing(topic, newMsg("n0"), newMsg("n1"))))
 	consume(always, "n0", "n1")
 }

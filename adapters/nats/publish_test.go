@@ -36,14 +36,6 @@ func newMsg(id string) *message.Message {
 	return m
 }
 
-func batchOf(topic string, msgs ...*message.Message) []adapters.Outgoing {
-	out := make([]adapters.Outgoing, len(msgs))
-	for i, m := range msgs {
-		out[i] = adapters.Outgoing{Topic: topic, Msg: m}
-	}
-	return out
-}
-
 func streamMsgs(t *testing.T, b *Broker, topic string) uint64 {
 	t.Helper()
 	s, err := b.js.Stream(context.Background(), StreamName(topic))
@@ -62,8 +54,8 @@ func TestDuplicateWindowDropsRepublish(t *testing.T) {
 		for i := range 20 {
 			msgs = append(msgs, newMsg(adaptertest.Name("ev"+strconv.Itoa(i))))
 		}
-		require.NoError(t, b.PublishBatch(context.Background(), batchOf(topic, msgs...)))
-		require.NoError(t, b.PublishBatch(context.Background(), batchOf(topic, msgs...)), "a duplicate is confirmed, not an error")
+		require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, msgs...)))
+		require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, msgs...)), "a duplicate is confirmed, not an error")
 		require.EqualValues(t, 20, streamMsgs(t, b, topic), "the second publish of each event was dropped")
 
 		// The one-at-a-time publisher sets the same header.
@@ -91,9 +83,9 @@ func TestPublishBatchFailsAConflictingTopicAlone(t *testing.T) {
 		require.NoError(t, err)
 		trackStream(url, other.Name)
 
-		batch := append(batchOf(good, newMsg(adaptertest.Name("a")), newMsg(adaptertest.Name("b"))),
+		batch := append(adaptertest.Outgoing(good, newMsg(adaptertest.Name("a")), newMsg(adaptertest.Name("b"))),
 			adapters.Outgoing{Topic: bad, Msg: newMsg(adaptertest.Name("c"))})
-		batch = append(batch, batchOf(good, newMsg(adaptertest.Name("d")), newMsg(adaptertest.Name("e")))...)
+		batch = append(batch, adaptertest.Outgoing(good, newMsg(adaptertest.Name("d")), newMsg(adaptertest.Name("e")))...)
 		err = b.PublishBatch(context.Background(), batch)
 		var be *adapters.BatchError
 		require.ErrorAs(t, err, &be)
@@ -118,12 +110,12 @@ func TestPublishBatchStopsAtFirstRetryableFailure(t *testing.T) {
 		b := openBroker(t, url, func(c *Config) { c.Stream.MaxBytes = 1000 })
 		good, full := adaptertest.Name("stop.good"), adaptertest.Name("stop.full")
 		filler := message.NewMessage(adaptertest.Name("filler"), make([]byte, 800))
-		require.NoError(t, b.PublishBatch(context.Background(), batchOf(full, filler)))
+		require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(full, filler)))
 		trackStream(url, StreamName(full))
 
 		over := message.NewMessage(adaptertest.Name("over"), make([]byte, 400))
-		batch := append(batchOf(good, newMsg(adaptertest.Name("a"))), adapters.Outgoing{Topic: full, Msg: over})
-		batch = append(batch, batchOf(good, newMsg(adaptertest.Name("c")), newMsg(adaptertest.Name("d")))...)
+		batch := append(adaptertest.Outgoing(good, newMsg(adaptertest.Name("a"))), adapters.Outgoing{Topic: full, Msg: over})
+		batch = append(batch, adaptertest.Outgoing(good, newMsg(adaptertest.Name("c")), newMsg(adaptertest.Name("d")))...)
 		err := b.PublishBatch(context.Background(), batch)
 		trackStream(url, StreamName(good))
 		var be *adapters.BatchError
@@ -189,7 +181,7 @@ func TestPublishInvalidTopic(t *testing.T) {
 	t.Parallel()
 	b := openBroker(t, servers.StartEmbeddedNATS(t).URL, nil)
 	for _, topic := range []string{"orders..events", "orders.", "orders events", "orders.*", ""} {
-		err := b.PublishBatch(context.Background(), batchOf(topic, newMsg("x")))
+		err := b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, newMsg("x")))
 		require.Error(t, err, topic)
 		require.True(t, adapters.IsPermanent(err), "%q: %v", topic, err)
 		require.ErrorContains(t, err, fmt.Sprintf("topic %q", topic))
@@ -225,7 +217,7 @@ func TestPublishBatchBoundsInFlight(t *testing.T) {
 	for i := range 10 {
 		msgs = append(msgs, newMsg(fmt.Sprintf("m%d", i)))
 	}
-	err = b.PublishBatch(context.Background(), batchOf(topic, msgs...))
+	err = b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, msgs...))
 	var be *adapters.BatchError
 	require.ErrorAs(t, err, &be)
 	require.Equal(t, 0, be.FirstUnconfirmed())
@@ -266,8 +258,8 @@ func TestMetadataRoundTrip(t *testing.T) {
 		for k, v := range values {
 			m.Metadata.Set(k, v)
 		}
-		require.NoError(t, b.PublishBatch(context.Background(), batchOf(topic, m)))
-		got := receiveN(t, subscribeGroup(t, b, topic, group), 1)[0]
+		require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, m)))
+		got := adaptertest.Receive(t, adaptertest.Subscribe(t, b, topic, group), 1, time.Minute)[0]
 		require.Equal(t, m.UUID, got.UUID)
 		require.Equal(t, "payload", string(got.Payload))
 		require.Equal(t, message.Metadata(values), got.Metadata)
@@ -275,7 +267,7 @@ func TestMetadataRoundTrip(t *testing.T) {
 		for _, key := range []string{"Nats-Rollup", "nats-msg-id", "bad key", "a:b", "_watermill_message_uuid"} {
 			bad := newMsg(adaptertest.Name("bad"))
 			bad.Metadata.Set(key, "sub")
-			err := b.PublishBatch(context.Background(), batchOf(topic, bad))
+			err := b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, bad))
 			require.True(t, adapters.IsPermanent(err), "%q: %v", key, err)
 			require.ErrorContains(t, err, fmt.Sprintf("%q", key))
 		}
@@ -297,35 +289,7 @@ func TestMultiValueHeaderIsDelivered(t *testing.T) {
 	nm.Data = []byte("x")
 	_, err := b.js.PublishMsg(context.Background(), nm)
 	require.NoError(t, err)
-	got := receiveN(t, subscribeGroup(t, b, topic, group), 1)[0]
+	got := adaptertest.Receive(t, adaptertest.Subscribe(t, b, topic, group), 1, time.Minute)[0]
 	require.Equal(t, "foreign-1", got.UUID)
 	require.Equal(t, "a, b", got.Metadata.Get("tag"))
-}
-
-func subscribeGroup(t *testing.T, b *Broker, topic, group string) <-chan *message.Message {
-	t.Helper()
-	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(func() { cancel(); require.NoError(t, sub.Close()) })
-	ch, err := sub.Subscribe(ctx, topic)
-	require.NoError(t, err)
-	return ch
-}
-
-// receiveN acks and returns n messages, failing after a generous timeout.
-func receiveN(t *testing.T, ch <-chan *message.Message, n int) []*message.Message {
-	t.Helper()
-	var got []*message.Message
-	timeout := time.After(60 * time.Second)
-	for len(got) < n {
-		select {
-		case m := <-ch:
-			m.Ack()
-			got = append(got, m)
-		case <-timeout:
-			require.FailNow(t, "timeout", "received %d of %d messages", len(got), n)
-		}
-	}
-	return got
 }

@@ -44,7 +44,7 @@ func TestRedeliverySubscriberNumbersDeliveries(t *testing.T) {
 		}()
 		return out, func() { cancel(); require.NoError(t, sub.Close()) }
 	}
-	require.NoError(t, b.PublishBatch(context.Background(), batchOf(topic, newMsg("r1"))))
+	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, newMsg("r1"))))
 
 	first, closeFirst := subscribe()
 	require.Equal(t, 1, (<-first).n)

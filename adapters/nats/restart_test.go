@@ -30,7 +30,7 @@ func TestKilledServerLosingConsumerStateDoesNotStallDelivery(t *testing.T) {
 	b := openBroker(t, proc.URL, suiteConfig)
 	topic, group := adaptertest.Name("lostate"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(ctx, topic, group))
-	ch := subscribeGroup(t, b, topic, group)
+	ch := adaptertest.Subscribe(t, b, topic, group)
 
 	want := map[string]bool{}
 	batch := func(round int) []adapters.Outgoing {
@@ -40,11 +40,11 @@ func TestKilledServerLosingConsumerStateDoesNotStallDelivery(t *testing.T) {
 			want[m.UUID] = true
 			msgs = append(msgs, m)
 		}
-		return batchOf(topic, msgs...)
+		return adaptertest.Outgoing(topic, msgs...)
 	}
 	require.NoError(t, b.PublishBatch(ctx, batch(1)))
 	for range 100 { // far past what the restarted consumer delivers first (max_ack_pending)
-		m := next(t, ch)
+		m := adaptertest.Next(t, ch, time.Minute)
 		delete(want, m.UUID)
 		m.Ack()
 	}

@@ -55,7 +55,7 @@ func roundTrip(t *testing.T, b *Broker) {
 	defer cancel()
 	msgs, err := sub.Subscribe(sctx, topic)
 	require.NoError(t, err)
-	require.NoError(t, b.PublishBatch(ctx, batchOf(topic, newMsg("over-tls"))))
+	require.NoError(t, b.PublishBatch(ctx, adaptertest.Outgoing(topic, newMsg("over-tls"))))
 	select {
 	case m := <-msgs:
 		require.Equal(t, "over-tls", m.UUID)

@@ -17,27 +17,6 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/servers"
 )
 
-func next(t *testing.T, ch <-chan *message.Message) *message.Message {
-	t.Helper()
-	select {
-	case m, ok := <-ch:
-		require.True(t, ok, "subscription closed")
-		return m
-	case <-time.After(60 * time.Second):
-		require.FailNow(t, "no message within 60s")
-		return nil
-	}
-}
-
-func nothingFor(t *testing.T, ch <-chan *message.Message, d time.Duration) {
-	t.Helper()
-	select {
-	case m := <-ch:
-		require.FailNow(t, "unexpected delivery", "uuid %s", m.UUID)
-	case <-time.After(d):
-	}
-}
-
 func consumerInfo(t *testing.T, b *Broker, topic, group string) *jetstream.ConsumerInfo {
 	t.Helper()
 	c, err := b.js.PushConsumer(context.Background(), StreamName(topic), ConsumerName(group))
@@ -55,13 +34,13 @@ func TestUnackedMessageIsRedelivered(t *testing.T) {
 	eachServer(t, func(t *testing.T, url string) {
 		b := openBroker(t, url, func(c *Config) { c.Consumer.AckWait = time.Second })
 		topic, group := adaptertest.Name("noack"), adaptertest.Name("g")
-		ch := subscribeGroup(t, b, topic, group)
+		ch := adaptertest.Subscribe(t, b, topic, group)
 		m := newMsg(adaptertest.Name("ev"))
-		require.NoError(t, b.PublishBatch(context.Background(), batchOf(topic, m)))
-		first := next(t, ch)
+		require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, m)))
+		first := adaptertest.Next(t, ch, time.Minute)
 		require.Equal(t, m.UUID, first.UUID)
 		// Neither Ack nor Nack: the handler hangs past ack_wait.
-		again := next(t, ch)
+		again := adaptertest.Next(t, ch, time.Minute)
 		require.Equal(t, m.UUID, again.UUID, "delivered again, not lost")
 		again.Ack()
 	})
@@ -79,7 +58,7 @@ func TestTrapWatermillNATSAutoAcksWithoutManualAck(t *testing.T) {
 	b := openBroker(t, url, nil)
 	topic, group := adaptertest.Name("trap"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
-	require.NoError(t, b.PublishBatch(context.Background(), batchOf(topic, newMsg(adaptertest.Name("ev")))))
+	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, newMsg(adaptertest.Name("ev")))))
 
 	nc, err := nats.Connect(url)
 	require.NoError(t, err)
@@ -94,7 +73,7 @@ func TestTrapWatermillNATSAutoAcksWithoutManualAck(t *testing.T) {
 	require.NoError(t, err)
 	ch, err := wm.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
-	m := next(t, ch)
+	m := adaptertest.Next(t, ch, time.Minute)
 	_ = m // never acked
 	deadline := time.Now().Add(30 * time.Second)
 	for consumerInfo(t, b, topic, group).AckFloor.Stream < 1 {
@@ -116,20 +95,20 @@ func TestCloseNeverAcks(t *testing.T) {
 		b := openBroker(t, url, func(c *Config) { c.Consumer.AckWait = time.Second })
 		topic, group := adaptertest.Name("close"), adaptertest.Name("g")
 		m := newMsg(adaptertest.Name("ev"))
-		require.NoError(t, b.PublishBatch(context.Background(), batchOf(topic, m)))
+		require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, m)))
 
 		sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 		require.NoError(t, err)
 		ch, err := sub.Subscribe(context.Background(), topic)
 		require.NoError(t, err)
-		require.Equal(t, m.UUID, next(t, ch).UUID)
+		require.Equal(t, m.UUID, adaptertest.Next(t, ch, time.Minute).UUID)
 		require.NoError(t, sub.Close())
 
 		info := consumerInfo(t, b, topic, group) // still there
 		require.Equal(t, 1, info.NumAckPending, "delivered, not acked")
 		require.Zero(t, info.AckFloor.Stream)
 
-		got := receiveN(t, subscribeGroup(t, b, topic, group), 1)
+		got := adaptertest.Receive(t, adaptertest.Subscribe(t, b, topic, group), 1, time.Minute)
 		require.Equal(t, m.UUID, got[0].UUID)
 	})
 }
@@ -151,12 +130,12 @@ func TestGroupHasAPositionPerTopic(t *testing.T) {
 		require.NoError(t, err)
 
 		require.NoError(t, b.PublishBatch(context.Background(), append(
-			batchOf(topicA, newMsg("a1"), newMsg("a2"), newMsg("a3")),
-			batchOf(topicB, newMsg("b1"))...)))
+			adaptertest.Outgoing(topicA, newMsg("a1"), newMsg("a2"), newMsg("a3")),
+			adaptertest.Outgoing(topicB, newMsg("b1"))...)))
 		for _, want := range []string{"a1", "a2", "a3"} {
-			require.Equal(t, want, receiveN(t, chA, 1)[0].UUID)
+			require.Equal(t, want, adaptertest.Receive(t, chA, 1, time.Minute)[0].UUID)
 		}
-		require.Equal(t, "b1", receiveN(t, chB, 1)[0].UUID)
+		require.Equal(t, "b1", adaptertest.Receive(t, chB, 1, time.Minute)[0].UUID)
 		require.EqualValues(t, 3, waitAcked(t, b, topicA, group, 3).AckFloor.Stream)
 		require.EqualValues(t, 1, waitAcked(t, b, topicB, group, 1).AckFloor.Stream)
 	})
@@ -180,10 +159,10 @@ func TestNackWaitsNakDelay(t *testing.T) {
 	eachServer(t, func(t *testing.T, url string) {
 		b := openBroker(t, url, func(c *Config) { c.Consumer.NakDelay = time.Hour })
 		topic, group := adaptertest.Name("nak"), adaptertest.Name("g")
-		ch := subscribeGroup(t, b, topic, group)
-		require.NoError(t, b.PublishBatch(context.Background(), batchOf(topic, newMsg("n1"))))
-		next(t, ch).Nack()
-		nothingFor(t, ch, 2*time.Second) // a plain Nak would be back within milliseconds
+		ch := adaptertest.Subscribe(t, b, topic, group)
+		require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, newMsg("n1"))))
+		adaptertest.Next(t, ch, time.Minute).Nack()
+		adaptertest.Quiet(t, ch, 2*time.Second) // a plain Nak would be back within milliseconds
 		info := consumerInfo(t, b, topic, group)
 		require.Equal(t, 1, info.NumAckPending, "held by the server until the delay ends")
 	})
@@ -208,13 +187,13 @@ func TestOrderAcrossNack(t *testing.T) {
 					c.Consumer.NakDelay = 300 * time.Millisecond
 				})
 				topic, group := adaptertest.Name("order"), adaptertest.Name("g")
-				require.NoError(t, b.PublishBatch(context.Background(), batchOf(topic, newMsg("m0"), newMsg("m1"), newMsg("m2"))))
-				ch := subscribeGroup(t, b, topic, group)
-				first := next(t, ch)
+				require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, newMsg("m0"), newMsg("m1"), newMsg("m2"))))
+				ch := adaptertest.Subscribe(t, b, topic, group)
+				first := adaptertest.Next(t, ch, time.Minute)
 				require.Equal(t, "m0", first.UUID)
 				first.Nack()
 				var got []string
-				for _, m := range receiveN(t, ch, 3) {
+				for _, m := range adaptertest.Receive(t, ch, 3, time.Minute) {
 					got = append(got, m.UUID)
 				}
 				require.Equal(t, tc.want, got)
@@ -237,22 +216,22 @@ func TestSubscribersSetsConcurrency(t *testing.T) {
 			t.Parallel()
 			b := openBroker(t, servers.StartEmbeddedNATS(t).URL, func(c *Config) { c.Consumer.Subscribers = n })
 			topic, group := adaptertest.Name("conc"), adaptertest.Name("g")
-			ch := subscribeGroup(t, b, topic, group)
+			ch := adaptertest.Subscribe(t, b, topic, group)
 			const total = 30
 			var msgs []*message.Message
 			for i := range total {
 				msgs = append(msgs, newMsg(fmt.Sprint("c", i)))
 			}
-			require.NoError(t, b.PublishBatch(context.Background(), batchOf(topic, msgs...)))
+			require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, msgs...)))
 			var held []*message.Message
 			for range n {
-				held = append(held, next(t, ch)) // not acked
+				held = append(held, adaptertest.Next(t, ch, time.Minute)) // not acked
 			}
-			nothingFor(t, ch, time.Second)
+			adaptertest.Quiet(t, ch, time.Second)
 			for _, m := range held {
 				m.Ack()
 			}
-			receiveN(t, ch, total-n)
+			adaptertest.Receive(t, ch, total-n, time.Minute)
 		})
 	}
 }
@@ -286,8 +265,8 @@ func TestCancelWhileMessagesArrive(t *testing.T) {
 		ch, err := sub.Subscribe(ctx, topic)
 		require.NoError(t, err)
 		published := make(chan error, 1)
-		go func() { published <- b.PublishBatch(context.Background(), batchOf(topic, batch...)) }()
-		m := next(t, ch)
+		go func() { published <- b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, batch...)) }()
+		m := adaptertest.Next(t, ch, time.Minute)
 		m.Ack()
 		acked[m.UUID] = true
 		cancel()
@@ -295,10 +274,10 @@ func TestCancelWhileMessagesArrive(t *testing.T) {
 		}
 		require.NoError(t, <-published)
 	}
-	ch := subscribeGroup(t, b, topic, group)
+	ch := adaptertest.Subscribe(t, b, topic, group)
 	total := rounds * perRound
 	for len(acked) < total {
-		m := next(t, ch)
+		m := adaptertest.Next(t, ch, time.Minute)
 		acked[m.UUID] = true
 		m.Ack()
 	}

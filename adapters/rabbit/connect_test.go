@@ -80,6 +80,6 @@ func TestClose(t *testing.T) {
 	require.ErrorIs(t, b.Provision(context.Background(), adaptertest.Name("t")), adapters.ErrClosed)
 	_, err = b.Subscriber(adapters.SubscriberSpec{Group: "g"})
 	require.ErrorIs(t, err, adapters.ErrClosed)
-	err = b.PublishBatch(context.Background(), outgoing(adaptertest.Name("t"), newMsg("1")))
+	err = b.PublishBatch(context.Background(), adaptertest.Outgoing(adaptertest.Name("t"), newMsg("1")))
 	require.ErrorIs(t, err, adapters.ErrClosed)
 }

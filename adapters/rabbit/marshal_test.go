@@ -165,7 +165,7 @@ func TestStockMarshalerLosesRedeliveries(t *testing.T) {
 			require.NoError(t, b.Provision(context.Background(), topic, group))
 			ch := watermillSubscriber(t, cfg.URL, topic, group, c.marshaler)
 			m := newMsg(`"x"`)
-			require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, m)))
+			require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, m)))
 			first := <-ch
 			require.Equal(t, m.UUID, first.UUID)
 			first.Nack()

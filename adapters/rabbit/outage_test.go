@@ -29,24 +29,6 @@ func TestOutages(t *testing.T) {
 	t.Run("BrokerDown", func(t *testing.T) { testBrokerDown(t, node) })
 }
 
-// receiveN acks n messages from ch.
-func receiveN(t *testing.T, ch <-chan *message.Message, n int) []*message.Message {
-	t.Helper()
-	var got []*message.Message
-	timeout := time.After(60 * time.Second)
-	for len(got) < n {
-		select {
-		case m, ok := <-ch:
-			require.True(t, ok, "subscription closed")
-			m.Ack()
-			got = append(got, m)
-		case <-timeout:
-			require.FailNow(t, "timeout", "received %d of %d", len(got), n)
-		}
-	}
-	return got
-}
-
 // nackUntilGone nacks every delivery of ch until none comes for a second,
 // returning how many there were.
 func nackUntilGone(t *testing.T, ch <-chan *message.Message) int {
@@ -83,7 +65,7 @@ func testAtLeastOnceDeadLettering(t *testing.T, node *servers.RabbitMQ) {
 	ch, err := sub.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
 	kept := newMsg(`"kept"`)
-	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, kept)))
+	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, kept)))
 	require.Equal(t, cfg.DeliveryLimit+1, nackUntilGone(t, ch), "deliveries before dead-lettering")
 
 	// Provision brings the dead-letter queue and its binding back.
@@ -131,7 +113,7 @@ func testServerMessageSizeLimit(t *testing.T, node *servers.RabbitMQ) {
 	topic, group := adaptertest.Name("size"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
 	big := message.NewMessage(adaptertest.Name("ev"), make([]byte, 2<<20))
-	batch := outgoing(topic, newMsg(`"a"`), big, newMsg(`"b"`))
+	batch := adaptertest.Outgoing(topic, newMsg(`"a"`), big, newMsg(`"b"`))
 
 	err := b.PublishBatch(context.Background(), batch)
 	var be *adapters.BatchError
@@ -168,12 +150,12 @@ func testMemoryAlarm(t *testing.T, node *servers.RabbitMQ) {
 	topic, group := adaptertest.Name("alarm"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
 	before := newMsg(`"before"`)
-	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, before)))
+	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, before)))
 
 	node.MemoryAlarm(true)
 	t.Cleanup(func() { node.MemoryAlarm(false) })
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-	err := b.PublishBatch(ctx, outgoing(topic, newMsg(`"timed out"`)))
+	err := b.PublishBatch(ctx, adaptertest.Outgoing(topic, newMsg(`"timed out"`)))
 	cancel()
 	require.Error(t, err, "nothing is confirmed during the alarm")
 	require.False(t, adapters.IsPermanent(err), "an alarm is not permanent: %v", err)
@@ -192,7 +174,7 @@ func testMemoryAlarm(t *testing.T, node *servers.RabbitMQ) {
 		deadline := time.Now().Add(2 * time.Minute)
 		for {
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-			err := b.PublishBatch(ctx, outgoing(topic, waiting))
+			err := b.PublishBatch(ctx, adaptertest.Outgoing(topic, waiting))
 			cancel()
 			if err == nil || !errors.Is(err, ErrBlocked) || time.Now().After(deadline) {
 				waited <- err
@@ -207,7 +189,7 @@ func testMemoryAlarm(t *testing.T, node *servers.RabbitMQ) {
 		return b.blocked != ""
 	}, 30*time.Second, 10*time.Millisecond, "connection.blocked never arrived")
 	ctx, cancel = context.WithTimeout(context.Background(), time.Minute)
-	err = b.PublishBatch(ctx, outgoing(topic, newMsg(`"refused"`)))
+	err = b.PublishBatch(ctx, adaptertest.Outgoing(topic, newMsg(`"refused"`)))
 	cancel()
 	require.ErrorIs(t, err, ErrBlocked)
 	require.False(t, adapters.IsPermanent(err))
@@ -218,7 +200,7 @@ func testMemoryAlarm(t *testing.T, node *servers.RabbitMQ) {
 	defer sub.Close()
 	ch, err := sub.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
-	require.Equal(t, before.UUID, receiveN(t, ch, 1)[0].UUID, "consuming goes on during the alarm")
+	require.Equal(t, before.UUID, adaptertest.Receive(t, ch, 1, time.Minute)[0].UUID, "consuming goes on during the alarm")
 
 	node.MemoryAlarm(false)
 	require.NoError(t, <-waited, "the waiting batch is confirmed once the alarm clears")
@@ -226,7 +208,7 @@ func testMemoryAlarm(t *testing.T, node *servers.RabbitMQ) {
 	publishEventually(t, b, topic, after)
 	seen := map[string]bool{}
 	for !seen[waiting.UUID] || !seen[after.UUID] {
-		seen[receiveN(t, ch, 1)[0].UUID] = true // messages published during the alarm may arrive too
+		seen[adaptertest.Receive(t, ch, 1, time.Minute)[0].UUID] = true // messages published during the alarm may arrive too
 	}
 }
 
@@ -236,7 +218,7 @@ func publishEventually(t *testing.T, b *Broker, topic string, msgs ...*message.M
 	deadline := time.Now().Add(60 * time.Second)
 	for {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		err := b.PublishBatch(ctx, outgoing(topic, msgs...))
+		err := b.PublishBatch(ctx, adaptertest.Outgoing(topic, msgs...))
 		cancel()
 		if err == nil {
 			return
@@ -258,13 +240,13 @@ func testBrokerDown(t *testing.T, node *servers.RabbitMQ) {
 	defer sub.Close()
 	ch, err := sub.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
-	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, newMsg("1"))))
-	receiveN(t, ch, 1)
+	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, newMsg("1"))))
+	adaptertest.Receive(t, ch, 1, time.Minute)
 
 	node.Stop()
 	for range 2 {
 		began := time.Now()
-		err := b.PublishBatch(context.Background(), outgoing(topic, newMsg("lost?")))
+		err := b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, newMsg("lost?")))
 		var be *adapters.BatchError
 		require.ErrorAs(t, err, &be)
 		require.False(t, adapters.IsPermanent(err), "%v", err)
@@ -277,6 +259,6 @@ func testBrokerDown(t *testing.T, node *servers.RabbitMQ) {
 	publishEventually(t, b, topic, back)
 	seen := map[string]bool{}
 	for !seen[back.UUID] {
-		seen[receiveN(t, ch, 1)[0].UUID] = true
+		seen[adaptertest.Receive(t, ch, 1, time.Minute)[0].UUID] = true
 	}
 }

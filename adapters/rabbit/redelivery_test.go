@@ -31,21 +31,21 @@ func TestRedeliverySubscriberParksInTheRetryQueue(t *testing.T) {
 	}
 	msg := newMsg("r1")
 	msg.Metadata.Set("tenant", "acme")
-	require.NoError(t, b.PublishBatch(ctx, outgoing(topic, msg)))
+	require.NoError(t, b.PublishBatch(ctx, adaptertest.Outgoing(topic, msg)))
 
 	deliveries := &adapters.Deliveries{}
 	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group, RedeliveryWait: wait, Deliveries: deliveries})
 	require.NoError(t, err)
 	ch, err := sub.Subscribe(ctx, topic)
 	require.NoError(t, err)
-	first := next(t, ch)
+	first := adaptertest.Next(t, ch, 30*time.Second)
 	n, ok := deliveries.Number(first)
 	require.True(t, ok, "no delivery number")
 	require.Equal(t, 1, n)
 	first.Nack()
 	require.Equal(t, 1, <-asked)
 
-	second := next(t, ch) // back from the retry queue after wait(1)
+	second := adaptertest.Next(t, ch, 30*time.Second) // back from the retry queue after wait(1)
 	n, _ = deliveries.Number(second)
 	require.Equal(t, 2, n)
 	require.Equal(t, msg.UUID, second.UUID)
@@ -58,7 +58,7 @@ func TestRedeliverySubscriberParksInTheRetryQueue(t *testing.T) {
 	defer sub.Close()
 	ch, err = sub.Subscribe(ctx, topic)
 	require.NoError(t, err)
-	third := next(t, ch)
+	third := adaptertest.Next(t, ch, 30*time.Second)
 	n, _ = deliveries.Number(third)
 	require.Equal(t, 3, n, "the delivery cut short by the close counts")
 	third.Nack()
@@ -91,7 +91,7 @@ func TestRedeliverySubscriberKeepsAMessageTheRetryQueueRefused(t *testing.T) {
 	topic, group := adaptertest.Name("refused"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(ctx, topic, group))
 	msg := newMsg("r1")
-	require.NoError(t, b.PublishBatch(ctx, outgoing(topic, msg)))
+	require.NoError(t, b.PublishBatch(ctx, adaptertest.Outgoing(topic, msg)))
 
 	deliveries := &adapters.Deliveries{}
 	sub, err := b.Subscriber(adapters.SubscriberSpec{
@@ -101,12 +101,12 @@ func TestRedeliverySubscriberKeepsAMessageTheRetryQueueRefused(t *testing.T) {
 	defer sub.Close()
 	ch, err := sub.Subscribe(ctx, topic)
 	require.NoError(t, err)
-	first := next(t, ch)
+	first := adaptertest.Next(t, ch, 30*time.Second)
 	// Deleted once subscribed: subscribing declares it again.
 	_, err = rawChannel(t, serverURL()).QueueDelete(RetryQueueName(topic, group), false, false, false)
 	require.NoError(t, err)
 	first.Nack()
-	again := next(t, ch) // an hour early: the park failed and the message was requeued
+	again := adaptertest.Next(t, ch, 30*time.Second) // an hour early: the park failed and the message was requeued
 	n, _ := deliveries.Number(again)
 	require.Equal(t, 2, n)
 	require.Equal(t, msg.UUID, again.UUID)

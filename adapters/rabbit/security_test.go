@@ -150,8 +150,8 @@ func testTLSRoundTrip(t *testing.T, n *tlsNode) {
 	msgs, err := sub.Subscribe(ctx, topic)
 	require.NoError(t, err)
 	m := newMsg(`{"over":"amqps"}`)
-	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, m)))
-	got := receiveN(t, msgs, 1)
+	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, m)))
+	got := adaptertest.Receive(t, msgs, 1, time.Minute)
 	require.Equal(t, m.UUID, got[0].UUID)
 }
 

@@ -13,18 +13,6 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/adaptertest"
 )
 
-func next(t *testing.T, ch <-chan *message.Message) *message.Message {
-	t.Helper()
-	select {
-	case m, ok := <-ch:
-		require.True(t, ok, "subscription closed")
-		return m
-	case <-time.After(30 * time.Second):
-		require.FailNow(t, "no message")
-		return nil
-	}
-}
-
 // With prefetch 1 a nacked message comes back before any later one: a
 // queue with one subscription keeps its order across redeliveries.
 func TestOrderAcrossNack(t *testing.T) {
@@ -36,7 +24,7 @@ func TestOrderAcrossNack(t *testing.T) {
 	for i := range 10 {
 		msgs = append(msgs, newMsg(fmt.Sprint(i)))
 	}
-	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, msgs...)))
+	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, msgs...)))
 	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
 	defer sub.Close()
@@ -45,7 +33,7 @@ func TestOrderAcrossNack(t *testing.T) {
 
 	var got []string
 	for len(got) < len(msgs) {
-		m := next(t, ch)
+		m := adaptertest.Next(t, ch, 30*time.Second)
 		if string(m.Payload) == "3" && m.Metadata.Get(DeliveryCountKey) == "" {
 			m.Nack() // the first delivery of "3" fails once
 			continue
@@ -70,8 +58,8 @@ func TestSubscriptionSurvivesQueueDeletion(t *testing.T) {
 	ch, err := sub.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
 	first := newMsg(`"first"`)
-	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, first)))
-	m := next(t, ch)
+	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, first)))
+	m := adaptertest.Next(t, ch, 30*time.Second)
 	require.Equal(t, first.UUID, m.UUID)
 	m.Ack()
 
@@ -85,8 +73,8 @@ func TestSubscriptionSurvivesQueueDeletion(t *testing.T) {
 	}, 30*time.Second, 100*time.Millisecond, "the subscription never declared its queue again")
 
 	second := newMsg(`"second"`)
-	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, second)))
-	m = next(t, ch)
+	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, second)))
+	m = adaptertest.Next(t, ch, 30*time.Second)
 	require.Equal(t, second.UUID, m.UUID, "no empty message in between")
 	m.Ack()
 }

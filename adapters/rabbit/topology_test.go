@@ -16,14 +16,6 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/adaptertest"
 )
 
-func outgoing(topic string, msgs ...*message.Message) []adapters.Outgoing {
-	out := make([]adapters.Outgoing, len(msgs))
-	for i, m := range msgs {
-		out[i] = adapters.Outgoing{Topic: topic, Msg: m}
-	}
-	return out
-}
-
 func newMsg(payload string) *message.Message {
 	return message.NewMessage(adaptertest.Name("ev"), []byte(payload))
 }
@@ -61,7 +53,7 @@ func TestProvisionConflictingQueue(t *testing.T) {
 	// Still usable: another group provisions, publishing works.
 	other := adaptertest.Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, other))
-	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, newMsg(`{}`))))
+	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, newMsg(`{}`))))
 	d := getOne(t, raw, QueueName(topic, other), 10*time.Second)
 	require.Equal(t, "{}", string(d.Body))
 }
@@ -97,8 +89,8 @@ func TestPublishBatchConflictingExchange(t *testing.T) {
 	require.NoError(t, raw.ExchangeDeclare(bad, amqp.ExchangeTopic, true, false, false, false, nil))
 	require.NoError(t, b.Provision(context.Background(), good, group))
 
-	batch := append(outgoing(good, newMsg(`1`)), outgoing(bad, newMsg(`2`))...)
-	batch = append(batch, outgoing(good, newMsg(`3`))...)
+	batch := append(adaptertest.Outgoing(good, newMsg(`1`)), adaptertest.Outgoing(bad, newMsg(`2`))...)
+	batch = append(batch, adaptertest.Outgoing(good, newMsg(`3`))...)
 	err := b.PublishBatch(context.Background(), batch)
 	var be *adapters.BatchError
 	require.ErrorAs(t, err, &be)
@@ -123,13 +115,13 @@ func TestUnroutableMessagesAreParked(t *testing.T) {
 
 	early := newMsg(`"early"`)
 	early.Metadata.Set("custom", "kept")
-	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, early)))
+	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, early)))
 	d := getOne(t, raw, UnroutedQueueName(topic), 10*time.Second)
 	require.Equal(t, early.UUID, d.MessageId)
 	require.Equal(t, "kept", d.Headers["custom"])
 
 	require.NoError(t, b.Provision(context.Background(), topic, group))
-	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, newMsg(`"late"`))))
+	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, newMsg(`"late"`))))
 	require.Equal(t, `"late"`, string(getOne(t, raw, QueueName(topic, group), 10*time.Second).Body))
 	_, ok, err := raw.Get(UnroutedQueueName(topic), true)
 	require.NoError(t, err)
@@ -150,7 +142,7 @@ func TestReturnedMessageIsRetryable(t *testing.T) {
 	require.NoError(t, err)
 
 	first, second := newMsg(`1`), newMsg(`2`)
-	err = b.PublishBatch(context.Background(), outgoing(topic, first, second))
+	err = b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, first, second))
 	var be *adapters.BatchError
 	require.ErrorAs(t, err, &be)
 	require.Equal(t, 2, be.Failed())
@@ -160,7 +152,7 @@ func TestReturnedMessageIsRetryable(t *testing.T) {
 	}
 	t.Log(be.Errs[0])
 
-	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, first, second)), "the retry redeclares the parking queue")
+	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, first, second)), "the retry redeclares the parking queue")
 	require.Equal(t, first.UUID, getOne(t, raw, UnroutedQueueName(topic), 10*time.Second).MessageId)
 	require.Equal(t, second.UUID, getOne(t, raw, UnroutedQueueName(topic), 10*time.Second).MessageId)
 }
@@ -183,7 +175,7 @@ func TestDeadLetterAfterDeliveryLimit(t *testing.T) {
 
 	poison := newMsg(`"poison"`)
 	poison.Metadata.Set("trace", "abc")
-	require.NoError(t, b.PublishBatch(context.Background(), outgoing(topic, poison)))
+	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, poison)))
 
 	var counts []string
 	for range cfg.DeliveryLimit + 1 {
@@ -237,7 +229,7 @@ func TestBadNames(t *testing.T) {
 	}
 	_, err := b.Subscriber(adapters.SubscriberSpec{Group: "bad group"})
 	require.Error(t, err)
-	err = b.PublishBatch(context.Background(), outgoing("bad topic", newMsg(`1`)))
+	err = b.PublishBatch(context.Background(), adaptertest.Outgoing("bad topic", newMsg(`1`)))
 	var be *adapters.BatchError
 	require.ErrorAs(t, err, &be)
 	require.True(t, adapters.IsPermanent(be.Errs[0]))
@@ -255,7 +247,7 @@ func TestPublishBatchHeadersTooLarge(t *testing.T) {
 	require.NoError(t, b.Provision(context.Background(), topic, group))
 	big := newMsg(`"big"`)
 	big.Metadata.Set("blob", strings.Repeat("v", 200_000))
-	err := b.PublishBatch(context.Background(), outgoing(topic, newMsg(`"a"`), big, newMsg(`"b"`)))
+	err := b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, newMsg(`"a"`), big, newMsg(`"b"`)))
 	var be *adapters.BatchError
 	require.ErrorAs(t, err, &be)
 	require.Equal(t, 1, be.Failed())

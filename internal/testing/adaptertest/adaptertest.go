@@ -86,19 +86,22 @@ func event(aggregate string, version int) *message.Message {
 	return msg
 }
 
-func subscribe(t *testing.T, b adapters.Broker, topic, group string) <-chan *message.Message {
+// Subscribe subscribes a Subscriber of group to topic until the test ends,
+// when it closes the Subscriber and asserts that Close succeeded.
+func Subscribe(t testing.TB, b adapters.Broker, topic, group string) <-chan *message.Message {
 	t.Helper()
 	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(func() { cancel(); _ = sub.Close() })
+	t.Cleanup(func() { cancel(); require.NoError(t, sub.Close()) })
 	ch, err := sub.Subscribe(ctx, topic)
 	require.NoError(t, err)
 	return ch
 }
 
-// receive acks and collects n messages from ch, failing after timeout.
-func receive(t *testing.T, ch <-chan *message.Message, n int, timeout time.Duration) []*message.Message {
+// Receive acks and collects n messages from ch, failing after timeout or
+// when ch closes first.
+func Receive(t testing.TB, ch <-chan *message.Message, n int, timeout time.Duration) []*message.Message {
 	t.Helper()
 	var got []*message.Message
 	deadline := time.After(timeout)
@@ -129,8 +132,8 @@ func Next(t testing.TB, ch <-chan *message.Message, timeout time.Duration) *mess
 	}
 }
 
-// quiet asserts that nothing more arrives on ch for d.
-func quiet(t *testing.T, ch <-chan *message.Message, d time.Duration) {
+// Quiet asserts that nothing more arrives on ch for d.
+func Quiet(t testing.TB, ch <-chan *message.Message, d time.Duration) {
 	t.Helper()
 	select {
 	case m := <-ch:
@@ -140,13 +143,18 @@ func quiet(t *testing.T, ch <-chan *message.Message, d time.Duration) {
 	}
 }
 
-func publishBatch(t *testing.T, b adapters.Broker, topic string, msgs []*message.Message) {
-	t.Helper()
+// Outgoing returns msgs as a batch for PublishBatch, every one to topic.
+func Outgoing(topic string, msgs ...*message.Message) []adapters.Outgoing {
 	out := make([]adapters.Outgoing, len(msgs))
 	for i, m := range msgs {
 		out[i] = adapters.Outgoing{Topic: topic, Msg: m}
 	}
-	require.NoError(t, b.PublishBatch(context.Background(), out))
+	return out
+}
+
+func publishBatch(t *testing.T, b adapters.Broker, topic string, msgs []*message.Message) {
+	t.Helper()
+	require.NoError(t, b.PublishBatch(context.Background(), Outgoing(topic, msgs...)))
 }
 
 func testBatchPublish(t *testing.T, h Harness) {
@@ -154,8 +162,8 @@ func testBatchPublish(t *testing.T, h Harness) {
 	topicA, topicB, group := Name("batch-a"), Name("batch-b"), Name("g")
 	require.NoError(t, b.Provision(context.Background(), topicA, group))
 	require.NoError(t, b.Provision(context.Background(), topicB, group))
-	chA := subscribe(t, b, topicA, group)
-	chB := subscribe(t, b, topicB, group)
+	chA := Subscribe(t, b, topicA, group)
+	chB := Subscribe(t, b, topicB, group)
 
 	const n = 1000
 	var batch []adapters.Outgoing
@@ -173,7 +181,7 @@ func testBatchPublish(t *testing.T, h Harness) {
 	require.NoError(t, b.PublishBatch(context.Background(), nil), "an empty batch is a no-op")
 
 	nB := (n + 2) / 3
-	got := append(receive(t, chA, n-nB, h.Timeout), receive(t, chB, nB, h.Timeout)...)
+	got := append(Receive(t, chA, n-nB, h.Timeout), Receive(t, chB, nB, h.Timeout)...)
 	seen := map[string]bool{}
 	for _, m := range got {
 		require.False(t, seen[m.UUID], "duplicate %s", m.UUID)
@@ -189,7 +197,7 @@ func testPerKeyOrder(t *testing.T, h Harness) {
 	b := newBroker(t, h)
 	topic, group := Name("order"), Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
-	ch := subscribe(t, b, topic, group)
+	ch := Subscribe(t, b, topic, group)
 
 	const aggregates, versions = 100, 50
 	// Versions interleave across aggregates, in batches of 500, as the relay sends them.
@@ -235,15 +243,15 @@ func testFanOut(t *testing.T, h Harness) {
 	b := newBroker(t, h)
 	topic, g1, g2 := Name("fanout"), Name("g1"), Name("g2")
 	require.NoError(t, b.Provision(context.Background(), topic, g1, g2))
-	ch1 := subscribe(t, b, topic, g1)
-	ch2 := subscribe(t, b, topic, g2)
+	ch1 := Subscribe(t, b, topic, g1)
+	ch2 := Subscribe(t, b, topic, g2)
 	var msgs []*message.Message
 	for i := range 100 {
 		msgs = append(msgs, event(fmt.Sprintf("agg-%d", i), 1))
 	}
 	publishBatch(t, b, topic, msgs)
 	for _, ch := range []<-chan *message.Message{ch1, ch2} {
-		got := receive(t, ch, len(msgs), h.Timeout)
+		got := Receive(t, ch, len(msgs), h.Timeout)
 		ids := map[string]bool{}
 		for _, m := range got {
 			ids[m.UUID] = true
@@ -266,17 +274,17 @@ func testDeprovision(t *testing.T, h Harness) {
 	require.NoError(t, b.Provision(ctx, topic, group))
 	fresh := event("new", 1)
 	publishBatch(t, b, topic, []*message.Message{fresh})
-	ch := subscribe(t, b, topic, group)
-	got := receive(t, ch, 1, h.Timeout)
+	ch := Subscribe(t, b, topic, group)
+	got := Receive(t, ch, 1, h.Timeout)
 	require.Equal(t, fresh.UUID, got[0].UUID, "the deprovisioned topic's messages are gone")
-	quiet(t, ch, time.Second)
+	Quiet(t, ch, time.Second)
 }
 
 func testCompeting(t *testing.T, h Harness) {
 	b := newBroker(t, h)
 	topic, group := Name("compete"), Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
-	chs := []<-chan *message.Message{subscribe(t, b, topic, group), subscribe(t, b, topic, group)}
+	chs := []<-chan *message.Message{Subscribe(t, b, topic, group), Subscribe(t, b, topic, group)}
 
 	const n = 200
 	var msgs []*message.Message
@@ -317,7 +325,7 @@ func testCompeting(t *testing.T, h Harness) {
 		require.Equal(t, 1, c, "message %s delivered to the group %d times", id, c)
 	}
 	for _, ch := range chs {
-		quiet(t, ch, time.Second)
+		Quiet(t, ch, time.Second)
 	}
 }
 
@@ -325,7 +333,7 @@ func testRedelivery(t *testing.T, h Harness) {
 	b := newBroker(t, h)
 	topic, group := Name("nack"), Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
-	ch := subscribe(t, b, topic, group)
+	ch := Subscribe(t, b, topic, group)
 	m := event("agg-1", 1)
 	publishBatch(t, b, topic, []*message.Message{m})
 
@@ -336,9 +344,9 @@ func testRedelivery(t *testing.T, h Harness) {
 	case <-time.After(h.Timeout):
 		require.FailNow(t, "timeout waiting for the first delivery")
 	}
-	again := receive(t, ch, 1, h.Timeout)
+	again := Receive(t, ch, 1, h.Timeout)
 	require.Equal(t, m.UUID, again[0].UUID, "a nacked message is delivered again")
-	quiet(t, ch, time.Second)
+	Quiet(t, ch, time.Second)
 }
 
 func testTooLarge(t *testing.T, h Harness) {
@@ -360,14 +368,14 @@ func testRestart(t *testing.T, h Harness) {
 	b := newBroker(t, h)
 	topic, group := Name("restart"), Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
-	ch := subscribe(t, b, topic, group)
+	ch := Subscribe(t, b, topic, group)
 
 	var before []*message.Message
 	for i := range 200 {
 		before = append(before, event(fmt.Sprintf("agg-%d", i), 1))
 	}
 	publishBatch(t, b, topic, before)
-	got := receive(t, ch, 50, h.Timeout)
+	got := Receive(t, ch, 50, h.Timeout)
 
 	h.RestartBroker(t)
 
@@ -377,10 +385,7 @@ func testRestart(t *testing.T, h Harness) {
 	}
 	// Publishing while the client reconnects fails with retryable errors; the
 	// relay retries, and so does this test.
-	out := make([]adapters.Outgoing, len(after))
-	for i, m := range after {
-		out[i] = adapters.Outgoing{Topic: topic, Msg: m}
-	}
+	out := Outgoing(topic, after...)
 	deadline := time.Now().Add(h.Timeout)
 	for {
 		err := b.PublishBatch(context.Background(), out)
@@ -436,7 +441,7 @@ func testUnusual(t *testing.T, h Harness) {
 	b := newBroker(t, h)
 	topic, group := Name("unusual"), Name("g")
 	require.NoError(t, b.Provision(context.Background(), topic, group))
-	ch := subscribe(t, b, topic, group)
+	ch := Subscribe(t, b, topic, group)
 
 	var batch []adapters.Outgoing
 	add := func(id string, meta map[string]string) {
@@ -475,7 +480,7 @@ func testUnusual(t *testing.T, h Harness) {
 		require.NoError(t, got, "message %q", o.Msg.UUID)
 		want[o.Msg.UUID] = o.Msg
 	}
-	for _, m := range receive(t, ch, len(want), h.Timeout) {
+	for _, m := range Receive(t, ch, len(want), h.Timeout) {
 		sent, ok := want[m.UUID]
 		require.True(t, ok, "message id %q arrived, but no such id was sent or it arrived twice", m.UUID)
 		delete(want, m.UUID)
@@ -484,5 +489,5 @@ func testUnusual(t *testing.T, h Harness) {
 			require.Equal(t, v, m.Metadata.Get(k), "message %q header %q", m.UUID, k)
 		}
 	}
-	quiet(t, ch, time.Second)
+	Quiet(t, ch, time.Second)
 }

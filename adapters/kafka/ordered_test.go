@@ -33,9 +33,7 @@ func TestOrderedSubscriberManyInFlight(t *testing.T) {
 	require.NoError(t, b.Provision(context.Background(), topic, group))
 	load := adaptertest.NewManyInFlight(t, b, topic)
 	src := consumer.Source{
-		NewSubscriber: func() (message.Subscriber, error) {
-			return b.Subscriber(adapters.SubscriberSpec{Group: group, Ordered: true, InFlight: load.Prefetch()})
-		},
+		NewSubscriber:  load.OrderedSubscriber(b, group),
 		Competing:      true,
 		KeyPartitioned: true,
 		Concurrent:     true,
@@ -64,12 +62,5 @@ func TestOrderedSubscriberManyInFlight(t *testing.T) {
 func TestOrderedSubscriberInFlightRange(t *testing.T) {
 	t.Parallel()
 	b := open(t, newEnv(t).config())
-	for _, n := range []int{0, -1} {
-		_, err := b.Subscriber(adapters.SubscriberSpec{Group: "g", Ordered: true, InFlight: n})
-		var refused *adapters.SpecError
-		require.ErrorAs(t, err, &refused)
-		require.Equal(t, "InFlight", refused.Field)
-		require.ErrorContains(t, err, "kafka: SubscriberSpec.InFlight: must ")
-		require.True(t, adapters.IsPermanent(err))
-	}
+	adaptertest.RefusesOrderedInFlight(t, b, "kafka: SubscriberSpec.InFlight: must ", 0, -1)
 }

@@ -33,14 +33,7 @@ func TestConcurrentRedeliverySubscriberParksInTheRetryTopic(t *testing.T) {
 	topic, group := adaptertest.Name("redeliver"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(ctx, topic, group))
 	const firstWait = 300 * time.Millisecond
-	asked := make(chan int, 8)
-	wait := func(n int) time.Duration {
-		asked <- n
-		if n == 1 {
-			return firstWait
-		}
-		return time.Hour
-	}
+	wait, asked := adaptertest.ShortFirstWait(firstWait)
 	msg := event("order-1", 1)
 	msg.Metadata.Set("tenant", "acme")
 	require.NoError(t, b.PublishBatch(ctx, adaptertest.Outgoing(topic, msg)))
@@ -125,10 +118,7 @@ func checkParkedRecord(t *testing.T, env *testEnv, topic, group string, msg *mes
 // message carrying a retry header.
 func checkRetryKeysReserved(t *testing.T, b *kafka.Broker, topic, group string) {
 	_, err := b.Subscriber(adapters.SubscriberSpec{Group: group, RedeliveryWait: func(int) time.Duration { return 0 }})
-	var spec *adapters.SpecError
-	require.ErrorAs(t, err, &spec, "a wait without InFlight is refused")
-	require.Equal(t, "InFlight", spec.Field)
-	require.True(t, adapters.IsPermanent(err), "%v", err)
+	adaptertest.RequireRefused(t, err, "InFlight", "a wait without InFlight")
 	reserved := event("order-3", 1)
 	reserved.Metadata.Set(kafka.RetryDeliveryKey, "1")
 	var refused *adapters.RefusedError

@@ -1,15 +1,14 @@
 package nats
 
 import (
-	"os"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
-	"go.yaml.in/yaml/v3"
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/confload"
+	"github.com/millrace-io/millrace/internal/testing/adaptertest"
 )
 
 func TestConfigDefaults(t *testing.T) {
@@ -35,16 +34,7 @@ func TestConfigDefaults(t *testing.T) {
 // The shipped config.yaml states the defaults of broker.nats.
 func TestConfigYAMLStatesDefaults(t *testing.T) {
 	t.Parallel()
-	data, err := os.ReadFile("../../config.yaml")
-	require.NoError(t, err)
-	var doc struct {
-		Broker struct {
-			NATS yaml.Node `yaml:"nats"`
-		} `yaml:"broker"`
-	}
-	require.NoError(t, yaml.Unmarshal(data, &doc))
-	section, err := yaml.Marshal(&doc.Broker.NATS)
-	require.NoError(t, err)
+	section := adaptertest.ShippedSection(t, "nats")
 	var c Config
 	noEnv := func(string) (string, bool) { return "", false }
 	require.Empty(t, confload.Decode(section, &c, noEnv))

@@ -33,9 +33,7 @@ func TestOrderedSubscriberManyInFlight(t *testing.T) {
 	t.Cleanup(func() { _ = b.forgetLeases(context.Background(), topic, []string{group}) })
 	load := adaptertest.NewManyInFlight(t, b, topic)
 	load.LostConnectionAndRestart(t, b,
-		func() (message.Subscriber, error) {
-			return b.Subscriber(adapters.SubscriberSpec{Group: group, Ordered: true, InFlight: load.Prefetch()})
-		},
+		load.OrderedSubscriber(b, group),
 		func(s message.Subscriber) {
 			sub := s.(*orderedSubscriber)
 			sub.mu.Lock()
@@ -137,12 +135,8 @@ func TestOrderedGroupIsTakenOverInOrder(t *testing.T) {
 // An Ordered spec with an InFlight that is no max_ack_pending is refused.
 func TestOrderedSubscriberInFlightRange(t *testing.T) {
 	t.Parallel()
-	_, err := openBroker(t, sharedURL(), nil).Subscriber(adapters.SubscriberSpec{Group: "g", Ordered: true, InFlight: 0})
-	var refused *adapters.SpecError
-	require.ErrorAs(t, err, &refused)
-	require.Equal(t, "InFlight", refused.Field)
-	require.ErrorContains(t, err, "nats: SubscriberSpec.InFlight: must be at least 1 for an ordered subscription; got 0")
-	require.True(t, adapters.IsPermanent(err))
+	adaptertest.RefusesOrderedInFlight(t, openBroker(t, sharedURL(), nil),
+		"nats: SubscriberSpec.InFlight: must be at least 1 for an ordered subscription; got 0", 0)
 }
 
 // A process whose handler is not ordered finds the group's consumer at

@@ -18,14 +18,7 @@ func TestRedeliverySubscriberNumbersDeliveries(t *testing.T) {
 	t.Parallel()
 	b := openBroker(t, sharedURL(), func(c *Config) { c.Consumer.NakDelay = time.Hour })
 	topic, group := adaptertest.Name("redeliver"), adaptertest.Name("g")
-	asked := make(chan int, 8)
-	wait := func(n int) time.Duration {
-		asked <- n
-		if n == 1 {
-			return 10 * time.Millisecond
-		}
-		return time.Hour
-	}
+	wait, asked := adaptertest.ShortFirstWait(10 * time.Millisecond)
 	subscribe := func() (<-chan *struct{ n int }, func()) {
 		deliveries := &adapters.Deliveries{}
 		sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group, RedeliveryWait: wait, Deliveries: deliveries})
@@ -69,10 +62,7 @@ func TestRedeliverySubscriberNumbersDeliveries(t *testing.T) {
 	require.Equal(t, 1, info.NumAckPending, "held by the server for wait(2)")
 
 	_, err := b.Subscriber(adapters.SubscriberSpec{Group: group, Ordered: true, InFlight: 1, RedeliveryWait: wait})
-	var refused *adapters.SpecError
-	require.ErrorAs(t, err, &refused, "an ordered spec with a wait is refused")
-	require.Equal(t, "RedeliveryWait", refused.Field)
-	require.True(t, adapters.IsPermanent(err), "%v", err)
+	adaptertest.RequireRefused(t, err, "RedeliveryWait", "an ordered spec with a wait")
 }
 
 // A ConcurrentSubscriber and a ConcurrentRedeliverySubscriber hand out many

@@ -2,15 +2,14 @@ package rabbit
 
 import (
 	"errors"
-	"os"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
-	"go.yaml.in/yaml/v3"
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/internal/confload"
+	"github.com/millrace-io/millrace/internal/testing/adaptertest"
 )
 
 func TestConfigDefaults(t *testing.T) {
@@ -87,14 +86,8 @@ func TestConfigClusterList(t *testing.T) {
 // The shipped config.yaml states this section's defaults.
 func TestShippedConfigStatesDefaults(t *testing.T) {
 	t.Parallel()
-	data, err := os.ReadFile("../../config.yaml")
-	require.NoError(t, err)
-	var file struct {
-		Broker struct {
-			RabbitMQ Config `yaml:"rabbitmq"`
-		} `yaml:"broker"`
-	}
-	require.NoError(t, yaml.Unmarshal(data, &file))
-	shipped := file.Broker.RabbitMQ
+	var shipped Config
+	noEnv := func(string) (string, bool) { return "", false }
+	require.Empty(t, confload.Decode(adaptertest.ShippedSection(t, "rabbitmq"), &shipped, noEnv))
 	require.Equal(t, Config{URL: shipped.URL}.WithDefaults(), shipped)
 }

@@ -28,9 +28,7 @@ func TestOrderedSubscriberManyInFlight(t *testing.T) {
 	require.NoError(t, b.Provision(context.Background(), topic, group))
 	load := adaptertest.NewManyInFlight(t, b, topic)
 	load.LostConnectionAndRestart(t, b,
-		func() (message.Subscriber, error) {
-			return b.Subscriber(adapters.SubscriberSpec{Group: group, Ordered: true, InFlight: load.Prefetch()})
-		},
+		load.OrderedSubscriber(b, group),
 		func(s message.Subscriber) {
 			sub := s.(*subscriber)
 			sub.mu.Lock()
@@ -50,12 +48,5 @@ func TestOrderedSubscriberManyInFlight(t *testing.T) {
 func TestOrderedSubscriberInFlightRange(t *testing.T) {
 	t.Parallel()
 	b := openBroker(t, testConfig(serverURL()))
-	for _, n := range []int{0, -1, 65536} {
-		_, err := b.Subscriber(adapters.SubscriberSpec{Group: "g", Ordered: true, InFlight: n})
-		var refused *adapters.SpecError
-		require.ErrorAs(t, err, &refused)
-		require.Equal(t, "InFlight", refused.Field)
-		require.ErrorContains(t, err, "rabbitmq: SubscriberSpec.InFlight: must ")
-		require.True(t, adapters.IsPermanent(err))
-	}
+	adaptertest.RefusesOrderedInFlight(t, b, "rabbitmq: SubscriberSpec.InFlight: must ", 0, -1, 65536)
 }

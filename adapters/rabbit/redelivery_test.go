@@ -21,14 +21,7 @@ func TestRedeliverySubscriberParksInTheRetryQueue(t *testing.T) {
 	b := openBroker(t, testConfig(serverURL()))
 	topic, group := adaptertest.Name("redeliver"), adaptertest.Name("g")
 	require.NoError(t, b.Provision(ctx, topic, group))
-	asked := make(chan int, 8)
-	wait := func(n int) time.Duration {
-		asked <- n
-		if n == 1 {
-			return 200 * time.Millisecond
-		}
-		return time.Hour
-	}
+	wait, asked := adaptertest.ShortFirstWait(200 * time.Millisecond)
 	msg := newMsg("r1")
 	msg.Metadata.Set("tenant", "acme")
 	require.NoError(t, b.PublishBatch(ctx, adaptertest.Outgoing(topic, msg)))
@@ -75,10 +68,7 @@ func TestRedeliverySubscriberParksInTheRetryQueue(t *testing.T) {
 	require.Zero(t, q.Messages, "acked on the group's queue once parked")
 
 	_, err = b.Subscriber(adapters.SubscriberSpec{Group: group, InFlight: maxInFlight + 1, RedeliveryWait: wait})
-	var refused *adapters.SpecError
-	require.ErrorAs(t, err, &refused, "an in-flight count over an AMQP prefetch count is refused")
-	require.Equal(t, "InFlight", refused.Field)
-	require.True(t, adapters.IsPermanent(err), "%v", err)
+	adaptertest.RequireRefused(t, err, "InFlight", "an in-flight count over an AMQP prefetch count")
 }
 
 // A message the retry queue cannot take (here the queue was deleted, so the

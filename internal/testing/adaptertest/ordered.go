@@ -251,6 +251,14 @@ func (m *ManyInFlight) Events() int { return m.aggregates * m.per }
 // Prefetch is the in-flight count to give the ordered subscriber.
 func (m *ManyInFlight) Prefetch() int { return m.prefetch }
 
+// OrderedSubscriber returns what makes the load's ordered subscribers: b's
+// Subscriber for group, Ordered, with Prefetch messages in flight.
+func (m *ManyInFlight) OrderedSubscriber(b adapters.Broker, group string) func() (message.Subscriber, error) {
+	return func() (message.Subscriber, error) {
+		return b.Subscriber(adapters.SubscriberSpec{Group: group, Ordered: true, InFlight: m.prefetch})
+	}
+}
+
 // Start starts an OrderedConsumer of the load over src; the first one
 // starts the clock.
 func (m *ManyInFlight) Start(t *testing.T, src consumer.Source) *OrderedConsumer {

@@ -45,10 +45,7 @@ func testSpecs(t *testing.T, h Harness) {
 			require.NoError(t, sub.Close(), c.name)
 			continue
 		}
-		var refused *adapters.SpecError
-		require.ErrorAs(t, err, &refused, c.name)
-		require.Equal(t, c.field, refused.Field, "%s: %v", c.name, err)
-		require.True(t, adapters.IsPermanent(err), c.name)
+		RequireRefused(t, err, c.field, c.name)
 	}
 }
 
@@ -93,4 +90,41 @@ func testPingBacklog(t *testing.T, h Harness) {
 		}
 		return sum == 2
 	}, h.Timeout, 50*time.Millisecond, "the group's backlog is the 2 messages published")
+}
+
+// RefusesOrderedInFlight asserts that b refuses an Ordered SubscriberSpec
+// with each of inFlight: a permanent *adapters.SpecError naming the InFlight
+// field, whose text contains want.
+func RefusesOrderedInFlight(t testing.TB, b adapters.Broker, want string, inFlight ...int) {
+	t.Helper()
+	require.NotEmpty(t, inFlight)
+	for _, n := range inFlight {
+		_, err := b.Subscriber(adapters.SubscriberSpec{Group: Name("g"), Ordered: true, InFlight: n})
+		RequireRefused(t, err, "InFlight", "InFlight %d", n)
+		require.ErrorContains(t, err, want, "InFlight %d", n)
+	}
+}
+
+// RequireRefused asserts that err is a permanent *adapters.SpecError naming
+// field; msgAndArgs say which spec was refused, as with require.
+func RequireRefused(t testing.TB, err error, field string, msgAndArgs ...any) {
+	t.Helper()
+	var refused *adapters.SpecError
+	require.ErrorAs(t, err, &refused, msgAndArgs...)
+	require.Equal(t, field, refused.Field, msgAndArgs...)
+	require.True(t, adapters.IsPermanent(err), msgAndArgs...)
+}
+
+// ShortFirstWait returns a RedeliveryWait of first after the first delivery
+// and an hour after every later one, which sends each delivery number it is
+// asked about on asked (buffered for 8).
+func ShortFirstWait(first time.Duration) (wait func(n int) time.Duration, asked <-chan int) {
+	ch := make(chan int, 8)
+	return func(n int) time.Duration {
+		ch <- n
+		if n == 1 {
+			return first
+		}
+		return time.Hour
+	}, ch
 }

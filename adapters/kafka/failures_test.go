@@ -30,6 +30,17 @@ func event(aggregate string, version int) *message.Message {
 	return m
 }
 
+// events returns n events at version, one for each of the aggregates agg-0
+// to agg-<n-1>, and adds their ids to ids.
+func events(n, version int, ids map[string]bool) []*message.Message {
+	msgs := make([]*message.Message, n)
+	for i := range msgs {
+		msgs[i] = event(fmt.Sprintf("agg-%d", i), version)
+		ids[msgs[i].UUID] = true
+	}
+	return msgs
+}
+
 // receiveIDs acks messages from ch until every id in want arrived; duplicates
 // are allowed. It fails after timeout.
 func receiveIDs(t *testing.T, ch <-chan *message.Message, want map[string]bool, timeout time.Duration) {
@@ -120,12 +131,7 @@ func TestBrokerOutage(t *testing.T) {
 	ch := adaptertest.Subscribe(t, b, topic, group)
 
 	want := map[string]bool{}
-	var before []*message.Message
-	for i := range 50 {
-		m := event(fmt.Sprintf("agg-%d", i), 1)
-		before = append(before, m)
-		want[m.UUID] = true
-	}
+	before := events(50, 1, want)
 	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, before...)))
 
 	env.stop()
@@ -139,12 +145,7 @@ func TestBrokerOutage(t *testing.T) {
 	assert.Equal(t, 1, be.Failed())
 
 	env.start(t)
-	var after []*message.Message
-	for i := range 50 {
-		m := event(fmt.Sprintf("agg-%d", i), 2)
-		after = append(after, m)
-		want[m.UUID] = true
-	}
+	after := events(50, 2, want)
 	require.Eventually(t, func() bool {
 		err := b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, after...))
 		require.False(t, adapters.IsPermanent(err), "a restart is not permanent: %v", err)
@@ -248,12 +249,7 @@ func TestNewGroupReadsFromTheStart(t *testing.T) {
 	b := open(t, env.config())
 	topic := adaptertest.Name("late")
 	want := map[string]bool{}
-	var msgs []*message.Message
-	for i := range 20 {
-		m := event(fmt.Sprintf("agg-%d", i), 1)
-		msgs = append(msgs, m)
-		want[m.UUID] = true
-	}
+	msgs := events(20, 1, want)
 	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, msgs...)))
 	receiveIDs(t, adaptertest.Subscribe(t, b, topic, adaptertest.Name("late-group")), want, 60*time.Second)
 }

@@ -25,46 +25,44 @@ func suiteConfig(c *Config) {
 // that the restart test kills with SIGKILL and starts again.
 func TestContract(t *testing.T) {
 	t.Parallel()
-	t.Run("Embedded", func(t *testing.T) {
-		t.Parallel()
-		srv := servers.StartEmbeddedNATS(t)
-		const limit = 64 * 1024
-		adaptertest.Run(t, adaptertest.Harness{
-			NewBroker: func(t *testing.T) adapters.Broker {
-				return openBroker(t, srv.URL, func(c *Config) {
-					suiteConfig(c)
-					c.Stream.MaxMsgSize = limit // the server-side limit of the stream
-				})
-			},
-			RestartBroker:   func(t *testing.T) { srv.Restart() },
-			MaxMessageBytes: limit,
+	for _, server := range []struct {
+		name string
+		// limit is the stream's max_msg_size, the server-side limit; 0 leaves
+		// the client-side one, the server's max_payload.
+		limit int32
+		// start returns the server's URL and, unless it is never restarted,
+		// how to restart it.
+		start func(t *testing.T) (url string, restart func())
+	}{
+		{"Embedded", 64 * 1024, func(t *testing.T) (string, func()) {
+			srv := servers.StartEmbeddedNATS(t)
+			return srv.URL, func() { srv.Restart() }
+		}},
+		{"Shared", 0, func(*testing.T) (string, func()) { return sharedURL(), nil }},
+		{"ServerProcess", 32 * 1024, func(t *testing.T) (string, func()) {
+			proc := servers.StartNATS(t)
+			return proc.URL, func() { proc.Kill(); proc.Start() }
+		}},
+	} {
+		t.Run(server.name, func(t *testing.T) {
+			t.Parallel()
+			url, restart := server.start(t)
+			h := adaptertest.Harness{
+				NewBroker: func(t *testing.T) adapters.Broker {
+					return openBroker(t, url, func(c *Config) {
+						suiteConfig(c)
+						c.Stream.MaxMsgSize = server.limit
+					})
+				},
+				MaxMessageBytes: int(server.limit),
+			}
+			if server.limit == 0 {
+				h.MaxMessageBytes = int(openBroker(t, url, nil).nc.MaxPayload())
+			}
+			if restart != nil {
+				h.RestartBroker = func(*testing.T) { restart() }
+			}
+			adaptertest.Run(t, h)
 		})
-	})
-	t.Run("Shared", func(t *testing.T) {
-		t.Parallel()
-		url := sharedURL()
-		maxPayload := openBroker(t, url, nil).nc.MaxPayload()
-		adaptertest.Run(t, adaptertest.Harness{
-			NewBroker: func(t *testing.T) adapters.Broker {
-				return openBroker(t, url, suiteConfig)
-			},
-			// The client-side limit: the server's max_payload.
-			MaxMessageBytes: int(maxPayload),
-		})
-	})
-	t.Run("ServerProcess", func(t *testing.T) {
-		t.Parallel()
-		proc := servers.StartNATS(t)
-		const limit = 32 * 1024
-		adaptertest.Run(t, adaptertest.Harness{
-			NewBroker: func(t *testing.T) adapters.Broker {
-				return openBroker(t, proc.URL, func(c *Config) {
-					suiteConfig(c)
-					c.Stream.MaxMsgSize = limit
-				})
-			},
-			RestartBroker:   func(*testing.T) { proc.Kill(); proc.Start() },
-			MaxMessageBytes: limit,
-		})
-	})
+	}
 }

@@ -123,9 +123,9 @@ func abandonedAttemptsArePoisonedAndNeverCommit(t *testing.T, cfg middleware.Con
 		_, running := c.abandoned(t)
 		return running == 0
 	})
-	require.Zero(t, e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = 'stuck'`), "no write of an abandoned attempt committed")
-	require.Zero(t, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")+` WHERE event_id = 'stuck'`))
-	require.Equal(t, 1, e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = 'next'`))
+	require.Zero(t, e.rows(t, "business", `event_id = 'stuck'`), "no write of an abandoned attempt committed")
+	require.Zero(t, e.rows(t, "millrace_inbox", `event_id = 'stuck'`))
+	require.Equal(t, 1, e.rows(t, "business", `event_id = 'next'`))
 }
 
 // The one window in which an abandoned attempt can still commit: its COMMIT
@@ -173,7 +173,7 @@ CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON ` + e.table("business") + 
 	require.GreaterOrEqual(t, c.messages(t, "billing", middleware.OutcomeRetried), 1.0, "the first attempt did not succeed in time")
 	require.EqualValues(t, 1, c.messages(t, "billing", middleware.OutcomeDuplicate), "its late commit made the retry a duplicate")
 	require.Zero(t, c.messages(t, "billing", middleware.OutcomePoisoned))
-	require.Equal(t, 1, e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = 'slow'`), "one effect")
+	require.Equal(t, 1, e.rows(t, "business", `event_id = 'slow'`), "one effect")
 }
 
 // A stop never poisons: an attempt running when the consumer stops keeps

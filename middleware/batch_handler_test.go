@@ -74,10 +74,9 @@ type batchHandlerRun struct {
 // batches of up to events messages, then publishes msgs.
 func startBatchHandler(t *testing.T, broker string, events int, cfg middleware.Config,
 	fn func(r *batchHandlerRun, ctx context.Context, msgs []*message.Message) error, msgs ...*message.Message) *batchHandlerRun {
-	r := &batchHandlerRun{e: newEnv(t)}
-	k := newKit(t, broker, kitOptions{maxAckPending: len(msgs)})
-	r.topic, r.group = uniqueName(t, "orders"), uniqueName(t, "billing")
-	k.provision(t, r.topic, r.group)
+	r := &batchHandlerRun{}
+	var k *kit
+	r.e, k, r.topic, r.group = newBilling(t, broker, kitOptions{maxAckPending: len(msgs)})
 	cfg.Workers = events
 	cfg.Batch = middleware.BatchConfig{MaxMessages: events, MaxWait: 500 * time.Millisecond}
 	var held atomic.Bool
@@ -114,7 +113,7 @@ func (r *batchHandlerRun) writeAll(ctx context.Context, msgs []*message.Message)
 
 // effects is the number of business rows of id.
 func (r *batchHandlerRun) effects(t testing.TB, id string) int {
-	return r.e.count(t, `SELECT count(*) FROM `+r.e.table("business")+` WHERE event_id = $1`, id)
+	return r.e.rows(t, "business", `event_id = $1`, id)
 }
 
 func batchEvents(n int) []*message.Message {
@@ -143,33 +142,30 @@ func firstBatch(t testing.TB, calls []batchCallLog) batchCallLog {
 // each event once, in batches, and each has one effect.
 func TestBatchHandlerNeverSeesDuplicates(t *testing.T) {
 	t.Parallel()
-	for _, broker := range batchBrokers {
-		t.Run(broker, func(t *testing.T) {
-			t.Parallel()
-			const events = 8
-			var msgs []*message.Message
-			for _, msg := range batchEvents(events) {
-				dup := msg.Copy()
-				dup.UUID = msg.UUID + "-again"
-				msgs = append(msgs, msg, dup)
-			}
-			r := startBatchHandler(t, broker, events, middleware.Config{}, func(r *batchHandlerRun, ctx context.Context, msgs []*message.Message) error {
-				r.calls.record(t, ctx, msgs)
-				return r.writeAll(ctx, msgs)
-			}, msgs...)
-			testkit.Eventually(t, 2*time.Minute, "every delivery acked", func() bool {
-				return r.c.messages(t, "billing", middleware.OutcomeOK) == events &&
-					r.c.messages(t, "billing", middleware.OutcomeDuplicate) >= events
-			})
-			for i := range events {
-				id := fmt.Sprintf("evt-%d", i)
-				require.Equal(t, 1, r.calls.given(id), "%s given to the handler once", id)
-				require.Equal(t, 1, r.effects(t, id))
-			}
-			firstBatch(t, r.calls.all())
-			require.Zero(t, r.e.count(t, `SELECT count(*) FROM `+r.e.table("millrace_poison")))
+	onEach(t, batchBrokers, func(t *testing.T, broker string) {
+		const events = 8
+		var msgs []*message.Message
+		for _, msg := range batchEvents(events) {
+			dup := msg.Copy()
+			dup.UUID = msg.UUID + "-again"
+			msgs = append(msgs, msg, dup)
+		}
+		r := startBatchHandler(t, broker, events, middleware.Config{}, func(r *batchHandlerRun, ctx context.Context, msgs []*message.Message) error {
+			r.calls.record(t, ctx, msgs)
+			return r.writeAll(ctx, msgs)
+		}, msgs...)
+		testkit.Eventually(t, 2*time.Minute, "every delivery acked", func() bool {
+			return r.c.messages(t, "billing", middleware.OutcomeOK) == events &&
+				r.c.messages(t, "billing", middleware.OutcomeDuplicate) >= events
 		})
-	}
+		for i := range events {
+			id := fmt.Sprintf("evt-%d", i)
+			require.Equal(t, 1, r.calls.given(id), "%s given to the handler once", id)
+			require.Equal(t, 1, r.effects(t, id))
+		}
+		firstBatch(t, r.calls.all())
+		require.Zero(t, r.e.rows(t, "millrace_poison", ""))
+	})
 }
 
 // TestBatchHandlerFailsOneMessage: the batch handler fails one message of
@@ -179,104 +175,98 @@ func TestBatchHandlerNeverSeesDuplicates(t *testing.T) {
 // once, in a later transaction, without them.
 func TestBatchHandlerFailsOneMessage(t *testing.T) {
 	t.Parallel()
-	for _, broker := range batchBrokers {
-		t.Run(broker, func(t *testing.T) {
-			t.Parallel()
-			const events = 8
-			var mu sync.Mutex
-			var flaky, bad string
-			failedCall := -1
-			cfg := middleware.Config{}
-			fastRetry(&cfg, 3)
-			r := startBatchHandler(t, broker, events, cfg, func(r *batchHandlerRun, ctx context.Context, msgs []*message.Message) error {
-				n, ids := r.calls.record(t, ctx, msgs)
-				if err := r.writeAll(ctx, msgs); err != nil {
-					return err
-				}
-				mu.Lock()
-				defer mu.Unlock()
-				switch {
-				case bad == "" && len(ids) > 1:
-					bad, failedCall = ids[0], n
-					failures := middleware.BatchFailures{bad: bus.Permanent(errors.New("this message can never be processed"))}
-					if len(ids) > 2 {
-						flaky = ids[len(ids)-1]
-						failures[flaky] = errors.New("not yet")
-					}
-					return failures
-				case slices.Contains(ids, bad):
-					t.Errorf("the poisoned message %s was given again: %v", bad, ids)
-				}
-				return nil
-			}, batchEvents(events)...)
-			testkit.Eventually(t, 2*time.Minute, "every message settled", func() bool {
-				return r.c.messages(t, "billing", middleware.OutcomeOK) == events-1 &&
-					r.c.messages(t, "billing", middleware.OutcomePoisoned) == 1
-			})
+	onEach(t, batchBrokers, func(t *testing.T, broker string) {
+		const events = 8
+		var mu sync.Mutex
+		var flaky, bad string
+		failedCall := -1
+		cfg := middleware.Config{}
+		fastRetry(&cfg, 3)
+		r := startBatchHandler(t, broker, events, cfg, func(r *batchHandlerRun, ctx context.Context, msgs []*message.Message) error {
+			n, ids := r.calls.record(t, ctx, msgs)
+			if err := r.writeAll(ctx, msgs); err != nil {
+				return err
+			}
 			mu.Lock()
 			defer mu.Unlock()
-			require.NotEmpty(t, bad, "some batch held more than one message")
-			require.Equal(t, 1, r.e.count(t, `SELECT count(*) FROM `+r.e.table("millrace_poison")+` WHERE event_id = $1`, bad))
-			require.Zero(t, r.effects(t, bad), "the failed message's write was rolled back")
-			require.Equal(t, events-1, r.e.count(t, `SELECT count(*) FROM `+r.e.table("business")))
-			failed := r.calls.all()[failedCall]
-			t.Logf("batch %v failed %s (permanently) and %s (once)", failed.ids, bad, flaky)
-			for _, id := range failed.ids {
-				if id == bad {
-					continue
+			switch {
+			case bad == "" && len(ids) > 1:
+				bad, failedCall = ids[0], n
+				failures := middleware.BatchFailures{bad: bus.Permanent(errors.New("this message can never be processed"))}
+				if len(ids) > 2 {
+					flaky = ids[len(ids)-1]
+					failures[flaky] = errors.New("not yet")
 				}
-				require.Equal(t, 1, r.effects(t, id), "%s committed once", id)
-				require.Equal(t, 2, r.calls.given(id), "%s was handed over once more and committed", id)
+				return failures
+			case slices.Contains(ids, bad):
+				t.Errorf("the poisoned message %s was given again: %v", bad, ids)
 			}
-			wantRetried := 0
-			if flaky != "" {
-				wantRetried = 1
-			}
-			require.EqualValues(t, wantRetried, r.c.messages(t, "billing", middleware.OutcomeRetried), "only the transient failure was retried")
+			return nil
+		}, batchEvents(events)...)
+		testkit.Eventually(t, 2*time.Minute, "every message settled", func() bool {
+			return r.c.messages(t, "billing", middleware.OutcomeOK) == events-1 &&
+				r.c.messages(t, "billing", middleware.OutcomePoisoned) == 1
 		})
-	}
+		mu.Lock()
+		defer mu.Unlock()
+		require.NotEmpty(t, bad, "some batch held more than one message")
+		require.Equal(t, 1, r.e.rows(t, "millrace_poison", `event_id = $1`, bad))
+		require.Zero(t, r.effects(t, bad), "the failed message's write was rolled back")
+		require.Equal(t, events-1, r.e.rows(t, "business", ""))
+		failed := r.calls.all()[failedCall]
+		t.Logf("batch %v failed %s (permanently) and %s (once)", failed.ids, bad, flaky)
+		for _, id := range failed.ids {
+			if id == bad {
+				continue
+			}
+			require.Equal(t, 1, r.effects(t, id), "%s committed once", id)
+			require.Equal(t, 2, r.calls.given(id), "%s was handed over once more and committed", id)
+		}
+		wantRetried := 0
+		if flaky != "" {
+			wantRetried = 1
+		}
+		require.EqualValues(t, wantRetried, r.c.messages(t, "billing", middleware.OutcomeRetried), "only the transient failure was retried")
+	})
 }
 
 // TestBatchHandlerFailsTheWholeBatch: an error other than BatchFailures
 // fails every message of the batch; each is retried and commits once.
 func TestBatchHandlerFailsTheWholeBatch(t *testing.T) {
 	t.Parallel()
-	for _, broker := range batchBrokers {
-		t.Run(broker, func(t *testing.T) {
-			t.Parallel()
-			const events = 8
-			var failedOnce sync.Once
-			failedSize := 0
-			cfg := middleware.Config{}
-			fastRetry(&cfg, 3)
-			// The whole batch's failures would open the breaker, which
-			// holds the retries instead of counting them.
-			cfg.Breaker.Enabled = new(false)
-			r := startBatchHandler(t, broker, events, cfg, func(r *batchHandlerRun, ctx context.Context, msgs []*message.Message) error {
-				r.calls.record(t, ctx, msgs)
-				if err := r.writeAll(ctx, msgs); err != nil {
-					return err
-				}
-				var fail error
-				if len(msgs) > 1 {
-					failedOnce.Do(func() { failedSize, fail = len(msgs), errors.New("the other service is down") })
-				}
-				return fail
-			}, batchEvents(events)...)
-			testkit.Eventually(t, 2*time.Minute, "every message committed", func() bool {
-				return r.c.messages(t, "billing", middleware.OutcomeOK) == events
-			})
-			failed := firstBatch(t, r.calls.all())
-			require.Len(t, failed.ids, failedSize)
-			require.EqualValues(t, failedSize, r.c.messages(t, "billing", middleware.OutcomeRetried), "every message of the failed batch was retried")
-			for _, id := range failed.ids {
-				require.Equal(t, 1, r.effects(t, id), "%s committed once", id)
-				require.GreaterOrEqual(t, r.calls.given(id), 2)
+	onEach(t, batchBrokers, func(t *testing.T, broker string) {
+		const events = 8
+		var failedOnce sync.Once
+		failedSize := 0
+		cfg := middleware.Config{}
+		fastRetry(&cfg, 3)
+		// The whole batch's failures would open the breaker, which
+		// holds the retries instead of counting them.
+		cfg.Breaker.Enabled = new(false)
+		r := startBatchHandler(t, broker, events, cfg, func(r *batchHandlerRun, ctx context.Context, msgs []*message.Message) error {
+			r.calls.record(t, ctx, msgs)
+			if err := r.writeAll(ctx, msgs); err != nil {
+				return err
 			}
-			require.Equal(t, events, r.e.count(t, `SELECT count(*) FROM `+r.e.table("business")))
-			require.Zero(t, r.e.count(t, `SELECT count(*) FROM `+r.e.table("millrace_poison")))
+			var fail error
+			if len(msgs) > 1 {
+				failedOnce.Do(func() { failedSize, fail = len(msgs), errors.New("the other service is down") })
+			}
+			return fail
+		}, batchEvents(events)...)
+		testkit.Eventually(t, 2*time.Minute, "every message committed", func() bool {
+			return r.c.messages(t, "billing", middleware.OutcomeOK) == events
 		})
-	}
+		failed := firstBatch(t, r.calls.all())
+		require.Len(t, failed.ids, failedSize)
+		require.EqualValues(t, failedSize, r.c.messages(t, "billing", middleware.OutcomeRetried), "every message of the failed batch was retried")
+		for _, id := range failed.ids {
+			require.Equal(t, 1, r.effects(t, id), "%s committed once", id)
+			require.GreaterOrEqual(t, r.calls.given(id), 2)
+		}
+		require.Equal(t, events, r.e.rows(t, "business", ""))
+		require.Zero(t, r.e.rows(t, "millrace_poison", ""))
+	})
 }
 
 // TestBatchHandlerResultForAnUnknownMessage: a batch handler that fails an
@@ -285,27 +275,24 @@ func TestBatchHandlerFailsTheWholeBatch(t *testing.T) {
 // one attempt), and nothing of the batch commits.
 func TestBatchHandlerResultForAnUnknownMessage(t *testing.T) {
 	t.Parallel()
-	for _, broker := range batchBrokers {
-		t.Run(broker, func(t *testing.T) {
-			t.Parallel()
-			const events = 4
-			cfg := middleware.Config{}
-			fastRetry(&cfg, 1)
-			r := startBatchHandler(t, broker, events, cfg, func(r *batchHandlerRun, ctx context.Context, msgs []*message.Message) error {
-				r.calls.record(t, ctx, msgs)
-				if err := r.writeAll(ctx, msgs); err != nil {
-					return err
-				}
-				return middleware.BatchFailures{"evt-not-in-any-batch": errors.New("no such message")}
-			}, batchEvents(events)...)
-			testkit.Eventually(t, 2*time.Minute, "every message poisoned", func() bool {
-				return r.c.messages(t, "billing", middleware.OutcomePoisoned) == events
-			})
-			require.Zero(t, r.e.count(t, `SELECT count(*) FROM `+r.e.table("business")), "nothing committed")
-			require.Equal(t, events, r.e.count(t, `SELECT count(*) FROM `+r.e.table("millrace_poison")+
-				` WHERE reason LIKE '%batch handler returned a failure for event id "evt-not-in-any-batch"%'`))
+	onEach(t, batchBrokers, func(t *testing.T, broker string) {
+		const events = 4
+		cfg := middleware.Config{}
+		fastRetry(&cfg, 1)
+		r := startBatchHandler(t, broker, events, cfg, func(r *batchHandlerRun, ctx context.Context, msgs []*message.Message) error {
+			r.calls.record(t, ctx, msgs)
+			if err := r.writeAll(ctx, msgs); err != nil {
+				return err
+			}
+			return middleware.BatchFailures{"evt-not-in-any-batch": errors.New("no such message")}
+		}, batchEvents(events)...)
+		testkit.Eventually(t, 2*time.Minute, "every message poisoned", func() bool {
+			return r.c.messages(t, "billing", middleware.OutcomePoisoned) == events
 		})
-	}
+		require.Zero(t, r.e.rows(t, "business", ""), "nothing committed")
+		require.Equal(t, events, r.e.rows(t, "millrace_poison",
+			`reason LIKE '%batch handler returned a failure for event id "evt-not-in-any-batch"%'`))
+	})
 }
 
 // TestBatchHandlerPanic: a panic rolls back the batch's effects, and every
@@ -314,48 +301,45 @@ func TestBatchHandlerResultForAnUnknownMessage(t *testing.T) {
 // others commit once.
 func TestBatchHandlerPanic(t *testing.T) {
 	t.Parallel()
-	for _, broker := range batchBrokers {
-		t.Run(broker, func(t *testing.T) {
-			t.Parallel()
-			const events = 8
-			var mu sync.Mutex
-			var culprit string
-			cfg := middleware.Config{}
-			fastRetry(&cfg, 3)
-			r := startBatchHandler(t, broker, events, cfg, func(r *batchHandlerRun, ctx context.Context, msgs []*message.Message) error {
-				_, ids := r.calls.record(t, ctx, msgs)
-				if err := r.writeAll(ctx, msgs); err != nil {
-					return err
-				}
-				mu.Lock()
-				if culprit == "" && len(ids) > 1 {
-					culprit = ids[len(ids)/2]
-				}
-				hit := slices.Contains(ids, culprit)
-				mu.Unlock()
-				if hit {
-					panic("a handler bug")
-				}
-				return nil
-			}, batchEvents(events)...)
-			testkit.Eventually(t, 2*time.Minute, "every message settled", func() bool {
-				return r.c.messages(t, "billing", middleware.OutcomeOK) == events-1 &&
-					r.c.messages(t, "billing", middleware.OutcomePoisoned) == 1
-			})
-			mu.Lock()
-			defer mu.Unlock()
-			require.Equal(t, 1, r.e.count(t, `SELECT count(*) FROM `+r.e.table("millrace_poison")+` WHERE event_id = $1 AND attempts = 3`, culprit))
-			require.Zero(t, r.effects(t, culprit))
-			require.Equal(t, events-1, r.e.count(t, `SELECT count(*) FROM `+r.e.table("business")))
-			panicked := firstBatch(t, r.calls.all())
-			require.Contains(t, panicked.ids, culprit)
-			require.True(t, slices.ContainsFunc(r.calls.all(), func(c batchCallLog) bool { return slices.Equal(c.ids, []string{culprit}) }),
-				"after the panic the culprit was tried alone")
-			for _, id := range panicked.ids {
-				if id != culprit {
-					require.Equal(t, 1, r.effects(t, id), "%s committed once", id)
-				}
+	onEach(t, batchBrokers, func(t *testing.T, broker string) {
+		const events = 8
+		var mu sync.Mutex
+		var culprit string
+		cfg := middleware.Config{}
+		fastRetry(&cfg, 3)
+		r := startBatchHandler(t, broker, events, cfg, func(r *batchHandlerRun, ctx context.Context, msgs []*message.Message) error {
+			_, ids := r.calls.record(t, ctx, msgs)
+			if err := r.writeAll(ctx, msgs); err != nil {
+				return err
 			}
+			mu.Lock()
+			if culprit == "" && len(ids) > 1 {
+				culprit = ids[len(ids)/2]
+			}
+			hit := slices.Contains(ids, culprit)
+			mu.Unlock()
+			if hit {
+				panic("a handler bug")
+			}
+			return nil
+		}, batchEvents(events)...)
+		testkit.Eventually(t, 2*time.Minute, "every message settled", func() bool {
+			return r.c.messages(t, "billing", middleware.OutcomeOK) == events-1 &&
+				r.c.messages(t, "billing", middleware.OutcomePoisoned) == 1
 		})
-	}
+		mu.Lock()
+		defer mu.Unlock()
+		require.Equal(t, 1, r.e.rows(t, "millrace_poison", `event_id = $1 AND attempts = 3`, culprit))
+		require.Zero(t, r.effects(t, culprit))
+		require.Equal(t, events-1, r.e.rows(t, "business", ""))
+		panicked := firstBatch(t, r.calls.all())
+		require.Contains(t, panicked.ids, culprit)
+		require.True(t, slices.ContainsFunc(r.calls.all(), func(c batchCallLog) bool { return slices.Equal(c.ids, []string{culprit}) }),
+			"after the panic the culprit was tried alone")
+		for _, id := range panicked.ids {
+			if id != culprit {
+				require.Equal(t, 1, r.effects(t, id), "%s committed once", id)
+			}
+		}
+	})
 }

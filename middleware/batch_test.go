@@ -78,20 +78,14 @@ func (l *txLog) inTx(txid int64) []string {
 // message of the batch commits once, in that batch's transaction.
 func TestBatchPoisonsOnlyTheBadMessage(t *testing.T) {
 	t.Parallel()
-	for _, broker := range batchBrokers {
-		t.Run(broker, func(t *testing.T) {
-			t.Parallel()
-			testBatchPoisonsOnlyTheBadMessage(t, broker)
-		})
-	}
+	onEach(t, batchBrokers, func(t *testing.T, broker string) {
+		testBatchPoisonsOnlyTheBadMessage(t, broker)
+	})
 }
 
 func testBatchPoisonsOnlyTheBadMessage(t *testing.T, broker string) {
 	const events = 8
-	e := newEnv(t)
-	k := newKit(t, broker, kitOptions{maxAckPending: events})
-	topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
-	k.provision(t, topic, group)
+	e, k, topic, group := newBilling(t, broker, kitOptions{maxAckPending: events})
 	msgs := make([]*message.Message, events)
 	for i := range msgs {
 		msgs[i] = event(fmt.Sprintf("evt-%d", i), fmt.Sprintf("o-%d", i), 1, `{"amount":1}`)
@@ -124,18 +118,18 @@ func testBatchPoisonsOnlyTheBadMessage(t *testing.T, broker string) {
 	testkit.Eventually(t, 2*time.Minute, "every message settled", func() bool {
 		// An outcome is counted once its attempt has returned
 		// through the chain, after the COMMIT that shows its rows.
-		return e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")) == events-1 &&
-			e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")) == 1 &&
+		return e.rows(t, "millrace_inbox", "") == events-1 &&
+			e.rows(t, "millrace_poison", "") == 1 &&
 			c.messages(t, "billing", middleware.OutcomeOK)+c.messages(t, "billing", middleware.OutcomePoisoned) >= events
 	})
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	poisoned := p.poisoned
 	require.NotEmpty(t, poisoned, "some batch held more than one message")
-	require.Equal(t, 1, e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")+` WHERE event_id = $1`, poisoned))
-	require.Zero(t, e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = $1`, poisoned),
+	require.Equal(t, 1, e.rows(t, "millrace_poison", `event_id = $1`, poisoned))
+	require.Zero(t, e.rows(t, "business", `event_id = $1`, poisoned),
 		"the poisoned message's write was rolled back with its savepoint")
-	require.Equal(t, events-1, e.count(t, `SELECT count(*) FROM `+e.table("business")), "one effect per other message")
+	require.Equal(t, events-1, e.rows(t, "business", ""), "one effect per other message")
 	require.Equal(t, events-1, e.count(t, `SELECT count(DISTINCT event_id) FROM `+e.table("business")))
 	p.checkBatchMates(t)
 	require.Equal(t, 1.0, c.messages(t, "billing", middleware.OutcomePoisoned))
@@ -209,40 +203,34 @@ func (p *batchPoisoner) checkBatchMates(t *testing.T) {
 // sent away out again).
 func TestBatchSlowTurnSendsTheRestToAnotherBatch(t *testing.T) {
 	t.Parallel()
-	for _, broker := range []string{"gochannel", bus.KindKafka} {
-		t.Run(broker, func(t *testing.T) {
-			t.Parallel()
-			const events = 8
-			e := newEnv(t)
-			k := newKit(t, broker, kitOptions{})
-			topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
-			k.provision(t, topic, group)
-			msgs := make([]*message.Message, events)
-			for i := range msgs {
-				msgs[i] = event(fmt.Sprintf("evt-%d", i), fmt.Sprintf("o-%d", i), 1, `{"amount":1}`)
+	onEach(t, []string{"gochannel", bus.KindKafka}, func(t *testing.T, broker string) {
+		const events = 8
+		e, k, topic, group := newBilling(t, broker, kitOptions{})
+		msgs := make([]*message.Message, events)
+		for i := range msgs {
+			msgs[i] = event(fmt.Sprintf("evt-%d", i), fmt.Sprintf("o-%d", i), 1, `{"amount":1}`)
+		}
+		cfg := middleware.Config{Workers: events, HandlerTimeout: 2 * time.Second,
+			Batch: middleware.BatchConfig{MaxMessages: events, MaxWait: time.Second}}
+		var log txLog
+		c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group, handle: func(msg *message.Message) error {
+			if _, _, err := log.record(msg); err != nil {
+				return err
 			}
-			cfg := middleware.Config{Workers: events, HandlerTimeout: 2 * time.Second,
-				Batch: middleware.BatchConfig{MaxMessages: events, MaxWait: time.Second}}
-			var log txLog
-			c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group, handle: func(msg *message.Message) error {
-				if _, _, err := log.record(msg); err != nil {
-					return err
-				}
-				time.Sleep(300 * time.Millisecond) // past handler_timeout/10
-				return e.write(msg.Context(), group, msg)
-			}})
-			publish(t, k.pub, topic, msgs...)
+			time.Sleep(300 * time.Millisecond) // past handler_timeout/10
+			return e.write(msg.Context(), group, msg)
+		}})
+		publish(t, k.pub, topic, msgs...)
 
-			testkit.Eventually(t, 2*time.Minute, "every message settled", func() bool {
-				return c.messages(t, "billing", middleware.OutcomeOK)+c.messages(t, "billing", middleware.OutcomeDuplicate) >= events
-			})
-			require.Equal(t, float64(events), c.messages(t, "billing", middleware.OutcomeOK), "none taken for a duplicate")
-			require.Equal(t, events, e.count(t, `SELECT count(*) FROM `+e.table("business")), "one effect per message")
-			require.Equal(t, events, e.count(t, `SELECT count(DISTINCT event_id) FROM `+e.table("business")))
-			require.Greater(t, c.metric(t, middleware.MetricBatchSize, map[string]string{"handler": "billing"}), 1.0,
-				"batches were sent away and formed again")
+		testkit.Eventually(t, 2*time.Minute, "every message settled", func() bool {
+			return c.messages(t, "billing", middleware.OutcomeOK)+c.messages(t, "billing", middleware.OutcomeDuplicate) >= events
 		})
-	}
+		require.Equal(t, float64(events), c.messages(t, "billing", middleware.OutcomeOK), "none taken for a duplicate")
+		require.Equal(t, events, e.rows(t, "business", ""), "one effect per message")
+		require.Equal(t, events, e.count(t, `SELECT count(DISTINCT event_id) FROM `+e.table("business")))
+		require.Greater(t, c.metric(t, middleware.MetricBatchSize, map[string]string{"handler": "billing"}), 1.0,
+			"batches were sent away and formed again")
+	})
 }
 
 // TestBatchTrickleRunsAfterMaxWait: a message arriving while the only other
@@ -258,43 +246,37 @@ func TestBatchSlowTurnSendsTheRestToAnotherBatch(t *testing.T) {
 // trickle message to a free subscription.
 func TestBatchTrickleRunsAfterMaxWait(t *testing.T) {
 	t.Parallel()
-	for _, broker := range []string{bus.KindKafka, bus.KindRabbitMQ} {
-		t.Run(broker, func(t *testing.T) {
-			t.Parallel()
-			e := newEnv(t)
-			k := newKit(t, broker, kitOptions{})
-			topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
-			k.provision(t, topic, group)
+	onEach(t, []string{bus.KindKafka, bus.KindRabbitMQ}, func(t *testing.T, broker string) {
+		e, k, topic, group := newBilling(t, broker, kitOptions{})
 
-			cfg := middleware.Config{Workers: 8, Batch: middleware.BatchConfig{MaxMessages: 8, MaxWait: 20 * time.Millisecond}}
-			// The retry waits less than NATS's ack_wait (30s), which would
-			// send the blocker again.
-			cfg.Retry = middleware.RetryConfig{MaxAttempts: 3, InitialInterval: 20 * time.Second, MaxInterval: 20 * time.Second,
-				MaxElapsed: 10 * time.Minute, Jitter: new(false)}
-			var log txLog
-			startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group, handle: func(msg *message.Message) error {
-				call, _, err := log.record(msg)
-				if err != nil {
-					return err
-				}
-				if call.eventID == "blocker" {
-					return errors.New("not yet") // retried after 20s
-				}
-				return e.write(msg.Context(), group, msg)
-			}})
+		cfg := middleware.Config{Workers: 8, Batch: middleware.BatchConfig{MaxMessages: 8, MaxWait: 20 * time.Millisecond}}
+		// The retry waits less than NATS's ack_wait (30s), which would
+		// send the blocker again.
+		cfg.Retry = middleware.RetryConfig{MaxAttempts: 3, InitialInterval: 20 * time.Second, MaxInterval: 20 * time.Second,
+			MaxElapsed: 10 * time.Minute, Jitter: new(false)}
+		var log txLog
+		startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group, handle: func(msg *message.Message) error {
+			call, _, err := log.record(msg)
+			if err != nil {
+				return err
+			}
+			if call.eventID == "blocker" {
+				return errors.New("not yet") // retried after 20s
+			}
+			return e.write(msg.Context(), group, msg)
+		}})
 
-			publish(t, k.pub, topic, event("blocker", "o-1", 1, `{}`))
-			testkit.Eventually(t, time.Minute, "the blocker failed once and waits for its retry", func() bool { return len(log.of("blocker")) == 1 })
-			publish(t, k.pub, topic, event("trickle", "o-2", 1, `{}`))
-			testkit.Eventually(t, time.Minute, "the trickle message committed", func() bool {
-				return e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = 'trickle'`) == 1
-			})
-			require.Len(t, log.of("blocker"), 1, "the trickle message did not wait for the blocker's retry")
-			calls := log.of("trickle")
-			require.Len(t, calls, 1)
-			require.Equal(t, []string{"trickle"}, log.inTx(calls[0].txid), "it ran in a batch of its own, not a full one")
+		publish(t, k.pub, topic, event("blocker", "o-1", 1, `{}`))
+		testkit.Eventually(t, time.Minute, "the blocker failed once and waits for its retry", func() bool { return len(log.of("blocker")) == 1 })
+		publish(t, k.pub, topic, event("trickle", "o-2", 1, `{}`))
+		testkit.Eventually(t, time.Minute, "the trickle message committed", func() bool {
+			return e.rows(t, "business", `event_id = 'trickle'`) == 1
 		})
-	}
+		require.Len(t, log.of("blocker"), 1, "the trickle message did not wait for the blocker's retry")
+		calls := log.of("trickle")
+		require.Len(t, calls, 1)
+		require.Equal(t, []string{"trickle"}, log.inTx(calls[0].txid), "it ran in a batch of its own, not a full one")
+	})
 }
 
 // TestBatchKeepsAggregateOrder: an ordered handler with batching on applies
@@ -303,10 +285,7 @@ func TestBatchTrickleRunsAfterMaxWait(t *testing.T) {
 func TestBatchKeepsAggregateOrder(t *testing.T) {
 	t.Parallel()
 	const aggregates, perAggregate = 8, 10
-	e := newEnv(t)
-	k := newKit(t, bus.KindKafka, kitOptions{})
-	topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
-	k.provision(t, topic, group)
+	e, k, topic, group := newBilling(t, bus.KindKafka, kitOptions{})
 	var msgs []*message.Message
 	for v := 1; v <= perAggregate; v++ {
 		for a := range aggregates {
@@ -318,7 +297,7 @@ func TestBatchKeepsAggregateOrder(t *testing.T) {
 	c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group,
 		handle: func(msg *message.Message) error { return e.write(msg.Context(), group, msg) }})
 	testkit.Eventually(t, time.Minute, "every event applied", func() bool {
-		return e.count(t, `SELECT count(*) FROM `+e.table("business")) == len(msgs)
+		return e.rows(t, "business", "") == len(msgs)
 	})
 	require.Zero(t, e.count(t, `SELECT count(*) FROM (SELECT version < lag(version) OVER (PARTITION BY aggregate_id ORDER BY seq) AS back FROM `+
 		e.table("business")+`) s WHERE back`), "no aggregate's version went back")
@@ -333,10 +312,7 @@ func TestBatchKeepsAggregateOrder(t *testing.T) {
 func TestBatchOffOnASingleOrderedSubscription(t *testing.T) {
 	t.Parallel()
 	const events = 10
-	e := newEnv(t)
-	k := newKit(t, bus.KindRabbitMQ, kitOptions{})
-	topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
-	k.provision(t, topic, group)
+	e, k, topic, group := newBilling(t, bus.KindRabbitMQ, kitOptions{})
 	cfg := middleware.Config{Workers: 8, Ordered: new(true), Batch: middleware.BatchConfig{MaxMessages: 8, MaxWait: time.Second}}
 	c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group,
 		handle: func(msg *message.Message) error { return e.write(msg.Context(), group, msg) }})
@@ -346,7 +322,7 @@ func TestBatchOffOnASingleOrderedSubscription(t *testing.T) {
 	}
 	publish(t, k.pub, topic, msgs...)
 	testkit.Eventually(t, time.Minute, "every event applied", func() bool {
-		return e.count(t, `SELECT count(*) FROM `+e.table("business")) == events
+		return e.rows(t, "business", "") == events
 	})
 	require.Zero(t, c.metric(t, middleware.MetricBatchSize, map[string]string{"handler": "billing"}), "no batched transaction")
 	require.Zero(t, e.count(t, `SELECT count(*) FROM (SELECT version < lag(version) OVER (ORDER BY seq) AS back FROM `+

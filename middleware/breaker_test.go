@@ -23,12 +23,9 @@ import (
 // four competing consumers.
 func TestBreakerHoldsMessagesDuringAnOutage(t *testing.T) {
 	t.Parallel()
-	for _, name := range []string{"gochannel", "rabbitmq"} {
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			testOutage(t, name)
-		})
-	}
+	onEach(t, []string{"gochannel", "rabbitmq"}, func(t *testing.T, name string) {
+		testOutage(t, name)
+	})
 }
 
 func testOutage(t *testing.T, broker string) {
@@ -37,10 +34,7 @@ func testOutage(t *testing.T, broker string) {
 		outage  = 10 * time.Second
 		workers = 4
 	)
-	e := newEnv(t)
-	k := newKit(t, broker, kitOptions{})
-	topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
-	k.provision(t, topic, group)
+	e, k, topic, group := newBilling(t, broker, kitOptions{})
 
 	d := &downDependency{second: make(chan struct{})}
 	handle := func(msg *message.Message) error {
@@ -70,11 +64,11 @@ func testOutage(t *testing.T, broker string) {
 	testkit.Eventually(t, time.Minute, "every event processed after recovery", func() bool {
 		// An outcome is counted once its attempt has returned through the
 		// chain, after the COMMIT that shows its row.
-		return e.count(t, `SELECT count(*) FROM `+e.table("business")) == events &&
+		return e.rows(t, "business", "") == events &&
 			c.messages(t, "billing", middleware.OutcomeOK) >= events
 	})
 	require.Zero(t, c.messages(t, "billing", middleware.OutcomePoisoned))
-	require.Zero(t, e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")))
+	require.Zero(t, e.rows(t, "millrace_poison", ""))
 	require.EqualValues(t, events, c.messages(t, "billing", middleware.OutcomeOK))
 	testkit.Eventually(t, 10*time.Second, "the breaker closed", func() bool {
 		return c.metric(t, middleware.MetricBreakerState, map[string]string{"handler": "billing"}) == middleware.BreakerClosed
@@ -164,7 +158,7 @@ func TestBreakerDoesNotShieldABadMessage(t *testing.T) {
 		publish(t, k.pub, topic, event(fmt.Sprintf("good-%d", i), "o-1", int64(2+i), `{}`))
 	}
 	testkit.Eventually(t, 30*time.Second, "the messages behind it processed", func() bool {
-		return e.count(t, `SELECT count(*) FROM `+e.table("business")) == 5
+		return e.rows(t, "business", "") == 5
 	})
 	var attempts int
 	require.NoError(t, e.db.QueryRow(`SELECT attempts FROM `+e.table("millrace_poison")+` WHERE event_id = 'bad'`).Scan(&attempts))

@@ -71,11 +71,8 @@ var crashBatch = middleware.Config{Workers: 8, Batch: middleware.BatchConfig{Max
 
 func testCrash(t *testing.T, broker, mode string, batched bool) {
 	const events = 30
-	e := newEnv(t)
-	opts := kitOptions{ackWait: 2 * time.Second} // NATS redelivers what the dead child held after this
-	k := newKit(t, broker, opts)
-	topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
-	k.provision(t, topic, group)
+	// NATS redelivers what the dead child held after ackWait.
+	e, k, topic, group := newBilling(t, broker, kitOptions{ackWait: 2 * time.Second})
 	msgs := make([]*message.Message, events)
 	for i := range msgs {
 		msgs[i] = event(fmt.Sprintf("evt-%02d", i), fmt.Sprintf("o-%d", i%5), int64(i/5+1), `{"amount":1}`)
@@ -149,16 +146,16 @@ func startCrashChild(t *testing.T, env []string) (proc *child.Process, started <
 // of mode.
 func checkCrashPoint(t *testing.T, e *env, mode, victim string, mates []string) {
 	rowsOf := func(ids []string) int {
-		return e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = ANY($1)`, ids)
+		return e.rows(t, "business", `event_id = ANY($1)`, ids)
 	}
-	victimRows := e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = $1`, victim)
+	victimRows := e.rows(t, "business", `event_id = $1`, victim)
 	switch mode {
 	case beforeCommit:
 		require.Zero(t, victimRows, "the victim's write is not committed yet")
 		require.Zero(t, rowsOf(mates), "nor are those of its batch mates")
 	case afterCommit:
 		require.Equal(t, 1, victimRows, "the victim's write is committed")
-		require.Equal(t, 1, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")+` WHERE event_id = $1`, victim))
+		require.Equal(t, 1, e.rows(t, "millrace_inbox", `event_id = $1`, victim))
 		require.Equal(t, len(mates), rowsOf(mates), "and so are those of its batch mates")
 	}
 }
@@ -169,7 +166,7 @@ func recoverFromCrash(t *testing.T, k *kit, e *env, mode string, batched bool, t
 	// The child's other workers kept going until the kill: a COMMIT the
 	// server received may still land after this count, and the clean
 	// consumer then finds that event as a duplicate rather than ok.
-	committedByChild := e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox"))
+	committedByChild := e.rows(t, "millrace_inbox", "")
 	cfg := middleware.Config{}
 	if batched {
 		cfg = crashBatch
@@ -182,15 +179,15 @@ func recoverFromCrash(t *testing.T, k *kit, e *env, mode string, batched bool, t
 		return c.messages(t, "billing", middleware.OutcomeOK) + c.messages(t, "billing", middleware.OutcomeDuplicate)
 	}
 	testkit.Eventually(t, 2*time.Minute, "every event committed once, by the child or the clean consumer", func() bool {
-		return e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")) == events &&
+		return e.rows(t, "millrace_inbox", "") == events &&
 			(mode != afterCommit || c.messages(t, "billing", middleware.OutcomeDuplicate) >= 1) &&
 			handled() >= float64(events-committedByChild)
 	})
 	require.GreaterOrEqual(t, handled(), float64(events-committedByChild), "the clean consumer processed every event the child had not committed")
-	require.Equal(t, events, e.count(t, `SELECT count(*) FROM `+e.table("business")), "no event has two effects")
-	require.Equal(t, events, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")))
-	require.Equal(t, 1, e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE event_id = $1`, victim))
-	require.Zero(t, e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")))
+	require.Equal(t, events, e.rows(t, "business", ""), "no event has two effects")
+	require.Equal(t, events, e.rows(t, "millrace_inbox", ""))
+	require.Equal(t, 1, e.rows(t, "business", `event_id = $1`, victim))
+	require.Zero(t, e.rows(t, "millrace_poison", ""))
 	if mode == afterCommit {
 		require.GreaterOrEqual(t, c.messages(t, "billing", middleware.OutcomeDuplicate), 1.0,
 			"the committed but unacked victim came back and was recognised as a duplicate")

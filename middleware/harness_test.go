@@ -166,6 +166,41 @@ func newEnv(t testing.TB) *env {
 
 func (e *env) table(name string) string { return `"` + e.schema + `".` + name }
 
+// rows is the number of rows of table, or of its rows matching where (with
+// args) when where is not empty.
+func (e *env) rows(t testing.TB, table, where string, args ...any) int {
+	t.Helper()
+	query := `SELECT count(*) FROM ` + e.table(table)
+	if where != "" {
+		query += ` WHERE ` + where
+	}
+	return e.count(t, query, args...)
+}
+
+// newBilling is the ground of most tests: a schema of their own, a kit on
+// broker, and a topic "orders" provisioned with the consumer group
+// "billing".
+func newBilling(t testing.TB, broker string, opts kitOptions) (e *env, k *kit, topic, group string) {
+	t.Helper()
+	e = newEnv(t)
+	k = newKit(t, broker, opts)
+	topic, group = uniqueName(t, "orders"), uniqueName(t, "billing")
+	k.provision(t, topic, group)
+	return e, k, topic, group
+}
+
+// onEach runs test on each broker of brokers, each in a parallel subtest
+// named after it.
+func onEach(t *testing.T, brokers []string, test func(t *testing.T, broker string)) {
+	t.Helper()
+	for _, broker := range brokers {
+		t.Run(broker, func(t *testing.T) {
+			t.Parallel()
+			test(t, broker)
+		})
+	}
+}
+
 // write is a handler's business write: one row per processed event, no
 // unique key, so a double effect shows as a second row.
 func (e *env) write(ctx context.Context, group string, msg *message.Message) error {

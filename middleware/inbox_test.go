@@ -18,54 +18,51 @@ import (
 // event, on every broker.
 func TestDuplicateDeliveriesHaveOneEffectPerGroup(t *testing.T) {
 	t.Parallel()
-	for _, name := range kitNames {
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			const events = 1000
-			e := newEnv(t)
-			k := newKit(t, name, kitOptions{})
-			topic := uniqueName(t, "orders")
-			groups := []string{uniqueName(t, "billing"), uniqueName(t, "shipping")}
-			k.provision(t, topic, groups...)
+	onEach(t, kitNames, func(t *testing.T, name string) {
+		const events = 1000
+		e := newEnv(t)
+		k := newKit(t, name, kitOptions{})
+		topic := uniqueName(t, "orders")
+		groups := []string{uniqueName(t, "billing"), uniqueName(t, "shipping")}
+		k.provision(t, topic, groups...)
 
-			msgs := make([]*message.Message, 0, 2*events)
-			for i := range events {
-				msg := event(fmt.Sprintf("evt-%04d", i), fmt.Sprintf("order-%d", i%37), int64(i/37+1), `{"n":1}`)
-				// The duplicate has the same event id in a new broker message, so
-				// that NATS's own deduplication by message id lets it through.
-				dup := msg.Copy()
-				dup.UUID = msg.UUID + "-again"
-				msgs = append(msgs, msg, dup)
-			}
-			publish(t, k.pub, topic, msgs...)
+		msgs := make([]*message.Message, 0, 2*events)
+		for i := range events {
+			msg := event(fmt.Sprintf("evt-%04d", i), fmt.Sprintf("order-%d", i%37), int64(i/37+1), `{"n":1}`)
+			// The duplicate has the same event id in a new broker message, so
+			// that NATS's own deduplication by message id lets it through.
+			dup := msg.Copy()
+			dup.UUID = msg.UUID + "-again"
+			msgs = append(msgs, msg, dup)
+		}
+		publish(t, k.pub, topic, msgs...)
 
-			var specs []handlerSpec
-			for _, g := range groups {
-				specs = append(specs, handlerSpec{name: g, topic: topic, group: g, handle: func(msg *message.Message) error {
-					return e.write(msg.Context(), g, msg)
-				}})
-			}
-			c := startConsumer(t, k, e, middleware.Config{}, specs...)
+		var specs []handlerSpec
+		for _, g := range groups {
+			specs = append(specs, handlerSpec{name: g, topic: topic, group: g, handle: func(msg *message.Message) error {
+				return e.write(msg.Context(), g, msg)
+			}})
+		}
+		c := startConsumer(t, k, e, middleware.Config{}, specs...)
 
-			for _, g := range groups {
-				// A broker may redeliver more (an ack wait that expired under
-				// load); those are duplicates too, never a second effect.
-				testkit.Eventually(t, 4*time.Minute, "every delivery of "+g+" acked", func() bool {
-					ok := c.messages(t, g, middleware.OutcomeOK)
-					dup := c.messages(t, g, middleware.OutcomeDuplicate)
-					return ok >= events && dup >= events
-				})
-			}
-			for _, g := range groups {
-				require.Equal(t, events, e.count(t, `SELECT count(*) FROM `+e.table("business")+` WHERE consumer_group = $1`, g), "business rows of %s", g)
-				require.Equal(t, events, e.count(t, `SELECT count(DISTINCT event_id) FROM `+e.table("business")+` WHERE consumer_group = $1`, g))
-				require.Equal(t, events, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")+` WHERE consumer_group = $1`, g), "inbox rows of %s", g)
-				require.EqualValues(t, events, c.messages(t, g, middleware.OutcomeOK))
-				require.GreaterOrEqual(t, c.messages(t, g, middleware.OutcomeDuplicate), float64(events))
-			}
-			require.Zero(t, e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")))
-		})
-	}
+		for _, g := range groups {
+			// A broker may redeliver more (an ack wait that expired under
+			// load); those are duplicates too, never a second effect.
+			testkit.Eventually(t, 4*time.Minute, "every delivery of "+g+" acked", func() bool {
+				ok := c.messages(t, g, middleware.OutcomeOK)
+				dup := c.messages(t, g, middleware.OutcomeDuplicate)
+				return ok >= events && dup >= events
+			})
+		}
+		for _, g := range groups {
+			require.Equal(t, events, e.rows(t, "business", `consumer_group = $1`, g), "business rows of %s", g)
+			require.Equal(t, events, e.count(t, `SELECT count(DISTINCT event_id) FROM `+e.table("business")+` WHERE consumer_group = $1`, g))
+			require.Equal(t, events, e.rows(t, "millrace_inbox", `consumer_group = $1`, g), "inbox rows of %s", g)
+			require.EqualValues(t, events, c.messages(t, g, middleware.OutcomeOK))
+			require.GreaterOrEqual(t, c.messages(t, g, middleware.OutcomeDuplicate), float64(events))
+		}
+		require.Zero(t, e.rows(t, "millrace_poison", ""))
+	})
 }
 
 // The ordering guard drops versions older than the applied one, in the inbox
@@ -89,7 +86,7 @@ func TestOrderingGuardDropsStaleVersions(t *testing.T) {
 	for _, m := range order {
 		publish(t, k.pub, topic, m) // one at a time: gochannel keeps no order within a call
 		testkit.Eventually(t, 30*time.Second, "event "+m.UUID+" handled", func() bool {
-			return e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")+` WHERE event_id = $1`, m.UUID) == 1
+			return e.rows(t, "millrace_inbox", `event_id = $1`, m.UUID) == 1
 		})
 	}
 	var applied []int64
@@ -103,7 +100,7 @@ func TestOrderingGuardDropsStaleVersions(t *testing.T) {
 	require.NoError(t, rows.Err())
 	require.Equal(t, []int64{1, 3, 4, 0}, applied)
 	require.EqualValues(t, 1, c.messages(t, group, middleware.OutcomeStale))
-	require.Equal(t, 5, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")), "a stale event is still recorded in the inbox")
+	require.Equal(t, 5, e.rows(t, "millrace_inbox", ""), "a stale event is still recorded in the inbox")
 	var version int64
 	require.NoError(t, e.db.QueryRow(`SELECT version FROM `+e.table("millrace_aggregate_versions")+` WHERE consumer_group = $1 AND aggregate_id = 'o-1'`, group).Scan(&version))
 	require.EqualValues(t, 4, version)

@@ -55,7 +55,7 @@ func (p *parkCase) events(t *testing.T, from, to int) []*message.Message {
 func (p *parkCase) waitFor(t *testing.T, want int) {
 	t.Helper()
 	require.Eventually(t, func() bool {
-		return p.e.count(t, `SELECT count(*) FROM `+p.e.table("business")) == want
+		return p.e.rows(t, "business", "") == want
 	}, 60*time.Second, 20*time.Millisecond, "business rows")
 }
 
@@ -76,12 +76,9 @@ func (p *parkCase) versions(t *testing.T, a string) string {
 
 func TestParkHoldsAnAggregateUntilReplayOrSkip(t *testing.T) {
 	t.Parallel()
-	for _, name := range kitNames[1:] {
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			runParkCase(t, newKit(t, name, kitOptions{}), false)
-		})
-	}
+	onEach(t, kitNames[1:], func(t *testing.T, name string) {
+		runParkCase(t, newKit(t, name, kitOptions{}), false)
+	})
 	t.Run("kafka_batch", func(t *testing.T) {
 		t.Parallel()
 		runParkCase(t, newKit(t, bus.KindKafka, kitOptions{}), true)
@@ -142,10 +139,10 @@ func runParkCase(t *testing.T, k *kit, batch bool) {
 	require.Equal(t, "1,2,4,5,6", p.versions(t, "a2"))
 	require.Equal(t, "1,2,3,4,5,6", p.versions(t, "a0"))
 	require.Eventually(t, func() bool {
-		return e.count(t, `SELECT count(*) FROM `+e.table("millrace_parks")) == 0 &&
-			e.count(t, `SELECT count(*) FROM `+e.table("millrace_parked")) == 0
+		return e.rows(t, "millrace_parks", "") == 0 &&
+			e.rows(t, "millrace_parked", "") == 0
 	}, 10*time.Second, 20*time.Millisecond)
-	require.Equal(t, 1, e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")+` WHERE skipped_at IS NOT NULL`))
+	require.Equal(t, 1, e.rows(t, "millrace_poison", `skipped_at IS NOT NULL`))
 }
 
 func TestParkKeepsParkedMessagesByteForByte(t *testing.T) {

@@ -80,19 +80,13 @@ func (a *attemptCounter) get(id string) int {
 // included, in ordered mode) keep flowing, on every broker.
 func TestPoisonQueue(t *testing.T) {
 	t.Parallel()
-	for _, name := range kitNames {
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			testPoisonQueue(t, name)
-		})
-	}
+	onEach(t, kitNames, func(t *testing.T, name string) {
+		testPoisonQueue(t, name)
+	})
 }
 
 func testPoisonQueue(t *testing.T, name string) {
-	e := newEnv(t)
-	k := newKit(t, name, kitOptions{})
-	topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
-	k.provision(t, topic, group)
+	e, k, topic, group := newBilling(t, name, kitOptions{})
 
 	var attempts attemptCounter
 	handle := func(msg *message.Message) error {
@@ -126,7 +120,7 @@ func testPoisonQueue(t *testing.T, name string) {
 	testkit.Eventually(t, time.Minute, "20 good events and flaky processed, 7 poisoned", func() bool {
 		return c.messages(t, "billing", middleware.OutcomeOK) == 21 && c.messages(t, "billing", middleware.OutcomePoisoned) == 7
 	})
-	require.Equal(t, 21, e.count(t, `SELECT count(*) FROM `+e.table("business")))
+	require.Equal(t, 21, e.rows(t, "business", ""))
 	require.Equal(t, 3, attempts.get("flaky"), "flaky cleared on attempt 3")
 	require.Equal(t, 4, attempts.get("broken"), "broken tried retry.max_attempts times")
 	require.Equal(t, 1, attempts.get("refused"), "a permanent error is not retried")
@@ -243,6 +237,6 @@ func TestPoisonToTopic(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("nothing arrived on the poison topic")
 	}
-	require.Zero(t, e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")), "the table is not used")
-	require.Zero(t, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")), "a poisoned message is not marked processed")
+	require.Zero(t, e.rows(t, "millrace_poison", ""), "the table is not used")
+	require.Zero(t, e.rows(t, "millrace_inbox", ""), "a poisoned message is not marked processed")
 }

@@ -48,72 +48,66 @@ func (d *dependency) probe(context.Context) error {
 // run, is still poisoned after retry.max_attempts.
 func TestProbeRidesOutALongOutageBehindAnOrderedHandler(t *testing.T) {
 	t.Parallel()
-	for _, kind := range []string{bus.KindRabbitMQ, bus.KindNATS} {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			const outage = 60 * time.Second
-			e := newEnv(t)
-			k := newKit(t, kind, kitOptions{ackWait: 5 * time.Minute})
-			topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
-			k.provision(t, topic, group)
+	onEach(t, []string{bus.KindRabbitMQ, bus.KindNATS}, func(t *testing.T, kind string) {
+		const outage = 60 * time.Second
+		e, k, topic, group := newBilling(t, kind, kitOptions{ackWait: 5 * time.Minute})
 
-			var dep dependency
-			dep.down.Store(true)
-			handle := func(msg *message.Message) error {
-				if err := dep.call(); err != nil {
-					return err
-				}
-				if msg.Metadata.Get(bus.EventIDKey) == "bad" {
-					return errors.New("tax rules: index out of range") // retryable, and about this message only
-				}
-				return e.write(msg.Context(), group, msg)
+		var dep dependency
+		dep.down.Store(true)
+		handle := func(msg *message.Message) error {
+			if err := dep.call(); err != nil {
+				return err
 			}
-			var msgs []*message.Message
-			for v := range 10 {
-				for a := range 3 {
-					msgs = append(msgs, event(fmt.Sprintf("evt-%d-%d", a, v), fmt.Sprintf("o-%d", a), int64(v+1), `{}`))
-				}
-				if v == 4 {
-					msgs = append(msgs, event("bad", "o-bad", 1, `{}`))
-				}
+			if msg.Metadata.Get(bus.EventIDKey) == "bad" {
+				return errors.New("tax rules: index out of range") // retryable, and about this message only
 			}
-			publish(t, k.pub, topic, msgs...)
-			cfg := middleware.Config{Ordered: new(true)} // retry and breaker at their defaults
-			c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group, handle: handle, probe: dep.probe})
+			return e.write(msg.Context(), group, msg)
+		}
+		var msgs []*message.Message
+		for v := range 10 {
+			for a := range 3 {
+				msgs = append(msgs, event(fmt.Sprintf("evt-%d-%d", a, v), fmt.Sprintf("o-%d", a), int64(v+1), `{}`))
+			}
+			if v == 4 {
+				msgs = append(msgs, event("bad", "o-bad", 1, `{}`))
+			}
+		}
+		publish(t, k.pub, topic, msgs...)
+		cfg := middleware.Config{Ordered: new(true)} // retry and breaker at their defaults
+		c := startConsumer(t, k, e, cfg, handlerSpec{name: "billing", topic: topic, group: group, handle: handle, probe: dep.probe})
 
-			labels := map[string]string{"handler": "billing"}
-			testkit.Eventually(t, 30*time.Second, "the breaker open on the first failure", func() bool {
-				return c.metric(t, middleware.MetricBreakerState, labels) == middleware.BreakerOpen
-			})
-			deadline := time.Now().Add(outage)
-			for time.Now().Before(deadline) {
-				require.Zero(t, c.messages(t, "billing", middleware.OutcomePoisoned), "nothing is poisoned during the outage")
-				require.EqualValues(t, middleware.BreakerOpen, c.metric(t, middleware.MetricBreakerState, labels), "the breaker stays open while the probe fails")
-				time.Sleep(100 * time.Millisecond)
-			}
-			probesWhileDown := dep.probes.Load()
-			dep.down.Store(false)
-
-			good := len(msgs) - 1
-			testkit.Eventually(t, 2*time.Minute, "every good event processed after recovery", func() bool {
-				return e.count(t, `SELECT count(*) FROM `+e.table("business")) == good &&
-					c.messages(t, "billing", middleware.OutcomePoisoned) == 1 &&
-					c.messages(t, "billing", middleware.OutcomeOK) >= float64(good) // counted after the COMMIT
-			})
-			require.EqualValues(t, 1, dep.callsWhileDown.Load(), "the handler was called once while the dependency was down: the attempt that found it")
-			def := middleware.Config{}.WithDefaults()
-			// The first failure's probe, then one per open_timeout.
-			require.LessOrEqual(t, probesWhileDown, int64(outage/def.Breaker.OpenTimeout)+2, "the probe is asked once per open_timeout while it fails")
-			var id string
-			var attempts int
-			require.NoError(t, e.db.QueryRow(`SELECT event_id, attempts FROM `+e.table("millrace_poison")).Scan(&id, &attempts))
-			require.Equal(t, "bad", id)
-			require.Equal(t, def.Retry.MaxAttempts, attempts, "the bad message used its attempts, and only those made while the probe passed")
-			require.Zero(t, e.count(t, `SELECT count(*) FROM (SELECT version < lag(version) OVER (PARTITION BY aggregate_id ORDER BY seq) AS back FROM `+
-				e.table("business")+`) v WHERE back`), "events of an aggregate in version order")
-			require.EqualValues(t, good, c.messages(t, "billing", middleware.OutcomeOK))
+		labels := map[string]string{"handler": "billing"}
+		testkit.Eventually(t, 30*time.Second, "the breaker open on the first failure", func() bool {
+			return c.metric(t, middleware.MetricBreakerState, labels) == middleware.BreakerOpen
 		})
-	}
+		deadline := time.Now().Add(outage)
+		for time.Now().Before(deadline) {
+			require.Zero(t, c.messages(t, "billing", middleware.OutcomePoisoned), "nothing is poisoned during the outage")
+			require.EqualValues(t, middleware.BreakerOpen, c.metric(t, middleware.MetricBreakerState, labels), "the breaker stays open while the probe fails")
+			time.Sleep(100 * time.Millisecond)
+		}
+		probesWhileDown := dep.probes.Load()
+		dep.down.Store(false)
+
+		good := len(msgs) - 1
+		testkit.Eventually(t, 2*time.Minute, "every good event processed after recovery", func() bool {
+			return e.rows(t, "business", "") == good &&
+				c.messages(t, "billing", middleware.OutcomePoisoned) == 1 &&
+				c.messages(t, "billing", middleware.OutcomeOK) >= float64(good) // counted after the COMMIT
+		})
+		require.EqualValues(t, 1, dep.callsWhileDown.Load(), "the handler was called once while the dependency was down: the attempt that found it")
+		def := middleware.Config{}.WithDefaults()
+		// The first failure's probe, then one per open_timeout.
+		require.LessOrEqual(t, probesWhileDown, int64(outage/def.Breaker.OpenTimeout)+2, "the probe is asked once per open_timeout while it fails")
+		var id string
+		var attempts int
+		require.NoError(t, e.db.QueryRow(`SELECT event_id, attempts FROM `+e.table("millrace_poison")).Scan(&id, &attempts))
+		require.Equal(t, "bad", id)
+		require.Equal(t, def.Retry.MaxAttempts, attempts, "the bad message used its attempts, and only those made while the probe passed")
+		require.Zero(t, e.count(t, `SELECT count(*) FROM (SELECT version < lag(version) OVER (PARTITION BY aggregate_id ORDER BY seq) AS back FROM `+
+			e.table("business")+`) v WHERE back`), "events of an aggregate in version order")
+		require.EqualValues(t, good, c.messages(t, "billing", middleware.OutcomeOK))
+	})
 }
 
 // On Kafka, a consumer whose breaker holds messages (the probe failing) for
@@ -126,10 +120,7 @@ func TestProbeHoldOutlastsAKafkaRebalance(t *testing.T) {
 	// Well above the kit's 2s heartbeat interval: a member learns of a
 	// rebalance at its next heartbeat, and has to rejoin within this.
 	const rebalanceTimeout = 5 * time.Second
-	e := newEnv(t)
-	k := newKit(t, bus.KindKafka, kitOptions{rebalanceTimeout: rebalanceTimeout})
-	topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
-	k.provision(t, topic, group)
+	e, k, topic, group := newBilling(t, bus.KindKafka, kitOptions{rebalanceTimeout: rebalanceTimeout})
 
 	var dep dependency
 	dep.down.Store(true)
@@ -158,7 +149,7 @@ func TestProbeHoldOutlastsAKafkaRebalance(t *testing.T) {
 	dep.down.Store(false)
 
 	testkit.Eventually(t, time.Minute, "every event processed after recovery", func() bool {
-		return e.count(t, `SELECT count(*) FROM `+e.table("business")) == len(msgs)
+		return e.rows(t, "business", "") == len(msgs)
 	})
 	for _, c := range []*testConsumer{first, second} {
 		require.Zero(t, c.messages(t, "billing", middleware.OutcomePoisoned), "nothing is poisoned")
@@ -190,10 +181,10 @@ func TestProbeThatPassesPutsFailuresOnTheMessages(t *testing.T) {
 	}})
 	publish(t, k.pub, topic, event("bad-1", "o-1", 1, `{}`), event("bad-2", "o-2", 1, `{}`), event("good", "o-3", 1, `{}`))
 	testkit.Eventually(t, 30*time.Second, "both bad messages poisoned, the good one processed", func() bool {
-		return c.messages(t, "billing", middleware.OutcomePoisoned) == 2 && e.count(t, `SELECT count(*) FROM `+e.table("business")) == 1
+		return c.messages(t, "billing", middleware.OutcomePoisoned) == 2 && e.rows(t, "business", "") == 1
 	})
 	require.Positive(t, dep.probes.Load())
-	require.Equal(t, 2, e.count(t, `SELECT count(*) FROM `+e.table("millrace_poison")+` WHERE attempts = 3`))
+	require.Equal(t, 2, e.rows(t, "millrace_poison", `attempts = 3`))
 }
 
 // A probe needs the breaker: a chain with one and the breaker off is refused,

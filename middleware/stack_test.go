@@ -75,8 +75,8 @@ func TestPruneInboxDeletesExpiredRowsInBatches(t *testing.T) {
 	n, err := month.PruneInbox(ctx)
 	require.NoError(t, err)
 	require.EqualValues(t, 2500, n)
-	require.Equal(t, 30, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")))
-	require.Zero(t, e.count(t, `SELECT count(*) FROM `+e.table("millrace_inbox")+` WHERE event_id LIKE 'old-%'`))
+	require.Equal(t, 30, e.rows(t, "millrace_inbox", ""))
+	require.Zero(t, e.rows(t, "millrace_inbox", `event_id LIKE 'old-%'`))
 
 	// The Stack's runner prunes with the configured window and reports the
 	// table's size per consumer group.

@@ -71,7 +71,7 @@ func TestAReplayReachesOnlyTheGroupsItIsFor(t *testing.T) {
 			require.Equal(t, events, got, "%s rows of %s", table, group)
 		}
 	}
-	require.Equal(t, 1, e.count(t, `SELECT count(*) FROM `+e.table("millrace_aggregate_versions")+` WHERE consumer_group = $1 AND event_id = 'ev-plain'`, projection),
+	require.Equal(t, 1, e.rows(t, "millrace_aggregate_versions", `consumer_group = $1 AND event_id = 'ev-plain'`, projection),
 		"the ordering guard applied only the event that was for its group")
-	require.Equal(t, 1, e.count(t, `SELECT count(*) FROM `+e.table("millrace_aggregate_versions")+` WHERE consumer_group = $1`, projection))
+	require.Equal(t, 1, e.rows(t, "millrace_aggregate_versions", `consumer_group = $1`, projection))
 }

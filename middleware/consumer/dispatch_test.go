@@ -56,17 +56,82 @@ func keyed(key string, n int) *message.Message {
 	return msg
 }
 
-// routerLike reads the Dispatcher's output as Watermill's router does: one
-// goroutine per message.
-func routerLike(t *testing.T, out <-chan *message.Message, handle func(*message.Message)) *sync.WaitGroup {
+// startAhead starts a Dispatcher with cfg over an aheadSubscriber of msgs,
+// subscribed with ctx.
+func startAhead(t *testing.T, ctx context.Context, cfg DispatchConfig, msgs ...*message.Message) (*aheadSubscriber, *Dispatcher, <-chan *message.Message) {
 	t.Helper()
-	var wg sync.WaitGroup
+	sub := newAhead(msgs...)
+	d := NewDispatcher(Source{NewSubscriber: func() (message.Subscriber, error) { return sub, nil }}, cfg)
+	out, err := d.Subscribe(ctx, "t")
+	require.NoError(t, err)
+	return sub, d, out
+}
+
+// routeAll reads the Dispatcher's output as Watermill's router does, one
+// goroutine per message, until handle has returned for n messages; then it
+// closes d and waits for every goroutine.
+func routeAll(t *testing.T, d *Dispatcher, out <-chan *message.Message, n int, handle func(*message.Message)) {
+	t.Helper()
+	var done, wg sync.WaitGroup
+	done.Add(n)
 	wg.Go(func() {
 		for msg := range out {
-			wg.Go(func() { handle(msg) })
+			wg.Go(func() {
+				defer done.Done()
+				handle(msg)
+			})
 		}
 	})
-	return &wg
+	done.Wait()
+	require.NoError(t, d.Close())
+	wg.Wait()
+}
+
+// gauge counts the handlers running at once and keeps the most there were.
+type gauge struct{ now, peak atomic.Int32 }
+
+// enter notes a handler starting and returns how many run now.
+func (g *gauge) enter() int32 {
+	n := g.now.Add(1)
+	for m := g.peak.Load(); n > m && !g.peak.CompareAndSwap(m, n); m = g.peak.Load() {
+	}
+	return n
+}
+
+// leave notes a handler ending.
+func (g *gauge) leave() { g.now.Add(-1) }
+
+// keyLog checks that no two messages of one key run at once, and records
+// the order each key's messages ran in and how many ran at once.
+type keyLog struct {
+	inFlight gauge
+	mu       sync.Mutex
+	busy     map[string]int
+	seen     map[string][]string
+}
+
+func newKeyLog() *keyLog {
+	return &keyLog{busy: map[string]int{}, seen: map[string][]string{}}
+}
+
+// start notes msg of key starting, and whether it is the key's first.
+func (l *keyLog) start(t *testing.T, key string, msg *message.Message) (first bool) {
+	l.inFlight.enter()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.busy[key]++
+	require.Equal(t, 1, l.busy[key], "two messages of %s at once", key)
+	first = len(l.seen[key]) == 0
+	l.seen[key] = append(l.seen[key], msg.UUID)
+	return first
+}
+
+// end notes a message of key ending.
+func (l *keyLog) end(key string) {
+	l.mu.Lock()
+	l.busy[key]--
+	l.mu.Unlock()
+	l.inFlight.leave()
 }
 
 func TestDispatcherKeepsAggregateOrderAndRunsKeysConcurrently(t *testing.T) {
@@ -78,40 +143,17 @@ func TestDispatcherKeepsAggregateOrderAndRunsKeysConcurrently(t *testing.T) {
 			msgs = append(msgs, keyed(fmt.Sprintf("k%d", k), i))
 		}
 	}
-	sub := newAhead(msgs...)
-	d := NewDispatcher(Source{NewSubscriber: func() (message.Subscriber, error) { return sub, nil }},
-		DispatchConfig{Workers: workers, Prefetch: 64, Ordered: true})
+	_, d, out := startAhead(t, context.Background(), DispatchConfig{Workers: workers, Prefetch: 64, Ordered: true}, msgs...)
 	require.Equal(t, 1, d.Subscriptions())
-	out, err := d.Subscribe(context.Background(), "t")
-	require.NoError(t, err)
 
-	var mu sync.Mutex
-	seen := map[string][]string{}
-	perKeyBusy := map[string]int{}
-	var inFlight, maxInFlight atomic.Int32
+	log := newKeyLog()
 	allFour := make(chan struct{})
 	var firstWave sync.WaitGroup
 	firstWave.Add(workers)
 	go func() { firstWave.Wait(); close(allFour) }()
-	var done sync.WaitGroup
-	done.Add(len(msgs))
-	wg := routerLike(t, out, func(msg *message.Message) {
-		defer done.Done()
+	routeAll(t, d, out, len(msgs), func(msg *message.Message) {
 		key := msg.Metadata.Get("aggregate-id")
-		n := inFlight.Add(1)
-		for {
-			m := maxInFlight.Load()
-			if n <= m || maxInFlight.CompareAndSwap(m, n) {
-				break
-			}
-		}
-		mu.Lock()
-		perKeyBusy[key]++
-		require.Equal(t, 1, perKeyBusy[key], "two messages of %s at once", key)
-		first := len(seen[key]) == 0
-		seen[key] = append(seen[key], msg.UUID)
-		mu.Unlock()
-		if first {
+		if log.start(t, key, msg) {
 			// The first message of every key waits until all four run at
 			// once: the Dispatcher must release other keys meanwhile.
 			firstWave.Done()
@@ -121,21 +163,15 @@ func TestDispatcherKeepsAggregateOrderAndRunsKeysConcurrently(t *testing.T) {
 				t.Error("the first messages of the four keys never ran at the same time")
 			}
 		}
-		mu.Lock()
-		perKeyBusy[key]--
-		mu.Unlock()
-		inFlight.Add(-1)
+		log.end(key)
 		msg.Ack()
 	})
-	done.Wait()
-	require.NoError(t, d.Close())
-	wg.Wait()
 
-	require.Equal(t, int32(workers), maxInFlight.Load())
+	require.Equal(t, int32(workers), log.inFlight.peak.Load())
 	for k := range keys {
 		key := fmt.Sprintf("k%d", k)
-		require.Len(t, seen[key], perKey)
-		for i, id := range seen[key] {
+		require.Len(t, log.seen[key], perKey)
+		for i, id := range log.seen[key] {
 			require.Equal(t, fmt.Sprintf("%s-%03d", key, i), id, "order of %s", key)
 		}
 	}
@@ -148,22 +184,13 @@ func TestDispatcherUnorderedUsesEveryWorker(t *testing.T) {
 	for i := range 30 {
 		msgs = append(msgs, keyed("same", i))
 	}
-	sub := newAhead(msgs...)
-	d := NewDispatcher(Source{NewSubscriber: func() (message.Subscriber, error) { return sub, nil }},
-		DispatchConfig{Workers: workers})
-	out, err := d.Subscribe(context.Background(), "t")
-	require.NoError(t, err)
-	var inFlight, maxInFlight atomic.Int32
+	_, d, out := startAhead(t, context.Background(), DispatchConfig{Workers: workers}, msgs...)
+	var inFlight gauge
 	barrier := make(chan struct{})
 	var once sync.Once
-	var done sync.WaitGroup
-	done.Add(len(msgs))
-	wg := routerLike(t, out, func(msg *message.Message) {
-		defer done.Done()
-		n := inFlight.Add(1)
+	routeAll(t, d, out, len(msgs), func(msg *message.Message) {
+		n := inFlight.enter()
 		require.LessOrEqual(t, n, int32(workers))
-		for m := maxInFlight.Load(); n > m && !maxInFlight.CompareAndSwap(m, n); m = maxInFlight.Load() {
-		}
 		if n == workers {
 			once.Do(func() { close(barrier) })
 		}
@@ -172,23 +199,16 @@ func TestDispatcherUnorderedUsesEveryWorker(t *testing.T) {
 		case <-time.After(10 * time.Second):
 			t.Error("three messages of one key never ran at once without ordering")
 		}
-		inFlight.Add(-1)
+		inFlight.leave()
 		msg.Ack()
 	})
-	done.Wait()
-	require.NoError(t, d.Close())
-	wg.Wait()
-	require.Equal(t, int32(workers), maxInFlight.Load())
+	require.Equal(t, int32(workers), inFlight.peak.Load())
 }
 
 func TestDispatcherNacksTheTailOfANackedKey(t *testing.T) {
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent()) // what runs already is not this test's (the process's Kafka dev cluster on a later -count)
 	a1, a2, a3, b1 := keyed("a", 1), keyed("a", 2), keyed("a", 3), keyed("b", 1)
-	sub := newAhead(a1, a2, a3, b1)
-	d := NewDispatcher(Source{NewSubscriber: func() (message.Subscriber, error) { return sub, nil }},
-		DispatchConfig{Workers: 1, Prefetch: 8, Ordered: true})
-	out, err := d.Subscribe(context.Background(), "t")
-	require.NoError(t, err)
+	sub, d, out := startAhead(t, context.Background(), DispatchConfig{Workers: 1, Prefetch: 8, Ordered: true}, a1, a2, a3, b1)
 
 	first := <-out
 	require.Equal(t, a1.UUID, first.UUID)
@@ -216,12 +236,8 @@ func TestDispatcherCloseNacksHeldMessages(t *testing.T) {
 	for i := range 6 {
 		msgs = append(msgs, keyed("a", i))
 	}
-	sub := newAhead(msgs...)
-	d := NewDispatcher(Source{NewSubscriber: func() (message.Subscriber, error) { return sub, nil }},
-		DispatchConfig{Workers: 2, Prefetch: 6, Ordered: true})
 	ctx, cancel := context.WithCancel(context.Background())
-	out, err := d.Subscribe(ctx, "t")
-	require.NoError(t, err)
+	_, d, out := startAhead(t, ctx, DispatchConfig{Workers: 2, Prefetch: 6, Ordered: true}, msgs...)
 	inHand := <-out
 	stopped := make(chan struct{})
 	go func() {
@@ -279,45 +295,23 @@ func TestDispatcherOrdersByItsKey(t *testing.T) {
 		msg.Metadata.Set("correlation", fmt.Sprintf("c%d", i%2))
 		msgs = append(msgs, msg)
 	}
-	sub := newAhead(msgs...)
-	d := NewDispatcher(Source{NewSubscriber: func() (message.Subscriber, error) { return sub, nil }},
-		DispatchConfig{Workers: 4, Prefetch: 20, Ordered: true, Key: func(m *message.Message) string { return m.Metadata.Get("correlation") }})
-	out, err := d.Subscribe(context.Background(), "t")
-	require.NoError(t, err)
-	var mu sync.Mutex
-	busy := map[string]int{}
-	seen := map[string][]string{}
-	var inFlight, maxInFlight atomic.Int32
-	var done sync.WaitGroup
-	done.Add(len(msgs))
-	wg := routerLike(t, out, func(msg *message.Message) {
-		defer done.Done()
+	byCorrelation := func(m *message.Message) string { return m.Metadata.Get("correlation") }
+	_, d, out := startAhead(t, context.Background(), DispatchConfig{Workers: 4, Prefetch: 20, Ordered: true, Key: byCorrelation}, msgs...)
+	log := newKeyLog()
+	routeAll(t, d, out, len(msgs), func(msg *message.Message) {
 		key := msg.Metadata.Get("correlation")
-		n := inFlight.Add(1)
-		for m := maxInFlight.Load(); n > m && !maxInFlight.CompareAndSwap(m, n); m = maxInFlight.Load() {
-		}
-		mu.Lock()
-		busy[key]++
-		require.Equal(t, 1, busy[key], "two messages of %s at once", key)
-		seen[key] = append(seen[key], msg.UUID)
-		mu.Unlock()
+		log.start(t, key, msg)
 		time.Sleep(2 * time.Millisecond)
-		mu.Lock()
-		busy[key]--
-		mu.Unlock()
-		inFlight.Add(-1)
+		log.end(key)
 		msg.Ack()
 	})
-	done.Wait()
-	require.NoError(t, d.Close())
-	wg.Wait()
-	require.Equal(t, int32(2), maxInFlight.Load(), "one message per key, both keys at once")
+	require.Equal(t, int32(2), log.inFlight.peak.Load(), "one message per key, both keys at once")
 	for k := range 2 {
 		var want []string
 		for i := k; i < 20; i += 2 {
 			want = append(want, fmt.Sprintf("agg-%d-%03d", i, i))
 		}
-		require.Equal(t, want, seen[fmt.Sprintf("c%d", k)], "c%d in delivery order", k)
+		require.Equal(t, want, log.seen[fmt.Sprintf("c%d", k)], "c%d in delivery order", k)
 	}
 }
 
@@ -327,11 +321,7 @@ func TestDispatcherOrdersByItsKey(t *testing.T) {
 func TestDispatcherGivesAPausedWorkerToTheNextMessage(t *testing.T) {
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent()) // what runs already is not this test's (the process's Kafka dev cluster on a later -count)
 	msgs := []*message.Message{keyed("a", 0), keyed("b", 0), keyed("c", 0)}
-	sub := newAhead(msgs...)
-	d := NewDispatcher(Source{NewSubscriber: func() (message.Subscriber, error) { return sub, nil }},
-		DispatchConfig{Workers: 1, Prefetch: 3})
-	out, err := d.Subscribe(context.Background(), "t")
-	require.NoError(t, err)
+	_, d, out := startAhead(t, context.Background(), DispatchConfig{Workers: 1, Prefetch: 3}, msgs...)
 	var mu sync.Mutex
 	var order []string
 	note := func(s string) {
@@ -340,10 +330,7 @@ func TestDispatcherGivesAPausedWorkerToTheNextMessage(t *testing.T) {
 		mu.Unlock()
 	}
 	bDone := make(chan struct{})
-	var done sync.WaitGroup
-	done.Add(len(msgs))
-	wg := routerLike(t, out, func(msg *message.Message) {
-		defer done.Done()
+	routeAll(t, d, out, len(msgs), func(msg *message.Message) {
 		id := msg.Metadata.Get("aggregate-id")
 		note("start " + id)
 		if id == "a" {
@@ -365,9 +352,6 @@ func TestDispatcherGivesAPausedWorkerToTheNextMessage(t *testing.T) {
 		note("end " + id)
 		msg.Ack()
 	})
-	done.Wait()
-	require.NoError(t, d.Close())
-	wg.Wait()
 	require.Equal(t, []string{"start a", "start b", "end b", "resumed a", "end a", "start c", "end c"}, order,
 		"b ran on a's worker while a was paused; a took the worker back before c")
 }

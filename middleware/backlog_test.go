@@ -18,7 +18,7 @@ import (
 // consumed are a backlog of N, and once a consumer has processed them, 0.
 func TestBrokerBacklog(t *testing.T) {
 	t.Parallel()
-	onEach(t, batchBrokers, func(t *testing.T, broker string) {
+	testkit.Each(t, batchBrokers, func(t *testing.T, broker string) {
 		const events = 20
 		e, k, topic, group := newBilling(t, broker, kitOptions{})
 		reporter := k.broker

@@ -70,10 +70,12 @@ type batchHandlerRun struct {
 	calls        batchCalls
 }
 
-// startBatchHandler starts fn as the batch handler "billing" on broker, with
-// batches of up to events messages, then publishes msgs.
+// startBatchHandler starts the batch handler "billing" on broker, with
+// batches of up to events messages, then publishes msgs. The handler records
+// each call and writes one business row per message; then its result is
+// then's, given the call's index and event ids (nil when then is nil).
 func startBatchHandler(t *testing.T, broker string, events int, cfg middleware.Config,
-	fn func(r *batchHandlerRun, ctx context.Context, msgs []*message.Message) error, msgs ...*message.Message) *batchHandlerRun {
+	then func(call int, ids []string) error, msgs ...*message.Message) *batchHandlerRun {
 	r := &batchHandlerRun{}
 	var k *kit
 	r.e, k, r.topic, r.group = newBilling(t, broker, kitOptions{maxAckPending: len(msgs)})
@@ -87,7 +89,11 @@ func startBatchHandler(t *testing.T, broker string, events int, cfg middleware.C
 				// arriving meanwhile gather in the next batch.
 				time.Sleep(300 * time.Millisecond)
 			}
-			return fn(r, ctx, msgs)
+			n, ids := r.calls.record(t, ctx, msgs)
+			if err := r.writeAll(ctx, msgs); err != nil || then == nil {
+				return err
+			}
+			return then(n, ids)
 		}})
 	t.Cleanup(func() {
 		if t.Failed() {
@@ -109,6 +115,15 @@ func (r *batchHandlerRun) writeAll(ctx context.Context, msgs []*message.Message)
 		}
 	}
 	return nil
+}
+
+// waitSettled waits until ok messages are acked and poisoned are poisoned.
+func (r *batchHandlerRun) waitSettled(t testing.TB, ok, poisoned int) {
+	t.Helper()
+	testkit.Eventually(t, 2*time.Minute, "every message settled", func() bool {
+		return r.c.messages(t, "billing", middleware.OutcomeOK) == float64(ok) &&
+			r.c.messages(t, "billing", middleware.OutcomePoisoned) == float64(poisoned)
+	})
 }
 
 // effects is the number of business rows of id.
@@ -142,7 +157,7 @@ func firstBatch(t testing.TB, calls []batchCallLog) batchCallLog {
 // each event once, in batches, and each has one effect.
 func TestBatchHandlerNeverSeesDuplicates(t *testing.T) {
 	t.Parallel()
-	onEach(t, batchBrokers, func(t *testing.T, broker string) {
+	testkit.Each(t, batchBrokers, func(t *testing.T, broker string) {
 		const events = 8
 		var msgs []*message.Message
 		for _, msg := range batchEvents(events) {
@@ -150,10 +165,7 @@ func TestBatchHandlerNeverSeesDuplicates(t *testing.T) {
 			dup.UUID = msg.UUID + "-again"
 			msgs = append(msgs, msg, dup)
 		}
-		r := startBatchHandler(t, broker, events, middleware.Config{}, func(r *batchHandlerRun, ctx context.Context, msgs []*message.Message) error {
-			r.calls.record(t, ctx, msgs)
-			return r.writeAll(ctx, msgs)
-		}, msgs...)
+		r := startBatchHandler(t, broker, events, middleware.Config{}, nil, msgs...)
 		testkit.Eventually(t, 2*time.Minute, "every delivery acked", func() bool {
 			return r.c.messages(t, "billing", middleware.OutcomeOK) == events &&
 				r.c.messages(t, "billing", middleware.OutcomeDuplicate) >= events
@@ -175,18 +187,14 @@ func TestBatchHandlerNeverSeesDuplicates(t *testing.T) {
 // once, in a later transaction, without them.
 func TestBatchHandlerFailsOneMessage(t *testing.T) {
 	t.Parallel()
-	onEach(t, batchBrokers, func(t *testing.T, broker string) {
+	testkit.Each(t, batchBrokers, func(t *testing.T, broker string) {
 		const events = 8
 		var mu sync.Mutex
 		var flaky, bad string
 		failedCall := -1
 		cfg := middleware.Config{}
 		fastRetry(&cfg, 3)
-		r := startBatchHandler(t, broker, events, cfg, func(r *batchHandlerRun, ctx context.Context, msgs []*message.Message) error {
-			n, ids := r.calls.record(t, ctx, msgs)
-			if err := r.writeAll(ctx, msgs); err != nil {
-				return err
-			}
+		r := startBatchHandler(t, broker, events, cfg, func(n int, ids []string) error {
 			mu.Lock()
 			defer mu.Unlock()
 			switch {
@@ -203,10 +211,7 @@ func TestBatchHandlerFailsOneMessage(t *testing.T) {
 			}
 			return nil
 		}, batchEvents(events)...)
-		testkit.Eventually(t, 2*time.Minute, "every message settled", func() bool {
-			return r.c.messages(t, "billing", middleware.OutcomeOK) == events-1 &&
-				r.c.messages(t, "billing", middleware.OutcomePoisoned) == 1
-		})
+		r.waitSettled(t, events-1, 1)
 		mu.Lock()
 		defer mu.Unlock()
 		require.NotEmpty(t, bad, "some batch held more than one message")
@@ -234,7 +239,7 @@ func TestBatchHandlerFailsOneMessage(t *testing.T) {
 // fails every message of the batch; each is retried and commits once.
 func TestBatchHandlerFailsTheWholeBatch(t *testing.T) {
 	t.Parallel()
-	onEach(t, batchBrokers, func(t *testing.T, broker string) {
+	testkit.Each(t, batchBrokers, func(t *testing.T, broker string) {
 		const events = 8
 		var failedOnce sync.Once
 		failedSize := 0
@@ -243,14 +248,10 @@ func TestBatchHandlerFailsTheWholeBatch(t *testing.T) {
 		// The whole batch's failures would open the breaker, which
 		// holds the retries instead of counting them.
 		cfg.Breaker.Enabled = new(false)
-		r := startBatchHandler(t, broker, events, cfg, func(r *batchHandlerRun, ctx context.Context, msgs []*message.Message) error {
-			r.calls.record(t, ctx, msgs)
-			if err := r.writeAll(ctx, msgs); err != nil {
-				return err
-			}
+		r := startBatchHandler(t, broker, events, cfg, func(_ int, ids []string) error {
 			var fail error
-			if len(msgs) > 1 {
-				failedOnce.Do(func() { failedSize, fail = len(msgs), errors.New("the other service is down") })
+			if len(ids) > 1 {
+				failedOnce.Do(func() { failedSize, fail = len(ids), errors.New("the other service is down") })
 			}
 			return fail
 		}, batchEvents(events)...)
@@ -275,15 +276,11 @@ func TestBatchHandlerFailsTheWholeBatch(t *testing.T) {
 // one attempt), and nothing of the batch commits.
 func TestBatchHandlerResultForAnUnknownMessage(t *testing.T) {
 	t.Parallel()
-	onEach(t, batchBrokers, func(t *testing.T, broker string) {
+	testkit.Each(t, batchBrokers, func(t *testing.T, broker string) {
 		const events = 4
 		cfg := middleware.Config{}
 		fastRetry(&cfg, 1)
-		r := startBatchHandler(t, broker, events, cfg, func(r *batchHandlerRun, ctx context.Context, msgs []*message.Message) error {
-			r.calls.record(t, ctx, msgs)
-			if err := r.writeAll(ctx, msgs); err != nil {
-				return err
-			}
+		r := startBatchHandler(t, broker, events, cfg, func(int, []string) error {
 			return middleware.BatchFailures{"evt-not-in-any-batch": errors.New("no such message")}
 		}, batchEvents(events)...)
 		testkit.Eventually(t, 2*time.Minute, "every message poisoned", func() bool {
@@ -301,17 +298,13 @@ func TestBatchHandlerResultForAnUnknownMessage(t *testing.T) {
 // others commit once.
 func TestBatchHandlerPanic(t *testing.T) {
 	t.Parallel()
-	onEach(t, batchBrokers, func(t *testing.T, broker string) {
+	testkit.Each(t, batchBrokers, func(t *testing.T, broker string) {
 		const events = 8
 		var mu sync.Mutex
 		var culprit string
 		cfg := middleware.Config{}
 		fastRetry(&cfg, 3)
-		r := startBatchHandler(t, broker, events, cfg, func(r *batchHandlerRun, ctx context.Context, msgs []*message.Message) error {
-			_, ids := r.calls.record(t, ctx, msgs)
-			if err := r.writeAll(ctx, msgs); err != nil {
-				return err
-			}
+		r := startBatchHandler(t, broker, events, cfg, func(_ int, ids []string) error {
 			mu.Lock()
 			if culprit == "" && len(ids) > 1 {
 				culprit = ids[len(ids)/2]
@@ -323,10 +316,7 @@ func TestBatchHandlerPanic(t *testing.T) {
 			}
 			return nil
 		}, batchEvents(events)...)
-		testkit.Eventually(t, 2*time.Minute, "every message settled", func() bool {
-			return r.c.messages(t, "billing", middleware.OutcomeOK) == events-1 &&
-				r.c.messages(t, "billing", middleware.OutcomePoisoned) == 1
-		})
+		r.waitSettled(t, events-1, 1)
 		mu.Lock()
 		defer mu.Unlock()
 		require.Equal(t, 1, r.e.rows(t, "millrace_poison", `event_id = $1 AND attempts = 3`, culprit))

@@ -78,7 +78,7 @@ func (l *txLog) inTx(txid int64) []string {
 // message of the batch commits once, in that batch's transaction.
 func TestBatchPoisonsOnlyTheBadMessage(t *testing.T) {
 	t.Parallel()
-	onEach(t, batchBrokers, func(t *testing.T, broker string) {
+	testkit.Each(t, batchBrokers, func(t *testing.T, broker string) {
 		testBatchPoisonsOnlyTheBadMessage(t, broker)
 	})
 }
@@ -203,7 +203,7 @@ func (p *batchPoisoner) checkBatchMates(t *testing.T) {
 // sent away out again).
 func TestBatchSlowTurnSendsTheRestToAnotherBatch(t *testing.T) {
 	t.Parallel()
-	onEach(t, []string{"gochannel", bus.KindKafka}, func(t *testing.T, broker string) {
+	testkit.Each(t, []string{"gochannel", bus.KindKafka}, func(t *testing.T, broker string) {
 		const events = 8
 		e, k, topic, group := newBilling(t, broker, kitOptions{})
 		msgs := make([]*message.Message, events)
@@ -246,7 +246,7 @@ func TestBatchSlowTurnSendsTheRestToAnotherBatch(t *testing.T) {
 // trickle message to a free subscription.
 func TestBatchTrickleRunsAfterMaxWait(t *testing.T) {
 	t.Parallel()
-	onEach(t, []string{bus.KindKafka, bus.KindRabbitMQ}, func(t *testing.T, broker string) {
+	testkit.Each(t, []string{bus.KindKafka, bus.KindRabbitMQ}, func(t *testing.T, broker string) {
 		e, k, topic, group := newBilling(t, broker, kitOptions{})
 
 		cfg := middleware.Config{Workers: 8, Batch: middleware.BatchConfig{MaxMessages: 8, MaxWait: 20 * time.Millisecond}}

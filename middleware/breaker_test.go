@@ -23,7 +23,7 @@ import (
 // four competing consumers.
 func TestBreakerHoldsMessagesDuringAnOutage(t *testing.T) {
 	t.Parallel()
-	onEach(t, []string{"gochannel", "rabbitmq"}, func(t *testing.T, name string) {
+	testkit.Each(t, []string{"gochannel", "rabbitmq"}, func(t *testing.T, name string) {
 		testOutage(t, name)
 	})
 }

@@ -189,18 +189,6 @@ func newBilling(t testing.TB, broker string, opts kitOptions) (e *env, k *kit, t
 	return e, k, topic, group
 }
 
-// onEach runs test on each broker of brokers, each in a parallel subtest
-// named after it.
-func onEach(t *testing.T, brokers []string, test func(t *testing.T, broker string)) {
-	t.Helper()
-	for _, broker := range brokers {
-		t.Run(broker, func(t *testing.T) {
-			t.Parallel()
-			test(t, broker)
-		})
-	}
-}
-
 // write is a handler's business write: one row per processed event, no
 // unique key, so a double effect shows as a second row.
 func (e *env) write(ctx context.Context, group string, msg *message.Message) error {

@@ -18,7 +18,7 @@ import (
 // event, on every broker.
 func TestDuplicateDeliveriesHaveOneEffectPerGroup(t *testing.T) {
 	t.Parallel()
-	onEach(t, kitNames, func(t *testing.T, name string) {
+	testkit.Each(t, kitNames, func(t *testing.T, name string) {
 		const events = 1000
 		e := newEnv(t)
 		k := newKit(t, name, kitOptions{})

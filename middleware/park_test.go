@@ -14,6 +14,7 @@ import (
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/store"
+	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -76,7 +77,7 @@ func (p *parkCase) versions(t *testing.T, a string) string {
 
 func TestParkHoldsAnAggregateUntilReplayOrSkip(t *testing.T) {
 	t.Parallel()
-	onEach(t, kitNames[1:], func(t *testing.T, name string) {
+	testkit.Each(t, kitNames[1:], func(t *testing.T, name string) {
 		runParkCase(t, newKit(t, name, kitOptions{}), false)
 	})
 	t.Run("kafka_batch", func(t *testing.T) {

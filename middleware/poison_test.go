@@ -80,7 +80,7 @@ func (a *attemptCounter) get(id string) int {
 // included, in ordered mode) keep flowing, on every broker.
 func TestPoisonQueue(t *testing.T) {
 	t.Parallel()
-	onEach(t, kitNames, func(t *testing.T, name string) {
+	testkit.Each(t, kitNames, func(t *testing.T, name string) {
 		testPoisonQueue(t, name)
 	})
 }

@@ -48,7 +48,7 @@ func (d *dependency) probe(context.Context) error {
 // run, is still poisoned after retry.max_attempts.
 func TestProbeRidesOutALongOutageBehindAnOrderedHandler(t *testing.T) {
 	t.Parallel()
-	onEach(t, []string{bus.KindRabbitMQ, bus.KindNATS}, func(t *testing.T, kind string) {
+	testkit.Each(t, []string{bus.KindRabbitMQ, bus.KindNATS}, func(t *testing.T, kind string) {
 		const outage = 60 * time.Second
 		e, k, topic, group := newBilling(t, kind, kitOptions{ackWait: 5 * time.Minute})
 

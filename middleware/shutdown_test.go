@@ -20,7 +20,7 @@ import (
 // acked before the subscriptions close.
 func TestShutdownNacksWaitingMessagesAndDrainsRunningOnes(t *testing.T) {
 	t.Parallel()
-	onEach(t, []string{bus.KindKafka, bus.KindNATS, bus.KindRabbitMQ}, func(t *testing.T, name string) {
+	testkit.Each(t, []string{bus.KindKafka, bus.KindNATS, bus.KindRabbitMQ}, func(t *testing.T, name string) {
 		e, k, topic, group := newBilling(t, name, kitOptions{ackWait: 2 * time.Second})
 
 		slowStarted := make(chan struct{})

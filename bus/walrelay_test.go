@@ -22,6 +22,7 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/servers"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
+	"github.com/millrace-io/millrace/internal/testing/testlog"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -66,6 +67,63 @@ func TestWALRelay(t *testing.T) {
 	})
 }
 
+// TestWALRelayUnseenCommit commits an event whose transaction the slot
+// streams before any statement sees it: with synchronous_standby_names
+// naming a standby that never comes, a commit with synchronous_commit: on
+// is in the WAL, decoded and streamed, but waits for the standby before
+// others see it. The relay publishes nothing of it until they do, then
+// publishes it and deletes its row (before, it published the row at once,
+// deleted nothing, and left the row in the outbox for good).
+func TestWALRelayUnseenCommit(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := servers.StartPostgreSQLWith(t, servers.PostgreSQLOptions{
+		Conf: servers.LogicalConf + "synchronous_standby_names = 'nobody'\nsynchronous_commit = local\n"}).URL
+	db := testdb.OpenURL(t, url)
+	r := newWALRig(t, url, db, bus.KindNATS, bus.OutboxModeTable)
+	s := r.start(t)
+	r.awaitStreaming(t)
+
+	conn, err := db.Conn(ctx)
+	require.NoError(t, err)
+	defer conn.Close()
+	var pid int
+	require.NoError(t, conn.QueryRowContext(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
+	tx, err := conn.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	_, err = tx.ExecContext(ctx, `SET LOCAL synchronous_commit = on`)
+	require.NoError(t, err)
+	require.NoError(t, s.bus.Publish(ctx, tx, r.topic, walEvent(1)))
+	committed := make(chan error, 1)
+	go func() { committed <- tx.Commit() }()
+	defer func() { _, _ = db.Exec(`SELECT pg_cancel_backend($1)`, pid) }() // a failed check leaves it waiting
+
+	var flushed string
+	testkit.Eventually(t, walWait, "the commit waiting for the standby", func() bool {
+		var waiting bool
+		require.NoError(t, db.QueryRow(`SELECT coalesce(wait_event = 'SyncRep', false), pg_current_wal_flush_lsn()::text
+			FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&waiting, &flushed))
+		return waiting
+	})
+	testkit.Eventually(t, walWait, "the relay's slot streamed the commit", func() bool {
+		var sent bool
+		require.NoError(t, db.QueryRow(`SELECT coalesce(bool_and(sent_lsn >= $1::pg_lsn), false) FROM pg_stat_replication`, flushed).Scan(&sent))
+		return sent
+	})
+	time.Sleep(500 * time.Millisecond) // time enough for a relay to publish and delete it
+	s.mu.Lock()
+	require.Empty(t, s.got, "nothing handled while no statement sees its commit")
+	s.mu.Unlock()
+	require.Empty(t, r.leftOffsets(t), "its row, not seen yet")
+
+	// Cancelling the wait ends the commit: others see it from then on.
+	_, err = db.Exec(`SELECT pg_cancel_backend($1)`, pid)
+	require.NoError(t, err)
+	require.NoError(t, <-committed)
+	s.await(t, 1)
+	testkit.Eventually(t, walWait, "the forwarded row deleted", func() bool { return r.outboxRows(t) == 0 })
+}
+
 // walRig is an outbox of its own on the private server and the config of
 // services relaying it with relay.source: wal.
 type walRig struct {
@@ -95,6 +153,7 @@ func newWALRig(t *testing.T, url string, db *sql.DB, kind, mode string) *walRig 
 type walService struct {
 	bus  *bus.Bus
 	reg  *prometheus.Registry
+	logs *testlog.Buffer
 	done chan error
 	stop context.CancelFunc
 
@@ -109,10 +168,16 @@ func (r *walRig) start(t *testing.T) *walService {
 	t.Helper()
 	ctx := context.Background()
 	reg := prometheus.NewRegistry()
-	b, err := bus.Open(ctx, r.cfg, r.db, bus.WithRegistry(reg))
+	logs := &testlog.Buffer{}
+	b, err := bus.Open(ctx, r.cfg, r.db, bus.WithRegistry(reg), bus.WithLogger(logs.Slog()))
 	require.NoError(t, err)
 	t.Cleanup(func() { b.Close() })
-	s := &walService{bus: b, reg: reg, done: make(chan error, 1)}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("outbox offsets left: %v\nthe service's log:\n%s", r.leftOffsets(t), logs)
+		}
+	})
+	s := &walService{bus: b, reg: reg, logs: logs, done: make(chan error, 1)}
 	require.NoError(t, b.Handle(r.topic, "wal", func(_ context.Context, ev bus.Event) error {
 		s.mu.Lock()
 		s.got = append(s.got, ev.AggregateVersion)
@@ -168,6 +233,13 @@ func (r *walRig) outboxRows(t *testing.T) int {
 	require.NoError(t, r.db.QueryRow(`SELECT count(*) FROM "`+r.cfg.Database.Schema+`"."watermill_`+
 		r.cfg.WithDefaults().Outbox.Topic+`"`).Scan(&n))
 	return n
+}
+
+// leftOffsets lists the offsets of the rows left in the outbox table.
+func (r *walRig) leftOffsets(t *testing.T) []int64 {
+	t.Helper()
+	return testdb.Column[int64](t, r.db, `SELECT "offset" FROM "`+r.cfg.Database.Schema+`"."watermill_`+
+		r.cfg.WithDefaults().Outbox.Topic+`" ORDER BY "offset"`)
 }
 
 // awaitStreaming waits until a relay streams the rig's slot: a WAL sender
@@ -307,16 +379,7 @@ func testWALQuarantine(t *testing.T, r *walRig) {
 	s.publish(t, r.topic, 2)
 	s.await(t, 1, 2)
 	testkit.Eventually(t, walWait, "the refused rows quarantined", func() bool { return r.outboxRows(t) == 0 })
-	rows, err := r.db.Query(`SELECT reason FROM "` + r.cfg.Database.Schema + `".millrace_relay_quarantine ORDER BY id`)
-	require.NoError(t, err)
-	defer rows.Close()
-	var reasons []string
-	for rows.Next() {
-		var reason string
-		require.NoError(t, rows.Scan(&reason))
-		reasons = append(reasons, reason)
-	}
-	require.NoError(t, rows.Err())
+	reasons := testdb.Column[string](t, r.db, `SELECT reason FROM "`+r.cfg.Database.Schema+`".millrace_relay_quarantine ORDER BY id`)
 	require.Len(t, reasons, 2, "both refused rows, once each: %q", reasons)
 	require.Contains(t, reasons[0], "bad key")
 	require.Contains(t, reasons[1], "_watermill_message_uuid")

@@ -281,6 +281,11 @@ func (f *Forwarder) forwardWAL(ctx context.Context, b wal.Batch) error {
 	work, release := f.graceContext(ctx)
 	defer release()
 
+	// The slot may stream a transaction before a statement sees its rows:
+	// the lookup and the delete below must see them.
+	if err := f.tables.AwaitVisible(work, f.db, walXIDs(b)); err != nil {
+		return err
+	}
 	read, err := f.relayedAlready(work, walRows(b))
 	if err != nil {
 		return err
@@ -321,6 +326,20 @@ func (f *Forwarder) relayedAlready(ctx context.Context, rows []store.OutboxRow) 
 		}
 	}
 	return kept, nil
+}
+
+// walXIDs are the transaction ids (xid8) of b's outbox table rows, once
+// each; the logical messages of outbox.mode: wal_messages are in no table.
+func walXIDs(b wal.Batch) []uint64 {
+	var xids []uint64
+	for _, t := range b.Transactions {
+		for _, e := range t.Events {
+			if e.Row != nil && (len(xids) == 0 || xids[len(xids)-1] != e.Row.TransactionID) {
+				xids = append(xids, e.Row.TransactionID)
+			}
+		}
+	}
+	return xids
 }
 
 // walRows are the outbox rows of b, in commit order: the outbox table's

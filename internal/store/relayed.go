@@ -4,6 +4,9 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"strconv"
+	"strings"
+	"time"
 )
 
 // DeleteRelayed deletes the outbox rows whose offsets are given (rows the
@@ -52,4 +55,42 @@ func (t Tables) PresentOffsets(ctx context.Context, db DBTX, offsets []int64) (m
 		return nil, fmt.Errorf("look up rows of %s: %w", t.OutboxTable(), err)
 	}
 	return scanOffsets(rows, len(offsets), t.OutboxTable())
+}
+
+// visiblePoll bounds the pause between two checks of AwaitVisible.
+const visiblePoll = 50 * time.Millisecond
+
+// AwaitVisible waits until every transaction of xids (xid8, as the
+// outbox's transaction_id) has ended for a new snapshot, checking at
+// growing intervals up to visiblePoll, until ctx ends. A logical
+// replication slot streams a transaction once its commit record is on
+// disk, before the committing backend leaves the proc array: until then
+// no statement sees its rows, and a DELETE of them deletes nothing (for
+// long with synchronous replication, whose wait for the standby falls in
+// between).
+func (t Tables) AwaitVisible(ctx context.Context, db DBTX, xids []uint64) error {
+	if len(xids) == 0 {
+		return nil
+	}
+	list := make([]string, len(xids))
+	for i, x := range xids {
+		list[i] = strconv.FormatUint(x, 10)
+	}
+	array := "{" + strings.Join(list, ",") + "}"
+	for wait := time.Millisecond; ; wait = min(2*wait, visiblePoll) {
+		var visible bool
+		err := db.QueryRowContext(ctx, t.relaySQL(`SELECT bool_and(pg_visible_in_snapshot(x, pg_current_snapshot()))
+			FROM unnest($1::text::xid8[]) AS x`), array).Scan(&visible)
+		if err != nil {
+			return fmt.Errorf("wait for the commits of the rows of %s: %w", t.OutboxTable(), err)
+		}
+		if visible {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("wait for the commits of the rows of %s: %w", t.OutboxTable(), context.Cause(ctx))
+		case <-time.After(wait):
+		}
+	}
 }

@@ -106,3 +106,26 @@ func UniqueName(testName string) string {
 	_, _ = rand.Read(suffix)
 	return "t_" + strings.Trim(base, "_") + "_" + hex.EncodeToString(suffix)
 }
+
+// Column runs query on db and returns its one column, row by row, failing
+// t on any error.
+func Column[T any](t testing.TB, db *sql.DB, query string, args ...any) []T {
+	t.Helper()
+	rows, err := db.Query(query, args...)
+	if err != nil {
+		t.Fatalf("query %q: %v", query, err)
+	}
+	defer rows.Close()
+	var values []T
+	for rows.Next() {
+		var v T
+		if err := rows.Scan(&v); err != nil {
+			t.Fatalf("read a row of %q: %v", query, err)
+		}
+		values = append(values, v)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatalf("read the rows of %q: %v", query, err)
+	}
+	return values
+}

@@ -99,24 +99,40 @@ func startEPMD(t testing.TB, where string, cmd *exec.Cmd) {
 }
 
 // startRabbitMQCluster starts a node per placement, one after another (the
-// first creates the shared cookie), and joins the others to the first.
+// first creates the shared cookie). The others join the first as they boot,
+// by peer discovery from their config (classic_config): a blank node joins
+// before it opens its AMQP listener, so Start returning means it is a
+// member. Joining a running node instead (stop_app, join_cluster,
+// start_app) once hung in stop_app past two minutes on a loaded machine.
 func startRabbitMQCluster(t testing.TB, conf, advanced string, places []rabbitPlacement, ns *Netns) *RabbitMQCluster {
 	t.Helper()
 	c := &RabbitMQCluster{t: t, Isolated: -1, netns: ns}
 	began := time.Now()
 	for i, at := range places {
-		node := newRabbitMQ(t, conf, advanced, at)
+		nodeConf := conf
+		if i > 0 {
+			nodeConf += "\ncluster_formation.peer_discovery_backend = classic_config\n" +
+				"cluster_formation.classic_config.nodes.1 = " + c.Nodes[0].name + "\n"
+		}
+		node := newRabbitMQ(t, nodeConf, advanced, at)
 		node.Start()
 		if i > 0 {
-			node.Ctl("stop_app")
-			node.Ctl("join_cluster", c.Nodes[0].name)
-			node.Ctl("start_app")
-			node.Ctl("await_startup")
+			c.requireMember(node)
 		}
 		c.Nodes = append(c.Nodes, node)
 	}
 	t.Logf("private RabbitMQ cluster of %d nodes up after %s", len(places), time.Since(began).Round(time.Millisecond))
 	return c
+}
+
+// requireMember fails the test unless node runs in the cluster of the first
+// node: peer discovery that finds no peer boots the node on its own.
+func (c *RabbitMQCluster) requireMember(node *RabbitMQ) {
+	c.t.Helper()
+	status := node.Ctl("cluster_status", "--formatter", "json")
+	if !strings.Contains(status, `"`+c.Nodes[0].name+`"`) {
+		c.t.Fatalf("private RabbitMQ node %s booted outside the cluster of %s: %s", node.name, c.Nodes[0].name, status)
+	}
 }
 
 // Partition cuts the Isolated node off the network (Netns.Cut): its process

@@ -24,7 +24,7 @@ func TestMain(m *testing.M) {
 	}
 	flag.Parse()
 	// A scenario spends most of its time waiting on its child processes and
-	// servers (the relay-outage ones, five minutes), so more of them run at
+	// servers (the relay-outage ones, five minutes in `make reliability`), so more of them run at
 	// once than there are CPUs (unless -parallel says otherwise).
 	if !flagSet("test.parallel") {
 		_ = flag.Set("test.parallel", fmt.Sprint(max(6, runtime.GOMAXPROCS(0))))
@@ -107,9 +107,10 @@ func report() string {
 func reportIntro() string {
 	return `# Reliability
 
-Generated from a run of the fault-injection suite (internal/faults) on
+Generated from a run of the fault-injection suite (internal/testing/faults) on
 ` + time.Now().UTC().Format("2006-01-02") + `, on a 2-core machine, with -race; ` + "`make reliability`" + `
-regenerates it, and ` + "`make test`" + ` runs the same scenarios after the other packages.
+regenerates it, and ` + "`make test`" + ` runs the same scenarios after the other packages
+(with the relay down 1 minute instead of 5).
 
 Every scenario runs the whole path: a service commits events in business
 transactions (ten per transaction, every 25th transaction rolled back) ->

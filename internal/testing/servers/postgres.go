@@ -293,6 +293,17 @@ func (p *PostgreSQL) WALPosition(ctx context.Context) (string, error) {
 	return lsn, err
 }
 
+// PID returns the process id of the cluster's postmaster, the first line
+// of postmaster.pid in its data directory; the cluster must be running.
+func (p *PostgreSQL) PID() (int, error) {
+	data, err := os.ReadFile(filepath.Join(p.data, "postmaster.pid"))
+	if err != nil {
+		return 0, fmt.Errorf("the private PostgreSQL cluster on port %d: %w", p.port, err)
+	}
+	first, _, _ := strings.Cut(string(data), "\n")
+	return strconv.Atoi(strings.TrimSpace(first))
+}
+
 // queryRow runs query with args on the cluster, on a connection of its
 // own, and scans its one row into dest.
 func (p *PostgreSQL) queryRow(ctx context.Context, query string, args []any, dest ...any) error {

@@ -129,7 +129,7 @@ func TestEmbeddedNATS(t *testing.T) {
 
 // A committed row survives a crash restart (with crash recovery) of the
 // private PostgreSQL cluster and a clean stop and start; the URL stays the
-// same.
+// same. PID is the postmaster's, the parent of every backend.
 func TestPostgreSQL(t *testing.T) {
 	t.Parallel()
 	pg := StartPostgreSQL(t)
@@ -165,6 +165,13 @@ func TestPostgreSQL(t *testing.T) {
 	var max int
 	require.NoError(t, db.QueryRowContext(ctx, `SHOW max_connections`).Scan(&max))
 	require.Equal(t, 200, max)
+	pid, err := pg.PID()
+	require.NoError(t, err)
+	var backend int
+	require.NoError(t, db.QueryRowContext(ctx, `SELECT pg_backend_pid()`).Scan(&backend))
+	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", backend))
+	require.NoError(t, err)
+	require.Contains(t, string(status), fmt.Sprintf("\nPPid:\t%d\n", pid), "PID is not the parent of a backend")
 
 	pg.Restart()
 	logs, err := os.ReadFile(pg.logFile)

@@ -6,7 +6,6 @@ import (
 	"database/sql"
 	"database/sql/driver"
 	"fmt"
-	"net/url"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -93,9 +92,9 @@ var relays = []string{"watermill", "millrace", shardedRelay, walRelay, walMessag
 const shardedRelay = "millrace-3x8"
 
 // walRelay is millrace with relay.source: wal, and walMessagesRelay with
-// outbox.mode: wal_messages too, each on a private PostgreSQL with
-// wal_level = logical whose slot exists before the backlog is committed
-// (a relay down while events pile up): the first forwards the backlog
+// outbox.mode: wal_messages too, each with a slot of its own that exists
+// before the backlog is committed (a relay down while events pile up) and
+// is dropped at its end: the first forwards the backlog
 // from the outbox table at its start and then streams it again from the
 // slot (duplicates, which the consumer counts), the second streams it
 // from the slot only.
@@ -123,6 +122,9 @@ type result struct {
 	idleQueries           float64   // statements/s
 	peakRSSMB             float64
 	delivered, duplicates int
+	// PostgreSQL's CPU seconds and WAL MB per 10,000 events over the
+	// backlog's commit and drain; zero for a relay that did not drain.
+	pgCPU, walMB float64
 }
 
 var (
@@ -152,10 +154,14 @@ func BenchmarkRelay(b *testing.B) {
 		kinds = append(kinds, k)
 	}
 	slices.Sort(kinds)
+	// One private server for every relay of the run, so that their rows
+	// compare: wal_level = logical for the WAL relays, and each relay in a
+	// schema of its own, dropped at its end.
+	pg := servers.StartLogicalPostgreSQL(b)
 	for _, kind := range kinds {
 		for _, relay := range relays {
 			b.Run(kind+"/"+relay, func(b *testing.B) {
-				r := measure(b, kind, relay)
+				r := measure(b, pg, kind, relay)
 				sampleLoad()
 				b.ReportMetric(r.drainRate, "msg/s")
 				for _, l := range r.latency {
@@ -168,6 +174,10 @@ func BenchmarkRelay(b *testing.B) {
 				}
 				b.ReportMetric(r.idleQueries, "idle-q/s")
 				b.ReportMetric(r.peakRSSMB, "peak-RSS-MB")
+				if !r.undrained {
+					b.ReportMetric(r.pgCPU, "pg-cpu-s/10k")
+					b.ReportMetric(r.walMB, "wal-MB/10k")
+				}
 				resultsMu.Lock()
 				results = append(results, r)
 				resultsMu.Unlock()
@@ -176,40 +186,11 @@ func BenchmarkRelay(b *testing.B) {
 	}
 }
 
-// benchDB returns a pool on the bench database, its own so that nothing
-// else runs in it, created on first use.
-func benchDB(b *testing.B) (*sql.DB, string) {
-	u, err := url.Parse(testdb.URL())
-	if err != nil {
-		b.Fatal(err)
-	}
-	admin, err := sql.Open("pgx", u.String())
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer admin.Close()
-	var exists bool
-	if err := admin.QueryRow(`SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = 'millrace_bench')`).Scan(&exists); err != nil {
-		b.Fatal(err)
-	}
-	if !exists {
-		if _, err := admin.Exec(`CREATE DATABASE millrace_bench`); err != nil && !strings.Contains(err.Error(), "already exists") {
-			b.Fatal(err)
-		}
-	}
-	u.Path = "/millrace_bench"
-	db, err := sql.Open("pgx", u.String())
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { db.Close() })
-	return db, u.String()
-}
-
 // run is the measurement of one relay on one broker: its outbox, in a
 // schema of its own, the publisher, the consumer and the relay's processes.
 type run struct {
 	relay  string
+	pg     *servers.PostgreSQL
 	db     *sql.DB
 	pub    *bus.Bus
 	tables store.Tables
@@ -217,12 +198,16 @@ type run struct {
 	c      *consumer
 	procs  []*childProcess
 	sent   int // events committed so far
+	// mark is where PostgreSQL stood before the backlog's commit; pgCPU
+	// and walMB what it spent from there to the end of the drain.
+	mark         pgMark
+	pgCPU, walMB float64
 }
 
-func measure(b *testing.B, kind, relay string) result {
+func measure(b *testing.B, pg *servers.PostgreSQL, kind, relay string) result {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	r := newRun(b, ctx, kind, relay)
+	r := newRun(b, ctx, pg, kind, relay)
 	drain, drained := r.drain(b, ctx)
 	if !drained {
 		// Stock Watermill on a slow broker: its rate is what the consumer
@@ -251,29 +236,30 @@ func measure(b *testing.B, kind, relay string) result {
 		peakRSSMB:   rss,
 		delivered:   r.c.total(),
 		duplicates:  r.c.total() - r.c.distinct(),
+		pgCPU:       r.pgCPU,
+		walMB:       r.walMB,
 	}
 }
 
-// newRun makes relay's outbox in a new schema of the bench database, its
-// topic and consumer on the broker, commits the backlog (100 events a
-// transaction) and then starts the relay's processes.
-func newRun(b *testing.B, ctx context.Context, kind, relay string) *run {
+// newRun makes relay's outbox in a new schema on pg, its topic and
+// consumer on the broker, commits the backlog (100 events a transaction)
+// and then starts the relay's processes.
+func newRun(b *testing.B, ctx context.Context, pg *servers.PostgreSQL, kind, relay string) *run {
 	kit := brokers[kind]
 	childEnv := map[string]string{}
 	if kit.start != nil {
 		childEnv = kit.start(b)
 	}
-	db, dbURL := benchDB(b)
+	dbURL := pg.URL
+	db := testdb.OpenURL(b, dbURL)
 	var cfg bus.Config
 	if walSource(relay) {
-		dbURL = servers.StartLogicalPostgreSQL(b).URL
-		db = testdb.OpenURL(b, dbURL)
 		cfg.Relay.Source = forwarder.SourceWAL
 		if relay == walMessagesRelay {
 			cfg.Outbox.Mode = bus.OutboxModeWALMessages // Open creates the slot
 		}
 	}
-	r := &run{relay: relay, db: db}
+	r := &run{relay: relay, pg: pg, db: db}
 	schema := testdb.SchemaName(b, db, "bench_"+kind+"_"+strings.ReplaceAll(relay, "-", "_"))
 	cfg.Database.URL = dbURL
 	cfg.Database.Schema = schema
@@ -287,6 +273,11 @@ func newRun(b *testing.B, ctx context.Context, kind, relay string) *run {
 	}
 	b.Cleanup(func() { pub.Close() })
 	r.pub, cfg = pub, pub.Config()
+	if walSource(relay) {
+		// Runs after the relay's processes have stopped (cleanups run last
+		// registered first).
+		b.Cleanup(func() { dropSlot(b, cfg.WALSlot()) })
+	}
 	broker, err := kit.open(ctx, childEnv)
 	if err != nil {
 		b.Fatalf("open %s: %v", kind, err)
@@ -311,6 +302,7 @@ func newRun(b *testing.B, ctx context.Context, kind, relay string) *run {
 			b.Fatal(err)
 		}
 	}
+	r.mark = markPG(b, ctx, pg, db)
 	r.commitBacklog(b, ctx)
 	outbox := forwarder.Outbox{Schema: schema, Topic: cfg.Outbox.Topic}
 	r.procs = []*childProcess{startChild(b, relay, kind, dbURL, outbox, childEnv)}
@@ -350,6 +342,7 @@ func (r *run) drain(b *testing.B, ctx context.Context) (time.Duration, bool) {
 		time.Sleep(20 * time.Millisecond)
 	}
 	took := time.Since(began)
+	r.pgCPU, r.walMB = r.mark.per10k(b, ctx, r.pg, r.db, backlogEvents)
 	if r.relay != "watermill" {
 		oc, err := ops.New(ctx, r.db, r.pub.Config())
 		if err != nil {
@@ -802,7 +795,8 @@ func (c *countingConn) ExecContext(ctx context.Context, query string, args []dri
 
 // printTable prints one table per broker: every relay's drain, its share of
 // the reference's, latency at each trickle and beside the open transaction,
-// idle statements and peak RSS, then millrace's ratios to stock Watermill.
+// idle statements, peak RSS, duplicates, and PostgreSQL's CPU and WAL per
+// 10,000 events, then millrace's ratios to stock Watermill.
 func printTable() {
 	resultsMu.Lock()
 	defer resultsMu.Unlock()
@@ -832,7 +826,7 @@ func printBroker(kind string, byKey map[string]result) {
 		fmt.Printf(" %10s %10s", "p50@"+strconv.Itoa(tr.rate), "p99@"+strconv.Itoa(tr.rate))
 	}
 	fmt.Printf(" %10s %10s", "p50@"+strconv.Itoa(heldTrickle.rate)+"+tx", "p99@"+strconv.Itoa(heldTrickle.rate)+"+tx")
-	fmt.Printf(" %8s %9s %5s\n", "idle q/s", "peak RSS", "dups")
+	fmt.Printf(" %8s %9s %5s %11s %10s\n", "idle q/s", "peak RSS", "dups", "pg cpu/10k", "WAL/10k")
 	ceiling, okC := byKey[kind+"/reference"]
 	var notes []string
 	for _, relay := range relays {
@@ -859,7 +853,7 @@ func printBroker(kind string, byKey map[string]result) {
 				notes = append(notes, fmt.Sprintf("%s: the %s trickle reached %.0f/s", r.relay, l.name(), l.achieved))
 			}
 		}
-		fmt.Printf(" %8.2f %7.1fMB %5d\n", r.idleQueries, r.peakRSSMB, r.duplicates)
+		fmt.Printf(" %8.2f %7.1fMB %5d %10.2fs %8.1fMB\n", r.idleQueries, r.peakRSSMB, r.duplicates, r.pgCPU, r.walMB)
 	}
 	printRatios(byKey[kind+"/watermill"], byKey[kind+"/millrace"])
 	for _, n := range notes {
@@ -877,7 +871,8 @@ func (r result) heldOrZero() latency {
 }
 
 // printRatios prints millrace's ratios to stock Watermill s: drain, and
-// each latency (Watermill's over millrace's), when both drained.
+// each latency, PostgreSQL CPU and WAL (Watermill's over millrace's: lower
+// is better), when both drained.
 func printRatios(s, m result) {
 	if s.relay == "" || m.relay == "" || s.undrained || m.undrained {
 		return
@@ -891,7 +886,7 @@ func printRatios(s, m result) {
 		}
 		fmt.Printf(" %9.1fx %9.1fx", float64(sl[i].p50)/float64(ml[i].p50), float64(sl[i].p99)/float64(ml[i].p99))
 	}
-	fmt.Println()
+	fmt.Printf(" %8s %9s %5s %10.1fx %8.1fx\n", "", "", "", s.pgCPU/m.pgCPU, s.walMB/m.walMB)
 }
 
 // ms shows d in milliseconds, or in seconds from 10s on.

@@ -176,7 +176,9 @@ func relayMarkdown(m machine, rs []result) string {
 	}
 	fmt.Fprintf(&b, `, one event per transaction, and, for %s, at %s/s for %s beside a transaction held open (+tx). `,
 		held, thousands(heldTrickle.rate), heldTrickle.duration)
-	b.WriteString("% of ceiling is the drain over the reference's. In the ratio rows the drain is millrace's over the other relay's, and each latency the other relay's over millrace's (how many times shorter millrace's is); in the rows of the WAL relays (`millrace-wal`: relay.source: wal; `millrace-walmsg`: outbox.mode: wal_messages too; each on a private PostgreSQL with wal_level = logical, its slot made before the backlog), theirs over the table relay's.\n")
+	b.WriteString("Every relay ran on one private PostgreSQL, in a schema of its own: initdb, fsync off, max_connections 200, wal_level = logical; the WAL relays (`millrace-wal`: relay.source: wal; `millrace-walmsg`: outbox.mode: wal_messages too) each on a slot of its own made before the backlog and dropped after its run. " +
+		"PostgreSQL CPU is the user and system time of the server's processes, and WAL the bytes of write-ahead log written (MB of 2^20 bytes), over the backlog's commit and its drain, per 10,000 events (for `millrace-wal` without most of the slot's decoding, which follows its drain from the table); each relay's window starts after a CHECKPOINT. " +
+		"% of ceiling is the drain over the reference's. In the ratio rows the drain is millrace's over the other relay's, and each latency, CPU and WAL the other relay's over millrace's (lower is better: how many times shorter, or less, millrace's is); in the rows of the WAL relays, theirs over the table relay's.\n")
 	for _, kind := range brokerKinds() {
 		b.WriteString("\n")
 		brokerMarkdown(&b, kind, rs)
@@ -196,8 +198,8 @@ func brokerMarkdown(b *strings.Builder, kind string, rs []result) {
 	for _, tr := range trickles {
 		fmt.Fprintf(b, " p50 at %[1]s/s | p99 at %[1]s/s |", thousands(tr.rate))
 	}
-	fmt.Fprintf(b, " p50 at %[1]s/s+tx | p99 at %[1]s/s+tx | idle SQL statements/s | peak RSS | duplicates |\n|---|", thousands(heldTrickle.rate))
-	b.WriteString(strings.Repeat("---:|", 2+2*len(trickles)+2+3) + "\n")
+	fmt.Fprintf(b, " p50 at %[1]s/s+tx | p99 at %[1]s/s+tx | idle SQL statements/s | peak RSS | duplicates | PostgreSQL CPU per 10k events | WAL per 10k events |\n|---|", thousands(heldTrickle.rate))
+	b.WriteString(strings.Repeat("---:|", 2+2*len(trickles)+2+3+2) + "\n")
 	ceiling := byRelay["reference"]
 	var notes []string
 	for _, relay := range relays {
@@ -207,7 +209,7 @@ func brokerMarkdown(b *strings.Builder, kind string, rs []result) {
 		}
 		fmt.Fprintf(b, "| %s | %s | %s |", cmp.Or(relayNames[relay], relay), drainCell(r), percent(r, ceiling))
 		if r.undrained {
-			fmt.Fprintf(b, " did not drain %s events within %s |%s\n", thousands(backlogEvents), drainBound, strings.Repeat(" |", 2*len(trickles)+2+3-1))
+			fmt.Fprintf(b, " did not drain %s events within %s |%s\n", thousands(backlogEvents), drainBound, strings.Repeat(" |", 2*len(trickles)+2+3+2-1))
 			continue
 		}
 		for _, l := range append(slices.Clone(r.latency), r.heldOrZero()) {
@@ -221,7 +223,7 @@ func brokerMarkdown(b *strings.Builder, kind string, rs []result) {
 					r.relay, thousands(l.rate), map[bool]string{true: "+tx"}[l.held], thousands(int(l.achieved))))
 			}
 		}
-		fmt.Fprintf(b, " %.1f | %.0f MB | %d |\n", r.idleQueries, r.peakRSSMB, r.duplicates)
+		fmt.Fprintf(b, " %.1f | %.0f MB | %d | %.2f s | %.1f MB |\n", r.idleQueries, r.peakRSSMB, r.duplicates, r.pgCPU, r.walMB)
 	}
 	ratioRow(b, "millrace / Watermill", byRelay["watermill"], byRelay["millrace"])
 	ratioRow(b, "millrace / reference", ceiling, byRelay["millrace"])
@@ -236,7 +238,8 @@ func brokerMarkdown(b *strings.Builder, kind string, rs []result) {
 }
 
 // ratioRow writes millrace m's ratios to relay o: m's drain over o's, and
-// each of o's latencies over m's; nothing when either did not drain.
+// each of o's latencies, its PostgreSQL CPU and its WAL over m's; nothing
+// when either did not drain.
 func ratioRow(b *strings.Builder, label string, o, m result) {
 	if o.relay == "" || m.relay == "" || o.undrained || m.undrained {
 		return
@@ -250,7 +253,15 @@ func ratioRow(b *strings.Builder, label string, o, m result) {
 		}
 		fmt.Fprintf(b, " %s | %s |", ratio(float64(ol[i].p50)/float64(ml[i].p50)), ratio(float64(ol[i].p99)/float64(ml[i].p99)))
 	}
-	b.WriteString(" | | |\n")
+	b.WriteString(" | | |")
+	for _, c := range [][2]float64{{o.pgCPU, m.pgCPU}, {o.walMB, m.walMB}} {
+		if c[1] <= 0 {
+			b.WriteString(" |")
+			continue
+		}
+		b.WriteString(" " + ratio(c[0]/c[1]) + " |")
+	}
+	b.WriteString("\n")
 }
 
 // drainCell is the drain rate, "<n" for a relay that did not finish.

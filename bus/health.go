@@ -28,7 +28,8 @@ type HealthCheck struct {
 	// Detail says what was found, and why the check failed when it did.
 	Detail string `json:"detail"`
 	// Degraded is true for a check that passed but found the work slowed
-	// down: a relay waiting for a lock another transaction holds.
+	// down: a relay waiting for a lock another transaction holds, or for a
+	// commit to be seen.
 	Degraded bool `json:"degraded,omitempty"`
 }
 
@@ -310,7 +311,7 @@ func sortedActivities(m map[string]*activity) []*activity {
 
 // relayReadiness is the readiness check of a relay with status st: ready
 // once it knows its role, degraded while it waits for a lock another
-// transaction holds, and saying when it polls instead of waking at commits.
+// transaction holds or for a commit to be seen (relay.source: wal), and saying when it polls instead of waking at commits.
 func relayReadiness(st forwarder.Status, poll time.Duration) HealthCheck {
 	c := HealthCheck{Name: "relay", OK: st.Role != forwarder.RoleStarting, Detail: st.Role.String()}
 	if !c.OK {
@@ -323,7 +324,11 @@ func relayReadiness(st forwarder.Status, poll time.Duration) HealthCheck {
 	if len(st.Waits) > 0 {
 		w := st.Waits[0]
 		c.Degraded = true
-		c.Detail += fmt.Sprintf(", waiting %s for a lock held by %s", w.Waited.Round(time.Second), w)
+		what := "a lock held by"
+		if w.Commit {
+			what = "the commit to be seen of"
+		}
+		c.Detail += fmt.Sprintf(", waiting %s for %s %s", w.Waited.Round(time.Second), what, w)
 		if n := len(st.Waits) - 1; n > 0 {
 			c.Detail += fmt.Sprintf(" (and %d more)", n)
 		}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -24,6 +25,7 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/internal/testing/testlog"
 	"github.com/millrace-io/millrace/middleware"
+	"github.com/millrace-io/millrace/ops"
 )
 
 // walWait bounds every wait of the WAL relay tests: it only catches a hang.
@@ -81,6 +83,7 @@ func TestWALRelayUnseenCommit(t *testing.T) {
 		Conf: servers.LogicalConf + "synchronous_standby_names = 'nobody'\nsynchronous_commit = local\n"}).URL
 	db := testdb.OpenURL(t, url)
 	r := newWALRig(t, url, db, bus.KindNATS, bus.OutboxModeTable)
+	r.cfg.Relay.BacklogInterval = 200 * time.Millisecond // how often a late relay looks for what it waits on
 	s := r.start(t)
 	r.awaitStreaming(t)
 
@@ -115,6 +118,7 @@ func TestWALRelayUnseenCommit(t *testing.T) {
 	require.Empty(t, s.got, "nothing handled while no statement sees its commit")
 	s.mu.Unlock()
 	require.Empty(t, r.leftOffsets(t), "its row, not seen yet")
+	checkTheRelayNamesTheCommit(t, r, s, int32(pid))
 
 	// Cancelling the wait ends the commit: others see it from then on.
 	_, err = db.Exec(`SELECT pg_cancel_backend($1)`, pid)
@@ -122,6 +126,37 @@ func TestWALRelayUnseenCommit(t *testing.T) {
 	require.NoError(t, <-committed)
 	s.await(t, 1)
 	testkit.Eventually(t, walWait, "the forwarded row deleted", func() bool { return r.outboxRows(t) == 0 })
+}
+
+// checkTheRelayNamesTheCommit: while the relay waits to see a commit
+// that waits for a synchronous standby, it says so, naming the committing
+// session, in readiness (degraded), a log line, its gauges and outbox
+// status (the console's relay waits).
+func checkTheRelayNamesTheCommit(t *testing.T, r *walRig, s *walService, pid int32) {
+	t.Helper()
+	ctx := context.Background()
+	var relay bus.HealthCheck
+	testkit.Eventually(t, walWait, "readiness to say the relay waits for the commit", func() bool {
+		for _, c := range s.bus.Readiness(ctx).Checks {
+			if c.Name == "relay" {
+				relay = c
+			}
+		}
+		return relay.Degraded
+	})
+	require.Contains(t, relay.Detail, fmt.Sprintf("for the commit to be seen of pid %d", pid))
+	require.Contains(t, relay.Detail, "waiting for synchronous replication")
+	require.Contains(t, s.logs.String(), "its COMMIT waits for a synchronous standby")
+	require.Positive(t, testkit.Metric(t, s.reg, "millrace_relay_blocker_age_seconds", map[string]string{"pid": strconv.Itoa(int(pid))}))
+	require.Positive(t, testkit.Metric(t, s.reg, "millrace_relay_blocked_seconds", nil))
+	oc, err := ops.New(ctx, r.db, r.cfg)
+	require.NoError(t, err)
+	st, err := oc.OutboxStatus(ctx, "")
+	require.NoError(t, err)
+	require.NotEmpty(t, st.Waits, "outbox status lists the commit")
+	require.Equal(t, pid, st.Waits[0].PID)
+	require.True(t, st.Waits[0].Commit)
+	require.True(t, strings.EqualFold("COMMIT", st.Waits[0].Query), "the session's statement: %q", st.Waits[0].Query)
 }
 
 // walRig is an outbox of its own on the private server and the config of

@@ -45,7 +45,9 @@ type Status struct {
 	// each commit.
 	Polling bool
 	// Waits are the transactions whose locks statements of this relay have
-	// waited for past a second, as last measured (every backlog_interval).
+	// waited for past a second, and for a WAL relay those whose COMMIT it
+	// has waited to see past a second, as last measured (every
+	// backlog_interval).
 	Waits []Wait
 	// LastRenewal is when the relay last renewed its leases; zero while it
 	// holds none.

@@ -17,8 +17,10 @@ import (
 // transaction: pid, application_name, state, age and query in
 // millrace_relay_blocker_age_seconds and a log line, the longest wait in
 // millrace_relay_blocked_seconds, and the list in Status, which readiness
-// shows as degraded. The relay waits for no transaction's commit. A relay
-// that keeps moving makes no such query.
+// shows as degraded. The table relay waits for no transaction's commit;
+// the WAL relay waits until the commits it streamed are seen, and the
+// sessions whose COMMIT waits for a synchronous standby are reported the
+// same way. A relay that keeps moving makes no such query.
 func (f *Forwarder) watchWaits(ctx context.Context) {
 	t := time.NewTicker(f.cfg.BacklogInterval)
 	defer t.Stop()
@@ -27,7 +29,7 @@ func (f *Forwarder) watchWaits(ctx context.Context) {
 		var waits []Wait
 		var err error
 		if f.late(time.Now()) {
-			waits, err = f.tables.RelayWaits(ctx, f.db)
+			waits, err = f.tables.RelayWaits(ctx, f.db, f.wal != nil)
 		}
 		if err != nil && ctx.Err() == nil {
 			f.logger.Error("Could not look up what the relay waits on", err, nil)
@@ -55,7 +57,12 @@ func (f *Forwarder) reportWaits(waits []Wait, before map[int32]bool) map[int32]b
 		longest = max(longest, w.Waited)
 		f.metrics.blockers.WithLabelValues(strconv.Itoa(int(w.PID)), w.ApplicationName, w.State).Set(w.Age.Seconds())
 		now[w.PID] = true
-		if !before[w.PID] {
+		switch {
+		case before[w.PID]:
+		case w.Commit:
+			f.logger.Info("Relay waits until a transaction's commit is seen: its COMMIT waits for a synchronous standby "+
+				"(see synchronous_standby_names)", watermill.LogFields{"waited": w.Waited.Round(time.Millisecond).String(), "blocking": w.String()})
+		default:
 			f.logger.Info("Relay waits for a lock another transaction holds", watermill.LogFields{
 				"waited": w.Waited.Round(time.Millisecond).String(), "blocking": w.String()})
 		}

@@ -83,7 +83,7 @@ func (c *Client) OutboxStatus(ctx context.Context, relayGroup string) (OutboxSta
 	if err != nil {
 		return OutboxStatus{}, err
 	}
-	waits, err := c.tables.RelayWaits(ctx, c.db)
+	waits, err := c.tables.RelayWaits(ctx, c.db, c.cfg.Relay.Source == forwarder.SourceWAL)
 	if err != nil {
 		return OutboxStatus{}, err
 	}

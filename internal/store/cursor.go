@@ -410,10 +410,17 @@ func (t Tables) relayTag() string {
 // Wait is a statement of a relay waiting for a lock another transaction
 // holds, and that transaction.
 type Wait struct {
-	// Waited is how long the relay's statement has waited so far.
+	// Waited is how long the relay's statement has waited so far; for a
+	// Commit, how long the COMMIT has.
 	Waited time.Duration `json:"waited_ns"`
-	// Relay is the backend pid of the waiting relay statement.
+	// Relay is the backend pid of the waiting relay statement; 0 for a
+	// Commit.
 	Relay int32 `json:"relay_pid"`
+	// Commit is true when the relay waits for this session's COMMIT to be
+	// seen rather than for a lock: a WAL relay streams a commit as soon as
+	// it is on disk, and waits until statements see its rows, which a
+	// COMMIT waiting for a synchronous standby delays.
+	Commit bool `json:"commit"`
 	// PID, ApplicationName and State describe the blocking session
 	// (pg_stat_activity); State is "idle in transaction" for a transaction
 	// left open.
@@ -437,18 +444,30 @@ const WaitReported = time.Second
 // instance t.relay alone, for Tables from ForRelay) that have waited
 // WaitReported or longer for a lock, in their own sessions or on the
 // pooled server connections running them, with each transaction holding
-// it, longest waits first.
-func (t Tables) RelayWaits(ctx context.Context, db DBTX) ([]Wait, error) {
+// it, longest waits first. With streamed (relay.source: wal) it lists too
+// the sessions whose COMMIT of outbox rows has waited WaitReported or
+// longer for synchronous replication (wait event SyncRep, the outbox's
+// lock still held): the relay has their rows and waits until they are
+// seen (AwaitVisible).
+func (t Tables) RelayWaits(ctx context.Context, db DBTX, streamed bool) ([]Wait, error) {
 	rows, err := db.QueryContext(ctx, `SELECT w.pid, extract(epoch FROM clock_timestamp() - w.query_start)::float8,
 			b.pid, coalesce(b.application_name, ''), coalesce(b.state, ''),
 			coalesce(extract(epoch FROM clock_timestamp() - b.xact_start), 0)::float8,
-			CASE WHEN b.query = '<insufficient privilege>' THEN '' ELSE coalesce(b.query, '') END
+			CASE WHEN b.query = '<insufficient privilege>' THEN '' ELSE coalesce(b.query, '') END, false
 		FROM pg_stat_activity w
 		CROSS JOIN LATERAL unnest(pg_blocking_pids(w.pid)) AS blocking(pid)
 		JOIN pg_stat_activity b ON b.pid = blocking.pid
 		WHERE w.wait_event_type = 'Lock' AND starts_with(w.query, $1)
 		  AND w.query_start <= clock_timestamp() - make_interval(secs => $2)
-		ORDER BY 2 DESC, b.pid`, t.relayTag(), WaitReported.Seconds())
+		UNION ALL
+		SELECT 0, extract(epoch FROM clock_timestamp() - c.query_start)::float8,
+			c.pid, coalesce(c.application_name, ''), coalesce(c.state, '') || ', its COMMIT waiting for synchronous replication',
+			coalesce(extract(epoch FROM clock_timestamp() - c.xact_start), 0)::float8,
+			CASE WHEN c.query = '<insufficient privilege>' THEN '' ELSE coalesce(c.query, '') END, true
+		FROM pg_stat_activity c
+		WHERE $3 AND c.wait_event = 'SyncRep' AND c.query_start <= clock_timestamp() - make_interval(secs => $2)
+		  AND EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = c.pid AND l.relation = to_regclass($4))
+		ORDER BY 2 DESC, 3`, t.relayTag(), WaitReported.Seconds(), streamed, t.OutboxTable())
 	if err != nil {
 		return nil, fmt.Errorf("look up what the relay waits on: %w", err)
 	}
@@ -457,7 +476,7 @@ func (t Tables) RelayWaits(ctx context.Context, db DBTX) ([]Wait, error) {
 	for rows.Next() {
 		var w Wait
 		var waited, age float64
-		if err := rows.Scan(&w.Relay, &waited, &w.PID, &w.ApplicationName, &w.State, &age, &w.Query); err != nil {
+		if err := rows.Scan(&w.Relay, &waited, &w.PID, &w.ApplicationName, &w.State, &age, &w.Query, &w.Commit); err != nil {
 			return nil, fmt.Errorf("look up what the relay waits on: %w", err)
 		}
 		w.Waited, w.Age = seconds(waited), seconds(age)

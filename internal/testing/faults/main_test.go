@@ -110,7 +110,7 @@ func reportIntro() string {
 Generated from a run of the fault-injection suite (internal/testing/faults) on
 ` + time.Now().UTC().Format("2006-01-02") + `, on a 2-core machine, with -race; ` + "`make reliability`" + `
 regenerates it, and ` + "`make test`" + ` runs the same scenarios after the other packages
-(with the relay down 1 minute instead of 5).
+(at 100 events/s instead of 200, and with the relay down 1 minute instead of 5).
 
 Every scenario runs the whole path: a service commits events in business
 transactions (ten per transaction, every 25th transaction rolled back) ->

@@ -399,10 +399,18 @@ func (f *Forwarder) finishWAL(ctx context.Context, rows []outboxRow) error {
 		return nil
 	}
 	offsets := make([]int64, 0, len(rows))
+	refused := false
 	for _, r := range rows {
 		if r.row.Offset > 0 { // 0: a logical message, in no table
 			offsets = append(offsets, r.row.Offset)
 		}
+		refused = refused || r.quarantine != ""
+	}
+	if len(offsets) == 0 && !refused {
+		// Logical messages only (outbox.mode: wal_messages), all published:
+		// no transaction, which was 13% of the relay's CPU in a drain.
+		f.recordBatch(rows)
+		return nil
 	}
 	var quarantined []outboxRow
 	err := f.inAck(ctx, func(ctx context.Context, tx *sql.Tx) error {

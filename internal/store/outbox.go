@@ -121,7 +121,9 @@ func (t Tables) Backlog(ctx context.Context, db DBTX, c Cursor) (pending int64, 
 }
 
 // backlog is Backlog, not counting rows whose metadata is except (a
-// BrokerStamp) when it is not "".
+// BrokerStamp) when it is not "". Its pending and young parts compare
+// shard and offset as expressions, as ReadBatch's do, to reach their rows
+// through the primary key.
 func (t Tables) backlog(ctx context.Context, db DBTX, c Cursor, except string) (pending int64, oldest time.Duration, err error) {
 	var age sql.NullFloat64
 	table, shard := t.OutboxTable(), strconv.Itoa(c.shard())
@@ -131,10 +133,10 @@ func (t Tables) backlog(ctx context.Context, db DBTX, c Cursor, except string) (
 			UNION ALL
 			SELECT m.created_at, m.metadata FROM c CROSS JOIN LATERAL unnest(c.xids, c.done) AS p(xid, done)
 			JOIN `+table+` m ON m.transaction_id = p.xid AND m."offset" > p.done AND m."offset" <= c.read_offset
-			WHERE m.shard = `+shard+`
+			WHERE m.shard + 0 = `+shard+`
 			UNION ALL
 			SELECT m.created_at, m.metadata FROM `+table+` m, c
-			WHERE m.transaction_id >= c.horizon AND m."offset" <= c.read_offset AND m.shard = `+shard+`)
+			WHERE m.transaction_id >= c.horizon AND m."offset" + 0 <= c.read_offset AND m.shard + 0 = `+shard+`)
 		SELECT count(*), EXTRACT(EPOCH FROM LOCALTIMESTAMP - min(created_at))::float8 FROM r
 		WHERE $3 = '' OR metadata::text IS DISTINCT FROM $3`,
 		t.OutboxTopic, c.Row(), except).Scan(&pending, &age)
@@ -158,9 +160,9 @@ func (t Tables) HasBacklog(ctx context.Context, db DBTX, c Cursor) (bool, error)
 				ORDER BY m.shard, m."offset" LIMIT 1) IS NOT NULL
 			OR EXISTS (SELECT 1 FROM unnest(c.xids, c.done) AS p(xid, done)
 				JOIN `+table+` m ON m.transaction_id = p.xid AND m."offset" > p.done AND m."offset" <= c.read_offset
-				WHERE m.shard = `+shard+`)
+				WHERE m.shard + 0 = `+shard+`)
 			OR (SELECT m."offset" FROM `+table+` m
-				WHERE m.transaction_id >= c.horizon AND m."offset" <= c.read_offset AND m.shard = `+shard+`
+				WHERE m.transaction_id >= c.horizon AND m."offset" + 0 <= c.read_offset AND m.shard + 0 = `+shard+`
 				ORDER BY m.transaction_id, m."offset" LIMIT 1) IS NOT NULL
 		FROM c`, t.OutboxTopic, c.Row()).Scan(&found)
 	if err != nil {

@@ -58,12 +58,7 @@ func scenarioRank(name string) int { return slices.Index(scenarioOrder, name) }
 // eachBroker runs scenario on every broker kind, in parallel.
 func eachBroker(t *testing.T, kinds []string, scenario func(t *testing.T, kind string)) {
 	t.Parallel()
-	for _, kind := range kinds {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			scenario(t, kind)
-		})
-	}
+	testkit.Each(t, kinds, scenario)
 }
 
 // rate is how many events per second the service commits while faults are

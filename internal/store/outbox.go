@@ -121,9 +121,7 @@ func (t Tables) Backlog(ctx context.Context, db DBTX, c Cursor) (pending int64, 
 }
 
 // backlog is Backlog, not counting rows whose metadata is except (a
-// BrokerStamp) when it is not "". Its pending and young parts compare
-// shard and offset as expressions, as ReadBatch's do, to reach their rows
-// through the primary key.
+// BrokerStamp) when it is not "".
 func (t Tables) backlog(ctx context.Context, db DBTX, c Cursor, except string) (pending int64, oldest time.Duration, err error) {
 	var age sql.NullFloat64
 	table, shard := t.OutboxTable(), strconv.Itoa(c.shard())
@@ -132,11 +130,9 @@ func (t Tables) backlog(ctx context.Context, db DBTX, c Cursor, except string) (
 			SELECT m.created_at, m.metadata FROM `+table+` m, c WHERE m.shard = `+shard+` AND m."offset" > c.read_offset
 			UNION ALL
 			SELECT m.created_at, m.metadata FROM c CROSS JOIN LATERAL unnest(c.xids, c.done) AS p(xid, done)
-			JOIN `+table+` m ON m.transaction_id = p.xid AND m."offset" > p.done AND m."offset" <= c.read_offset
-			WHERE m.shard + 0 = `+shard+`
+			JOIN `+table+` m ON `+pendingRows("c.read_offset", shard)+`
 			UNION ALL
-			SELECT m.created_at, m.metadata FROM `+table+` m, c
-			WHERE m.transaction_id >= c.horizon AND m."offset" + 0 <= c.read_offset AND m.shard + 0 = `+shard+`)
+			SELECT m.created_at, m.metadata FROM `+table+` m, c WHERE `+youngRows("c.horizon", "c.read_offset", shard)+`)
 		SELECT count(*), EXTRACT(EPOCH FROM LOCALTIMESTAMP - min(created_at))::float8 FROM r
 		WHERE $3 = '' OR metadata::text IS DISTINCT FROM $3`,
 		t.OutboxTopic, c.Row(), except).Scan(&pending, &age)
@@ -159,10 +155,8 @@ func (t Tables) HasBacklog(ctx context.Context, db DBTX, c Cursor) (bool, error)
 		SELECT (SELECT m."offset" FROM `+table+` m WHERE m.shard = `+shard+` AND m."offset" > c.read_offset
 				ORDER BY m.shard, m."offset" LIMIT 1) IS NOT NULL
 			OR EXISTS (SELECT 1 FROM unnest(c.xids, c.done) AS p(xid, done)
-				JOIN `+table+` m ON m.transaction_id = p.xid AND m."offset" > p.done AND m."offset" <= c.read_offset
-				WHERE m.shard + 0 = `+shard+`)
-			OR (SELECT m."offset" FROM `+table+` m
-				WHERE m.transaction_id >= c.horizon AND m."offset" + 0 <= c.read_offset AND m.shard + 0 = `+shard+`
+				JOIN `+table+` m ON `+pendingRows("c.read_offset", shard)+`)
+			OR (SELECT m."offset" FROM `+table+` m WHERE `+youngRows("c.horizon", "c.read_offset", shard)+`
 				ORDER BY m.transaction_id, m."offset" LIMIT 1) IS NOT NULL
 		FROM c`, t.OutboxTopic, c.Row()).Scan(&found)
 	if err != nil {
@@ -245,4 +239,21 @@ func (t Tables) RelayGroups(ctx context.Context, db DBTX) ([]string, error) {
 		groups = append(groups, g)
 	}
 	return groups, rows.Err()
+}
+
+// pendingRows is the condition on the outbox rows m of a pending
+// transaction p(xid, done) that it has not forwarded, at or below upTo;
+// youngRows the condition on the rows of the transactions from horizon on,
+// at or below upTo. Both compare shard and offset as expressions ("+ 0")
+// so that PostgreSQL reaches the rows through the primary key
+// (transaction_id, offset): through the (shard, offset) index it walked
+// every row at or below upTo, forwarded or dead, in each statement (50,000
+// after a drain: 3.4 ms against 0.03 ms idle, about 15 ms a read under
+// load).
+func pendingRows(upTo, shard string) string {
+	return `m.transaction_id = p.xid AND m."offset" > p.done AND m."offset" <= ` + upTo + ` AND m.shard + 0 = ` + shard
+}
+
+func youngRows(horizon, upTo, shard string) string {
+	return `m.transaction_id >= ` + horizon + ` AND m."offset" + 0 <= ` + upTo + ` AND m.shard + 0 = ` + shard
 }

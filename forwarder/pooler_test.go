@@ -59,14 +59,21 @@ func testThroughPooler(t *testing.T, pooled string) {
 		stops[i] = stop
 		t.Cleanup(func() { stop(); require.NoError(t, <-done) })
 	}
+	// Each relay knows its role once it has opened its notifier, which
+	// decides whether it polls: the standby may still be opening its own
+	// when the other takes the lease.
 	active := -1
-	testkit.Eventually(t, waitLimit, "a relay to hold the lease", func() bool {
+	testkit.Eventually(t, waitLimit, "a relay to hold the lease and the other to know its role", func() bool {
+		known := true
 		for i, f := range relays {
-			if f.Status().Role == forwarder.RoleActive {
+			switch f.Status().Role {
+			case forwarder.RoleActive:
 				active = i
+			case forwarder.RoleStarting:
+				known = false
 			}
 		}
-		return active >= 0
+		return active >= 0 && known
 	})
 	for _, f := range relays {
 		require.True(t, f.Status().Polling, "notifications do not pass the pooler: the relays poll")

@@ -210,7 +210,7 @@ func open(ctx context.Context, cfg Config, db *sql.DB, pool *pgxpool.Pool, ownsD
 func (b *Bus) checkBroker(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, b.cfg.Database.ConnectTimeout)
 	defer cancel()
-	recorded, err := b.tables.CheckBroker(ctx, b.db, b.cfg.Broker.Kind, store.RelayCursors(b.cfg.Relay.ConsumerGroup, *b.cfg.Relay.Shards))
+	recorded, err := b.tables.CheckBroker(ctx, b.db, b.cfg.Broker.Kind, store.RelayCursors(b.cfg.Relay.ConsumerGroup, b.cfg.Relay.OutboxShards()))
 	if err != nil {
 		return fmt.Errorf("millrace: broker.kind: %w; finish (or undo) the switch by the procedure in the README (Switching brokers)", err)
 	}

@@ -64,7 +64,10 @@ type Config struct {
 	// another count than the outbox's pending rows were written with
 	// refuses to start: change it by the procedure in docs/SHARDS.md
 	// (stop the relays, wait for 0 pending, start them with the new
-	// count). At most 256. Defaults to 1.
+	// count). At most 256. Defaults to 1. With relay.source: wal the one
+	// active relay reads the one slot and publishes each batch in Shards
+	// lanes at once, by a hash of the aggregate id, each lane in commit
+	// order; the outbox table itself is then one shard.
 	Shards *int `yaml:"shards"`
 	// BacklogInterval is how often the active relay counts its backlog in the
 	// database for the pending-rows and oldest-age gauges, on a timer of its

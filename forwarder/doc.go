@@ -198,7 +198,8 @@
 // from the table. Each batch goes through the same unwrap, publish and
 // quarantine steps; once the broker confirmed it, one transaction deletes
 // its rows from the outbox and moves the refused ones to the quarantine,
-// and only then is the slot's flush position confirmed. It needs
-// relay.shards: 1, and adds millrace_relay_wal_retained_bytes. See
-// docs/WAL.md.
+// and only then is the slot's flush position confirmed. With relay.shards
+// above 1 it publishes each batch in that many lanes at once, by aggregate
+// (the outbox table is then one shard). It adds
+// millrace_relay_wal_retained_bytes. See docs/WAL.md.
 package forwarder

@@ -126,7 +126,7 @@ func New(db *sql.DB, broker Broker, outbox Outbox, cfg Config, opts Options) (*F
 	if opts.Logger == nil {
 		opts.Logger = watermill.NopLogger{}
 	}
-	m, err := newMetrics(opts.Registerer, tables.OutboxNotifyPayload(), *cfg.Shards)
+	m, err := newMetrics(opts.Registerer, tables.OutboxNotifyPayload(), cfg.OutboxShards())
 	if err != nil {
 		return nil, fmt.Errorf("forwarder: register metrics: %w", err)
 	}

@@ -109,6 +109,13 @@ func start(t *testing.T, tb bundle, broker forwarder.Broker, cfg forwarder.Confi
 	t.Helper()
 	f, err := forwarder.New(tb.db, broker, tb.outbox, cfg, forwarder.Options{Registerer: reg})
 	require.NoError(t, err)
+	return f, run(t, f)
+}
+
+// run runs f until the test ends or the returned cancel is called; f must
+// stop cleanly.
+func run(t *testing.T, f *forwarder.Forwarder) context.CancelFunc {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- f.Run(ctx) }()
@@ -121,7 +128,7 @@ func start(t *testing.T, tb bundle, broker forwarder.Broker, cfg forwarder.Confi
 			t.Error("relay did not stop")
 		}
 	})
-	return f, cancel
+	return cancel
 }
 
 func event(aggregate string, version int) bus.Event {

@@ -49,12 +49,12 @@ func (f *Forwarder) start(ctx context.Context) error {
 			f.logger.Info("The outbox is now relayed to another broker.kind", watermill.LogFields{"was": was, "now": f.kind})
 		}
 	}
-	n := *f.cfg.Shards
+	n := f.cfg.OutboxShards()
 	if err := f.tables.RecordShards(ctx, f.db, f.cfg.ConsumerGroup, n); err != nil {
 		if errors.Is(err, store.ErrShardsChanged) {
-			return fmt.Errorf("relay.shards: %d, but %w; change relay.shards by the procedure in docs/SHARDS.md: "+
+			return fmt.Errorf("%s, but %w; change it by the procedure in docs/SHARDS.md: "+
 				"stop every relay of the outbox (or set relay.enabled: false), wait until `millrace outbox status` shows 0 pending, "+
-				"then start them with the new relay.shards", n, err)
+				"then start them with the new relay.shards or relay.source", f.shardsSetting(), err)
 		}
 		return fmt.Errorf("forwarder: %w", err)
 	}
@@ -67,6 +67,14 @@ func (f *Forwarder) start(ctx context.Context) error {
 		return f.lead(ctx, notes)
 	}
 	return f.share(ctx, notes)
+}
+
+// shardsSetting names the setting that makes the outbox's shard count.
+func (f *Forwarder) shardsSetting() string {
+	if f.cfg.Source == SourceWAL {
+		return "relay.source: wal writes the outbox as 1 shard"
+	}
+	return fmt.Sprintf("relay.shards: %d", *f.cfg.Shards)
 }
 
 // shardSet is the shards an instance owns, each forwarded by its own relay

@@ -3,6 +3,8 @@ package forwarder_test
 import (
 	"context"
 	"errors"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -11,9 +13,13 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/store"
+	"github.com/millrace-io/millrace/internal/testing/brokertest"
+	"github.com/millrace-io/millrace/internal/testing/servers"
+	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/ops"
 )
@@ -179,4 +185,71 @@ func TestChangingShardsWithRowsPendingRefusesToStart(t *testing.T) {
 	publish(t, tb, "things", interleaved(4, 6)[12:], 4)
 	testkit.Eventually(t, waitLimit, "the rest under four shards", func() bool { return len(broker.snapshot()) >= 24 })
 	checkOrder(t, broker.snapshot(), 4, 6)
+}
+
+// setupWAL is setup on a private PostgreSQL with wal_level = logical, for
+// a relay with relay.source: wal; it returns the replication URL too.
+func setupWAL(t *testing.T) (bundle, string) {
+	t.Helper()
+	url := servers.StartLogicalPostgreSQL(t).URL
+	var cfg bus.Config
+	cfg.Database.URL = url
+	cfg.Database.Schema = testdb.UniqueName("lanes")
+	cfg.Relay.Source = forwarder.SourceWAL
+	brokertest.Apply(t, bus.KindNATS, &cfg)
+	svc := &brokertest.Service{DB: testdb.OpenURL(t, url), Config: cfg}
+	require.NoError(t, bus.Migrate(context.Background(), svc.DB, cfg))
+	b := svc.Open(t)
+	cfg = b.Config()
+	return bundle{db: svc.DB, bus: b, cfg: cfg, outbox: forwarder.Outbox{Schema: cfg.Database.Schema, Topic: cfg.Outbox.Topic}}, url
+}
+
+// A WAL relay with relay.shards: 4 reads its one slot and publishes each
+// batch in four lanes at once, by aggregate: the broker gets two batches
+// of the relay at the same time, every event arrives once and in order per
+// aggregate, and the rows committed before the slot (forwarded by the
+// catch-up, which reads the outbox table as one shard) arrive too.
+func TestWALRelayPublishesItsShardsInLanesAtOnce(t *testing.T) {
+	t.Parallel()
+	tb, url := setupWAL(t)
+	events := interleaved(16, 30)
+	publish(t, tb, "things", events[:80], 10) // before the slot: the catch-up's
+	cfg := shardedConfig(4)
+	cfg.Source = forwarder.SourceWAL
+	broker := newMemoryBroker()
+	f, err := forwarder.New(tb.db, broker, tb.outbox, cfg, forwarder.Options{ReplicationURL: url})
+	require.NoError(t, err)
+	// Once the stream's batches come, a publish waits (at most waitLimit)
+	// for a second one to be in flight beside it.
+	var streaming atomic.Bool
+	var inFlight atomic.Int32
+	overlapped := make(chan struct{})
+	var once sync.Once
+	forwarder.SetBeforePublish(f, func(int) {
+		if inFlight.Add(1) >= 2 {
+			once.Do(func() { close(overlapped) })
+		}
+		if streaming.Load() {
+			select {
+			case <-overlapped:
+			case <-time.After(waitLimit):
+			}
+		}
+	})
+	forwarder.SetAfterPublish(f, func(int) { inFlight.Add(-1) })
+	run(t, f)
+
+	testkit.Eventually(t, waitLimit, "the catch-up's events", func() bool { return len(broker.snapshot()) >= 80 })
+	streaming.Store(true)
+	publish(t, tb, "things", events[80:], 10)
+	testkit.Eventually(t, waitLimit, "every event", func() bool { return len(broker.snapshot()) >= len(events) })
+	select {
+	case <-overlapped:
+	default:
+		t.Fatal("no two publishes of the relay were in flight at once")
+	}
+	got := broker.snapshot()
+	require.Len(t, got, len(events), "each event once")
+	checkOrder(t, got, 16, 30)
+	testkit.Eventually(t, waitLimit, "the forwarded rows deleted", func() bool { return pending(t, f) == 0 })
 }

@@ -118,7 +118,7 @@ func (f *Forwarder) cursors() []store.Cursor {
 	if f.cursor.Shards > 1 {
 		return []store.Cursor{f.cursor}
 	}
-	return store.RelayCursors(f.cfg.ConsumerGroup, *f.cfg.Shards)
+	return store.RelayCursors(f.cfg.ConsumerGroup, f.cfg.OutboxShards())
 }
 
 // cleanup deletes forwarded rows older than the retention in bounded

@@ -6,6 +6,8 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"slices"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -14,6 +16,7 @@ import (
 
 	"github.com/millrace-io/millrace/forwarder/wal"
 	"github.com/millrace-io/millrace/internal/confload"
+	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/names"
 	"github.com/millrace-io/millrace/internal/store"
 )
@@ -27,14 +30,9 @@ const (
 	SourceWAL = "wal"
 )
 
-// validateSource checks relay.source, and that relay.shards is 1 with the
-// WAL source: one slot gives one stream in commit order, which keeps every
-// aggregate's order without shards.
+// validateSource checks relay.source and relay.wal_slot.
 func (c Config) validateSource(chk *confload.Checker, at func(string) string) {
 	chk.OneOf(at("source"), c.Source, SourceTable, SourceWAL)
-	if c.Source == SourceWAL && c.Shards != nil && *c.Shards > 1 {
-		chk.Add(at("source"), "wal reads one replication slot in commit order and needs relay.shards: 1; got relay.shards: %d", *c.Shards)
-	}
 	switch {
 	case c.WALSlot == "":
 	case c.Source != SourceWAL:
@@ -42,6 +40,17 @@ func (c Config) validateSource(chk *confload.Checker, at func(string) string) {
 	default:
 		chk.Check(at("wal_slot"), names.Identifier(c.WALSlot, store.MaxIdentifierLength))
 	}
+}
+
+// OutboxShards is the shard count the outbox table is written with:
+// relay.shards, except with relay.source: wal, whose one slot streams to
+// one active relay that splits each batch into relay.shards lanes in
+// process (see Shards): its outbox is one shard.
+func (c Config) OutboxShards() int {
+	if c.Source == SourceWAL {
+		return 1
+	}
+	return *c.Shards
 }
 
 // SlotName is the replication slot of relay.source: wal for the outbox
@@ -67,6 +76,9 @@ type walSource struct {
 	// current stream began: the slot's rows at or below it may have been
 	// forwarded by the catch-up (see relayedAlready).
 	caughtUpTo int64
+	// lanes publish a batch's rows by aggregate, relay.shards at once;
+	// made at the first batch (see walLanes), none with relay.shards: 1.
+	lanes []*Forwarder
 }
 
 // newWALSource prepares the WAL source of the outbox tables on the
@@ -291,7 +303,7 @@ func (f *Forwarder) forwardWAL(ctx context.Context, b wal.Batch) error {
 		return err
 	}
 	rows, foreign := f.ownRows(f.unwrap(read))
-	if err := f.publishWAL(work, rows); err != nil {
+	if rows, err = f.publishWAL(work, rows); err != nil {
 		return err
 	}
 	if err := f.finishWAL(work, rows); err != nil {
@@ -366,10 +378,64 @@ func walRows(b wal.Batch) []store.OutboxRow {
 	return rows
 }
 
-// publishWAL publishes rows, marking those the broker refuses for good for
-// the quarantine, and retries a retryable failure with backoff from the
-// first row not confirmed, until every row is done or ctx ends.
-func (f *Forwarder) publishWAL(ctx context.Context, rows []outboxRow) error {
+// publishWAL publishes rows and returns them, those the broker refused for
+// good marked for the quarantine. With relay.shards: N above 1 it splits
+// them into N lanes by a hash of the aggregate id and publishes the lanes
+// at once, each in commit order: events of one aggregate stay in one lane,
+// in order, and the batch is done only once every lane is, so the next
+// batch never overtakes it.
+func (f *Forwarder) publishWAL(ctx context.Context, rows []outboxRow) ([]outboxRow, error) {
+	lanes := f.walLanes()
+	if len(lanes) == 0 {
+		return rows, f.publishInOrder(ctx, rows)
+	}
+	byLane := make([][]outboxRow, len(lanes))
+	for _, r := range rows {
+		i := laneOf(r, len(lanes))
+		byLane[i] = append(byLane[i], r)
+	}
+	errs := make([]error, len(lanes))
+	var wg sync.WaitGroup
+	for i, lane := range byLane {
+		if len(lane) > 0 {
+			wg.Go(func() { errs[i] = lanes[i].publishInOrder(ctx, lane) })
+		}
+	}
+	wg.Wait()
+	return slices.Concat(byLane...), errors.Join(errs...)
+}
+
+// walLanes are the relay's publishing lanes, made at the first batch: one
+// relay per shard sharing f's broker, limiter, health, metrics and test
+// hooks, each with its own provisioned topics. None with relay.shards: 1.
+func (f *Forwarder) walLanes() []*Forwarder {
+	if n := *f.cfg.Shards; n > 1 && f.wal.lanes == nil {
+		f.wal.lanes = make([]*Forwarder, n)
+		for i := range n {
+			f.wal.lanes[i] = f.shardRelay(i)
+		}
+	}
+	return f.wal.lanes
+}
+
+// laneOf is the lane of r among n, by a hash of its aggregate id; lane 0
+// for a row without one, or unreadable.
+func laneOf(r outboxRow, n int) int {
+	if r.out.Msg == nil {
+		return 0
+	}
+	agg := r.out.Msg.Metadata.Get(envelope.AggregateIDKey)
+	if agg == "" {
+		return 0
+	}
+	return int(hashOf(agg) % uint32(n))
+}
+
+// publishInOrder publishes rows in their order, marking those the broker
+// refuses for good for the quarantine, and retries a retryable failure
+// with backoff from the first row not confirmed, until every row is done
+// or ctx ends.
+func (f *Forwarder) publishInOrder(ctx context.Context, rows []outboxRow) error {
 	retry := f.newBackoff()
 	for done := 0; done < len(rows); {
 		n, err := f.publish(ctx, rows[done:])

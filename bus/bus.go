@@ -333,12 +333,15 @@ func Migrate[D DB](ctx context.Context, db D, cfg Config) error {
 // consumers), one per object with a comment saying what needs it. Run them
 // as the tables' owner, the role that ran Migrate. role must be a lowercase
 // identifier. With relay.source: wal it ends with the ALTER ROLE ...
-// REPLICATION the WAL relay needs (run by a superuser).
+// REPLICATION the WAL relay needs and the creation of the publication its
+// slot streams, which the service role cannot create (both run by a
+// superuser; see wal.PublicationSQL).
 func GrantSQL(cfg Config, role string) (string, error) {
 	cfg = cfg.WithDefaults()
-	sql, err := store.GrantSQL(tablesOf(cfg), role)
+	tables := tablesOf(cfg)
+	sql, err := store.GrantSQL(tables, role)
 	if err == nil && cfg.Relay.Source == forwarder.SourceWAL {
-		sql += store.ReplicationSQL(role)
+		sql += store.ReplicationSQL(role) + wal.PublicationSQL(tables.Schema, tables.OutboxTopic)
 	}
 	return sql, err
 }

@@ -36,10 +36,10 @@ type roles struct {
 	serviceRole    string
 }
 
-// roleURL is DATABASE_URL's server logged in as role with password.
-func roleURL(t *testing.T, role, password string) string {
+// roleURL is the server of base (a URL) logged in as role with password.
+func roleURL(t *testing.T, base, role, password string) string {
 	t.Helper()
-	u, err := url.Parse(testdb.URL())
+	u, err := url.Parse(base)
 	require.NoError(t, err)
 	u.User = url.UserPassword(role, password)
 	q := u.Query()
@@ -89,7 +89,7 @@ func newRoles(t *testing.T, cfg bus.Config, revoke int) roles {
 		}
 	})
 
-	r.owner = openAs(t, roleURL(t, owner, password))
+	r.owner = openAs(t, roleURL(t, testdb.URL(), owner, password))
 	cfg.Database.Schema = r.schema
 	require.NoError(t, bus.Migrate(ctx, r.owner, cfg), "the owner role runs the migration")
 	grants, err := store.GrantSQL(tablesOf(cfg), r.serviceRole)
@@ -101,7 +101,7 @@ func newRoles(t *testing.T, cfg bus.Config, revoke int) roles {
 		_, err = r.owner.Exec(fmt.Sprintf(`REVOKE %s ON %s %s FROM %q`, g.Privilege, g.Kind, g.Object, r.serviceRole))
 		require.NoError(t, err)
 	}
-	r.serviceURL = roleURL(t, r.serviceRole, password)
+	r.serviceURL = roleURL(t, testdb.URL(), r.serviceRole, password)
 	r.service = openAs(t, r.serviceURL)
 	return r
 }

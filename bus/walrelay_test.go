@@ -532,3 +532,35 @@ func TestWALRelayNeedsLogicalWAL(t *testing.T) {
 	require.ErrorContains(t, err, "relay.source: wal")
 	require.ErrorContains(t, err, "ALTER SYSTEM SET wal_level = logical")
 }
+
+// A service role given only what `millrace grants` prints for
+// relay.source: wal, run as printed by the superuser who migrated the
+// schema, runs the WAL relay as a least-privilege role: it creates its
+// slot, streams it, publishes every event once, in commit order, and
+// empties the outbox, with no "permission denied" on the way.
+func TestWALRelayLeastPrivilege(t *testing.T) {
+	t.Parallel()
+	url := servers.StartLogicalPostgreSQL(t).URL
+	admin := testdb.OpenURL(t, url)
+	r := newWALRig(t, url, admin, bus.KindNATS, bus.OutboxModeTable)
+	role := r.cfg.Database.Schema + "_svc"
+	password := testdb.UniqueName("pw")
+	_, err := admin.Exec(fmt.Sprintf(`CREATE ROLE %q LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD '%s'`, role, password))
+	require.NoError(t, err)
+	grants, err := bus.GrantSQL(r.cfg, role)
+	require.NoError(t, err)
+	_, err = admin.Exec(grants)
+	require.NoError(t, err, "the printed grants, as printed:\n%s", grants)
+
+	r.cfg.Database.URL = roleURL(t, url, role, password)
+	r.db = testdb.OpenURL(t, r.cfg.Database.URL)
+	s := r.start(t)
+	r.awaitStreaming(t)
+	s.publish(t, r.topic, 1, 2, 3, 4, 5)
+	s.await(t, 1, 2, 3, 4, 5)
+	testkit.Eventually(t, walWait, "the forwarded rows deleted", func() bool { return r.outboxRows(t) == 0 })
+	require.Equal(t, 5.0, s.awaitForwarded(t, 5)["millrace_relay_messages_forwarded_total"], "published once each")
+	s.halt(t)
+	require.NotContains(t, s.logs.String(), "permission denied")
+	require.NotContains(t, s.logs.String(), "must be owner")
+}

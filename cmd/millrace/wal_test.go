@@ -63,8 +63,8 @@ func TestWALCommands(t *testing.T) {
 	require.Contains(t, errOut, "replication slot does not exist")
 }
 
-// With relay.source: wal, grants ends with the REPLICATION the WAL relay
-// needs, in text and in JSON; without, it does not.
+// With relay.source: wal, grants ends with the REPLICATION and the
+// publication the WAL relay needs, in text and in JSON; without, it does not.
 func TestWALGrantsCommand(t *testing.T) {
 	t.Parallel()
 	for source, want := range map[string]bool{"wal": true, "table": false} {
@@ -72,6 +72,7 @@ func TestWALGrantsCommand(t *testing.T) {
 		var out, errOut bytes.Buffer
 		require.Equal(t, exitOK, run(context.Background(), []string{"--config", path, "grants", "--role", "billing_app"}, &out, &errOut), errOut.String())
 		require.Equal(t, want, strings.Contains(out.String(), "\nALTER ROLE \"billing_app\" REPLICATION;\n"), source)
+		require.Equal(t, want, strings.Contains(out.String(), `CREATE PUBLICATION "millrace_billing_millrace_outbox" FOR TABLE "billing"."watermill_millrace_outbox"`), source)
 		out.Reset()
 		require.Equal(t, exitOK, run(context.Background(), []string{"--config", path, "grants", "--role", "billing_app", "--json"}, &out, &errOut))
 		require.Equal(t, want, strings.Contains(out.String(), `"privilege": "REPLICATION"`), source)

@@ -60,7 +60,7 @@ func (c Config) withDefaults() (Config, error) {
 	if c.URL == "" {
 		return c, errors.New("wal: Config.URL is empty")
 	}
-	def := names.Derived(store.MaxIdentifierLength, "millrace", c.Schema, c.OutboxTopic)
+	def := defaultName(c.Schema, c.OutboxTopic)
 	if c.Slot == "" {
 		c.Slot = def
 	}
@@ -79,6 +79,12 @@ func (c Config) withDefaults() (Config, error) {
 		c.MaxBatchEvents = DefaultMaxBatchEvents
 	}
 	return c, nil
+}
+
+// defaultName is the slot's and the publication's name by default:
+// millrace_<schema>_<outboxTopic>, hashed to fit 63 bytes when longer.
+func defaultName(schema, outboxTopic string) string {
+	return names.Derived(store.MaxIdentifierLength, "millrace", schema, outboxTopic)
 }
 
 // outboxTable is the outbox's schema and table name.

@@ -8,9 +8,11 @@
 //
 // The server runs with wal_level = logical (a setting that changes only at
 // server start) and max_replication_slots and max_wal_senders above zero;
-// the role has the REPLICATION privilege (ALTER ROLE ... REPLICATION) and
-// owns the outbox table (CREATE PUBLICATION needs it). [Check] says which
-// is missing and how to fix it; [New] calls it first.
+// the role has the REPLICATION privilege (ALTER ROLE ... REPLICATION).
+// [Check] says which is missing and how to fix it; [New] calls it first.
+// The publication must exist, or the role own the outbox table and have
+// CREATE on the database for New to create it: [PublicationSQL] is the
+// statement an operator runs otherwise.
 //
 // # Order and acknowledgement
 //

@@ -179,10 +179,42 @@ func ensurePublication(ctx context.Context, conn *pgconn.PgConn, cfg Config) err
 		return fmt.Errorf("wal: publication %q does not publish the outbox table: run ALTER PUBLICATION %s ADD TABLE %s",
 			cfg.Publication, quoteIdent(cfg.Publication), qualified)
 	}
-	err = exec(ctx, conn, `CREATE PUBLICATION `+quoteIdent(cfg.Publication)+` FOR TABLE `+qualified+
-		` WITH (publish = 'insert')`)
-	if err != nil && sqlState(err) != "42710" { // duplicate_object: created meanwhile
-		return fmt.Errorf("wal: create publication %q (the role must own %s): %w", cfg.Publication, qualified, err)
+	err = exec(ctx, conn, createPublication(cfg))
+	switch sqlState(err) {
+	case "", "42710": // duplicate_object: created meanwhile
+		return nil
+	case "42501": // insufficient_privilege
+		return fmt.Errorf("wal: role may not create publication %q: CREATE PUBLICATION needs the owner of %s with CREATE "+
+			"on the database, or a superuser; have one run (`millrace grants` prints it): %s: %w",
+			cfg.Publication, qualified, publicationSQL(cfg), err)
 	}
-	return nil
+	return fmt.Errorf("wal: create publication %q: %w", cfg.Publication, err)
+}
+
+// createPublication is the statement that creates cfg's publication of the
+// outbox's inserts.
+func createPublication(cfg Config) string {
+	schema, table := cfg.outboxTable()
+	return `CREATE PUBLICATION ` + quoteIdent(cfg.Publication) + ` FOR TABLE ` + quoteIdent(schema) + "." + quoteIdent(table) +
+		` WITH (publish = 'insert')`
+}
+
+// publicationSQL is createPublication run only when the publication is
+// missing, so that running it again changes nothing.
+func publicationSQL(cfg Config) string {
+	return `DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_publication WHERE pubname = ` + quoteLiteral(cfg.Publication) +
+		`) THEN ` + createPublication(cfg) + `; END IF; END $$;`
+}
+
+// PublicationSQL is the statement, after a comment saying what needs it,
+// that creates, when it is missing, the
+// publication New reads the outbox of topic outboxTopic in schema through
+// (Config.Publication's default). CREATE PUBLICATION needs the outbox
+// table's owner with CREATE on the database, or a superuser: a service
+// role with only its grants cannot run it, so an operator does, before
+// the relay starts (`millrace grants` prints it). schema and outboxTopic
+// must be valid (store.Tables.Validate).
+func PublicationSQL(schema, outboxTopic string) string {
+	return "-- relay with relay.source: wal: the publication its slot streams the outbox through (run as a superuser, " +
+		"or as the outbox table's owner with CREATE on the database: the service role cannot create it)\n" + publicationSQL(Config{Schema: schema, OutboxTopic: outboxTopic, Publication: defaultName(schema, outboxTopic)}) + "\n"
 }

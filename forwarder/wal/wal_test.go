@@ -24,6 +24,7 @@ func TestWAL(t *testing.T) {
 		"HeartbeatAdvances":      testHeartbeatAdvances,
 		"HandlerErrorStopsRun":   testHandlerErrorStopsRun,
 		"NoReplicationPrivilege": testNoReplicationPrivilege,
+		"NoPublicationPrivilege": testNoPublicationPrivilege,
 	}
 	for name, test := range tests {
 		t.Run(name, func(t *testing.T) {
@@ -164,4 +165,30 @@ func testNoReplicationPrivilege(t *testing.T, s *logicalServer) {
 			t.Errorf("got %v, want ErrNoReplicationPrivilege naming ALTER ROLE %q REPLICATION", err, role)
 		}
 	}
+}
+
+// A role with REPLICATION that may not create the publication is told
+// the statement that creates it; once an operator ran it, New succeeds.
+func testNoPublicationPrivilege(t *testing.T, s *logicalServer) {
+	role := testdb.UniqueName("nopub")
+	if _, err := s.db.Exec(`CREATE ROLE "` + role + `" LOGIN REPLICATION`); err != nil {
+		t.Fatal(err)
+	}
+	cfg := s.outbox(t)
+	if _, err := s.db.Exec(`GRANT USAGE ON SCHEMA "` + cfg.Schema + `" TO "` + role + `"`); err != nil {
+		t.Fatal(err)
+	}
+	cfg.URL = strings.Replace(s.url, "postgres@", role+"@", 1)
+	statement := wal.PublicationSQL(cfg.Schema, cfg.OutboxTopic)
+	_, err := wal.New(context.Background(), cfg)
+	_, sql, _ := strings.Cut(statement, "\n")
+	if err == nil || !strings.Contains(err.Error(), strings.TrimSpace(sql)) {
+		t.Fatalf("New: %v, want an error naming %s", err, sql)
+	}
+	for range 2 { // and again: it skips an existing publication
+		if _, err := s.db.Exec(statement); err != nil {
+			t.Fatal(err)
+		}
+	}
+	newReader(t, cfg)
 }

@@ -123,8 +123,7 @@ func Grants(t Tables) []Grant {
 
 // ReplicationUse says what needs the REPLICATION attribute: the relay with
 // relay.source: wal.
-const ReplicationUse = "relay with relay.source: wal: stream the outbox from its replication slot " +
-	"(the publication is created by the outbox table's owner: run `millrace wal create-slot` once as the owner)"
+const ReplicationUse = "relay with relay.source: wal: stream the outbox from its replication slot (run as a superuser)"
 
 // ReplicationSQL is the statement that gives role the REPLICATION
 // attribute, with a comment saying what needs it; role must be an

@@ -564,3 +564,39 @@ func TestWALRelayLeastPrivilege(t *testing.T) {
 	require.NotContains(t, s.logs.String(), "permission denied")
 	require.NotContains(t, s.logs.String(), "must be owner")
 }
+
+// A relay whose slot another connection still reads (as the WAL sender of
+// a relay SIGKILLed holds it until PostgreSQL notices) keeps its lease
+// and asks for the slot again shortly, saying why, rather than giving the
+// lease up and backing off; it streams once the slot is free.
+func TestWALRelayWaitsForHeldSlot(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := servers.StartLogicalPostgreSQL(t).URL
+	r := newWALRig(t, url, testdb.OpenURL(t, url), bus.KindNATS, bus.OutboxModeTable)
+	c := r.cfg.WithDefaults()
+	holder, err := wal.New(ctx, wal.Config{URL: url, Schema: c.Database.Schema, OutboxTopic: c.Outbox.Topic,
+		Slot: c.Relay.SlotName(c.Database.Schema, c.Outbox.Topic)})
+	require.NoError(t, err)
+	holdCtx, release := context.WithCancel(ctx)
+	held := make(chan error, 1)
+	go func() {
+		held <- holder.Run(holdCtx, func(ctx context.Context, _ wal.Batch) error { <-ctx.Done(); return ctx.Err() })
+	}()
+	defer release()
+
+	s := r.start(t)
+	testkit.Eventually(t, walWait, "the relay to wait for the held slot", func() bool {
+		return strings.Contains(s.logs.String(), "Replication slot still read by another connection")
+	})
+	s.publish(t, r.topic, 1, 2)
+	time.Sleep(300 * time.Millisecond) // a few more asks
+	release()
+	require.ErrorIs(t, <-held, context.Canceled)
+	s.await(t, 1, 2)
+	s.publish(t, r.topic, 3)
+	s.await(t, 1, 2, 3)
+	logs := s.logs.String()
+	require.Equal(t, 1, strings.Count(logs, "Relay is active"), "the relay kept its lease:\n%s", logs)
+	require.NotContains(t, logs, "Relay lost its lease or could not connect")
+}

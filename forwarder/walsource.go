@@ -188,7 +188,7 @@ func (f *Forwarder) streamWAL(ctx context.Context, lost <-chan struct{}) error {
 	refreshed := make(chan struct{})
 	go func() { defer close(refreshed); f.refreshWAL(runCtx, r.Slot()) }()
 	f.logger.Info("Relay streams the outbox from its replication slot", watermill.LogFields{"slot": r.Slot()})
-	err = r.Run(runCtx, f.forwardWAL)
+	err = f.runReader(runCtx, r)
 	cancel(nil)
 	<-refreshed
 	switch cause := context.Cause(runCtx); {
@@ -203,6 +203,37 @@ func (f *Forwarder) streamWAL(ctx context.Context, lost <-chan struct{}) error {
 		return fmt.Errorf("relay.source: wal: %w", err)
 	}
 	return err
+}
+
+// walSlotPoll is how often runReader asks again for a slot another
+// connection reads.
+const walSlotPoll = 50 * time.Millisecond
+
+// runReader runs r until ctx ends or r fails. A slot another connection
+// still reads is asked for again every walSlotPoll, for up to lease_ttl,
+// keeping the lease and the catch-up done: after a relay died, its WAL
+// sender holds the slot until PostgreSQL notices (from a few milliseconds
+// to a moment on a loaded server). Before, the new relay gave its lease
+// up, backed off and caught up again each time.
+func (f *Forwarder) runReader(ctx context.Context, r *wal.Reader) error {
+	var since time.Time
+	for {
+		err := r.Run(ctx, f.forwardWAL)
+		switch {
+		case !errors.Is(err, wal.ErrSlotActive) || ctx.Err() != nil:
+			return err
+		case since.IsZero():
+			since = time.Now()
+			f.logger.Info("Replication slot still read by another connection, such as the WAL sender of a relay that died "+
+				"until PostgreSQL notices; asking again every "+walSlotPoll.String()+" for up to relay.lease_ttl",
+				watermill.LogFields{"slot": r.Slot(), "error": err.Error()})
+		case time.Since(since) >= f.cfg.LeaseTTL:
+			return err
+		}
+		if !sleep(ctx, walSlotPoll) {
+			return err
+		}
+	}
 }
 
 // catchUp forwards what the outbox table holds past the relay's cursor,

@@ -26,6 +26,11 @@ var (
 	ErrNoSlot = errors.New("replication slot does not exist")
 	// ErrSlotExists: CreateSlot found the slot there already.
 	ErrSlotExists = errors.New("replication slot exists already")
+	// ErrSlotActive: another connection reads the slot. That is another
+	// reader, or the WAL sender of a reader that died (SIGKILLed), which
+	// holds the slot until PostgreSQL notices that its client is gone:
+	// milliseconds on an idle server, longer on a loaded one.
+	ErrSlotActive = errors.New("replication slot is read by another connection")
 )
 
 // requirements is what Check reads from the server.

@@ -68,8 +68,7 @@ func (r *Reader) Slot() string { return r.cfg.Slot }
 // Run streams the slot from its confirmed LSN and calls handle with each
 // batch, until ctx ends (then it returns ctx's error), handle fails or the
 // connection does. Before returning it confirms what handle acknowledged.
-// Only one Run may read a slot at a time: another gets an error saying
-// the slot is active.
+// Only one Run may read a slot at a time: another gets ErrSlotActive.
 func (r *Reader) Run(ctx context.Context, handle Handler) error {
 	conn, start, err := r.startReplication(ctx)
 	if err != nil {
@@ -142,7 +141,8 @@ func (r *Reader) startError(err error) error {
 	case errors.As(err, &pgErr) && strings.Contains(pgErr.Message, "can no longer get changes"):
 		return lostError(r.cfg.Slot, err)
 	case sqlState(err) == "55006": // object_in_use
-		return fmt.Errorf("wal: slot %q is read by another relay (only one may read a slot): %w", r.cfg.Slot, err)
+		return fmt.Errorf("wal: %w: %q (only one may read a slot; a relay that died holds it until PostgreSQL "+
+			"ends its WAL sender): %w", ErrSlotActive, r.cfg.Slot, err)
 	case sqlState(err) == "42704": // undefined_object
 		return droppedError(r.cfg.Slot, err)
 	}

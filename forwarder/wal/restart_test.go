@@ -58,7 +58,8 @@ func testRestartRedelivers(t *testing.T, s *logicalServer) {
 }
 
 // An idle outbox's slot keeps advancing with the server's WAL, so that it
-// retains none: other tables' writes are confirmed through keepalives.
+// retains none: other tables' writes are confirmed through keepalives. A
+// second reader of the slot gets ErrSlotActive.
 func testHeartbeatAdvances(t *testing.T, s *logicalServer) {
 	cfg := s.outbox(t)
 	r := newReader(t, cfg)
@@ -74,6 +75,10 @@ func testHeartbeatAdvances(t *testing.T, s *logicalServer) {
 		func(st wal.SlotStatus) bool { return st.ConfirmedFlushLSN >= target })
 	if !st.Active || st.WALStatus == "lost" || st.RetainedBytes < 0 {
 		t.Errorf("slot status %+v", st)
+	}
+	// Only one reader at a time: another is told the slot is read.
+	if err := newReader(t, cfg).Run(context.Background(), newCollector().handle); !errors.Is(err, wal.ErrSlotActive) {
+		t.Errorf("a second Run: %v, want ErrSlotActive", err)
 	}
 }
 

@@ -3,11 +3,10 @@ package bus_test
 import (
 	"context"
 	"fmt"
-	"log"
 	"time"
 
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/internal/testing/brokertest"
 )
 
 type (
@@ -29,25 +28,8 @@ func (e PaymentTimedOut) Aggregate() (string, string) { return "order", e.OrderI
 // timeout; the payment moves it on and cancels the timeout. Declaration
 // mistakes are errors of Handle, naming the step.
 func ExampleNewSaga() {
-	ctx := context.Background()
-	var cfg bus.Config
-	cfg.Database.URL = testdb.URL()
-	cfg.Database.Schema = testdb.UniqueName("example_saga")
-	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
-	db, err := bus.OpenDB(cfg.Database)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer db.Close()
-	defer db.Exec(`DROP SCHEMA "` + cfg.Database.Schema + `" CASCADE`)
-	if err := bus.Migrate(ctx, db, cfg); err != nil {
-		log.Fatal(err)
-	}
-	b, err := bus.Open(ctx, cfg, db)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer b.Close()
+	b, _, closeAll := brokertest.NewExampleBus("example_saga")
+	defer closeAll()
 
 	orders := bus.Must(bus.NewTopic[OrderPlaced]("orders.events"))
 	payments := bus.Must(bus.NewTopic[PaymentCharged]("payments.events"))

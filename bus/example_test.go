@@ -14,33 +14,17 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/millrace-io/millrace/bus"
+	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 )
 
 // A business change and its event commit in one transaction.
 func ExampleBus_Publish() {
 	ctx := context.Background()
-	var cfg bus.Config
-	cfg.Database.URL = testdb.URL()
-	cfg.Database.Schema = testdb.UniqueName("example_publish")
-	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
+	b, svc, closeAll := brokertest.NewExampleBus("example_publish")
+	defer closeAll()
 
-	db, err := bus.OpenDB(cfg.Database)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer db.Close()
-	defer db.Exec(`DROP SCHEMA "` + cfg.Database.Schema + `" CASCADE`)
-	if err := bus.Migrate(ctx, db, cfg); err != nil {
-		log.Fatal(err)
-	}
-	b, err := bus.Open(ctx, cfg, db)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer b.Close()
-
-	tx, err := db.BeginTx(ctx, nil)
+	tx, err := svc.DB.BeginTx(ctx, nil)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -58,11 +42,7 @@ func ExampleBus_Publish() {
 		log.Fatal(err)
 	}
 
-	var rows int
-	if err := db.QueryRow(`SELECT count(*) FROM "` + cfg.Database.Schema + `"."watermill_millrace_outbox"`).Scan(&rows); err != nil {
-		log.Fatal(err)
-	}
-	fmt.Println("outbox rows:", rows)
+	printOutboxRows(svc)
 	// Output: outbox rows: 1
 }
 
@@ -85,25 +65,8 @@ outbox:
 // handled once; the inbox acks the duplicate.
 func ExampleBus_ConsumerChain() {
 	ctx := context.Background()
-	var cfg bus.Config
-	cfg.Database.URL = testdb.URL()
-	cfg.Database.Schema = testdb.UniqueName("example_chain")
-	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
-
-	db, err := bus.OpenDB(cfg.Database)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer db.Close()
-	defer db.Exec(`DROP SCHEMA "` + cfg.Database.Schema + `" CASCADE`)
-	if err := bus.Migrate(ctx, db, cfg); err != nil {
-		log.Fatal(err)
-	}
-	b, err := bus.Open(ctx, cfg, db)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer b.Close()
+	b, _, closeAll := brokertest.NewExampleBus("example_chain")
+	defer closeAll()
 
 	calls := 0
 	handle, err := b.ConsumerChain(ctx, "orders.events", "billing", func(ctx context.Context, ev bus.Event) error {
@@ -189,26 +152,10 @@ func ExampleWithRouterMiddleware() {
 // broker, not poisoned; once the probe passes it is processed.
 func ExampleWithDependencyProbe() {
 	ctx := context.Background()
-	var cfg bus.Config
-	cfg.Database.URL = testdb.URL()
-	cfg.Database.Schema = testdb.UniqueName("example_probe")
-	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
-	cfg.Consumer.Breaker.OpenTimeout = 100 * time.Millisecond // how often the probe is asked while it fails
-
-	db, err := bus.OpenDB(cfg.Database)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer db.Close()
-	defer db.Exec(`DROP SCHEMA "` + cfg.Database.Schema + `" CASCADE`)
-	if err := bus.Migrate(ctx, db, cfg); err != nil {
-		log.Fatal(err)
-	}
-	b, err := bus.Open(ctx, cfg, db)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer b.Close()
+	b, _, closeAll := brokertest.NewExampleBus("example_probe", func(c *bus.Config) {
+		c.Consumer.Breaker.OpenTimeout = 100 * time.Millisecond // how often the probe is asked while it fails
+	})
+	defer closeAll()
 
 	var down atomic.Bool
 	down.Store(true)
@@ -248,27 +195,10 @@ func ExampleWithDependencyProbe() {
 // before it is due: it is never published.
 func ExampleBus_Schedule() {
 	ctx := context.Background()
-	var cfg bus.Config
-	cfg.Database.URL = testdb.URL()
-	cfg.Database.Schema = testdb.UniqueName("example_schedule")
-	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
+	b, svc, closeAll := brokertest.NewExampleBus("example_schedule")
+	defer closeAll()
 
-	db, err := bus.OpenDB(cfg.Database)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer db.Close()
-	defer db.Exec(`DROP SCHEMA "` + cfg.Database.Schema + `" CASCADE`)
-	if err := bus.Migrate(ctx, db, cfg); err != nil {
-		log.Fatal(err)
-	}
-	b, err := bus.Open(ctx, cfg, db)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer b.Close()
-
-	tx, err := db.BeginTx(ctx, nil)
+	tx, err := svc.DB.BeginTx(ctx, nil)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -288,7 +218,7 @@ func ExampleBus_Schedule() {
 	fmt.Println("scheduled:", ids[0])
 
 	// The order was paid: the reminder is no longer wanted.
-	tx, err = db.BeginTx(ctx, nil)
+	tx, err = svc.DB.BeginTx(ctx, nil)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -357,4 +287,13 @@ func ExamplePgx() {
 	}
 	fmt.Println("outbox rows:", rows)
 	// Output: outbox rows: 1
+}
+
+// printOutboxRows prints how many rows the outbox of svc holds.
+func printOutboxRows(svc *brokertest.Service) {
+	var rows int
+	if err := svc.DB.QueryRow(`SELECT count(*) FROM ` + svc.Table("watermill_millrace_outbox")).Scan(&rows); err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("outbox rows:", rows)
 }

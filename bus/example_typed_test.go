@@ -9,7 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/ops"
 )
 
@@ -67,27 +67,11 @@ func ExampleNewTopic() {
 // another type does not compile.
 func ExampleTopic_Publish() {
 	ctx := context.Background()
-	var cfg bus.Config
-	cfg.Database.URL = testdb.URL()
-	cfg.Database.Schema = testdb.UniqueName("example_typed_publish")
-	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
-	db, err := bus.OpenDB(cfg.Database)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer db.Close()
-	defer db.Exec(`DROP SCHEMA "` + cfg.Database.Schema + `" CASCADE`)
-	if err := bus.Migrate(ctx, db, cfg); err != nil {
-		log.Fatal(err)
-	}
-	b, err := bus.Open(ctx, cfg, db)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer b.Close()
+	b, svc, closeAll := brokertest.NewExampleBus("example_typed_publish")
+	defer closeAll()
 	orderPlaced := bus.Must(bus.NewTopic[OrderPlaced]("orders.events", bus.Version(2), bus.Upcast(1, OrderPlacedFromV1)))
 
-	tx, err := db.BeginTx(ctx, nil)
+	tx, err := svc.DB.BeginTx(ctx, nil)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -98,11 +82,7 @@ func ExampleTopic_Publish() {
 	if err := tx.Commit(); err != nil {
 		log.Fatal(err)
 	}
-	var rows int
-	if err := db.QueryRow(`SELECT count(*) FROM "` + cfg.Database.Schema + `"."watermill_millrace_outbox"`).Scan(&rows); err != nil {
-		log.Fatal(err)
-	}
-	fmt.Println("outbox rows:", rows)
+	printOutboxRows(svc)
 	// Output: outbox rows: 1
 }
 
@@ -112,24 +92,8 @@ func ExampleTopic_Publish() {
 // route for (another handler's) is acked without a call.
 func ExampleBus_HandleTypes() {
 	ctx := context.Background()
-	var cfg bus.Config
-	cfg.Database.URL = testdb.URL()
-	cfg.Database.Schema = testdb.UniqueName("example_handle_types")
-	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
-	db, err := bus.OpenDB(cfg.Database)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer db.Close()
-	defer db.Exec(`DROP SCHEMA "` + cfg.Database.Schema + `" CASCADE`)
-	if err := bus.Migrate(ctx, db, cfg); err != nil {
-		log.Fatal(err)
-	}
-	b, err := bus.Open(ctx, cfg, db)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer b.Close()
+	b, svc, closeAll := brokertest.NewExampleBus("example_handle_types")
+	defer closeAll()
 	orderPlaced := bus.Must(bus.NewTopic[OrderPlaced]("orders.events", bus.Version(2), bus.Upcast(1, OrderPlacedFromV1)))
 	orderCancelled := bus.Must(bus.NewTopic[OrderCancelled]("orders.events"))
 
@@ -163,7 +127,7 @@ func ExampleBus_HandleTypes() {
 	deliver("evt-3", "OrderPlaced", 3, `{"order_id":"ord-1","total_cents":1,"currency":"EUR"}`)
 	deliver("evt-4", "OrderShipped", 1, `{"order_id":"ord-1"}`)
 
-	oc, err := ops.New(ctx, db, cfg)
+	oc, err := ops.New(ctx, svc.DB, svc.Config)
 	if err != nil {
 		log.Fatal(err)
 	}

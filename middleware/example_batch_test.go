@@ -12,7 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/middleware"
 	"github.com/millrace-io/millrace/middleware/consumer"
 )
@@ -23,27 +23,17 @@ import (
 // in-memory pub/sub stands for the broker here.)
 func ExampleChain_WrapBatch() {
 	ctx := context.Background()
-	var cfg bus.Config
-	cfg.Database.URL = testdb.URL()
-	cfg.Database.Schema = testdb.UniqueName("example_batch")
-	db, err := bus.OpenDB(cfg.Database)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer db.Close()
-	defer db.Exec(`DROP SCHEMA "` + cfg.Database.Schema + `" CASCADE`)
-	if err := bus.Migrate(ctx, db, cfg); err != nil {
-		log.Fatal(err)
-	}
-	invoices := `"` + cfg.Database.Schema + `".invoices`
-	if _, err := db.Exec(`CREATE TABLE ` + invoices + ` (order_id text PRIMARY KEY, amount int NOT NULL)`); err != nil {
+	svc, closeService := brokertest.NewExampleService("example_batch")
+	defer closeService()
+	invoices := svc.Table("invoices")
+	if _, err := svc.DB.Exec(`CREATE TABLE ` + invoices + ` (order_id text PRIMARY KEY, amount int NOT NULL)`); err != nil {
 		log.Fatal(err)
 	}
 
 	stack, err := middleware.New(middleware.Config{
 		Workers: 4,
 		Batch:   middleware.BatchConfig{MaxMessages: 4, MaxWait: 50 * time.Millisecond},
-	}, middleware.Deps{DB: db, Schema: cfg.Database.Schema, Registerer: prometheus.NewRegistry()})
+	}, middleware.Deps{DB: svc.DB, Schema: svc.Config.Database.Schema, Registerer: prometheus.NewRegistry()})
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -100,14 +90,14 @@ func ExampleChain_WrapBatch() {
 	var committed, poisoned int
 	for committed+poisoned < 4 {
 		time.Sleep(20 * time.Millisecond)
-		_ = db.QueryRow(`SELECT count(*) FROM ` + invoices).Scan(&committed)
-		_ = db.QueryRow(`SELECT count(*) FROM "` + cfg.Database.Schema + `".millrace_poison`).Scan(&poisoned)
+		_ = svc.DB.QueryRow(`SELECT count(*) FROM ` + invoices).Scan(&committed)
+		_ = svc.DB.QueryRow(`SELECT count(*) FROM "` + svc.Config.Database.Schema + `".millrace_poison`).Scan(&poisoned)
 	}
 	_ = router.Close()
 	var total int
 	var reason, eventID string
-	_ = db.QueryRow(`SELECT sum(amount) FROM ` + invoices).Scan(&total)
-	_ = db.QueryRow(`SELECT event_id, reason FROM "`+cfg.Database.Schema+`".millrace_poison`).Scan(&eventID, &reason)
+	_ = svc.DB.QueryRow(`SELECT sum(amount) FROM ` + invoices).Scan(&total)
+	_ = svc.DB.QueryRow(`SELECT event_id, reason FROM "`+svc.Config.Database.Schema+`".millrace_poison`).Scan(&eventID, &reason)
 	fmt.Println("invoices:", committed, "total:", total)
 	fmt.Println("poisoned:", eventID, reason)
 	// Output:

@@ -9,7 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/millrace-io/millrace/bus"
-	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/ops"
 )
 
@@ -17,27 +17,10 @@ import (
 // those still waiting, with their due times.
 func ExampleClient_ScheduledEvents() {
 	ctx := context.Background()
-	var cfg bus.Config
-	cfg.Database.URL = testdb.URL()
-	cfg.Database.Schema = testdb.UniqueName("example_scheduled_events")
-	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
-
-	db, err := bus.OpenDB(cfg.Database)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer db.Close()
-	defer db.Exec(`DROP SCHEMA "` + cfg.Database.Schema + `" CASCADE`)
-	if err := bus.Migrate(ctx, db, cfg); err != nil {
-		log.Fatal(err)
-	}
-	b, err := bus.Open(ctx, cfg, db)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer b.Close()
+	b, svc, closeAll := brokertest.NewExampleBus("example_scheduled_events")
+	defer closeAll()
 	due := time.Date(2099, 1, 2, 3, 4, 5, 0, time.UTC)
-	tx, err := db.BeginTx(ctx, nil)
+	tx, err := svc.DB.BeginTx(ctx, nil)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -49,7 +32,7 @@ func ExampleClient_ScheduledEvents() {
 		log.Fatal(err)
 	}
 
-	oc, err := ops.New(ctx, db, cfg)
+	oc, err := ops.New(ctx, svc.DB, svc.Config)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -69,25 +52,8 @@ func ExampleClient_ScheduledEvents() {
 // published and not forwarded yet (no relay runs here).
 func ExampleClient_Throughput() {
 	ctx := context.Background()
-	var cfg bus.Config
-	cfg.Database.URL = testdb.URL()
-	cfg.Database.Schema = testdb.UniqueName("example_throughput")
-	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
-
-	db, err := bus.OpenDB(cfg.Database)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer db.Close()
-	defer db.Exec(`DROP SCHEMA "` + cfg.Database.Schema + `" CASCADE`)
-	if err := bus.Migrate(ctx, db, cfg); err != nil {
-		log.Fatal(err)
-	}
-	b, err := bus.Open(ctx, cfg, db)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer b.Close()
+	b, svc, closeAll := brokertest.NewExampleBus("example_throughput")
+	defer closeAll()
 	handle, err := b.ConsumerChain(ctx, "orders.events", "billing", func(context.Context, bus.Event) error { return nil }, nil)
 	if err != nil {
 		log.Fatal(err)
@@ -109,7 +75,7 @@ func ExampleClient_Throughput() {
 		}
 	}
 
-	oc, err := ops.New(ctx, db, cfg)
+	oc, err := ops.New(ctx, svc.DB, svc.Config)
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -8,14 +8,21 @@ import (
 	"testing"
 	"time"
 
+	natsgo "github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/require"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/adapters/nats"
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
+	"github.com/millrace-io/millrace/middleware"
 )
 
 // The same service code runs on each broker; only broker.kind changes.
@@ -159,4 +166,228 @@ func (r *roundTrip) checkCausationAndTrace() {
 		require.Equal(t, orderEventID, a.ev.CorrelationID, "the flow is correlated by its first event")
 		require.Equal(t, traceID, a.traceID, "one trace from the order's publish to the audit handler")
 	}
+}
+
+// deadlineCtx is a context whose deadline passes when the test calls
+// expire, not at a time a slow machine might reach before Run is up: its
+// Err is then context.DeadlineExceeded, as a context.WithDeadline's is,
+// and every context derived from it ends the same way.
+type deadlineCtx struct {
+	context.Context
+	done chan struct{}
+	once sync.Once
+}
+
+func newDeadlineCtx() *deadlineCtx {
+	return &deadlineCtx{Context: context.Background(), done: make(chan struct{})}
+}
+
+func (c *deadlineCtx) expire()               { c.once.Do(func() { close(c.done) }) }
+func (c *deadlineCtx) Done() <-chan struct{} { return c.done }
+
+func (c *deadlineCtx) Err() error {
+	select {
+	case <-c.done:
+		return context.DeadlineExceeded
+	default:
+		return nil
+	}
+}
+
+// A deadline ends Run as a cancellation does: a graceful stop, and nil.
+func TestRunReturnsNilAtItsDeadline(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	svc := brokertest.NewService(t, bus.KindNATS)
+	suffix := testdb.UniqueName("")[2:]
+	topic, handler := "orders-"+suffix, "billing-"+suffix
+	brokertest.Cleanup(t, bus.KindNATS, topic, handler)
+	b := svc.Open(t)
+	handled := make(chan struct{}, 1)
+	require.NoError(t, b.Handle(topic, handler, func(context.Context, bus.Event) error {
+		select {
+		case handled <- struct{}{}:
+		default:
+		}
+		return nil
+	}))
+
+	runCtx := newDeadlineCtx()
+	defer runCtx.expire()
+	done := make(chan error, 1)
+	go func() { done <- b.Run(runCtx) }()
+	require.NoError(t, b.PublishInOwnTx(ctx, topic, orderCreated("o-1")))
+	select {
+	case <-handled: // the relay and the handler are running
+	case err := <-done:
+		t.Fatalf("Run returned before its deadline: %v", err)
+	case <-time.After(time.Minute):
+		t.Fatal("the event never reached the handler")
+	}
+	runCtx.expire()
+	require.ErrorIs(t, runCtx.Err(), context.DeadlineExceeded)
+	require.NoError(t, <-done, "a deadline is a clean stop")
+}
+
+// Run exports each handler's backlog and the age of the events it handled,
+// on every broker. A handler that holds its first event, with one worker
+// and one message in flight, leaves a backlog of N events: on Kafka all N
+// (nothing is committed while the first is in flight), on NATS and
+// RabbitMQ the N-1 the broker has not delivered yet (the NATS consumer has
+// max_ack_pending 1, and consumer.prefetch 1 is the RabbitMQ channel's). Once the handler is released
+// the backlog is 0, and the age histogram has one observation per event,
+// each older than the time the events were held.
+func TestRunExportsTheBacklog(t *testing.T) {
+	t.Parallel()
+	for _, kind := range brokertest.Kinds {
+		t.Run(kind, func(t *testing.T) {
+			t.Parallel()
+			r := newBacklogRig(t, kind)
+			r.publish()
+			want := float64(backlogEvents - 1)
+			if kind == bus.KindKafka {
+				want = backlogEvents
+			}
+			testkit.Eventually(t, time.Minute, fmt.Sprintf("a backlog of %v", want), func() bool { return r.backlog() == want })
+			_, ages := r.gather()
+			require.Zero(t, ages.GetSampleCount(), "no event handled yet")
+			time.Sleep(backlogHeld)
+			close(r.release)
+			r.checkDrainedAndAged()
+		})
+	}
+}
+
+// The events of a backlog test, and how long its handler holds the first.
+const (
+	backlogEvents = 12
+	backlogHeld   = 600 * time.Millisecond
+)
+
+// backlogRig is a service whose one handler, with one worker and one
+// message in flight, holds its first event until release is closed.
+type backlogRig struct {
+	t            *testing.T
+	reg          *prometheus.Registry
+	broker       adapters.Broker
+	topic, group string
+	release      chan struct{}
+}
+
+// newBacklogRig runs the holding handler on kind.
+func newBacklogRig(t *testing.T, kind string) *backlogRig {
+	ctx := context.Background()
+	s := brokertest.NewService(t, kind, func(cfg *bus.Config) {
+		cfg.Relay.Enabled = new(bool)
+		cfg.Metrics.BacklogInterval = 50 * time.Millisecond
+		cfg.Consumer.Workers = 1
+		cfg.Consumer.Prefetch = 1
+		cfg.Broker.NATS.Consumer.MaxAckPending = 1
+	})
+	suffix := testdb.UniqueName("")[2:]
+	r := &backlogRig{t: t, reg: prometheus.NewRegistry(), topic: "orders-" + suffix, group: "billing-" + suffix, release: make(chan struct{})}
+	b := s.Open(t, bus.WithRegistry(r.reg))
+	require.NoError(t, b.Handle(r.topic, r.group, func(ctx context.Context, ev bus.Event) error {
+		<-r.release
+		return nil
+	}))
+	var err error
+	r.broker, err = bus.OpenBroker(ctx, s.Config, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { r.broker.Close() })
+	require.NoError(t, r.broker.Provision(ctx, r.topic, r.group))
+	brokertest.Cleanup(t, kind, r.topic, r.group)
+	running := testkit.Start(t, b.Run)
+	t.Cleanup(func() { _ = running.Stop(t, time.Minute) })
+	return r
+}
+
+// publish puts the events on the broker, each occurring now.
+func (r *backlogRig) publish() {
+	ctx := context.Background()
+	for i := range backlogEvents {
+		id := fmt.Sprintf("e-%d", i)
+		msg := delivered(ctx, id, orderCreated(fmt.Sprintf("o-%d", i)))
+		msg.Metadata.Set(bus.OccurredAtKey, time.Now().UTC().Format(time.RFC3339Nano))
+		require.NoError(r.t, r.broker.Publisher().Publish(r.topic, msg))
+	}
+}
+
+// gather reads the backlog gauge and the age histogram.
+func (r *backlogRig) gather() (backlog float64, ages *dto.Histogram) {
+	families, err := r.reg.Gather()
+	require.NoError(r.t, err)
+	ages = &dto.Histogram{}
+	for _, f := range families {
+		for _, m := range f.GetMetric() {
+			switch f.GetName() {
+			case bus.MetricConsumerBacklog:
+				backlog += m.GetGauge().GetValue()
+			case bus.MetricConsumerLag:
+				ages = m.GetHistogram()
+			}
+		}
+	}
+	return backlog, ages
+}
+
+// backlog is the backlog gauge.
+func (r *backlogRig) backlog() float64 { n, _ := r.gather(); return n }
+
+// checkDrainedAndAged: once released, the backlog drains and every event
+// has an age observed, each older than the time the events were held.
+func (r *backlogRig) checkDrainedAndAged() {
+	t := r.t
+	testkit.Eventually(t, time.Minute, "no backlog once every event is processed", func() bool { return r.backlog() == 0 })
+	testkit.Eventually(t, time.Minute, "an age observed for every event", func() bool {
+		_, ages := r.gather()
+		return ages.GetSampleCount() == backlogEvents
+	})
+	_, ages := r.gather()
+	for _, bucket := range ages.GetBucket() {
+		if bucket.GetUpperBound() < backlogHeld.Seconds() {
+			require.Zero(t, bucket.GetCumulativeCount(), "every event was older than %s when handled; bucket le=%v", backlogHeld, bucket.GetUpperBound())
+		}
+	}
+	require.GreaterOrEqual(t, ages.GetSampleSum(), backlogEvents*backlogHeld.Seconds(), "the ages add up to at least the time each was held")
+}
+
+// Run consumes an ordered handler's group on NATS through the ordered
+// subscriber, whose consumer has the handler's consumer.prefetch as its
+// max_ack_pending (many messages in flight, at most one per aggregate), and
+// leaves the other handlers' at broker.nats.consumer.max_ack_pending.
+func TestRunProvisionsOrderedGroupsOnNATS(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	svc := brokertest.NewService(t, bus.KindNATS, func(cfg *bus.Config) {
+		cfg.Relay.Enabled = new(bool)
+		cfg.Consumer.Handlers = map[string]middleware.Config{"ledger": {Ordered: new(true), Workers: 4, Prefetch: 12}}
+	})
+	cfg := svc.Config
+	b := svc.Open(t)
+	topic := "orders-" + testdb.UniqueName("")[2:]
+	nop := func(context.Context, bus.Event) error { return nil }
+	require.NoError(t, b.Handle(topic, "ledger", nop, bus.WithConsumerGroup("ledger-"+topic)))
+	require.NoError(t, b.Handle(topic, "mailer", nop, bus.WithConsumerGroup("mailer-"+topic)))
+	brokertest.Cleanup(t, bus.KindNATS, topic, "ledger-"+topic, "mailer-"+topic)
+
+	running := testkit.Start(t, b.Run)
+	defer func() { require.NoError(t, running.Stop(t, time.Minute)) }()
+
+	nc, err := natsgo.Connect(cfg.WithDefaults().Broker.NATS.URL)
+	require.NoError(t, err)
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+	maxAckPending := func(group string) int {
+		c, err := js.PushConsumer(ctx, nats.StreamName(topic), nats.ConsumerName(group))
+		if err != nil {
+			return 0
+		}
+		return c.CachedInfo().Config.MaxAckPending
+	}
+	testkit.Eventually(t, 30*time.Second, "the ordered subscriber took its group's lease", func() bool {
+		return maxAckPending("ledger-"+topic) == 12 && maxAckPending("mailer-"+topic) > 0
+	})
+	require.Equal(t, 32, maxAckPending("mailer-"+topic), "broker.nats.consumer.max_ack_pending's default")
 }

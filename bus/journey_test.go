@@ -48,16 +48,13 @@ import (
 func TestNewcomersJourney(t *testing.T) {
 	t.Parallel()
 	switchTo := map[string]string{bus.KindNATS: bus.KindRabbitMQ, bus.KindRabbitMQ: bus.KindKafka, bus.KindKafka: bus.KindNATS}
-	for _, kind := range brokertest.Kinds {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			started := time.Now()
-			j := newJourney(t, kind, switchTo[kind])
-			stop := j.firstSteps()
-			j.switchBrokers(stop)
-			t.Logf("%s -> %s: the journey took %s", kind, j.to, time.Since(started).Round(100*time.Millisecond))
-		})
-	}
+	brokertest.EachKind(t, func(t *testing.T, kind string) {
+		started := time.Now()
+		j := newJourney(t, kind, switchTo[kind])
+		stop := j.firstSteps()
+		j.switchBrokers(stop)
+		t.Logf("%s -> %s: the journey took %s", kind, j.to, time.Since(started).Round(100*time.Millisecond))
+	})
 }
 
 const (

@@ -240,23 +240,20 @@ func TestRunReturnsNilAtItsDeadline(t *testing.T) {
 // each older than the time the events were held.
 func TestRunExportsTheBacklog(t *testing.T) {
 	t.Parallel()
-	for _, kind := range brokertest.Kinds {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			r := newBacklogRig(t, kind)
-			r.publish()
-			want := float64(backlogEvents - 1)
-			if kind == bus.KindKafka {
-				want = backlogEvents
-			}
-			testkit.Eventually(t, time.Minute, fmt.Sprintf("a backlog of %v", want), func() bool { return r.backlog() == want })
-			_, ages := r.gather()
-			require.Zero(t, ages.GetSampleCount(), "no event handled yet")
-			time.Sleep(backlogHeld)
-			close(r.release)
-			r.checkDrainedAndAged()
-		})
-	}
+	brokertest.EachKind(t, func(t *testing.T, kind string) {
+		r := newBacklogRig(t, kind)
+		r.publish()
+		want := float64(backlogEvents - 1)
+		if kind == bus.KindKafka {
+			want = backlogEvents
+		}
+		testkit.Eventually(t, time.Minute, fmt.Sprintf("a backlog of %v", want), func() bool { return r.backlog() == want })
+		_, ages := r.gather()
+		require.Zero(t, ages.GetSampleCount(), "no event handled yet")
+		time.Sleep(backlogHeld)
+		close(r.release)
+		r.checkDrainedAndAged()
+	})
 }
 
 // The events of a backlog test, and how long its handler holds the first.

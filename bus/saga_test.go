@@ -789,20 +789,17 @@ func (e raceOrderCancelled) Aggregate() (string, string) { return "order", e.Ord
 // by default none does, and every saga ends cancelled.
 func TestSagaHandlesAnInstancesEventsInOrder(t *testing.T) {
 	t.Parallel()
-	for _, kind := range brokertest.Kinds {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			overtaken, cancelled := runCancelRace(t, kind, new(false))
-			require.Positive(t, overtaken, "unordered, cancellations overtake their OrderPlaced")
-			t.Logf("%s, ordered: false: %d of %d cancellations overtook their OrderPlaced", kind, overtaken, raceOrders)
-			require.Equal(t, raceOrders-overtaken, cancelled)
+	brokertest.EachKind(t, func(t *testing.T, kind string) {
+		overtaken, cancelled := runCancelRace(t, kind, new(false))
+		require.Positive(t, overtaken, "unordered, cancellations overtake their OrderPlaced")
+		t.Logf("%s, ordered: false: %d of %d cancellations overtook their OrderPlaced", kind, overtaken, raceOrders)
+		require.Equal(t, raceOrders-overtaken, cancelled)
 
-			overtaken, cancelled = runCancelRace(t, kind, nil)
-			require.Zero(t, overtaken, "by default no cancellation overtakes its OrderPlaced")
-			require.Equal(t, raceOrders, cancelled, "every saga ends cancelled")
-			t.Logf("%s, default: %d of %d cancellations overtook their OrderPlaced", kind, overtaken, raceOrders)
-		})
-	}
+		overtaken, cancelled = runCancelRace(t, kind, nil)
+		require.Zero(t, overtaken, "by default no cancellation overtakes its OrderPlaced")
+		require.Equal(t, raceOrders, cancelled, "every saga ends cancelled")
+		t.Logf("%s, default: %d of %d cancellations overtook their OrderPlaced", kind, overtaken, raceOrders)
+	})
 }
 
 const raceOrders = 15

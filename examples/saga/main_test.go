@@ -7,14 +7,10 @@ import (
 	"testing"
 	"time"
 
-	natsgo "github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
-	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
 
-	"github.com/millrace-io/millrace/adapters/nats"
 	"github.com/millrace-io/millrace/adapters/rabbit"
 
 	"github.com/millrace-io/millrace/bus"
@@ -30,29 +26,26 @@ import (
 // the run created is gone from the broker.
 func TestSagaExampleRuns(t *testing.T) {
 	t.Parallel()
-	for _, kind := range brokertest.Kinds {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			db := testdb.Open(t)
-			cfg, err := bus.LoadConfig("config.yaml")
-			require.NoError(t, err)
-			brokertest.Apply(t, kind, &cfg)
-			cfg.Database.Schema = testdb.Schema(t, db)
-			prefix := "shop-" + testdb.UniqueName("")[3:]
+	brokertest.EachKind(t, func(t *testing.T, kind string) {
+		db := testdb.Open(t)
+		cfg, err := bus.LoadConfig("config.yaml")
+		require.NoError(t, err)
+		brokertest.Apply(t, kind, &cfg)
+		cfg.Database.Schema = testdb.Schema(t, db)
+		prefix := "shop-" + testdb.UniqueName("")[3:]
 
-			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-			defer cancel()
-			var out bytes.Buffer
-			require.NoError(t, run(ctx, cfg, prefix, time.Second, &out))
-			require.Regexp(t, `^ord-[0-9a-f]{8}-ok: shipped \(placed; payment requested -> paid; stock requested -> stock reserved; customer notified\)
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		var out bytes.Buffer
+		require.NoError(t, run(ctx, cfg, prefix, time.Second, &out))
+		require.Regexp(t, `^ord-[0-9a-f]{8}-ok: shipped \(placed; payment requested -> paid; stock requested -> stock reserved; customer notified\)
 ord-[0-9a-f]{8}-nostock: refunded \(placed; payment requested -> paid; stock requested -> no stock; payment refunded\)
 ord-[0-9a-f]{8}-unpaid: cancelled \(placed; payment requested -> payment timed out; order cancelled\)
 $`, out.String())
-			require.Equal(t, map[string]int{"ChargePayment": 3, "ReserveStock": 2, "NotifyCustomer": 1, "RefundPayment": 1, "CancelOrder": 1},
-				commandsSent(t, db, cfg.Database.Schema, prefix+".commands"))
-			requireTopologyGone(t, kind, cfg, prefix)
-		})
-	}
+		require.Equal(t, map[string]int{"ChargePayment": 3, "ReserveStock": 2, "NotifyCustomer": 1, "RefundPayment": 1, "CancelOrder": 1},
+			commandsSent(t, db, cfg.Database.Schema, prefix+".commands"))
+		requireTopologyGone(t, kind, cfg, prefix)
+	})
 }
 
 // commandsSent counts the outbox rows of topic by event type.
@@ -91,30 +84,12 @@ func requireTopologyGone(t *testing.T, kind string, cfg bus.Config, prefix strin
 			require.False(t, listed.Has(topic), "topic %s is gone", topic)
 		}
 	case bus.KindRabbitMQ:
-		conn, err := amqp.Dial(cfg.Broker.RabbitMQ.URL)
-		require.NoError(t, err)
-		defer conn.Close()
 		queues := []string{rabbit.QueueName(prefix+".commands", prefix+"-payments"), rabbit.QueueName(prefix+".commands", prefix+"-inventory")}
 		for _, topic := range topics[:4] {
 			queues = append(queues, rabbit.QueueName(topic, prefix+"-order-process."+topic))
 		}
-		for _, q := range queues {
-			ch, err := conn.Channel()
-			require.NoError(t, err)
-			_, err = ch.QueueDeclarePassive(q, true, false, false, false, nil)
-			var amqpErr *amqp.Error
-			require.ErrorAs(t, err, &amqpErr, "queue %s is gone", q)
-			require.Equal(t, amqp.NotFound, amqpErr.Code, "queue %s is gone", q)
-		}
+		brokertest.RequireQueuesGone(t, cfg.Broker.RabbitMQ.URL, queues...)
 	case bus.KindNATS:
-		nc, err := natsgo.Connect(cfg.Broker.NATS.URL)
-		require.NoError(t, err)
-		defer nc.Close()
-		js, err := jetstream.New(nc)
-		require.NoError(t, err)
-		for _, topic := range topics {
-			_, err = js.Stream(ctx, nats.StreamName(topic))
-			require.ErrorIs(t, err, jetstream.ErrStreamNotFound, "stream of %s is gone", topic)
-		}
+		brokertest.RequireStreamsGone(t, cfg.Broker.NATS.URL, topics...)
 	}
 }

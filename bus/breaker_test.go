@@ -599,15 +599,7 @@ func (r *blockedRig) abandonedRunning() float64 {
 func (r *blockedRig) checkOrder() {
 	t := r.t
 	require.Equal(t, len(r.aLater), r.count(`SELECT count(*) FROM `+r.schema+`.handled WHERE event_id = ANY($1) AND blocked_one_poisoned`, r.aLater))
-	var aOrder []string
-	aRows, err := r.db.Query(`SELECT event_id FROM `+r.schema+`.handled WHERE handler = $1 AND aggregate_id = 'A' ORDER BY seq`, r.ledger)
-	require.NoError(t, err)
-	for aRows.Next() {
-		var id string
-		require.NoError(t, aRows.Scan(&id))
-		aOrder = append(aOrder, id)
-	}
-	require.NoError(t, aRows.Err())
+	aOrder := testdb.Column[string](t, r.db, `SELECT event_id FROM `+r.schema+`.handled WHERE handler = $1 AND aggregate_id = 'A' ORDER BY seq`, r.ledger)
 	require.Equal(t, []string{"ledger-A-2", "ledger-A-3"}, aOrder, "A's events in order (the blocked one's row rolled back)")
 	if r.kind == bus.KindKafka {
 		require.NotZero(t, r.count(`SELECT count(*) FROM `+r.schema+`.handled WHERE event_id = ANY($1) AND NOT blocked_one_poisoned`, r.others),

@@ -9,6 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
+	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/middleware"
 )
@@ -89,15 +90,7 @@ func TestOrderingGuardDropsStaleVersions(t *testing.T) {
 			return e.rows(t, "millrace_inbox", `event_id = $1`, m.UUID) == 1
 		})
 	}
-	var applied []int64
-	rows, err := e.db.QueryContext(context.Background(), `SELECT version FROM `+e.table("business")+` ORDER BY seq`)
-	require.NoError(t, err)
-	for rows.Next() {
-		var v int64
-		require.NoError(t, rows.Scan(&v))
-		applied = append(applied, v)
-	}
-	require.NoError(t, rows.Err())
+	applied := testdb.Column[int64](t, e.db, `SELECT version FROM `+e.table("business")+` ORDER BY seq`)
 	require.Equal(t, []int64{1, 3, 4, 0}, applied)
 	require.EqualValues(t, 1, c.messages(t, group, middleware.OutcomeStale))
 	require.Equal(t, 5, e.rows(t, "millrace_inbox", ""), "a stale event is still recorded in the inbox")
@@ -153,15 +146,7 @@ func TestAReplayReachesOnlyTheGroupsItIsFor(t *testing.T) {
 		require.EqualValues(t, len(events), c.messages(t, group, middleware.OutcomeOK), group)
 		require.EqualValues(t, 3-len(events), c.messages(t, group, middleware.OutcomeNotTargeted), group)
 		for _, table := range []string{"business", "millrace_inbox"} {
-			var got []string
-			rows, err := e.db.Query(`SELECT event_id FROM `+e.table(table)+` WHERE consumer_group = $1 ORDER BY event_id`, group)
-			require.NoError(t, err)
-			for rows.Next() {
-				var id string
-				require.NoError(t, rows.Scan(&id))
-				got = append(got, id)
-			}
-			require.NoError(t, rows.Err())
+			got := testdb.Column[string](t, e.db, `SELECT event_id FROM `+e.table(table)+` WHERE consumer_group = $1 ORDER BY event_id`, group)
 			require.Equal(t, events, got, "%s rows of %s", table, group)
 		}
 	}

@@ -10,8 +10,6 @@ import (
 	"testing"
 	"time"
 
-	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
-	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/stdlib"
@@ -207,28 +205,16 @@ func TestPublishLargeBatchInOneTransaction(t *testing.T) {
 func TestRowWrittenByWatermillForwarderIsAMillraceEvent(t *testing.T) {
 	t.Parallel()
 	tb := setup(t)
-	ctx := context.Background()
-	tx, err := tb.db.BeginTx(ctx, nil)
-	require.NoError(t, err)
-
-	// Plain Watermill: an SQL publisher on the transaction, wrapped by the
-	// stock forwarder publisher pointed at millrace's outbox topic.
-	sqlPub, err := watermillsql.NewPublisher(tx, watermillsql.PublisherConfig{
-		SchemaAdapter: watermillsql.DefaultPostgreSQLSchema{
-			GenerateMessagesTableName: func(topic string) string { return `"` + tb.schema + `"."watermill_` + topic + `"` },
-		},
-	}, nil)
-	require.NoError(t, err)
-	fwdPub := forwarder.NewPublisher(sqlPub, forwarder.PublisherConfig{ForwarderTopic: tb.cfg.Outbox.Topic})
+	// Plain Watermill: the stock forwarder publisher, pointed at millrace's
+	// outbox topic, over an SQL publisher.
 	msg := message.NewMessage("6f1c1b2e-5a0e-4c55-9a59-8f0a3c1d2e4f", []byte(`{"legacy":true}`))
 	msg.Metadata.Set(bus.EventTypeKey, "LegacyHappened")
 	msg.Metadata.Set(bus.AggregateIDKey, "l-1")
 	msg.Metadata.Set(bus.AggregateVersionKey, "7")
 	msg.Metadata.Set("x-custom", "kept")
-	require.NoError(t, fwdPub.Publish("legacy.events", msg))
+	brokertest.WriteOutboxWithWatermill(t, tb.db, tb.cfg, "legacy.events", msg)
 	bare := message.NewMessage("0b7d7e8e-2f5d-4a3e-8c61-3c2d1e0f9a8b", []byte(`{}`))
-	require.NoError(t, fwdPub.Publish("legacy.events", bare))
-	require.NoError(t, tx.Commit())
+	brokertest.WriteOutboxWithWatermill(t, tb.db, tb.cfg, "legacy.events", bare)
 
 	rows := tb.outbox(t)
 	require.Len(t, rows, 2)

@@ -205,7 +205,7 @@ func newBreakerRig(t *testing.T, kind string, configure func(*bus.Config)) *brea
 	ctx := context.Background()
 	svc := brokertest.NewService(t, kind, func(cfg *bus.Config) { cfg.Relay.Enabled = new(bool) }, configure)
 	db, cfg := svc.DB, svc.Config
-	suffix := testdb.UniqueName("")[2:]
+	suffix := "_" + testkit.Suffix()
 	r := &breakerRig{t: t, cfg: cfg, db: db, topic: "orders-" + suffix, group: "billing-" + suffix,
 		schema: `"` + cfg.Database.Schema + `"`}
 	brokertest.Cleanup(t, kind, r.topic, r.group)
@@ -404,7 +404,7 @@ func testBlockedHandlers(t *testing.T, kind string) {
 // newBlockedRig opens a service on kind with the handled table every
 // handler writes to.
 func newBlockedRig(t *testing.T, kind string) *blockedRig {
-	suffix := testdb.UniqueName("")[2:]
+	suffix := "_" + testkit.Suffix()
 	r := &blockedRig{t: t, kind: kind, reg: prometheus.NewRegistry(), logs: &testlog.Buffer{},
 		poolTopic: "pool-" + suffix, pool: "pool-h-" + suffix, ledgerTopic: "ledger-" + suffix, ledger: "ledger-h-" + suffix}
 	s := brokertest.NewService(t, kind, func(cfg *bus.Config) {

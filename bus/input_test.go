@@ -16,7 +16,6 @@ import (
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
-	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 )
 
@@ -238,7 +237,7 @@ func newUnusualRig(t *testing.T, kind string) *unusualRig {
 		cfg.Relay.PollInterval = 100 * time.Millisecond
 	})
 	return &unusualRig{t: t, kind: kind, db: s.DB, schema: s.Config.Database.Schema, b: s.Open(t),
-		topic: "unusual-" + testdb.UniqueName("")[2:],
+		topic: "unusual-_" + testkit.Suffix(),
 		got:   map[string][]bus.Event{}, handled: map[string]bool{}, accepted: map[string]unusual{}}
 }
 

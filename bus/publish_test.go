@@ -501,7 +501,7 @@ func TestCloudEventsAttributesReachTheBroker(t *testing.T) {
 				cfg.Outbox.CloudEvents = bus.CloudEventsConfig{Enabled: true, Source: "/services/orders"}
 			})
 			cfg := svc.Config
-			topic := "ce-" + testdb.UniqueName("")[2:]
+			topic := "ce-_" + testkit.Suffix()
 			brokertest.Cleanup(t, kind, topic, "tap")
 			b := svc.Open(t)
 			prefix := prefixes[kind]

@@ -22,7 +22,6 @@ import (
 	"github.com/millrace-io/millrace/adapters/kafka"
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
-	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/internal/testing/testlog"
 )
@@ -91,7 +90,7 @@ func newRetryRig(t *testing.T, kind string) *retryRig {
 		cfg.Consumer.Retry.InitialInterval = 2 * time.Second
 		cfg.Consumer.Retry.MaxInterval = 2 * time.Second
 	})
-	r := &retryRig{t: t, kind: kind, db: s.DB, cfg: s.Config, suffix: testdb.UniqueName("")[2:]}
+	r := &retryRig{t: t, kind: kind, db: s.DB, cfg: s.Config, suffix: "_" + testkit.Suffix()}
 	r.topic, r.group = "orders-"+r.suffix, "billing-"+r.suffix
 	brokertest.Cleanup(t, kind, r.topic, r.group)
 	broker, err := bus.OpenBroker(ctx, r.cfg, nil)
@@ -190,7 +189,7 @@ func testAttemptsAndTheirLogLines(t *testing.T, kind string) {
 		cfg.Consumer.Breaker.Enabled = new(false)
 	})
 	db, cfg := svc.DB, svc.Config
-	suffix := testdb.UniqueName("")[2:]
+	suffix := "_" + testkit.Suffix()
 	name, handler, batch := "orders-"+suffix, "billing-"+suffix, "ledger-"+suffix
 	brokertest.Cleanup(t, kind, name, handler, batch)
 	var logs testlog.Buffer

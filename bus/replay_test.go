@@ -21,7 +21,6 @@ import (
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
-	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/middleware"
 	"github.com/millrace-io/millrace/ops"
@@ -45,7 +44,7 @@ func newReplayWorld(t *testing.T, kind string, groups ...string) *replayWorld {
 	db, cfg := svc.DB, svc.Config
 	_, err := db.Exec(`CREATE TABLE "` + cfg.Database.Schema + `".effects (grp text NOT NULL, event_id text NOT NULL)`)
 	require.NoError(t, err)
-	w := &replayWorld{kind: kind, topic: "replay-" + testdb.UniqueName("")[2:], db: db, cfg: cfg}
+	w := &replayWorld{kind: kind, topic: "replay-_" + testkit.Suffix(), db: db, cfg: cfg}
 	brokertest.Cleanup(t, kind, w.topic, groups...)
 	w.ops, err = ops.New(ctx, db, cfg)
 	require.NoError(t, err)
@@ -174,7 +173,7 @@ func testReplayAfterRetries(t *testing.T, kind string) {
 		return w.effect(ctx, "billing", ev)
 	}
 	b, _ := w.run(t, cfg, map[string]bus.HandlerFunc{"billing": billing})
-	id := "ev-" + testdb.UniqueName("")[2:]
+	id := "ev-_" + testkit.Suffix()
 	require.NoError(t, b.PublishInOwnTx(ctx, w.topic, bus.Event{ID: id, Type: "OrderPlaced", AggregateType: "order",
 		AggregateID: "o-1", Payload: []byte(`{"total":1}`), Metadata: map[string]string{"tenant": "acme", "x-request-source": "checkout"}}))
 	published := w.published(t, id)
@@ -271,7 +270,7 @@ func TestAReplayTheBrokerRefuses(t *testing.T) {
 	}}
 	b, stop := w.run(t, w.cfg, handlers)
 	big := []byte(`{"lines":"` + strings.Repeat("x", 2000) + `"}`)
-	id := "ev-" + testdb.UniqueName("")[2:]
+	id := "ev-_" + testkit.Suffix()
 	require.NoError(t, b.PublishInOwnTx(ctx, w.topic, bus.Event{ID: id, Type: "OrderPlaced", AggregateType: "order", AggregateID: "o-1", Payload: big}))
 	poisoned := w.poisoned(t)
 	stop()
@@ -347,7 +346,7 @@ func TestQuarantineReplayOfAnOlderDLQReplay(t *testing.T) {
 		},
 		"audit": func(ctx context.Context, ev bus.Event) error { return w.effect(ctx, "audit", ev) },
 	}, bus.WithRegistry(reg))
-	id := "ev-" + testdb.UniqueName("")[2:]
+	id := "ev-_" + testkit.Suffix()
 	old := message.NewMessage("replay-"+id[3:], []byte(`{"total":1}`))
 	for k, v := range map[string]string{
 		bus.EventIDKey: id, bus.EventTypeKey: "OrderPlaced", bus.AggregateTypeKey: "order", bus.AggregateIDKey: "o-1",
@@ -426,7 +425,7 @@ func testReplayReachesOnlyItsGroup(t *testing.T, kind string) {
 		}
 	}
 	b, stop := w.run(t, w.cfg, map[string]bus.HandlerFunc{"billing": effect("billing"), "audit": effect("audit")})
-	id := "ev-" + testdb.UniqueName("")[2:]
+	id := "ev-_" + testkit.Suffix()
 	require.NoError(t, b.PublishInOwnTx(ctx, w.topic, bus.Event{ID: id, Type: "OrderPlaced", AggregateType: "order", AggregateID: "o-1", Payload: []byte(`{}`)}))
 	poisoned := w.poisoned(t)
 	testkit.Eventually(t, time.Minute, "audit processed the event", func() bool { return w.effects(t, "audit", id) == 1 })

@@ -21,7 +21,6 @@ import (
 	"github.com/millrace-io/millrace/adapters/nats"
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
-	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/middleware"
 )
@@ -69,7 +68,7 @@ func testServiceRoundTrip(t *testing.T, kind string) {
 // newRoundTrip opens a traced service on kind with an invoices table.
 func newRoundTrip(t *testing.T, kind string) *roundTrip {
 	s := brokertest.NewService(t, kind, func(c *bus.Config) { c.Consumer.HandlerTimeout = 10 * time.Second })
-	suffix := testdb.UniqueName("")[2:]
+	suffix := "_" + testkit.Suffix()
 	r := &roundTrip{t: t, kind: kind, db: s.DB, schema: s.Config.Database.Schema, published: map[string]trace.TraceID{},
 		orders: "orders-" + suffix, invoices: "invoices-" + suffix, billing: "billing-" + suffix, audit: "audit-" + suffix}
 	brokertest.Cleanup(t, kind, r.orders, r.billing)
@@ -200,7 +199,7 @@ func TestRunReturnsNilAtItsDeadline(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	svc := brokertest.NewService(t, bus.KindNATS)
-	suffix := testdb.UniqueName("")[2:]
+	suffix := "_" + testkit.Suffix()
 	topic, handler := "orders-"+suffix, "billing-"+suffix
 	brokertest.Cleanup(t, bus.KindNATS, topic, handler)
 	b := svc.Open(t)
@@ -282,7 +281,7 @@ func newBacklogRig(t *testing.T, kind string) *backlogRig {
 		cfg.Consumer.Prefetch = 1
 		cfg.Broker.NATS.Consumer.MaxAckPending = 1
 	})
-	suffix := testdb.UniqueName("")[2:]
+	suffix := "_" + testkit.Suffix()
 	r := &backlogRig{t: t, reg: prometheus.NewRegistry(), topic: "orders-" + suffix, group: "billing-" + suffix, release: make(chan struct{})}
 	b := s.Open(t, bus.WithRegistry(r.reg))
 	require.NoError(t, b.Handle(r.topic, r.group, func(ctx context.Context, ev bus.Event) error {
@@ -363,7 +362,7 @@ func TestRunProvisionsOrderedGroupsOnNATS(t *testing.T) {
 	})
 	cfg := svc.Config
 	b := svc.Open(t)
-	topic := "orders-" + testdb.UniqueName("")[2:]
+	topic := "orders-_" + testkit.Suffix()
 	nop := func(context.Context, bus.Event) error { return nil }
 	require.NoError(t, b.Handle(topic, "ledger", nop, bus.WithConsumerGroup("ledger-"+topic)))
 	require.NoError(t, b.Handle(topic, "mailer", nop, bus.WithConsumerGroup("mailer-"+topic)))
@@ -447,7 +446,7 @@ func newStartRig(t *testing.T, kind string) *startRig {
 		cfg.Consumer.Ordered = new(true)
 	})
 	r := &startRig{t: t, db: svc.DB, cfg: svc.Config, hasHistory: kind != bus.KindRabbitMQ, rec: &startRecorder{got: map[string][]string{}}}
-	suffix := testdb.UniqueName("")[2:]
+	suffix := "_" + testkit.Suffix()
 	r.topic = "orders-" + suffix
 	r.existing, r.fresh, r.early, r.history = "existing-"+suffix, "fresh-"+suffix, "early-"+suffix, "history-"+suffix
 	brokertest.Cleanup(t, kind, r.topic, r.existing, r.fresh, r.early, r.history)

@@ -105,7 +105,7 @@ func TestSagaStepNotAppliedTwiceAfterConsumerKill(t *testing.T) {
 	defer b.Close()
 	oc, err := ops.New(ctx, db, cfg)
 	require.NoError(t, err)
-	suffix := "-" + testdb.UniqueName("")[3:]
+	suffix := "-" + testkit.Suffix()
 	tp := newSagaTopics(suffix)
 	for _, topic := range []string{tp.orders.Name(), tp.payments.Name(), tp.reserved.Name(), tp.timeouts.Name()} {
 		brokertest.Cleanup(t, bus.KindNATS, topic, "saga"+suffix+"."+topic)

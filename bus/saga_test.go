@@ -19,7 +19,6 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
-	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/middleware"
 	"github.com/millrace-io/millrace/ops"
@@ -450,7 +449,7 @@ func TestSagaEndToEnd(t *testing.T) {
 		brokertest.Apply(t, bus.KindNATS, c)
 		c.Relay.PollInterval = 50 * time.Millisecond
 	})
-	suffix := "-" + testdb.UniqueName("")[3:]
+	suffix := "-" + testkit.Suffix()
 	tp := newSagaTopics(suffix)
 	for _, topic := range []string{tp.orders.Name(), tp.payments.Name(), tp.reserved.Name(), tp.timeouts.Name(), tp.commands} {
 		brokertest.Cleanup(t, bus.KindNATS, topic, "saga"+suffix+"."+topic, "payments"+suffix, "inventory"+suffix)
@@ -624,7 +623,7 @@ func newCounterRig(t *testing.T) *counterRig {
 		c.Consumer.Batch.MaxMessages = 8
 		c.Consumer.Batch.MaxWait = 100 * time.Millisecond
 	})
-	suffix := "-" + testdb.UniqueName("")[3:]
+	suffix := "-" + testkit.Suffix()
 	r := &counterRig{t: t, w: w, reg2: prometheus.NewRegistry(),
 		topic: "counters" + suffix, commands: "counter-commands" + suffix, group: "counter-saga" + suffix}
 	brokertest.Cleanup(t, bus.KindNATS, r.topic, r.group)
@@ -809,7 +808,7 @@ const raceOrders = 15
 // sagas ended cancelled.
 func runCancelRace(t *testing.T, kind string, ordered *bool) (overtaken, cancelled int) {
 	ctx := context.Background()
-	suffix := testdb.UniqueName("")[2:]
+	suffix := "_" + testkit.Suffix()
 	name, topicName := "cancel-race-"+suffix, "orders-"+suffix
 	tb := setup(t, func(c *bus.Config) {
 		brokertest.Apply(t, kind, c)

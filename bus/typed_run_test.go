@@ -85,7 +85,7 @@ func newTypedRig(t *testing.T, kind string) *typedRig {
 	ctx := context.Background()
 	s := brokertest.NewService(t, kind, func(c *bus.Config) { c.Consumer.HandlerTimeout = 10 * time.Second })
 	r := &typedRig{t: t, kind: kind, db: s.DB, cfg: s.Config, reg: prometheus.NewRegistry()}
-	suffix := testdb.UniqueName("")[2:]
+	suffix := "_" + testkit.Suffix()
 	r.orders = "orders-" + suffix
 	ordersPB := "orderspb-" + suffix
 	r.billing, r.audit, r.shipping = "billing-"+suffix, "audit-"+suffix, "shipping-"+suffix
@@ -308,7 +308,7 @@ func newBatchRig(t *testing.T, kind string) *batchRig {
 	r.cfg.Consumer.Workers = 8
 	r.cfg.Consumer.Batch.MaxMessages = 8
 	r.cfg.Consumer.Batch.MaxWait = 200 * time.Millisecond
-	suffix := testdb.UniqueName("")[2:]
+	suffix := "_" + testkit.Suffix()
 	r.orders, r.billing = "orders-"+suffix, "billing-"+suffix
 	brokertest.Cleanup(t, kind, r.orders, r.billing)
 	require.NoError(t, bus.Migrate(ctx, r.db, r.cfg))

@@ -42,7 +42,7 @@ type opsWorld struct {
 func newOpsWorld(t *testing.T, tune ...func(*bus.Config)) *opsWorld {
 	ctx := context.Background()
 	svc := brokertest.NewService(t, bus.KindNATS, append([]func(*bus.Config){func(cfg *bus.Config) { cfg.Relay.PollInterval = 100 * time.Millisecond }}, tune...)...)
-	w := &opsWorld{db: svc.DB, cfg: svc.Config, topic: "ops-" + testdb.UniqueName("")[2:], bad: map[string]bool{}, handled: map[string]int{}}
+	w := &opsWorld{db: svc.DB, cfg: svc.Config, topic: "ops-_" + testkit.Suffix(), bad: map[string]bool{}, handled: map[string]int{}}
 	w.group = w.topic + "-billing"
 	brokertest.Cleanup(t, bus.KindNATS, w.topic, w.group)
 	b := svc.Open(t)
@@ -148,7 +148,7 @@ func TestOpsQuarantineListShowReplayPurge(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	w := newOpsWorld(t)
-	conflicted := "ops-conflict-" + testdb.UniqueName("")[2:]
+	conflicted := "ops-conflict-_" + testkit.Suffix()
 	brokertest.Cleanup(t, bus.KindNATS, conflicted)
 	js := brokertest.NATSJetStream(t, w.cfg.Broker.NATS.URL)
 	_, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: nats.StreamName(conflicted), Subjects: []string{conflicted}, MaxAge: time.Hour})

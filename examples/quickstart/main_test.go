@@ -14,6 +14,7 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/internal/testing/testkit"
 )
 
 // The quick start runs end to end against the local PostgreSQL and NATS,
@@ -33,7 +34,7 @@ func TestQuickstartRuns(t *testing.T) {
 	q.Set("search_path", schema)
 	u.RawQuery = q.Encode()
 	cfg.Database.URL = u.String()
-	topic := "quickstart-" + testdb.UniqueName("")[2:]
+	topic := "quickstart-_" + testkit.Suffix()
 	brokertest.Cleanup(t, bus.KindNATS, topic, "billing")
 
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)

@@ -17,6 +17,7 @@ import (
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/internal/testing/testkit"
 )
 
 // The example runs end to end on every broker, against the local
@@ -32,7 +33,7 @@ func TestSagaExampleRuns(t *testing.T) {
 		require.NoError(t, err)
 		brokertest.Apply(t, kind, &cfg)
 		cfg.Database.Schema = testdb.Schema(t, db)
-		prefix := "shop-" + testdb.UniqueName("")[3:]
+		prefix := "shop-" + testkit.Suffix()
 
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 		defer cancel()

@@ -5,15 +5,15 @@ package testdb
 
 import (
 	"context"
-	"crypto/rand"
 	"database/sql"
-	"encoding/hex"
 	"os"
 	"strings"
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib" // registers the "pgx" driver
+
+	"github.com/millrace-io/millrace/internal/testing/testkit"
 )
 
 // DefaultURL is the local PostgreSQL `make up` provides.
@@ -102,9 +102,7 @@ func UniqueName(testName string) string {
 	if len(base) > 40 {
 		base = base[len(base)-40:]
 	}
-	suffix := make([]byte, 4)
-	_, _ = rand.Read(suffix)
-	return "t_" + strings.Trim(base, "_") + "_" + hex.EncodeToString(suffix)
+	return "t_" + strings.Trim(base, "_") + "_" + testkit.Suffix()
 }
 
 // Column runs query on db and returns its one column, row by row, failing

@@ -2,6 +2,7 @@ package store_test
 
 import (
 	"context"
+	"database/sql"
 	"database/sql/driver"
 	"testing"
 	"time"
@@ -17,9 +18,7 @@ import (
 func TestALeaseFencesTheRelayThatLostIt(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db, tables := migrated(t)
-	c := store.Cursor{Group: "relay"}
-	require.NoError(t, tables.PrepareCursor(ctx, db, c))
+	db, tables, c := relayCursor(t)
 	const ttl = 300 * time.Millisecond
 
 	a, pos, ok, err := tables.AcquireLease(ctx, db, c, "a", ttl, nil)
@@ -77,9 +76,7 @@ func TestALeaseFencesTheRelayThatLostIt(t *testing.T) {
 func TestSavePositionRefusesACursorThatMovedUnderTheRelay(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db, tables := migrated(t)
-	c := store.Cursor{Group: "relay"}
-	require.NoError(t, tables.PrepareCursor(ctx, db, c))
+	db, tables, c := relayCursor(t)
 	lease, pos, ok, err := tables.AcquireLease(ctx, db, c, "test", time.Minute, nil)
 	require.NoError(t, err)
 	require.True(t, ok)
@@ -108,4 +105,14 @@ func TestSavePositionRefusesACursorThatMovedUnderTheRelay(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, ok)
 	require.True(t, again.Equal(pos), "the cursor is where the database had it (%s), not at %s", pos, again)
+}
+
+// relayCursor prepares the cursor of the consumer group "relay" on a
+// migrated schema of the test's own.
+func relayCursor(t *testing.T) (*sql.DB, store.Tables, store.Cursor) {
+	t.Helper()
+	db, tables := migrated(t)
+	c := store.Cursor{Group: "relay"}
+	require.NoError(t, tables.PrepareCursor(context.Background(), db, c))
+	return db, tables, c
 }

@@ -134,9 +134,7 @@ func watchBreakerWhileDown(t *testing.T, c *testConsumer, d *downDependency) boo
 // retry.max_attempts, and the messages behind it flow again.
 func TestBreakerDoesNotShieldABadMessage(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t)
-	k := gochannelKit(t)
-	topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
+	e, k, topic, group := newBilling(t, "gochannel", kitOptions{})
 	cfg := middleware.Config{
 		Workers: 1, Ordered: new(true),
 		Breaker: middleware.BreakerConfig{ConsecutiveFailures: 2, OpenTimeout: 200 * time.Millisecond},
@@ -350,9 +348,7 @@ func TestProbeHoldOutlastsAKafkaRebalance(t *testing.T) {
 // the flow goes on.
 func TestProbeThatPassesPutsFailuresOnTheMessages(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t)
-	k := gochannelKit(t)
-	topic, group := uniqueName(t, "orders"), uniqueName(t, "billing")
+	e, k, topic, group := newBilling(t, "gochannel", kitOptions{})
 	cfg := middleware.Config{
 		Workers: 2,
 		Breaker: middleware.BreakerConfig{ConsecutiveFailures: 2, OpenTimeout: 100 * time.Millisecond},

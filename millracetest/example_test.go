@@ -11,18 +11,22 @@ import (
 	"github.com/millrace-io/millrace/millracetest"
 )
 
-// exampleDB opens the test database (DATABASE_URL, or the local server) and
-// creates a schema for one example; drop removes it.
-func exampleDB() (db *sql.DB, schema string, drop func()) {
+// exampleDB opens the test database (DATABASE_URL, or the local server),
+// creates a schema for one example and in it table with columns, and
+// returns the table's qualified name; drop removes the schema.
+func exampleDB(table, columns string) (db *sql.DB, schema, qualified string, drop func()) {
 	db, err := sql.Open("pgx", testdb.URL())
 	if err != nil {
 		panic(err)
 	}
 	schema = testdb.UniqueName("example")
-	if _, err := db.Exec(`CREATE SCHEMA "` + schema + `"`); err != nil {
-		panic(err)
+	qualified = `"` + schema + `".` + table
+	for _, ddl := range []string{`CREATE SCHEMA "` + schema + `"`, `CREATE TABLE ` + qualified + ` (` + columns + `)`} {
+		if _, err := db.Exec(ddl); err != nil {
+			panic(err)
+		}
 	}
-	return db, schema, func() {
+	return db, schema, qualified, func() {
 		db.Exec(`DROP SCHEMA "` + schema + `" CASCADE`)
 		db.Close()
 	}
@@ -43,12 +47,8 @@ var quiet = slog.New(slog.DiscardHandler)
 // A billing handler that writes its invoice in bus.Tx has one invoice
 // per order event, whatever the delivery does. In a test, pass t to New.
 func Example() {
-	db, schema, drop := exampleDB()
+	db, schema, invoices, drop := exampleDB("invoices", "order_id text NOT NULL, event_id text NOT NULL")
 	defer drop()
-	invoices := `"` + schema + `".invoices`
-	if _, err := db.Exec(`CREATE TABLE ` + invoices + ` (order_id text NOT NULL, event_id text NOT NULL)`); err != nil {
-		panic(err)
-	}
 	billing := func(ctx context.Context, ev bus.Event) error {
 		_, err := bus.Tx[*sql.Tx](ctx).ExecContext(ctx, `INSERT INTO `+invoices+` VALUES ($1, $2)`, ev.AggregateID, ev.ID)
 		return err
@@ -91,12 +91,8 @@ func Example() {
 // run that the crash rolled back left its invoice behind, and AssertOnce
 // says what happened.
 func ExampleHarness_AssertOnce() {
-	db, schema, drop := exampleDB()
+	db, schema, invoices, drop := exampleDB("invoices", "order_id text NOT NULL, event_id text NOT NULL")
 	defer drop()
-	invoices := `"` + schema + `".invoices`
-	if _, err := db.Exec(`CREATE TABLE ` + invoices + ` (order_id text NOT NULL, event_id text NOT NULL)`); err != nil {
-		panic(err)
-	}
 	notIdempotent := func(ctx context.Context, ev bus.Event) error {
 		_, err := db.ExecContext(ctx, `INSERT INTO `+invoices+` VALUES ($1, $2)`, ev.AggregateID, ev.ID) // not bus.Tx
 		return err
@@ -124,12 +120,8 @@ func ExampleHarness_AssertOnce() {
 // consumer.ordering_guard on, the older one is dropped as stale and the
 // projection keeps the newest status.
 func ExampleHarness_Reorder() {
-	db, schema, drop := exampleDB()
+	db, schema, statuses, drop := exampleDB("order_status", "order_id text PRIMARY KEY, status text NOT NULL")
 	defer drop()
-	statuses := `"` + schema + `".order_status`
-	if _, err := db.Exec(`CREATE TABLE ` + statuses + ` (order_id text PRIMARY KEY, status text NOT NULL)`); err != nil {
-		panic(err)
-	}
 	project := func(ctx context.Context, ev bus.Event) error {
 		_, err := bus.Tx[*sql.Tx](ctx).ExecContext(ctx, `INSERT INTO `+statuses+` VALUES ($1, $2::jsonb->>'status')
 			ON CONFLICT (order_id) DO UPDATE SET status = EXCLUDED.status`, ev.AggregateID, string(ev.Payload))

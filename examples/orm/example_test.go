@@ -17,7 +17,7 @@ import (
 
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/examples/orm"
-	"github.com/millrace-io/millrace/internal/testing/testdb"
+	"github.com/millrace-io/millrace/internal/testing/brokertest"
 )
 
 // OrderPlaced is the examples' event.
@@ -46,13 +46,9 @@ type Invoice struct {
 // gorm on bus.Tx[*sql.Tx](ctx).
 func Example_gorm() {
 	ctx := context.Background()
-	cfg, db, cleanup := exampleDatabase("example_gorm")
-	defer cleanup()
-	b, err := bus.Open(ctx, cfg, db)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer b.Close()
+	b, svc, closeAll := exampleBus("example_gorm")
+	defer closeAll()
+	db := svc.DB
 	gdb, err := gorm.Open(postgres.New(postgres.Config{Conn: db}), &gorm.Config{Logger: logger.Discard})
 	if err != nil {
 		log.Fatal(err)
@@ -96,15 +92,11 @@ func Example_gorm() {
 // Bus opened on a *pgxpool.Pool: WithTx(bus.Tx[pgx.Tx](ctx)).
 func Example_sqlc() {
 	ctx := context.Background()
-	cfg, db, cleanup := exampleDatabase("example_sqlc")
-	defer cleanup()
+	b, svc, closeAll := exampleBus("example_sqlc")
+	defer closeAll()
+	db, cfg := svc.DB, svc.Config
 
 	// database/sql mode.
-	b, err := bus.Open(ctx, cfg, db)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer b.Close()
 	queries := orm.New(db)
 	handle, err := b.ConsumerChainTypes(ctx, "billing", []bus.Route{bus.On(orderPlaced, func(ctx context.Context, m bus.Message[OrderPlaced]) error {
 		return queries.WithTx(bus.Tx[*sql.Tx](ctx)).CreateInvoice(ctx, m.Value.OrderID, m.ID)
@@ -142,35 +134,25 @@ func Example_sqlc() {
 	// Output: invoices: 2
 }
 
-// exampleDatabase migrates a schema of the example's own, with the
-// examples' tables, on a pool whose search_path is that schema.
-func exampleDatabase(name string) (bus.Config, *sql.DB, func()) {
-	var cfg bus.Config
-	cfg.Database.Schema = testdb.UniqueName(name)
-	u, err := url.Parse(testdb.URL())
-	if err != nil {
-		log.Fatal(err)
-	}
-	q := u.Query()
-	q.Set("search_path", cfg.Database.Schema)
-	u.RawQuery = q.Encode()
-	cfg.Database.URL = u.String()
-	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
-	db, err := bus.OpenDB(cfg.Database)
-	if err != nil {
-		log.Fatal(err)
-	}
-	if err := bus.Migrate(context.Background(), db, cfg); err != nil {
-		log.Fatal(err)
-	}
-	if _, err := db.Exec(`CREATE TABLE orders (id text PRIMARY KEY, total_cents bigint NOT NULL);
+// exampleBus opens a Bus on a migrated schema of the example's own, with
+// the examples' tables, on a pool whose search_path is that schema.
+func exampleBus(name string) (*bus.Bus, *brokertest.Service, func()) {
+	b, svc, closeAll := brokertest.NewExampleBus(name, func(cfg *bus.Config) {
+		u, err := url.Parse(cfg.Database.URL)
+		if err != nil {
+			log.Fatal(err)
+		}
+		q := u.Query()
+		q.Set("search_path", cfg.Database.Schema)
+		u.RawQuery = q.Encode()
+		cfg.Database.URL = u.String()
+	})
+	if _, err := svc.DB.Exec(`CREATE TABLE orders (id text PRIMARY KEY, total_cents bigint NOT NULL);
 		CREATE TABLE invoices (order_id text PRIMARY KEY, event_id text NOT NULL)`); err != nil {
+		closeAll()
 		log.Fatal(err)
 	}
-	return cfg, db, func() {
-		_, _ = db.Exec(`DROP SCHEMA "` + cfg.Database.Schema + `" CASCADE`)
-		_ = db.Close()
-	}
+	return b, svc, closeAll
 }
 
 // deliverTwice hands the chain the event of v twice, as at-least-once

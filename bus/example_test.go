@@ -18,13 +18,32 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 )
 
-// A business change and its event commit in one transaction.
+// A business change and its event commit in one transaction. This Example
+// shows the whole setup a service writes; the others share it through a
+// test helper.
 func ExampleBus_Publish() {
 	ctx := context.Background()
-	b, svc, closeAll := brokertest.NewExampleBus("example_publish")
-	defer closeAll()
+	var cfg bus.Config
+	cfg.Database.URL = testdb.URL()
+	cfg.Database.Schema = testdb.UniqueName("example_publish")
+	cfg.Broker.NATS.URL = "nats://127.0.0.1:4222"
 
-	tx, err := svc.DB.BeginTx(ctx, nil)
+	db, err := bus.OpenDB(cfg.Database)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer db.Close()
+	defer db.Exec(`DROP SCHEMA "` + cfg.Database.Schema + `" CASCADE`)
+	if err := bus.Migrate(ctx, db, cfg); err != nil {
+		log.Fatal(err)
+	}
+	b, err := bus.Open(ctx, cfg, db)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer b.Close()
+
+	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -42,7 +61,11 @@ func ExampleBus_Publish() {
 		log.Fatal(err)
 	}
 
-	printOutboxRows(svc)
+	var rows int
+	if err := db.QueryRow(`SELECT count(*) FROM "` + cfg.Database.Schema + `"."watermill_millrace_outbox"`).Scan(&rows); err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("outbox rows:", rows)
 	// Output: outbox rows: 1
 }
 

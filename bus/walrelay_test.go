@@ -549,11 +549,25 @@ func TestWALRelayLeastPrivilege(t *testing.T) {
 	require.NoError(t, err)
 	grants, err := bus.GrantSQL(r.cfg, role)
 	require.NoError(t, err)
-	_, err = admin.Exec(grants)
+	c := r.cfg.WithDefaults()
+	publication := wal.PublicationSQL(c.Database.Schema, c.Outbox.Topic)
+	require.Contains(t, grants, publication)
+	_, err = admin.Exec(strings.Replace(grants, publication, "", 1))
 	require.NoError(t, err, "the printed grants, as printed:\n%s", grants)
 
 	r.cfg.Database.URL = roleURL(t, url, role, password)
 	r.db = testdb.OpenURL(t, r.cfg.Database.URL)
+	// Without the publication, which the role may not create, the relay
+	// stops at once, naming the statement.
+	select {
+	case err := <-r.start(t).done:
+		require.ErrorIs(t, err, wal.ErrPublication)
+		require.ErrorContains(t, err, "CREATE PUBLICATION")
+	case <-time.After(walWait):
+		t.Fatal("the relay did not stop without its publication")
+	}
+	_, err = admin.Exec(publication)
+	require.NoError(t, err)
 	s := r.start(t)
 	r.awaitStreaming(t)
 	s.publish(t, r.topic, 1, 2, 3, 4, 5)

@@ -149,7 +149,7 @@ func (f *Forwarder) walReader(ctx context.Context) (*wal.Reader, error) {
 // walFatal tells whether err is one of the WAL source's errors that only
 // an operator fixes, for which Run returns at once.
 func walFatal(err error) bool {
-	for _, target := range []error{wal.ErrWALLevel, wal.ErrNoReplicationPrivilege, wal.ErrNoSenders, wal.ErrSlotLost, wal.ErrNoSlot} {
+	for _, target := range []error{wal.ErrWALLevel, wal.ErrNoReplicationPrivilege, wal.ErrNoSenders, wal.ErrSlotLost, wal.ErrNoSlot, wal.ErrPublication} {
 		if errors.Is(err, target) {
 			return true
 		}

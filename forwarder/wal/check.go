@@ -31,6 +31,9 @@ var (
 	// holds the slot until PostgreSQL notices that its client is gone:
 	// milliseconds on an idle server, longer on a loaded one.
 	ErrSlotActive = errors.New("replication slot is read by another connection")
+	// ErrPublication: the publication is missing and the role may not
+	// create it, or it does not publish the outbox table.
+	ErrPublication = errors.New("the publication of the outbox is missing or incomplete")
 )
 
 // requirements is what Check reads from the server.

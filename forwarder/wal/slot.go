@@ -176,17 +176,17 @@ func ensurePublication(ctx context.Context, conn *pgconn.PgConn, cfg Config) err
 	case string(row[2]) == "t":
 		return nil
 	case string(row[1]) == "t":
-		return fmt.Errorf("wal: publication %q does not publish the outbox table: run ALTER PUBLICATION %s ADD TABLE %s",
-			cfg.Publication, quoteIdent(cfg.Publication), qualified)
+		return fmt.Errorf("wal: %w: publication %q does not publish the outbox table: run ALTER PUBLICATION %s ADD TABLE %s",
+			ErrPublication, cfg.Publication, quoteIdent(cfg.Publication), qualified)
 	}
 	err = exec(ctx, conn, createPublication(cfg))
 	switch sqlState(err) {
 	case "", "42710": // duplicate_object: created meanwhile
 		return nil
 	case "42501": // insufficient_privilege
-		return fmt.Errorf("wal: role may not create publication %q: CREATE PUBLICATION needs the owner of %s with CREATE "+
+		return fmt.Errorf("wal: %w: role may not create publication %q: CREATE PUBLICATION needs the owner of %s with CREATE "+
 			"on the database, or a superuser; have one run (`millrace grants` prints it): %s: %w",
-			cfg.Publication, qualified, publicationSQL(cfg), err)
+			ErrPublication, cfg.Publication, qualified, publicationSQL(cfg), err)
 	}
 	return fmt.Errorf("wal: create publication %q: %w", cfg.Publication, err)
 }

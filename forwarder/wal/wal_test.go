@@ -182,8 +182,8 @@ func testNoPublicationPrivilege(t *testing.T, s *logicalServer) {
 	statement := wal.PublicationSQL(cfg.Schema, cfg.OutboxTopic)
 	_, err := wal.New(context.Background(), cfg)
 	_, sql, _ := strings.Cut(statement, "\n")
-	if err == nil || !strings.Contains(err.Error(), strings.TrimSpace(sql)) {
-		t.Fatalf("New: %v, want an error naming %s", err, sql)
+	if !errors.Is(err, wal.ErrPublication) || !strings.Contains(err.Error(), strings.TrimSpace(sql)) {
+		t.Fatalf("New: %v, want ErrPublication naming %s", err, sql)
 	}
 	for range 2 { // and again: it skips an existing publication
 		if _, err := s.db.Exec(statement); err != nil {

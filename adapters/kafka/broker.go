@@ -67,8 +67,6 @@ type Broker struct {
 	releaseDev func()
 }
 
-var _ adapters.Broker = (*Broker)(nil)
-
 // Open connects with the reliable defaults of this adapter (see Config) and
 // returns a *Broker that implements adapters.Broker. With cfg.DevCluster it
 // first starts an in-process dev cluster on cfg.Brokers, which needs package
@@ -158,14 +156,13 @@ func connect(ctx context.Context, cfg Config, opts adapters.Options) (*kgo.Clien
 	return nil, adapterkit.Unreachable(Kind, where, fmt.Errorf("%w%s", err, hint))
 }
 
-// sleep waits for d, or returns false once ctx ends.
+// sleep waits for d, or returns false once ctx ends. (An unfired
+// time.After timer is collected since Go 1.23, so it needs no Stop.)
 func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
 	select {
 	case <-ctx.Done():
 		return false
-	case <-t.C:
+	case <-time.After(d):
 		return true
 	}
 }

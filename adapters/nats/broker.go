@@ -23,8 +23,6 @@ import (
 	"github.com/millrace-io/millrace/internal/confload"
 )
 
-var _ adapters.Broker = (*Broker)(nil)
-
 // Broker is a connection to NATS JetStream as millrace uses it: a
 // publishing connection shared by Publisher and PublishBatch, one connection
 // per Subscribe call, and, with broker.nats.embedded, the in-process server they
@@ -69,24 +67,27 @@ func (c Config) Connect(ctx context.Context, opts adapters.Options) (adapters.Br
 }
 
 func open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, error) {
+	cfg.TLS.WarnInsecure(opts.Logger, "broker.nats.tls")
+	var srv embed.Server
+	url := cfg.URL
+	if cfg.Embedded.Enabled {
+		var err error
+		if srv, err = embed.Start(cfg.URL, embed.Options{StoreDir: cfg.Embedded.StoreDir, Sync: cfg.Embedded.Sync, Logger: opts.Logger}); err != nil {
+			return nil, err
+		}
+		url = srv.URL()
+	}
 	b := &Broker{
 		cfg:       cfg,
 		rules:     cfg.Rules(),
 		opts:      opts,
-		url:       cfg.URL,
+		url:       url,
 		logger:    opts.Logger,
+		embedded:  srv,
 		streams:   map[string]bool{},
 		consumers: map[string]bool{},
 		ordered:   map[string]bool{},
 		window:    make(chan struct{}, cfg.Publish.MaxPending),
-	}
-	cfg.TLS.WarnInsecure(opts.Logger, "broker.nats.tls")
-	if cfg.Embedded.Enabled {
-		srv, err := embed.Start(cfg.URL, embed.Options{StoreDir: cfg.Embedded.StoreDir, Sync: cfg.Embedded.Sync, Logger: opts.Logger})
-		if err != nil {
-			return nil, err
-		}
-		b.embedded, b.url = srv, srv.URL()
 	}
 	ok := false
 	defer func() {

@@ -46,8 +46,6 @@ type Broker struct {
 	watchers  sync.WaitGroup // goroutines watching conn
 }
 
-var _ adapters.Broker = (*Broker)(nil)
-
 // Open connects with the reliable defaults of this adapter and returns a
 // *Broker that implements adapters.Broker. cfg gets WithDefaults applied and
 // is validated. An unreachable broker is an error naming the URL (without
@@ -63,23 +61,24 @@ func (c Config) Connect(ctx context.Context, opts adapters.Options) (adapters.Br
 }
 
 func open(ctx context.Context, cfg Config, opts adapters.Options) (*Broker, error) {
+	var tc *tls.Config
+	if cfg.tlsOn() && len(cfg.urlTLS()) == 0 {
+		var err error
+		if tc, err = cfg.TLS.ClientConfig("broker.rabbitmq.tls"); err != nil {
+			return nil, fmt.Errorf("rabbitmq: %w", err)
+		}
+	}
+	cfg.TLS.WarnInsecure(opts.Logger, "broker.rabbitmq.tls")
 	b := &Broker{
 		cfg:      cfg,
 		rules:    cfg.Rules(),
 		opts:     opts,
 		redacted: redactList(cfg.urls()),
+		tls:      tc,
 		declarer: declarer{deliveryLimit: cfg.DeliveryLimit},
 		declared: map[string]bool{},
 		subs:     map[*subscriber]struct{}{},
 	}
-	if cfg.tlsOn() && len(cfg.urlTLS()) == 0 {
-		tc, err := cfg.TLS.ClientConfig("broker.rabbitmq.tls")
-		if err != nil {
-			return nil, fmt.Errorf("rabbitmq: %w", err)
-		}
-		b.tls = tc
-	}
-	cfg.TLS.WarnInsecure(b.opts.Logger, "broker.rabbitmq.tls")
 	if _, err := b.connection(ctx); err != nil {
 		return nil, err
 	}

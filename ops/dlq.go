@@ -281,9 +281,8 @@ type poisonTable struct {
 // does not exist is a *NotFoundError, and nothing changes.
 func (c *Client) DLQ() DLQ {
 	return DLQ{t: poisonTable{rows[store.PoisonRow, PoisonedMessage]{c: c, what: "poisoned message",
-		read: func(ctx context.Context, db store.DBTX, f Filter, ids []int64, o readOptions) ([]store.PoisonRow, error) {
-			return c.tables.Poison(ctx, db, store.PoisonQuery{Filter: poisonFilter(f, ids), NewestFirst: o.newestFirst,
-				Full: o.full, Lock: o.lock, Limit: o.limit})
+		read: func(ctx context.Context, db store.DBTX, f Filter, ids []int64, r store.Read) ([]store.PoisonRow, error) {
+			return c.tables.Poison(ctx, db, store.PoisonQuery{Filter: poisonFilter(f, ids), Read: r})
 		},
 		id:      func(r store.PoisonRow) int64 { return r.ID },
 		version: poisonVersion, row: poisonedMessage, del: c.tables.DeletePoison}}}

@@ -28,8 +28,8 @@ func quarantineFilter(f Filter, ids []int64) store.QuarantineFilter {
 	return store.QuarantineFilter{IDs: ids, Topic: f.Topic, Reason: f.Reason, Since: f.Since.b, Until: f.Until.b, Replayed: f.Replayed}
 }
 
-// checkQuarantine refuses the filter fields the relay quarantine lacks.
-func checkQuarantine(f Filter) error {
+// check refuses the filter fields the relay quarantine lacks.
+func (quarantineTable) check(f Filter) error {
 	if f.Handler != "" || f.Group != "" || f.Fingerprint != "" {
 		return fmt.Errorf("%w: the relay quarantine has no handlers, consumer groups or failure fingerprints", ErrInvalidFilter)
 	}
@@ -89,16 +89,12 @@ type quarantineTable struct {
 // ordering guard drops it as stale.
 func (c *Client) Quarantine() Quarantine {
 	return Quarantine{t: quarantineTable{rows[store.QuarantineRow, QuarantinedRow]{c: c, what: "quarantined row",
-		read: func(ctx context.Context, db store.DBTX, f Filter, ids []int64, o readOptions) ([]store.QuarantineRow, error) {
-			return c.tables.Quarantined(ctx, db, store.QuarantineQuery{Filter: quarantineFilter(f, ids), NewestFirst: o.newestFirst,
-				Full: o.full, Lock: o.lock, Limit: o.limit})
+		read: func(ctx context.Context, db store.DBTX, f Filter, ids []int64, r store.Read) ([]store.QuarantineRow, error) {
+			return c.tables.Quarantined(ctx, db, store.QuarantineQuery{Filter: quarantineFilter(f, ids), Read: r})
 		},
 		id:      func(r store.QuarantineRow) int64 { return r.ID },
 		version: quarantineVersion, row: quarantinedRow, del: c.tables.DeleteQuarantined}}}
 }
-
-// check refuses the filter fields the relay quarantine lacks.
-func (q quarantineTable) check(f Filter) error { return checkQuarantine(f) }
 
 // get returns the quarantined row id with its envelope, or a
 // *NotFoundError.

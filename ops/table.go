@@ -209,7 +209,7 @@ type rows[X, R any] struct {
 	// what names a row in errors: "poisoned message".
 	what string
 	// read reads the rows f (and ids, when given) selects.
-	read func(ctx context.Context, db store.DBTX, f Filter, ids []int64, q readOptions) ([]X, error)
+	read func(ctx context.Context, db store.DBTX, f Filter, ids []int64, r store.Read) ([]X, error)
 	// id, version and row are a row's id, state (for Selection tokens) and
 	// entry in a list.
 	id      func(X) int64
@@ -217,12 +217,6 @@ type rows[X, R any] struct {
 	row     func(X) R
 	// del deletes the rows ids.
 	del func(ctx context.Context, db store.DBTX, ids []int64) error
-}
-
-// readOptions are how rows are read.
-type readOptions struct {
-	newestFirst, full, lock bool
-	limit                   int
 }
 
 func (k rows[X, R]) client() *Client { return k.c }
@@ -233,7 +227,7 @@ func (k rows[X, R]) list(ctx context.Context, f Filter, limit int) (List[R], err
 	if err != nil {
 		return List[R]{}, err
 	}
-	found, err := k.read(ctx, k.c.db, f, nil, readOptions{newestFirst: true, limit: read})
+	found, err := k.read(ctx, k.c.db, f, nil, store.Read{NewestFirst: true, Limit: read})
 	if err != nil {
 		return List[R]{}, err
 	}
@@ -245,7 +239,7 @@ func (k rows[X, R]) list(ctx context.Context, f Filter, limit int) (List[R], err
 // selected reads in tx the rows sel selects (locked unless dryRun) and
 // checks them against sel: every id found, and the state Expect names.
 func (k rows[X, R]) selected(ctx context.Context, tx *sql.Tx, sel Selection, full, dryRun bool) ([]X, string, error) {
-	found, err := k.read(ctx, tx, sel.Filter, sel.IDs, readOptions{full: full, lock: !dryRun, limit: sel.Limit})
+	found, err := k.read(ctx, tx, sel.Filter, sel.IDs, store.Read{Full: full, Lock: !dryRun, Limit: sel.Limit})
 	if err != nil {
 		return nil, "", err
 	}
@@ -282,7 +276,7 @@ func (k rows[X, R]) purge(ctx context.Context, tx *sql.Tx, sel Selection, dryRun
 
 // get reads the row id with its details, or a *NotFoundError.
 func (k rows[X, R]) get(ctx context.Context, id int64) (X, error) {
-	found, err := k.read(ctx, k.c.db, Filter{}, []int64{id}, readOptions{full: true})
+	found, err := k.read(ctx, k.c.db, Filter{}, []int64{id}, store.Read{Full: true})
 	if err != nil {
 		var zero X
 		return zero, err

@@ -134,6 +134,31 @@ func (f PoisonFilter) where(args *[]any) []string {
 	return c.list
 }
 
+// Read says how a query reads the rows its filter selects (PoisonQuery,
+// QuarantineQuery).
+type Read struct {
+	// NewestFirst orders by the time the row was written, descending; else
+	// by id ascending.
+	NewestFirst bool
+	// Limit caps the rows read; 0 reads all.
+	Limit int
+	// Full also reads the payload and what comes with it (see the query).
+	Full bool
+	// Lock takes the rows FOR UPDATE (inside a transaction).
+	Lock bool
+}
+
+// finish appends r's clauses to the list query b on the table aliased
+// alias, with the conditions where: ordered by alias.id, or by newest
+// when r.NewestFirst.
+func (r Read) finish(b *strings.Builder, where []string, alias, newest string) {
+	order := alias + ".id"
+	if r.NewestFirst {
+		order = newest
+	}
+	finishSelect(b, where, order, r.Limit, r.Lock, alias)
+}
+
 // finishSelect appends the WHERE, ORDER BY, LIMIT and FOR UPDATE clauses
 // of a list query on the table aliased alias.
 func finishSelect(b *strings.Builder, where []string, order string, limit int, lock bool, alias string) {
@@ -200,17 +225,12 @@ func (c *conditions) isSet(col string, set *bool) {
 	}
 }
 
-// PoisonQuery says which poison rows to read and how.
+// PoisonQuery says which poison rows to read and how. Read.NewestFirst
+// orders by poisoned_at; Read.Full also reads the payload, metadata and
+// traceparent.
 type PoisonQuery struct {
 	Filter PoisonFilter
-	// NewestFirst orders by poisoned_at descending; else by id ascending.
-	NewestFirst bool
-	// Limit caps the rows read; 0 reads all.
-	Limit int
-	// Full also reads the payload, metadata and traceparent.
-	Full bool
-	// Lock takes the rows FOR UPDATE (inside a transaction).
-	Lock bool
+	Read
 }
 
 // PoisonRow is a poison table row as operations report it: the failure
@@ -266,11 +286,7 @@ func (t Tables) Poison(ctx context.Context, db DBTX, q PoisonQuery) ([]PoisonRow
 	b.WriteString(`SELECT ` + cols + ` FROM ` + t.PoisonTable() + ` p
 	LEFT JOIN ` + t.InboxTable() + ` i ON i.consumer_group = p.consumer_group AND i.event_id = p.event_id
 	LEFT JOIN LATERAL (` + t.replayQuarantine() + `) rq ON true`)
-	order := "p.id"
-	if q.NewestFirst {
-		order = "p.poisoned_at DESC, p.id DESC"
-	}
-	finishSelect(&b, q.Filter.where(&args), order, q.Limit, q.Lock, "p")
+	q.finish(&b, q.Filter.where(&args), "p", "p.poisoned_at DESC, p.id DESC")
 	rows, err := db.QueryContext(ctx, b.String(), args...)
 	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", t.PoisonTable(), err)

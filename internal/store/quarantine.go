@@ -47,16 +47,11 @@ func (f QuarantineFilter) where(args *[]any) []string {
 }
 
 // QuarantineQuery says which quarantine rows to read and how.
+// Read.NewestFirst orders by quarantined_at; Read.Full also reads the
+// payload (the outbox row's envelope) and metadata.
 type QuarantineQuery struct {
 	Filter QuarantineFilter
-	// NewestFirst orders by quarantined_at descending; else by id ascending.
-	NewestFirst bool
-	// Limit caps the rows read; 0 reads all.
-	Limit int
-	// Full also reads the payload (the outbox row's envelope) and metadata.
-	Full bool
-	// Lock takes the rows FOR UPDATE (inside a transaction).
-	Lock bool
+	Read
 }
 
 // QuarantineRow is one row of the relay quarantine.
@@ -87,11 +82,7 @@ func (t Tables) Quarantined(ctx context.Context, db DBTX, q QuarantineQuery) ([]
 	var args []any
 	var b strings.Builder
 	b.WriteString(`SELECT ` + cols + ` FROM ` + t.QuarantineTable() + ` q`)
-	order := "q.id"
-	if q.NewestFirst {
-		order = "q.quarantined_at DESC, q.id DESC"
-	}
-	finishSelect(&b, q.Filter.where(&args), order, q.Limit, q.Lock, "q")
+	q.finish(&b, q.Filter.where(&args), "q", "q.quarantined_at DESC, q.id DESC")
 	rows, err := db.QueryContext(ctx, b.String(), args...)
 	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", t.QuarantineTable(), err)

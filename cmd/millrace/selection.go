@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"flag"
 	"fmt"
 	"strconv"
@@ -61,6 +62,18 @@ func (f *filter) register(fs *flag.FlagSet, limit int, limitUsage string) {
 	if limitUsage != "" {
 		fs.IntVar(&f.limit, "limit", limit, limitUsage)
 	}
+}
+
+// withOps runs fn with an ops client (withOps) for a command that takes
+// no arguments, once the filter flags are checked.
+func (f *filter) withOps(ctx context.Context, e env, args []string, fn func(*ops.Client) error) error {
+	if err := noArgs(args); err != nil {
+		return err
+	}
+	if err := f.check(); err != nil {
+		return err
+	}
+	return withOps(ctx, e, fn)
 }
 
 // check reports contradictory or invalid filter flags.

@@ -53,13 +53,7 @@ func (t table[R, D, E, S]) bindList(fs *flag.FlagSet) runFunc {
 	f := filter{tableFlags: t.flags}
 	f.register(fs, 100, fmt.Sprintf("show at most `N` %s (0: no limit)", t.flags.rows))
 	return func(ctx context.Context, e env, args []string) error {
-		if err := noArgs(args); err != nil {
-			return err
-		}
-		if err := f.check(); err != nil {
-			return err
-		}
-		return withOps(ctx, e, func(oc *ops.Client) error {
+		return f.withOps(ctx, e, args, func(oc *ops.Client) error {
 			res, err := t.of(oc).List(ctx, f.filter(), f.limit)
 			if err != nil {
 				return err

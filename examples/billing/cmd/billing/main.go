@@ -11,7 +11,6 @@ import (
 	"os/signal"
 	"syscall"
 
-	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/examples/billing"
 	"github.com/millrace-io/millrace/examples/orders"
 )
@@ -21,25 +20,11 @@ func main() {
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	cfg, err := bus.LoadConfig(*configPath)
-	if err != nil {
-		log.Fatal(err)
-	}
-	db, err := bus.OpenDB(cfg.Database)
+	cfg, db, b, err := orders.Open(ctx, *configPath, billing.Setup)
 	if err != nil {
 		log.Fatal(err)
 	}
 	defer db.Close()
-	if err := bus.Migrate(ctx, db, cfg); err != nil {
-		log.Fatal(err)
-	}
-	if err := billing.Setup(ctx, db, cfg.Database.Schema); err != nil {
-		log.Fatal(err)
-	}
-	b, err := bus.Open(ctx, cfg, db)
-	if err != nil {
-		log.Fatal(err)
-	}
 	defer b.Close()
 	if err := b.Handle(orders.Topic, billing.HandlerName, billing.Handler(cfg.Database.Schema)); err != nil {
 		log.Fatal(err)

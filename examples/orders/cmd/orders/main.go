@@ -12,7 +12,6 @@ import (
 
 	"github.com/google/uuid"
 
-	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/examples/orders"
 )
 
@@ -21,25 +20,11 @@ func main() {
 	count := flag.Int("count", 10, "orders to create")
 	flag.Parse()
 	ctx := context.Background()
-	cfg, err := bus.LoadConfig(*configPath)
-	if err != nil {
-		log.Fatal(err)
-	}
-	db, err := bus.OpenDB(cfg.Database)
+	cfg, db, b, err := orders.Open(ctx, *configPath, orders.Setup)
 	if err != nil {
 		log.Fatal(err)
 	}
 	defer db.Close()
-	if err := bus.Migrate(ctx, db, cfg); err != nil {
-		log.Fatal(err)
-	}
-	if err := orders.Setup(ctx, db, cfg.Database.Schema); err != nil {
-		log.Fatal(err)
-	}
-	b, err := bus.Open(ctx, cfg, db)
-	if err != nil {
-		log.Fatal(err)
-	}
 	defer b.Close()
 	svc := orders.New(b, db, cfg.Database.Schema)
 	for i := range *count {

@@ -466,21 +466,12 @@ func (t Tables) RelayWaits(ctx context.Context, db DBTX, streamed bool) ([]Wait,
 		WHERE $3 AND c.wait_event = 'SyncRep' AND c.query_start <= clock_timestamp() - make_interval(secs => $2)
 		  AND EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = c.pid AND l.relation = to_regclass($4))
 		ORDER BY 2 DESC, 3`, t.relayTag(), WaitReported.Seconds(), streamed, t.OutboxTable())
-	if err != nil {
-		return nil, fmt.Errorf("look up what the relay waits on: %w", err)
-	}
-	defer rows.Close()
-	var out []Wait
-	for rows.Next() {
-		var w Wait
+	return collect(rows, err, "look up what the relay waits on", func(rows *sql.Rows, w *Wait) error {
 		var waited, age float64
-		if err := rows.Scan(&w.Relay, &waited, &w.PID, &w.ApplicationName, &w.State, &age, &w.Query, &w.Commit); err != nil {
-			return nil, fmt.Errorf("look up what the relay waits on: %w", err)
-		}
+		err := rows.Scan(&w.Relay, &waited, &w.PID, &w.ApplicationName, &w.State, &age, &w.Query, &w.Commit)
 		w.Waited, w.Age = seconds(waited), seconds(age)
-		out = append(out, w)
-	}
-	return out, rows.Err()
+		return err
+	})
 }
 
 func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }

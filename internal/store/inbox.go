@@ -116,20 +116,18 @@ WHERE processed_at < now() - make_interval(secs => $1) AND ($2 = '' OR consumer_
 // InboxRows counts the inbox rows of every consumer group.
 func (t Tables) InboxRows(ctx context.Context, db DBTX) (map[string]int64, error) {
 	rows, err := db.QueryContext(ctx, `SELECT consumer_group, count(*) FROM `+t.InboxTable()+` GROUP BY consumer_group`)
-	if err != nil {
-		return nil, fmt.Errorf("count inbox rows: %w", err)
-	}
-	defer rows.Close()
 	out := map[string]int64{}
-	for rows.Next() {
+	err = eachRow(rows, err, "count inbox rows", func(rows *sql.Rows) error {
 		var group string
 		var n int64
-		if err := rows.Scan(&group, &n); err != nil {
-			return nil, fmt.Errorf("count inbox rows: %w", err)
-		}
+		err := rows.Scan(&group, &n)
 		out[group] = n
+		return err
+	})
+	if err != nil {
+		return nil, err
 	}
-	return out, rows.Err()
+	return out, nil
 }
 
 // The savepoint each message of a batched inbox transaction runs in. One

@@ -206,19 +206,9 @@ func (t Tables) DeleteForwarded(ctx context.Context, db DBTX, c Cursor, olderTha
 // the order it wrote them.
 func (t Tables) WrittenInTx(ctx context.Context, tx DBTX) ([][]byte, error) {
 	rows, err := tx.QueryContext(ctx, `SELECT payload FROM `+t.OutboxTable()+` WHERE transaction_id = pg_current_xact_id() ORDER BY "offset"`)
-	if err != nil {
-		return nil, fmt.Errorf("read back from %s: %w", t.OutboxTable(), err)
-	}
-	defer rows.Close()
-	var out [][]byte
-	for rows.Next() {
-		var payload []byte
-		if err := rows.Scan(&payload); err != nil {
-			return nil, fmt.Errorf("read back from %s: %w", t.OutboxTable(), err)
-		}
-		out = append(out, payload)
-	}
-	return out, rows.Err()
+	return collect(rows, err, "read back from "+t.OutboxTable(), func(rows *sql.Rows, payload *[]byte) error {
+		return rows.Scan(payload)
+	})
 }
 
 // RelayGroups lists the relay consumer groups that have a cursor (one for
@@ -226,19 +216,7 @@ func (t Tables) WrittenInTx(ctx context.Context, tx DBTX) ([][]byte, error) {
 func (t Tables) RelayGroups(ctx context.Context, db DBTX) ([]string, error) {
 	rows, err := db.QueryContext(ctx, `SELECT DISTINCT split_part(consumer_group, '#', 1) AS g FROM `+t.CursorsTable()+
 		` WHERE outbox_topic = $1 ORDER BY g`, t.OutboxTopic)
-	if err != nil {
-		return nil, fmt.Errorf("read %s: %w", t.CursorsTable(), err)
-	}
-	defer rows.Close()
-	groups := []string{}
-	for rows.Next() {
-		var g string
-		if err := rows.Scan(&g); err != nil {
-			return nil, fmt.Errorf("read %s: %w", t.CursorsTable(), err)
-		}
-		groups = append(groups, g)
-	}
-	return groups, rows.Err()
+	return collect(rows, err, "read "+t.CursorsTable(), func(rows *sql.Rows, g *string) error { return rows.Scan(g) })
 }
 
 // pendingRows is the condition on the outbox rows m of a pending

@@ -232,19 +232,7 @@ FROM (SELECT order_key FROM `+t.ParksTable()+`
 	ORDER BY released_at LIMIT $5 FOR UPDATE SKIP LOCKED) c
 WHERE k.consumer_group = $1 AND k.handler = $2 AND k.order_key = c.order_key
 RETURNING k.order_key`, group, handler, owner, ttl.Seconds(), limit)
-	if err != nil {
-		return nil, fmt.Errorf("claim %s: %w", t.ParksTable(), err)
-	}
-	defer rows.Close()
-	var keys []string
-	for rows.Next() {
-		var k string
-		if err := rows.Scan(&k); err != nil {
-			return nil, fmt.Errorf("claim %s: %w", t.ParksTable(), err)
-		}
-		keys = append(keys, k)
-	}
-	return keys, rows.Err()
+	return collect(rows, err, "claim "+t.ParksTable(), func(rows *sql.Rows, k *string) error { return rows.Scan(k) })
 }
 
 // NextParked renews owner's lease of k's released park for ttl and
@@ -342,19 +330,17 @@ func (t Tables) CountParks(ctx context.Context, db DBTX, group, handler string) 
 // HeldParks returns, of the poison rows ids, those that hold a park.
 func (t Tables) HeldParks(ctx context.Context, db DBTX, ids []int64) (map[int64]bool, error) {
 	rows, err := db.QueryContext(ctx, `SELECT poison_id FROM `+t.ParksTable()+` WHERE state = '`+ParkHeld+`' AND poison_id = ANY($1) FOR UPDATE`, ids)
-	if err != nil {
-		return nil, fmt.Errorf("read %s: %w", t.ParksTable(), err)
-	}
-	defer rows.Close()
 	out := map[int64]bool{}
-	for rows.Next() {
+	err = eachRow(rows, err, "read "+t.ParksTable(), func(rows *sql.Rows) error {
 		var id int64
-		if err := rows.Scan(&id); err != nil {
-			return nil, fmt.Errorf("read %s: %w", t.ParksTable(), err)
-		}
+		err := rows.Scan(&id)
 		out[id] = true
+		return err
+	})
+	if err != nil {
+		return nil, err
 	}
-	return out, rows.Err()
+	return out, nil
 }
 
 // ReleaseParks releases the parks the poison rows ids hold, in tx. With
@@ -432,20 +418,11 @@ func (t Tables) Parks(ctx context.Context, db DBTX, f ParkFilter, limit int) ([]
 FROM ` + t.ParksTable() + ` k`)
 	finishSelect(&b, c.list, "k.parked_at, k.order_key", limit, false, "k")
 	rows, err := db.QueryContext(ctx, b.String(), args...)
-	if err != nil {
-		return nil, fmt.Errorf("read %s: %w", t.ParksTable(), err)
-	}
-	defer rows.Close()
-	out := []Park{}
-	for rows.Next() {
-		var p Park
+	return collect(rows, err, "read "+t.ParksTable(), func(rows *sql.Rows, p *Park) error {
 		var released sql.NullTime
-		if err := rows.Scan(&p.Group, &p.Handler, &p.Key, &p.Topic, &p.State, &p.PoisonID, &p.Parked,
-			&p.ParkedAt, &released, &p.LeaseOwner); err != nil {
-			return nil, fmt.Errorf("read %s: %w", t.ParksTable(), err)
-		}
+		err := rows.Scan(&p.Group, &p.Handler, &p.Key, &p.Topic, &p.State, &p.PoisonID, &p.Parked,
+			&p.ParkedAt, &released, &p.LeaseOwner)
 		p.ParkedAt, p.ReleasedAt = p.ParkedAt.UTC(), utcPtr(released)
-		out = append(out, p)
-	}
-	return out, rows.Err()
+		return err
+	})
 }

@@ -288,43 +288,37 @@ func (t Tables) Poison(ctx context.Context, db DBTX, q PoisonQuery) ([]PoisonRow
 	LEFT JOIN LATERAL (` + t.replayQuarantine() + `) rq ON true`)
 	q.finish(&b, q.Filter.where(&args), "p", "p.poisoned_at DESC, p.id DESC")
 	rows, err := db.QueryContext(ctx, b.String(), args...)
-	if err != nil {
-		return nil, fmt.Errorf("read %s: %w", t.PoisonTable(), err)
+	return collect(rows, err, "read "+t.PoisonTable(), func(rows *sql.Rows, r *PoisonRow) error { return r.scan(rows, q.Full) })
+}
+
+// scan reads r from the current row of a Poison query, with its payload,
+// metadata and traceparent when full.
+func (r *PoisonRow) scan(rows *sql.Rows, full bool) error {
+	var replayed, processed, quarantinedAt, skippedAt sql.NullTime
+	var quarantineID sql.NullInt64
+	var quarantineReason sql.NullString
+	var metadata []byte
+	dest := []any{&r.ID, &r.ConsumerGroup, &r.Handler, &r.Topic, &r.MessageID, &r.EventID, &r.EventType,
+		&r.ErrorClass, &r.Reason, &r.Attempts, &r.TimesPoisoned, &r.FirstFailureAt, &r.LastFailureAt,
+		&r.PoisonedAt, &replayed, &r.ReplayCount, &processed, &r.PayloadBytes, &r.AggregateID, &r.Fingerprint,
+		&quarantineID, &quarantineReason, &quarantinedAt, &skippedAt}
+	if full {
+		dest = append(dest, &r.Traceparent, &r.Payload, &metadata)
 	}
-	defer rows.Close()
-	var out []PoisonRow
-	for rows.Next() {
-		var r PoisonRow
-		var replayed, processed, quarantinedAt, skippedAt sql.NullTime
-		var quarantineID sql.NullInt64
-		var quarantineReason sql.NullString
-		var metadata []byte
-		dest := []any{&r.ID, &r.ConsumerGroup, &r.Handler, &r.Topic, &r.MessageID, &r.EventID, &r.EventType,
-			&r.ErrorClass, &r.Reason, &r.Attempts, &r.TimesPoisoned, &r.FirstFailureAt, &r.LastFailureAt,
-			&r.PoisonedAt, &replayed, &r.ReplayCount, &processed, &r.PayloadBytes, &r.AggregateID, &r.Fingerprint,
-			&quarantineID, &quarantineReason, &quarantinedAt, &skippedAt}
-		if q.Full {
-			dest = append(dest, &r.Traceparent, &r.Payload, &metadata)
-		}
-		if err := rows.Scan(dest...); err != nil {
-			return nil, fmt.Errorf("read %s: %w", t.PoisonTable(), err)
-		}
-		if q.Full {
-			if err := json.Unmarshal(metadata, &r.Metadata); err != nil {
-				return nil, fmt.Errorf("poison message %d: metadata is not a JSON object of strings: %w", r.ID, err)
-			}
-		}
-		r.FirstFailureAt, r.LastFailureAt, r.PoisonedAt = r.FirstFailureAt.UTC(), r.LastFailureAt.UTC(), r.PoisonedAt.UTC()
-		r.ReplayedAt, r.ProcessedAt, r.SkippedAt = utcPtr(replayed), utcPtr(processed), utcPtr(skippedAt)
-		if quarantineID.Valid {
-			r.ReplayQuarantine = &QuarantineRef{ID: quarantineID.Int64, Reason: quarantineReason.String, QuarantinedAt: quarantinedAt.Time.UTC()}
-		}
-		out = append(out, r)
+	if err := rows.Scan(dest...); err != nil {
+		return err
 	}
-	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("read %s: %w", t.PoisonTable(), err)
+	if full {
+		if err := json.Unmarshal(metadata, &r.Metadata); err != nil {
+			return fmt.Errorf("poison message %d: metadata is not a JSON object of strings: %w", r.ID, err)
+		}
 	}
-	return out, nil
+	r.FirstFailureAt, r.LastFailureAt, r.PoisonedAt = r.FirstFailureAt.UTC(), r.LastFailureAt.UTC(), r.PoisonedAt.UTC()
+	r.ReplayedAt, r.ProcessedAt, r.SkippedAt = utcPtr(replayed), utcPtr(processed), utcPtr(skippedAt)
+	if quarantineID.Valid {
+		r.ReplayQuarantine = &QuarantineRef{ID: quarantineID.Int64, Reason: quarantineReason.String, QuarantinedAt: quarantinedAt.Time.UTC()}
+	}
+	return nil
 }
 
 // QuarantineRef names a row of the relay quarantine and why it is there.
@@ -365,20 +359,11 @@ type PoisonReplay struct {
 func (t Tables) PoisonReplays(ctx context.Context, db DBTX, id int64) ([]PoisonReplay, error) {
 	rows, err := db.QueryContext(ctx, `SELECT replayed_at, message_id, replayed_by, times_poisoned FROM `+
 		t.PoisonReplaysTable()+` WHERE poison_id = $1 ORDER BY id`, id)
-	if err != nil {
-		return nil, fmt.Errorf("read %s: %w", t.PoisonReplaysTable(), err)
-	}
-	defer rows.Close()
-	out := []PoisonReplay{}
-	for rows.Next() {
-		var r PoisonReplay
-		if err := rows.Scan(&r.ReplayedAt, &r.MessageID, &r.ReplayedBy, &r.TimesPoisoned); err != nil {
-			return nil, fmt.Errorf("read %s: %w", t.PoisonReplaysTable(), err)
-		}
+	return collect(rows, err, "read "+t.PoisonReplaysTable(), func(rows *sql.Rows, r *PoisonReplay) error {
+		err := rows.Scan(&r.ReplayedAt, &r.MessageID, &r.ReplayedBy, &r.TimesPoisoned)
 		r.ReplayedAt = r.ReplayedAt.UTC()
-		out = append(out, r)
-	}
-	return out, rows.Err()
+		return err
+	})
 }
 
 // MarkPoisonReplayed sets replayed_at on the poison rows ids and records,
@@ -475,21 +460,12 @@ FROM (SELECT p.id, p.error_class, p.reason, p.replayed_at, p.handler, p.source_t
 	FROM `+t.PoisonTable()+` p`+cond+`) g
 GROUP BY fp, error_class, norm
 ORDER BY count(*) DESC, max(poisoned_at) DESC, fp`, args...)
-	if err != nil {
-		return nil, fmt.Errorf("group %s: %w", t.PoisonTable(), err)
-	}
-	defer rows.Close()
-	out := []PoisonGroup{}
-	for rows.Next() {
-		var g PoisonGroup
+	return collect(rows, err, "group "+t.PoisonTable(), func(rows *sql.Rows, g *PoisonGroup) error {
 		var handlers, topics string
-		if err := rows.Scan(&g.Fingerprint, &g.ErrorClass, &g.Reason, &g.Example, &g.Messages, &g.Waiting,
-			&handlers, &topics, &g.FirstPoisonedAt, &g.LastPoisonedAt); err != nil {
-			return nil, fmt.Errorf("group %s: %w", t.PoisonTable(), err)
-		}
+		err := rows.Scan(&g.Fingerprint, &g.ErrorClass, &g.Reason, &g.Example, &g.Messages, &g.Waiting,
+			&handlers, &topics, &g.FirstPoisonedAt, &g.LastPoisonedAt)
 		g.Handlers, g.Topics = strings.Split(handlers, ","), strings.Split(topics, ",")
 		g.FirstPoisonedAt, g.LastPoisonedAt = g.FirstPoisonedAt.UTC(), g.LastPoisonedAt.UTC()
-		out = append(out, g)
-	}
-	return out, rows.Err()
+		return err
+	})
 }

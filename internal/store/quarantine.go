@@ -84,30 +84,17 @@ func (t Tables) Quarantined(ctx context.Context, db DBTX, q QuarantineQuery) ([]
 	b.WriteString(`SELECT ` + cols + ` FROM ` + t.QuarantineTable() + ` q`)
 	q.finish(&b, q.Filter.where(&args), "q", "q.quarantined_at DESC, q.id DESC")
 	rows, err := db.QueryContext(ctx, b.String(), args...)
-	if err != nil {
-		return nil, fmt.Errorf("read %s: %w", t.QuarantineTable(), err)
-	}
-	defer rows.Close()
-	var out []QuarantineRow
-	for rows.Next() {
-		var r QuarantineRow
+	return collect(rows, err, "read "+t.QuarantineTable(), func(rows *sql.Rows, r *QuarantineRow) error {
 		var replayed sql.NullTime
 		dest := []any{&r.ID, &r.OutboxOffset, &r.OutboxUUID, &r.Topic, &r.EventID, &r.Reason,
 			&r.QuarantinedAt, &replayed, &r.TimesReplayed, &r.PayloadBytes}
 		if q.Full {
 			dest = append(dest, &r.Payload, &r.Metadata)
 		}
-		if err := rows.Scan(dest...); err != nil {
-			return nil, fmt.Errorf("read %s: %w", t.QuarantineTable(), err)
-		}
-		r.QuarantinedAt = r.QuarantinedAt.UTC()
-		r.ReplayedAt = utcPtr(replayed)
-		out = append(out, r)
-	}
-	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("read %s: %w", t.QuarantineTable(), err)
-	}
-	return out, nil
+		err := rows.Scan(dest...)
+		r.QuarantinedAt, r.ReplayedAt = r.QuarantinedAt.UTC(), utcPtr(replayed)
+		return err
+	})
 }
 
 // MarkQuarantineReplayed sets replayed_at and counts a replay of the

@@ -16,25 +16,21 @@ import (
 func (t Tables) DeleteRelayed(ctx context.Context, tx DBTX, offsets []int64) (map[int64]bool, error) {
 	rows, err := tx.QueryContext(ctx, t.relaySQL(`DELETE FROM `+t.OutboxTable()+
 		` WHERE "offset" = ANY($1::bigint[]) RETURNING "offset"`), offsets)
-	if err != nil {
-		return nil, fmt.Errorf("delete relayed rows from %s: %w", t.OutboxTable(), err)
-	}
-	return scanOffsets(rows, len(offsets), t.OutboxTable())
+	return scanOffsets(rows, err, "delete relayed rows from "+t.OutboxTable(), len(offsets))
 }
 
-// scanOffsets reads rows of one offset each into a set, and closes rows.
-func scanOffsets(rows *sql.Rows, n int, table string) (map[int64]bool, error) {
-	defer rows.Close()
+// scanOffsets reads the result of a query (rows and err) of one offset a
+// row into a set of n at most (eachRow).
+func scanOffsets(rows *sql.Rows, err error, what string, n int) (map[int64]bool, error) {
 	found := make(map[int64]bool, n)
-	for rows.Next() {
+	err = eachRow(rows, err, what, func(rows *sql.Rows) error {
 		var offset int64
-		if err := rows.Scan(&offset); err != nil {
-			return nil, fmt.Errorf("read offsets of %s: %w", table, err)
-		}
+		err := rows.Scan(&offset)
 		found[offset] = true
-	}
-	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("read offsets of %s: %w", table, err)
+		return err
+	})
+	if err != nil {
+		return nil, err
 	}
 	return found, nil
 }
@@ -51,10 +47,7 @@ func (t Tables) MaxOffset(ctx context.Context, db DBTX) (int64, error) {
 // PresentOffsets returns which of offsets are still rows of the outbox.
 func (t Tables) PresentOffsets(ctx context.Context, db DBTX, offsets []int64) (map[int64]bool, error) {
 	rows, err := db.QueryContext(ctx, t.relaySQL(`SELECT "offset" FROM `+t.OutboxTable()+` WHERE "offset" = ANY($1::bigint[])`), offsets)
-	if err != nil {
-		return nil, fmt.Errorf("look up rows of %s: %w", t.OutboxTable(), err)
-	}
-	return scanOffsets(rows, len(offsets), t.OutboxTable())
+	return scanOffsets(rows, err, "look up rows of "+t.OutboxTable(), len(offsets))
 }
 
 // visiblePoll bounds the pause between two checks of AwaitVisible.

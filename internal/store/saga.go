@@ -113,25 +113,18 @@ func (t Tables) ListSagas(ctx context.Context, db DBTX, sagaType string, withCom
 	rows, err := db.QueryContext(ctx, `SELECT saga_type, saga_id, state::text, version, step, timeouts::text, completed_at, created_at, updated_at
 		FROM `+t.SagasTable()+` WHERE ($1 = '' OR saga_type = $1) AND ($2 OR completed_at IS NULL)
 		ORDER BY updated_at DESC, saga_type, saga_id LIMIT $3`, sagaType, withCompleted, sql.NullInt64{Int64: int64(limit), Valid: limit >= 0})
-	if err != nil {
-		return nil, fmt.Errorf("list %s: %w", t.SagasTable(), err)
-	}
-	defer rows.Close()
-	out := []SagaRow{}
-	for rows.Next() {
-		var r SagaRow
+	return collect(rows, err, "list "+t.SagasTable(), func(rows *sql.Rows, r *SagaRow) error {
 		var timeouts []byte
 		var completed sql.NullTime
 		if err := rows.Scan(&r.Type, &r.ID, &r.State, &r.Version, &r.Step, &timeouts, &completed, &r.CreatedAt, &r.UpdatedAt); err != nil {
-			return nil, fmt.Errorf("list %s: %w", t.SagasTable(), err)
+			return err
 		}
 		r.Completed = completed.Time
 		if err := json.Unmarshal(timeouts, &r.Timeouts); err != nil {
-			return nil, fmt.Errorf("list %s: timeouts of %s %q: %w", t.SagasTable(), r.Type, r.ID, err)
+			return fmt.Errorf("timeouts of %s %q: %w", r.Type, r.ID, err)
 		}
-		out = append(out, r)
-	}
-	return out, rows.Err()
+		return nil
+	})
 }
 
 // DeleteCompletedSagas deletes up to limit sagas of sagaType that completed

@@ -176,19 +176,9 @@ func (t Tables) ScheduledByID(ctx context.Context, db DBTX, ids []string) ([]Sch
 func (t Tables) scheduledRows(ctx context.Context, db DBTX, where string, args ...any) ([]ScheduledRow, error) {
 	rows, err := db.QueryContext(ctx, `SELECT id, destination_topic, event_type, aggregate_type, aggregate_id, due_at, scheduled_at
 		FROM `+t.ScheduledTable()+` `+where, args...)
-	if err != nil {
-		return nil, fmt.Errorf("list %s: %w", t.ScheduledTable(), err)
-	}
-	defer rows.Close()
-	out := []ScheduledRow{}
-	for rows.Next() {
-		var r ScheduledRow
-		if err := rows.Scan(&r.ID, &r.Topic, &r.Type, &r.AggregateType, &r.AggregateID, &r.DueAt, &r.ScheduledAt); err != nil {
-			return nil, fmt.Errorf("list %s: %w", t.ScheduledTable(), err)
-		}
-		out = append(out, r)
-	}
-	return out, rows.Err()
+	return collect(rows, err, "list "+t.ScheduledTable(), func(rows *sql.Rows, r *ScheduledRow) error {
+		return rows.Scan(&r.ID, &r.Topic, &r.Type, &r.AggregateType, &r.AggregateID, &r.DueAt, &r.ScheduledAt)
+	})
 }
 
 // scheduledStatements are the scheduled table's DDL.

@@ -281,20 +281,15 @@ type ShardStatus struct {
 func (t Tables) ShardStatuses(ctx context.Context, db DBTX, group string, n int) ([]ShardStatus, error) {
 	owners := make([]string, n)
 	rows, err := db.QueryContext(ctx, `WITH `+t.shardOwners()+` SELECT shard, owner FROM s`, t.OutboxTopic, group, n)
-	if err != nil {
-		return nil, fmt.Errorf("read the shard owners: %w", err)
-	}
-	defer rows.Close()
-	for rows.Next() {
+	err = eachRow(rows, err, "read the shard owners", func(rows *sql.Rows) error {
 		var i int
 		var owner string
-		if err := rows.Scan(&i, &owner); err != nil {
-			return nil, fmt.Errorf("read the shard owners: %w", err)
-		}
+		err := rows.Scan(&i, &owner)
 		owners[i] = owner
-	}
-	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("read the shard owners: %w", err)
+		return err
+	})
+	if err != nil {
+		return nil, err
 	}
 	out := make([]ShardStatus, n)
 	for i := range out {

@@ -116,18 +116,7 @@ WHERE processed_at < now() - make_interval(secs => $1) AND ($2 = '' OR consumer_
 // InboxRows counts the inbox rows of every consumer group.
 func (t Tables) InboxRows(ctx context.Context, db DBTX) (map[string]int64, error) {
 	rows, err := db.QueryContext(ctx, `SELECT consumer_group, count(*) FROM `+t.InboxTable()+` GROUP BY consumer_group`)
-	out := map[string]int64{}
-	err = eachRow(rows, err, "count inbox rows", func(rows *sql.Rows) error {
-		var group string
-		var n int64
-		err := rows.Scan(&group, &n)
-		out[group] = n
-		return err
-	})
-	if err != nil {
-		return nil, err
-	}
-	return out, nil
+	return collectMap[string, int64](rows, err, "count inbox rows")
 }
 
 // The savepoint each message of a batched inbox transaction runs in. One

@@ -330,17 +330,7 @@ func (t Tables) CountParks(ctx context.Context, db DBTX, group, handler string) 
 // HeldParks returns, of the poison rows ids, those that hold a park.
 func (t Tables) HeldParks(ctx context.Context, db DBTX, ids []int64) (map[int64]bool, error) {
 	rows, err := db.QueryContext(ctx, `SELECT poison_id FROM `+t.ParksTable()+` WHERE state = '`+ParkHeld+`' AND poison_id = ANY($1) FOR UPDATE`, ids)
-	out := map[int64]bool{}
-	err = eachRow(rows, err, "read "+t.ParksTable(), func(rows *sql.Rows) error {
-		var id int64
-		err := rows.Scan(&id)
-		out[id] = true
-		return err
-	})
-	if err != nil {
-		return nil, err
-	}
-	return out, nil
+	return collectSet(rows, err, "read "+t.ParksTable(), len(ids))
 }
 
 // ReleaseParks releases the parks the poison rows ids hold, in tx. With

@@ -2,7 +2,6 @@ package store
 
 import (
 	"context"
-	"database/sql"
 	"fmt"
 	"strconv"
 	"strings"
@@ -16,23 +15,7 @@ import (
 func (t Tables) DeleteRelayed(ctx context.Context, tx DBTX, offsets []int64) (map[int64]bool, error) {
 	rows, err := tx.QueryContext(ctx, t.relaySQL(`DELETE FROM `+t.OutboxTable()+
 		` WHERE "offset" = ANY($1::bigint[]) RETURNING "offset"`), offsets)
-	return scanOffsets(rows, err, "delete relayed rows from "+t.OutboxTable(), len(offsets))
-}
-
-// scanOffsets reads the result of a query (rows and err) of one offset a
-// row into a set of n at most (eachRow).
-func scanOffsets(rows *sql.Rows, err error, what string, n int) (map[int64]bool, error) {
-	found := make(map[int64]bool, n)
-	err = eachRow(rows, err, what, func(rows *sql.Rows) error {
-		var offset int64
-		err := rows.Scan(&offset)
-		found[offset] = true
-		return err
-	})
-	if err != nil {
-		return nil, err
-	}
-	return found, nil
+	return collectSet(rows, err, "delete relayed rows from "+t.OutboxTable(), len(offsets))
 }
 
 // MaxOffset is the highest offset of the outbox's rows, 0 when it is empty.
@@ -47,7 +30,7 @@ func (t Tables) MaxOffset(ctx context.Context, db DBTX) (int64, error) {
 // PresentOffsets returns which of offsets are still rows of the outbox.
 func (t Tables) PresentOffsets(ctx context.Context, db DBTX, offsets []int64) (map[int64]bool, error) {
 	rows, err := db.QueryContext(ctx, t.relaySQL(`SELECT "offset" FROM `+t.OutboxTable()+` WHERE "offset" = ANY($1::bigint[])`), offsets)
-	return scanOffsets(rows, err, "look up rows of "+t.OutboxTable(), len(offsets))
+	return collectSet(rows, err, "look up rows of "+t.OutboxTable(), len(offsets))
 }
 
 // visiblePoll bounds the pause between two checks of AwaitVisible.

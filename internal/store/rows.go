@@ -41,3 +41,36 @@ func collect[T any](rows *sql.Rows, err error, what string, scan func(*sql.Rows,
 	}
 	return out, nil
 }
+
+// collectSet reads a result of one int64 column into a set (eachRow) of
+// n values at most.
+func collectSet(rows *sql.Rows, err error, what string, n int) (map[int64]bool, error) {
+	set := make(map[int64]bool, n)
+	err = eachRow(rows, err, what, func(rows *sql.Rows) error {
+		var v int64
+		err := rows.Scan(&v)
+		set[v] = true
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return set, nil
+}
+
+// collectMap reads a result of two columns, a key and its value, into a
+// map (eachRow).
+func collectMap[K comparable, V any](rows *sql.Rows, err error, what string) (map[K]V, error) {
+	m := map[K]V{}
+	err = eachRow(rows, err, what, func(rows *sql.Rows) error {
+		var k K
+		var v V
+		err := rows.Scan(&k, &v)
+		m[k] = v
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return m, nil
+}

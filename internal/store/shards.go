@@ -279,15 +279,8 @@ type ShardStatus struct {
 
 // ShardStatuses reports every shard of n for group: its owner and backlog.
 func (t Tables) ShardStatuses(ctx context.Context, db DBTX, group string, n int) ([]ShardStatus, error) {
-	owners := make([]string, n)
 	rows, err := db.QueryContext(ctx, `WITH `+t.shardOwners()+` SELECT shard, owner FROM s`, t.OutboxTopic, group, n)
-	err = eachRow(rows, err, "read the shard owners", func(rows *sql.Rows) error {
-		var i int
-		var owner string
-		err := rows.Scan(&i, &owner)
-		owners[i] = owner
-		return err
-	})
+	owners, err := collectMap[int, string](rows, err, "read the shard owners")
 	if err != nil {
 		return nil, err
 	}

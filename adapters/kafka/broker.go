@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -327,20 +329,13 @@ func (b *Broker) Close() error {
 		b.closeMu.Unlock()
 		close(b.closing)
 		b.mu.Lock()
-		subs := make([]*subscriber, 0, len(b.subscribers))
-		for s := range b.subscribers {
-			subs = append(subs, s)
-		}
+		subs := slices.Collect(maps.Keys(b.subscribers))
 		b.mu.Unlock()
-		var errs []error
-		for _, s := range subs {
-			errs = append(errs, s.Close())
-		}
+		b.closeErr = adapterkit.CloseAll(subs)
 		b.stopFlushing()
 		b.client.Close() // fails what is still buffered, so every send ends
 		b.sending.Wait()
 		b.release()
-		b.closeErr = errors.Join(errs...)
 	})
 	return b.closeErr
 }

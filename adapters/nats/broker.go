@@ -256,10 +256,7 @@ func (b *Broker) Close() error {
 	b.subscribers = nil
 	b.mu.Unlock()
 
-	var errs []error
-	for _, s := range subs {
-		errs = append(errs, s.Close())
-	}
+	errs := []error{adapterkit.CloseAll(subs)}
 	if b.nc != nil {
 		// Drain fails only when the connection is down or closed already;
 		// then there is nothing to flush and Close suffices.

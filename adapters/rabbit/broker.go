@@ -5,7 +5,9 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -332,18 +334,10 @@ func (b *Broker) Close() error {
 	b.closed = true
 	conn := b.conn
 	b.idle = nil // closing conn closes them
-	subs := make([]*subscriber, 0, len(b.subs))
-	for s := range b.subs {
-		subs = append(subs, s)
-	}
+	subs := slices.Collect(maps.Keys(b.subs))
 	b.mu.Unlock()
 
-	var errs []error
-	for _, s := range subs {
-		if err := s.Close(); err != nil {
-			errs = append(errs, err)
-		}
-	}
+	errs := []error{adapterkit.CloseAll(subs)}
 	if conn != nil && !conn.IsClosed() {
 		// Bounded: a blocked or unresponsive broker may never answer.
 		if err := conn.CloseDeadline(time.Now().Add(b.opts.ConnectTimeout)); err != nil && !errors.Is(err, amqp.ErrClosed) {

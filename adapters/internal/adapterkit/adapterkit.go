@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"strings"
 
 	"github.com/millrace-io/millrace/adapters"
@@ -43,6 +44,16 @@ func Connect[C any, B adapters.Broker](ctx context.Context, cfg C, opts adapters
 // "<kind>: cannot connect to <where>: <reason>".
 func Unreachable(kind, where string, reason error) error {
 	return fmt.Errorf("%s: cannot connect to %s: %w", kind, where, reason)
+}
+
+// CloseAll closes every one of closers, a broker's subscribers at its
+// Close, and returns their errors joined.
+func CloseAll[C io.Closer](closers []C) error {
+	var errs []error
+	for _, c := range closers {
+		errs = append(errs, c.Close())
+	}
+	return errors.Join(errs...)
 }
 
 // SplitURLs splits a comma-separated list of URLs, trimming the spaces

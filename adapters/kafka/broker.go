@@ -8,7 +8,6 @@ import (
 	"maps"
 	"math"
 	"net"
-	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -329,9 +328,9 @@ func (b *Broker) Close() error {
 		b.closeMu.Unlock()
 		close(b.closing)
 		b.mu.Lock()
-		subs := slices.Collect(maps.Keys(b.subscribers))
+		subs := maps.Clone(b.subscribers)
 		b.mu.Unlock()
-		b.closeErr = adapterkit.CloseAll(subs)
+		b.closeErr = adapterkit.CloseAll(maps.Keys(subs))
 		b.stopFlushing()
 		b.client.Close() // fails what is still buffered, so every send ends
 		b.sending.Wait()

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/url"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -256,7 +257,7 @@ func (b *Broker) Close() error {
 	b.subscribers = nil
 	b.mu.Unlock()
 
-	errs := []error{adapterkit.CloseAll(subs)}
+	errs := []error{adapterkit.CloseAll(slices.Values(subs))}
 	if b.nc != nil {
 		// Drain fails only when the connection is down or closed already;
 		// then there is nothing to flush and Close suffices.

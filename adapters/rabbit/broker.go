@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"maps"
 	"net"
-	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -334,10 +333,10 @@ func (b *Broker) Close() error {
 	b.closed = true
 	conn := b.conn
 	b.idle = nil // closing conn closes them
-	subs := slices.Collect(maps.Keys(b.subs))
+	subs := maps.Clone(b.subs)
 	b.mu.Unlock()
 
-	errs := []error{adapterkit.CloseAll(subs)}
+	errs := []error{adapterkit.CloseAll(maps.Keys(subs))}
 	if conn != nil && !conn.IsClosed() {
 		// Bounded: a blocked or unresponsive broker may never answer.
 		if err := conn.CloseDeadline(time.Now().Add(b.opts.ConnectTimeout)); err != nil && !errors.Is(err, amqp.ErrClosed) {

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"iter"
 	"strings"
 
 	"github.com/millrace-io/millrace/adapters"
@@ -48,9 +49,9 @@ func Unreachable(kind, where string, reason error) error {
 
 // CloseAll closes every one of closers, a broker's subscribers at its
 // Close, and returns their errors joined.
-func CloseAll[C io.Closer](closers []C) error {
+func CloseAll[C io.Closer](closers iter.Seq[C]) error {
 	var errs []error
-	for _, c := range closers {
+	for c := range closers {
 		errs = append(errs, c.Close())
 	}
 	return errors.Join(errs...)

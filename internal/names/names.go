@@ -21,27 +21,25 @@ var (
 // and '-', starting with a letter or digit, at most 249 characters. That set is
 // valid on Kafka, RabbitMQ and NATS alike.
 func Topic(name string) error {
-	switch {
-	case name == "":
-		return fmt.Errorf("must not be empty")
-	case len(name) > MaxTopicLength:
-		return fmt.Errorf("must be at most %d characters, got %d", MaxTopicLength, len(name))
-	case !topicPattern.MatchString(name):
-		return fmt.Errorf("must match %s (letters, digits, '.', '_', '-'), got %q", topicPattern, name)
-	}
-	return nil
+	return check(name, MaxTopicLength, topicPattern, "letters, digits, '.', '_', '-'")
 }
 
 // Identifier checks a name that becomes part of an SQL identifier: lowercase
 // letters, digits and '_', not starting with a digit, at most maxLen bytes.
 func Identifier(name string, maxLen int) error {
+	return check(name, maxLen, identifierPattern, "lowercase letters, digits, '_'")
+}
+
+// check refuses an empty name, one longer than maxLen, and one pattern does
+// not match (allowed says what it allows).
+func check(name string, maxLen int, pattern *regexp.Regexp, allowed string) error {
 	switch {
 	case name == "":
 		return fmt.Errorf("must not be empty")
 	case len(name) > maxLen:
 		return fmt.Errorf("must be at most %d characters, got %d", maxLen, len(name))
-	case !identifierPattern.MatchString(name):
-		return fmt.Errorf("must match %s (lowercase letters, digits, '_'), got %q", identifierPattern, name)
+	case !pattern.MatchString(name):
+		return fmt.Errorf("must match %s (%s), got %q", pattern, allowed, name)
 	}
 	return nil
 }

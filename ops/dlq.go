@@ -66,6 +66,12 @@ func poisonFilter(f Filter, ids []int64) store.PoisonFilter {
 		Since: f.Since.b, Until: f.Until.b, Replayed: f.Replayed, Fingerprint: f.Fingerprint}
 }
 
+// poisonQuery is the store query of the poison rows f (and ids) selects,
+// read as r says.
+func poisonQuery(f Filter, ids []int64, r store.Read) store.PoisonQuery {
+	return store.PoisonQuery{Filter: poisonFilter(f, ids), Read: r}
+}
+
 // PoisonedMessage is one message of the poison table: its failure envelope,
 // replays and state.
 type PoisonedMessage struct {
@@ -255,11 +261,6 @@ type SkippedEntry struct {
 // consumer group's inbox records its event (see ReplayOptions.Force).
 const SkipAlreadyProcessed = "already_processed"
 
-// poisonTable is the DLQ's side of a Table.
-type poisonTable struct {
-	rows[store.PoisonRow, PoisonedMessage]
-}
-
 // DLQ returns the dead-letter queue, the poison table. Its Replay sends
 // the selected poisoned messages back to their topics
 // through the outbox, in one transaction: one outbox message per event and
@@ -280,12 +281,14 @@ type poisonTable struct {
 // aggregate's parked messages (ReplayedEntry.Parked). A selected id that
 // does not exist is a *NotFoundError, and nothing changes.
 func (c *Client) DLQ() DLQ {
-	return DLQ{t: poisonTable{rows[store.PoisonRow, PoisonedMessage]{c: c, what: "poisoned message",
-		read: func(ctx context.Context, db store.DBTX, f Filter, ids []int64, r store.Read) ([]store.PoisonRow, error) {
-			return c.tables.Poison(ctx, db, store.PoisonQuery{Filter: poisonFilter(f, ids), Read: r})
-		},
-		id:      func(r store.PoisonRow) int64 { return r.ID },
+	return DLQ{t: poisonTable{rows[store.PoisonRow, PoisonedMessage, store.PoisonQuery]{c: c, what: "poisoned message",
+		query: poisonQuery, read: c.tables.Poison, id: func(r store.PoisonRow) int64 { return r.ID },
 		version: poisonVersion, row: poisonedMessage, del: c.tables.DeletePoison}}}
+}
+
+// poisonTable is the DLQ's side of a Table.
+type poisonTable struct {
+	rows[store.PoisonRow, PoisonedMessage, store.PoisonQuery]
 }
 
 // check reports a filter field that can never match.

@@ -23,9 +23,11 @@ import (
 // changed, the config raised a limit), a replay writes the row back into the
 // outbox as it was, so its event keeps its id.
 
-// quarantineFilter is f as the store takes it, with ids.
-func quarantineFilter(f Filter, ids []int64) store.QuarantineFilter {
-	return store.QuarantineFilter{IDs: ids, Topic: f.Topic, Reason: f.Reason, Since: f.Since.b, Until: f.Until.b, Replayed: f.Replayed}
+// quarantineQuery is the store query of the quarantine rows f (and ids)
+// selects, read as r says.
+func quarantineQuery(f Filter, ids []int64, r store.Read) store.QuarantineQuery {
+	return store.QuarantineQuery{Read: r, Filter: store.QuarantineFilter{IDs: ids, Topic: f.Topic, Reason: f.Reason,
+		Since: f.Since.b, Until: f.Until.b, Replayed: f.Replayed}}
 }
 
 // check refuses the filter fields the relay quarantine lacks.
@@ -73,7 +75,7 @@ type QuarantinedDetail struct {
 
 // quarantineTable is the relay quarantine's side of a Table.
 type quarantineTable struct {
-	rows[store.QuarantineRow, QuarantinedRow]
+	rows[store.QuarantineRow, QuarantinedRow, store.QuarantineQuery]
 }
 
 // Quarantine returns the relay quarantine. Its Replay writes the selected
@@ -88,11 +90,8 @@ type quarantineTable struct {
 // committed after it were published before it, so a consumer with the
 // ordering guard drops it as stale.
 func (c *Client) Quarantine() Quarantine {
-	return Quarantine{t: quarantineTable{rows[store.QuarantineRow, QuarantinedRow]{c: c, what: "quarantined row",
-		read: func(ctx context.Context, db store.DBTX, f Filter, ids []int64, r store.Read) ([]store.QuarantineRow, error) {
-			return c.tables.Quarantined(ctx, db, store.QuarantineQuery{Filter: quarantineFilter(f, ids), Read: r})
-		},
-		id:      func(r store.QuarantineRow) int64 { return r.ID },
+	return Quarantine{t: quarantineTable{rows[store.QuarantineRow, QuarantinedRow, store.QuarantineQuery]{c: c, what: "quarantined row",
+		query: quarantineQuery, read: c.tables.Quarantined, id: func(r store.QuarantineRow) int64 { return r.ID },
 		version: quarantineVersion, row: quarantinedRow, del: c.tables.DeleteQuarantined}}}
 }
 

@@ -202,14 +202,17 @@ func (t Table[R, D, E, S]) checkSelection(sel Selection) error {
 	return t.t.check(sel.Filter)
 }
 
-// rows is how one table's rows of store type X are read and changed: what
-// the two tables share.
-type rows[X, R any] struct {
+// rows is how one table's rows of store type X, read by store queries of
+// type Q, are read and changed: what the two tables share.
+type rows[X, R, Q any] struct {
 	c *Client
 	// what names a row in errors: "poisoned message".
 	what string
-	// read reads the rows f (and ids, when given) selects.
-	read func(ctx context.Context, db store.DBTX, f Filter, ids []int64, r store.Read) ([]X, error)
+	// query is the store query of the rows f (and ids, when given)
+	// selects, read as r says.
+	query func(f Filter, ids []int64, r store.Read) Q
+	// read reads the rows q selects.
+	read func(ctx context.Context, db store.DBTX, q Q) ([]X, error)
 	// id, version and row are a row's id, state (for Selection tokens) and
 	// entry in a list.
 	id      func(X) int64
@@ -219,15 +222,15 @@ type rows[X, R any] struct {
 	del func(ctx context.Context, db store.DBTX, ids []int64) error
 }
 
-func (k rows[X, R]) client() *Client { return k.c }
+func (k rows[X, R, Q]) client() *Client { return k.c }
 
 // list is a page of the rows f selects, newest first.
-func (k rows[X, R]) list(ctx context.Context, f Filter, limit int) (List[R], error) {
+func (k rows[X, R, Q]) list(ctx context.Context, f Filter, limit int) (List[R], error) {
 	read, err := listLimit(limit)
 	if err != nil {
 		return List[R]{}, err
 	}
-	found, err := k.read(ctx, k.c.db, f, nil, store.Read{NewestFirst: true, Limit: read})
+	found, err := k.read(ctx, k.c.db, k.query(f, nil, store.Read{NewestFirst: true, Limit: read}))
 	if err != nil {
 		return List[R]{}, err
 	}
@@ -238,8 +241,8 @@ func (k rows[X, R]) list(ctx context.Context, f Filter, limit int) (List[R], err
 
 // selected reads in tx the rows sel selects (locked unless dryRun) and
 // checks them against sel: every id found, and the state Expect names.
-func (k rows[X, R]) selected(ctx context.Context, tx *sql.Tx, sel Selection, full, dryRun bool) ([]X, string, error) {
-	found, err := k.read(ctx, tx, sel.Filter, sel.IDs, store.Read{Full: full, Lock: !dryRun, Limit: sel.Limit})
+func (k rows[X, R, Q]) selected(ctx context.Context, tx *sql.Tx, sel Selection, full, dryRun bool) ([]X, string, error) {
+	found, err := k.read(ctx, tx, k.query(sel.Filter, sel.IDs, store.Read{Full: full, Lock: !dryRun, Limit: sel.Limit}))
 	if err != nil {
 		return nil, "", err
 	}
@@ -255,7 +258,7 @@ func (k rows[X, R]) selected(ctx context.Context, tx *sql.Tx, sel Selection, ful
 }
 
 // purge deletes the rows sel selects, unless dryRun.
-func (k rows[X, R]) purge(ctx context.Context, tx *sql.Tx, sel Selection, dryRun bool, res *PurgeResult[R]) error {
+func (k rows[X, R, Q]) purge(ctx context.Context, tx *sql.Tx, sel Selection, dryRun bool, res *PurgeResult[R]) error {
 	found, token, err := k.selected(ctx, tx, sel, false, dryRun)
 	res.Selection = token
 	if err != nil {
@@ -275,8 +278,8 @@ func (k rows[X, R]) purge(ctx context.Context, tx *sql.Tx, sel Selection, dryRun
 }
 
 // get reads the row id with its details, or a *NotFoundError.
-func (k rows[X, R]) get(ctx context.Context, id int64) (X, error) {
-	found, err := k.read(ctx, k.c.db, Filter{}, []int64{id}, store.Read{Full: true})
+func (k rows[X, R, Q]) get(ctx context.Context, id int64) (X, error) {
+	found, err := k.read(ctx, k.c.db, k.query(Filter{}, []int64{id}, store.Read{Full: true}))
 	if err != nil {
 		var zero X
 		return zero, err

@@ -260,7 +260,7 @@ func (c Config) validateBrokers(chk *confload.Checker, at func(string) string) {
 		}
 	}
 	if c.DevCluster {
-		if !devcluster.Linked() {
+		if !devcluster.Starter.Linked() {
 			chk.Add(at("dev_cluster"), "%s: import _ %q in a development or test program to run it, or set it to false and point %s at Kafka",
 				devcluster.ErrNotLinked, KafkadevPackage, at("brokers"))
 		}

@@ -259,7 +259,7 @@ func (c Config) Validate(path string) []error {
 	chk.Positive(at("publish", "max_pending"), c.Publish.MaxPending)
 
 	if c.Embedded.Enabled {
-		if !embed.Linked() {
+		if !embed.Starter.Linked() {
 			chk.Add(at("embedded", "enabled"), "%s: import _ %q in a development or test program to run it, or set it to false and point %s at a nats-server",
 				embed.ErrNotLinked, NatsdevPackage, at("url"))
 		}

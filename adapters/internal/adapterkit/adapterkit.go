@@ -9,6 +9,7 @@ import (
 	"io"
 	"iter"
 	"strings"
+	"sync"
 
 	"github.com/millrace-io/millrace/adapters"
 )
@@ -55,6 +56,35 @@ func CloseAll[C io.Closer](closers iter.Seq[C]) error {
 		errs = append(errs, c.Close())
 	}
 	return errors.Join(errs...)
+}
+
+// Link is the function a package a program imports on purpose registers
+// at init (an in-process dev server: kafkadev, natsdev) for the adapter
+// that calls it. The zero Link has none.
+type Link[F any] struct {
+	mu  sync.RWMutex
+	f   F
+	set bool
+}
+
+// Register makes f the function Func returns.
+func (l *Link[F]) Register(f F) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.f, l.set = f, true
+}
+
+// Func returns the registered function, and false when none is.
+func (l *Link[F]) Func() (F, bool) {
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	return l.f, l.set
+}
+
+// Linked reports whether a function is registered.
+func (l *Link[F]) Linked() bool {
+	_, ok := l.Func()
+	return ok
 }
 
 // SplitURLs splits a comma-separated list of URLs, trimming the spaces

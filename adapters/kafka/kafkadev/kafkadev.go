@@ -15,7 +15,7 @@ import (
 	"github.com/millrace-io/millrace/adapters/kafka/internal/devcluster"
 )
 
-func init() { devcluster.Register(acquireDevCluster) }
+func init() { devcluster.Starter.Register(acquireDevCluster) }
 
 // Options configure Start.
 type Options struct {

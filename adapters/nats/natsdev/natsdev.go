@@ -16,7 +16,7 @@ import (
 )
 
 func init() {
-	embed.Register(func(listenURL string, o embed.Options) (embed.Server, error) {
+	embed.Starter.Register(func(listenURL string, o embed.Options) (embed.Server, error) {
 		return Start(listenURL, Options(o))
 	})
 }

@@ -3,7 +3,8 @@ package devcluster
 import (
 	"errors"
 	"net"
-	"sync"
+
+	"github.com/millrace-io/millrace/adapters/internal/adapterkit"
 )
 
 // AcquireFunc starts or joins the process's dev cluster on addrs with at
@@ -11,34 +12,16 @@ import (
 // by the port picked) and the function that releases it.
 type AcquireFunc func(addrs []string, brokers int) (listening []string, release func(), err error)
 
-var registered struct {
-	sync.RWMutex
-	acquire AcquireFunc
-}
+// Starter is the AcquireFunc that package kafkadev registers.
+var Starter adapterkit.Link[AcquireFunc]
 
 // ErrNotLinked is returned by Acquire when no package registered a starter.
 var ErrNotLinked = errors.New("the in-process Kafka dev cluster is not linked into this program")
 
-// Register makes acquire the function Acquire calls.
-func Register(acquire AcquireFunc) {
-	registered.Lock()
-	defer registered.Unlock()
-	registered.acquire = acquire
-}
-
-// Linked reports whether a starter is registered.
-func Linked() bool {
-	registered.RLock()
-	defer registered.RUnlock()
-	return registered.acquire != nil
-}
-
 // Acquire calls the registered AcquireFunc, or returns ErrNotLinked.
 func Acquire(addrs []string, brokers int) (listening []string, release func(), err error) {
-	registered.RLock()
-	acquire := registered.acquire
-	registered.RUnlock()
-	if acquire == nil {
+	acquire, ok := Starter.Func()
+	if !ok {
 		return nil, nil, ErrNotLinked
 	}
 	return acquire(addrs, brokers)

@@ -7,10 +7,11 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
-	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/millrace-io/millrace/adapters/internal/adapterkit"
 )
 
 // SyncAlways is the Sync value that fsyncs every write.
@@ -26,6 +27,9 @@ type Options struct {
 	Logger watermill.LoggerAdapter
 }
 
+// ErrNotLinked is returned by Start when no package registered a starter.
+var ErrNotLinked = errors.New("the embedded nats-server is not linked into this program")
+
 // Server is a running in-process server.
 type Server interface {
 	// URL is the nats:// URL clients connect to, with the actual port.
@@ -38,35 +42,14 @@ type Server interface {
 // listenURL.
 type StartFunc func(listenURL string, o Options) (Server, error)
 
-var registered struct {
-	sync.RWMutex
-	start StartFunc
-}
-
-// ErrNotLinked is returned by Start when no package registered a starter.
-var ErrNotLinked = errors.New("the embedded nats-server is not linked into this program")
-
-// Register makes start the starter Start calls.
-func Register(start StartFunc) {
-	registered.Lock()
-	defer registered.Unlock()
-	registered.start = start
-}
-
-// Linked reports whether a starter is registered.
-func Linked() bool {
-	registered.RLock()
-	defer registered.RUnlock()
-	return registered.start != nil
-}
+// Starter is the StartFunc that package natsdev registers.
+var Starter adapterkit.Link[StartFunc]
 
 // Start starts an in-process server with the registered starter, or returns
 // ErrNotLinked.
 func Start(listenURL string, o Options) (Server, error) {
-	registered.RLock()
-	start := registered.start
-	registered.RUnlock()
-	if start == nil {
+	start, ok := Starter.Func()
+	if !ok {
 		return nil, ErrNotLinked
 	}
 	return start(listenURL, o)

@@ -14,6 +14,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/millrace-io/millrace/internal/names"
+	"github.com/millrace-io/millrace/internal/promreg"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -220,26 +221,17 @@ func (b *Bus) takeTypes(name, topic string, unknown *prometheus.CounterVec, rout
 func (b *Bus) unknownTypesCounter() (*prometheus.CounterVec, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.unknownTypes != nil {
-		return b.unknownTypes, nil
-	}
-	c := prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: MetricUnknownTypes,
-		Help: "Events a typed handler had no route for, by handler and event type (acked or poisoned, as WithUnknownTypes says).",
-	}, []string{"handler", "event_type"})
-	if err := b.registerer.Register(c); err != nil {
-		are := prometheus.AlreadyRegisteredError{}
-		if !errors.As(err, &are) {
+	if b.unknownTypes == nil {
+		c, err := promreg.Register(b.registerer, prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: MetricUnknownTypes,
+			Help: "Events a typed handler had no route for, by handler and event type (acked or poisoned, as WithUnknownTypes says).",
+		}, []string{"handler", "event_type"}))
+		if err != nil {
 			return nil, fmt.Errorf("millrace: register %s: %w", MetricUnknownTypes, err)
 		}
-		existing, ok := are.ExistingCollector.(*prometheus.CounterVec)
-		if !ok {
-			return nil, fmt.Errorf("millrace: register %s: %w", MetricUnknownTypes, err)
-		}
-		c = existing
+		b.unknownTypes = c
 	}
-	b.unknownTypes = c
-	return c, nil
+	return b.unknownTypes, nil
 }
 
 // decodeEvent decodes ev's payload into a T at t's version.

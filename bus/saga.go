@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/millrace-io/millrace/internal/names"
+	"github.com/millrace-io/millrace/internal/promreg"
 	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/middleware"
 )
@@ -550,27 +551,17 @@ type sagaRetention struct {
 func (b *Bus) sagaUnmatchedCounter() (*prometheus.CounterVec, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.sagaUnmatched != nil {
-		return b.sagaUnmatched, nil
-	}
-	c := prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: MetricSagaUnmatched,
-		Help: "Saga events that found no running instance (none started, or completed), by saga and event type; ignored or poisoned as the saga's Unmatched rule says.",
-	}, []string{"saga", "event_type"})
-	if err := b.registerer.Register(c); err != nil {
-		// Another Bus on the same registry registered it: share it.
-		are := prometheus.AlreadyRegisteredError{}
-		if !errors.As(err, &are) {
+	if b.sagaUnmatched == nil {
+		c, err := promreg.Register(b.registerer, prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: MetricSagaUnmatched,
+			Help: "Saga events that found no running instance (none started, or completed), by saga and event type; ignored or poisoned as the saga's Unmatched rule says.",
+		}, []string{"saga", "event_type"}))
+		if err != nil {
 			return nil, fmt.Errorf("millrace: register %s: %w", MetricSagaUnmatched, err)
 		}
-		existing, ok := are.ExistingCollector.(*prometheus.CounterVec)
-		if !ok {
-			return nil, fmt.Errorf("millrace: register %s: %w", MetricSagaUnmatched, err)
-		}
-		c = existing
+		b.sagaUnmatched = c
 	}
-	b.sagaUnmatched = c
-	return c, nil
+	return b.sagaUnmatched, nil
 }
 
 // pruneSagas deletes completed sagas past their retention, and step errors

@@ -5,6 +5,8 @@ import (
 	"fmt"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/millrace-io/millrace/internal/promreg"
 )
 
 // Metric names, as they appear on /metrics.
@@ -100,13 +102,8 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 // register registers c, or returns the identical collector already
 // registered (two Stacks on one registry share their metrics).
 func register[C prometheus.Collector](reg prometheus.Registerer, c C, errp *error) C {
-	if err := reg.Register(c); err != nil {
-		var are prometheus.AlreadyRegisteredError
-		if errors.As(err, &are) {
-			if existing, ok := are.ExistingCollector.(C); ok {
-				return existing
-			}
-		}
+	c, err := promreg.Register(reg, c)
+	if err != nil {
 		*errp = errors.Join(*errp, fmt.Errorf("register metric: %w", err))
 	}
 	return c

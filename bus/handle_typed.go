@@ -14,7 +14,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/millrace-io/millrace/internal/names"
-	"github.com/millrace-io/millrace/internal/promreg"
 	"github.com/millrace-io/millrace/middleware"
 )
 
@@ -219,19 +218,10 @@ func (b *Bus) takeTypes(name, topic string, unknown *prometheus.CounterVec, rout
 // unknownTypesCounter registers millrace_consumer_unknown_types_total on
 // the Bus's registry once.
 func (b *Bus) unknownTypesCounter() (*prometheus.CounterVec, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.unknownTypes == nil {
-		c, err := promreg.Register(b.registerer, prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: MetricUnknownTypes,
-			Help: "Events a typed handler had no route for, by handler and event type (acked or poisoned, as WithUnknownTypes says).",
-		}, []string{"handler", "event_type"}))
-		if err != nil {
-			return nil, fmt.Errorf("millrace: register %s: %w", MetricUnknownTypes, err)
-		}
-		b.unknownTypes = c
-	}
-	return b.unknownTypes, nil
+	return b.sharedCounter(&b.unknownTypes, prometheus.CounterOpts{
+		Name: MetricUnknownTypes,
+		Help: "Events a typed handler had no route for, by handler and event type (acked or poisoned, as WithUnknownTypes says).",
+	}, "handler", "event_type")
 }
 
 // decodeEvent decodes ev's payload into a T at t's version.

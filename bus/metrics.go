@@ -10,6 +10,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/millrace-io/millrace/internal/promreg"
 )
 
 // Names of the metrics bus registers itself (the chain's are middleware's).
@@ -53,6 +55,22 @@ func newLagMetric(reg prometheus.Registerer) (*prometheus.HistogramVec, error) {
 		return nil, fmt.Errorf("millrace: register %s: %w", MetricConsumerLag, err)
 	}
 	return lag, nil
+}
+
+// sharedCounter returns the counter *slot holds, registering the one opts
+// and labels describe on the Bus's registry first when it holds none (or
+// sharing the one another Bus registered there).
+func (b *Bus) sharedCounter(slot **prometheus.CounterVec, opts prometheus.CounterOpts, labels ...string) (*prometheus.CounterVec, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if *slot == nil {
+		c, err := promreg.Register(b.registerer, prometheus.NewCounterVec(opts, labels))
+		if err != nil {
+			return nil, fmt.Errorf("millrace: register %s: %w", opts.Name, err)
+		}
+		*slot = c
+	}
+	return *slot, nil
 }
 
 // MetricsHandler serves the Bus's metrics (relay, consumers, circuit

@@ -16,7 +16,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/millrace-io/millrace/internal/names"
-	"github.com/millrace-io/millrace/internal/promreg"
 	"github.com/millrace-io/millrace/internal/store"
 	"github.com/millrace-io/millrace/middleware"
 )
@@ -549,19 +548,10 @@ type sagaRetention struct {
 
 // sagaUnmatchedCounter registers millrace_saga_unmatched_total once.
 func (b *Bus) sagaUnmatchedCounter() (*prometheus.CounterVec, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.sagaUnmatched == nil {
-		c, err := promreg.Register(b.registerer, prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: MetricSagaUnmatched,
-			Help: "Saga events that found no running instance (none started, or completed), by saga and event type; ignored or poisoned as the saga's Unmatched rule says.",
-		}, []string{"saga", "event_type"}))
-		if err != nil {
-			return nil, fmt.Errorf("millrace: register %s: %w", MetricSagaUnmatched, err)
-		}
-		b.sagaUnmatched = c
-	}
-	return b.sagaUnmatched, nil
+	return b.sharedCounter(&b.sagaUnmatched, prometheus.CounterOpts{
+		Name: MetricSagaUnmatched,
+		Help: "Saga events that found no running instance (none started, or completed), by saga and event type; ignored or poisoned as the saga's Unmatched rule says.",
+	}, "saga", "event_type")
 }
 
 // pruneSagas deletes completed sagas past their retention, and step errors

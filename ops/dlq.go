@@ -315,8 +315,7 @@ func (b *replayBatch) warn(format string, args ...any) {
 
 // replay is the DLQ's Replay in tx.
 func (p poisonTable) replay(ctx context.Context, tx *sql.Tx, sel Selection, opts ReplayOptions, res *ReplayResult[ReplayedEntry, SkippedEntry]) error {
-	rows, token, err := p.selected(ctx, tx, sel, true, opts.DryRun)
-	res.Selection = token
+	rows, err := p.selected(ctx, tx, sel, true, opts.DryRun, &res.Selection)
 	if err != nil {
 		return err
 	}

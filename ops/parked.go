@@ -182,8 +182,7 @@ func (t Table[R, D, E, S]) Skip(ctx context.Context, sel Selection, dryRun bool)
 
 // skip is the DLQ's Skip in tx.
 func (p poisonTable) skip(ctx context.Context, tx *sql.Tx, sel Selection, dryRun bool, res *SkipResult[PoisonedMessage]) error {
-	rows, token, err := p.selected(ctx, tx, sel, false, dryRun)
-	res.Selection = token
+	rows, err := p.selected(ctx, tx, sel, false, dryRun, &res.Selection)
 	if err != nil || len(rows) == 0 {
 		return err
 	}

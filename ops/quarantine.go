@@ -132,8 +132,7 @@ type QuarantineSkipped struct {
 
 // replay is the relay quarantine's Replay in tx.
 func (q quarantineTable) replay(ctx context.Context, tx *sql.Tx, sel Selection, opts ReplayOptions, res *ReplayResult[QuarantinedRow, QuarantineSkipped]) error {
-	rows, token, err := q.selected(ctx, tx, sel, true, opts.DryRun)
-	res.Selection = token
+	rows, err := q.selected(ctx, tx, sel, true, opts.DryRun, &res.Selection)
 	if err != nil {
 		return err
 	}

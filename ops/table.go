@@ -241,26 +241,27 @@ func (k rows[X, R, Q]) list(ctx context.Context, f Filter, limit int) (List[R], 
 
 // selected reads in tx the rows sel selects (locked unless dryRun) and
 // checks them against sel: every id found, and the state Expect names.
-func (k rows[X, R, Q]) selected(ctx context.Context, tx *sql.Tx, sel Selection, full, dryRun bool) ([]X, string, error) {
+// token receives the selection's token once the rows are read, the
+// result's Selection.
+func (k rows[X, R, Q]) selected(ctx context.Context, tx *sql.Tx, sel Selection, full, dryRun bool, token *string) ([]X, error) {
 	found, err := k.read(ctx, tx, k.query(sel.Filter, sel.IDs, store.Read{Full: full, Lock: !dryRun, Limit: sel.Limit}))
 	if err != nil {
-		return nil, "", err
+		return nil, err
 	}
 	ids := make(map[int64]bool, len(found))
 	for _, r := range found {
 		ids[k.id(r)] = true
 	}
 	if err := missingIDs(k.what, sel.IDs, ids); err != nil {
-		return nil, "", err
+		return nil, err
 	}
-	token, err := checkSelection(k.what, found, k.version, sel.Expect)
-	return found, token, err
+	*token, err = checkSelection(k.what, found, k.version, sel.Expect)
+	return found, err
 }
 
 // purge deletes the rows sel selects, unless dryRun.
 func (k rows[X, R, Q]) purge(ctx context.Context, tx *sql.Tx, sel Selection, dryRun bool, res *PurgeResult[R]) error {
-	found, token, err := k.selected(ctx, tx, sel, false, dryRun)
-	res.Selection = token
+	found, err := k.selected(ctx, tx, sel, false, dryRun, &res.Selection)
 	if err != nil {
 		return err
 	}

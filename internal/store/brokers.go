@@ -59,15 +59,24 @@ func (e *BrokerChangeError) Unwrap() error { return ErrBrokerChanged }
 // none is recorded yet (or the table is missing: an outbox migrated before
 // it).
 func (t Tables) RecordedBroker(ctx context.Context, db DBTX) (string, error) {
-	var kind string
-	err := db.QueryRowContext(ctx, `SELECT broker_kind FROM `+t.BrokersTable()+` WHERE outbox_topic = $1`, t.OutboxTopic).Scan(&kind)
+	return recorded(ctx, db, t, `SELECT broker_kind FROM `+t.BrokersTable(), "", "the broker")
+}
+
+// recorded reads what query (a SELECT of one column from a table with a
+// row per outbox) records for t's outbox, or returns none when nothing is
+// recorded (or the table is missing: an outbox migrated before it). Its
+// error says it could not read what of the outbox.
+func recorded[T any](ctx context.Context, db DBTX, t Tables, query string, none T, what string) (T, error) {
+	v := none
+	err := db.QueryRowContext(ctx, query+` WHERE outbox_topic = $1`, t.OutboxTopic).Scan(&v)
 	switch {
 	case errors.Is(err, sql.ErrNoRows), isUndefinedTable(err):
-		return "", nil
+		return none, nil
 	case err != nil:
-		return "", fmt.Errorf("read the broker of %s: %w", t.OutboxTable(), err)
+		var zero T
+		return zero, fmt.Errorf("read %s of %s: %w", what, t.OutboxTable(), err)
 	}
-	return kind, nil
+	return v, nil
 }
 
 // RecordBroker makes kind the broker.kind the outbox is relayed to. A

@@ -113,15 +113,7 @@ func (e *ShardsChangeError) Unwrap() error { return ErrShardsChanged }
 // until RecordShards recorded another, and 1 when the count table is
 // missing (an outbox migrated before shards, which has only shard 0).
 func (t Tables) RecordedShards(ctx context.Context, db DBTX) (int, error) {
-	var n int
-	err := db.QueryRowContext(ctx, `SELECT shards FROM `+t.ShardsTable()+` WHERE outbox_topic = $1`, t.OutboxTopic).Scan(&n)
-	switch {
-	case errors.Is(err, sql.ErrNoRows), isUndefinedTable(err):
-		return 1, nil
-	case err != nil:
-		return 0, fmt.Errorf("read the shard count of %s: %w", t.OutboxTable(), err)
-	}
-	return n, nil
+	return recorded(ctx, db, t, `SELECT shards FROM `+t.ShardsTable(), 1, "the shard count")
 }
 
 // RecordShards makes n the outbox's shard count for group, if it is not

@@ -62,8 +62,7 @@ func IsFingerprint(s string) bool {
 
 // poisonFilter is f as the store takes it, with ids.
 func poisonFilter(f Filter, ids []int64) store.PoisonFilter {
-	return store.PoisonFilter{IDs: ids, Topic: f.Topic, Handler: f.Handler, Group: f.Group, Reason: f.Reason,
-		Since: f.Since.b, Until: f.Until.b, Replayed: f.Replayed, Fingerprint: f.Fingerprint}
+	return store.PoisonFilter{RowFilter: rowFilter(f, ids), Handler: f.Handler, Group: f.Group, Fingerprint: f.Fingerprint}
 }
 
 // poisonQuery is the store query of the poison rows f (and ids) selects,

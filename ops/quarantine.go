@@ -26,8 +26,7 @@ import (
 // quarantineQuery is the store query of the quarantine rows f (and ids)
 // selects, read as r says.
 func quarantineQuery(f Filter, ids []int64, r store.Read) store.QuarantineQuery {
-	return store.QuarantineQuery{Read: r, Filter: store.QuarantineFilter{IDs: ids, Topic: f.Topic, Reason: f.Reason,
-		Since: f.Since.b, Until: f.Until.b, Replayed: f.Replayed}}
+	return store.QuarantineQuery{Read: r, Filter: rowFilter(f, ids)}
 }
 
 // check refuses the filter fields the relay quarantine lacks.

@@ -50,6 +50,12 @@ func (f Filter) IsZero() bool {
 	return f == Filter{}
 }
 
+// rowFilter is what f selects by in every table, as the store takes it,
+// with ids.
+func rowFilter(f Filter, ids []int64) store.RowFilter {
+	return store.RowFilter{IDs: ids, Topic: f.Topic, Reason: f.Reason, Since: f.Since.b, Until: f.Until.b, Replayed: f.Replayed}
+}
+
 // Selection is what a replay or purge acts on: IDs, a Filter, or All,
 // exactly one of them.
 type Selection struct {

@@ -104,33 +104,49 @@ const fingerprint = `left(md5(p.error_class || E'\x1f' || ` + reasonNormalised +
 // FingerprintLength is the length of a failure fingerprint in hex digits.
 const FingerprintLength = 12
 
-// PoisonFilter selects rows of the poison table; the zero filter selects all.
-type PoisonFilter struct {
-	IDs                   []int64
-	Topic, Handler, Group string
-	// Fingerprint matches rows of one failure group (PoisonGroups).
-	Fingerprint string
-	// Reason matches rows whose failure reason contains it, case-insensitively.
+// RowFilter is what the filters of the operators' tables (PoisonFilter,
+// the relay quarantine's) select by; the zero filter selects all.
+type RowFilter struct {
+	IDs   []int64
+	Topic string
+	// Reason matches rows whose reason contains it, case-insensitively.
 	Reason string
-	// Since and Until bound poisoned_at: Since <= poisoned_at < Until.
+	// Since and Until bound the time a row was set aside (poisoned_at,
+	// quarantined_at): Since <= it < Until.
 	Since, Until TimeBound
 	// Replayed, when set, selects rows replayed (true) or not replayed
-	// (false) since they were last poisoned.
+	// (false) since they were set aside.
 	Replayed *bool
+}
+
+// conditions returns f's SQL conditions on the table aliased alias, whose
+// topic and at columns hold a row's topic and the time it was set aside,
+// appending their arguments to args.
+func (f RowFilter) conditions(args *[]any, alias, topic, at string) conditions {
+	c := conditions{args: args}
+	c.ids(alias+".id", f.IDs)
+	c.equal(alias+"."+topic, f.Topic)
+	c.contains(alias+".reason", f.Reason)
+	c.between(alias+"."+at, f.Since, f.Until)
+	c.isSet(alias+".replayed_at", f.Replayed)
+	return c
+}
+
+// PoisonFilter selects rows of the poison table; the zero filter selects all.
+type PoisonFilter struct {
+	RowFilter
+	Handler, Group string
+	// Fingerprint matches rows of one failure group (PoisonGroups).
+	Fingerprint string
 }
 
 // where returns the filter's SQL conditions on the poison table p,
 // appending their arguments to args.
 func (f PoisonFilter) where(args *[]any) []string {
-	c := conditions{args: args}
-	c.ids("p.id", f.IDs)
-	c.equal("p.source_topic", f.Topic)
+	c := f.conditions(args, "p", "source_topic", "poisoned_at")
 	c.equal("p.handler", f.Handler)
 	c.equal("p.consumer_group", f.Group)
 	c.equal(fingerprint, f.Fingerprint)
-	c.contains("p.reason", f.Reason)
-	c.between("p.poisoned_at", f.Since, f.Until)
-	c.isSet("p.replayed_at", f.Replayed)
 	return c.list
 }
 

@@ -23,34 +23,11 @@ func (t Tables) Quarantine(ctx context.Context, tx DBTX, r OutboxRow, topic, eve
 
 func nullable(s string) sql.NullString { return sql.NullString{String: s, Valid: s != ""} }
 
-// QuarantineFilter selects rows of the relay quarantine; the zero filter
-// selects all.
-type QuarantineFilter struct {
-	IDs   []int64
-	Topic string
-	// Reason matches rows whose reason contains it, case-insensitively.
-	Reason string
-	// Since and Until bound quarantined_at: Since <= quarantined_at < Until.
-	Since, Until TimeBound
-	// Replayed, when set, selects rows replayed (true) or not (false).
-	Replayed *bool
-}
-
-func (f QuarantineFilter) where(args *[]any) []string {
-	c := conditions{args: args}
-	c.ids("q.id", f.IDs)
-	c.equal("q.destination_topic", f.Topic)
-	c.contains("q.reason", f.Reason)
-	c.between("q.quarantined_at", f.Since, f.Until)
-	c.isSet("q.replayed_at", f.Replayed)
-	return c.list
-}
-
 // QuarantineQuery says which quarantine rows to read and how.
 // Read.NewestFirst orders by quarantined_at; Read.Full also reads the
 // payload (the outbox row's envelope) and metadata.
 type QuarantineQuery struct {
-	Filter QuarantineFilter
+	Filter RowFilter
 	Read
 }
 
@@ -82,7 +59,7 @@ func (t Tables) Quarantined(ctx context.Context, db DBTX, q QuarantineQuery) ([]
 	var args []any
 	var b strings.Builder
 	b.WriteString(`SELECT ` + cols + ` FROM ` + t.QuarantineTable() + ` q`)
-	q.finish(&b, q.Filter.where(&args), "q", "q.quarantined_at DESC, q.id DESC")
+	q.finish(&b, q.Filter.conditions(&args, "q", "destination_topic", "quarantined_at").list, "q", "q.quarantined_at DESC, q.id DESC")
 	rows, err := db.QueryContext(ctx, b.String(), args...)
 	return collect(rows, err, "read "+t.QuarantineTable(), func(rows *sql.Rows, r *QuarantineRow) error {
 		var replayed sql.NullTime

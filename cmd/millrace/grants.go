@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 
@@ -16,10 +15,7 @@ func init() {
 	commands = append(commands, command{
 		path:    "grants",
 		summary: "print the GRANT statements that give a service role exactly the privileges millrace needs at run time",
-		bind: func(fs *flag.FlagSet) runFunc {
-			role := fs.String("role", "", "the PostgreSQL role the services run as (required)")
-			return func(ctx context.Context, e env, args []string) error { return runGrants(ctx, e, args, *role) }
-		},
+		bind:    stringFlag("role", "the PostgreSQL role the services run as (required)", runGrants),
 	})
 }
 

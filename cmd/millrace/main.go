@@ -75,6 +75,15 @@ func noFlags(run runFunc) func(*flag.FlagSet) runFunc {
 	return func(*flag.FlagSet) runFunc { return run }
 }
 
+// stringFlag binds a command whose one flag of its own is the string flag
+// name (default ""), and runs run with its value.
+func stringFlag(name, usage string, run func(context.Context, env, []string, string) error) func(*flag.FlagSet) runFunc {
+	return func(fs *flag.FlagSet) runFunc {
+		v := fs.String(name, "", usage)
+		return func(ctx context.Context, e env, args []string) error { return run(ctx, e, args, *v) }
+	}
+}
+
 var commands []command
 
 func main() {

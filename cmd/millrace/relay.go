@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"database/sql"
-	"flag"
 	"fmt"
 	"io"
 
@@ -15,10 +14,7 @@ func init() {
 		path:    "relay",
 		broker:  true,
 		summary: "run the relay (outbox -> broker) until SIGTERM/SIGINT; relays of one outbox elect one active, the rest are hot standbys",
-		bind: func(fs *flag.FlagSet) runFunc {
-			metrics := fs.String("metrics", "", "serve Prometheus metrics at http://ADDR/metrics (overrides metrics.listen)")
-			return func(ctx context.Context, e env, args []string) error { return runRelay(ctx, e, args, *metrics) }
-		},
+		bind:    stringFlag("metrics", "serve Prometheus metrics at http://ADDR/metrics (overrides metrics.listen)", runRelay),
 	})
 }
 

@@ -133,6 +133,13 @@ func (b *Broker) register(s io.Closer) error {
 	return nil
 }
 
+// isClosed reports whether Close has been called.
+func (s *subscriber) isClosed() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.closed
+}
+
 // Subscribe provisions topic's stream and the group's consumer if needed and
 // returns the group's messages of topic. The channel closes when ctx is done
 // or the subscriber is closed; nothing is acked by that: messages handed out
@@ -142,10 +149,7 @@ func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	if err := s.SubscribeInitialize(topic); err != nil {
 		return nil, err
 	}
-	s.mu.Lock()
-	closed := s.closed
-	s.mu.Unlock()
-	if closed {
+	if s.isClosed() {
 		return nil, errSubscriberClosed
 	}
 	if s.b.isClosed() {

@@ -2,7 +2,6 @@ package forwarder_test
 
 import (
 	"context"
-	"errors"
 	"strconv"
 	"testing"
 	"time"
@@ -96,20 +95,9 @@ func TestReadAheadIsDroppedWhenTheBatchBeforeItIsPartial(t *testing.T) {
 	t.Parallel()
 	tb := setup(t)
 	broker := newMemoryBroker()
-	failed := map[string]bool{}
-	broker.fail = func(call int, m adapters.Outgoing) error {
-		// Once each, the 10th and the 35th event fail, retryably.
-		if v := m.Msg.Metadata.Get(bus.AggregateVersionKey); (v == "10" || v == "35") && !failed[m.Msg.UUID] {
-			failed[m.Msg.UUID] = true
-			return errors.New("broker hiccup")
-		}
-		return nil
-	}
-	var events []bus.Event
-	for v := 1; v <= 100; v++ {
-		events = append(events, event("a", v))
-	}
-	publish(t, tb, "things", events, 100)
+	// Once each, the 10th and the 35th event fail, retryably.
+	broker.fail = failOnce("10", "35")
+	publish(t, tb, "things", sequence("a", 100), 100)
 	cfg := testConfig()
 	cfg.BatchSize, cfg.MaxInFlight = 20, 20 // full batches: each one reads the next ahead
 	f, _ := start(t, tb, broker, cfg, nil)

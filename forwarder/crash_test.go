@@ -42,6 +42,14 @@ const (
 	childMetrics   = "MILLRACE_RELAY_METRICS" // address to serve /metrics on
 )
 
+func TestMain(m *testing.M) {
+	// The crash tests re-execute this test binary as a relay process.
+	if child.Role() == relayRole {
+		os.Exit(runRelayChild())
+	}
+	os.Exit(m.Run())
+}
+
 // runRelayChild runs a relay until SIGTERM, or kills itself with SIGKILL at
 // the point MILLRACE_RELAY_KILL names.
 func runRelayChild() int {

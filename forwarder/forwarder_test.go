@@ -5,13 +5,12 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"sync"
 	"testing"
 	"time"
 
-	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
-	wmforwarder "github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
@@ -174,6 +173,28 @@ func checkOrder(t *testing.T, got []adapters.Outgoing, aggregates, versions int)
 	}
 }
 
+// sequence is aggregate's events 1 to n, in order.
+func sequence(aggregate string, n int) []bus.Event {
+	events := make([]bus.Event, 0, n)
+	for v := 1; v <= n; v++ {
+		events = append(events, event(aggregate, v))
+	}
+	return events
+}
+
+// failOnce is a memoryBroker.fail that refuses each event of one of the
+// given aggregate versions once, retryably, and takes everything else.
+func failOnce(versions ...string) func(int, adapters.Outgoing) error {
+	failed := map[string]bool{}
+	return func(_ int, m adapters.Outgoing) error {
+		if slices.Contains(versions, m.Msg.Metadata.Get(bus.AggregateVersionKey)) && !failed[m.Msg.UUID] {
+			failed[m.Msg.UUID] = true
+			return errors.New("broker hiccup")
+		}
+		return nil
+	}
+}
+
 func interleaved(aggregates, versions int) []bus.Event {
 	var events []bus.Event
 	for v := 1; v <= versions; v++ {
@@ -247,20 +268,9 @@ func TestPartialBatchAcksConfirmedPrefixAndRetriesTheRest(t *testing.T) {
 	t.Parallel()
 	tb := setup(t)
 	broker := newMemoryBroker()
-	failed := map[string]bool{}
-	broker.fail = func(call int, m adapters.Outgoing) error {
-		// The 30th event fails once, retryably; later ones in its batch succeed.
-		if m.Msg.Metadata.Get(bus.AggregateVersionKey) == "30" && !failed[m.Msg.UUID] {
-			failed[m.Msg.UUID] = true
-			return errors.New("broker hiccup")
-		}
-		return nil
-	}
-	var events []bus.Event
-	for v := 1; v <= 60; v++ {
-		events = append(events, event("a", v))
-	}
-	publish(t, tb, "things", events, 60)
+	// The 30th event fails once, retryably; later ones in its batch succeed.
+	broker.fail = failOnce("30")
+	publish(t, tb, "things", sequence("a", 60), 60)
 	f, _ := start(t, tb, broker, testConfig(), nil)
 	testkit.Eventually(t, waitLimit, "nothing pending", func() bool { return pending(t, f) == 0 })
 
@@ -305,15 +315,7 @@ func TestUnreadableRowsAreQuarantinedAndDoNotBlock(t *testing.T) {
 	}
 	require.Equal(t, []string{"a/1", "a/2", "a/3"}, versions, "rows behind the bad ones keep flowing")
 
-	rows, err := tb.db.Query(`SELECT reason, coalesce(event_id, '') FROM "` + tb.outbox.Schema + `".millrace_relay_quarantine ORDER BY id`)
-	require.NoError(t, err)
-	defer rows.Close()
-	var reasons []string
-	for rows.Next() {
-		var reason, id string
-		require.NoError(t, rows.Scan(&reason, &id))
-		reasons = append(reasons, reason)
-	}
+	reasons := testdb.Column[string](t, tb.db, `SELECT reason FROM "`+tb.outbox.Schema+`".millrace_relay_quarantine ORDER BY id`)
 	require.Len(t, reasons, 3)
 	require.Contains(t, reasons[0], "not valid JSON")
 	require.Contains(t, reasons[1], "no destination_topic")
@@ -363,17 +365,9 @@ func TestStopDoesNotAckUnconfirmedBatch(t *testing.T) {
 	cfg.ShutdownTimeout = 300 * time.Millisecond
 	f, err := forwarder.New(tb.db, blocked, tb.outbox, cfg, forwarder.Options{})
 	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- f.Run(ctx) }()
+	running := testkit.Start(t, f.Run)
 	<-blocked.entered
-	cancel()
-	select {
-	case err := <-done:
-		require.NoError(t, err)
-	case <-time.After(30 * time.Second):
-		t.Fatal("relay did not stop after its shutdown timeout")
-	}
+	require.NoError(t, running.Stop(t, 30*time.Second), "the relay stops after its shutdown timeout")
 	require.EqualValues(t, 20, pending(t, f), "the abandoned batch was not acked")
 
 	broker := newMemoryBroker()
@@ -477,19 +471,9 @@ func TestRateLimitBoundsTheDrain(t *testing.T) {
 func TestRelaysRowsWrittenByPlainWatermill(t *testing.T) {
 	t.Parallel()
 	tb := setup(t)
-	tx, err := tb.db.Begin()
-	require.NoError(t, err)
-	sqlPub, err := watermillsql.NewPublisher(tx, watermillsql.PublisherConfig{
-		SchemaAdapter: watermillsql.DefaultPostgreSQLSchema{
-			GenerateMessagesTableName: func(topic string) string { return `"` + tb.outbox.Schema + `"."watermill_` + topic + `"` },
-		},
-	}, nil)
-	require.NoError(t, err)
-	pub := wmforwarder.NewPublisher(sqlPub, wmforwarder.PublisherConfig{ForwarderTopic: tb.outbox.Topic})
 	msg := message.NewMessage("0b7d7e8e-2f5d-4a3e-8c61-3c2d1e0f9a8b", []byte(`{"legacy":true}`))
 	msg.Metadata.Set("x-custom", "kept")
-	require.NoError(t, pub.Publish("legacy.events", msg))
-	require.NoError(t, tx.Commit())
+	brokertest.WriteOutboxWithWatermill(t, tb.db, tb.cfg, "legacy.events", msg)
 
 	broker := newMemoryBroker()
 	start(t, tb, broker, testConfig(), nil)

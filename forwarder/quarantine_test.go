@@ -14,6 +14,7 @@ import (
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
+	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 )
 
@@ -91,16 +92,7 @@ func testQuarantine(t *testing.T, kind string) {
 	testkit.Eventually(t, waitLimit, "nothing pending", func() bool { return pending(t, f) == 0 })
 	require.Equal(t, good, e.got.distinct(), "only the good rows reached the broker")
 
-	rows, err := e.db.Query(`SELECT destination_topic, reason FROM "` + e.cfg.Database.Schema + `".millrace_relay_quarantine ORDER BY id`)
-	require.NoError(t, err)
-	defer rows.Close()
-	var reasons []string
-	for rows.Next() {
-		var topic, reason string
-		require.NoError(t, rows.Scan(&topic, &reason))
-		reasons = append(reasons, reason)
-	}
-	require.NoError(t, rows.Err())
+	reasons := testdb.Column[string](t, e.db, `SELECT reason FROM "`+e.cfg.Database.Schema+`".millrace_relay_quarantine ORDER BY id`)
 	require.Len(t, reasons, len(bad), "every bad row, and only they, quarantined: %q", reasons)
 	for i, b := range bad {
 		require.Contains(t, reasons[i], b.reason, "row %d's reason names what is wrong", i)

@@ -118,12 +118,20 @@ func (c collector) handle(_ context.Context, b wal.Batch) error {
 // next returns the next transaction delivered.
 func (c collector) next(t *testing.T) wal.Transaction {
 	t.Helper()
+	return receive(t, c, "transaction delivered")
+}
+
+// receive returns the next value of c, and fails t when none (what) comes
+// within waitFor.
+func receive[T any](t *testing.T, c <-chan T, what string) T {
+	t.Helper()
 	select {
-	case tx := <-c:
-		return tx
+	case v := <-c:
+		return v
 	case <-time.After(waitFor):
-		t.Fatalf("no transaction delivered within %s", waitFor)
-		return wal.Transaction{}
+		t.Fatalf("no %s within %s", what, waitFor)
+		var zero T
+		return zero
 	}
 }
 

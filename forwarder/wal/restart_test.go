@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"testing"
-	"time"
 
 	"github.com/millrace-io/millrace/forwarder/wal"
 )
@@ -28,14 +27,14 @@ func testRestartRedelivers(t *testing.T, s *logicalServer) {
 		<-ctx.Done()
 		return ctx.Err()
 	})
-	b1 := receive(t, acked)
+	b1 := receive(t, acked, "batch")
 	if got := uuids(b1.Transactions[0]); got != "u1" {
 		t.Fatalf("first batch %q, want u1", got)
 	}
 	slotStatus(t, cfg, r.Slot(), "u1 is confirmed", func(st wal.SlotStatus) bool { return st.ConfirmedFlushLSN >= b1.LSN() })
 	insert(t, s.db, cfg, "u2")
 	insert(t, s.db, cfg, "u3")
-	b2 := receive(t, held)
+	b2 := receive(t, held, "batch")
 	rn.stop(t) // mid-stream, u2's batch unconfirmed
 	st := slotStatus(t, cfg, r.Slot(), "the slot is released", func(st wal.SlotStatus) bool { return !st.Active })
 	if st.ConfirmedFlushLSN > b2.Transactions[0].CommitLSN {
@@ -79,18 +78,6 @@ func testHeartbeatAdvances(t *testing.T, s *logicalServer) {
 	// Only one reader at a time: another is told the slot is read.
 	if err := newReader(t, cfg).Run(context.Background(), newCollector().handle); !errors.Is(err, wal.ErrSlotActive) {
 		t.Errorf("a second Run: %v, want ErrSlotActive", err)
-	}
-}
-
-// receive returns the next batch of c.
-func receive(t *testing.T, c chan wal.Batch) wal.Batch {
-	t.Helper()
-	select {
-	case b := <-c:
-		return b
-	case <-time.After(waitFor):
-		t.Fatalf("no batch within %s", waitFor)
-		return wal.Batch{}
 	}
 }
 

@@ -506,15 +506,22 @@ func TestNATSClusterFaults(t *testing.T) {
 			w.fault()
 			c.WaitJetStream()
 		}
-		w.moreEffects(200)
-		stop()
-		recovery := w.settle(settleTimeout)
-		// A publish that failed during a failover is retried after later
-		// events of its batch went out (as on a broker restart): order is
-		// not promised.
-		w.record(result{scenario: clusterFaults, broker: kind, faults: "1 leader SIGKILL, 1 leader SIGSTOP, 3 restarts",
-			o: w.check(false), recovery: recovery, note: "streams at replicas 3; the clients were given all three URLs; " + w.clientLogs()})
+		w.recordClusterFaults(stop, "streams at replicas 3")
 	})
+}
+
+// recordClusterFaults ends a clusterFaults scenario: once 200 more events
+// had their effect, stop ends the service's writes, the world settles and
+// its outcome is recorded, with note on the cluster and the clients' logs.
+// A publish that failed during a failover is retried after later events of
+// its batch went out (as on a broker restart): order is not promised.
+func (w *world) recordClusterFaults(stop func(), note string) {
+	w.t.Helper()
+	w.moreEffects(200)
+	stop()
+	recovery := w.settle(settleTimeout)
+	w.record(result{scenario: clusterFaults, broker: w.kind, faults: "1 leader SIGKILL, 1 leader SIGSTOP, 3 restarts",
+		o: w.check(false), recovery: recovery, note: note + "; the clients were given all three URLs; " + w.clientLogs()})
 }
 
 // partitionFor is how long TestNATSClusterPartition keeps the stream
@@ -647,13 +654,7 @@ func TestRabbitMQClusterFaults(t *testing.T) {
 			n.Restart()
 			w.fault()
 		}
-		w.moreEffects(200)
-		stop()
-		recovery := w.settle(settleTimeout)
-		// A publish that failed during a failover is retried after later
-		// events of its batch went out: order is not promised.
-		w.record(result{scenario: clusterFaults, broker: kind, faults: "1 leader SIGKILL, 1 leader SIGSTOP, 3 restarts",
-			o: w.check(false), recovery: recovery, note: "a quorum queue with members on the three nodes; the clients were given all three URLs; " + w.clientLogs()})
+		w.recordClusterFaults(stop, "a quorum queue with members on the three nodes")
 	})
 }
 

@@ -135,8 +135,7 @@ func TestPgBouncerSharesServerBackends(t *testing.T) {
 	t.Parallel()
 	pg := StartPostgreSQL(t)
 	b := StartPgBouncer(t, pg.URL)
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
+	ctx := testContext(t)
 	url := b.URL("postgres") + "&default_query_exec_mode=simple_protocol"
 
 	client, other := connect(t, ctx, url), connect(t, ctx, url)
@@ -188,8 +187,7 @@ func TestPgBouncerRestart(t *testing.T) {
 	t.Parallel()
 	pg := StartPostgreSQL(t)
 	b := StartPgBouncer(t, pg.URL)
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
+	ctx := testContext(t)
 	db, err := sql.Open("pgx", b.URL("postgres")+"&default_query_exec_mode=exec")
 	require.NoError(t, err)
 	defer db.Close()

@@ -15,8 +15,17 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/require"
 
+	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 )
+
+// testContext is a context that ends with t, or two minutes after it
+// started, whichever comes first.
+func testContext(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+	t.Cleanup(cancel)
+	return ctx
+}
 
 // A stream and its message survive a restart and a kill of the private
 // NATS server, which comes back on the same URL; a client that was
@@ -24,8 +33,7 @@ import (
 func TestNATS(t *testing.T) {
 	t.Parallel()
 	srv := StartNATS(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
+	ctx := testContext(t)
 
 	// connect opens a JetStream client on srv.URL, closed when the test ends.
 	connect := func(opts ...nats.Option) (*nats.Conn, jetstream.JetStream) {
@@ -133,29 +141,10 @@ func TestEmbeddedNATS(t *testing.T) {
 func TestPostgreSQL(t *testing.T) {
 	t.Parallel()
 	pg := StartPostgreSQL(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
+	ctx := testContext(t)
 
-	open := func() *sql.DB {
-		db, err := sql.Open("pgx", pg.URL)
-		require.NoError(t, err)
-		t.Cleanup(func() { db.Close() })
-		return db
-	}
-	rows := func(db *sql.DB) []string {
-		t.Helper()
-		r, err := db.QueryContext(ctx, `SELECT note FROM kept ORDER BY id`)
-		require.NoError(t, err)
-		defer r.Close()
-		var notes []string
-		for r.Next() {
-			var note string
-			require.NoError(t, r.Scan(&note))
-			notes = append(notes, note)
-		}
-		require.NoError(t, r.Err())
-		return notes
-	}
+	open := func() *sql.DB { return testdb.OpenURL(t, pg.URL) }
+	rows := func(db *sql.DB) []string { return testdb.Column[string](t, db, `SELECT note FROM kept ORDER BY id`) }
 
 	db := open()
 	_, err := db.ExecContext(ctx, `CREATE TABLE kept (id int PRIMARY KEY, note text NOT NULL)`)
@@ -205,6 +194,20 @@ func r3Stream(t *testing.T, ctx context.Context, c *NATSCluster) jetstream.JetSt
 	return js
 }
 
+// publishR3 publishes data on r3.x until the stream acknowledges it, for
+// a minute at most (what names it in the failure). A publish sent while the
+// stream has no leader gets no answer: each attempt has its own bound, or
+// one of them would hold the whole wait.
+func publishR3(t *testing.T, ctx context.Context, js jetstream.JetStream, data []byte, what string, opts ...jetstream.PublishOpt) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		pubCtx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		_, err := js.Publish(pubCtx, "r3.x", data, opts...)
+		return err == nil
+	}, time.Minute, 100*time.Millisecond, what)
+}
+
 // A 3-node JetStream cluster keeps a replicated stream through a SIGKILL of
 // its leader (another node takes over, publishing goes on and nothing
 // stored is lost), the killed node's rejoining, and a pause of a follower
@@ -212,21 +215,12 @@ func r3Stream(t *testing.T, ctx context.Context, c *NATSCluster) jetstream.JetSt
 func TestNATSCluster(t *testing.T) {
 	t.Parallel()
 	c := StartNATSCluster(t, 3)
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
+	ctx := testContext(t)
 	js := r3Stream(t, ctx, c)
 	publish := func(n int) {
 		t.Helper()
 		for i := range n {
-			require.Eventually(t, func() bool {
-				// A publish sent while the stream has no leader gets no
-				// answer: each attempt has its own bound, or one of them
-				// would hold the whole wait.
-				pubCtx, cancel := context.WithTimeout(ctx, 2*time.Second)
-				defer cancel()
-				_, err := js.Publish(pubCtx, "r3.x", []byte{byte(i)})
-				return err == nil
-			}, time.Minute, 100*time.Millisecond, "publish during failover")
+			publishR3(t, ctx, js, []byte{byte(i)}, "publish during failover")
 		}
 	}
 	publish(10)
@@ -281,12 +275,7 @@ func TestNATSClusterPartition(t *testing.T) {
 	publish := func(n int) {
 		t.Helper()
 		for i := range n {
-			require.Eventually(t, func() bool {
-				pubCtx, cancel := context.WithTimeout(ctx, 2*time.Second)
-				defer cancel()
-				_, err := js.Publish(pubCtx, "r3.x", []byte{byte(i)}, jetstream.WithMsgID(fmt.Sprintf("m%d", acked)))
-				return err == nil
-			}, time.Minute, 100*time.Millisecond, "publish")
+			publishR3(t, ctx, js, []byte{byte(i)}, "publish", jetstream.WithMsgID(fmt.Sprintf("m%d", acked)))
 			acked++
 		}
 	}

@@ -69,8 +69,7 @@ func TestPostgreSQLWithConf(t *testing.T) {
 func TestPrimaryStandbyAsynchronous(t *testing.T) {
 	t.Parallel()
 	s := StartPrimaryStandby(t, Asynchronous, PostgreSQLOptions{})
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
+	ctx := testContext(t)
 	primary, standby := open(t, s.Primary.URL), open(t, s.Standby.URL)
 	_, err := primary.ExecContext(ctx, `CREATE TABLE kept (id int PRIMARY KEY); INSERT INTO kept VALUES (1)`)
 	require.NoError(t, err)
@@ -113,8 +112,7 @@ func TestPrimaryStandbyAsynchronous(t *testing.T) {
 func TestPrimaryStandbySynchronous(t *testing.T) {
 	t.Parallel()
 	s := StartPrimaryStandby(t, Synchronous, PostgreSQLOptions{})
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
+	ctx := testContext(t)
 	primary := open(t, s.Primary.URL)
 	var syncState string
 	require.NoError(t, primary.QueryRowContext(ctx, `SELECT sync_state FROM pg_stat_replication WHERE application_name = $1`,
@@ -153,8 +151,7 @@ func TestPrimaryStandbySynchronous(t *testing.T) {
 func TestPrimaryStandbyFailover(t *testing.T) {
 	t.Parallel()
 	s := StartPrimaryStandby(t, Synchronous, PostgreSQLOptions{})
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
+	ctx := testContext(t)
 	cfg, err := pgx.ParseConfig(s.URL)
 	require.NoError(t, err)
 	require.Len(t, cfg.Fallbacks, 1, "pgx reads two hosts from %s", s.URL)

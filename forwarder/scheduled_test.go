@@ -6,52 +6,18 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"slices"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/stretchr/testify/require"
 
-	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/bus"
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
 	"github.com/millrace-io/millrace/ops"
 )
-
-// arrivals records when each event id first reached a consumer group.
-type arrivals struct {
-	mu    sync.Mutex
-	first map[string]time.Time
-}
-
-func recordArrivals(t *testing.T, broker adapters.Broker, topic, group string) *arrivals {
-	ch := brokertest.Subscribe(t, broker, topic, group)
-	a := &arrivals{first: map[string]time.Time{}}
-	go func() {
-		for m := range ch {
-			now := time.Now()
-			a.mu.Lock()
-			if _, ok := a.first[m.UUID]; !ok {
-				a.first[m.UUID] = now
-			}
-			a.mu.Unlock()
-			m.Ack()
-		}
-	}()
-	return a
-}
-
-func (a *arrivals) count() int { a.mu.Lock(); defer a.mu.Unlock(); return len(a.first) }
-
-func (a *arrivals) at(id string) (time.Time, bool) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	at, ok := a.first[id]
-	return at, ok
-}
 
 // percentile is the p-th percentile (0-100) of sorted ds.
 func percentile(ds []time.Duration, p int) time.Duration {
@@ -76,7 +42,7 @@ func TestScheduledEventsArePublishedWhenDue(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	e := newEndToEnd(t, bus.KindNATS, "sched")
-	got := recordArrivals(t, e.broker, e.topic, e.topic+"-when")
+	got := brokertest.RecordArrivals(t, e.broker, e.topic, e.topic+"-when")
 	f, err := forwarder.New(e.db, e.broker, forwarder.Outbox{Schema: e.cfg.Database.Schema, Topic: e.cfg.Outbox.Topic}, e.cfg.Relay, forwarder.Options{})
 	require.NoError(t, err)
 	runCtx, stop := context.WithCancel(ctx)
@@ -92,15 +58,15 @@ func TestScheduledEventsArePublishedWhenDue(t *testing.T) {
 	cancel := scheduleAndCancel(t, e, cancelled)
 	committed := publishWhileWaiting(t, e, start, immediate, window)
 
-	testkit.Eventually(t, waitLimit, "every event published", func() bool { return got.count() >= scheduled+immediate })
+	testkit.Eventually(t, waitLimit, "every event published", func() bool { return got.Distinct() >= scheduled+immediate })
 	entered := outboxEntries(t, e)
 	move := checkScheduledArrivals(t, got, due, from, entered, committed)
 	// Every cancelled event was due seconds ago.
 	for _, id := range cancel {
-		_, ok := got.at(id)
+		_, ok := got.At(id)
 		require.False(t, ok, "cancelled event %s was published", id)
 	}
-	require.Equal(t, scheduled+immediate, got.count(), "only the events not cancelled are published")
+	require.Equal(t, scheduled+immediate, got.Distinct(), "only the events not cancelled are published")
 	behind := 0 // committed after their due time
 	for id, at := range due {
 		if from[id] != at {
@@ -219,12 +185,12 @@ func outboxEntries(t *testing.T, e endToEnd) map[string]time.Time {
 // earlier than due, and every immediate one arrived, and logs how long
 // each part took. It returns, sorted, how long each scheduled event took
 // from due (or commit) to the outbox.
-func checkScheduledArrivals(t *testing.T, got *arrivals, due, from, entered, committed map[string]time.Time) (move []time.Duration) {
+func checkScheduledArrivals(t *testing.T, got *brokertest.Arrivals, due, from, entered, committed map[string]time.Time) (move []time.Duration) {
 	// late is from due (or commit) to the consumer, relayed from the outbox
 	// to the consumer, lag from commit to the consumer of an immediate event.
 	var late, relayed, lag []time.Duration
 	for id, at := range due {
-		arrived, ok := got.at(id)
+		arrived, ok := got.At(id)
 		require.True(t, ok, "scheduled event %s never published", id)
 		require.False(t, arrived.Before(at), "scheduled event %s published %s before its due time", id, at.Sub(arrived))
 		in, ok := entered[id]
@@ -234,7 +200,7 @@ func checkScheduledArrivals(t *testing.T, got *arrivals, due, from, entered, com
 		relayed = append(relayed, arrived.Sub(in))
 	}
 	for id, at := range committed {
-		arrived, ok := got.at(id)
+		arrived, ok := got.At(id)
 		require.True(t, ok, "immediate event %s never published", id)
 		lag = append(lag, arrived.Sub(at))
 	}

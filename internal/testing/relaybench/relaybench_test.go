@@ -30,6 +30,7 @@ import (
 	"github.com/millrace-io/millrace/forwarder"
 	"github.com/millrace-io/millrace/forwarder/wal"
 	"github.com/millrace-io/millrace/internal/store"
+	"github.com/millrace-io/millrace/internal/testing/brokertest"
 	"github.com/millrace-io/millrace/internal/testing/servers"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
@@ -195,7 +196,7 @@ type run struct {
 	pub    *bus.Bus
 	tables store.Tables
 	topic  string
-	c      *consumer
+	c      *brokertest.Arrivals
 	procs  []*childProcess
 	sent   int // events committed so far
 	// mark is where PostgreSQL stood before the backlog's commit; pgCPU
@@ -212,7 +213,7 @@ func measure(b *testing.B, pg *servers.PostgreSQL, kind, relay string) result {
 	if !drained {
 		// Stock Watermill on a slow broker: its rate is what the consumer
 		// got meanwhile, and the rest of the run is skipped.
-		rate := float64(r.c.distinct()) / drain.Seconds()
+		rate := float64(r.c.Distinct()) / drain.Seconds()
 		r.stop()
 		return result{kind: kind, relay: relay, drainRate: rate, undrained: true}
 	}
@@ -234,8 +235,8 @@ func measure(b *testing.B, pg *servers.PostgreSQL, kind, relay string) result {
 		held:        held,
 		idleQueries: idle,
 		peakRSSMB:   rss,
-		delivered:   r.c.total(),
-		duplicates:  r.c.total() - r.c.distinct(),
+		delivered:   r.c.Total(),
+		duplicates:  r.c.Total() - r.c.Distinct(),
 		pgCPU:       r.pgCPU,
 		walMB:       r.walMB,
 	}
@@ -288,7 +289,7 @@ func newRun(b *testing.B, ctx context.Context, pg *servers.PostgreSQL, kind, rel
 	if err := broker.Provision(ctx, r.topic, group); err != nil {
 		b.Fatal(err)
 	}
-	r.c = startConsumer(b, ctx, broker, r.topic, group)
+	r.c = brokertest.RecordArrivals(b, broker, r.topic, group)
 	r.tables = store.Tables{Schema: schema, OutboxTopic: cfg.Outbox.Topic}
 	if relay == shardedRelay {
 		// Recorded before the backlog is written, as the procedure for a
@@ -352,7 +353,7 @@ func (r *run) drain(b *testing.B, ctx context.Context) (time.Duration, bool) {
 			b.Fatalf("after the drain: outbox status %+v, %v", st, err)
 		}
 	}
-	testkit.Eventually(b, 10*time.Minute, "the consumer to get the backlog", func() bool { return r.c.distinct() >= backlogEvents })
+	testkit.Eventually(b, 10*time.Minute, "the consumer to get the backlog", func() bool { return r.c.Distinct() >= backlogEvents })
 	return took, true
 }
 
@@ -368,7 +369,7 @@ func (r *run) pending(b *testing.B, ctx context.Context) bool {
 	if walSource(r.relay) {
 		// Whatever the table holds, the slot holds too, and with
 		// wal_messages the table holds nothing: the consumer tells.
-		return r.c.distinct() < backlogEvents
+		return r.c.Distinct() < backlogEvents
 	}
 	if r.relay == "watermill" {
 		var pending bool
@@ -458,12 +459,13 @@ func (r *run) latencyAt(b *testing.B, ctx context.Context, tr trickle, hold bool
 		end()
 	}
 	n := len(committed)
-	testkit.Eventually(b, 5*time.Minute, fmt.Sprintf("the %d/s trickle to arrive", tr.rate), func() bool { return r.c.distinct() >= r.sent+n })
+	testkit.Eventually(b, 5*time.Minute, fmt.Sprintf("the %d/s trickle to arrive", tr.rate), func() bool { return r.c.Distinct() >= r.sent+n })
 	r.sent += n
 	lat := make([]time.Duration, 0, n)
 	var last time.Time
 	for id, at := range committed {
-		lat = append(lat, r.c.firstSeen(id).Sub(at))
+		arrived, _ := r.c.At(id)
+		lat = append(lat, arrived.Sub(at))
 		if at.After(last) {
 			last = at
 		}
@@ -553,47 +555,6 @@ func relayGroup(relay string) string {
 		return "reference_relay"
 	}
 	return "millrace_relay"
-}
-
-// consumer records when each event id first arrived.
-type consumer struct {
-	mu    sync.Mutex
-	seen  map[string]time.Time
-	count int
-}
-
-func startConsumer(b *testing.B, ctx context.Context, broker adapters.Broker, topic, group string) *consumer {
-	sub, err := broker.Subscriber(adapters.SubscriberSpec{Group: group})
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { sub.Close() })
-	ch, err := sub.Subscribe(ctx, topic)
-	if err != nil {
-		b.Fatal(err)
-	}
-	c := &consumer{seen: map[string]time.Time{}}
-	go func() {
-		for m := range ch {
-			now := time.Now()
-			c.mu.Lock()
-			if _, ok := c.seen[m.UUID]; !ok {
-				c.seen[m.UUID] = now
-			}
-			c.count++
-			c.mu.Unlock()
-			m.Ack()
-		}
-	}()
-	return c
-}
-
-func (c *consumer) distinct() int { c.mu.Lock(); defer c.mu.Unlock(); return len(c.seen) }
-func (c *consumer) total() int    { c.mu.Lock(); defer c.mu.Unlock(); return c.count }
-func (c *consumer) firstSeen(id string) time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.seen[id]
 }
 
 // relayRole is the child.Role of a relay process; RELAYBENCH_CHILD names

@@ -52,12 +52,7 @@ func testThroughPooler(t *testing.T, pooled string) {
 	for i := range relays {
 		f, err := forwarder.New(db, broker, tb.outbox, cfg, forwarder.Options{})
 		require.NoError(t, err)
-		relays[i] = f
-		runCtx, stop := context.WithCancel(ctx)
-		done := make(chan error, 1)
-		go func() { done <- f.Run(runCtx) }()
-		stops[i] = stop
-		t.Cleanup(func() { stop(); require.NoError(t, <-done) })
+		relays[i], stops[i] = f, run(t, f)
 	}
 	// Each relay knows its role once it has opened its notifier, which
 	// decides whether it polls: the standby may still be opening its own

@@ -48,13 +48,7 @@ func TestBacklogGaugesRiseWhileTheBrokerIsDown(t *testing.T) {
 	broker, err := nats.Open(ctx, nats.Config{URL: srv.URL}, adapters.Options{})
 	require.NoError(t, err)
 	t.Cleanup(func() { broker.Close() })
-	oc, err := ops.New(ctx, tb.db, tb.cfg)
-	require.NoError(t, err)
-	status := func() ops.OutboxStatus {
-		st, err := oc.OutboxStatus(ctx, "")
-		require.NoError(t, err)
-		return st
-	}
+	status := func() ops.OutboxStatus { return outboxStatus(t, tb) }
 
 	reg := prometheus.NewRegistry()
 	cfg := testConfig()

@@ -232,6 +232,17 @@ func TestForwardsCommittedEventsInCommitOrder(t *testing.T) {
 	require.Equal(t, float64(len(events)), metricValue(t, reg, "millrace_relay_messages_forwarded_total"))
 }
 
+// outboxStatus is what the ops API (`millrace outbox status`) says of tb's
+// outbox.
+func outboxStatus(t *testing.T, tb bundle) ops.OutboxStatus {
+	t.Helper()
+	oc, err := ops.New(context.Background(), tb.db, tb.cfg)
+	require.NoError(t, err)
+	st, err := oc.OutboxStatus(context.Background(), "")
+	require.NoError(t, err)
+	return st
+}
+
 // metricValue sums the values of a gathered counter or gauge.
 func metricValue(t *testing.T, reg *prometheus.Registry, name string) float64 {
 	t.Helper()
@@ -521,10 +532,7 @@ func TestOutboxStatusReportsTheOutboxState(t *testing.T) {
 	t.Parallel()
 	tb := setup(t)
 	publish(t, tb, "things", interleaved(2, 5), 5)
-	oc, err := ops.New(context.Background(), tb.db, tb.cfg)
-	require.NoError(t, err)
-	st, err := oc.OutboxStatus(context.Background(), "")
-	require.NoError(t, err)
+	st := outboxStatus(t, tb)
 	require.EqualValues(t, 10, st.Pending)
 	require.Positive(t, st.OldestPendingAge)
 	require.Zero(t, st.Forwarded)
@@ -533,8 +541,7 @@ func TestOutboxStatusReportsTheOutboxState(t *testing.T) {
 	broker := newMemoryBroker()
 	f, _ := start(t, tb, broker, testConfig(), nil)
 	testkit.Eventually(t, waitLimit, "nothing pending", func() bool { return pending(t, f) == 0 })
-	st, err = oc.OutboxStatus(context.Background(), "")
-	require.NoError(t, err)
+	st = outboxStatus(t, tb)
 	require.Zero(t, st.Pending)
 	require.Zero(t, st.OldestPendingAge)
 	require.EqualValues(t, 10, st.Forwarded, "forwarded rows stay for the retention period")

@@ -21,7 +21,6 @@ import (
 	"github.com/millrace-io/millrace/internal/testing/servers"
 	"github.com/millrace-io/millrace/internal/testing/testdb"
 	"github.com/millrace-io/millrace/internal/testing/testkit"
-	"github.com/millrace-io/millrace/ops"
 )
 
 func shardedConfig(n int) forwarder.Config {
@@ -91,10 +90,7 @@ func TestShardedRelaysSpreadTheShardsAndTakeOverAStoppedOne(t *testing.T) {
 
 	// The ops API (`millrace outbox status`) shows the shards, their owners
 	// (the two running relays) and their backlog.
-	oc, err := ops.New(context.Background(), tb.db, tb.cfg)
-	require.NoError(t, err)
-	st, err := oc.OutboxStatus(context.Background(), "")
-	require.NoError(t, err)
+	st := outboxStatus(t, tb)
 	require.Equal(t, 8, st.Shards)
 	require.Zero(t, st.Pending)
 	require.EqualValues(t, len(events)+1, st.Forwarded)
@@ -135,10 +131,7 @@ func TestOutboxStatusShowsEachShardsBacklog(t *testing.T) {
 	tables := store.Tables{Schema: tb.outbox.Schema, OutboxTopic: tb.outbox.Topic}
 	require.NoError(t, tables.RecordShards(context.Background(), tb.db, tb.cfg.Relay.ConsumerGroup, 8))
 	publish(t, tb, "things", interleaved(50, 2), 10)
-	oc, err := ops.New(context.Background(), tb.db, tb.cfg)
-	require.NoError(t, err)
-	st, err := oc.OutboxStatus(context.Background(), "")
-	require.NoError(t, err)
+	st := outboxStatus(t, tb)
 	require.Equal(t, 8, st.Shards)
 	require.EqualValues(t, 100, st.Pending)
 	require.Positive(t, st.OldestPendingAge)

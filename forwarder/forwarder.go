@@ -18,6 +18,7 @@ import (
 	"golang.org/x/time/rate"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/internal/sleep"
 	"github.com/millrace-io/millrace/internal/store"
 )
 
@@ -205,7 +206,7 @@ func (f *Forwarder) Run(ctx context.Context) error {
 		}
 		wait := retry.NextBackOff()
 		f.logger.Error("Relay lost its lease or could not connect; retrying", err, watermill.LogFields{"retry_in": wait.String()})
-		if !sleep(ctx, wait) {
+		if !sleep.For(ctx, wait) {
 			break
 		}
 	}
@@ -269,7 +270,7 @@ func (f *Forwarder) forwardLoop(ctx context.Context, wake <-chan struct{}, lost 
 				f.metrics.publishErrors.WithLabelValues(errorClassRetryable).Inc()
 				wait := retry.NextBackOff()
 				f.logger.Error("Relay batch failed; backing off", err, watermill.LogFields{"retry_in": wait.String()})
-				if !sleep(ctx, wait) {
+				if !sleep.For(ctx, wait) {
 					return nil
 				}
 				continue
@@ -303,15 +304,4 @@ func (f *Forwarder) newBackoff() *backoff.ExponentialBackOff {
 	b.Multiplier = 2
 	b.Reset()
 	return b
-}
-
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
 }

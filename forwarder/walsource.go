@@ -18,6 +18,7 @@ import (
 	"github.com/millrace-io/millrace/internal/confload"
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/names"
+	"github.com/millrace-io/millrace/internal/sleep"
 	"github.com/millrace-io/millrace/internal/store"
 )
 
@@ -230,7 +231,7 @@ func (f *Forwarder) runReader(ctx context.Context, r *wal.Reader) error {
 		case time.Since(since) >= f.cfg.LeaseTTL:
 			return err
 		}
-		if !sleep(ctx, walSlotPoll) {
+		if !sleep.For(ctx, walSlotPoll) {
 			return err
 		}
 	}
@@ -480,7 +481,7 @@ func (f *Forwarder) publishInOrder(ctx context.Context, rows []outboxRow) error 
 		f.metrics.publishErrors.WithLabelValues(errorClassRetryable).Inc()
 		wait := retry.NextBackOff()
 		f.logger.Error("Relay batch failed; backing off", err, watermill.LogFields{"retry_in": wait.String()})
-		if !sleep(ctx, wait) {
+		if !sleep.For(ctx, wait) {
 			return err
 		}
 		f.health.beat()

@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/millrace-io/millrace/internal/envelope"
+	"github.com/millrace-io/millrace/internal/sleep"
 	"github.com/millrace-io/millrace/internal/store"
 )
 
@@ -232,7 +233,7 @@ func (p *parkedSource) drain(ctx context.Context, k store.ParkKey, done chan<- s
 			continue
 		}
 		if !p.handOn(ctx, k, m) {
-			_ = sleepCtx(ctx, parkPoll) // nacked: hand it on again after a pause
+			sleep.For(ctx, parkPoll) // nacked: hand it on again after a pause
 		}
 	}
 }
@@ -276,7 +277,7 @@ func (p *parkedSource) pause(ctx context.Context, msg string, err error, k store
 	if ctx.Err() == nil {
 		p.c.stack.logger.Error(msg, err, watermill.LogFields{"handler": p.c.spec.Name, "order_key": k.Key})
 	}
-	_ = sleepCtx(ctx, parkPoll)
+	sleep.For(ctx, parkPoll)
 }
 
 // parkTables are the tables Stack.Check requires for parking.

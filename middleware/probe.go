@@ -81,7 +81,7 @@ func (b *breaker) waitUp(ctx context.Context, w *breakerWaiter) error {
 			}
 			continue
 		}
-		err := sleepCtx(ctx, b.timeout)
+		err := sleepFor(ctx, b.timeout)
 		if err == nil {
 			err = b.ask(ctx)
 		}

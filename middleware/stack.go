@@ -21,6 +21,7 @@ import (
 
 	"github.com/millrace-io/millrace/internal/confload"
 	"github.com/millrace-io/millrace/internal/names"
+	"github.com/millrace-io/millrace/internal/sleep"
 	"github.com/millrace-io/millrace/internal/store"
 )
 
@@ -123,7 +124,7 @@ func New(cfg Config, deps Deps) (*Stack, error) {
 		logger:  deps.Logger,
 		metrics: m,
 		now:     time.Now,
-		sleep:   sleepCtx,
+		sleep:   sleepFor,
 		chains:  map[string]*Chain{},
 		groups:  map[string]string{},
 	}
@@ -539,13 +540,11 @@ func (c *Chain) logFields(d *delivery, extra watermill.LogFields) watermill.LogF
 	return f.Add(extra)
 }
 
-func sleepCtx(ctx context.Context, d time.Duration) error {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
+// sleepFor is sleep.For as the stack's sleep: nil after d, the context's
+// cause once it ends first.
+func sleepFor(ctx context.Context, d time.Duration) error {
+	if sleep.For(ctx, d) {
 		return nil
-	case <-ctx.Done():
-		return context.Cause(ctx)
 	}
+	return context.Cause(ctx)
 }

@@ -22,6 +22,7 @@ import (
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/adapters/internal/adapterkit"
 	"github.com/millrace-io/millrace/adapters/kafka/internal/devcluster"
+	"github.com/millrace-io/millrace/internal/sleep"
 )
 
 // Broker is a Kafka connection with millrace's reliable defaults: one
@@ -141,7 +142,7 @@ func connect(ctx context.Context, cfg Config, opts adapters.Options) (*kgo.Clien
 			return client, nil
 		}
 		var opErr *net.OpError
-		if !errors.As(err, &opErr) || opErr.Op != "dial" || !sleep(ctx, 250*time.Millisecond) {
+		if !errors.As(err, &opErr) || opErr.Op != "dial" || !sleep.For(ctx, 250*time.Millisecond) {
 			break
 		}
 	}
@@ -155,17 +156,6 @@ func connect(ctx context.Context, cfg Config, opts adapters.Options) (*kgo.Clien
 		return nil, adapterkit.Unreachable(Kind, where, fmt.Errorf("no answer within %s (broker.connect_timeout): %w%s", opts.ConnectTimeout, err, hint))
 	}
 	return nil, adapterkit.Unreachable(Kind, where, fmt.Errorf("%w%s", err, hint))
-}
-
-// sleep waits for d, or returns false once ctx ends. (An unfired
-// time.After timer is collected since Go 1.23, so it needs no Stop.)
-func sleep(ctx context.Context, d time.Duration) bool {
-	select {
-	case <-ctx.Done():
-		return false
-	case <-time.After(d):
-		return true
-	}
 }
 
 // security describes how connections are secured, for errors: never the password.

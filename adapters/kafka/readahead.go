@@ -16,6 +16,7 @@ import (
 
 	"github.com/millrace-io/millrace/internal/envelope"
 	"github.com/millrace-io/millrace/internal/names"
+	"github.com/millrace-io/millrace/internal/sleep"
 )
 
 const (
@@ -170,7 +171,7 @@ func (h *readAheadHandler) run(group sarama.ConsumerGroup, cancel context.Cancel
 			h.s.b.logger.Error("Kafka read-ahead subscription interrupted, resuming", err, watermill.LogFields{
 				"consumer_group": h.s.group, "topic": h.topics[0], "retry_in": h.s.b.cfg.ReconnectDelay.String(),
 			})
-			if !sleep(h.ctx, h.s.b.cfg.ReconnectDelay) {
+			if !sleep.For(h.ctx, h.s.b.cfg.ReconnectDelay) {
 				return
 			}
 		}

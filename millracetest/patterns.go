@@ -7,6 +7,8 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/ThreeDotsLabs/watermill/message"
+
 	"github.com/millrace-io/millrace/bus"
 )
 
@@ -96,13 +98,11 @@ func (h *Harness) Deliver(evs ...bus.Event) []bus.Event {
 // inbox on, the second delivery is a duplicate and the handler does not run.
 func (h *Harness) DeliverTwice(ev bus.Event) bus.Event {
 	h.t.Helper()
-	msg, delivered := h.prepareOne(ev)
-	if msg == nil {
-		return bus.Event{}
-	}
-	h.untilAcked(msg, "DeliverTwice", "first copy")
-	h.untilAcked(msg, "DeliverTwice", "second copy")
-	return delivered
+	return h.once(ev, func(msg *message.Message) {
+		h.t.Helper()
+		h.untilAcked(msg, "DeliverTwice", "first copy")
+		h.untilAcked(msg, "DeliverTwice", "second copy")
+	})
 }
 
 // CrashAfterEffectBeforeAck delivers ev; the chain runs the handler and
@@ -112,14 +112,7 @@ func (h *Harness) DeliverTwice(ev bus.Event) bus.Event {
 // redelivery is a duplicate and the handler does not run again.
 func (h *Harness) CrashAfterEffectBeforeAck(ev bus.Event) bus.Event {
 	h.t.Helper()
-	msg, delivered := h.prepareOne(ev)
-	if msg == nil {
-		return bus.Event{}
-	}
-	h.deliver(h.current, msg, "CrashAfterEffectBeforeAck", "the chain returns, then the process dies before the ack", deliverOpts{loseAck: true})
-	h.restart()
-	h.untilAcked(msg, "CrashAfterEffectBeforeAck", "redelivered to the restarted process")
-	return delivered
+	return h.faulty(ev, "CrashAfterEffectBeforeAck", "the chain returns, then the process dies before the ack", deliverOpts{loseAck: true})
 }
 
 // CrashBeforeCommit delivers ev; the handler runs to its end (whatever it
@@ -135,19 +128,7 @@ func (h *Harness) CrashAfterEffectBeforeAck(ev bus.Event) bus.Event {
 // is recorded as the chain ended it.
 func (h *Harness) CrashBeforeCommit(ev bus.Event) bus.Event {
 	h.t.Helper()
-	msg, delivered := h.prepareOne(ev)
-	if msg == nil {
-		return bus.Event{}
-	}
-	d := h.deliver(h.current, msg, "CrashBeforeCommit", "the process dies when the handler returns, before the commit", deliverOpts{crash: true})
-	switch {
-	case d.Outcome == OutcomeCrashed:
-		h.restart()
-		h.untilAcked(msg, "CrashBeforeCommit", "redelivered to the restarted process")
-	case !d.Acked:
-		h.untilAcked(msg, "CrashBeforeCommit", "redelivered after a nack")
-	}
-	return delivered
+	return h.faulty(ev, "CrashBeforeCommit", "the process dies when the handler returns, before the commit", deliverOpts{crash: true})
 }
 
 // FailCommitOnce delivers ev; after the handler's first successful run the
@@ -158,15 +139,7 @@ func (h *Harness) CrashBeforeCommit(ev bus.Event) bus.Event {
 // effects made outside bus.Tx, here without a crash.
 func (h *Harness) FailCommitOnce(ev bus.Event) bus.Event {
 	h.t.Helper()
-	msg, delivered := h.prepareOne(ev)
-	if msg == nil {
-		return bus.Event{}
-	}
-	d := h.deliver(h.current, msg, "FailCommitOnce", "the first commit fails and the chain retries", deliverOpts{failCommit: true})
-	if !d.Acked {
-		h.untilAcked(msg, "FailCommitOnce", "redelivered after a nack")
-	}
-	return delivered
+	return h.faulty(ev, "FailCommitOnce", "the first commit fails and the chain retries", deliverOpts{failCommit: true})
 }
 
 // DeliverConcurrently delivers ev to copies consumer processes at the same
@@ -181,40 +154,69 @@ func (h *Harness) DeliverConcurrently(ev bus.Event, copies int) bus.Event {
 		h.t.Fatalf("millracetest: DeliverConcurrently: copies must be at least 2; got %d", copies)
 		return bus.Event{}
 	}
+	return h.once(ev, func(msg *message.Message) {
+		h.t.Helper()
+		procs := []*process{h.current}
+		ctx, cancel := context.WithTimeout(context.Background(), setupTimeout)
+		defer cancel()
+		for range copies - 1 {
+			p, err := h.newProcess(ctx)
+			if err != nil {
+				h.t.Fatalf("millracetest: DeliverConcurrently: start a consumer process: %v", err)
+				return
+			}
+			procs = append(procs, p)
+		}
+		results := make([]Delivery, len(procs))
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		for i, p := range procs {
+			wg.Go(func() {
+				<-start
+				results[i] = h.deliver(p, msg, "DeliverConcurrently", fmt.Sprintf("copy %d of %d, at the same time", i+1, copies), deliverOpts{})
+			})
+		}
+		close(start)
+		wg.Wait()
+		for _, p := range procs[1:] {
+			p.bus.Close()
+		}
+		if slices.ContainsFunc(results, func(d Delivery) bool { return !d.Acked }) &&
+			!slices.ContainsFunc(results, func(d Delivery) bool { return d.Acked }) {
+			h.untilAcked(msg, "DeliverConcurrently", "redelivered after a nack")
+		}
+	})
+}
+
+// once prepares ev, runs a pattern's deliveries of it and returns it as
+// the handler received it, id assigned.
+func (h *Harness) once(ev bus.Event, deliveries func(msg *message.Message)) bus.Event {
+	h.t.Helper()
 	msg, delivered := h.prepareOne(ev)
 	if msg == nil {
 		return bus.Event{}
 	}
-	procs := []*process{h.current}
-	ctx, cancel := context.WithTimeout(context.Background(), setupTimeout)
-	defer cancel()
-	for range copies - 1 {
-		p, err := h.newProcess(ctx)
-		if err != nil {
-			h.t.Fatalf("millracetest: DeliverConcurrently: start a consumer process: %v", err)
-			return bus.Event{}
-		}
-		procs = append(procs, p)
-	}
-	results := make([]Delivery, len(procs))
-	start := make(chan struct{})
-	var wg sync.WaitGroup
-	for i, p := range procs {
-		wg.Go(func() {
-			<-start
-			results[i] = h.deliver(p, msg, "DeliverConcurrently", fmt.Sprintf("copy %d of %d, at the same time", i+1, copies), deliverOpts{})
-		})
-	}
-	close(start)
-	wg.Wait()
-	for _, p := range procs[1:] {
-		p.bus.Close()
-	}
-	if slices.ContainsFunc(results, func(d Delivery) bool { return !d.Acked }) &&
-		!slices.ContainsFunc(results, func(d Delivery) bool { return d.Acked }) {
-		h.untilAcked(msg, "DeliverConcurrently", "redelivered after a nack")
-	}
+	deliveries(msg)
 	return delivered
+}
+
+// faulty delivers ev once with the fault o injects, then again until it is
+// acked: to a restarted process when the first one died (it lost the ack,
+// or crashed in the handler), else after a nack. It returns ev as the
+// handler received it, id assigned.
+func (h *Harness) faulty(ev bus.Event, pattern, step string, o deliverOpts) bus.Event {
+	h.t.Helper()
+	return h.once(ev, func(msg *message.Message) {
+		h.t.Helper()
+		d := h.deliver(h.current, msg, pattern, step, o)
+		switch {
+		case o.loseAck || d.Outcome == OutcomeCrashed:
+			h.restart()
+			h.untilAcked(msg, pattern, "redelivered to the restarted process")
+		case !d.Acked:
+			h.untilAcked(msg, pattern, "redelivered after a nack")
+		}
+	})
 }
 
 // Reorder delivers evs in the opposite order to the one given (and

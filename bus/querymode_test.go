@@ -540,13 +540,7 @@ func (f *modeFlow) poisonAndReplay() {
 	})
 	require.Equal(f.t, 1, f.effects(f.handler, sent.ID), "the duplicate had no effect")
 
-	purge := ops.Selection{Filter: ops.Filter{Handler: f.handler}}
-	would, err := f.ops.DLQ().Purge(f.ctx, purge, true)
-	require.NoError(f.t, err)
-	require.Len(f.t, would.Purged, 1)
-	purge.Expect = would.Selection
-	_, err = f.ops.DLQ().Purge(f.ctx, purge, false)
-	require.NoError(f.t, err)
+	purgeReviewed(f, f.ops.DLQ(), ops.Selection{Filter: ops.Filter{Handler: f.handler}}, 1)
 	list, err = f.ops.DLQ().List(f.ctx, ops.Filter{}, 0)
 	require.NoError(f.t, err)
 	require.Len(f.t, list.Rows, 1, "batched's poisoned event is left")
@@ -716,12 +710,17 @@ func (f *modeFlow) quarantineAndReplay() {
 	detail, err = f.ops.Quarantine().Get(f.ctx, list.Rows[0].ID)
 	require.NoError(f.t, err)
 	require.True(f.t, bytes.Equal(env, detail.Envelope), "replayed envelope: wrote %q, stored %q", env, detail.Envelope)
-	all := ops.Selection{All: true}
-	would, err := f.ops.Quarantine().Purge(f.ctx, all, true)
+	purgeReviewed(f, f.ops.Quarantine(), ops.Selection{All: true}, 2)
+}
+
+// purgeReviewed purges sel from table as an operator does: a dry run that
+// must select want rows, then the purge of what it showed.
+func purgeReviewed[R, D, E, S any](f *modeFlow, table ops.Table[R, D, E, S], sel ops.Selection, want int) {
+	would, err := table.Purge(f.ctx, sel, true)
 	require.NoError(f.t, err)
-	require.Len(f.t, would.Purged, 2)
-	all.Expect = would.Selection
-	_, err = f.ops.Quarantine().Purge(f.ctx, all, false)
+	require.Len(f.t, would.Purged, want)
+	sel.Expect = would.Selection
+	_, err = table.Purge(f.ctx, sel, false)
 	require.NoError(f.t, err)
 }
 

@@ -85,8 +85,7 @@ func TestWALRelayUnseenCommit(t *testing.T) {
 	db := testdb.OpenURL(t, url)
 	r := newWALRig(t, url, db, bus.KindNATS, bus.OutboxModeTable)
 	r.cfg.Relay.BacklogInterval = 200 * time.Millisecond // how often a late relay looks for what it waits on
-	s := r.start(t)
-	r.awaitStreaming(t)
+	s := r.startStreaming(t)
 
 	conn, err := db.Conn(ctx)
 	require.NoError(t, err)
@@ -280,6 +279,15 @@ func (r *walRig) leftOffsets(t *testing.T) []int64 {
 		r.cfg.WithDefaults().Outbox.Topic+`" ORDER BY "offset"`)
 }
 
+// startStreaming starts a service and waits until its relay streams the
+// rig's slot.
+func (r *walRig) startStreaming(t *testing.T) *walService {
+	t.Helper()
+	s := r.start(t)
+	r.awaitStreaming(t)
+	return s
+}
+
 // awaitStreaming waits until a relay streams the rig's slot: a WAL sender
 // holds it (while the slot is created, the creating backend holds it, and
 // the creation waits for the transactions open meanwhile).
@@ -301,9 +309,8 @@ func (r *walRig) awaitStreaming(t *testing.T) {
 // the forwarded rows leave the outbox table.
 func testWALCommitOrder(t *testing.T, r *walRig) {
 	ctx := context.Background()
-	s := r.start(t)
 	// Creating the slot waits for the transactions open at that moment.
-	r.awaitStreaming(t)
+	s := r.startStreaming(t)
 	open, err := r.db.BeginTx(ctx, nil)
 	require.NoError(t, err)
 	defer open.Rollback() //nolint:errcheck // a no-op after Commit
@@ -357,8 +364,7 @@ func (s *walService) awaitForwarded(t *testing.T, n float64) map[string]float64 
 // eight to a transaction, arrive once each and in order per aggregate.
 func testWALShards(t *testing.T, r *walRig) {
 	r.cfg.Relay.Shards = new(4)
-	s := r.start(t)
-	r.awaitStreaming(t)
+	s := r.startStreaming(t)
 	const aggregates, versions = 8, 10
 	for v := range int64(versions) {
 		events := make([]bus.Event, aggregates)
@@ -407,8 +413,7 @@ func testWALRestart(t *testing.T, r *walRig) {
 // moves it into the outbox table, and the slot sees that insert.
 func testWALScheduled(t *testing.T, r *walRig) {
 	ctx := context.Background()
-	s := r.start(t)
-	r.awaitStreaming(t)
+	s := r.startStreaming(t)
 	tx, err := r.db.BeginTx(ctx, nil)
 	require.NoError(t, err)
 	_, err = s.bus.Schedule(ctx, tx, r.topic, bus.DueIn(300*time.Millisecond), walEvent(2))
@@ -422,8 +427,7 @@ func testWALScheduled(t *testing.T, r *walRig) {
 // logical message alike: JSON with white space, escapes, HTML characters
 // and non-ASCII text, and metadata with the same.
 func testWALBytes(t *testing.T, r *walRig) {
-	s := r.start(t)
-	r.awaitStreaming(t)
+	s := r.startStreaming(t)
 	payload := []byte("{ \"b\" : \"<é> & \\u00e9 😀\",\n\t\"a\": [1.50, 2e3, null] }")
 	meta := map[string]string{"note": "<tag> & \"quote\" ünï"}
 	ev := walEvent(1)
@@ -568,8 +572,7 @@ func TestWALRelayLeastPrivilege(t *testing.T) {
 	}
 	_, err = admin.Exec(publication)
 	require.NoError(t, err)
-	s := r.start(t)
-	r.awaitStreaming(t)
+	s := r.startStreaming(t)
 	s.publish(t, r.topic, 1, 2, 3, 4, 5)
 	s.await(t, 1, 2, 3, 4, 5)
 	testkit.Eventually(t, walWait, "the forwarded rows deleted", func() bool { return r.outboxRows(t) == 0 })

@@ -49,6 +49,14 @@ func setup(t *testing.T, change ...func(*bus.Config)) testBundle {
 	return testBundle{bus: b, db: db, schema: schema, cfg: b.Config()}
 }
 
+// begin begins a transaction on the bundle's database.
+func (tb testBundle) begin(t *testing.T) *sql.Tx {
+	t.Helper()
+	tx, err := tb.db.BeginTx(context.Background(), nil)
+	require.NoError(t, err)
+	return tx
+}
+
 // outboxRow is one row of the outbox table, unwrapped.
 type outboxRow struct {
 	topic string
@@ -95,9 +103,8 @@ func TestPublishCommitWritesEnvelope(t *testing.T) {
 	ctx, span := tp.Tracer("test").Start(ctx, "create order")
 	defer span.End()
 
-	tx, err := tb.db.BeginTx(ctx, nil)
-	require.NoError(t, err)
-	_, err = tx.ExecContext(ctx, `CREATE TABLE "`+tb.schema+`".orders (id text primary key)`)
+	tx := tb.begin(t)
+	_, err := tx.ExecContext(ctx, `CREATE TABLE "`+tb.schema+`".orders (id text primary key)`)
 	require.NoError(t, err)
 	_, err = tx.ExecContext(ctx, `INSERT INTO "`+tb.schema+`".orders VALUES ('o-1')`)
 	require.NoError(t, err)
@@ -137,8 +144,7 @@ func TestPublishRollbackLeavesNothing(t *testing.T) {
 	t.Parallel()
 	tb := setup(t)
 	ctx := context.Background()
-	tx, err := tb.db.BeginTx(ctx, nil)
-	require.NoError(t, err)
+	tx := tb.begin(t)
 	require.NoError(t, tb.bus.Publish(ctx, tx, "orders.events", orderCreated("o-1"), orderCreated("o-2")))
 	require.NoError(t, tx.Rollback())
 	require.Empty(t, tb.outbox(t))
@@ -281,9 +287,8 @@ func TestBadInputIsRefusedAndWritesNothing(t *testing.T) {
 		{"reserved metadata key", "orders", []bus.Event{reserved}, bus.ErrInvalidField, "Metadata"},
 	}
 	for _, tc := range cases {
-		tx, err := tb.db.BeginTx(ctx, nil)
-		require.NoError(t, err)
-		err = tb.bus.Publish(ctx, tx, tc.topic, tc.events...)
+		tx := tb.begin(t)
+		err := tb.bus.Publish(ctx, tx, tc.topic, tc.events...)
 		require.ErrorIs(t, err, tc.want, tc.name)
 		if tc.field != "" {
 			var ee *bus.EventError

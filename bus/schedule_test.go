@@ -30,8 +30,7 @@ func TestScheduleRefusesBadInput(t *testing.T) {
 	t.Parallel()
 	tb := setup(t)
 	ctx := context.Background()
-	tx, err := tb.db.BeginTx(ctx, nil)
-	require.NoError(t, err)
+	tx := tb.begin(t)
 	defer tx.Rollback()
 
 	for _, c := range []struct {
@@ -52,7 +51,7 @@ func TestScheduleRefusesBadInput(t *testing.T) {
 	}
 	bad := orderCreated("o-1")
 	bad.AggregateID = ""
-	_, err = tb.bus.Schedule(ctx, tx, "orders.events", bus.DueIn(time.Minute), orderCreated("o-2"), bad)
+	_, err := tb.bus.Schedule(ctx, tx, "orders.events", bus.DueIn(time.Minute), orderCreated("o-2"), bad)
 	var ee *bus.EventError
 	require.ErrorAs(t, err, &ee)
 	require.Equal(t, "AggregateID", ee.Field)
@@ -93,14 +92,12 @@ func TestScheduledEventEntersTheOutboxAsPublishWritesIt(t *testing.T) {
 	event.OccurredAt = time.Date(2026, 3, 4, 5, 6, 7, 8, time.UTC)
 	event.Metadata = map[string]string{"tenant": "acme", "note": "ü \"quoted\"\n"}
 
-	tx, err := tb.db.BeginTx(ctx, nil)
-	require.NoError(t, err)
+	tx := tb.begin(t)
 	require.NoError(t, tb.bus.Publish(ctx, tx, "orders.events", event))
 	require.NoError(t, tx.Commit())
 
-	tx, err = tb.db.BeginTx(ctx, nil)
-	require.NoError(t, err)
-	_, err = tb.bus.Schedule(ctx, tx, "orders.events", bus.DueIn(0), orderCreated("ghost"))
+	tx = tb.begin(t)
+	_, err := tb.bus.Schedule(ctx, tx, "orders.events", bus.DueIn(0), orderCreated("ghost"))
 	require.NoError(t, err)
 	require.NoError(t, tx.Rollback())
 
@@ -144,8 +141,7 @@ func TestCancelScheduled(t *testing.T) {
 	ctx := context.Background()
 	placed := bus.Must(bus.NewTopic[placedV2]("orders.events", bus.Version(2)))
 
-	tx, err := tb.db.BeginTx(ctx, nil)
-	require.NoError(t, err)
+	tx := tb.begin(t)
 	later, err := placed.Schedule(ctx, tb.bus, tx, bus.DueIn(time.Hour), placedV2{OrderID: "o-1"}, placedV2{OrderID: "o-2"})
 	require.NoError(t, err)
 	due, err := tb.bus.Schedule(ctx, tx, "orders.events", bus.DueIn(0), orderCreated("o-3"))
@@ -161,8 +157,7 @@ func TestCancelScheduled(t *testing.T) {
 	_, _, _, err = tb.tables().MoveDue(ctx, tb.db, 100)
 	require.NoError(t, err)
 	cancel := func(id string) error {
-		tx, err := tb.db.BeginTx(ctx, nil)
-		require.NoError(t, err)
+		tx := tb.begin(t)
 		if err := tb.bus.CancelScheduled(ctx, tx, id); err != nil {
 			_ = tx.Rollback()
 			return err

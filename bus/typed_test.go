@@ -111,8 +111,7 @@ func TestTypedPublishWritesTheDeclaredEnvelope(t *testing.T) {
 	placed := bus.Must(bus.NewTopic[placedV2]("orders.events", bus.Version(2), bus.Upcast(1, upcastPlaced)))
 	pbTopic := bus.Must(bus.NewTopic[*testpb.OrderPlaced]("orders.pb", bus.WithCodec(bus.CodecProtobuf)))
 
-	tx, err := tb.db.BeginTx(ctx, nil)
-	require.NoError(t, err)
+	tx := tb.begin(t)
 	require.NoError(t, placed.Publish(ctx, tb.bus, tx, placedV2{OrderID: "o-1", TotalCents: 4200}, placedV2{OrderID: "o-2", TotalCents: 1}))
 	require.NoError(t, pbTopic.Publish(ctx, tb.bus, tx, &testpb.OrderPlaced{OrderId: "o-3", TotalCents: 7, Items: []string{"book"}}))
 	require.NoError(t, tx.Commit())
@@ -146,9 +145,8 @@ func TestTypedPublishRefusesBeforeWriting(t *testing.T) {
 	pb := bus.Must(bus.NewTopic[*testpb.OrderPlaced]("orders.pb", bus.WithCodec(bus.CodecProtobuf)))
 	bare := bus.Must(bus.NewTopic[noAggregate]("orders.bare"))
 
-	tx, err := tb.db.BeginTx(ctx, nil)
-	require.NoError(t, err)
-	err = pb.Publish(ctx, tb.bus, tx, &testpb.OrderPlaced{OrderId: "o-1"}, nil)
+	tx := tb.begin(t)
+	err := pb.Publish(ctx, tb.bus, tx, &testpb.OrderPlaced{OrderId: "o-1"}, nil)
 	var ee *bus.EventError
 	require.ErrorAs(t, err, &ee)
 	require.Equal(t, 1, ee.Index)

@@ -41,10 +41,7 @@ func (e placedV3) Aggregate() (string, string) { return "order", e.OrderID }
 
 // placedBeforeRename is placedV2 as the publishing service still calls it:
 // a Go rename keeps the wire name.
-type placedBeforeRename struct {
-	OrderID    string `json:"order_id"`
-	TotalCents int64  `json:"total_cents"`
-}
+type placedBeforeRename placedV2
 
 // cancelled is OrderCancelled, on the same topic as OrderPlaced.
 type cancelled struct {

@@ -33,6 +33,14 @@ func setupPgx(t *testing.T, change ...func(*bus.Config)) pgxBundle {
 	return pgxBundle{testBundle: tb, pool: pool, pgx: b}
 }
 
+// beginPgx begins a transaction on the bundle's pool.
+func (pb pgxBundle) beginPgx(t *testing.T) pgx.Tx {
+	t.Helper()
+	tx, err := pb.pool.Begin(context.Background())
+	require.NoError(t, err)
+	return tx
+}
+
 // The same events published on a pgx transaction and on a *sql.Tx are the
 // same outbox rows, byte for byte; typed publishing on pgx writes what
 // typed publishing on database/sql writes.
@@ -59,8 +67,7 @@ func TestPgxAndSQLWriteByteIdenticalRows(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, pb.bus.Publish(ctx, sqlTx, "orders.events", events()...))
 	require.NoError(t, sqlTx.Commit())
-	pgxTx, err := pb.pool.Begin(ctx)
-	require.NoError(t, err)
+	pgxTx := pb.beginPgx(t)
 	require.NoError(t, pb.pgx.Publish(ctx, bus.Pgx(pgxTx), "orders.events", events()...))
 	require.NoError(t, pgxTx.Commit(ctx))
 
@@ -85,8 +92,7 @@ func TestPgxAndSQLWriteByteIdenticalRows(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, placed.Publish(ctx, pb.bus, sqlTx, value))
 	require.NoError(t, sqlTx.Commit())
-	pgxTx, err = pb.pool.Begin(ctx)
-	require.NoError(t, err)
+	pgxTx = pb.beginPgx(t)
 	require.NoError(t, placed.Publish(ctx, pb.pgx, bus.Pgx(pgxTx), value))
 	require.NoError(t, pgxTx.Commit(ctx))
 	out := pb.outbox(t)
@@ -104,17 +110,15 @@ func TestPublishOnPgxRollbackAndRefusal(t *testing.T) {
 	t.Parallel()
 	pb := setupPgx(t)
 	ctx := context.Background()
-	tx, err := pb.pool.Begin(ctx)
-	require.NoError(t, err)
+	tx := pb.beginPgx(t)
 	require.NoError(t, pb.pgx.Publish(ctx, bus.Pgx(tx), "orders.events", orderCreated("o-1"), orderCreated("o-2")))
 	require.NoError(t, tx.Rollback(ctx))
 	require.Empty(t, pb.outbox(t))
 
-	tx, err = pb.pool.Begin(ctx)
-	require.NoError(t, err)
+	tx = pb.beginPgx(t)
 	bad := orderCreated("o-3")
 	bad.Payload = []byte(`{not json`)
-	err = pb.pgx.Publish(ctx, bus.Pgx(tx), "orders.events", orderCreated("o-2"), bad)
+	err := pb.pgx.Publish(ctx, bus.Pgx(tx), "orders.events", orderCreated("o-2"), bad)
 	require.ErrorIs(t, err, bus.ErrInvalidPayload)
 	var n int
 	require.NoError(t, tx.QueryRow(ctx, `SELECT count(*) FROM "`+pb.schema+`".watermill_millrace_outbox`).Scan(&n))

@@ -147,8 +147,7 @@ func TestCancelScheduled(t *testing.T) {
 	due, err := tb.bus.Schedule(ctx, tx, "orders.events", bus.DueIn(0), orderCreated("o-3"))
 	require.NoError(t, err)
 	require.NoError(t, tx.Commit())
-	ptx, err := pb.pool.Begin(ctx)
-	require.NoError(t, err)
+	ptx := pb.beginPgx(t)
 	viaPgx, err := placed.Schedule(ctx, pb.pgx, bus.Pgx(ptx), bus.DueIn(time.Hour), placedV2{OrderID: "o-4"})
 	require.NoError(t, err)
 	require.NoError(t, ptx.Commit(ctx))
@@ -175,8 +174,7 @@ func TestCancelScheduled(t *testing.T) {
 
 	require.NoError(t, cancel(later[0]))
 	require.ErrorIs(t, cancel(later[0]), bus.ErrNotScheduled, "cancelled already")
-	ptx, err = pb.pool.Begin(ctx)
-	require.NoError(t, err)
+	ptx = pb.beginPgx(t)
 	require.NoError(t, pb.pgx.CancelScheduled(ctx, bus.Pgx(ptx), viaPgx[0]))
 	require.NoError(t, ptx.Commit(ctx))
 

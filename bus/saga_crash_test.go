@@ -131,9 +131,9 @@ func TestSagaStepNotAppliedTwiceAfterConsumerKill(t *testing.T) {
 
 	first := &testlog.Buffer{} // the child's stdout, read while it writes
 	victim := start("PaymentCharged", first)
-	require.NoError(t, b.PublishInOwnTx(ctx, tp.orders.Name(), mustEvent(t, tp.orders, sagaOrderPlaced{OrderID: "o-1"})))
+	require.NoError(t, b.PublishInOwnTx(ctx, tp.orders.Name(), mustEvent(t, tp.orders, sagaOrderPlaced{orderRef{"o-1"}})))
 	testkit.Eventually(t, time.Minute, "the saga started", func() bool { _, ok := instance(); return ok })
-	charged, err := tp.payments.Event(sagaCharged{OrderID: "o-1"})
+	charged, err := tp.payments.Event(sagaCharged{orderRef{"o-1"}})
 	require.NoError(t, err)
 	charged.ID = "charged-o-1"
 	require.NoError(t, b.PublishInOwnTx(ctx, tp.payments.Name(), charged))
@@ -156,7 +156,7 @@ func TestSagaStepNotAppliedTwiceAfterConsumerKill(t *testing.T) {
 	require.Equal(t, int64(2), inst.Version, "the redelivered step was not applied again")
 	require.Equal(t, map[string]int{"ChargePayment": 1, "ReserveStock": 1}, commands())
 
-	require.NoError(t, b.PublishInOwnTx(ctx, tp.reserved.Name(), mustEvent(t, tp.reserved, sagaStockReserved{OrderID: "o-1"})))
+	require.NoError(t, b.PublishInOwnTx(ctx, tp.reserved.Name(), mustEvent(t, tp.reserved, sagaStockReserved{orderRef{"o-1"}})))
 	testkit.Eventually(t, time.Minute, "the saga completed", func() bool { inst, ok := instance(); return ok && inst.CompletedAt != nil })
 	require.Equal(t, map[string]int{"ChargePayment": 1, "ReserveStock": 1, "NotifyCustomer": 1}, commands())
 }

@@ -28,27 +28,27 @@ import (
 // payment timeout) -> reserve stock -> notify; a failed reservation
 // refunds the payment, a payment timeout cancels the order.
 type (
-	sagaOrderPlaced   struct{ OrderID string }
-	sagaCharged       struct{ OrderID string }
-	sagaStockReserved struct{ OrderID string }
-	sagaStockFailed   struct{ OrderID string }
-	sagaPaymentLate   struct{ OrderID string }
+	sagaOrderPlaced   struct{ orderRef }
+	sagaCharged       struct{ orderRef }
+	sagaStockReserved struct{ orderRef }
+	sagaStockFailed   struct{ orderRef }
+	sagaPaymentLate   struct{ orderRef }
 	orderSagaState    struct {
 		Step    string
 		Charged bool
 	}
 )
 
-func (sagaOrderPlaced) EventType() string               { return "OrderPlaced" }
-func (e sagaOrderPlaced) Aggregate() (string, string)   { return "order", e.OrderID }
-func (sagaCharged) EventType() string                   { return "PaymentCharged" }
-func (e sagaCharged) Aggregate() (string, string)       { return "order", e.OrderID }
-func (sagaStockReserved) EventType() string             { return "StockReserved" }
-func (e sagaStockReserved) Aggregate() (string, string) { return "order", e.OrderID }
-func (sagaStockFailed) EventType() string               { return "StockFailed" }
-func (e sagaStockFailed) Aggregate() (string, string)   { return "order", e.OrderID }
-func (sagaPaymentLate) EventType() string               { return "PaymentTimedOut" }
-func (e sagaPaymentLate) Aggregate() (string, string)   { return "order", e.OrderID }
+// orderRef is the order a saga event is about, its aggregate.
+type orderRef struct{ OrderID string }
+
+func (e orderRef) Aggregate() (string, string) { return "order", e.OrderID }
+
+func (sagaOrderPlaced) EventType() string   { return "OrderPlaced" }
+func (sagaCharged) EventType() string       { return "PaymentCharged" }
+func (sagaStockReserved) EventType() string { return "StockReserved" }
+func (sagaStockFailed) EventType() string   { return "StockFailed" }
+func (sagaPaymentLate) EventType() string   { return "PaymentTimedOut" }
 
 // sagaTopics are the order saga's topics, with a suffix of the test's for
 // the tests on a broker.
@@ -96,7 +96,7 @@ func orderSagaOn(b *bus.Bus, tp sagaTopics, paymentTimeout time.Duration, opts .
 	bus.StartWith(s, sagaOrders, func(m bus.Message[sagaOrderPlaced]) string { return m.Value.OrderID },
 		func(ctx context.Context, sc *bus.SagaContext[orderSagaState], m bus.Message[sagaOrderPlaced]) error {
 			sc.State.Step = "charging"
-			late, err := sagaTimeouts.Event(sagaPaymentLate{OrderID: sc.ID})
+			late, err := sagaTimeouts.Event(sagaPaymentLate{orderRef{sc.ID}})
 			if err != nil {
 				return err
 			}
@@ -190,16 +190,16 @@ func TestSagaHappyPath(t *testing.T) {
 	t.Parallel()
 	w := newChainWorld(t)
 	sw := newSagaWorld(t, w, orderSaga(w.tb.bus, time.Hour))
-	sw.deliver(t, "orders.events", "e1", mustEvent(t, sagaOrders, sagaOrderPlaced{OrderID: "o-1"}))
+	sw.deliver(t, "orders.events", "e1", mustEvent(t, sagaOrders, sagaOrderPlaced{orderRef{"o-1"}}))
 	require.Equal(t, 1, w.tb.scheduledCount(t), "the payment timeout waits")
 	require.Equal(t, []string{"payment"}, keys(sw.instance(t, "order_fulfilment", "o-1").Timeouts))
-	sw.deliver(t, "payments.events", "e2", mustEvent(t, sagaPayments, sagaCharged{OrderID: "o-1"}))
+	sw.deliver(t, "payments.events", "e2", mustEvent(t, sagaPayments, sagaCharged{orderRef{"o-1"}}))
 	require.Zero(t, w.tb.scheduledCount(t), "the payment timeout is cancelled when the payment answers")
 	running, err := w.ops.ListSagas(context.Background(), ops.SagaFilter{Saga: "order_fulfilment"}, 10)
 	require.NoError(t, err)
 	require.Len(t, running.Instances, 1)
 	require.Equal(t, "PaymentCharged", running.Instances[0].Step)
-	sw.deliver(t, "inventory.events", "e3", mustEvent(t, sagaReserved, sagaStockReserved{OrderID: "o-1"}))
+	sw.deliver(t, "inventory.events", "e3", mustEvent(t, sagaReserved, sagaStockReserved{orderRef{"o-1"}}))
 	running, err = w.ops.ListSagas(context.Background(), ops.SagaFilter{}, 10)
 	require.NoError(t, err)
 	require.Empty(t, running.Instances, "a completed saga is listed only with Completed")
@@ -233,7 +233,7 @@ func TestSagaIgnoresAReplayForOtherGroups(t *testing.T) {
 	w := newChainWorld(t)
 	sw := newSagaWorld(t, w, orderSaga(w.tb.bus, time.Hour))
 	replay := func(groups string) *message.Message {
-		msg := delivered(context.Background(), "e1", mustEvent(t, sagaOrders, sagaOrderPlaced{OrderID: "o-1"}))
+		msg := delivered(context.Background(), "e1", mustEvent(t, sagaOrders, sagaOrderPlaced{orderRef{"o-1"}}))
 		msg.Metadata.Set(middleware.ReplayOfKey, "e0")
 		msg.Metadata.Set(middleware.ReplayGroupsKey, groups)
 		return msg
@@ -261,9 +261,9 @@ func TestSagaCompensationOnceWithDuplicateDeliveries(t *testing.T) {
 		topic, id string
 		ev        bus.Event
 	}{
-		{"orders.events", "e1", mustEvent(t, sagaOrders, sagaOrderPlaced{OrderID: "o-2"})},
-		{"payments.events", "e2", mustEvent(t, sagaPayments, sagaCharged{OrderID: "o-2"})},
-		{"inventory.events", "e3", mustEvent(t, sagaNoStock, sagaStockFailed{OrderID: "o-2"})},
+		{"orders.events", "e1", mustEvent(t, sagaOrders, sagaOrderPlaced{orderRef{"o-2"}})},
+		{"payments.events", "e2", mustEvent(t, sagaPayments, sagaCharged{orderRef{"o-2"}})},
+		{"inventory.events", "e3", mustEvent(t, sagaNoStock, sagaStockFailed{orderRef{"o-2"}})},
 	}
 	for _, s := range steps {
 		sw.deliver(t, s.topic, s.id, s.ev)
@@ -278,7 +278,7 @@ func TestSagaCompensationOnceWithDuplicateDeliveries(t *testing.T) {
 	require.Equal(t, int64(3), row.Version, "each step applied once")
 
 	// A new delivery (another event id) for the completed saga is unmatched.
-	sw.deliver(t, "payments.events", "e4", mustEvent(t, sagaPayments, sagaCharged{OrderID: "o-2"}))
+	sw.deliver(t, "payments.events", "e4", mustEvent(t, sagaPayments, sagaCharged{orderRef{"o-2"}}))
 	require.Equal(t, 1, sw.commands(t)["ReserveStock"])
 	require.Equal(t, 1.0, w.counter(t, bus.MetricSagaUnmatched, map[string]string{"saga": "order_fulfilment", "event_type": "PaymentCharged"}))
 }
@@ -290,7 +290,7 @@ func TestSagaTimeoutCompensates(t *testing.T) {
 	t.Parallel()
 	w := newChainWorld(t)
 	sw := newSagaWorld(t, w, orderSaga(w.tb.bus, 0))
-	sw.deliver(t, "orders.events", "e1", mustEvent(t, sagaOrders, sagaOrderPlaced{OrderID: "o-3"}))
+	sw.deliver(t, "orders.events", "e1", mustEvent(t, sagaOrders, sagaOrderPlaced{orderRef{"o-3"}}))
 	moved, _, _, err := w.tb.tables().MoveDue(context.Background(), w.tb.db, 10)
 	require.NoError(t, err)
 	require.Equal(t, 1, moved, "the timeout fell due")
@@ -302,7 +302,7 @@ func TestSagaTimeoutCompensates(t *testing.T) {
 	}
 	require.NotNil(t, timeout, "the timeout is in the outbox")
 	sw.deliver(t, "orders.saga-timeouts", timeout.event.ID, timeout.event)
-	sw.deliver(t, "payments.events", "e2", mustEvent(t, sagaPayments, sagaCharged{OrderID: "o-3"}))
+	sw.deliver(t, "payments.events", "e2", mustEvent(t, sagaPayments, sagaCharged{orderRef{"o-3"}}))
 	require.Equal(t, map[string]int{"ChargePayment": 1, "CancelOrder": 1}, sw.commands(t))
 	require.JSONEq(t, `{"Step":"cancelled","Charged":false}`, string(sw.instance(t, "order_fulfilment", "o-3").State))
 }
@@ -312,7 +312,7 @@ func TestSagaUnmatchedPoison(t *testing.T) {
 	t.Parallel()
 	w := newChainWorld(t)
 	sw := newSagaWorld(t, w, orderSaga(w.tb.bus, time.Hour, bus.WithUnmatched[orderSagaState](bus.PoisonUnmatched)))
-	sw.deliver(t, "payments.events", "e1", mustEvent(t, sagaPayments, sagaCharged{OrderID: "nobody"}))
+	sw.deliver(t, "payments.events", "e1", mustEvent(t, sagaPayments, sagaCharged{orderRef{"nobody"}}))
 	require.Contains(t, w.poisonReasons(t, "saga.payments.events")["e1"], "no running saga instance")
 	require.Empty(t, sw.commands(t))
 }
@@ -460,23 +460,23 @@ func TestSagaEndToEnd(t *testing.T) {
 		if ev.Type != "ChargePayment" {
 			return nil
 		}
-		return tp.payments.Publish(ctx, b, bus.Tx[bus.Execer](ctx), sagaCharged{OrderID: ev.AggregateID})
+		return tp.payments.Publish(ctx, b, bus.Tx[bus.Execer](ctx), sagaCharged{orderRef{ev.AggregateID}})
 	}))
 	require.NoError(t, b.Handle(tp.commands, "inventory"+suffix, func(ctx context.Context, ev bus.Event) error {
 		switch {
 		case ev.Type != "ReserveStock":
 			return nil
 		case ev.AggregateID == "o-missing":
-			return tp.noStock.Publish(ctx, b, bus.Tx[bus.Execer](ctx), sagaStockFailed{OrderID: ev.AggregateID})
+			return tp.noStock.Publish(ctx, b, bus.Tx[bus.Execer](ctx), sagaStockFailed{orderRef{ev.AggregateID}})
 		}
-		return tp.reserved.Publish(ctx, b, bus.Tx[bus.Execer](ctx), sagaStockReserved{OrderID: ev.AggregateID})
+		return tp.reserved.Publish(ctx, b, bus.Tx[bus.Execer](ctx), sagaStockReserved{orderRef{ev.AggregateID}})
 	}))
 	running := testkit.Start(t, b.Run)
 	t.Cleanup(func() { require.NoError(t, running.Stop(t, time.Minute)) })
 
 	tx, err := w.tb.db.BeginTx(ctx, nil)
 	require.NoError(t, err)
-	require.NoError(t, tp.orders.Publish(ctx, b, tx, sagaOrderPlaced{OrderID: "o-ok"}, sagaOrderPlaced{OrderID: "o-missing"}))
+	require.NoError(t, tp.orders.Publish(ctx, b, tx, sagaOrderPlaced{orderRef{"o-ok"}}, sagaOrderPlaced{orderRef{"o-missing"}}))
 	require.NoError(t, tx.Commit())
 
 	testkit.Eventually(t, 2*time.Minute, "both sagas completed", func() bool {
@@ -770,15 +770,13 @@ func publish(t *testing.T, w chainWorld, fn func(*sql.Tx) error) {
 }
 
 type (
-	raceOrderPlaced    struct{ OrderID string }
-	raceOrderCancelled struct{ OrderID string }
+	raceOrderPlaced    struct{ orderRef }
+	raceOrderCancelled struct{ orderRef }
 	raceOrderState     struct{ Status string }
 )
 
-func (raceOrderPlaced) EventType() string                { return "OrderPlaced" }
-func (e raceOrderPlaced) Aggregate() (string, string)    { return "order", e.OrderID }
-func (raceOrderCancelled) EventType() string             { return "OrderCancelled" }
-func (e raceOrderCancelled) Aggregate() (string, string) { return "order", e.OrderID }
+func (raceOrderPlaced) EventType() string    { return "OrderPlaced" }
+func (raceOrderCancelled) EventType() string { return "OrderCancelled" }
 
 // A saga's events of one instance are handled in order by default, on
 // every broker: 15 orders placed and cancelled at once, each OrderPlaced
@@ -831,10 +829,9 @@ func runCancelRace(t *testing.T, kind string, ordered *bool) (overtaken, cancell
 
 	for i := range raceOrders {
 		id := fmt.Sprintf("o-%02d", i)
-		tx, err := tb.db.BeginTx(ctx, nil)
-		require.NoError(t, err)
-		require.NoError(t, placed.Publish(ctx, b, tx, raceOrderPlaced{OrderID: id}))
-		require.NoError(t, cancel.Publish(ctx, b, tx, raceOrderCancelled{OrderID: id}))
+		tx := tb.begin(t)
+		require.NoError(t, placed.Publish(ctx, b, tx, raceOrderPlaced{orderRef{id}}))
+		require.NoError(t, cancel.Publish(ctx, b, tx, raceOrderCancelled{orderRef{id}}))
 		require.NoError(t, tx.Commit())
 	}
 	w := chainWorld{reg: reg}

@@ -199,9 +199,7 @@ func TestUnusualInputIsRefusedOrDeliveredIntact(t *testing.T) {
 
 // unusualRig is one broker's service publishing the unusual cases.
 type unusualRig struct {
-	t        *testing.T
-	kind     string
-	db       *sql.DB
+	kindRig
 	schema   string
 	b        *bus.Bus
 	topic    string
@@ -236,7 +234,7 @@ func newUnusualRig(t *testing.T, kind string) *unusualRig {
 		cfg.Broker.NATS.Stream.MaxMsgSize = testNATSMaxMsgSize
 		cfg.Relay.PollInterval = 100 * time.Millisecond
 	})
-	return &unusualRig{t: t, kind: kind, db: s.DB, schema: s.Config.Database.Schema, b: s.Open(t),
+	return &unusualRig{kindRig: kindRig{t, kind, s.DB}, schema: s.Config.Database.Schema, b: s.Open(t),
 		topic: "unusual-_" + testkit.Suffix(),
 		got:   map[string][]bus.Event{}, handled: map[string]bool{}, accepted: map[string]unusual{}}
 }

@@ -3,7 +3,6 @@ package bus_test
 import (
 	"bytes"
 	"context"
-	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -43,9 +42,7 @@ func TestRetryFreesTheWorkerAndSurvivesARestart(t *testing.T) {
 // retryRig is one broker's handler with one worker and a failing
 // message among good ones, published straight to the broker.
 type retryRig struct {
-	t                      *testing.T
-	kind                   string
-	db                     *sql.DB
+	kindRig
 	cfg                    bus.Config
 	topic, group, suffix   string
 	broker                 adapters.Broker
@@ -90,7 +87,7 @@ func newRetryRig(t *testing.T, kind string) *retryRig {
 		cfg.Consumer.Retry.InitialInterval = 2 * time.Second
 		cfg.Consumer.Retry.MaxInterval = 2 * time.Second
 	})
-	r := &retryRig{t: t, kind: kind, db: s.DB, cfg: s.Config, suffix: "_" + testkit.Suffix()}
+	r := &retryRig{kindRig: kindRig{t, kind, s.DB}, cfg: s.Config, suffix: "_" + testkit.Suffix()}
 	r.topic, r.group = "orders-"+r.suffix, "billing-"+r.suffix
 	brokertest.Cleanup(t, kind, r.topic, r.group)
 	broker, err := bus.OpenBroker(ctx, r.cfg, nil)

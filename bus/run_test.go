@@ -31,6 +31,14 @@ func TestServiceRunsOnEveryBroker(t *testing.T) {
 	brokertest.EachKind(t, testServiceRoundTrip)
 }
 
+// kindRig is what the rigs of the tests on every broker kind start from:
+// the test, the broker kind and the service's database.
+type kindRig struct {
+	t    *testing.T
+	kind string
+	db   *sql.DB
+}
+
 type audited struct {
 	ev      bus.Event
 	traceID trace.TraceID
@@ -40,9 +48,7 @@ type audited struct {
 // publishes InvoiceIssued in the inbox transaction; audit records what
 // arrives.
 type roundTrip struct {
-	t                *testing.T
-	kind             string
-	db               *sql.DB
+	kindRig
 	schema           string
 	tp               *sdktrace.TracerProvider
 	b                *bus.Bus
@@ -69,7 +75,7 @@ func testServiceRoundTrip(t *testing.T, kind string) {
 func newRoundTrip(t *testing.T, kind string) *roundTrip {
 	s := brokertest.NewService(t, kind, func(c *bus.Config) { c.Consumer.HandlerTimeout = 10 * time.Second })
 	suffix := "_" + testkit.Suffix()
-	r := &roundTrip{t: t, kind: kind, db: s.DB, schema: s.Config.Database.Schema, published: map[string]trace.TraceID{},
+	r := &roundTrip{kindRig: kindRig{t, kind, s.DB}, schema: s.Config.Database.Schema, published: map[string]trace.TraceID{},
 		orders: "orders-" + suffix, invoices: "invoices-" + suffix, billing: "billing-" + suffix, audit: "audit-" + suffix}
 	brokertest.Cleanup(t, kind, r.orders, r.billing)
 	brokertest.Cleanup(t, kind, r.invoices, r.audit)

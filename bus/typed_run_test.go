@@ -51,9 +51,7 @@ func (s *typedSeen) count() (placed, cancelled, audited, shipped int) {
 // typedRig is one broker's service with typed topics: pgxBus (on a
 // pgxpool) runs the relay and every handler, sqlBus only publishes.
 type typedRig struct {
-	t                        *testing.T
-	kind                     string
-	db                       *sql.DB
+	kindRig
 	pool                     *pgxpool.Pool
 	cfg                      bus.Config
 	reg                      *prometheus.Registry
@@ -84,7 +82,7 @@ func testTypedEvents(t *testing.T, kind string) {
 func newTypedRig(t *testing.T, kind string) *typedRig {
 	ctx := context.Background()
 	s := brokertest.NewService(t, kind, func(c *bus.Config) { c.Consumer.HandlerTimeout = 10 * time.Second })
-	r := &typedRig{t: t, kind: kind, db: s.DB, cfg: s.Config, reg: prometheus.NewRegistry()}
+	r := &typedRig{kindRig: kindRig{t, kind, s.DB}, cfg: s.Config, reg: prometheus.NewRegistry()}
 	suffix := "_" + testkit.Suffix()
 	r.orders = "orders-" + suffix
 	ordersPB := "orderspb-" + suffix
@@ -271,9 +269,7 @@ func TestTypedBatchHandlerOnEveryBroker(t *testing.T) {
 // batchRig is one broker's service with a typed batch handler that
 // writes its batch of invoices with one statement.
 type batchRig struct {
-	t               *testing.T
-	kind            string
-	db              *sql.DB
+	kindRig
 	cfg             bus.Config
 	b               *bus.Bus
 	orders, billing string
@@ -299,7 +295,7 @@ func testTypedBatchHandler(t *testing.T, kind string) {
 // newBatchRig opens a service on kind that reads batches of up to 8.
 func newBatchRig(t *testing.T, kind string) *batchRig {
 	ctx := context.Background()
-	r := &batchRig{t: t, kind: kind, db: testdb.Open(t)}
+	r := &batchRig{kindRig: kindRig{t, kind, testdb.Open(t)}}
 	r.cfg.Database.Schema = testdb.UniqueName("batch")
 	_, err := r.db.Exec(`CREATE SCHEMA "` + r.cfg.Database.Schema + `"`)
 	require.NoError(t, err)

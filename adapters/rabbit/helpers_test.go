@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/internal/testing/adaptertest"
 )
 
 // defaultURL is the local RabbitMQ `make up` provides.
@@ -115,4 +116,13 @@ func getOne(t testing.TB, ch *amqp.Channel, queue string, timeout time.Duration)
 		require.True(t, time.Now().Before(deadline), "no message in queue %q after %s", queue, timeout)
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// provisioned returns a fresh topic named after prefix and a fresh group,
+// both provisioned on b.
+func provisioned(t testing.TB, b *Broker, prefix string) (topic, group string) {
+	t.Helper()
+	topic, group = adaptertest.Name(prefix), adaptertest.Name("g")
+	require.NoError(t, b.Provision(context.Background(), topic, group))
+	return topic, group
 }

@@ -161,8 +161,7 @@ func TestStockMarshalerLosesRedeliveries(t *testing.T) {
 		{"Marshaler", Marshaler{}, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			topic, group := adaptertest.Name("stock"), adaptertest.Name("g")
-			require.NoError(t, b.Provision(context.Background(), topic, group))
+			topic, group := provisioned(t, b, "stock")
 			ch := watermillSubscriber(t, cfg.URL, topic, group, c.marshaler)
 			m := newMsg(`"x"`)
 			require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, m)))

@@ -55,17 +55,12 @@ func testAtLeastOnceDeadLettering(t *testing.T, node *servers.RabbitMQ) {
 	cfg := testConfig(node.URL)
 	cfg.DeliveryLimit = 1
 	b := openBroker(t, cfg)
-	topic, group := adaptertest.Name("alo"), adaptertest.Name("g")
-	require.NoError(t, b.Provision(context.Background(), topic, group))
+	topic, group := provisioned(t, b, "alo")
 	raw := rawChannel(t, node.URL)
 	_, err := raw.QueueDelete(DeadLetterQueueName(topic, group), false, false, false)
 	require.NoError(t, err)
 
-	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
-	require.NoError(t, err)
-	defer sub.Close()
-	ch, err := sub.Subscribe(context.Background(), topic)
-	require.NoError(t, err)
+	ch := adaptertest.Subscribe(t, b, topic, group)
 	kept := newMsg(`"kept"`)
 	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, kept)))
 	require.Equal(t, cfg.DeliveryLimit+1, nackUntilGone(t, ch), "deliveries before dead-lettering")
@@ -112,8 +107,7 @@ func testServerMessageSizeLimit(t *testing.T, node *servers.RabbitMQ) {
 	cfg := testConfig(node.URL)
 	cfg.MaxMessageBytes = DefaultMaxMessageBytes
 	b := openBroker(t, cfg)
-	topic, group := adaptertest.Name("size"), adaptertest.Name("g")
-	require.NoError(t, b.Provision(context.Background(), topic, group))
+	topic, group := provisioned(t, b, "size")
 	big := message.NewMessage(adaptertest.Name("ev"), make([]byte, 2<<20))
 	batch := adaptertest.Outgoing(topic, newMsg(`"a"`), big, newMsg(`"b"`))
 
@@ -149,8 +143,7 @@ func testServerMessageSizeLimit(t *testing.T, node *servers.RabbitMQ) {
 // confirmed once it clears.
 func testMemoryAlarm(t *testing.T, node *servers.RabbitMQ) {
 	b := openBroker(t, testConfig(node.URL))
-	topic, group := adaptertest.Name("alarm"), adaptertest.Name("g")
-	require.NoError(t, b.Provision(context.Background(), topic, group))
+	topic, group := provisioned(t, b, "alarm")
 	before := newMsg(`"before"`)
 	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, before)))
 
@@ -235,8 +228,7 @@ func publishEventually(t *testing.T, b *Broker, topic string, msgs ...*message.M
 // it is back, publishing reconnects and the subscription resumes by itself.
 func testBrokerDown(t *testing.T, node *servers.RabbitMQ) {
 	b := openBroker(t, testConfig(node.URL))
-	topic, group := adaptertest.Name("down"), adaptertest.Name("g")
-	require.NoError(t, b.Provision(context.Background(), topic, group))
+	topic, group := provisioned(t, b, "down")
 	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
 	defer sub.Close()

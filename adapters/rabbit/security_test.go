@@ -141,8 +141,7 @@ func testTLSRoundTrip(t *testing.T, n *tlsNode) {
 	require.NotEmpty(t, state.PeerCertificates)
 	require.Equal(t, "rabbit", state.PeerCertificates[0].Subject.CommonName)
 
-	topic, group := adaptertest.Name("tls"), adaptertest.Name("g")
-	require.NoError(t, b.Provision(context.Background(), topic, group))
+	topic, group := provisioned(t, b, "tls")
 	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
 	defer sub.Close()

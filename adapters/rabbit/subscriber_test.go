@@ -19,18 +19,13 @@ import (
 func TestOrderAcrossNack(t *testing.T) {
 	t.Parallel()
 	b := openBroker(t, testConfig(serverURL()))
-	topic, group := adaptertest.Name("order"), adaptertest.Name("g")
-	require.NoError(t, b.Provision(context.Background(), topic, group))
+	topic, group := provisioned(t, b, "order")
 	var msgs []*message.Message
 	for i := range 10 {
 		msgs = append(msgs, newMsg(fmt.Sprint(i)))
 	}
 	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, msgs...)))
-	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
-	require.NoError(t, err)
-	defer sub.Close()
-	ch, err := sub.Subscribe(context.Background(), topic)
-	require.NoError(t, err)
+	ch := adaptertest.Subscribe(t, b, topic, group)
 
 	var got []string
 	for len(got) < len(msgs) {
@@ -53,11 +48,7 @@ func TestSubscriptionSurvivesQueueDeletion(t *testing.T) {
 	cfg := testConfig(serverURL())
 	b := openBroker(t, cfg)
 	topic, group := adaptertest.Name("deleted"), adaptertest.Name("g")
-	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
-	require.NoError(t, err)
-	defer sub.Close()
-	ch, err := sub.Subscribe(context.Background(), topic)
-	require.NoError(t, err)
+	ch := adaptertest.Subscribe(t, b, topic, group)
 	first := newMsg(`"first"`)
 	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, first)))
 	m := adaptertest.Next(t, ch, 30*time.Second)
@@ -65,7 +56,7 @@ func TestSubscriptionSurvivesQueueDeletion(t *testing.T) {
 	m.Ack()
 
 	raw := rawChannel(t, cfg.URL)
-	_, err = raw.QueueDelete(QueueName(topic, group), false, false, false)
+	_, err := raw.QueueDelete(QueueName(topic, group), false, false, false)
 	require.NoError(t, err)
 	require.Eventually(t, func() bool {
 		probe := rawChannel(t, cfg.URL)
@@ -92,8 +83,7 @@ func TestSubscriptionSurvivesQueueDeletion(t *testing.T) {
 func TestOrderedSubscriberManyInFlight(t *testing.T) {
 	t.Parallel()
 	b := openBroker(t, testConfig(serverURL()))
-	topic, group := adaptertest.Name("ordered"), adaptertest.Name("g")
-	require.NoError(t, b.Provision(context.Background(), topic, group))
+	topic, group := provisioned(t, b, "ordered")
 	load := adaptertest.NewManyInFlight(t, b, topic)
 	load.LostConnectionAndRestart(t, b,
 		load.OrderedSubscriber(b, group),

@@ -64,8 +64,7 @@ func TestProvisionChangedDeliveryLimit(t *testing.T) {
 	t.Parallel()
 	cfg := testConfig(serverURL())
 	b := openBroker(t, cfg)
-	topic, group := adaptertest.Name("limit"), adaptertest.Name("g")
-	require.NoError(t, b.Provision(context.Background(), topic, group))
+	topic, group := provisioned(t, b, "limit")
 	require.NoError(t, b.Provision(context.Background(), topic, group), "idempotent")
 
 	cfg.DeliveryLimit = 5
@@ -165,13 +164,8 @@ func TestDeadLetterAfterDeliveryLimit(t *testing.T) {
 	cfg := testConfig(serverURL())
 	cfg.DeliveryLimit = 2
 	b := openBroker(t, cfg)
-	topic, group := adaptertest.Name("dlq"), adaptertest.Name("g")
-	require.NoError(t, b.Provision(context.Background(), topic, group))
-	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
-	require.NoError(t, err)
-	defer sub.Close()
-	ch, err := sub.Subscribe(context.Background(), topic)
-	require.NoError(t, err)
+	topic, group := provisioned(t, b, "dlq")
+	ch := adaptertest.Subscribe(t, b, topic, group)
 
 	poison := newMsg(`"poison"`)
 	poison.Metadata.Set("trace", "abc")
@@ -243,8 +237,7 @@ func TestPublishBatchHeadersTooLarge(t *testing.T) {
 	t.Parallel()
 	cfg := testConfig(serverURL())
 	b := openBroker(t, cfg)
-	topic, group := adaptertest.Name("headers"), adaptertest.Name("g")
-	require.NoError(t, b.Provision(context.Background(), topic, group))
+	topic, group := provisioned(t, b, "headers")
 	big := newMsg(`"big"`)
 	big.Metadata.Set("blob", strings.Repeat("v", 200_000))
 	err := b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, newMsg(`"a"`), big, newMsg(`"b"`)))

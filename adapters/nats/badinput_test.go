@@ -108,8 +108,7 @@ func TestServerGoneMidRun(t *testing.T) {
 	t.Parallel()
 	proc := servers.StartNATS(t)
 	b := openBroker(t, proc.URL, func(c *Config) { c.Publish.Timeout = 2 * time.Second })
-	topic, group := adaptertest.Name("gone"), adaptertest.Name("g")
-	require.NoError(t, b.Provision(context.Background(), topic, group))
+	topic, group := provisioned(t, b, "gone")
 	ch := adaptertest.Subscribe(t, b, topic, group)
 	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, newMsg("before"))))
 	require.Equal(t, "before", adaptertest.Receive(t, ch, 1, time.Minute)[0].UUID)
@@ -193,8 +192,7 @@ func TestKilledServerLosingConsumerStateDoesNotStallDelivery(t *testing.T) {
 	ctx := context.Background()
 	proc := servers.StartNATS(t)
 	b := openBroker(t, proc.URL, suiteConfig)
-	topic, group := adaptertest.Name("lostate"), adaptertest.Name("g")
-	require.NoError(t, b.Provision(ctx, topic, group))
+	topic, group := provisioned(t, b, "lostate")
 	ch := adaptertest.Subscribe(t, b, topic, group)
 
 	want := map[string]bool{}

@@ -128,12 +128,9 @@ func benchOrdered(b *testing.B, url string, many bool) {
 	const aggregates, per, workers, prefetch = 64, 10, 16, 64
 	const latency = 2 * time.Millisecond
 	br := openBroker(b, url, nil)
-	ctx := context.Background()
 	for b.Loop() {
 		b.StopTimer()
-		topic, group := adaptertest.Name("obench"), adaptertest.Name("g")
-		require.NoError(b, br.ProvisionGroup(ctx, topic, adapters.GroupSpec{Name: group, Start: adapters.StartAll, Ordered: true}))
-		b.Cleanup(func() { _ = br.forgetLeases(context.Background(), topic, []string{group}) })
+		topic, group := orderedGroup(b, br, "obench")
 		adaptertest.PublishOrdered(b, br, topic, aggregates, per)
 		src := consumer.Source{NewSubscriber: func() (message.Subscriber, error) { return br.Subscriber(adapters.SubscriberSpec{Group: group}) }, Competing: true}
 		if many {

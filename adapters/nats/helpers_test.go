@@ -9,11 +9,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/internal/testing/adaptertest"
 )
 
 // sharedURL is the NATS server the tests share with everyone else: NATS_URL,
@@ -103,4 +105,31 @@ func deleteCreatedStreams() {
 		}
 		nc.Close()
 	}
+}
+
+// provisioned returns a fresh topic named after prefix and a fresh group,
+// both provisioned on b.
+func provisioned(t testing.TB, b *Broker, prefix string) (topic, group string) {
+	t.Helper()
+	topic, group = adaptertest.Name(prefix), adaptertest.Name("g")
+	require.NoError(t, b.Provision(context.Background(), topic, group))
+	return topic, group
+}
+
+// orderedGroup returns a fresh topic named after prefix and a fresh ordered
+// group on it, provisioned on b; the group's leases go with the test.
+func orderedGroup(t testing.TB, b *Broker, prefix string) (topic, group string) {
+	t.Helper()
+	topic, group = adaptertest.Name(prefix), adaptertest.Name("g")
+	require.NoError(t, b.ProvisionGroup(context.Background(), topic, adapters.GroupSpec{Name: group, Start: adapters.StartAll, Ordered: true}))
+	t.Cleanup(func() { _ = b.forgetLeases(context.Background(), topic, []string{group}) })
+	return topic, group
+}
+
+// subscribed subscribes a fresh group to a fresh topic named after prefix
+// until the test ends.
+func subscribed(t testing.TB, b *Broker, prefix string) (topic, group string, ch <-chan *message.Message) {
+	t.Helper()
+	topic, group = adaptertest.Name(prefix), adaptertest.Name("g")
+	return topic, group, adaptertest.Subscribe(t, b, topic, group)
 }

@@ -30,9 +30,7 @@ import (
 func TestOrderedSubscriberManyInFlight(t *testing.T) {
 	t.Parallel()
 	b := openBroker(t, sharedURL(), func(c *Config) { c.Consumer.NakDelay = 50 * time.Millisecond })
-	topic, group := adaptertest.Name("ordered"), adaptertest.Name("g")
-	require.NoError(t, b.ProvisionGroup(context.Background(), topic, adapters.GroupSpec{Name: group, Start: adapters.StartAll, Ordered: true}))
-	t.Cleanup(func() { _ = b.forgetLeases(context.Background(), topic, []string{group}) })
+	topic, group := orderedGroup(t, b, "ordered")
 	load := adaptertest.NewManyInFlight(t, b, topic)
 	load.LostConnectionAndRestart(t, b,
 		load.OrderedSubscriber(b, group),

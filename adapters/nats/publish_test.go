@@ -280,8 +280,7 @@ func TestMetadataRoundTrip(t *testing.T) {
 func TestMultiValueHeaderIsDelivered(t *testing.T) {
 	t.Parallel()
 	b := openBroker(t, servers.StartEmbeddedNATS(t).URL, nil)
-	topic, group := adaptertest.Name("multi"), adaptertest.Name("g")
-	require.NoError(t, b.Provision(context.Background(), topic, group))
+	topic, group := provisioned(t, b, "multi")
 	nm := nats.NewMsg(topic)
 	nm.Header.Add("tag", "a")
 	nm.Header.Add("tag", "b")

@@ -33,8 +33,7 @@ func TestUnackedMessageIsRedelivered(t *testing.T) {
 	t.Parallel()
 	eachServer(t, func(t *testing.T, url string) {
 		b := openBroker(t, url, func(c *Config) { c.Consumer.AckWait = time.Second })
-		topic, group := adaptertest.Name("noack"), adaptertest.Name("g")
-		ch := adaptertest.Subscribe(t, b, topic, group)
+		topic, _, ch := subscribed(t, b, "noack")
 		m := newMsg(adaptertest.Name("ev"))
 		require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, m)))
 		first := adaptertest.Next(t, ch, time.Minute)
@@ -56,8 +55,7 @@ func TestTrapWatermillNATSAutoAcksWithoutManualAck(t *testing.T) {
 	t.Parallel()
 	url := servers.StartEmbeddedNATS(t).URL
 	b := openBroker(t, url, nil)
-	topic, group := adaptertest.Name("trap"), adaptertest.Name("g")
-	require.NoError(t, b.Provision(context.Background(), topic, group))
+	topic, group := provisioned(t, b, "trap")
 	require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, newMsg(adaptertest.Name("ev")))))
 
 	nc, err := nats.Connect(url)
@@ -158,8 +156,7 @@ func TestNackWaitsNakDelay(t *testing.T) {
 	t.Parallel()
 	eachServer(t, func(t *testing.T, url string) {
 		b := openBroker(t, url, func(c *Config) { c.Consumer.NakDelay = time.Hour })
-		topic, group := adaptertest.Name("nak"), adaptertest.Name("g")
-		ch := adaptertest.Subscribe(t, b, topic, group)
+		topic, group, ch := subscribed(t, b, "nak")
 		require.NoError(t, b.PublishBatch(context.Background(), adaptertest.Outgoing(topic, newMsg("n1"))))
 		adaptertest.Next(t, ch, time.Minute).Nack()
 		adaptertest.Quiet(t, ch, 2*time.Second) // a plain Nak would be back within milliseconds
@@ -215,8 +212,7 @@ func TestSubscribersSetsConcurrency(t *testing.T) {
 		t.Run(fmt.Sprint("subscribers=", n), func(t *testing.T) {
 			t.Parallel()
 			b := openBroker(t, servers.StartEmbeddedNATS(t).URL, func(c *Config) { c.Consumer.Subscribers = n })
-			topic, group := adaptertest.Name("conc"), adaptertest.Name("g")
-			ch := adaptertest.Subscribe(t, b, topic, group)
+			topic, _, ch := subscribed(t, b, "conc")
 			const total = 30
 			var msgs []*message.Message
 			for i := range total {
@@ -248,8 +244,7 @@ func TestCancelWhileMessagesArrive(t *testing.T) {
 		c.Consumer.NakDelay = 10 * time.Millisecond
 		c.Consumer.AckWait = 2 * time.Second
 	})
-	topic, group := adaptertest.Name("cancel"), adaptertest.Name("g")
-	require.NoError(t, b.Provision(context.Background(), topic, group))
+	topic, group := provisioned(t, b, "cancel")
 	sub, err := b.Subscriber(adapters.SubscriberSpec{Group: group})
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, sub.Close()) })

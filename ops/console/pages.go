@@ -2,6 +2,7 @@ package console
 
 import (
 	"bytes"
+	"context"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -141,14 +142,8 @@ type listData struct {
 }
 
 func (c *Console) dlqList(w http.ResponseWriter, r *http.Request) {
-	f, err := parseFilter(r.URL.Query(), dlqKeys)
-	if err != nil {
-		c.failErr(w, r, err)
-		return
-	}
-	list, err := c.ops.DLQ().List(r.Context(), f.ops(), f.Limit)
-	if err != nil {
-		c.failErr(w, r, err)
+	f, list, ok := listFiltered(c, w, r, dlqKeys, c.ops.DLQ().List)
+	if !ok {
 		return
 	}
 	d := listData{Filter: f, Poisoned: list.Rows, Truncated: list.Truncated}
@@ -244,29 +239,15 @@ func detailID(r *http.Request) (int64, error) {
 }
 
 func (c *Console) dlqShow(w http.ResponseWriter, r *http.Request) {
-	id, err := detailID(r)
-	if err != nil {
-		c.failErr(w, r, err)
-		return
-	}
-	d, err := c.ops.DLQ().Get(r.Context(), id)
-	if err != nil {
-		c.failErr(w, r, err)
-		return
-	}
-	c.render(w, r, "message", page{Title: fmt.Sprintf("Poisoned message %d", id), Nav: "dlq",
-		Data: detailData{Poisoned: &d, Metadata: sortedEntries(d.Metadata), Payload: viewPayload(d.Payload)}})
+	showDetail(c, w, r, c.ops.DLQ().Get, func(id int64, d *ops.PoisonedDetail) (string, page) {
+		return "message", page{Title: fmt.Sprintf("Poisoned message %d", id), Nav: "dlq",
+			Data: detailData{Poisoned: d, Metadata: sortedEntries(d.Metadata), Payload: viewPayload(d.Payload)}}
+	})
 }
 
 func (c *Console) quarantineList(w http.ResponseWriter, r *http.Request) {
-	f, err := parseFilter(r.URL.Query(), quarantineKeys)
-	if err != nil {
-		c.failErr(w, r, err)
-		return
-	}
-	list, err := c.ops.Quarantine().List(r.Context(), f.ops(), f.Limit)
-	if err != nil {
-		c.failErr(w, r, err)
+	f, list, ok := listFiltered(c, w, r, quarantineKeys, c.ops.Quarantine().List)
+	if !ok {
 		return
 	}
 	c.render(w, r, "quarantine", page{Title: "Relay quarantine", Nav: "quarantine",
@@ -274,18 +255,45 @@ func (c *Console) quarantineList(w http.ResponseWriter, r *http.Request) {
 }
 
 func (c *Console) quarantineShow(w http.ResponseWriter, r *http.Request) {
+	showDetail(c, w, r, c.ops.Quarantine().Get, func(id int64, d *ops.QuarantinedDetail) (string, page) {
+		return "row", page{Title: fmt.Sprintf("Quarantined row %d", id), Nav: "quarantine",
+			Data: detailData{Quarantine: d, Metadata: sortedEntries(d.Metadata), Payload: viewPayload(d.Payload), Envelope: viewPayload(d.Envelope)}}
+	})
+}
+
+// listFiltered reads the rows the request's filters (of keys) select; on
+// an error it renders the error page and returns false.
+func listFiltered[R any](c *Console, w http.ResponseWriter, r *http.Request, keys []string,
+	list func(context.Context, ops.Filter, int) (ops.List[R], error)) (filter, ops.List[R], bool) {
+	f, err := parseFilter(r.URL.Query(), keys)
+	if err != nil {
+		c.failErr(w, r, err)
+		return f, ops.List[R]{}, false
+	}
+	rows, err := list(r.Context(), f.ops(), f.Limit)
+	if err != nil {
+		c.failErr(w, r, err)
+		return f, rows, false
+	}
+	return f, rows, true
+}
+
+// showDetail renders the detail page of the row the path's id names: get
+// reads the row, and view makes the template name and page of it.
+func showDetail[D any](c *Console, w http.ResponseWriter, r *http.Request,
+	get func(context.Context, int64) (D, error), view func(int64, *D) (string, page)) {
 	id, err := detailID(r)
 	if err != nil {
 		c.failErr(w, r, err)
 		return
 	}
-	d, err := c.ops.Quarantine().Get(r.Context(), id)
+	d, err := get(r.Context(), id)
 	if err != nil {
 		c.failErr(w, r, err)
 		return
 	}
-	c.render(w, r, "row", page{Title: fmt.Sprintf("Quarantined row %d", id), Nav: "quarantine",
-		Data: detailData{Quarantine: &d, Metadata: sortedEntries(d.Metadata), Payload: viewPayload(d.Payload), Envelope: viewPayload(d.Envelope)}})
+	name, p := view(id, &d)
+	c.render(w, r, name, p)
 }
 
 // actionData is the page of a dry run (Confirm) or of the action done.

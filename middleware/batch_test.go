@@ -51,24 +51,25 @@ func (l *txLog) record(msg *message.Message) (txCall, []txCall, error) {
 }
 
 func (l *txLog) of(eventID string) []txCall {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	var out []txCall
-	for _, c := range l.calls {
-		if c.eventID == eventID {
-			out = append(out, c)
-		}
+	return l.where(func(c txCall) bool { return c.eventID == eventID })
+}
+
+func (l *txLog) inTx(txid int64) []string {
+	var out []string
+	for _, c := range l.where(func(c txCall) bool { return c.txid == txid }) {
+		out = append(out, c.eventID)
 	}
 	return out
 }
 
-func (l *txLog) inTx(txid int64) []string {
+// where returns the calls keep accepts, in call order.
+func (l *txLog) where(keep func(txCall) bool) []txCall {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	var out []string
+	var out []txCall
 	for _, c := range l.calls {
-		if c.txid == txid {
-			out = append(out, c.eventID)
+		if keep(c) {
+			out = append(out, c)
 		}
 	}
 	return out

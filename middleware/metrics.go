@@ -44,44 +44,36 @@ type metrics struct {
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m := &metrics{
-		messages: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: MetricMessages,
-			Help: "Consumed messages by handler and outcome: ok, duplicate, stale, poisoned, nacked; retried counts failed attempts that were retried.",
-		}, []string{"handler", "consumer_group", "outcome"}),
-		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    MetricHandlerDuration,
-			Help:    "Duration of one attempt: inbox transaction and handler, commit included.",
-			Buckets: prometheus.ExponentialBuckets(0.001, 2, 15), // 1ms .. ~16s
-		}, []string{"handler"}),
-		breaker: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: MetricBreakerState,
-			Help: "Circuit breaker state per handler: 0 closed, 1 half-open, 2 open.",
-		}, []string{"handler"}),
-		abandoned: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: MetricAbandoned,
-			Help: "Attempts abandoned because the handler did not return within handler_timeout; each counts as a failed attempt.",
-		}, []string{"handler"}),
-		running: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: MetricAbandonedActive,
-			Help: "Abandoned attempts whose goroutine has not returned yet (a handler stuck regardless of its context).",
-		}, []string{"handler"}),
-		batchSize: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    MetricBatchSize,
-			Help:    "Messages per batched inbox transaction (consumer.batch), one observation per transaction.",
-			Buckets: prometheus.ExponentialBuckets(1, 2, 9), // 1 .. 256
-		}, []string{"handler"}),
-		inboxRows: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: MetricInboxRows,
-			Help: "Rows in the inbox table per consumer group, as of the last retention run.",
-		}, []string{"consumer_group"}),
+		messages: counterVec(MetricMessages,
+			"Consumed messages by handler and outcome: ok, duplicate, stale, poisoned, nacked; retried counts failed attempts that were retried.",
+			"handler", "consumer_group", "outcome"),
+		duration: histogramVec(MetricHandlerDuration,
+			"Duration of one attempt: inbox transaction and handler, commit included.",
+			prometheus.ExponentialBuckets(0.001, 2, 15), // 1ms .. ~16s
+			"handler"),
+		breaker: gaugeVec(MetricBreakerState,
+			"Circuit breaker state per handler: 0 closed, 1 half-open, 2 open.",
+			"handler"),
+		abandoned: counterVec(MetricAbandoned,
+			"Attempts abandoned because the handler did not return within handler_timeout; each counts as a failed attempt.",
+			"handler"),
+		running: gaugeVec(MetricAbandonedActive,
+			"Abandoned attempts whose goroutine has not returned yet (a handler stuck regardless of its context).",
+			"handler"),
+		batchSize: histogramVec(MetricBatchSize,
+			"Messages per batched inbox transaction (consumer.batch), one observation per transaction.",
+			prometheus.ExponentialBuckets(1, 2, 9), // 1 .. 256
+			"handler"),
+		inboxRows: gaugeVec(MetricInboxRows,
+			"Rows in the inbox table per consumer group, as of the last retention run.",
+			"consumer_group"),
 		pruned: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: MetricInboxPruned,
 			Help: "Inbox rows deleted by the retention runner.",
 		}),
-		parked: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: MetricParkedAggregates,
-			Help: "Order keys (aggregates) an ordered handler's consumer group holds parked behind a poisoned message, held or draining (consumer.poison.park).",
-		}, []string{"handler"}),
+		parked: gaugeVec(MetricParkedAggregates,
+			"Order keys (aggregates) an ordered handler's consumer group holds parked behind a poisoned message, held or draining (consumer.poison.park).",
+			"handler"),
 	}
 	if reg == nil {
 		return m, nil
@@ -97,6 +89,20 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m.pruned = register(reg, m.pruned, &err)
 	m.parked = register(reg, m.parked, &err)
 	return m, err
+}
+
+// counterVec, gaugeVec and histogramVec make the Stack's collectors of
+// one kind with the given labels.
+func counterVec(name, help string, labels ...string) *prometheus.CounterVec {
+	return prometheus.NewCounterVec(prometheus.CounterOpts{Name: name, Help: help}, labels)
+}
+
+func gaugeVec(name, help string, labels ...string) *prometheus.GaugeVec {
+	return prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: name, Help: help}, labels)
+}
+
+func histogramVec(name, help string, buckets []float64, labels ...string) *prometheus.HistogramVec {
+	return prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: name, Help: help, Buckets: buckets}, labels)
 }
 
 // register registers c, or returns the identical collector already

@@ -82,10 +82,7 @@ func TestSavePositionRefusesACursorThatMovedUnderTheRelay(t *testing.T) {
 	require.True(t, ok)
 	forwardAll := func(from store.Position, prefix string) store.Position {
 		t.Helper()
-		tx, err := db.BeginTx(ctx, nil)
-		require.NoError(t, err)
-		require.NoError(t, tables.WriteOutbox(ctx, tx, outboxRows(prefix, 3)))
-		require.NoError(t, tx.Commit())
+		writeOutbox(t, db, tables, prefix, 3)
 		b, err := tables.ReadBatch(ctx, db, c, from, 100)
 		require.NoError(t, err)
 		return from.Advance(b, len(b.Rows), true)

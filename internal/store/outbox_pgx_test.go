@@ -26,6 +26,17 @@ func outboxRows(prefix string, n int) []*message.Message {
 	return rows
 }
 
+// writeOutbox commits the n rows outboxRows makes of prefix in one
+// transaction on db.
+func writeOutbox(t testing.TB, db *sql.DB, tables store.Tables, prefix string, n int) {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	require.NoError(t, tables.WriteOutbox(ctx, tx, outboxRows(prefix, n)))
+	require.NoError(t, tx.Commit())
+}
+
 // What WriteOutbox stores through Pgx is byte for byte what it stores on
 // a *sql.Tx, for more rows than one INSERT holds.
 func TestWriteOutboxOnPgxStoresWhatItStoresOnSQL(t *testing.T) {
@@ -36,10 +47,7 @@ func TestWriteOutboxOnPgxStoresWhatItStoresOnSQL(t *testing.T) {
 	tables := store.Tables{Schema: testdb.Schema(t, db), OutboxTopic: "millrace_outbox"}
 	require.NoError(t, store.Migrate(ctx, db, tables))
 
-	sqlTx, err := db.BeginTx(ctx, nil)
-	require.NoError(t, err)
-	require.NoError(t, tables.WriteOutbox(ctx, sqlTx, outboxRows("sql", 1001)))
-	require.NoError(t, sqlTx.Commit())
+	writeOutbox(t, db, tables, "sql", 1001)
 	pgxTx, err := pool.Begin(ctx)
 	require.NoError(t, err)
 	require.NoError(t, tables.WriteOutbox(ctx, store.Pgx(pgxTx), outboxRows("pgx", 1001)))

@@ -42,10 +42,7 @@ func TestBacklogCountsWhatStatusCountsAsPending(t *testing.T) {
 	}
 	write := func(prefix string, n int) {
 		t.Helper()
-		tx, err := db.BeginTx(ctx, nil)
-		require.NoError(t, err)
-		require.NoError(t, tables.WriteOutbox(ctx, tx, outboxRows(prefix, n)))
-		require.NoError(t, tx.Commit())
+		writeOutbox(t, db, tables, prefix, n)
 	}
 	// The position moves past the next n committed rows, as the relay
 	// moves it.

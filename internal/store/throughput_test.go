@@ -50,10 +50,7 @@ func TestForwardedPerMinuteCountsEachGroupsForwardedRows(t *testing.T) {
 	require.Equal(t, map[string][]int64{"relay_a": make([]int64, hour)}, empty.Counts)
 	require.Zero(t, empty.Start.Second(), "a minute's start")
 
-	tx, err := db.BeginTx(ctx, nil)
-	require.NoError(t, err)
-	require.NoError(t, tables.WriteOutbox(ctx, tx, outboxRows("a", 8)))
-	require.NoError(t, tx.Commit())
+	writeOutbox(t, db, tables, "a", 8)
 	forward(t, db, tables, store.Cursor{Group: "relay_a"}, 6)
 	forward(t, db, tables, store.Cursor{Group: "relay_c"}, -1)
 	// Of relay_a's six: two written ten minutes ago, one two hours ago.

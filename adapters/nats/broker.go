@@ -247,15 +247,10 @@ func (b *Broker) Publisher() message.Publisher { return &publisher{b: b} }
 // Close closes every subscriber this broker made, its connection and, if it
 // started one, the embedded server. It is idempotent.
 func (b *Broker) Close() error {
-	b.mu.Lock()
-	if b.closed {
-		b.mu.Unlock()
+	var subs []io.Closer
+	if !adapterkit.MarkClosed(&b.mu, &b.closed, func() { subs, b.subscribers = b.subscribers, nil }) {
 		return nil
 	}
-	b.closed = true
-	subs := b.subscribers
-	b.subscribers = nil
-	b.mu.Unlock()
 
 	errs := []error{adapterkit.CloseAll(slices.Values(subs))}
 	if b.nc != nil {

@@ -34,11 +34,7 @@ import (
 // handed out and not settled when the subscriber closes comes again after
 // ack_wait.
 func (b *Broker) subscribeConcurrent(spec adapters.SubscriberSpec) (message.Subscriber, error) {
-	s := &concurrentSubscriber{group: spec.Group, inFlight: max(spec.InFlight, 1), wait: spec.RedeliveryWait, deliveries: spec.Deliveries}
-	if err := s.start(b); err != nil {
-		return nil, err
-	}
-	return s, nil
+	return started(b, &concurrentSubscriber{group: spec.Group, inFlight: max(spec.InFlight, 1), wait: spec.RedeliveryWait, deliveries: spec.Deliveries})
 }
 
 // concurrentSubscriber is subscribeConcurrent's message.Subscriber.

@@ -88,11 +88,7 @@ func (b *Broker) maxAckPending(topic, group string) int {
 // recreation, so consumer.max_deliver does not bound an ordered group's
 // deliveries; millrace's poison queue does.
 func (b *Broker) subscribeOrdered(spec adapters.SubscriberSpec) (message.Subscriber, error) {
-	s := &orderedSubscriber{group: spec.Group, inFlight: spec.InFlight}
-	if err := s.start(b); err != nil {
-		return nil, err
-	}
-	return s, nil
+	return started(b, &orderedSubscriber{group: spec.Group, inFlight: spec.InFlight})
 }
 
 // orderedSubscriber is subscribeOrdered's message.Subscriber. Close

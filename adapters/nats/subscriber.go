@@ -15,6 +15,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/millrace-io/millrace/adapters"
+	"github.com/millrace-io/millrace/adapters/internal/adapterkit"
 )
 
 // subscriberCloseTimeout bounds how long closing waits for in-flight messages
@@ -90,6 +91,17 @@ type lifecycle struct {
 func (l *lifecycle) start(b *Broker) error {
 	l.b, l.closing = b, make(chan struct{})
 	return b.register(l)
+}
+
+// started starts s's lifecycle on b and returns s.
+func started[S interface {
+	message.Subscriber
+	start(b *Broker) error
+}](b *Broker, s S) (message.Subscriber, error) {
+	if err := s.start(b); err != nil {
+		return nil, err
+	}
+	return s, nil
 }
 
 // lockOpen runs initialize for topic (provisioning), then locks mu for
@@ -186,14 +198,10 @@ func (s *subscriber) SubscribeInitialize(topic string) error {
 // Close stops every subscription without acking anything still unacked. It
 // is idempotent.
 func (s *subscriber) Close() error {
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
+	var subs []*subscription
+	if !adapterkit.MarkClosed(&s.mu, &s.closed, func() { subs = slices.Clone(s.subs) }) {
 		return nil
 	}
-	s.closed = true
-	subs := slices.Clone(s.subs)
-	s.mu.Unlock()
 
 	errs := make([]error, len(subs))
 	var wg sync.WaitGroup

@@ -325,16 +325,15 @@ func (p *publisher) Close() error {
 // Close closes every subscriber this Broker made and its connection. It is
 // idempotent.
 func (b *Broker) Close() error {
-	b.mu.Lock()
-	if b.closed {
-		b.mu.Unlock()
+	var conn *amqp.Connection
+	var subs map[*subscriber]struct{}
+	if !adapterkit.MarkClosed(&b.mu, &b.closed, func() {
+		conn = b.conn
+		b.idle = nil // closing conn closes them
+		subs = maps.Clone(b.subs)
+	}) {
 		return nil
 	}
-	b.closed = true
-	conn := b.conn
-	b.idle = nil // closing conn closes them
-	subs := maps.Clone(b.subs)
-	b.mu.Unlock()
 
 	errs := []error{adapterkit.CloseAll(maps.Keys(subs))}
 	if conn != nil && !conn.IsClosed() {

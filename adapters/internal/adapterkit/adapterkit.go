@@ -96,3 +96,17 @@ func SplitURLs(list string) []string {
 	}
 	return urls
 }
+
+// MarkClosed marks a closer closed: under mu, the first call sets *closed,
+// runs take (which moves out what closing releases) and reports true;
+// later calls report false.
+func MarkClosed(mu *sync.Mutex, closed *bool, take func()) bool {
+	mu.Lock()
+	defer mu.Unlock()
+	if *closed {
+		return false
+	}
+	*closed = true
+	take()
+	return true
+}

@@ -216,50 +216,53 @@ func (b *PgBouncer) Start() {
 // nothing when the pooler is not running.
 func (b *PgBouncer) Stop() {
 	b.t.Helper()
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if !b.runningLocked() {
-		return
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	conn, err := pgconn.Connect(ctx, b.URL("pgbouncer"))
-	if err != nil {
-		b.t.Fatalf("private PgBouncer on port %d: connect to its admin console to stop it: %v\n%s", b.port, err, b.logTail())
-	}
-	_, _ = conn.Exec(ctx, "SHUTDOWN").ReadAll() // the answer is the connection closing
-	_ = conn.Close(ctx)
-	b.waitExit(ctx, "stopped")
+	b.whileRunning(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		conn, err := pgconn.Connect(ctx, b.URL("pgbouncer"))
+		if err != nil {
+			b.t.Fatalf("private PgBouncer on port %d: connect to its admin console to stop it: %v\n%s", b.port, err, b.logTail())
+		}
+		_, _ = conn.Exec(ctx, "SHUTDOWN").ReadAll() // the answer is the connection closing
+		_ = conn.Close(ctx)
+		b.waitExit(ctx, "stopped")
+	})
 }
 
 // Kill kills the pooler with SIGKILL, as a crash would: its clients' and
 // servers' connections break. It does nothing when it is not running.
 func (b *PgBouncer) Kill() {
 	b.t.Helper()
+	b.whileRunning(func() {
+		// The pooler's own process: when the test runs as root, cmd's is
+		// runuser's, which waits for it.
+		var pid int
+		raw, err := os.ReadFile(b.pidFile)
+		if err == nil {
+			_, err = fmt.Sscan(string(raw), &pid)
+		}
+		if err == nil {
+			err = syscall.Kill(pid, syscall.SIGKILL)
+		}
+		if err != nil {
+			b.t.Fatalf("private PgBouncer on port %d: kill the process in %s: %v", b.port, b.pidFile, err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		b.waitExit(ctx, "killed")
+		// A killed pooler leaves its PID file, which a pooler started later
+		// refuses to start over if another process has that PID by then.
+		_ = os.Remove(b.pidFile)
+	})
+}
+
+// whileRunning runs f under mu when the pooler runs.
+func (b *PgBouncer) whileRunning(f func()) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if !b.runningLocked() {
-		return
+	if b.runningLocked() {
+		f()
 	}
-	// The pooler's own process: when the test runs as root, cmd's is
-	// runuser's, which waits for it.
-	var pid int
-	raw, err := os.ReadFile(b.pidFile)
-	if err == nil {
-		_, err = fmt.Sscan(string(raw), &pid)
-	}
-	if err == nil {
-		err = syscall.Kill(pid, syscall.SIGKILL)
-	}
-	if err != nil {
-		b.t.Fatalf("private PgBouncer on port %d: kill the process in %s: %v", b.port, b.pidFile, err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	b.waitExit(ctx, "killed")
-	// A killed pooler leaves its PID file, which a pooler started later
-	// refuses to start over if another process has that PID by then.
-	_ = os.Remove(b.pidFile)
 }
 
 // runningLocked reports whether the pooler runs, forgetting it if it has

@@ -45,78 +45,65 @@ func serialSequence(table, column string) (string, bool) {
 // consumers (inbox, ordering guard, poison table). A service that only
 // publishes, or a relay running as its own process, needs only its part.
 func Grants(t Tables) []Grant {
-	table := func(name string) (string, string) { return t.qualify(name), name }
 	var g []Grant
 	add := func(privs, kind, object, name, use string) {
 		for _, p := range strings.Split(privs, ",") {
 			g = append(g, Grant{Privilege: strings.TrimSpace(p), Kind: kind, Object: object, Name: name, Use: use})
 		}
 	}
+	onTable := func(privs, name, use string) { add(privs, "TABLE", t.qualify(name), name, use) }
+	onSequence := func(name, use string) { add("USAGE", "SEQUENCE", t.qualify(name), name, use) }
 	add("USAGE", "SCHEMA", `"`+t.Schema+`"`, t.Schema, "every part: look up millrace's tables")
 
-	outbox, outboxName := table("watermill_" + t.OutboxTopic)
-	add("INSERT", "TABLE", outbox, outboxName, "publish: write events into the outbox")
+	outboxName := "watermill_" + t.OutboxTopic
+	onTable("INSERT", outboxName, "publish: write events into the outbox")
 	seq, fits := serialSequence(outboxName, "offset")
-	add("USAGE", "SEQUENCE", t.qualify(seq), seq, `publish: number outbox rows (the "offset" column)`)
+	onSequence(seq, `publish: number outbox rows (the "offset" column)`)
 	if !fits {
-		g[len(g)-1].serialOf = outbox
+		g[len(g)-1].serialOf = t.qualify(outboxName)
 	}
-	add("SELECT", "TABLE", outbox, outboxName, "relay: read pending events; outbox status")
-	add("DELETE", "TABLE", outbox, outboxName, "relay: delete forwarded rows after relay.retention")
+	onTable("SELECT", outboxName, "relay: read pending events; outbox status")
+	onTable("DELETE", outboxName, "relay: delete forwarded rows after relay.retention")
 
-	cursors, cursorsName := table("millrace_relay_cursors")
-	add("SELECT, INSERT, UPDATE", "TABLE", cursors, cursorsName, "relay: its position in the outbox and the lease of the active relay")
-	brokers, brokersName := table("millrace_outbox_brokers")
-	add("SELECT", "TABLE", brokers, brokersName, "every part: the broker.kind the outbox is relayed to, checked at Open")
-	add("INSERT, UPDATE", "TABLE", brokers, brokersName, "relay: record its broker.kind once the outbox is drained")
-	offsets, offsetsName := table("watermill_offsets_" + t.OutboxTopic)
-	add("SELECT", "TABLE", offsets, offsetsName, "relay: start a new cursor where a relay of an earlier version left off")
+	onTable("SELECT, INSERT, UPDATE", "millrace_relay_cursors", "relay: its position in the outbox and the lease of the active relay")
+	onTable("SELECT", "millrace_outbox_brokers", "every part: the broker.kind the outbox is relayed to, checked at Open")
+	onTable("INSERT, UPDATE", "millrace_outbox_brokers", "relay: record its broker.kind once the outbox is drained")
+	onTable("SELECT", "watermill_offsets_"+t.OutboxTopic, "relay: start a new cursor where a relay of an earlier version left off")
 
-	shards, shardsName := table("millrace_relay_shards")
-	add("SELECT", "TABLE", shards, shardsName, "publish: the outbox trigger reads the shard count")
+	onTable("SELECT", "millrace_relay_shards", "publish: the outbox trigger reads the shard count")
 	sharding := len(g)
-	add("INSERT, UPDATE", "TABLE", shards, shardsName, "relay: record a new relay.shards once the outbox is drained")
-	instances, instancesName := table("millrace_relay_instances")
-	add("SELECT, INSERT, UPDATE, DELETE", "TABLE", instances, instancesName, "relay with relay.shards > 1: register, heartbeat, drop dead instances")
+	onTable("INSERT, UPDATE", "millrace_relay_shards", "relay: record a new relay.shards once the outbox is drained")
+	onTable("SELECT, INSERT, UPDATE, DELETE", "millrace_relay_instances", "relay with relay.shards > 1: register, heartbeat, drop dead instances")
 	for i := sharding; i < len(g); i++ {
 		g[i].Sharding = true
 	}
 
-	quarantine, quarantineName := table("millrace_relay_quarantine")
-	add("SELECT, INSERT", "TABLE", quarantine, quarantineName, "relay: set aside rows no broker can take; outbox status counts them")
-	add("USAGE", "SEQUENCE", t.qualify("millrace_relay_quarantine_id_seq"), "millrace_relay_quarantine_id_seq", "relay: number quarantined rows")
+	onTable("SELECT, INSERT", "millrace_relay_quarantine", "relay: set aside rows no broker can take; outbox status counts them")
+	onSequence("millrace_relay_quarantine_id_seq", "relay: number quarantined rows")
 
-	inbox, inboxName := table("millrace_inbox")
-	add("SELECT, INSERT, UPDATE, DELETE", "TABLE", inbox, inboxName,
+	onTable("SELECT, INSERT, UPDATE, DELETE", "millrace_inbox",
 		"consumers: record processed events; inbox retention deletes old rows (locking them, hence UPDATE)")
 
-	versions, versionsName := table("millrace_aggregate_versions")
-	add("SELECT, INSERT, UPDATE", "TABLE", versions, versionsName, "consumers with consumer.ordering_guard: the latest version applied")
+	onTable("SELECT, INSERT, UPDATE", "millrace_aggregate_versions", "consumers with consumer.ordering_guard: the latest version applied")
 
-	poison, poisonName := table("millrace_poison")
-	add("SELECT, INSERT, UPDATE", "TABLE", poison, poisonName, "consumers: store poisoned messages (again: update their row)")
-	add("USAGE", "SEQUENCE", t.qualify("millrace_poison_id_seq"), "millrace_poison_id_seq", "consumers: number poisoned messages")
+	onTable("SELECT, INSERT, UPDATE", "millrace_poison", "consumers: store poisoned messages (again: update their row)")
+	onSequence("millrace_poison_id_seq", "consumers: number poisoned messages")
 
-	parks, parksName := table("millrace_parks")
-	add("SELECT, INSERT, UPDATE, DELETE", "TABLE", parks, parksName,
+	onTable("SELECT, INSERT, UPDATE, DELETE", "millrace_parks",
 		"ordered consumers with consumer.poison.park: park an aggregate behind its poisoned message, drain it once released")
-	parked, parkedName := table("millrace_parked")
-	add("SELECT, INSERT, UPDATE, DELETE", "TABLE", parked, parkedName,
+	onTable("SELECT, INSERT, UPDATE, DELETE", "millrace_parked",
 		"ordered consumers with consumer.poison.park: hold a parked aggregate's messages, hand them on once released")
-	add("USAGE", "SEQUENCE", t.qualify("millrace_parked_id_seq"), "millrace_parked_id_seq", "ordered consumers with consumer.poison.park: number parked messages")
-	add("USAGE", "SEQUENCE", t.qualify("millrace_parked_pos"), "millrace_parked_pos", "ordered consumers with consumer.poison.park: order parked messages")
+	onSequence("millrace_parked_id_seq", "ordered consumers with consumer.poison.park: number parked messages")
+	onSequence("millrace_parked_pos", "ordered consumers with consumer.poison.park: order parked messages")
 
-	scheduled, scheduledName := table("millrace_scheduled")
-	add("INSERT", "TABLE", scheduled, scheduledName, "publish: schedule events for later")
-	add("USAGE", "SEQUENCE", t.qualify("millrace_scheduled_seq_seq"), "millrace_scheduled_seq_seq", "publish: order scheduled events due at the same time")
-	add("SELECT, UPDATE, DELETE", "TABLE", scheduled, scheduledName,
+	onTable("INSERT", "millrace_scheduled", "publish: schedule events for later")
+	onSequence("millrace_scheduled_seq_seq", "publish: order scheduled events due at the same time")
+	onTable("SELECT, UPDATE, DELETE", "millrace_scheduled",
 		"relay: move due events into the outbox (locking them, hence UPDATE); cancel a scheduled event; list them")
 
-	sagas, sagasName := table("millrace_sagas")
-	add("SELECT, INSERT, UPDATE, DELETE", "TABLE", sagas, sagasName,
+	onTable("SELECT, INSERT, UPDATE, DELETE", "millrace_sagas",
 		"consumers with sagas: load and save saga state; delete completed sagas after their retention (locking them, hence UPDATE)")
-	sagaErrors, sagaErrorsName := table("millrace_saga_errors")
-	add("SELECT, INSERT, UPDATE, DELETE", "TABLE", sagaErrors, sagaErrorsName,
+	onTable("SELECT, INSERT, UPDATE, DELETE", "millrace_saga_errors",
 		"consumers with sagas: record a step's last error; delete old ones after the saga's retention")
 	return g
 }

@@ -243,10 +243,7 @@ func (s *NATS) StoreDir() string { return filepath.Join(s.dir, "store") }
 // directory.
 func (s *NATS) Restart() {
 	s.t.Helper()
-	began := time.Now()
-	s.Stop()
-	s.Start()
-	s.t.Logf("private NATS server on port %d restarted in %s", s.port, time.Since(began).Round(time.Millisecond))
+	restart(s.t, fmt.Sprintf("private NATS server on port %d", s.port), "restarted", s.Stop, s.Start)
 }
 
 // signal sends sig to the running server and waits for it to exit; a server

@@ -267,10 +267,16 @@ func (p *PostgreSQL) Crash() {
 // crash recovery, on the same port and data directory.
 func (p *PostgreSQL) Restart() {
 	p.t.Helper()
+	restart(p.t, fmt.Sprintf("private PostgreSQL cluster on port %d", p.port), "crash-restarted", p.Crash, p.Start)
+}
+
+// restart runs stop, then start, and logs "<what> <done> in <duration>".
+func restart(t testing.TB, what, done string, stop, start func()) {
+	t.Helper()
 	began := time.Now()
-	p.Crash()
-	p.Start()
-	p.t.Logf("private PostgreSQL cluster on port %d crash-restarted in %s", p.port, time.Since(began).Round(time.Millisecond))
+	stop()
+	start()
+	t.Logf("%s %s in %s", what, done, time.Since(began).Round(time.Millisecond))
 }
 
 // Promote makes a standby a primary (pg_ctl promote) and returns once it

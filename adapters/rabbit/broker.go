@@ -133,25 +133,39 @@ func (b *Broker) amqpConfig(ctx context.Context, role string) amqp.Config {
 func (b *Broker) connection(ctx context.Context) (*amqp.Connection, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.closed {
+	return liveConn(b.closed, errClosed, &b.conn, func() (*amqp.Connection, error) {
+		if err := ctx.Err(); err != nil {
+			return nil, adapterkit.Unreachable(Kind, b.redacted, err)
+		}
+		conn, err := b.dial(ctx, "publisher")
+		if err != nil {
+			return nil, adapterkit.Unreachable(Kind, b.redacted, err)
+		}
+		b.blocked, b.idle = "", nil
+		clear(b.declared)
+		blocks := conn.NotifyBlocked(make(chan amqp.Blocking, 1))
+		b.watchers.Add(1)
+		go b.watchBlocked(conn, blocks)
+		return conn, nil
+	})
+}
+
+// liveConn returns *conn while it is open. Otherwise, unless closed (then
+// errClosed), it keeps the connection dial makes in *conn and returns it.
+// The caller holds the lock that guards closed and *conn.
+func liveConn(closed bool, errClosed error, conn **amqp.Connection, dial func() (*amqp.Connection, error)) (*amqp.Connection, error) {
+	if closed {
 		return nil, errClosed
 	}
-	if b.conn != nil && !b.conn.IsClosed() {
-		return b.conn, nil
+	if *conn != nil && !(*conn).IsClosed() {
+		return *conn, nil
 	}
-	if err := ctx.Err(); err != nil {
-		return nil, adapterkit.Unreachable(Kind, b.redacted, err)
-	}
-	conn, err := b.dial(ctx, "publisher")
+	c, err := dial()
 	if err != nil {
-		return nil, adapterkit.Unreachable(Kind, b.redacted, err)
+		return nil, err
 	}
-	b.conn, b.blocked, b.idle = conn, "", nil
-	clear(b.declared)
-	blocks := conn.NotifyBlocked(make(chan amqp.Blocking, 1))
-	b.watchers.Add(1)
-	go b.watchBlocked(conn, blocks)
-	return conn, nil
+	*conn = c
+	return c, nil
 }
 
 // dial connects to the first node of broker.rabbitmq.url that answers,

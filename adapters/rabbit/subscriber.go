@@ -154,18 +154,13 @@ func (b *Broker) newSubscriber(spec adapters.SubscriberSpec) (message.Subscriber
 func (s *subscriber) connection(ctx context.Context) (*amqp.Connection, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.closed {
-		return nil, errSubscriberClosed
-	}
-	if s.conn != nil && !s.conn.IsClosed() {
-		return s.conn, nil
-	}
-	conn, err := s.b.dial(ctx, "subscriber "+s.group)
-	if err != nil {
-		return nil, fmt.Errorf("rabbitmq: subscriber for group %q: connect to %s: %w", s.group, s.b.redacted, err)
-	}
-	s.conn = conn
-	return conn, nil
+	return liveConn(s.closed, errSubscriberClosed, &s.conn, func() (*amqp.Connection, error) {
+		conn, err := s.b.dial(ctx, "subscriber "+s.group)
+		if err != nil {
+			return nil, fmt.Errorf("rabbitmq: subscriber for group %q: connect to %s: %w", s.group, s.b.redacted, err)
+		}
+		return conn, nil
+	})
 }
 
 var errSubscriberClosed = errors.New("rabbitmq: subscriber is closed")

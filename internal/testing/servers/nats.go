@@ -98,9 +98,7 @@ func (s *NATS) Start() {
 	s.t.Helper()
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.cmd != nil {
-		s.t.Fatalf("private NATS server on port %d: Start while it runs", s.port)
-	}
+	refuseRunning(s.t, s.cmd, "private NATS server", s.port)
 	if err := s.startLocked(); err != nil {
 		s.t.Fatalf("%v", err)
 	}

@@ -174,9 +174,7 @@ func (b *PgBouncer) Start() {
 	b.t.Helper()
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.cmd != nil {
-		b.t.Fatalf("private PgBouncer on port %d: Start while it runs", b.port)
-	}
+	refuseRunning(b.t, b.cmd, "private PgBouncer", b.port)
 	began := time.Now()
 	b.output.Reset()
 	cmd := b.as.command(b.bin, "-q", b.conf) // -q: it logs to its log file only

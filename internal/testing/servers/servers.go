@@ -66,6 +66,15 @@ func ephemeralStart() int {
 	return n
 }
 
+// refuseRunning fails t when cmd, the process of what on port, runs: a
+// Start while it runs.
+func refuseRunning(t testing.TB, cmd *exec.Cmd, what string, port int) {
+	t.Helper()
+	if cmd != nil {
+		t.Fatalf("%s on port %d: Start while it runs", what, port)
+	}
+}
+
 // tail returns the last n bytes of s.
 func tail(s string, n int) string {
 	if len(s) <= n {

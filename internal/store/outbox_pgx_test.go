@@ -53,19 +53,11 @@ func TestWriteOutboxOnPgxStoresWhatItStoresOnSQL(t *testing.T) {
 	require.NoError(t, tables.WriteOutbox(ctx, store.Pgx(pgxTx), outboxRows("pgx", 1001)))
 	require.NoError(t, pgxTx.Commit(ctx))
 
-	stored := func(prefix string) [][3]string {
-		rows, err := db.QueryContext(ctx, `SELECT substr(uuid, 5), payload::text, metadata::text FROM `+tables.OutboxTable()+
-			` WHERE uuid LIKE $1 ORDER BY "offset"`, prefix+"-%")
-		require.NoError(t, err)
-		defer rows.Close()
-		var out [][3]string
-		for rows.Next() {
-			var r [3]string
-			require.NoError(t, rows.Scan(&r[0], &r[1], &r[2]))
-			out = append(out, r)
-		}
-		require.NoError(t, rows.Err())
-		return out
+	// Each row's id (without its prefix), payload and metadata as text, in
+	// one JSON array.
+	stored := func(prefix string) []string {
+		return testdb.Column[string](t, db, `SELECT json_build_array(substr(uuid, 5), payload::text, metadata::text)::text FROM `+
+			tables.OutboxTable()+` WHERE uuid LIKE $1 ORDER BY "offset"`, prefix+"-%")
 	}
 	viaSQL, viaPgx := stored("sql"), stored("pgx")
 	require.Len(t, viaSQL, 1001)

@@ -366,7 +366,7 @@ func TestSagaPagesInABrowser(t *testing.T) {
 	t.Parallel()
 	f := newSagaFixture(t)
 	orders := bus.Must(bus.NewTopic[orderPlaced]("orders.events"))
-	ev, err := orders.Event(orderPlaced{OrderID: "o/7"})
+	ev, err := orders.Event(orderPlaced{orderRef{"o/7"}})
 	f.deliver(t, "orders.events", ev, err)
 	srv := f.serve(t, console.Options{}, "")
 	shots := t.TempDir()

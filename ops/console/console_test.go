@@ -451,21 +451,24 @@ func TestReplayGroupsAndAQuarantinedReplayAreShown(t *testing.T) {
 // The order saga of the saga pages' tests: an order starts it with a
 // payment timeout; the payment completes it.
 type (
-	orderPlaced    struct{ OrderID string }
-	paymentCharged struct{ OrderID string }
-	paymentLate    struct{ OrderID string }
+	orderPlaced    struct{ orderRef }
+	paymentCharged struct{ orderRef }
+	paymentLate    struct{ orderRef }
 	orderState     struct {
 		Step  string
 		Items []string
 	}
 )
 
-func (orderPlaced) EventType() string                { return "OrderPlaced" }
-func (e orderPlaced) Aggregate() (string, string)    { return "order", e.OrderID }
-func (paymentCharged) EventType() string             { return "PaymentCharged" }
-func (e paymentCharged) Aggregate() (string, string) { return "order", e.OrderID }
-func (paymentLate) EventType() string                { return "PaymentTimedOut" }
-func (e paymentLate) Aggregate() (string, string)    { return "order", e.OrderID }
+// orderRef is what each event of the order saga carries: its order, the
+// aggregate.
+type orderRef struct{ OrderID string }
+
+func (e orderRef) Aggregate() (string, string) { return "order", e.OrderID }
+
+func (orderPlaced) EventType() string    { return "OrderPlaced" }
+func (paymentCharged) EventType() string { return "PaymentCharged" }
+func (paymentLate) EventType() string    { return "PaymentTimedOut" }
 
 // sagaFixture is f with the order saga's consumer chains over a bus on
 // f's schema, driven by deliver.
@@ -490,7 +493,7 @@ func newSagaFixture(t *testing.T) sagaFixture {
 	bus.StartWith(saga, orders, func(m bus.Message[orderPlaced]) string { return m.Value.OrderID },
 		func(ctx context.Context, sc *bus.SagaContext[orderState], m bus.Message[orderPlaced]) error {
 			sc.State.Step, sc.State.Items = "charging", []string{"sku-1", "sku-2"}
-			late, err := timeouts.Event(paymentLate{OrderID: sc.ID})
+			late, err := timeouts.Event(paymentLate{orderRef{sc.ID}})
 			if err != nil {
 				return err
 			}
@@ -534,14 +537,14 @@ func TestSagaPageShowsLastError(t *testing.T) {
 	f := newSagaFixture(t)
 	orders := bus.Must(bus.NewTopic[orderPlaced]("orders.events"))
 	payments := bus.Must(bus.NewTopic[paymentCharged]("payments.events"))
-	ev, err := orders.Event(orderPlaced{OrderID: "o-declined"})
+	ev, err := orders.Event(orderPlaced{orderRef{"o-declined"}})
 	f.deliver(t, "orders.events", ev, err)
 	c := newClient(t, f.serve(t, console.Options{}, "").URL)
 	code, body := c.get("/sagas/order_fulfilment/o-declined")
 	require.Equal(t, http.StatusOK, code, body)
 	require.Contains(t, body, "No step has failed.")
 
-	ev, err = payments.Event(paymentCharged{OrderID: "o-declined"})
+	ev, err = payments.Event(paymentCharged{orderRef{"o-declined"}})
 	f.deliver(t, "payments.events", ev, err) // poisoned: the step's error is permanent
 	code, body = c.get("/sagas/order_fulfilment/o-declined")
 	require.Equal(t, http.StatusOK, code, body)
@@ -562,10 +565,10 @@ func TestSagaPages(t *testing.T) {
 	payments := bus.Must(bus.NewTopic[paymentCharged]("payments.events"))
 	const odd = "o/1 ü" // a correlation id that needs escaping in a path
 	for _, id := range []string{odd, "o-2"} {
-		ev, err := orders.Event(orderPlaced{OrderID: id})
+		ev, err := orders.Event(orderPlaced{orderRef{id}})
 		f.deliver(t, "orders.events", ev, err)
 	}
-	ev, err := payments.Event(paymentCharged{OrderID: "o-2"})
+	ev, err := payments.Event(paymentCharged{orderRef{"o-2"}})
 	f.deliver(t, "payments.events", ev, err)
 	scheduled, err := f.ops.ListScheduled(ctx, 0)
 	require.NoError(t, err)

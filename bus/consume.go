@@ -372,7 +372,7 @@ func (b *Bus) refreshBacklog(ctx context.Context, reporter adapters.Broker, gaug
 
 // router builds the Watermill router with one chained handler per spec,
 // each followed for the health checks.
-func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []handlerSpec) (*message.Router, *middleware.Stack, []*activity, error) {
+func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []handlerSpec) (*message.Router, *middleware.Stack, []*middleware.Chain, error) {
 	cfg := b.consumerConfig(handlers)
 	stack, err := b.consumerStack(ctx, broker.Publisher(), cfg)
 	if err != nil {
@@ -394,26 +394,26 @@ func (b *Bus) router(ctx context.Context, broker adapters.Broker, handlers []han
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	activities := map[string]*activity{}
+	chains := make([]*middleware.Chain, 0, len(handlers))
 	for _, h := range handlers {
 		hc := cfg.For(h.name)
 		group := adapters.GroupSpec{Name: h.group, Start: hc.Start, Ordered: *hc.Ordered}
 		if err := broker.ProvisionGroup(ctx, h.topic, group); err != nil {
 			return nil, nil, nil, fmt.Errorf("millrace: provision %s for handler %s: %w", h.topic, h.name, err)
 		}
-		act := newActivity(h.name, hc.HandlerTimeout, lag.WithLabelValues(h.name, h.group))
-		activities[h.name] = act
-		chain, handle, err := b.chain(stack, h, act)
+		chain, handle, err := b.chain(stack, h, lag.WithLabelValues(h.name, h.group))
 		if err != nil {
 			return nil, nil, nil, err
 		}
+		chains = append(chains, chain)
 		sub := consumer.Subscriber(chain, consumer.BrokerSource(chain, broker, h.group))
-		handler := router.AddConsumerHandler(h.name, h.topic, sub, act.chain(handle))
+		handler := router.AddConsumerHandler(h.name, h.topic, sub, handle)
 		for _, m := range b.routerMiddleware {
 			handler.AddMiddleware(m)
 		}
 	}
-	return router, stack, sortedActivities(activities), nil
+	slices.SortFunc(chains, func(x, y *middleware.Chain) int { return cmp.Compare(x.Handler().Name, y.Handler().Name) })
+	return router, stack, chains, nil
 }
 
 // handlerErrorLine is the line Watermill's router logs when a handler
@@ -477,23 +477,23 @@ func (b *Bus) consumerStack(ctx context.Context, poison message.Publisher, cfg m
 }
 
 // chain builds h's chain on stack and h's func wrapped in it: the one
-// place Run and ConsumerChain build a handler. act, when not nil, records
-// each call of the handler for the health checks.
+// place Run and ConsumerChain build a handler. lag, when not nil, observes
+// the lag of each message the chain processed.
 //
 // The handler is adapted first, so that the path from Handle to the chain
 // leaves bus once: bus's part (decoding, span, causation) is all built
 // before the chain is.
-func (b *Bus) chain(stack *middleware.Stack, h handlerSpec, act *activity) (*middleware.Chain, message.NoPublishHandlerFunc, error) {
+func (b *Bus) chain(stack *middleware.Stack, h handlerSpec, lag prometheus.Observer) (*middleware.Chain, message.NoPublishHandlerFunc, error) {
 	var wrap func(*middleware.Chain) message.NoPublishHandlerFunc
 	if h.batch != nil {
-		fn := b.adaptBatch(h, act)
+		fn := b.adaptBatch(h)
 		wrap = func(c *middleware.Chain) message.NoPublishHandlerFunc { return c.WrapBatch(fn) }
 	} else {
-		fn := b.adapt(h, act)
+		fn := b.adapt(h)
 		wrap = func(c *middleware.Chain) message.NoPublishHandlerFunc { return c.Wrap(fn) }
 	}
 	chain, err := stack.Chain(middleware.Handler{Name: h.name, Topic: h.topic, ConsumerGroup: h.group, Probe: h.probe,
-		Takes: h.takes, OrderKey: h.orderKey})
+		Takes: h.takes, OrderKey: h.orderKey, Lag: lag})
 	if err != nil {
 		return nil, nil, err
 	}
@@ -504,11 +504,8 @@ func (b *Bus) chain(stack *middleware.Stack, h handlerSpec, act *activity) (*mid
 // the envelope, continues the publisher's trace (and baggage) in a consumer
 // span, and makes the event the causation of anything published while
 // handling it.
-func (b *Bus) adapt(h handlerSpec, act *activity) message.NoPublishHandlerFunc {
+func (b *Bus) adapt(h handlerSpec) message.NoPublishHandlerFunc {
 	return func(msg *message.Message) error {
-		if act != nil {
-			defer act.call()()
-		}
 		ev, err := EventFromMessage(msg)
 		if err != nil {
 			return Permanent(fmt.Errorf("invalid event envelope: %w", err))

@@ -138,11 +138,8 @@ func batchResult(failures BatchFailures, ids []string, err error) error {
 // adaptBatch is adapt for a batch handler: it decodes the envelopes (an
 // invalid one fails its message alone, permanently), and runs the handler
 // in one consumer span linked to the spans that published the events.
-func (b *Bus) adaptBatch(h handlerSpec, act *activity) middleware.BatchHandlerFunc {
+func (b *Bus) adaptBatch(h handlerSpec) middleware.BatchHandlerFunc {
 	return func(ctx context.Context, msgs []*message.Message) error {
-		if act != nil {
-			defer act.call()()
-		}
 		failures := BatchFailures{}
 		evs := make([]Event, 0, len(msgs))
 		arrivals := make([]arrival, 0, len(msgs))

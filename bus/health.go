@@ -6,16 +6,12 @@ import (
 	"fmt"
 	"net/http"
 	"path"
-	"sort"
 	"strings"
-	"sync"
 	"time"
-
-	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/millrace-io/millrace/adapters"
 	"github.com/millrace-io/millrace/forwarder"
+	"github.com/millrace-io/millrace/middleware"
 )
 
 // HealthCheck is one check of a health report.
@@ -108,10 +104,10 @@ func (b *Bus) Liveness() HealthReport {
 		}
 		checks = append(checks, c)
 	}
-	for _, a := range rs.handlers {
-		inChain, last, _ := a.state(now)
-		quiet := now.Sub(last)
-		c := HealthCheck{Name: "handler:" + a.name, OK: true, Detail: "idle"}
+	for _, chain := range rs.handlers {
+		act := chain.Activity(now)
+		inChain, quiet := act.InChain, now.Sub(act.Last)
+		c := HealthCheck{Name: "handler:" + chain.Handler().Name, OK: true, Detail: "idle"}
 		switch {
 		case inChain > 0 && quiet > stall:
 			c.OK = false
@@ -156,9 +152,9 @@ func (b *Bus) Readiness(ctx context.Context) HealthReport {
 	}
 	now := time.Now()
 	var stuck []string
-	for _, a := range rs.handlers {
-		if _, _, n := a.state(now); n > 0 {
-			stuck = append(stuck, fmt.Sprintf("%s (%d)", a.name, n))
+	for _, chain := range rs.handlers {
+		if n := chain.Activity(now).Stuck; n > 0 {
+			stuck = append(stuck, fmt.Sprintf("%s (%d)", chain.Handler().Name, n))
 		}
 	}
 	c := HealthCheck{Name: "handlers", OK: len(stuck) == 0, Detail: fmt.Sprintf("%d handler(s), none stuck", len(rs.handlers))}
@@ -224,89 +220,7 @@ func (b *Bus) HealthHandler() http.Handler {
 type runState struct {
 	broker   adapters.Broker
 	relay    *forwarder.Forwarder // nil when relay.enabled is false
-	handlers []*activity
-}
-
-// activity follows one handler's messages through its chain for the
-// health checks: how many are in it, when the chain last moved on (a
-// message came in or left, the handler was called or returned), and the
-// handler calls still running.
-type activity struct {
-	name    string
-	timeout time.Duration       // the handler's handler_timeout
-	lag     prometheus.Observer // MetricConsumerLag of the handler
-
-	mu      sync.Mutex
-	inChain int
-	last    time.Time
-	calls   map[uint64]time.Time // running handler calls by id, with their start
-	nextID  uint64
-}
-
-func newActivity(name string, timeout time.Duration, lag prometheus.Observer) *activity {
-	return &activity{name: name, timeout: timeout, lag: lag, last: time.Now(), calls: map[uint64]time.Time{}}
-}
-
-// state returns the messages in the chain, when it last moved on, and
-// how many handler calls have run longer than handler_timeout.
-func (a *activity) state(now time.Time) (inChain int, last time.Time, stuck int) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	for _, start := range a.calls {
-		if now.Sub(start) > a.timeout {
-			stuck++
-		}
-	}
-	return a.inChain, a.last, stuck
-}
-
-// chain wraps a handler's whole chain: a message entering and leaving it,
-// and the lag of each message it processed.
-func (a *activity) chain(h message.NoPublishHandlerFunc) message.NoPublishHandlerFunc {
-	return func(msg *message.Message) (err error) {
-		a.mu.Lock()
-		a.inChain++
-		a.last = time.Now()
-		a.mu.Unlock()
-		defer func() {
-			a.mu.Lock()
-			a.inChain--
-			a.last = time.Now()
-			a.mu.Unlock()
-			if err != nil {
-				return // given back to the broker: not processed
-			}
-			if at, perr := time.Parse(time.RFC3339Nano, msg.Metadata.Get(OccurredAtKey)); perr == nil {
-				a.lag.Observe(time.Since(at).Seconds())
-			}
-		}()
-		return h(msg)
-	}
-}
-
-// call records one call of the handler; the returned func ends it.
-func (a *activity) call() (done func()) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	a.nextID++
-	id, now := a.nextID, time.Now()
-	a.calls[id], a.last = now, now
-	return func() {
-		a.mu.Lock()
-		delete(a.calls, id)
-		a.last = time.Now()
-		a.mu.Unlock()
-	}
-}
-
-// sortedActivities returns the trackers by handler name.
-func sortedActivities(m map[string]*activity) []*activity {
-	out := make([]*activity, 0, len(m))
-	for _, a := range m {
-		out = append(out, a)
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i].name < out[j].name })
-	return out
+	handlers []*middleware.Chain  // sorted by handler name
 }
 
 // relayReadiness is the readiness check of a relay with status st: ready

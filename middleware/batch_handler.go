@@ -136,6 +136,7 @@ type batchCall struct {
 // handler is reported, not raised: the batch's goroutine must settle every
 // message.
 func (b *batcher) callBatch(ctx context.Context, tx Transaction, todo []*member) (r batchCall) {
+	defer b.c.activity.call()()
 	// The handler gets copies, with tx in their contexts as a handler's
 	// message has: a member released at the deadline may run alone while a
 	// handler that ignores its context still reads them.

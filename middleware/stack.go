@@ -76,6 +76,9 @@ type Handler struct {
 	// message it gives "" is ordered by its aggregate. Defaults to the
 	// aggregate.
 	OrderKey func(msg *message.Message) string
+	// Lag, when set, observes for each message the chain processed (not
+	// given back to the broker) the seconds since its event occurred.
+	Lag prometheus.Observer
 }
 
 // Stack builds the middleware chain of each handler of a service and owns
@@ -178,6 +181,8 @@ type Chain struct {
 	parkedGauge prometheus.Gauge
 	// leases is the runtime's source of each message's Lease (Feed).
 	leases leaseSource
+	// activity is the chain's progress for Activity.
+	activity *activity
 }
 
 // Chain builds the chain of one handler with its configuration
@@ -220,9 +225,10 @@ func (s *Stack) Chain(h Handler) (*Chain, error) {
 	}
 
 	c := &Chain{
-		stack: s,
-		spec:  h,
-		cfg:   cfg,
+		stack:    s,
+		spec:     h,
+		cfg:      cfg,
+		activity: newActivity(),
 		counter: func(outcome string) prometheus.Counter {
 			return s.metrics.messages.WithLabelValues(h.Name, h.ConsumerGroup, outcome)
 		},
@@ -302,20 +308,29 @@ func (c *Chain) stages() []stage {
 // inflight down, and only the handler's context carries values (Tx,
 // CurrentTx, Attempt).
 func (c *Chain) Wrap(h message.NoPublishHandlerFunc) message.NoPublishHandlerFunc {
-	next := handle(h)
+	next := handle(h, c.activity)
 	stages := c.stages()
 	for i := len(stages) - 1; i >= 0; i-- {
 		next = stages[i](next)
 	}
-	return func(msg *message.Message) error {
+	return func(msg *message.Message) (err error) {
+		c.activity.move(1)
+		defer func() {
+			c.activity.move(-1)
+			if err == nil {
+				c.observeLag(msg)
+			}
+		}()
 		return next(&inflight{msg: msg, lease: c.leaseOf(msg)})
 	}
 }
 
 // handle is the innermost step: the handler, called with its message's
-// context carrying the attempt's transaction and number.
-func handle(h message.NoPublishHandlerFunc) step {
+// context carrying the attempt's transaction and number, each call
+// recorded in act.
+func handle(h message.NoPublishHandlerFunc, act *activity) step {
 	return func(m *inflight) error {
+		defer act.call()()
 		ctx := m.msg.Context()
 		attempt := 0
 		if m.a != nil {

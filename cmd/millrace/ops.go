@@ -41,10 +41,3 @@ func timeText(t *time.Time, none string) string {
 	}
 	return t.Format(time.RFC3339)
 }
-
-func nonNil[T any](s []T) []T {
-	if s == nil {
-		return []T{}
-	}
-	return s
-}

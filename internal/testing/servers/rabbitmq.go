@@ -225,9 +225,6 @@ func (n *RabbitMQ) freeze(sig syscall.Signal, what string) {
 	n.t.Logf("private RabbitMQ node %s %s", n.name, what)
 }
 
-// Name is the node's Erlang node name.
-func (n *RabbitMQ) Name() string { return n.name }
-
 // Restart stops the node and starts it again on the same data directory.
 func (n *RabbitMQ) Restart() {
 	n.t.Helper()
